@@ -1,0 +1,198 @@
+"""The engine loop: add requests, step the scheduler, run the model, sample, report."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_layout import KVCacheSpec
+from engine.model_runner import ModelRunner
+from engine.models import model_class
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampler import Sampler, SamplerInput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+
+class QueueFullError(RuntimeError):
+    """The engine's bounded waiting queue is full; retry later."""
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]  # one until the prompt is prefilled, then n (forks share its blocks)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_path(config.model)
+        model_class(self.model_config)  # unsupported architectures fail before any allocation
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.kv_spec = self._kv_spec()
+        self.block_manager = BlockManager(self.kv_spec.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                   config.enable_chunked_prefill)
+        self.runner = ModelRunner(self.model_config, config, self.kv_spec)
+        self.sampler = Sampler()
+        self.tokenizer = tokenizer
+        self.requests: dict[str, Request] = {}
+
+    def _kv_spec(self) -> KVCacheSpec:
+        m, c = self.model_config, self.config
+        num_blocks = c.num_kv_blocks or KVCacheSpec.num_blocks_for_budget(
+            c.kv_cache_memory_mb << 20, m.num_layers, c.block_size, m.num_kv_heads, m.head_dim, c.dtype)
+        return KVCacheSpec(m.num_layers, num_blocks, c.block_size, m.num_kv_heads, m.head_dim, c.dtype)
+
+    # ------------------------------------------------------------------ requests
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request; returns its resolved max_tokens. Raises ValueError naming the field."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        if num_prompt >= self.max_model_len:
+            raise ValueError(f"prompt: {num_prompt} tokens leave no room in the model's context of "
+                             f"{self.max_model_len} tokens")
+        room = self.max_model_len - num_prompt
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(f"max_tokens: {params.max_tokens} + {num_prompt} prompt tokens exceed the "
+                             f"model's context of {self.max_model_len} tokens")
+        max_tokens = params.max_tokens or room
+        blocks = self.block_manager.blocks_needed(num_prompt + max_tokens)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(f"prompt: {num_prompt} tokens + max_tokens {max_tokens} need {blocks} KV blocks, "
+                             f"more than this engine's {self.block_manager.num_blocks}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer")
+        return max_tokens
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        max_tokens = self.validate(prompt_token_ids, params)
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params,
+                       arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+                       max_tokens=max_tokens)
+        self.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [seq])
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        logits, sampled = self.runner.execute(sched)
+        for item in sched.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit_computed(item.seq)
+        rows, seqs = self._expand_forks(sampled)
+        inputs = [SamplerInput(s, self._banned_tokens(s)) for s in seqs]
+        touched: dict[str, Request] = {}
+        for seq, (token_id, logprob) in zip(seqs, self.sampler.sample(logits[rows], inputs), strict=True):
+            seq.token_ids.append(token_id)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            self._check_stop(seq, token_id)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        return [self._output(r) for r in touched.values()]
+
+    def _expand_forks(self, sampled: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Fork n-1 siblings off a prompt that just finished prefill; all sample from its logits."""
+        rows, seqs = [], []
+        for row, seq in enumerate(sampled):
+            rows.append(row)
+            seqs.append(seq)
+            request = self.requests[seq.request_id]
+            if seq.num_output_tokens == 0 and len(request.seqs) < seq.params.n:
+                for index in range(1, seq.params.n):
+                    child = Sequence(seq.request_id, list(seq.token_ids), seq.num_prompt_tokens, seq.params,
+                                     index=index, arrival_time=seq.arrival_time, max_tokens=seq.max_tokens)
+                    self.block_manager.fork(seq, child)
+                    self.scheduler.add_running(child)
+                    request.seqs.append(child)
+                    rows.append(row)
+                    seqs.append(child)
+        return torch.tensor(rows, dtype=torch.int64), seqs
+
+    def _banned_tokens(self, seq: Sequence) -> tuple[int, ...]:
+        if seq.num_output_tokens >= seq.params.min_tokens:
+            return ()
+        eos = () if seq.params.ignore_eos else self.model_config.eos_token_ids
+        return tuple(eos) + seq.params.stop_token_ids
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> None:
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if (not params.ignore_eos and token_id in self.model_config.eos_token_ids) \
+                    or token_id in params.stop_token_ids:
+                return self._finish(seq, SequenceStatus.FINISHED_STOPPED)
+            if params.stop and self._find_stop_string(seq) is not None:
+                return self._finish(seq, SequenceStatus.FINISHED_STOPPED)
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+
+    def _find_stop_string(self, seq: Sequence) -> str | None:
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        hits = [(text.find(s), s) for s in seq.params.stop if s in text]
+        if not hits:
+            return None
+        seq.stop_text = min(hits)[1]
+        return seq.stop_text
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        self.scheduler.finish(seq, status)
+        self.sampler.forget(seq)
+
+    # ------------------------------------------------------------------ outputs
+    def _output(self, request: Request) -> RequestOutput:
+        outputs = [self._completion(seq) for seq in request.seqs]
+        finished = request.finished
+        if finished:
+            del self.requests[request.request_id]
+        return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished,
+                             request.seqs[0].num_cached_tokens)
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            if seq.stop_text is not None:
+                text = text[:text.find(seq.stop_text)]
+        finish = seq.status.value if seq.is_finished else None
+        stop_reason = seq.stop_text
+        if stop_reason is None and seq.status is SequenceStatus.FINISHED_STOPPED:
+            stop_reason = seq.token_ids[-1]
+        return CompletionOutput(seq.index, list(seq.output_token_ids), text, finish,
+                                list(seq.logprobs) if seq.params.logprobs is not None else None, stop_reason)

@@ -1,0 +1,26 @@
+"""What the engine reports per request (shaped like vLLM's, so its users feel at home)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.sequence import TokenLogprob
+
+
+@dataclasses.dataclass(slots=True)
+class CompletionOutput:
+    index: int  # which of the request's n samples
+    token_ids: list[int]  # generated tokens so far (EOS included when it ended the sample)
+    text: str  # detokenized output, cut before a matched stop string ("" without a tokenizer)
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    logprobs: list[TokenLogprob] | None  # one per token when SamplingParams.logprobs was set
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+
+@dataclasses.dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int  # prompt tokens served from the prefix cache

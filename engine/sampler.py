@@ -1,0 +1,91 @@
+"""Turns logits into next tokens: penalties, temperature, top-k / top-p / min-p, seeds, logprobs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence, TokenLogprob
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplerInput:
+    seq: Sequence
+    banned_token_ids: tuple[int, ...]  # EOS / stop tokens suppressed until min_tokens is reached
+
+
+class Sampler:
+    def __init__(self) -> None:
+        self._generators: dict[int, torch.Generator] = {}  # seq_id -> RNG of seeded requests
+
+    def forget(self, seq: Sequence) -> None:
+        self._generators.pop(seq.seq_id, None)
+
+    def sample(self, logits: torch.Tensor, inputs: list[SamplerInput]) -> list[tuple[int, TokenLogprob | None]]:
+        # logits: [S, vocab] float32, one row per input
+        assert logits.shape[0] == len(inputs) and logits.dtype == torch.float32
+        want_logprobs = any(i.seq.params.logprobs is not None for i in inputs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        if all(i.seq.params.greedy and not i.seq.params.has_penalties and not i.banned_token_ids
+               for i in inputs):
+            token_ids = logits.argmax(dim=-1).tolist()
+        else:
+            token_ids = [self._sample_row(logits[r], inp) for r, inp in enumerate(inputs)]
+        results = []
+        for r, (inp, token_id) in enumerate(zip(inputs, token_ids, strict=True)):
+            n = inp.seq.params.logprobs
+            results.append((token_id, None if n is None else _logprob(raw_logprobs[r], token_id, n)))
+        return results
+
+    def _sample_row(self, row: torch.Tensor, inp: SamplerInput) -> int:
+        params = inp.seq.params
+        row = row.clone()
+        if params.has_penalties:
+            _apply_penalties(row, inp.seq, params)
+        if inp.banned_token_ids:
+            row[list(inp.banned_token_ids)] = float("-inf")
+        if params.greedy:
+            return int(row.argmax())
+        row = row / params.temperature
+        if params.top_k is not None and params.top_k < row.shape[0]:
+            kth = torch.topk(row, params.top_k).values[-1]
+            row[row < kth] = float("-inf")
+        probs = torch.softmax(row, dim=-1)
+        if params.min_p > 0:
+            probs[probs < params.min_p * probs.max()] = 0.0
+        if params.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            drop = sorted_probs.cumsum(0) - sorted_probs > params.top_p * sorted_probs.sum()
+            probs[order[drop]] = 0.0
+        return int(torch.multinomial(probs, 1, generator=self._generator(inp.seq)))
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        if seq.params.seed is None:
+            return None
+        gen = self._generators.get(seq.seq_id)
+        if gen is None:
+            # Sample i of a seeded request gets its own stream, the same on every run.
+            gen = torch.Generator().manual_seed(seq.params.seed * 1_000_003 + seq.index)
+            self._generators[seq.seq_id] = gen
+        return gen
+
+
+def _apply_penalties(row: torch.Tensor, seq: Sequence, params: SamplingParams) -> None:
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    output = seq.output_token_ids
+    if output and (params.presence_penalty or params.frequency_penalty):
+        ids, counts = torch.tensor(output, dtype=torch.int64).unique(return_counts=True)
+        row[ids] -= params.frequency_penalty * counts.to(row.dtype) + params.presence_penalty
+
+
+def _logprob(logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
+    top = ()
+    if num_top > 0:
+        values, ids = torch.topk(logprobs, num_top)
+        top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token_id, float(logprobs[token_id]), top)

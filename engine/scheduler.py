@@ -1,0 +1,126 @@
+"""Iteration-level scheduler with one code path for prefill, chunked prefill and decode.
+
+Every sequence carries ``num_computed_tokens``; each step hands out ``num_new_tokens`` per
+sequence under a token budget, so a decode is 1 new token, a prompt chunk is many, and a
+prefix hit simply starts with tokens already computed. Order of service:
+
+  1. running sequences, oldest first (decodes and unfinished prompt chunks);
+     when blocks run out, the newest running sequence is preempted (KV dropped,
+     recomputed later) — the oldest always progresses, so there is no livelock;
+  2. waiting sequences, FIFO, while budget, ``max_num_seqs`` and free blocks allow;
+     the head of the queue is never skipped, so nothing starves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from engine.block_manager import BlockCopy, BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens to run through the model this step
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]  # in batch order: decodes first, then prefill chunks
+    block_copies: list[BlockCopy]  # copy-on-write to do before the forward pass
+    preempted: list[Sequence]  # dropped back to WAITING this step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 enable_chunked_prefill: bool = True) -> None:
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose KV is already in place (a fork, or KV received from a prefill node)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        copies: list[BlockCopy] = []
+        preempted: list[Sequence] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_append(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                copies += self.block_manager.append(seq, num_new)
+                scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+                i += 1
+        if not preempted:
+            budget = self._schedule_waiting(budget, scheduled, copies)
+        scheduled.sort(key=lambda s: s.num_new_tokens > 1)  # decode rows first (stable)
+        return SchedulerOutput(scheduled, copies, preempted)
+
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSeq], copies: list[BlockCopy]) -> int:
+        bm = self.block_manager
+        # Keep a few blocks back while others run, so admitting a prompt doesn't force the
+        # running decodes to preempt it right away on their next block.
+        watermark = max(1, bm.num_blocks // 100) if self.running else 0
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            assert not seq.block_table, "waiting sequences hold no blocks"
+            # A hit never covers the last token: it must run to produce logits.
+            block_ids, hashes = bm.match_prefix(seq.token_ids, (seq.num_tokens - 1) // bm.block_size)
+            bm.take_prefix(seq, block_ids, hashes)
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            too_long = not self.enable_chunked_prefill and num_new < seq.num_uncomputed_tokens
+            if too_long or not bm.can_append(seq, num_new, reserve=watermark):
+                bm.free(seq)
+                seq.num_cached_tokens = 0
+                break
+            self.waiting.popleft()
+            copies += bm.append(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End a sequence wherever it is and free its blocks at once."""
+        assert status.finished
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status

@@ -1,0 +1,75 @@
+"""One sequence (one sample of one request) as the scheduler and block manager see it."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued; may hold prefix blocks from an earlier (preempted) run
+    WAITING_FOR_KV = "waiting_for_kv"  # decode node: blocks granted, KV still arriving
+    RUNNING = "running"  # scheduled every iteration until it finishes
+    FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the model's context reached
+    FINISHED_ABORTED = "abort"  # cancelled by the client or a failure
+
+    @property
+    def finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Log-probability of a sampled token and its top alternatives (OpenAI's logprobs)."""
+
+    token_id: int  # the sampled token
+    logprob: float  # its log-probability under the model
+    top: tuple[tuple[int, float], ...]  # (token id, logprob) of the most likely tokens, best first
+
+
+_seq_counter = itertools.count()
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Sequence:
+    request_id: str  # the request this sample belongs to
+    token_ids: list[int]  # prompt then generated tokens
+    num_prompt_tokens: int  # length of the prompt part of token_ids
+    params: SamplingParams  # how to sample
+    index: int = 0  # which of the request's n samples
+    arrival_time: float = 0.0  # when the request came in (scheduling order)
+    seq_id: int = dataclasses.field(default_factory=lambda: next(_seq_counter))  # process-unique id
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # leading tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # of the prompt, how many came from the prefix cache (usage)
+    block_table: list[int] = dataclasses.field(default_factory=list)  # block ids in token order
+    block_hashes: list[int] = dataclasses.field(default_factory=list)  # hashes of full, computed blocks
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # per output token, if asked
+    max_tokens: int = 0  # resolved output limit (params.max_tokens or what the context leaves)
+    num_preemptions: int = 0  # times its KV was dropped and recomputed
+    stop_text: str | None = None  # the stop string that ended it, if any
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished

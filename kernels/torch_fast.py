@@ -1,0 +1,146 @@
+"""Fast pure-torch paths for the paged-KV operations, used on CPU tensors.
+
+They take the same arguments as the Triton kernels (see ``kernels/__init__.py``) and read
+the cache in the layout of ``engine/kv_layout.py``: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    # key, value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens]
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    slots = slot_mapping.long()
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(value_cache.dtype))
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    # -> [context_len, num_kv_heads, head_dim]
+    block_size = cache.shape[1]
+    num_blocks = (context_len + block_size - 1) // block_size
+    blocks = cache.index_select(0, block_table[:num_blocks].long())
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:context_len]
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole cached context.
+
+    query: [num_tokens, num_heads, head_dim], the new tokens of all sequences back to back;
+    sequence i owns query rows query_start_loc[i]:query_start_loc[i+1], which are its last
+    positions, context_lens[i] - q_len .. context_lens[i] - 1 (their K/V already written).
+    """
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = context_lens.tolist()
+    num_heads = query.shape[1]
+    for i, context_len in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        k = _gather_context(key_cache, block_tables[i], context_len)  # [T, KVH, D]
+        v = _gather_context(value_cache, block_tables[i], context_len)
+        q = query[q_start:q_end].transpose(0, 1)  # [H, Q, D]
+        q_pos = torch.arange(context_len - q_len, context_len).unsqueeze(1)  # [Q, 1]
+        k_pos = torch.arange(context_len).unsqueeze(0)  # [1, T]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        groups = num_heads // k.shape[1]
+        k = k.transpose(0, 1).repeat_interleave(groups, dim=0)  # [H, T, D]
+        v = v.transpose(0, 1).repeat_interleave(groups, dim=0)
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+        out[q_start:q_end] = o.transpose(0, 1)
+    return out
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """One query token per sequence (the last of its context), batched with padding.
+
+    query: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, max_blocks_per_seq]
+    (entries past a sequence's blocks may hold any valid block id); context_lens: [num_seqs].
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    if num_seqs == 0:
+        return torch.empty_like(query)
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    max_len = int(context_lens.max())
+    max_blocks = (max_len + block_size - 1) // block_size
+    table = block_tables[:, :max_blocks].long()
+    # [S, max_blocks, bs, KVH, D] -> [S, KVH, T, D]
+    k = key_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = value_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    groups = num_heads // num_kv_heads
+    q = query.reshape(num_seqs, num_kv_heads, groups, head_dim)  # [S, KVH, G, D]
+    k_pos = torch.arange(k.shape[2]).unsqueeze(0)  # [1, T]
+    lens = context_lens.long().unsqueeze(1)  # [S, 1]
+    mask = k_pos < lens
+    if sliding_window is not None:
+        mask &= k_pos >= lens - sliding_window
+    mask = mask[:, None, None, :]  # [S, 1, 1, T]
+    o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+    return o.reshape(num_seqs, num_heads, head_dim)
+
+
+def gather_blocks(
+    key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_ids: torch.Tensor
+) -> torch.Tensor:
+    # -> [num_layers, 2, n, block_size, num_kv_heads, head_dim]
+    ids = block_ids.long()
+    buffer = key_caches[0].new_empty((len(key_caches), 2, ids.shape[0], *key_caches[0].shape[1:]))
+    for layer, (k, v) in enumerate(zip(key_caches, value_caches, strict=True)):
+        torch.index_select(k, 0, ids, out=buffer[layer, 0])
+        torch.index_select(v, 0, ids, out=buffer[layer, 1])
+    return buffer
+
+
+def scatter_blocks(
+    buffer: torch.Tensor,
+    key_caches: list[torch.Tensor],
+    value_caches: list[torch.Tensor],
+    block_ids: torch.Tensor,
+) -> None:
+    ids = block_ids.long()
+    for layer, (k, v) in enumerate(zip(key_caches, value_caches, strict=True)):
+        k.index_copy_(0, ids, buffer[layer, 0])
+        v.index_copy_(0, ids, buffer[layer, 1])
+
+
+def quantize_kv_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # x: [n, block_size, num_kv_heads, head_dim] -> q like x (int8), scales [n, num_kv_heads] fp32
+    xf = x.float()
+    amax = xf.abs().amax(dim=(1, 3))  # [n, KVH]
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.floor(xf * inv[:, None, :, None] + 0.5).clamp_(-127, 127).to(torch.int8)
+    return q, amax / 127.0
+
+
+def dequantize_kv_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scales[:, None, :, None]).to(dtype)

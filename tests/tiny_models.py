@@ -1,0 +1,38 @@
+"""Tiny seeded random checkpoints of each supported architecture, saved as HF folders."""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+import transformers
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, eos_token_id=2, bos_token_id=1)
+
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**TINY),
+    "llama3": lambda: transformers.LlamaConfig(**{**TINY, "num_key_value_heads": 1}, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}, rope_theta=500000.0),
+    "smollm2": lambda: transformers.LlamaConfig(**{**TINY, "num_attention_heads": 6, "num_key_value_heads": 2,
+                                                   "hidden_size": 96}, tie_word_embeddings=True),
+    "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=24, head_dim=16),
+    "qwen2": lambda: transformers.Qwen2Config(**TINY),
+}
+
+
+def make_tiny_model(kind: str, root: pathlib.Path, seed: int = 0) -> pathlib.Path:
+    """Save a seeded random model of ``kind`` under ``root`` (cached by name) and return its folder."""
+    path = root / f"tiny-{kind}-{seed}"
+    if (path / "config.json").is_file():
+        return path
+    torch.manual_seed(seed)
+    config = CONFIGS[kind]()
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the default init give peaked, tie-free logits
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
