@@ -1,0 +1,170 @@
+"""Paged prefill / chunked-prefill attention: varlen, causal, over cache prefix + new tokens.
+
+The new tokens of every sequence sit back to back in ``query``; their K/V are already in
+the cache (``write_kv_cache`` runs first). Sequence i's rows are its LAST q_len positions:
+
+    context_len = 10, q_len = 3 (a chunk after a 7-token prefix hit / earlier chunk)
+    positions:  0 1 2 3 4 5 6 | 7 8 9
+                cached prefix   new rows -> query[q_start : q_start + 3]
+    row at position p sees keys k with  p - window < k <= p  (window = infinity if None)
+
+One program per (sequence, query head, tile of BLOCK_M rows); keys stream in tiles of
+BLOCK_N tokens gathered through the block table, with an online softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import check_cache_pair, check_index_tensor, next_power_of_2
+
+_NO_WINDOW = 1 << 30  # wider than any context
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr,
+    scale_log2, window,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_bt_seq,
+    stride_c_block, stride_c_tok, stride_c_head,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
+    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
+    kv_head = head // GROUP
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [M], index among the new tokens
+    r_mask = rows < q_len
+    pos = ctx - q_len + rows  # [M], position in the context
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = d < HEAD_DIM
+    rd_mask = r_mask[:, None] & d_mask[None, :]
+    q_offs = (q_start + rows)[:, None] * stride_q_tok + head * stride_q_head + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=rd_mask, other=0.0)
+
+    first_pos = ctx - q_len + tile * BLOCK_M
+    lo = tl.maximum(0, first_pos - window + 1)
+    hi = tl.minimum(ctx, first_pos + BLOCK_M)  # one past the last position this tile needs
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)  # [N]
+        k_valid = keys < hi
+        bt_offs = seq * stride_bt_seq + keys // BLOCK_SIZE
+        block = tl.load(block_tables_ptr + bt_offs, mask=k_valid, other=0).to(tl.int64)
+        row = block * stride_c_block + (keys % BLOCK_SIZE) * stride_c_tok + kv_head * stride_c_head
+        kv_mask = k_valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [M, N], no tf32 for fp32
+        visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] > pos[:, None] - window) & k_valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        # A row may see nothing in this tile (window, or padding rows): keep it NaN-free.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_offs = (q_start + rows)[:, None] * stride_o_tok + head * stride_o_head + d[None, :]
+    tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=rd_mask)
+
+
+def paged_prefill_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    block_m: int = 64,
+    block_n: int = 64,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton paged prefill attention; arguments as ``kernels.paged_prefill_attention``.
+
+    K/V tiles are cast to the query dtype before the dot products (as the torch path does);
+    ``out`` (like query) to write into.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = check_cache_pair(key_cache, value_cache, head_dim)
+    assert query.dtype in (torch.float32, torch.float16, torch.bfloat16), query.dtype
+    assert query.stride(2) == 1, "query's head_dim must be contiguous"
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    num_seqs = context_lens.shape[0]
+    assert context_lens.shape == (num_seqs,), context_lens.shape
+    assert query_start_loc.shape == (num_seqs + 1,), (query_start_loc.shape, num_seqs)
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, block_tables.shape
+    for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
+                    ("context_lens", context_lens)):  # fmt: skip
+        check_index_tensor(t, name)
+    assert sliding_window is None or sliding_window > 0, sliding_window
+    for name, size in (("block_m", block_m), ("block_n", block_n)):
+        assert size >= 16 and size & (size - 1) == 0, f"{name} must be a power of two >= 16, got {size}"
+    out = torch.empty_like(query) if out is None else out
+    assert out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1, out.shape
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+    if query_start_loc.is_cuda:  # no host sync: bound the longest sequence by the batch
+        max_q_len = num_tokens
+    else:
+        max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    window = _NO_WINDOW if sliding_window is None else sliding_window
+    grid = (num_seqs, num_heads, triton.cdiv(max(max_q_len, 1), block_m))
+    _prefill_kernel[grid](
+        query, key_cache, value_cache, out, block_tables, query_start_loc, context_lens,
+        scale * _LOG2E, window,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
+    return out
+
+
+def paged_prefill_attention_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Reference: row by row, head by head, in fp32 over the visible keys only."""
+    num_heads = query.shape[1]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.zeros_like(query)
+    for seq in range(context_lens.shape[0]):
+        context_len = int(context_lens[seq])
+        q_start, q_end = int(query_start_loc[seq]), int(query_start_loc[seq + 1])
+        for i, row in enumerate(range(q_start, q_end)):
+            pos = context_len - (q_end - q_start) + i
+            first = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            slots = [(int(block_tables[seq, t // block_size]), t % block_size) for t in range(first, pos + 1)]
+            for head in range(num_heads):
+                kv_head = head // group
+                k = torch.stack([key_cache[b, o, kv_head] for b, o in slots]).float()  # [T, D]
+                v = torch.stack([value_cache[b, o, kv_head] for b, o in slots]).float()
+                weights = torch.softmax(k @ query[row, head].float() * scale, dim=0)  # [T]
+                out[row, head] = (weights @ v).to(out.dtype)
+    return out
