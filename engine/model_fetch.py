@@ -17,6 +17,7 @@ inside the conversion, so `pdserve --help` and torch-free callers stay fast.
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import importlib.util
 import json
@@ -179,7 +180,6 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True) ->
     try:
         bar.set_postfix_str(steps[0])
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-        tokenizer.save_pretrained(out_dir)
         bar.update()
 
         bar.set_postfix_str(steps[1])
@@ -187,8 +187,11 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True) ->
         bar.update()
 
         bar.set_postfix_str(steps[2])
-        config = gguf_model.config
+        config = copy.deepcopy(gguf_model.config)
         config.architectures = [type(gguf_model).__name__]
+        # The weights are plain float32 now; a leftover gguf quantization_config would make
+        # transformers treat the folder as a GGUF checkpoint.
+        del config.quantization_config
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(gguf_model.state_dict(), strict=True)
         model.generation_config = gguf_model.generation_config
@@ -197,6 +200,10 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True) ->
 
         bar.set_postfix_str(steps[3])
         model.save_pretrained(out_dir, safe_serialization=True)
+        tokenizer.model_max_length = config.max_position_embeddings
+        tokenizer.save_pretrained(out_dir)
+        _drop_loader_keys(out_dir / "tokenizer_config.json")
+        _make_readable(out_dir)
         bar.update()
 
         bar.set_postfix_str(steps[4])
@@ -206,6 +213,23 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True) ->
         if hf_bars_were_enabled:
             hf_logging.enable_progress_bar()
         bar.close()
+
+
+def _drop_loader_keys(tokenizer_config: Path) -> None:
+    """Remove the load-time options transformers copies into tokenizer_config.json on save."""
+    settings = json.loads(tokenizer_config.read_text())
+    for key in ("is_local", "local_files_only"):
+        settings.pop(key, None)
+    tokenizer_config.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
+
+
+def _make_readable(folder: Path) -> None:
+    """mkdtemp makes a 0700 folder and safetensors a 0600 file; give them the usual umask modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.iterdir():
+        path.chmod(0o666 & ~umask)
 
 
 def check_converted(model_dir: Path) -> None:
