@@ -1,0 +1,122 @@
+"""The one place that touches ZeroMQ sockets for KV transfer.
+
+    prefill node  DEALER ──connect──►  ROUTER  decode node (bind; tcp:// or ipc://)
+
+Every receive takes a timeout (no call blocks forever) and every send has a send timeout,
+so a dead or stuck peer shows up as a deadline, never as a hang. Data frames go out
+zero-copy (``copy=False``): the caller must not modify a buffer after handing it over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from kv_transfer import messages
+from kv_transfer.messages import Message, ProtocolError
+
+_SEND_TIMEOUT_MS = 5000
+
+
+class PeerUnavailable(ConnectionError):
+    """A send could not be queued within the send timeout (peer gone or not draining)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Inbound:
+    """One received message."""
+
+    peer: bytes  # ROUTER identity of the sender (b"" on the DEALER side)
+    msg: Message  # the decoded header
+    frames: list[memoryview]  # raw data frames, zero-copy views valid while this object lives
+
+
+class _Channel:
+    def __init__(self, socket_type: int, context: zmq.Context | None, max_frame_bytes: int) -> None:
+        self._context = context or zmq.Context.instance()
+        self._socket = self._context.socket(socket_type)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
+        self._max_frame_bytes = max_frame_bytes
+        # Let frames up to the limit through; bigger multipart parts are cut off by ZeroMQ itself.
+        self._socket.setsockopt(zmq.MAXMSGSIZE, max(max_frame_bytes, messages.MAX_HEADER_BYTES))
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+
+    def _send(self, parts: list[Any]) -> None:
+        try:
+            self._socket.send_multipart(parts, copy=False)
+        except zmq.Again:
+            raise PeerUnavailable("send timed out; peer not draining") from None
+
+    def _recv_parts(self, timeout_s: float) -> list[zmq.Frame] | None:
+        if not self._poller.poll(max(0, int(timeout_s * 1000))):
+            return None
+        return self._socket.recv_multipart(copy=False)
+
+    def _decode(self, peer: bytes, parts: Sequence[zmq.Frame]) -> Inbound:
+        if not parts:
+            raise ProtocolError("empty message")
+        frames = [p.buffer for p in parts[1:]]
+        return Inbound(peer, messages.decode(parts[0].buffer, frames, self._max_frame_bytes), frames)
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
+
+class ListenChannel(_Channel):
+    """ROUTER socket of a decode node: many prefill peers, replies addressed by peer id."""
+
+    def __init__(
+        self,
+        address: str,
+        context: zmq.Context | None = None,
+        max_frame_bytes: int = messages.DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        super().__init__(zmq.ROUTER, context, max_frame_bytes)
+        self._socket.bind(address)
+        self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)  # port resolved
+
+    def send(self, peer: bytes, msg: Message, frames: Sequence[Any] = ()) -> None:
+        """Best effort: ROUTER drops messages to peers that are gone."""
+        self._send([peer, messages.encode(msg), *frames])
+
+    def recv(self, timeout_s: float) -> Inbound | None:
+        """Next message, None on timeout; ProtocolError (with ``.peer``) when malformed."""
+        parts = self._recv_parts(timeout_s)
+        if parts is None:
+            return None
+        peer = parts[0].bytes
+        try:
+            return self._decode(peer, parts[1:])
+        except ProtocolError as exc:
+            exc.peer = peer  # type: ignore[attr-defined]
+            raise
+
+
+class PeerChannel(_Channel):
+    """DEALER socket of a prefill node, connected to one decode node."""
+
+    def __init__(
+        self,
+        address: str,
+        context: zmq.Context | None = None,
+        max_frame_bytes: int = messages.DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        super().__init__(zmq.DEALER, context, max_frame_bytes)
+        self._socket.connect(address)
+        self.address = address
+
+    def send(self, msg: Message, frames: Sequence[Any] = ()) -> None:
+        self._send([messages.encode(msg), *frames])
+
+    def send_raw(self, parts: Sequence[bytes]) -> None:
+        """Arbitrary frames, for tests of the receiver's input checks."""
+        self._send(list(parts))
+
+    def recv(self, timeout_s: float) -> Inbound | None:
+        parts = self._recv_parts(timeout_s)
+        return None if parts is None else self._decode(b"", parts)

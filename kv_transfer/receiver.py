@@ -1,0 +1,394 @@
+"""Decode side of a KV transfer: grant blocks from the node's BlockManager, land chunks, hand over.
+
+The decode node drives it from its loop: ``poll(timeout_s)`` handles messages and deadlines and
+returns the requests whose KV landed (a ``Sequence`` ready to decode) and those that failed.
+Per reservation:
+
+    KVReserve ─► checks (fingerprint, hashes, fits at all?) ─► KVReject
+                 └─► room now?  yes ─► take prefix blocks + append the rest ─► KVGrant
+                                no  ─► FIFO queue (≤ max_waiting) ─► KVWait … grant or KVReject at ttl
+    KVChunk   ─► sizes + xxh3 checked ─► index_copy_ into the granted blocks ─► KVCredit
+    KVDone    ─► all (layer, block) pieces landed? ─► commit blocks, KVAck, report completed
+
+A granted request that stays silent for ``chunk_timeout_s``, fails a check, or is aborted frees
+its blocks at once and is reported failed; the node keeps serving every other request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+import zmq
+
+from engine.block_hash import hash_full_blocks
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence as EngineSequence
+from engine.sequence import SequenceStatus
+from kv_transfer import tensors
+from kv_transfer.channel import Inbound, ListenChannel, PeerUnavailable
+from kv_transfer.errors import KVAborted, KVTimeout, KVTransferError
+from kv_transfer.messages import (
+    Abort,
+    Error,
+    KVAck,
+    KVChunk,
+    KVCredit,
+    KVDone,
+    KVFingerprint,
+    KVGrant,
+    KVReject,
+    KVReserve,
+    KVWait,
+    Message,
+    ProtocolError,
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReceiverConfig:
+    window_bytes: int = 64 << 20  # unconsumed chunk bytes a peer may have in flight
+    chunk_timeout_s: float = 5.0  # longest silence of a granted request's sender
+    max_ttl_s: float = 60.0  # cap on how long a queued reservation may wait
+    max_waiting: int = 64  # queued reservations; beyond this, KVReject
+    max_frame_bytes: int = 256 << 20  # larger data frames are refused
+
+    def __post_init__(self) -> None:
+        if min(self.window_bytes, self.chunk_timeout_s, self.max_ttl_s, self.max_frame_bytes) <= 0:
+            raise ValueError("ReceiverConfig sizes and timeouts must be positive")
+        if self.max_waiting < 0:
+            raise ValueError("ReceiverConfig.max_waiting must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReceivedKV:
+    """A request whose prompt KV landed: its sequence is the decode node's now."""
+
+    seq: EngineSequence  # prompt computed, first token appended, status WAITING_FOR_KV
+    first_token: int  # sampled by the prefill node
+    num_held_blocks: int  # blocks reused from this node's prefix cache (not sent)
+    bytes_received: int  # chunk payload bytes
+    prefill_cached_tokens: int  # usage: prompt tokens the prefill node took from its cache
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TransferFailure:
+    request_id: str
+    error: KVTransferError  # KVTimeout, KVAborted (peer abort, bad frame)
+
+
+@dataclasses.dataclass(slots=True)
+class PollResult:
+    completed: list[ReceivedKV] = dataclasses.field(default_factory=list)
+    failed: list[TransferFailure] = dataclasses.field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.completed or self.failed)
+
+
+@dataclasses.dataclass(slots=True)
+class _Incoming:
+    """A granted request whose KV is arriving."""
+
+    peer: bytes
+    seq: EngineSequence
+    reserve: KVReserve
+    num_held_blocks: int
+    block_ids: torch.Tensor  # [num_send_blocks] receiver block ids, in prompt order
+    landed: bytearray  # [num_layers * num_send_blocks], 1 where that layer of that block landed
+    deadline: float  # time.monotonic() by which the next message must come
+    bytes_received: int = 0
+
+
+@dataclasses.dataclass(slots=True)
+class _Queued:
+    peer: bytes
+    reserve: KVReserve
+    params: SamplingParams
+    expires_at: float
+
+
+class KVReceiver:
+    def __init__(
+        self,
+        address: str,
+        fingerprint: KVFingerprint,
+        block_manager: BlockManager,
+        key_caches: Sequence[torch.Tensor],
+        value_caches: Sequence[torch.Tensor],
+        config: ReceiverConfig | None = None,
+        context: zmq.Context | None = None,
+    ) -> None:
+        """key_caches, value_caches: per layer [num_blocks, block_size, kv_heads, head_dim]."""
+        assert len(key_caches) == len(value_caches) == fingerprint.num_layers, "one K and V cache per layer"
+        expected = (
+            block_manager.num_blocks,
+            fingerprint.block_size,
+            fingerprint.num_kv_heads,
+            fingerprint.head_dim,
+        )
+        assert all(tuple(c.shape) == expected for c in [*key_caches, *value_caches]), (
+            "cache shape != fingerprint"
+        )
+        assert block_manager.block_size == fingerprint.block_size
+        self.fingerprint = fingerprint
+        self.config = config or ReceiverConfig()
+        self.block_manager = block_manager
+        self.key_caches, self.value_caches = list(key_caches), list(value_caches)
+        self._channel = ListenChannel(address, context, self.config.max_frame_bytes)
+        self.address = self._channel.address  # resolved (tcp://host:0 gets its port)
+        self._incoming: dict[str, _Incoming] = {}
+        self._queued: deque[_Queued] = deque()
+        self._result = PollResult()
+        self._handlers: dict[type[Message], Callable[[bytes, Message, list[memoryview]], None]] = {
+            KVReserve: self._on_reserve,
+            KVChunk: self._on_chunk,
+            KVDone: self._on_done,
+            Abort: self._on_abort,
+        }
+
+    @property
+    def num_incoming(self) -> int:
+        """Granted requests whose KV is still arriving."""
+        return len(self._incoming)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queued)
+
+    def poll(self, timeout_s: float) -> PollResult:
+        """Handle messages and deadlines until something completes or fails, or the timeout passes."""
+        self._result = result = PollResult()
+        deadline = time.monotonic() + timeout_s
+        num_handled = 0
+        while True:
+            now = time.monotonic()
+            self._expire(now)
+            self._grant_queued()
+            if result or (now >= deadline and num_handled >= 256):
+                break
+            inbound = self._recv(max(0.0, min(deadline, self._next_expiry()) - now))
+            if inbound is None:
+                if time.monotonic() >= deadline:
+                    break
+                continue
+            num_handled += 1
+            self._handle(inbound)
+        return result
+
+    def abort(self, request_id: str, reason: str) -> bool:
+        """Drop a request still in transfer (e.g. its client left); False when unknown here."""
+        if request_id in self._incoming or any(q.reserve.request_id == request_id for q in self._queued):
+            self._fail(request_id, KVAborted(request_id, reason))
+            return True
+        return False
+
+    def close(self) -> None:
+        """Free every request still in transfer and close the socket."""
+        for request_id in [*self._incoming, *(q.reserve.request_id for q in self._queued)]:
+            self._fail(request_id, KVAborted(request_id, "receiver closing"))
+        self._channel.close()
+
+    # ----------------------------------------------------------------- messages
+    def _recv(self, timeout_s: float) -> Inbound | None:
+        try:
+            return self._channel.recv(timeout_s)
+        except ProtocolError as exc:
+            self._reply(getattr(exc, "peer", b""), Error(None, "malformed", str(exc)))
+            return None
+
+    def _handle(self, inbound: Inbound) -> None:
+        handler = self._handlers.get(type(inbound.msg))
+        if handler is None:
+            self._reply(
+                inbound.peer, Error(None, "unexpected", f"a receiver does not take {inbound.msg.TAG}")
+            )
+            return
+        handler(inbound.peer, inbound.msg, inbound.frames)
+
+    def _on_reserve(self, peer: bytes, msg: Message, frames: list[memoryview]) -> None:
+        assert isinstance(msg, KVReserve)
+        problem = self._check_reserve(msg)
+        if problem is not None:
+            self._reply(peer, KVReject(msg.request_id, *problem))
+            return
+        params = SamplingParams.from_dict(msg.sampling_params) if msg.sampling_params else SamplingParams()
+        if not self._queued and self._try_grant(peer, msg, params):
+            return
+        if len(self._queued) >= self.config.max_waiting:
+            self._reply(peer, KVReject(msg.request_id, "receiver busy: wait queue full"))
+            return
+        ttl = min(msg.ttl_s, self.config.max_ttl_s)
+        self._queued.append(_Queued(peer, msg, params, time.monotonic() + ttl))
+        self._reply(peer, KVWait(msg.request_id, len(self._queued) - 1))
+
+    def _check_reserve(self, msg: KVReserve) -> tuple[str, str | None] | None:
+        """(reason, field) when the reservation can never be granted."""
+        field = self.fingerprint.first_difference(msg.fingerprint)
+        if field is not None:
+            mine, theirs = getattr(self.fingerprint, field), getattr(msg.fingerprint, field)
+            return f"fingerprint mismatch: {field} is {theirs!r} here {mine!r}", field
+        if msg.request_id in self._incoming or any(
+            q.reserve.request_id == msg.request_id for q in self._queued
+        ):
+            return "duplicate request id", "request_id"
+        if not msg.token_ids:
+            return "empty prompt", "token_ids"
+        if self.block_manager.blocks_needed(len(msg.token_ids)) > self.block_manager.num_blocks:
+            return (
+                f"{len(msg.token_ids)} tokens can never fit in {self.block_manager.num_blocks} blocks",
+                "token_ids",
+            )
+        if not (math.isfinite(msg.ttl_s) and msg.ttl_s > 0):
+            return "ttl_s must be positive", "ttl_s"
+        if list(msg.block_hashes) != hash_full_blocks(msg.token_ids, self.fingerprint.block_size):
+            return "block hashes do not match the token ids", "block_hashes"
+        try:
+            SamplingParams.from_dict(msg.sampling_params or {})
+        except (TypeError, ValueError) as exc:
+            return f"bad sampling params: {exc}", "sampling_params"
+        return None
+
+    def _try_grant(self, peer: bytes, msg: KVReserve, params: SamplingParams) -> bool:
+        bm, token_ids = self.block_manager, list(msg.token_ids)
+        seq = EngineSequence(msg.request_id, token_ids, len(token_ids), params)
+        ids, hashes = bm.match_prefix(token_ids, max_blocks=(len(token_ids) - 1) // bm.block_size)
+        bm.take_prefix(seq, ids, hashes)
+        num_new = len(token_ids) - seq.num_computed_tokens
+        if not bm.can_append(seq, num_new):
+            bm.free(seq)
+            return False
+        bm.append(seq, num_new)
+        seq.status = SequenceStatus.WAITING_FOR_KV
+        send_ids = seq.block_table[len(ids) :]
+        self._incoming[msg.request_id] = _Incoming(
+            peer,
+            seq,
+            msg,
+            len(ids),
+            torch.tensor(send_ids, dtype=torch.long),
+            bytearray(self.fingerprint.num_layers * len(send_ids)),
+            time.monotonic() + self.config.chunk_timeout_s,
+        )
+        self._reply(peer, KVGrant(msg.request_id, len(ids), tuple(send_ids), self.config.window_bytes))
+        return True
+
+    def _on_chunk(self, peer: bytes, msg: Message, frames: list[memoryview]) -> None:
+        assert isinstance(msg, KVChunk)
+        # Credit every chunk that arrived, landed or not, so the sender's window never leaks.
+        self._reply(peer, KVCredit(msg.request_id, sum(len(f) for f in frames)))
+        state = self._incoming.get(msg.request_id)
+        if state is None or state.peer != peer:
+            return  # a request already failed here; its sender has been told
+        problem = self._check_chunk(state, msg, frames)
+        if problem is not None:
+            self._fail(msg.request_id, KVAborted(msg.request_id, problem))
+            return
+        ids = state.block_ids[msg.block_start : msg.block_start + msg.num_blocks]
+        tensors.unpack_layer(
+            frames, self.key_caches[msg.layer], self.value_caches[msg.layer], ids, state.reserve.wire_format
+        )
+        first = msg.layer * len(state.block_ids) + msg.block_start
+        state.landed[first : first + msg.num_blocks] = b"\x01" * msg.num_blocks
+        state.bytes_received += sum(len(f) for f in frames)
+        state.deadline = time.monotonic() + self.config.chunk_timeout_s
+
+    def _check_chunk(self, state: _Incoming, msg: KVChunk, frames: list[memoryview]) -> str | None:
+        num_send = len(state.block_ids)
+        if not (
+            msg.layer < self.fingerprint.num_layers
+            and 0 < msg.num_blocks
+            and msg.block_start + msg.num_blocks <= num_send
+        ):
+            return f"chunk layer {msg.layer} blocks {msg.block_start}+{msg.num_blocks} outside the grant"
+        first = msg.layer * num_send + msg.block_start
+        if any(state.landed[first : first + msg.num_blocks]):
+            return f"chunk layer {msg.layer} block {msg.block_start} sent twice"
+        cache = self.key_caches[msg.layer]
+        sizes = tensors.frame_sizes(
+            tuple(cache.shape[1:]), cache.dtype, msg.num_blocks, state.reserve.wire_format
+        )
+        if [len(f) for f in frames] != sizes:
+            return f"chunk frame sizes {[len(f) for f in frames]}, expected {sizes}"
+        for i, (frame, expected) in enumerate(zip(frames, msg.checksums, strict=True)):
+            if tensors.checksum(frame) != expected:
+                return f"checksum mismatch in layer {msg.layer} frame {i}"
+        return None
+
+    def _on_done(self, peer: bytes, msg: Message, frames: list[memoryview]) -> None:
+        assert isinstance(msg, KVDone)
+        state = self._incoming.get(msg.request_id)
+        if state is None or state.peer != peer:
+            self._reply(peer, Error(msg.request_id, "unknown_request", "no transfer in progress for this id"))
+            return
+        if not all(state.landed):
+            self._fail(msg.request_id, KVAborted(msg.request_id, "done before every chunk landed"))
+            return
+        del self._incoming[msg.request_id]
+        seq = state.seq
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.commit_computed(seq)
+        seq.token_ids.append(msg.first_token)
+        self._reply(peer, KVAck(msg.request_id))
+        self._result.completed.append(
+            ReceivedKV(
+                seq, msg.first_token, state.num_held_blocks, state.bytes_received, msg.num_cached_tokens
+            )
+        )
+
+    def _on_abort(self, peer: bytes, msg: Message, frames: list[memoryview]) -> None:
+        assert isinstance(msg, Abort)
+        state = self._incoming.get(msg.request_id)
+        queued = any(q.reserve.request_id == msg.request_id and q.peer == peer for q in self._queued)
+        if (state is not None and state.peer == peer) or queued:
+            self._fail(msg.request_id, KVAborted(msg.request_id, f"peer: {msg.reason}"), notify=False)
+
+    # ----------------------------------------------------------------- deadlines and room
+    def _expire(self, now: float) -> None:
+        for request_id, state in list(self._incoming.items()):
+            if state.deadline <= now:
+                self._fail(request_id, KVTimeout(request_id, "chunk"))
+        for queued in [q for q in self._queued if q.expires_at <= now]:
+            self._queued.remove(queued)
+            self._reply(
+                queued.peer, KVReject(queued.reserve.request_id, "timed out waiting for blocks", "ttl_s")
+            )
+            self._result.failed.append(
+                TransferFailure(queued.reserve.request_id, KVTimeout(queued.reserve.request_id, "grant"))
+            )
+
+    def _next_expiry(self) -> float:
+        deadlines = [s.deadline for s in self._incoming.values()] + [q.expires_at for q in self._queued]
+        return min(deadlines, default=math.inf)
+
+    def _grant_queued(self) -> None:
+        """Grant queued reservations in arrival order while the head fits (no overtaking)."""
+        while self._queued and self._try_grant(
+            self._queued[0].peer, self._queued[0].reserve, self._queued[0].params
+        ):
+            self._queued.popleft()
+
+    def _fail(self, request_id: str, error: KVTransferError, notify: bool = True) -> None:
+        state = self._incoming.pop(request_id, None)
+        peer = None
+        if state is not None:
+            self.block_manager.free(state.seq)
+            state.seq.status = SequenceStatus.FINISHED_ABORTED
+            peer = state.peer
+        for queued in [q for q in self._queued if q.reserve.request_id == request_id]:
+            self._queued.remove(queued)
+            peer = queued.peer
+        if notify and peer is not None:
+            self._reply(peer, Abort(request_id, str(error)))
+        self._result.failed.append(TransferFailure(request_id, error))
+
+    def _reply(self, peer: bytes, msg: Message) -> None:
+        try:
+            self._channel.send(peer, msg)
+        except PeerUnavailable:
+            pass  # a peer that does not drain its replies will hit its own deadlines

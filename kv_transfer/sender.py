@@ -1,0 +1,264 @@
+"""Prefill side of a KV transfer: reserve, stream layer chunks under a credit window, finish.
+
+    KVReserve ──►            (wait ≤ grant_timeout_s; KVWait keeps waiting)
+              ◄── KVGrant    (num_held_blocks, window_bytes)
+    KVChunk × (layers × runs) ──►   never more than window_bytes unconsumed
+              ◄── KVCredit   (one per chunk consumed)
+    KVDone ──►
+              ◄── KVAck      (wait ≤ reply_timeout_s) → the caller frees its blocks
+
+Any failure raises a ``KVTransferError`` after a best-effort ``Abort`` to the peer; the
+caller frees its blocks either way. One ``KVSender`` talks to one decode node and may
+interleave several requests from one thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+import zmq
+
+from engine.block_hash import hash_full_blocks
+from kv_transfer import tensors
+from kv_transfer.channel import PeerChannel, PeerUnavailable
+from kv_transfer.errors import KVAborted, KVRejected, KVTimeout, KVTransferError
+from kv_transfer.messages import (
+    Abort,
+    Error,
+    KVAck,
+    KVChunk,
+    KVCredit,
+    KVDone,
+    KVFingerprint,
+    KVGrant,
+    KVReject,
+    KVReserve,
+    Message,
+    WireFormat,
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SenderConfig:
+    grant_timeout_s: float = 10.0  # reserve → grant, KVWait included
+    reply_timeout_s: float = 5.0  # longest wait for one credit or the final ack
+    max_chunk_bytes: int = 16 << 20  # a layer's blocks are split into chunks of at most this
+    wire_format: WireFormat = WireFormat.NATIVE  # INT8 quarters fp32 bytes, lossy
+
+    def __post_init__(self) -> None:
+        if not (self.grant_timeout_s > 0 and self.reply_timeout_s > 0 and self.max_chunk_bytes > 0):
+            raise ValueError("SenderConfig timeouts and max_chunk_bytes must be positive")
+
+
+@dataclasses.dataclass(slots=True)
+class OutgoingTransfer:
+    """One granted request on the prefill side."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_held_blocks: int  # leading blocks the decode node already had: skipped
+    num_send_blocks: int  # blocks to send, from num_held_blocks on
+    started_at: float  # time.monotonic() at reserve
+    bytes_sent: int = 0  # payload bytes of all chunks
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TransferStats:
+    request_id: str
+    num_held_blocks: int  # not sent thanks to the decode node's prefix cache
+    num_sent_blocks: int
+    bytes_sent: int  # payload bytes
+    seconds: float  # reserve to ack
+
+
+class KVSender:
+    def __init__(
+        self,
+        address: str,
+        fingerprint: KVFingerprint,
+        config: SenderConfig | None = None,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.fingerprint = fingerprint
+        self.config = config or SenderConfig()
+        self._channel = PeerChannel(address, context)
+        self._inbox: dict[str, deque[Message]] = {}  # replies per active request, in arrival order
+        self._in_flight_bytes = 0  # chunk bytes sent and not yet credited
+        self._window_bytes = 0  # from the latest grant
+
+    # ----------------------------------------------------------------- per request
+    def reserve(
+        self, request_id: str, token_ids: Sequence[int], sampling_params: dict | None = None
+    ) -> OutgoingTransfer:
+        """Ask for blocks and wait for the grant. Raises KVRejected or KVTimeout."""
+        fp = self.fingerprint
+        msg = KVReserve(
+            request_id,
+            tuple(token_ids),
+            tuple(hash_full_blocks(token_ids, fp.block_size)),
+            fp,
+            self.config.grant_timeout_s,
+            self.config.wire_format,
+            sampling_params,
+        )
+        self._inbox[request_id] = deque()
+        started = time.monotonic()
+        self._send_or_fail(request_id, msg)
+        grant = self._wait_for(request_id, KVGrant, "grant", started + self.config.grant_timeout_s)
+        assert isinstance(grant, KVGrant)
+        self._window_bytes = grant.window_bytes
+        return OutgoingTransfer(
+            request_id, len(token_ids), grant.num_held_blocks, len(grant.block_ids), started
+        )
+
+    def send_layer(
+        self,
+        tx: OutgoingTransfer,
+        layer: int,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: Sequence[int],
+    ) -> None:
+        """Send one layer of the blocks not held by the receiver.
+
+        key_cache, value_cache: [num_blocks, block_size, kv_heads, head_dim], this layer's caches;
+        block_table: the sender's blocks of the prompt, in token order.
+        """
+        fp = self.fingerprint
+        assert key_cache.shape[1:] == (fp.block_size, fp.num_kv_heads, fp.head_dim), (
+            "cache shape != fingerprint"
+        )
+        assert len(block_table) == tx.num_held_blocks + tx.num_send_blocks, (
+            "block table does not fit the grant"
+        )
+        ids = torch.tensor(block_table[tx.num_held_blocks :], dtype=torch.long)
+        block_bytes = 2 * key_cache[0].numel() * key_cache.element_size()
+        per_chunk = max(1, self.config.max_chunk_bytes // block_bytes)
+        for start in range(0, tx.num_send_blocks, per_chunk):
+            frames = tensors.pack_layer(
+                key_cache, value_cache, ids[start : start + per_chunk], self.config.wire_format
+            )
+            self._send_chunk(tx, layer, start, frames)
+
+    def finish(self, tx: OutgoingTransfer, first_token: int, num_cached_tokens: int = 0) -> TransferStats:
+        """Send KVDone and wait for KVAck; then the caller may free its blocks."""
+        self._send_or_fail(
+            tx.request_id, KVDone(tx.request_id, first_token, tx.num_prompt_tokens, num_cached_tokens)
+        )
+        self._wait_for(tx.request_id, KVAck, "ack", time.monotonic() + self.config.reply_timeout_s)
+        del self._inbox[tx.request_id]
+        return TransferStats(
+            tx.request_id,
+            tx.num_held_blocks,
+            tx.num_send_blocks,
+            tx.bytes_sent,
+            time.monotonic() - tx.started_at,
+        )
+
+    def abort(self, request_id: str, reason: str) -> None:
+        """Tell the decode node to drop the request (best effort) and forget it here."""
+        self._inbox.pop(request_id, None)
+        try:
+            self._channel.send(Abort(request_id, reason))
+        except PeerUnavailable:
+            pass
+
+    def transfer(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        key_caches: Sequence[torch.Tensor],
+        value_caches: Sequence[torch.Tensor],
+        block_table: Sequence[int],
+        first_token: int,
+        num_cached_tokens: int = 0,
+        sampling_params: dict | None = None,
+    ) -> TransferStats:
+        """Reserve, send every layer, finish. Raises KVTransferError (peer told to abort)."""
+        tx = self.reserve(request_id, token_ids, sampling_params)
+        try:
+            for layer in range(len(key_caches)):
+                self.send_layer(tx, layer, key_caches[layer], value_caches[layer], block_table)
+            return self.finish(tx, first_token, num_cached_tokens)
+        except BaseException as exc:
+            if request_id in self._inbox:  # not already settled with the peer
+                self.abort(request_id, f"sender failed: {exc!r}")
+            raise
+
+    def close(self) -> None:
+        self._channel.close()
+
+    # ----------------------------------------------------------------- internals
+    def _send_chunk(
+        self, tx: OutgoingTransfer, layer: int, block_start: int, frames: list[torch.Tensor]
+    ) -> None:
+        views = [tensors.as_frame(f) for f in frames]
+        num_bytes = sum(len(v) for v in views)
+        deadline = time.monotonic() + self.config.reply_timeout_s
+        self._drain(tx.request_id)
+        # A chunk bigger than the whole window still goes alone, so a small window cannot deadlock.
+        while self._in_flight_bytes > 0 and self._in_flight_bytes + num_bytes > self._window_bytes:
+            self._pump(tx.request_id, deadline, "credit")
+        msg = KVChunk(
+            tx.request_id, layer, block_start, frames[0].shape[0], tuple(tensors.checksum(v) for v in views)
+        )
+        self._send_or_fail(tx.request_id, msg, views)
+        self._in_flight_bytes += num_bytes
+        tx.bytes_sent += num_bytes
+
+    def _send_or_fail(self, request_id: str, msg: Message, frames: Sequence[memoryview] = ()) -> None:
+        try:
+            self._channel.send(msg, frames)
+        except PeerUnavailable:
+            self._inbox.pop(request_id, None)
+            raise KVTimeout(request_id, "send") from None
+
+    def _wait_for(self, request_id: str, kind: type[Message], stage: str, deadline: float) -> Message:
+        while True:
+            inbox = self._inbox[request_id]
+            while inbox:
+                msg = inbox.popleft()
+                if isinstance(msg, kind):
+                    return msg
+                self._raise_if_fatal(request_id, msg)  # KVWait just keeps us waiting
+            self._pump(request_id, deadline, stage)
+
+    def _pump(self, request_id: str, deadline: float, stage: str) -> None:
+        """Receive one message (or time out the request); credits apply at once."""
+        remaining = deadline - time.monotonic()
+        inbound = self._channel.recv(remaining) if remaining > 0 else None
+        if inbound is None:
+            self.abort(request_id, f"sender timed out waiting for {stage}")
+            raise KVTimeout(request_id, stage)
+        self._file(inbound.msg)
+        self._drain(request_id)
+
+    def _drain(self, request_id: str) -> None:
+        """Take what already arrived without waiting; raise if this request was aborted."""
+        while (inbound := self._channel.recv(0)) is not None:
+            self._file(inbound.msg)
+        for msg in self._inbox.get(request_id, ()):
+            if isinstance(msg, (Abort, Error, KVReject)):
+                self._raise_if_fatal(request_id, msg)
+
+    def _file(self, msg: Message) -> None:
+        if isinstance(msg, KVCredit):
+            self._in_flight_bytes = max(0, self._in_flight_bytes - msg.num_bytes)
+        elif msg.request_id in self._inbox:  # replies to forgotten requests are dropped
+            self._inbox[msg.request_id].append(msg)
+
+    def _raise_if_fatal(self, request_id: str, msg: Message) -> None:
+        error: KVTransferError | None = None
+        if isinstance(msg, KVReject):
+            error = KVRejected(request_id, msg.reason, msg.field)
+        elif isinstance(msg, Abort):
+            error = KVAborted(request_id, msg.reason)
+        elif isinstance(msg, Error):
+            error = KVAborted(request_id, f"{msg.code}: {msg.message}")
+        if error is not None:
+            self._inbox.pop(request_id, None)
+            raise error

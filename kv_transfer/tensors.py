@@ -1,0 +1,98 @@
+"""Torch side of the wire: pack one layer's blocks into frames, check them, unpack them.
+
+A chunk is one layer's K and V for a run of blocks. Frames per chunk:
+
+    native:  K [n, block_size, kv_heads, head_dim] (cache dtype),  V (same)
+    int8:    Kq [n, block_size, kv_heads, head_dim] int8,  Ks [n, block_size, kv_heads, 1] float32,  Vq,  Vs
+
+Every frame carries an xxh3_64 checksum in the chunk header.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import xxhash
+
+from kv_transfer.messages import WireFormat
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def checksum(frame: memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(frame)
+
+
+def as_frame(tensor: torch.Tensor) -> memoryview:
+    """Zero-copy byte view of a contiguous CPU tensor (works for bfloat16, which numpy lacks)."""
+    assert tensor.is_contiguous() and tensor.device.type == "cpu"
+    return memoryview(tensor.view(-1).view(torch.uint8).numpy())
+
+
+def from_frame(frame: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Zero-copy tensor over a received frame (read-only: only ever copied from)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns that the buffer is not writable
+        return torch.frombuffer(frame, dtype=dtype).view(shape)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per last-dim row: x ≈ q * scale. x: [..., head_dim] -> q int8, scale [..., 1] fp32."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0
+    q = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale).to(dtype)
+
+
+def pack_layer(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor, wire_format: WireFormat
+) -> list[torch.Tensor]:
+    """The frames of one chunk. key_cache, value_cache: [num_blocks, block_size, kv_heads, head_dim]."""
+    assert key_cache.shape == value_cache.shape and key_cache.dim() == 4, "cache layout nbhd-v1"
+    k = key_cache.index_select(0, block_ids)  # [n, block_size, kv_heads, head_dim], a fresh copy
+    v = value_cache.index_select(0, block_ids)
+    if wire_format is WireFormat.NATIVE:
+        return [k, v]
+    return [*quantize_int8(k), *quantize_int8(v)]
+
+
+def unpack_layer(
+    frames: list[memoryview],
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    wire_format: WireFormat,
+) -> None:
+    """Write one chunk's frames into the cache at ``block_ids``; frame sizes must already be checked."""
+    shape = (len(block_ids), *key_cache.shape[1:])  # [n, block_size, kv_heads, head_dim]
+    if wire_format is WireFormat.NATIVE:
+        k, v = (from_frame(f, key_cache.dtype, shape) for f in frames)
+    else:
+        scale_shape = (*shape[:-1], 1)
+        kq, ks, vq, vs = frames
+        k = dequantize_int8(
+            from_frame(kq, torch.int8, shape), from_frame(ks, torch.float32, scale_shape), key_cache.dtype
+        )
+        v = dequantize_int8(
+            from_frame(vq, torch.int8, shape), from_frame(vs, torch.float32, scale_shape), value_cache.dtype
+        )
+    key_cache.index_copy_(0, block_ids, k)
+    value_cache.index_copy_(0, block_ids, v)
+
+
+def frame_sizes(
+    block_shape: tuple[int, int, int], dtype: torch.dtype, num_blocks: int, wire_format: WireFormat
+) -> list[int]:
+    """Expected byte size of each frame of a chunk of ``num_blocks`` blocks."""
+    block_size, kv_heads, head_dim = block_shape
+    elems = num_blocks * block_size * kv_heads * head_dim
+    if wire_format is WireFormat.NATIVE:
+        size = elems * dtype.itemsize
+        return [size, size]
+    scales = num_blocks * block_size * kv_heads * 4
+    return [elems, scales, elems, scales]

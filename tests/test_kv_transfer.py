@@ -1,0 +1,221 @@
+"""KV transfer over real loopback sockets: sender in a thread, receiver polled by the test."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from kv_transfer_peer import BLOCK_SIZE, NUM_LAYERS, make_caches, make_fingerprint, prefill_side
+
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence, SequenceStatus
+from kv_transfer.errors import KVRejected, KVTimeout
+from kv_transfer.messages import WireFormat
+from kv_transfer.receiver import KVReceiver, PollResult, ReceiverConfig
+from kv_transfer.sender import KVSender, SenderConfig
+
+pytestmark = pytest.mark.timeout(30)
+NUM_BLOCKS = 16
+
+
+@pytest.fixture(params=["tcp", "ipc"])
+def address(request: pytest.FixtureRequest) -> Iterator[str]:
+    if request.param == "tcp":
+        yield "tcp://127.0.0.1:0"
+        return
+    folder = tempfile.mkdtemp(prefix="kvt")  # short: ipc paths are limited to ~100 bytes
+    yield f"ipc://{folder}/kv.sock"
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def pool() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
+    with concurrent.futures.ThreadPoolExecutor(2) as executor:
+        yield executor
+
+
+def make_receiver(address: str, num_blocks: int = NUM_BLOCKS, **config: object) -> KVReceiver:
+    keys, values = make_caches(num_blocks, seed=None)
+    config = ReceiverConfig(**config)  # type: ignore[arg-type]
+    return KVReceiver(
+        address,
+        make_fingerprint(),
+        BlockManager(num_blocks, BLOCK_SIZE),
+        keys,
+        values,
+        config,
+    )
+
+
+def poll_until(
+    receiver: KVReceiver, done: Callable[[PollResult], bool], timeout_s: float = 10.0
+) -> PollResult:
+    """Poll, accumulating events, until ``done`` holds for them."""
+    total = PollResult()
+    deadline = time.monotonic() + timeout_s
+    while not done(total):
+        assert time.monotonic() < deadline, "receiver made no progress"
+        got = receiver.poll(0.05)
+        total.completed += got.completed
+        total.failed += got.failed
+    return total
+
+
+def assert_blocks_equal(
+    src: list[torch.Tensor], src_ids: list[int], dst: list[torch.Tensor], dst_ids: list[int]
+):
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(s[src_ids], d[dst_ids])
+
+
+def test_round_trip_lands_exact_bytes_in_the_granted_blocks(address, pool):
+    receiver = make_receiver(address)
+    squatter = Sequence("squat", [9] * 3 * BLOCK_SIZE, 3 * BLOCK_SIZE, SamplingParams())
+    receiver.block_manager.append(squatter, 3 * BLOCK_SIZE)  # so the free layouts differ
+    tokens = list(range(100, 100 + 3 * BLOCK_SIZE + 1))  # 3 full blocks and one partial
+    src_bm, src_seq = prefill_side(tokens, NUM_BLOCKS, skip=5)
+    keys, values = make_caches(NUM_BLOCKS, seed=1)
+    sender = KVSender(receiver.address, make_fingerprint())
+
+    future = pool.submit(sender.transfer, "r1", tokens, keys, values, src_seq.block_table, first_token=7)
+    got = poll_until(receiver, lambda r: bool(r.completed)).completed[0]
+    stats = future.result(timeout=5)
+
+    seq = got.seq
+    assert seq.token_ids == [*tokens, 7] and seq.num_computed_tokens == len(tokens)
+    assert seq.status is SequenceStatus.WAITING_FOR_KV and got.num_held_blocks == 0
+    assert seq.block_table == [3, 4, 5, 6] and src_seq.block_table == [5, 6, 7, 8]
+    assert_blocks_equal(keys, src_seq.block_table, receiver.key_caches, seq.block_table)
+    assert_blocks_equal(values, src_seq.block_table, receiver.value_caches, seq.block_table)
+    assert stats.bytes_sent == got.bytes_received == 2 * NUM_LAYERS * 4 * keys[0][0].numel() * 4
+    receiver.block_manager.check_integrity([squatter, seq])
+    receiver.block_manager.free(seq)
+    receiver.block_manager.free(squatter)
+    assert receiver.block_manager.num_free_blocks == NUM_BLOCKS
+    src_bm.free(src_seq)
+    sender.close()
+    receiver.close()
+
+
+def test_prefix_blocks_held_by_the_receiver_are_not_sent(address, pool):
+    receiver = make_receiver(address)
+    bm = receiver.block_manager
+    keys, values = make_caches(NUM_BLOCKS, seed=2)
+    sender = KVSender(receiver.address, make_fingerprint())
+    first = list(range(1, 2 * BLOCK_SIZE + 2))  # 2 full blocks + 1 token
+    _, src_seq = prefill_side(first, NUM_BLOCKS)
+    future = pool.submit(sender.transfer, "a", first, keys, values, src_seq.block_table, 5)
+    bm.free(poll_until(receiver, lambda r: bool(r.completed)).completed[0].seq)  # blocks stay cached
+    future.result(timeout=5)  # a KVSender is used from one thread at a time
+
+    second = [*first[: 2 * BLOCK_SIZE], 50, 51, 52, 53, 54]  # same 2 leading blocks, new tail (2 blocks)
+    _, src_seq2 = prefill_side(second, NUM_BLOCKS)
+    future = pool.submit(sender.transfer, "b", second, keys, values, src_seq2.block_table, 6)
+    got = poll_until(receiver, lambda r: bool(r.completed)).completed[0]
+    stats = future.result(timeout=5)
+
+    block_bytes = 2 * NUM_LAYERS * keys[0][0].numel() * 4  # K and V, every layer, fp32
+    assert got.num_held_blocks == stats.num_held_blocks == 2
+    assert stats.bytes_sent == got.bytes_received == 2 * block_bytes  # only the two tail blocks
+    assert_blocks_equal(keys, src_seq2.block_table, receiver.key_caches, got.seq.block_table)
+    bm.check_integrity([got.seq])
+    bm.free(got.seq)
+    assert bm.num_free_blocks == NUM_BLOCKS
+    sender.close()
+    receiver.close()
+
+
+def test_second_sender_waits_for_room_then_completes(address, pool):
+    receiver = make_receiver(address, num_blocks=3)  # room for one 9-token prompt (3 blocks)
+    keys, values = make_caches(NUM_BLOCKS, seed=3)
+    tokens_a, tokens_b = list(range(1, 10)), list(range(20, 29))
+    _, seq_a = prefill_side(tokens_a, NUM_BLOCKS)
+    _, seq_b = prefill_side(tokens_b, NUM_BLOCKS)
+    sender_a = KVSender(receiver.address, make_fingerprint())
+    sender_b = KVSender(receiver.address, make_fingerprint())
+    pool.submit(sender_a.transfer, "a", tokens_a, keys, values, seq_a.block_table, 1)
+    got_a = poll_until(receiver, lambda r: bool(r.completed)).completed[0]
+
+    future_b = pool.submit(sender_b.transfer, "b", tokens_b, keys, values, seq_b.block_table, 2)
+    poll_until(receiver, lambda r: receiver.num_queued == 1)
+    receiver.poll(0.2)
+    assert receiver.num_queued == 1 and receiver.num_incoming == 0 and not future_b.done()
+    receiver.block_manager.free(got_a.seq)  # request a finished decoding
+    got_b = poll_until(receiver, lambda r: bool(r.completed)).completed[0]
+    assert future_b.result(timeout=5).num_sent_blocks == 3
+    assert_blocks_equal(keys, seq_b.block_table, receiver.key_caches, got_b.seq.block_table)
+    receiver.block_manager.free(got_b.seq)
+    receiver.block_manager.check_integrity([])
+    assert receiver.block_manager.num_free_blocks == 3
+    sender_a.close()
+    sender_b.close()
+    receiver.close()
+
+
+def test_fingerprint_mismatch_is_rejected_naming_the_field(address, pool):
+    receiver = make_receiver(address)
+    sender = KVSender(receiver.address, make_fingerprint(num_kv_heads=4))
+    future = pool.submit(sender.reserve, "r", [1, 2, 3])
+    receiver.poll(0.5)
+    with pytest.raises(KVRejected) as info:
+        future.result(timeout=5)
+    assert info.value.field == "num_kv_heads"
+    assert receiver.block_manager.num_free_blocks == NUM_BLOCKS
+    sender.close()
+    receiver.close()
+
+
+def test_prompt_that_can_never_fit_is_rejected(address, pool):
+    receiver = make_receiver(address, num_blocks=2)
+    sender = KVSender(receiver.address, make_fingerprint())
+    future = pool.submit(sender.reserve, "big", list(range(3 * BLOCK_SIZE)))
+    receiver.poll(0.5)
+    with pytest.raises(KVRejected) as info:
+        future.result(timeout=5)
+    assert info.value.field == "token_ids" and receiver.num_queued == 0
+    sender.close()
+    receiver.close()
+
+
+def test_queued_reservation_is_rejected_when_its_ttl_passes(address, pool):
+    receiver = make_receiver(address, num_blocks=2, max_ttl_s=0.3)  # caps the sender's 5 s
+    hog = Sequence("hog", [0] * BLOCK_SIZE, BLOCK_SIZE, SamplingParams())
+    receiver.block_manager.append(hog, BLOCK_SIZE)
+    sender = KVSender(receiver.address, make_fingerprint(), SenderConfig(grant_timeout_s=5))
+    future = pool.submit(sender.reserve, "late", list(range(2 * BLOCK_SIZE)))
+    got = poll_until(receiver, lambda r: bool(r.failed))
+    assert isinstance(got.failed[0].error, KVTimeout) and receiver.num_queued == 0
+    with pytest.raises(KVRejected) as info:
+        future.result(timeout=5)
+    assert info.value.field == "ttl_s"
+    receiver.block_manager.free(hog)
+    assert receiver.block_manager.num_free_blocks == 2
+    sender.close()
+    receiver.close()
+
+
+def test_int8_wire_quarters_the_bytes_within_quantization_error(address, pool):
+    receiver = make_receiver(address)
+    tokens = list(range(1, 2 * BLOCK_SIZE + 1))
+    _, src_seq = prefill_side(tokens, NUM_BLOCKS)
+    keys, values = make_caches(NUM_BLOCKS, seed=4)
+    sender = KVSender(receiver.address, make_fingerprint(), SenderConfig(wire_format=WireFormat.INT8))
+    future = pool.submit(sender.transfer, "q", tokens, keys, values, src_seq.block_table, 3)
+    got = poll_until(receiver, lambda r: bool(r.completed)).completed[0]
+    stats = future.result(timeout=5)
+    elems = 2 * NUM_LAYERS * 2 * keys[0][0].numel()  # K and V, layers, blocks, elements per block
+    assert stats.bytes_sent == elems + elems // 8 * 4  # int8 values + one fp32 scale per head_dim=8 row
+    for src, dst in [(keys, receiver.key_caches), (values, receiver.value_caches)]:
+        for s, d in zip(src, dst, strict=True):
+            x, y = s[src_seq.block_table], d[got.seq.block_table]
+            assert (x - y).abs().max() <= x.abs().amax(-1, keepdim=True).max() / 254 + 1e-6
+    receiver.block_manager.free(got.seq)
+    assert receiver.block_manager.num_free_blocks == NUM_BLOCKS
+    sender.close()
+    receiver.close()
