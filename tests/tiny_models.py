@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import pathlib
+import shutil
+import tempfile
 
 import torch
 import transformers
@@ -22,17 +27,24 @@ CONFIGS = {
 }
 
 
-def make_tiny_model(kind: str, root: pathlib.Path, seed: int = 0) -> pathlib.Path:
-    """Save a seeded random model of ``kind`` under ``root`` (cached by name) and return its folder."""
-    path = root / f"tiny-{kind}-{seed}"
+def make_tiny_model(kind: str, root: pathlib.Path | None = None, seed: int = 0) -> pathlib.Path:
+    """Save a seeded random model of ``kind`` (cached by its config) and return its folder."""
+    config = CONFIGS[kind]()
+    digest = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:12]
+    root = root or pathlib.Path(tempfile.gettempdir()) / f"pdserve-tiny-models-{os.getuid()}"
+    path = root / f"{kind}-{seed}-{digest}"
     if (path / "config.json").is_file():
         return path
     torch.manual_seed(seed)
-    config = CONFIGS[kind]()
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger weights than the default init give peaked, tie-free logits
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.08)
-    model.save_pretrained(path, safe_serialization=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp, safe_serialization=True)
+    if path.exists():  # another process won the race
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, path)
     return path

@@ -1,0 +1,59 @@
+"""Shared helpers for engine tests: HF oracles and teacher-forced logits through the paged path."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import transformers
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_layout import KVCacheSpec
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.sequence import Sequence
+
+
+@functools.cache
+def hf_model(path: str) -> transformers.PreTrainedModel:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # fixed-length runs: like ignore_eos, EOS may be emitted
+    return model
+
+
+def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Hugging Face generate, greedy, EOS ignored (fixed length)."""
+    model = hf_model(str(path))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=0)
+    assert out.shape[1] == len(prompt) + max_new_tokens
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logits(path: str, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(str(path))(torch.tensor([tokens])).logits[0].float()  # [T, vocab]
+
+
+def paged_logits(path: str, tokens: list[int], chunks: list[int], block_size: int = 4) -> torch.Tensor:
+    """Logits at every position, computing ``tokens`` in consecutive chunks through the paged cache."""
+    assert sum(chunks) == len(tokens)
+    cfg = ModelConfig.from_path(path)
+    num_blocks = 2 * (len(tokens) // block_size + 2)
+    spec = KVCacheSpec(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, "float32")
+    runner = ModelRunner(cfg, EngineConfig(model=str(path), block_size=block_size), spec)
+    bm = BlockManager(num_blocks, block_size)
+    bm.free_block_ids.move_to_end(0)  # a non-identity layout: block ids out of order
+    seq = Sequence("teacher", list(tokens), len(tokens), SamplingParams())
+    rows = []
+    for n in chunks:
+        bm.append(seq, n)
+        inp = runner.prepare(SchedulerOutput([ScheduledSeq(seq, n)], [], []))
+        with torch.inference_mode():
+            hidden = runner.model(inp.input_ids, inp.positions, runner.kv_caches, inp.meta)
+            rows.append(runner.model.compute_logits(hidden))
+        seq.num_computed_tokens += n
+    return torch.cat(rows)
