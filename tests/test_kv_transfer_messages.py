@@ -1,0 +1,139 @@
+"""Wire messages: every type round-trips; anything else is a ProtocolError, never a crash."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_transfer import messages
+from kv_transfer.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    Error,
+    KVAck,
+    KVChunk,
+    KVCredit,
+    KVDone,
+    KVFingerprint,
+    KVGrant,
+    KVReject,
+    KVReserve,
+    KVWait,
+    ProtocolError,
+    WireFormat,
+)
+
+FP = KVFingerprint("smollm2-135m", "float32", 16, "nbhd-v1", 30, 3, 64)
+EXAMPLES = [
+    KVReserve("r1", (1, 2, 3), (2**64 - 1,), FP, 2.5, WireFormat.INT8, {"temperature": 0.0, "stop": ("x",)}),
+    KVReserve("r2", (5,), (), FP, 1.0),
+    KVGrant("r1", 2, (7, 3, 9), 1 << 26),
+    KVWait("r1", 4),
+    KVReject("r1", "fingerprint mismatch", "head_dim"),
+    KVReject("r1", "busy"),
+    KVChunk("r1", 29, 3, 2, (11, 2**64 - 1)),
+    KVCredit("r1", 123456),
+    KVDone("r1", 42, 1000, 256),
+    KVAck("r1"),
+    Abort("r1", "client left"),
+    Error(None, "malformed", "not msgpack"),
+]
+
+
+def test_every_message_type_has_a_round_trip_example():
+    assert {type(m) for m in EXAMPLES} == set(messages.MESSAGE_TYPES)
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: m.TAG)
+def test_message_round_trips(msg):
+    frames = [memoryview(b"k" * 8), memoryview(b"v" * 8)] if isinstance(msg, KVChunk) else []
+    assert messages.decode(messages.encode(msg), frames) == msg
+
+
+def _header(tag: str, fields: object, version: object = PROTOCOL_VERSION) -> bytes:
+    return msgpack.packb([version, tag, fields])
+
+
+def test_wrong_version_is_rejected():
+    with pytest.raises(ProtocolError) as info:
+        messages.decode(_header("ack", {"request_id": "r"}, version=PROTOCOL_VERSION + 1))
+    assert info.value.field == "version"
+
+
+def test_unknown_tag_is_rejected():
+    with pytest.raises(ProtocolError) as info:
+        messages.decode(_header("teleport", {}))
+    assert info.value.field == "tag"
+
+
+def test_missing_field_is_named():
+    with pytest.raises(ProtocolError) as info:
+        messages.decode(_header("credit", {"request_id": "r"}))
+    assert info.value.field == "num_bytes"
+
+
+def test_wrongly_typed_field_is_named():
+    with pytest.raises(ProtocolError) as info:
+        messages.decode(_header("credit", {"request_id": "r", "num_bytes": "lots"}))
+    assert info.value.field == "num_bytes"
+
+
+def test_bool_is_not_an_int_and_negative_counts_are_refused():
+    for bad in (True, -1):
+        with pytest.raises(ProtocolError):
+            messages.decode(_header("credit", {"request_id": "r", "num_bytes": bad}))
+
+
+def test_chunk_frame_count_must_match_its_checksums():
+    header = messages.encode(KVChunk("r", 0, 0, 1, (1, 2)))
+    with pytest.raises(ProtocolError) as info:
+        messages.decode(header, [memoryview(b"only one")])
+    assert info.value.field == "frames"
+
+
+def test_oversized_frame_is_rejected():
+    header = messages.encode(KVChunk("r", 0, 0, 1, (1, 2)))
+    with pytest.raises(ProtocolError):
+        messages.decode(header, [memoryview(b"x" * 65), memoryview(b"x")], max_frame_bytes=64)
+
+
+def test_oversized_header_is_rejected():
+    with pytest.raises(ProtocolError):
+        messages.decode(b"\x00" * (messages.MAX_HEADER_BYTES + 1))
+
+
+def test_fingerprint_names_its_first_difference():
+    other = KVFingerprint("smollm2-135m", "float32", 16, "nbhd-v1", 30, 3, 128)
+    assert FP.first_difference(other) == "head_dim" and FP.first_difference(FP) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=256))
+def test_random_bytes_never_crash_the_decoder(data):
+    try:
+        messages.decode(data)
+    except ProtocolError:
+        pass
+
+
+_leaves = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
+_values = st.recursive(
+    _leaves, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4)
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from([cls.TAG for cls in messages.MESSAGE_TYPES]),
+    st.dictionaries(
+        st.sampled_from(["request_id", "layer", "token_ids", "fingerprint", "reason", "x"]), _values
+    ),
+)
+def test_random_fields_decode_or_raise_protocol_error(tag, fields):
+    try:
+        msg = messages.decode(_header(tag, fields))
+    except ProtocolError:
+        return
+    assert messages.decode(messages.encode(msg)) == msg
