@@ -1,8 +1,8 @@
 """Paged-KV operations, one dispatch function each.
 
 Triton kernels run on CUDA tensors, the pure-torch paths on CPU; ``backend="triton"`` or
-``backend="torch"`` forces one (Triton on CPU tensors needs its interpreter: see
-``kernels/interpret.py``). The cache layout is defined once in ``engine/kv_layout.py``.
+``backend="torch"`` forces one (Triton on CPU tensors needs ``TRITON_INTERPRET=1`` set
+before triton is first imported in the process: see ``tests/test_kernels_interpreter.py``). The cache layout is defined once in ``engine/kv_layout.py``.
 Each Triton kernel's module also holds a simple pure-torch ``*_ref`` used by the tests.
 """
 

@@ -56,6 +56,19 @@ def _poisoned(like: torch.Tensor) -> torch.Tensor:
     return torch.full_like(like, float("nan"))
 
 
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def assert_int8_equal_up_to_ties(q: torch.Tensor, q_ref: torch.Tensor, x: torch.Tensor, scales: torch.Tensor):
+    """Equal, except by one step where x / scale sits on a .5 tie (FMA or fp64 temporaries round it)."""
+    diff = (q.int() - q_ref.int()).abs()
+    y = (x.float() / scales[:, None, :, None]).nan_to_num()  # [n, bs, kvh, D] before rounding
+    near_tie = ((y - y.floor()) - 0.5).abs() < 1e-4
+    assert int(diff.max()) <= 1 and bool(((diff == 0) | near_tie).all()), diff.nonzero()
+
+
 @pytest.mark.parametrize("case", DECODE_CASES.values(), ids=DECODE_CASES.keys())
 @pytest.mark.parametrize("partition_size", [16, 512], ids=["split-k", "one-partition"])
 def test_decode_matches_ref(case, partition_size):
@@ -178,8 +191,7 @@ def test_quantize_matches_ref_and_dequantize_error_is_half_a_step(dtype):
     q, scales = quantize_kv_int8_triton(x, out=out)
     q_ref, scales_ref = quantize_kv_int8_ref(x)
     assert torch.equal(scales, scales_ref)
-    diff = (q.int() - q_ref.int()).abs()
-    assert int(diff.max()) <= (1 if ON_GPU else 0)  # GPU fp32 division may round 1 ulp apart
+    assert_int8_equal_up_to_ties(q, q_ref, x, scales)
     restored = dequantize_kv_int8(q, scales, torch.float32, backend="triton")
     assert torch.equal(restored, dequantize_kv_int8_ref(q, scales, torch.float32))
     step = scales[:, None, :, None]
