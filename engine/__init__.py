@@ -1,7 +1,25 @@
-"""pdserve's one-process LLM core: models, paged KV cache, block manager, scheduler, sampler."""
+"""pdserve's one-process LLM core: models, paged KV cache, block manager, scheduler, sampler.
 
-from engine.llm import LLM
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+``from engine import LLM, SamplingParams`` works as in vLLM. The names load lazily so that
+torch-free modules (``engine.sampling_params``, ``engine.block_hash``, ``engine.kv_layout``)
+can be imported by the router without pulling in torch.
+"""
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "SamplingParams": "engine.sampling_params",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -32,6 +32,17 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len:
     return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:context_len]
 
 
+def _causal_bias(first_pos: int, q_len: int, context_len: int, sliding_window: int | None,
+                 dtype: torch.dtype) -> torch.Tensor:
+    # [Q, T] additive mask: query at position p sees keys k with p - window < k <= p
+    q_pos = torch.arange(first_pos, first_pos + q_len).unsqueeze(1)
+    k_pos = torch.arange(context_len).unsqueeze(0)
+    hidden = k_pos > q_pos
+    if sliding_window is not None:
+        hidden |= k_pos <= q_pos - sliding_window
+    return torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
+
+
 def paged_prefill_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -60,15 +71,15 @@ def paged_prefill_attention(
         k = _gather_context(key_cache, block_tables[i], context_len)  # [T, KVH, D]
         v = _gather_context(value_cache, block_tables[i], context_len)
         q = query[q_start:q_end].transpose(0, 1)  # [H, Q, D]
-        q_pos = torch.arange(context_len - q_len, context_len).unsqueeze(1)  # [Q, 1]
-        k_pos = torch.arange(context_len).unsqueeze(0)  # [1, T]
-        mask = k_pos <= q_pos
-        if sliding_window is not None:
-            mask &= k_pos > q_pos - sliding_window
         groups = num_heads // k.shape[1]
-        k = k.transpose(0, 1).repeat_interleave(groups, dim=0)  # [H, T, D]
-        v = v.transpose(0, 1).repeat_interleave(groups, dim=0)
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+        k = k.transpose(0, 1).repeat_interleave(groups, dim=0).to(q.dtype)  # [H, T, D]
+        v = v.transpose(0, 1).repeat_interleave(groups, dim=0).to(q.dtype)
+        if q_len == context_len and sliding_window is None:
+            # Plain causal: lets SDPA take its fused CPU kernel (a mask costs ~25x here).
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:
+            mask = _causal_bias(context_len - q_len, q_len, context_len, sliding_window, q.dtype)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out[q_start:q_end] = o.transpose(0, 1)
     return out
 
@@ -101,10 +112,11 @@ def paged_decode_attention(
     q = query.reshape(num_seqs, num_kv_heads, groups, head_dim)  # [S, KVH, G, D]
     k_pos = torch.arange(k.shape[2]).unsqueeze(0)  # [1, T]
     lens = context_lens.long().unsqueeze(1)  # [S, 1]
-    mask = k_pos < lens
+    hidden = k_pos >= lens
     if sliding_window is not None:
-        mask &= k_pos >= lens - sliding_window
-    mask = mask[:, None, None, :]  # [S, 1, 1, T]
+        hidden |= k_pos < lens - sliding_window
+    # An additive float mask is about twice as fast as a boolean one in CPU SDPA.
+    mask = torch.zeros(hidden.shape, dtype=q.dtype).masked_fill_(hidden, float("-inf"))[:, None, None, :]
     o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
     return o.reshape(num_seqs, num_heads, head_dim)
 

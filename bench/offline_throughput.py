@@ -1,0 +1,119 @@
+"""Offline throughput: pdserve ``LLM.generate`` against Hugging Face ``generate`` in one run.
+
+Workloads (greedy, fp32, fixed-length outputs via ignore_eos):
+  fixed: N prompts x 128 tokens in, 128 out
+  mix:   N prompts of 16-512 tokens, outputs of 8-256 tokens (seeded)
+HF runs static batches (padded left; each batch runs until its longest output), at every
+batch size in --hf-batch-sizes; the best is the baseline. Prints tok/s and the ratio.
+
+    python bench/offline_throughput.py --model tiny --workload both
+    python bench/offline_throughput.py --model default --workload mix --num-prompts 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+import time
+
+import torch
+import transformers
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from engine import LLM, SamplingParams  # noqa: E402
+
+
+def tiny_bench_model() -> pathlib.Path:
+    """The BASELINES.md tiny Llama: hidden 256, 4 layers, vocab 49152, seeded random weights."""
+    path = pathlib.Path(tempfile.gettempdir()) / "pdserve-bench-tiny-llama"
+    if not (path / "config.json").is_file():
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                                       num_attention_heads=8, num_key_value_heads=4, vocab_size=49152,
+                                       max_position_embeddings=2048, tie_word_embeddings=True)
+        transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+def workload(kind: str, n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "fixed":
+        return [(torch.randint(10, vocab, (128,), generator=g).tolist(), 128) for _ in range(n)]
+    lens = torch.randint(16, 513, (n,), generator=g).tolist()
+    outs = torch.randint(8, 257, (n,), generator=g).tolist()
+    return [(torch.randint(10, vocab, (k,), generator=g).tolist(), o) for k, o in zip(lens, outs, strict=True)]
+
+
+def run_pdserve(path: pathlib.Path, reqs, max_num_seqs: int) -> tuple[float, int]:
+    llm = LLM(str(path), max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, kv_cache_memory_mb=2048)
+    llm.generate([[11, 12, 13]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in reqs]
+    start = time.perf_counter()
+    outs = llm.generate([p for p, _ in reqs], params)
+    elapsed = time.perf_counter() - start
+    useful = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert useful == sum(o for _, o in reqs)
+    return elapsed, useful
+
+
+@torch.inference_mode()
+def run_hf(path: pathlib.Path, reqs, batch: int) -> tuple[float, int]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    start = time.perf_counter()
+    for i in range(0, len(reqs), batch):
+        chunk = reqs[i:i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, (p, _) in enumerate(chunk):
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        model.generate(ids, attention_mask=mask, max_new_tokens=max(o for _, o in chunk), do_sample=False,
+                       pad_token_id=0)
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(o for _, o in reqs)  # useful tokens: padding past a request's own length is waste
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="tiny", help="'tiny', 'default' or a model folder")
+    ap.add_argument("--workload", choices=["fixed", "mix", "both"], default="both")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--hf-batch-sizes", default="8,32,64")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.model == "tiny":
+        path = tiny_bench_model()
+    elif args.model == "default":
+        from engine.model_fetch import fetch_default_model
+
+        path = fetch_default_model(progress=False)
+    else:
+        path = pathlib.Path(args.model)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    results = {}
+    for kind in (["fixed", "mix"] if args.workload == "both" else [args.workload]):
+        reqs = workload(kind, args.num_prompts, vocab)
+        t, n = run_pdserve(path, reqs, args.max_num_seqs)
+        ours = n / t
+        hf = {}
+        for b in (int(x) for x in args.hf_batch_sizes.split(",")):
+            t_hf, n_hf = run_hf(path, reqs, b)
+            hf[b] = n_hf / t_hf
+            print(f"[{kind}] HF generate batch {b}: {hf[b]:.1f} tok/s", flush=True)
+        best = max(hf.values())
+        print(f"[{kind}] pdserve: {ours:.1f} tok/s; best HF {best:.1f} tok/s; ratio {ours / best:.2f}x", flush=True)
+        results[kind] = {"pdserve_tok_s": round(ours, 1), "hf_tok_s": {str(k): round(v, 1) for k, v in hf.items()},
+                         "ratio_vs_best_hf": round(ours / best, 2)}
+    print(json.dumps({"model": str(args.model), "num_prompts": args.num_prompts, "results": results}))
+
+
+if __name__ == "__main__":
+    main()

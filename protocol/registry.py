@@ -1,0 +1,71 @@
+"""Node records in Redis: one hash per node, refreshed by heartbeats, gone when they stop.
+
+    key  pdserve:node:<node_id>   (hash, TTL = heartbeat ttl; each heartbeat rewrites it and its TTL)
+
+A node that dies stops refreshing and its key expires; a node that drains deletes its key.
+Torch-free: the router reads these records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+KEY_PREFIX = "pdserve:node:"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NodeInfo:
+    node_id: str  # unique per process, e.g. "decode-<host>-<pid>-<random>"
+    role: str  # "prefill" or "decode"
+    control_addr: str  # ZeroMQ address for GenerateRequest / AbortRequest
+    kv_addr: str | None  # decode nodes: address of the KV receiver; None on prefill nodes
+    fingerprint: dict[str, Any]  # kv_transfer KVFingerprint fields; only equal ones are paired
+    max_model_len: int  # longest prompt + output the node accepts
+    num_blocks_total: int  # KV blocks in the pool
+    num_blocks_free: int  # blocks no request holds (cached ones included)
+    num_blocks_cached: int  # free blocks that still serve prefix hits (evictable)
+    num_running: int  # requests in the running batch
+    num_queued: int  # requests waiting (for blocks, KV or a slot)
+    num_queued_prefill_tokens: int  # prompt tokens not yet computed
+    draining: bool = False  # finishing in-flight work, takes no new requests
+    heartbeat_time: float = 0.0  # wall clock of this record
+
+    def to_redis(self) -> dict[str, str]:
+        return {f.name: json.dumps(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_redis(cls, raw: dict[bytes | str, bytes | str]) -> NodeInfo:
+        fields = {(k.decode() if isinstance(k, bytes) else k): json.loads(v) for k, v in raw.items()}
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in fields.items() if k in names})
+
+
+def publish(client, info: NodeInfo, ttl_s: float) -> None:
+    """Write (or refresh) a node's record with a TTL, atomically."""
+    key = KEY_PREFIX + info.node_id
+    record = dataclasses.replace(info, heartbeat_time=time.time())
+    pipe = client.pipeline(transaction=True)
+    pipe.delete(key)
+    pipe.hset(key, mapping=record.to_redis())
+    pipe.pexpire(key, max(1, int(ttl_s * 1000)))
+    pipe.execute()
+
+
+def withdraw(client, node_id: str) -> None:
+    client.delete(KEY_PREFIX + node_id)
+
+
+def list_nodes(client) -> list[NodeInfo]:
+    """Every live node record (expired ones are gone already)."""
+    nodes = []
+    for key in client.scan_iter(match=KEY_PREFIX + "*", count=100):
+        raw = client.hgetall(key)
+        if raw:
+            try:
+                nodes.append(NodeInfo.from_redis(raw))
+            except (TypeError, ValueError):
+                continue  # a record from an incompatible version: ignore rather than crash
+    return sorted(nodes, key=lambda n: n.node_id)
