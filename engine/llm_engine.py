@@ -51,6 +51,10 @@ class LLMEngine:
         self.sampler = Sampler()
         self.tokenizer = tokenizer
         self.requests: dict[str, Request] = {}
+        # Prefill-only requests (prefill nodes): after the first token their blocks stay held
+        # here, KV intact, until the transfer to a decode node ends and release_held() is called.
+        self.prefill_only: set[str] = set()
+        self.held: dict[str, Sequence] = {}
 
     def _kv_spec(self) -> KVCacheSpec:
         m, c = self.model_config, self.config
@@ -84,10 +88,16 @@ class LLMEngine:
         return max_tokens
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        if request_id in self.requests:
+                    arrival_time: float | None = None, prefill_only: bool = False) -> None:
+        """Queue a request. ``prefill_only``: stop after the first token and hold the KV blocks."""
+        if request_id in self.requests or request_id in self.held:
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
+        if prefill_only:
+            if params.n != 1:
+                raise ValueError("n: prefill-only requests take n == 1")
+            max_tokens = 1
+            self.prefill_only.add(request_id)
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params,
@@ -96,7 +106,31 @@ class LLMEngine:
         self.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [seq])
         self.scheduler.add(seq)
 
+    def add_prefilled(self, seq: Sequence) -> list[RequestOutput]:
+        """Adopt a sequence whose prompt KV is already in this engine's blocks (a decode node's
+        received transfer): prompt computed, first token appended. It joins the running batch
+        at the next step; returns its output at once when that first token already ends it."""
+        if seq.request_id in self.requests:
+            raise ValueError(f"request_id {seq.request_id!r} is already in use")
+        assert seq.num_computed_tokens == seq.num_prompt_tokens == seq.num_tokens - 1
+        seq.max_tokens = min(seq.params.max_tokens or self.max_model_len, self.max_model_len - seq.num_prompt_tokens)
+        request = Request(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.params, [seq])
+        self.requests[seq.request_id] = request
+        self.scheduler.add_running(seq)
+        self._check_stop(seq, seq.token_ids[-1])
+        return [self._output(request)] if seq.is_finished else []
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks a finished prefill-only request kept (they stay as prefix cache)."""
+        seq = self.held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.block_manager.free(seq)
+        return True
+
     def abort_request(self, request_id: str) -> bool:
+        self.release_held(request_id)
+        self.prefill_only.discard(request_id)
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
@@ -172,7 +206,11 @@ class LLMEngine:
         return seq.stop_text
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        self.scheduler.finish(seq, status)
+        hold = seq.request_id in self.prefill_only and status is not SequenceStatus.FINISHED_ABORTED
+        self.scheduler.finish(seq, status, free_blocks=not hold)
+        if hold:
+            self.held[seq.request_id] = seq
+        self.prefill_only.discard(seq.request_id)
         self.sampler.forget(seq)
 
     # ------------------------------------------------------------------ outputs

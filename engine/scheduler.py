@@ -115,12 +115,13 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """End a sequence wherever it is and free its blocks at once."""
+    def finish(self, seq: Sequence, status: SequenceStatus, free_blocks: bool = True) -> None:
+        """End a sequence wherever it is and (unless told to keep them) free its blocks at once."""
         assert status.finished
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        if free_blocks:
+            self.block_manager.free(seq)
         seq.status = status
