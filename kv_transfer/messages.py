@@ -87,6 +87,8 @@ class KVReserve(Message):
     ttl_s: float  # how long the reservation may wait for a grant
     wire_format: WireFormat = WireFormat.NATIVE  # how chunks will be encoded
     sampling_params: dict[str, Any] | None = None  # engine SamplingParams.to_dict(), for the decode side
+    shm_name: str | None = None  # the sender's shared-memory staging ring, offered for same-host peers
+    host_id: str | None = None  # kv_transfer.staging.host_id() of the sender, to tell same-host peers
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -98,6 +100,7 @@ class KVGrant(Message):
     num_held_blocks: int  # leading prompt blocks the receiver already had (prefix cache): not sent
     block_ids: tuple[int, ...]  # receiver block ids of the blocks to send, in prompt order
     window_bytes: int  # bound on this peer's unacknowledged chunk bytes (see KVCredit)
+    shm: bool = False  # the receiver mapped the offered ring: chunks name slots instead of carrying frames
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -130,6 +133,9 @@ class KVChunk(Message):
     block_start: int  # index into KVGrant.block_ids of the first block in this chunk
     num_blocks: int  # blocks in this chunk
     checksums: tuple[int, ...]  # xxh3_64 of each data frame: native (K, V); int8 (Kq, Ks, Vq, Vs)
+    shm_offset: int | None = (
+        None  # with a shared ring: the frames lie back to back from here, not on the wire
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -235,7 +241,8 @@ def decode(
 
 
 def _check_frames(msg: Message, frames: Sequence[memoryview], max_frame_bytes: int) -> None:
-    expected = 0 if msg.NUM_FRAMES_FIELD is None else len(getattr(msg, msg.NUM_FRAMES_FIELD))
+    in_shm = getattr(msg, "shm_offset", None) is not None
+    expected = 0 if msg.NUM_FRAMES_FIELD is None or in_shm else len(getattr(msg, msg.NUM_FRAMES_FIELD))
     if len(frames) != expected:
         raise ProtocolError(f"{msg.TAG} carries {len(frames)} data frames, expected {expected}", "frames")
     for frame in frames:

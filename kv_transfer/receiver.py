@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import mmap
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -30,7 +31,7 @@ from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence as EngineSequence
 from engine.sequence import SequenceStatus
-from kv_transfer import tensors
+from kv_transfer import staging, tensors
 from kv_transfer.channel import Inbound, ListenChannel, PeerUnavailable
 from kv_transfer.errors import KVAborted, KVTimeout, KVTransferError
 from kv_transfer.messages import (
@@ -57,6 +58,7 @@ class ReceiverConfig:
     max_ttl_s: float = 60.0  # cap on how long a queued reservation may wait
     max_waiting: int = 64  # queued reservations; beyond this, KVReject
     max_frame_bytes: int = 256 << 20  # larger data frames are refused
+    shared_memory: bool = True  # map a same-host sender's staging ring instead of taking frames
 
     def __post_init__(self) -> None:
         if min(self.window_bytes, self.chunk_timeout_s, self.max_ttl_s, self.max_frame_bytes) <= 0:
@@ -102,6 +104,7 @@ class _Incoming:
     block_ids: torch.Tensor  # [num_send_blocks] receiver block ids, in prompt order
     landed: bytearray  # [num_layers * num_send_blocks], 1 where that layer of that block landed
     deadline: float  # time.monotonic() by which the next message must come
+    ring: memoryview | None  # the sender's shared staging ring, when chunks come through it
     bytes_received: int = 0
 
 
@@ -145,6 +148,8 @@ class KVReceiver:
         self._incoming: dict[str, _Incoming] = {}
         self._queued: deque[_Queued] = deque()
         self._result = PollResult()
+        self._host_id = staging.host_id()
+        self._rings: dict[str, mmap.mmap] = {}  # mapped sender rings by name (read-only)
         self._handlers: dict[type[Message], Callable[[bytes, Message, list[memoryview]], None]] = {
             KVReserve: self._on_reserve,
             KVChunk: self._on_chunk,
@@ -193,6 +198,7 @@ class KVReceiver:
         for request_id in [*self._incoming, *(q.reserve.request_id for q in self._queued)]:
             self._fail(request_id, KVAborted(request_id, "receiver closing"))
         self._channel.close()
+        self._rings.clear()  # the mappings close once no chunk view refers to them
 
     # ----------------------------------------------------------------- messages
     def _recv(self, timeout_s: float) -> Inbound | None:
@@ -266,6 +272,7 @@ class KVReceiver:
         bm.append(seq, num_new)
         seq.status = SequenceStatus.WAITING_FOR_KV
         send_ids = seq.block_table[len(ids) :]
+        ring = self._map_ring(msg)
         self._incoming[msg.request_id] = _Incoming(
             peer,
             seq,
@@ -274,17 +281,37 @@ class KVReceiver:
             torch.tensor(send_ids, dtype=torch.long),
             bytearray(self.fingerprint.num_layers * len(send_ids)),
             time.monotonic() + self.config.chunk_timeout_s,
+            ring,
         )
-        self._reply(peer, KVGrant(msg.request_id, len(ids), tuple(send_ids), self.config.window_bytes))
+        grant = KVGrant(msg.request_id, len(ids), tuple(send_ids), self.config.window_bytes, ring is not None)
+        self._reply(peer, grant)
         return True
+
+    def _map_ring(self, msg: KVReserve) -> memoryview | None:
+        """The sender's shared staging ring when it is on this host and we may map it, else None."""
+        if not (self.config.shared_memory and msg.shm_name and msg.host_id == self._host_id):
+            return None
+        if msg.shm_name not in self._rings:
+            try:
+                self._rings[msg.shm_name] = staging.attach(msg.shm_name)
+            except (OSError, ValueError):
+                return None  # fall back to frames on the socket
+        return memoryview(self._rings[msg.shm_name])
 
     def _on_chunk(self, peer: bytes, msg: Message, frames: list[memoryview]) -> None:
         assert isinstance(msg, KVChunk)
-        # Credit every chunk that arrived, landed or not, so the sender's window never leaks.
-        self._reply(peer, KVCredit(msg.request_id, sum(len(f) for f in frames)))
         state = self._incoming.get(msg.request_id)
-        if state is None or state.peer != peer:
-            return  # a request already failed here; its sender has been told
+        try:
+            if state is not None and state.peer == peer:  # else a request already failed here
+                self._land_chunk(state, msg, frames)
+        finally:
+            # Credit every chunk, landed or not, once its bytes are no longer read (the sender
+            # reuses a shared slot on credit), so the sender's window never leaks.
+            self._reply(peer, KVCredit(msg.request_id, sum(len(f) for f in frames)))
+
+    def _land_chunk(self, state: _Incoming, msg: KVChunk, frames: list[memoryview]) -> None:
+        if msg.shm_offset is not None:
+            frames = self._ring_frames(state, msg)
         problem = self._check_chunk(state, msg, frames)
         if problem is not None:
             self._fail(msg.request_id, KVAborted(msg.request_id, problem))
@@ -297,6 +324,20 @@ class KVReceiver:
         state.landed[first : first + msg.num_blocks] = b"\x01" * msg.num_blocks
         state.bytes_received += sum(len(f) for f in frames)
         state.deadline = time.monotonic() + self.config.chunk_timeout_s
+
+    def _ring_frames(self, state: _Incoming, msg: KVChunk) -> list[memoryview]:
+        """The chunk's frames as views of the shared ring ([] when they cannot be there: fails the check)."""
+        cache = self.key_caches[0]
+        sizes = tensors.frame_sizes(
+            tuple(cache.shape[1:]), cache.dtype, msg.num_blocks, state.reserve.wire_format
+        )
+        offsets, total = tensors.frame_offsets(sizes)
+        if state.ring is None or msg.shm_offset + total > len(state.ring):
+            return []
+        return [
+            state.ring[msg.shm_offset + o : msg.shm_offset + o + n]
+            for o, n in zip(offsets, sizes, strict=True)
+        ]
 
     def _check_chunk(self, state: _Incoming, msg: KVChunk, frames: list[memoryview]) -> str | None:
         num_send = len(state.block_ids)

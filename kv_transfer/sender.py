@@ -40,6 +40,7 @@ from kv_transfer.messages import (
     Message,
     WireFormat,
 )
+from kv_transfer.staging import StagingRing, host_id
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,10 +49,12 @@ class SenderConfig:
     reply_timeout_s: float = 5.0  # longest wait for one credit or the final ack
     max_chunk_bytes: int = 16 << 20  # a layer's blocks are split into chunks of at most this
     wire_format: WireFormat = WireFormat.NATIVE  # INT8 quarters fp32 bytes, lossy
+    staging_bytes: int = 64 << 20  # the staging ring: bounds this sender's in-flight chunk bytes
+    shared_memory: bool = True  # offer the ring as shared memory to a receiver on the same host
 
     def __post_init__(self) -> None:
-        if not (self.grant_timeout_s > 0 and self.reply_timeout_s > 0 and self.max_chunk_bytes > 0):
-            raise ValueError("SenderConfig timeouts and max_chunk_bytes must be positive")
+        if min(self.grant_timeout_s, self.reply_timeout_s, self.max_chunk_bytes, self.staging_bytes) <= 0:
+            raise ValueError("SenderConfig timeouts and sizes must be positive")
 
 
 @dataclasses.dataclass(slots=True)
@@ -63,6 +66,7 @@ class OutgoingTransfer:
     num_held_blocks: int  # leading blocks the decode node already had: skipped
     num_send_blocks: int  # blocks to send, from num_held_blocks on
     started_at: float  # time.monotonic() at reserve
+    shm: bool  # chunks name slots of the shared staging ring instead of carrying frames
     bytes_sent: int = 0  # payload bytes of all chunks
 
 
@@ -73,6 +77,7 @@ class TransferStats:
     num_sent_blocks: int
     bytes_sent: int  # payload bytes
     seconds: float  # reserve to ack
+    shm: bool  # the chunks went through the shared staging ring, not the socket
 
 
 class KVSender:
@@ -87,7 +92,7 @@ class KVSender:
         self.config = config or SenderConfig()
         self._channel = PeerChannel(address, context)
         self._inbox: dict[str, deque[Message]] = {}  # replies per active request, in arrival order
-        self._in_flight_bytes = 0  # chunk bytes sent and not yet credited
+        self._ring = StagingRing(self.config.staging_bytes, shared=self.config.shared_memory)
         self._window_bytes = 0  # from the latest grant
 
     # ----------------------------------------------------------------- per request
@@ -104,6 +109,8 @@ class KVSender:
             self.config.grant_timeout_s,
             self.config.wire_format,
             sampling_params,
+            self._ring.shm_name,
+            host_id(),
         )
         self._inbox[request_id] = deque()
         started = time.monotonic()
@@ -112,7 +119,7 @@ class KVSender:
         assert isinstance(grant, KVGrant)
         self._window_bytes = grant.window_bytes
         return OutgoingTransfer(
-            request_id, len(token_ids), grant.num_held_blocks, len(grant.block_ids), started
+            request_id, len(token_ids), grant.num_held_blocks, len(grant.block_ids), started, grant.shm
         )
 
     def send_layer(
@@ -137,12 +144,10 @@ class KVSender:
         )
         ids = torch.tensor(block_table[tx.num_held_blocks :], dtype=torch.long)
         block_bytes = 2 * key_cache[0].numel() * key_cache.element_size()
-        per_chunk = max(1, self.config.max_chunk_bytes // block_bytes)
+        chunk_bytes = min(self.config.max_chunk_bytes, self._ring.capacity // 2)
+        per_chunk = max(1, chunk_bytes // block_bytes)
         for start in range(0, tx.num_send_blocks, per_chunk):
-            frames = tensors.pack_layer(
-                key_cache, value_cache, ids[start : start + per_chunk], self.config.wire_format
-            )
-            self._send_chunk(tx, layer, start, frames)
+            self._send_chunk(tx, layer, start, key_cache, value_cache, ids[start : start + per_chunk])
 
     def finish(self, tx: OutgoingTransfer, first_token: int, num_cached_tokens: int = 0) -> TransferStats:
         """Send KVDone and wait for KVAck; then the caller may free its blocks."""
@@ -157,6 +162,7 @@ class KVSender:
             tx.num_send_blocks,
             tx.bytes_sent,
             time.monotonic() - tx.started_at,
+            tx.shm,
         )
 
     def abort(self, request_id: str, reason: str) -> None:
@@ -191,24 +197,54 @@ class KVSender:
 
     def close(self) -> None:
         self._channel.close()
+        self._ring.close()
 
     # ----------------------------------------------------------------- internals
     def _send_chunk(
-        self, tx: OutgoingTransfer, layer: int, block_start: int, frames: list[torch.Tensor]
+        self,
+        tx: OutgoingTransfer,
+        layer: int,
+        block_start: int,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        ids: torch.Tensor,
     ) -> None:
-        views = [tensors.as_frame(f) for f in frames]
-        num_bytes = sum(len(v) for v in views)
-        deadline = time.monotonic() + self.config.reply_timeout_s
-        self._drain(tx.request_id)
-        # A chunk bigger than the whole window still goes alone, so a small window cannot deadlock.
-        while self._in_flight_bytes > 0 and self._in_flight_bytes + num_bytes > self._window_bytes:
-            self._pump(tx.request_id, deadline, "credit")
-        msg = KVChunk(
-            tx.request_id, layer, block_start, frames[0].shape[0], tuple(tensors.checksum(v) for v in views)
+        sizes = tensors.frame_sizes(
+            tuple(key_cache.shape[1:]), key_cache.dtype, len(ids), self.config.wire_format
         )
-        self._send_or_fail(tx.request_id, msg, views)
-        self._in_flight_bytes += num_bytes
-        tx.bytes_sent += num_bytes
+        _, slot_bytes = tensors.frame_offsets(sizes)
+        offset = self._reserve_slot(tx.request_id, slot_bytes)
+        frames = tensors.pack_layer(
+            key_cache,
+            value_cache,
+            ids,
+            self.config.wire_format,
+            self._ring.buffer[offset : offset + slot_bytes],
+        )
+        views = [tensors.as_frame(f) for f in frames]
+        checksums = tuple(tensors.checksum(v) for v in views)
+        if tx.shm:
+            self._send_or_fail(
+                tx.request_id, KVChunk(tx.request_id, layer, block_start, len(ids), checksums, offset)
+            )
+        else:
+            self._send_or_fail(
+                tx.request_id, KVChunk(tx.request_id, layer, block_start, len(ids), checksums), views
+            )
+        tx.bytes_sent += sum(sizes)
+
+    def _reserve_slot(self, request_id: str, slot_bytes: int) -> int:
+        """A ring slot for the next chunk, waiting for credits while the window or the ring is full."""
+        deadline = time.monotonic() + self.config.reply_timeout_s
+        self._drain(request_id)
+        while True:
+            in_flight = self._ring.in_flight_bytes
+            # A chunk bigger than the whole window still goes alone, so a small window cannot deadlock.
+            if in_flight == 0 or in_flight + slot_bytes <= self._window_bytes:
+                offset = self._ring.try_alloc(slot_bytes)
+                if offset is not None:
+                    return offset
+            self._pump(request_id, deadline, "credit")
 
     def _send_or_fail(self, request_id: str, msg: Message, frames: Sequence[memoryview] = ()) -> None:
         try:
@@ -232,6 +268,7 @@ class KVSender:
         remaining = deadline - time.monotonic()
         inbound = self._channel.recv(remaining) if remaining > 0 else None
         if inbound is None:
+            self._ring.reset()  # the peer stopped answering; its credits will not come
             self.abort(request_id, f"sender timed out waiting for {stage}")
             raise KVTimeout(request_id, stage)
         self._file(inbound.msg)
@@ -247,7 +284,7 @@ class KVSender:
 
     def _file(self, msg: Message) -> None:
         if isinstance(msg, KVCredit):
-            self._in_flight_bytes = max(0, self._in_flight_bytes - msg.num_bytes)
+            self._ring.release_oldest()  # credits come back in send order
         elif msg.request_id in self._inbox:  # replies to forgotten requests are dropped
             self._inbox[msg.request_id].append(msg)
 

@@ -17,7 +17,7 @@ import xxhash
 
 from kv_transfer.messages import WireFormat
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FRAME_ALIGN = 64
 
 
 def checksum(frame: memoryview) -> int:
@@ -49,16 +49,53 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (q.float() * scale).to(dtype)
 
 
+def frame_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Where each frame starts in a staging slot (64-byte aligned, so any dtype view works), and the total."""
+    offsets, end = [], 0
+    for size in sizes:
+        offsets.append(end)
+        end = -(-(end + size) // FRAME_ALIGN) * FRAME_ALIGN
+    return offsets, end
+
+
+def slot_frames(slot: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Views of a uint8 staging slot, one per frame."""
+    offsets, _ = frame_offsets(sizes)
+    return [slot[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
+
+
 def pack_layer(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor, wire_format: WireFormat
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    wire_format: WireFormat,
+    slot: torch.Tensor,
 ) -> list[torch.Tensor]:
-    """The frames of one chunk. key_cache, value_cache: [num_blocks, block_size, kv_heads, head_dim]."""
+    """Gather one layer's blocks into ``slot`` (uint8, frame_offsets bytes); return the frames (uint8 views).
+
+    key_cache, value_cache: [num_blocks, block_size, kv_heads, head_dim]; block_ids: [n].
+    """
     assert key_cache.shape == value_cache.shape and key_cache.dim() == 4, "cache layout nbhd-v1"
-    k = key_cache.index_select(0, block_ids)  # [n, block_size, kv_heads, head_dim], a fresh copy
-    v = value_cache.index_select(0, block_ids)
+    n = len(block_ids)
+    sizes = frame_sizes(tuple(key_cache.shape[1:]), key_cache.dtype, n, wire_format)
+    frames = slot_frames(slot, sizes)
     if wire_format is WireFormat.NATIVE:
-        return [k, v]
-    return [*quantize_int8(k), *quantize_int8(v)]
+        run = _as_range(block_ids)
+        for cache, frame in zip((key_cache, value_cache), frames, strict=True):
+            out = frame.view(cache.dtype).view(n, -1)  # [n, block_size * kv_heads * head_dim]
+            rows = cache.view(cache.shape[0], -1)  # [num_blocks, block_size * kv_heads * head_dim]
+            if run is not None:
+                out.copy_(rows[run])  # one contiguous memcpy
+            else:  # into the preallocated slot: no allocation, no page faults
+                torch.index_select(rows, 0, block_ids, out=out)
+        return frames
+    parts = [
+        *quantize_int8(key_cache.index_select(0, block_ids)),
+        *quantize_int8(value_cache.index_select(0, block_ids)),
+    ]
+    for part, frame in zip(parts, frames, strict=True):
+        frame.view(part.dtype).view(part.shape).copy_(part)
+    return frames
 
 
 def unpack_layer(
@@ -81,8 +118,21 @@ def unpack_layer(
         v = dequantize_int8(
             from_frame(vq, torch.int8, shape), from_frame(vs, torch.float32, scale_shape), value_cache.dtype
         )
-    key_cache.index_copy_(0, block_ids, k)
-    value_cache.index_copy_(0, block_ids, v)
+    run = _as_range(block_ids)
+    for cache, src in ((key_cache, k), (value_cache, v)):
+        rows = cache.view(cache.shape[0], -1)  # [num_blocks, block_size * kv_heads * head_dim]
+        if run is not None:
+            rows[run].copy_(src.reshape(len(block_ids), -1))
+        else:
+            rows.index_copy_(0, block_ids, src.reshape(len(block_ids), -1))
+
+
+def _as_range(block_ids: torch.Tensor) -> slice | None:
+    """block_ids as a slice when they are consecutive (a fresh pool hands out runs): plain copies then."""
+    first, last = int(block_ids[0]), int(block_ids[-1])
+    if last - first + 1 != len(block_ids):
+        return None
+    return slice(first, last + 1) if torch.equal(block_ids, torch.arange(first, last + 1)) else None
 
 
 def frame_sizes(

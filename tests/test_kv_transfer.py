@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import shutil
 import tempfile
 import time
@@ -24,13 +25,20 @@ pytestmark = pytest.mark.timeout(30)
 NUM_BLOCKS = 16
 
 
-@pytest.fixture(params=["tcp", "ipc"])
-def address(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param == "tcp":
-        yield "tcp://127.0.0.1:0"
+@dataclasses.dataclass(frozen=True)
+class Link:
+    address: str  # where the receiver binds
+    shared_memory: bool  # chunks through the sender's shared ring instead of the socket
+
+
+@pytest.fixture(params=["tcp", "ipc", "tcp+shm"])
+def link(request: pytest.FixtureRequest) -> Iterator[Link]:
+    shm = request.param.endswith("+shm")
+    if request.param.startswith("tcp"):
+        yield Link("tcp://127.0.0.1:0", shm)
         return
     folder = tempfile.mkdtemp(prefix="kvt")  # short: ipc paths are limited to ~100 bytes
-    yield f"ipc://{folder}/kv.sock"
+    yield Link(f"ipc://{folder}/kv.sock", shm)
     shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -51,6 +59,11 @@ def make_receiver(address: str, num_blocks: int = NUM_BLOCKS, **config: object) 
         values,
         config,
     )
+
+
+def make_sender(receiver: KVReceiver, link: Link, **config: object) -> KVSender:
+    sender_config = SenderConfig(shared_memory=link.shared_memory, staging_bytes=1 << 20, **config)  # type: ignore
+    return KVSender(receiver.address, make_fingerprint(), sender_config)
 
 
 def poll_until(
@@ -74,14 +87,14 @@ def assert_blocks_equal(
         assert torch.equal(s[src_ids], d[dst_ids])
 
 
-def test_round_trip_lands_exact_bytes_in_the_granted_blocks(address, pool):
-    receiver = make_receiver(address)
+def test_round_trip_lands_exact_bytes_in_the_granted_blocks(link, pool):
+    receiver = make_receiver(link.address)
     squatter = Sequence("squat", [9] * 3 * BLOCK_SIZE, 3 * BLOCK_SIZE, SamplingParams())
     receiver.block_manager.append(squatter, 3 * BLOCK_SIZE)  # so the free layouts differ
     tokens = list(range(100, 100 + 3 * BLOCK_SIZE + 1))  # 3 full blocks and one partial
     src_bm, src_seq = prefill_side(tokens, NUM_BLOCKS, skip=5)
     keys, values = make_caches(NUM_BLOCKS, seed=1)
-    sender = KVSender(receiver.address, make_fingerprint())
+    sender = make_sender(receiver, link)
 
     future = pool.submit(sender.transfer, "r1", tokens, keys, values, src_seq.block_table, first_token=7)
     got = poll_until(receiver, lambda r: bool(r.completed)).completed[0]
@@ -94,6 +107,7 @@ def test_round_trip_lands_exact_bytes_in_the_granted_blocks(address, pool):
     assert_blocks_equal(keys, src_seq.block_table, receiver.key_caches, seq.block_table)
     assert_blocks_equal(values, src_seq.block_table, receiver.value_caches, seq.block_table)
     assert stats.bytes_sent == got.bytes_received == 2 * NUM_LAYERS * 4 * keys[0][0].numel() * 4
+    assert stats.shm == link.shared_memory
     receiver.block_manager.check_integrity([squatter, seq])
     receiver.block_manager.free(seq)
     receiver.block_manager.free(squatter)
@@ -103,11 +117,11 @@ def test_round_trip_lands_exact_bytes_in_the_granted_blocks(address, pool):
     receiver.close()
 
 
-def test_prefix_blocks_held_by_the_receiver_are_not_sent(address, pool):
-    receiver = make_receiver(address)
+def test_prefix_blocks_held_by_the_receiver_are_not_sent(link, pool):
+    receiver = make_receiver(link.address)
     bm = receiver.block_manager
     keys, values = make_caches(NUM_BLOCKS, seed=2)
-    sender = KVSender(receiver.address, make_fingerprint())
+    sender = make_sender(receiver, link)
     first = list(range(1, 2 * BLOCK_SIZE + 2))  # 2 full blocks + 1 token
     _, src_seq = prefill_side(first, NUM_BLOCKS)
     future = pool.submit(sender.transfer, "a", first, keys, values, src_seq.block_table, 5)
@@ -131,14 +145,14 @@ def test_prefix_blocks_held_by_the_receiver_are_not_sent(address, pool):
     receiver.close()
 
 
-def test_second_sender_waits_for_room_then_completes(address, pool):
-    receiver = make_receiver(address, num_blocks=3)  # room for one 9-token prompt (3 blocks)
+def test_second_sender_waits_for_room_then_completes(link, pool):
+    receiver = make_receiver(link.address, num_blocks=3)  # room for one 9-token prompt (3 blocks)
     keys, values = make_caches(NUM_BLOCKS, seed=3)
     tokens_a, tokens_b = list(range(1, 10)), list(range(20, 29))
     _, seq_a = prefill_side(tokens_a, NUM_BLOCKS)
     _, seq_b = prefill_side(tokens_b, NUM_BLOCKS)
-    sender_a = KVSender(receiver.address, make_fingerprint())
-    sender_b = KVSender(receiver.address, make_fingerprint())
+    sender_a = make_sender(receiver, link)
+    sender_b = make_sender(receiver, link)
     pool.submit(sender_a.transfer, "a", tokens_a, keys, values, seq_a.block_table, 1)
     got_a = poll_until(receiver, lambda r: bool(r.completed)).completed[0]
 
@@ -158,8 +172,8 @@ def test_second_sender_waits_for_room_then_completes(address, pool):
     receiver.close()
 
 
-def test_fingerprint_mismatch_is_rejected_naming_the_field(address, pool):
-    receiver = make_receiver(address)
+def test_fingerprint_mismatch_is_rejected_naming_the_field(link, pool):
+    receiver = make_receiver(link.address)
     sender = KVSender(receiver.address, make_fingerprint(num_kv_heads=4))
     future = pool.submit(sender.reserve, "r", [1, 2, 3])
     receiver.poll(0.5)
@@ -171,9 +185,9 @@ def test_fingerprint_mismatch_is_rejected_naming_the_field(address, pool):
     receiver.close()
 
 
-def test_prompt_that_can_never_fit_is_rejected(address, pool):
-    receiver = make_receiver(address, num_blocks=2)
-    sender = KVSender(receiver.address, make_fingerprint())
+def test_prompt_that_can_never_fit_is_rejected(link, pool):
+    receiver = make_receiver(link.address, num_blocks=2)
+    sender = make_sender(receiver, link)
     future = pool.submit(sender.reserve, "big", list(range(3 * BLOCK_SIZE)))
     receiver.poll(0.5)
     with pytest.raises(KVRejected) as info:
@@ -183,11 +197,11 @@ def test_prompt_that_can_never_fit_is_rejected(address, pool):
     receiver.close()
 
 
-def test_queued_reservation_is_rejected_when_its_ttl_passes(address, pool):
-    receiver = make_receiver(address, num_blocks=2, max_ttl_s=0.3)  # caps the sender's 5 s
+def test_queued_reservation_is_rejected_when_its_ttl_passes(link, pool):
+    receiver = make_receiver(link.address, num_blocks=2, max_ttl_s=0.3)  # caps the sender's 5 s
     hog = Sequence("hog", [0] * BLOCK_SIZE, BLOCK_SIZE, SamplingParams())
     receiver.block_manager.append(hog, BLOCK_SIZE)
-    sender = KVSender(receiver.address, make_fingerprint(), SenderConfig(grant_timeout_s=5))
+    sender = make_sender(receiver, link, grant_timeout_s=5)
     future = pool.submit(sender.reserve, "late", list(range(2 * BLOCK_SIZE)))
     got = poll_until(receiver, lambda r: bool(r.failed))
     assert isinstance(got.failed[0].error, KVTimeout) and receiver.num_queued == 0
@@ -200,12 +214,12 @@ def test_queued_reservation_is_rejected_when_its_ttl_passes(address, pool):
     receiver.close()
 
 
-def test_int8_wire_quarters_the_bytes_within_quantization_error(address, pool):
-    receiver = make_receiver(address)
+def test_int8_wire_quarters_the_bytes_within_quantization_error(link, pool):
+    receiver = make_receiver(link.address)
     tokens = list(range(1, 2 * BLOCK_SIZE + 1))
     _, src_seq = prefill_side(tokens, NUM_BLOCKS)
     keys, values = make_caches(NUM_BLOCKS, seed=4)
-    sender = KVSender(receiver.address, make_fingerprint(), SenderConfig(wire_format=WireFormat.INT8))
+    sender = make_sender(receiver, link, wire_format=WireFormat.INT8)
     future = pool.submit(sender.transfer, "q", tokens, keys, values, src_seq.block_table, 3)
     got = poll_until(receiver, lambda r: bool(r.completed)).completed[0]
     stats = future.result(timeout=5)

@@ -69,7 +69,9 @@ def test_corrupted_frame_fails_the_request_and_the_node_keeps_serving():
     raw_grant(receiver, peer, "bad", tokens)
     keys, values = make_caches(NUM_BLOCKS, seed=5)
     src_ids = torch.tensor([3])  # any sender block; the receiver maps chunk positions to its grant
-    frames = [tensors.as_frame(t) for t in tensors.pack_layer(keys[0], values[0], src_ids, WireFormat.NATIVE)]
+    slot = torch.empty(1 << 16, dtype=torch.uint8)
+    packed = tensors.pack_layer(keys[0], values[0], src_ids, WireFormat.NATIVE, slot)
+    frames = [tensors.as_frame(t) for t in packed]
     sums = [tensors.checksum(f) for f in frames]
     peer.send(KVChunk("bad", 0, 0, 1, (sums[0], sums[1] ^ 1)), frames)
 

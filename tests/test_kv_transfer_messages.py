@@ -30,10 +30,13 @@ EXAMPLES = [
     KVReserve("r1", (1, 2, 3), (2**64 - 1,), FP, 2.5, WireFormat.INT8, {"temperature": 0.0, "stop": ("x",)}),
     KVReserve("r2", (5,), (), FP, 1.0),
     KVGrant("r1", 2, (7, 3, 9), 1 << 26),
+    KVGrant("r1", 0, (1,), 4096, shm=True),
+    KVReserve("r3", (5, 6), (), FP, 3.0, shm_name="pdserve-kv-ab", host_id="h/boot"),
     KVWait("r1", 4),
     KVReject("r1", "fingerprint mismatch", "head_dim"),
     KVReject("r1", "busy"),
     KVChunk("r1", 29, 3, 2, (11, 2**64 - 1)),
+    KVChunk("r1", 0, 0, 1, (1, 2), shm_offset=4096),
     KVCredit("r1", 123456),
     KVDone("r1", 42, 1000, 256),
     KVAck("r1"),
@@ -48,7 +51,8 @@ def test_every_message_type_has_a_round_trip_example():
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: m.TAG)
 def test_message_round_trips(msg):
-    frames = [memoryview(b"k" * 8), memoryview(b"v" * 8)] if isinstance(msg, KVChunk) else []
+    carries_frames = isinstance(msg, KVChunk) and msg.shm_offset is None  # shm chunks name a ring slot
+    frames = [memoryview(b"k" * 8), memoryview(b"v" * 8)] if carries_frames else []
     assert messages.decode(messages.encode(msg), frames) == msg
 
 

@@ -1,0 +1,185 @@
+"""KV transfer bandwidth over loopback (tcp, ipc) against a memcpy of the same bytes, and the
+time-to-first-token overhead at 1k tokens against that prompt's prefill time.
+
+    .venv/bin/python bench/kv_transfer.py [--repeats 5] [--tokens 1024 8192]
+
+The receiver runs in a child process (its own decode-node-like loop); the sender runs here and
+times reserve → ack. The last line of output is one JSON object (see bench/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# This file's name would shadow the kv_transfer package: look it up from the repo root instead.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "bench"]
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from engine.block_manager import BlockManager  # noqa: E402
+from engine.kv_layout import KV_LAYOUT_NAME, KVCacheSpec  # noqa: E402
+from kv_transfer.messages import KVFingerprint, WireFormat  # noqa: E402
+
+# Default model (SmolLM2-135M): 30 layers x 3 KV heads x 64 dims, fp32, 16-token blocks.
+SPEC_ARGS = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
+
+
+def fingerprint() -> KVFingerprint:
+    spec = KVCacheSpec(num_blocks=1, **SPEC_ARGS)
+    return KVFingerprint.from_spec("smollm2-135m", spec, KV_LAYOUT_NAME)
+
+
+def make_caches(num_blocks: int, random: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    shape = (num_blocks, SPEC_ARGS["block_size"], SPEC_ARGS["num_kv_heads"], SPEC_ARGS["head_dim"])
+    make = torch.randn if random else torch.zeros
+    return [make(shape) for _ in range(30)], [make(shape) for _ in range(30)]
+
+
+def serve(address: str, num_blocks: int, ready: mp.Queue, stop: mp.Event) -> None:
+    from kv_transfer.receiver import KVReceiver
+
+    torch.set_num_threads(1)
+    keys, values = make_caches(num_blocks, random=False)
+    bm = BlockManager(num_blocks, SPEC_ARGS["block_size"], enable_prefix_caching=False)
+    receiver = KVReceiver(address, fingerprint(), bm, keys, values)
+    ready.put(receiver.address)
+    while not stop.is_set():
+        for got in receiver.poll(0.1).completed:
+            bm.free(got.seq)  # "decoding finished" at once: room for the next round
+    receiver.close()
+
+
+def time_transfers(
+    address: str, num_tokens: int, repeats: int, wire: WireFormat, shm: bool
+) -> tuple[float, int]:
+    """Best reserve→ack seconds over ``repeats`` transfers, and the payload bytes of one."""
+    from kv_transfer.sender import KVSender, SenderConfig
+
+    num_blocks = -(-num_tokens // SPEC_ARGS["block_size"])
+    keys, values = make_caches(num_blocks, random=True)
+    sender = KVSender(
+        address, fingerprint(), SenderConfig(wire_format=wire, grant_timeout_s=30, shared_memory=shm)
+    )
+    best, num_bytes = float("inf"), 0
+    tokens = list(range(num_tokens))
+    for i in range(repeats + 1):  # the first warms pages and connections
+        stats = sender.transfer(f"bench-{num_tokens}-{i}", tokens, keys, values, list(range(num_blocks)), 0)
+        assert stats.shm == shm
+        if i > 0:
+            best, num_bytes = min(best, stats.seconds), stats.bytes_sent
+    sender.close()
+    return best, num_bytes
+
+
+def memcpy_gbps(num_bytes: int, repeats: int) -> float:
+    src = np.random.default_rng(0).integers(0, 255, num_bytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best / 1e9
+
+
+def prefill_seconds(num_tokens: int) -> float:
+    """One forward pass of a random-weight SmolLM2-135M-shaped Llama over the prompt (HF transformers)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+    )
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, config.vocab_size, (1, num_tokens))
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(2):
+            start = time.perf_counter()
+            model(ids, logits_to_keep=1)
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def run_transport(
+    address: str, sizes: list[int], repeats: int, wire: WireFormat = WireFormat.NATIVE, shm: bool = False
+) -> dict[int, tuple[float, int]]:
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Queue(), ctx.Event()
+    num_blocks = 2 * -(-max(sizes) // SPEC_ARGS["block_size"])
+    proc = ctx.Process(target=serve, args=(address, num_blocks, ready, stop), daemon=True)
+    proc.start()
+    bound = ready.get(timeout=60)
+    try:
+        return {n: time_transfers(bound, n, repeats, wire, shm) for n in sizes}
+    finally:
+        stop.set()
+        proc.join(10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--skip-prefill", action="store_true", help="no HF prefill timing (ttft_overhead_pct null)"
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    folder = tempfile.mkdtemp(prefix="kvb")
+    results: dict[str, dict[int, tuple[float, int]]] = {}
+    try:
+        results["tcp"] = run_transport("tcp://127.0.0.1:0", args.tokens, args.repeats)
+        results["ipc"] = run_transport(f"ipc://{folder}/kv.sock", args.tokens, args.repeats)
+        results["shm"] = run_transport("tcp://127.0.0.1:0", args.tokens, args.repeats, shm=True)
+        results["tcp_int8"] = run_transport("tcp://127.0.0.1:0", args.tokens, args.repeats, WireFormat.INT8)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    kv_bytes = {n: results["tcp"][n][1] for n in args.tokens}  # native payload bytes per prompt
+    memcpy = {n: memcpy_gbps(kv_bytes[n], args.repeats) for n in args.tokens}
+    print(
+        f"{'prompt':>8} {'KV MB':>8} {'memcpy GB/s':>12} " + " ".join(f"{k + ' GB/s':>14}" for k in results)
+    )
+    for n in args.tokens:
+        rates = [kv_bytes[n] / results[k][n][0] / 1e9 for k in results]  # KV bytes moved per second
+        print(
+            f"{n:>8} {kv_bytes[n] / 1e6:>8.1f} {memcpy[n]:>12.2f} " + " ".join(f"{r:>14.2f}" for r in rates)
+        )
+    big = max(args.tokens)
+    gbps = {k: kv_bytes[big] / results[k][big][0] / 1e9 for k in ("tcp", "ipc")}
+    overhead = None
+    if not args.skip_prefill:
+        prefill = prefill_seconds(1024)
+        transfer = min(results[k][1024][0] for k in ("tcp", "ipc"))
+        overhead = 100 * transfer / prefill
+        print(
+            f"1k-token prefill {prefill * 1e3:.0f} ms (HF transformers, random weights); "
+            f"best 1k transfer {transfer * 1e3:.1f} ms"
+        )
+    summary = {
+        "tokens": big,
+        "memcpy_gbps": round(memcpy[big], 3),
+        "tcp_gbps": round(gbps["tcp"], 3),
+        "ipc_gbps": round(gbps["ipc"], 3),
+        "ratio_best": round(max(gbps.values()) / memcpy[big], 3),
+        "ttft_overhead_pct": None if overhead is None else round(overhead, 2),
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
