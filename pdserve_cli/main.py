@@ -13,9 +13,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pdserve_cli import generate, model
+from pdserve_cli import generate, model, router_cmd
 
-COMMAND_MODULES = (model, generate)
+COMMAND_MODULES = (model, generate, router_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

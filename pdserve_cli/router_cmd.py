@@ -1,0 +1,56 @@
+"""`pdserve router ...`: the OpenAI-compatible HTTP front end over prefill and decode nodes."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULTS = {  # mirrors router.config.RouterConfig without importing it (keeps --help fast)
+    "disagg_threshold": 64, "max_inflight_prefill": 256, "max_inflight_decode": 1024, "max_n": 16,
+    "chunk_timeout_s": 60.0, "request_ttl_s": 600.0, "max_attempts": 3, "poll_interval_s": 0.5,
+    "node_expiry_s": 3.0,
+}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "router", help="serve the OpenAI API over a cluster of nodes",
+        description="Serve /v1/completions and /v1/chat/completions, routing each request to a "
+        "prefill and a decode node found in Redis (--redis) or given as static lists.",
+    )
+    parser.add_argument("--model", required=True, help="Hugging Face model folder (tokenizer, chat template)")
+    parser.add_argument("--served-model-name", default=None, help="model name clients use (default: folder name)")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
+    nodes = parser.add_mutually_exclusive_group(required=True)
+    nodes.add_argument("--redis", dest="redis_url", metavar="URL", help="node registry, e.g. redis://127.0.0.1:6379/0")
+    nodes.add_argument("--decode", dest="decode_addrs", nargs="+", metavar="ADDR",
+                       help="static mode: decode nodes' control addresses")
+    parser.add_argument("--prefill", dest="prefill_addrs", nargs="+", default=[], metavar="ADDR",
+                        help="static mode: prefill nodes' control addresses")
+    parser.add_argument("--reply-addr", default=None, help="ZeroMQ address nodes push tokens to "
+                        "(default: a free loopback port)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    for name, default in DEFAULTS.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
+                            help=f"see router.config.RouterConfig.{name} (default: {default})")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.set_defaults(run=run_router)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from router.app import create_app
+    from router.config import RouterConfig
+
+    try:
+        config = RouterConfig(
+            model=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
+            redis_url=args.redis_url, prefill_addrs=tuple(args.prefill_addrs),
+            decode_addrs=tuple(args.decode_addrs or ()), reply_addr=args.reply_addr, api_key=args.api_key,
+            **{name: getattr(args, name) for name in DEFAULTS},
+        )
+    except ValueError as exc:
+        raise SystemExit(f"pdserve router: {exc}") from None
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=args.log_level)
+    return 0

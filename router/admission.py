@@ -1,0 +1,60 @@
+"""Admission control: a bound on sub-requests in flight per role; beyond it, 429 at once.
+
+The router itself never queues: a request is either admitted (and the nodes queue it) or shed
+with ``Retry-After``, so router memory stays bounded under any load. Prefill slots count
+sub-requests in their prefill stage (until the first token); decode slots count all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from router.errors import APIError
+
+
+class Role(enum.StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclasses.dataclass(slots=True)
+class Admission:
+    max_inflight: dict[Role, int]  # limit per role
+    retry_after_s: int = 1  # what shed clients are told
+    num_inflight: dict[Role, int] = dataclasses.field(default_factory=lambda: {r: 0 for r in Role})
+    num_rejected: dict[Role, int] = dataclasses.field(default_factory=lambda: {r: 0 for r in Role})
+
+    def can_admit(self, role: Role, num: int = 1) -> bool:
+        return self.num_inflight[role] + num <= self.max_inflight[role]
+
+    def admit(self, role: Role, num: int = 1) -> None:
+        """Take ``num`` slots of ``role`` or raise a 429 (taking none)."""
+        if not self.can_admit(role, num):
+            self.num_rejected[role] += 1
+            raise APIError(
+                429, f"the router has {self.num_inflight[role]} {role} requests in flight (limit "
+                f"{self.max_inflight[role]}); retry later", None, "overloaded", self.retry_after_s,
+            )
+        self.num_inflight[role] += num
+
+    def release(self, role: Role, num: int = 1) -> None:
+        assert self.num_inflight[role] >= num, f"releasing {num} {role} slots, {self.num_inflight[role]} held"
+        self.num_inflight[role] -= num
+
+
+class Ticket:
+    """Slots one sub-request holds; each role is released once, whichever path ends it."""
+
+    def __init__(self, admission: Admission, roles: tuple[Role, ...]) -> None:
+        self._admission = admission
+        self._held = set(roles)  # taken by the caller through admit()
+
+    def release(self, role: Role) -> None:
+        if role in self._held:
+            self._held.discard(role)
+            self._admission.release(role)
+
+    def release_all(self) -> None:
+        for role in list(self._held):
+            self.release(role)

@@ -1,0 +1,192 @@
+"""The router's FastAPI app: OpenAI endpoints, health, metrics, auth, and error shapes.
+
+``create_app(config)`` wires the parts; tests pass a ready registry or tokenizer instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import pathlib
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router import jobs, metrics, policy, serving
+from router.admission import Admission, Role
+from router.config import RouterConfig
+from router.errors import APIError
+from router.generation import Backend
+from router.node_client import NodeClient
+from router.openai_schema import ChatBody, CompletionBody, validation_error
+from router.registry_client import NodeRegistry, RedisRegistry, StaticRegistry
+from router.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(slots=True)
+class RouterState:
+    config: RouterConfig
+    model_name: str  # what /v1/models lists and requests name
+    tokenizer: Tokenizer
+    admission: Admission
+    backend: Backend
+
+    def max_model_len(self) -> int:
+        """The smallest context of the live nodes, else the model's own."""
+        lens = [n.max_model_len for n in self.backend.registry.snapshot()]
+        return min(lens) if lens else self.tokenizer.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.model_name, self.config.model):
+            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+
+def make_registry(config: RouterConfig, nodes: NodeClient) -> NodeRegistry:
+    if config.redis_url is not None:
+        return RedisRegistry(config.redis_url, nodes, config.poll_interval_s, config.node_expiry_s)
+    return StaticRegistry(config.prefill_addrs, config.decode_addrs, nodes, config.poll_interval_s,
+                          config.node_expiry_s)
+
+
+def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None,
+               registry: NodeRegistry | None = None, nodes: NodeClient | None = None) -> FastAPI:
+    """The app; its lifespan opens the node sockets and starts polling the registry."""
+    tokenizer = tokenizer or Tokenizer(config.model)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        node_client = nodes or NodeClient(config.reply_addr)
+        node_client.start()
+        node_registry = registry or make_registry(config, node_client)
+        node_registry.start()
+        backend = Backend(config, node_client, node_registry,
+                          policy.RoutingPolicy(config.disagg_threshold), metrics.RouterMetrics())
+        admission = Admission({Role.PREFILL: config.max_inflight_prefill, Role.DECODE: config.max_inflight_decode})
+        name = config.served_model_name or pathlib.Path(config.model).name
+        app.state.router = RouterState(config, name, tokenizer, admission, backend)
+        with contextlib.suppress(TimeoutError):  # answer health checks early either way
+            await asyncio.wait_for(node_registry.ready.wait(), 2 * config.poll_interval_s + 1)
+        yield
+        await node_registry.stop()
+        await node_client.close()
+
+    app = FastAPI(title="pdserve router", version="0.1.0", lifespan=lifespan)
+    _add_error_handlers(app)
+    app.add_middleware(_Guard, config=config)
+    _add_routes(app)
+    return app
+
+
+def _state(request: Request) -> RouterState:
+    return request.app.state.router
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), exc.status, headers=exc.headers())
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = validation_error(list(exc.errors()))
+        return JSONResponse(err.body(), err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = APIError(exc.status_code, str(exc.detail))
+        return JSONResponse(err.body(), exc.status_code, headers=exc.headers)
+
+
+class _Guard:
+    """Pure ASGI middleware (streams and disconnects pass through untouched): API key, body size,
+    and the request counter by endpoint and status."""
+
+    def __init__(self, app, config: RouterConfig) -> None:
+        self.app = app
+        self._config = config
+
+    def _refuse(self, scope) -> APIError | None:
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        config = self._config
+        if config.api_key is not None and scope["path"].startswith("/v1"):
+            if headers.get("authorization", "") != f"Bearer {config.api_key}":
+                return APIError(401, "missing or wrong API key", None, "invalid_api_key")
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > config.max_body_bytes:
+            return APIError(413, f"request body over {config.max_body_bytes} bytes", None, "body_too_large")
+        return None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_and_note(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        error = self._refuse(scope)
+        if error is not None:
+            await JSONResponse(error.body(), error.status, headers=error.headers())(scope, receive, send_and_note)
+        else:
+            await self.app(scope, receive, send_and_note)
+        if scope["path"].startswith("/v1/") and scope["method"] == "POST":
+            state = getattr(scope["app"].state, "router", None)
+            if state is not None:
+                state.backend.metrics.requests.inc(endpoint=scope["path"], outcome=str(status))
+
+
+def _add_routes(app: FastAPI) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request) -> Response:
+        state = _state(request)
+        state.check_model(body.model)
+        max_model_len = state.max_model_len()
+        job = await asyncio.to_thread(jobs.completion_job, body, state.tokenizer, max_model_len,
+                                      state.config.max_n)
+        return await _serve(state, job, max_model_len, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody, request: Request) -> Response:
+        state = _state(request)
+        state.check_model(body.model)
+        max_model_len = state.max_model_len()
+        job = await asyncio.to_thread(jobs.chat_job, body, state.tokenizer, max_model_len, state.config.max_n)
+        return await _serve(state, job, max_model_len, request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        state = _state(request)
+        card = {"id": state.model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "pdserve", "root": state.config.model, "max_model_len": state.max_model_len()}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        nodes = _state(request).backend.registry.snapshot()
+        live = [n for n in nodes if not n.draining]
+        decode_keys = {policy.fingerprint_key(n) for n in live if n.role == "decode"}
+        num_pairs = sum(1 for n in live if n.role == "prefill" and policy.fingerprint_key(n) in decode_keys)
+        body = {"status": "ok" if num_pairs else "unavailable",
+                "num_prefill": sum(n.role == "prefill" for n in live),
+                "num_decode": sum(n.role == "decode" for n in live)}
+        return JSONResponse(body, 200 if num_pairs else 503)
+
+    @app.get("/metrics")
+    async def prometheus(request: Request) -> PlainTextResponse:
+        state = _state(request)
+        text = state.backend.metrics.render(state.backend.registry.snapshot(),
+                                            {str(r): n for r, n in state.admission.num_inflight.items()})
+        return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)
+
+
+async def _serve(state: RouterState, job: jobs.Job, max_model_len: int, request: Request) -> Response:
+    run = serving.JobRun(state.backend, state.tokenizer, state.admission, job, state.model_name, max_model_len)
+    return await serving.serve(run, request)

@@ -1,0 +1,48 @@
+"""The router's configuration: one frozen dataclass, validated on construction.
+
+Every field maps one to one onto a ``pdserve router`` flag (see pdserve_cli/router_cmd.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RouterConfig:
+    model: str  # local Hugging Face folder: tokenizer, chat template, config.json
+    served_model_name: str | None = None  # name in /v1/models and the "model" field; default: folder name
+    host: str = "127.0.0.1"  # HTTP bind address (loopback unless asked otherwise)
+    port: int = 8000  # HTTP port
+    redis_url: str | None = None  # node registry in Redis; None: the static lists below
+    prefill_addrs: tuple[str, ...] = ()  # static mode: prefill nodes' control addresses
+    decode_addrs: tuple[str, ...] = ()  # static mode: decode nodes' control addresses
+    reply_addr: str | None = None  # ZeroMQ PULL address nodes push tokens to; None: a free loopback port
+    api_key: str | None = None  # when set, every /v1 request needs "Authorization: Bearer <key>"
+    disagg_threshold: int = 64  # prompts with fewer uncached tokens prefill on the decode node
+    max_inflight_prefill: int = 256  # sub-requests in their prefill stage; beyond: 429
+    max_inflight_decode: int = 1024  # sub-requests in flight in all; beyond: 429
+    max_n: int = 16  # largest n (samples per prompt) one request may ask for
+    chunk_timeout_s: float = 60.0  # no chunk for this long: abort the request (retry before any token)
+    request_ttl_s: float = 600.0  # nodes drop a request this long after receipt
+    max_attempts: int = 3  # tries on different pairs while no token was produced
+    poll_interval_s: float = 0.5  # registry refresh period (Redis scan or StatusQuery round)
+    node_expiry_s: float = 3.0  # a node not heard from for this long is dropped
+    max_body_bytes: int = 8 << 20  # larger request bodies get 413
+
+    def __post_init__(self) -> None:
+        if self.redis_url is None and not self.decode_addrs:
+            raise ValueError("give --redis URL or at least one --decode ADDR")
+        if self.redis_url is not None and (self.prefill_addrs or self.decode_addrs):
+            raise ValueError("--redis and static --prefill/--decode lists are exclusive")
+        for name in ("disagg_threshold", "max_body_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        for name in ("max_inflight_prefill", "max_inflight_decode", "max_n", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("chunk_timeout_s", "request_ttl_s", "poll_interval_s", "node_expiry_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")

@@ -1,0 +1,80 @@
+"""Incremental detokenization and stop strings, one generated sequence at a time.
+
+Decoding token by token is wrong for byte-level BPE (a multi-byte character spans tokens) and
+for sentencepiece (a word's leading space only shows after a preceding token). So each step
+decodes a short window twice, with and without the new tokens, and emits the difference:
+
+    ids:   ... p p p p [r r r] n n        p: prefix_offset..read_offset, context already emitted
+                  ^prefix  ^read          n: new tokens
+    delta = decode(p..n)[len(decode(p..r)):]   held back while it ends in U+FFFD (partial char)
+
+Stop strings are matched on the text; the last ``max(len(stop)) - 1`` characters are held back
+so a stop string split across tokens is never streamed in part.
+"""
+
+from __future__ import annotations
+
+from router.tokenizer import Tokenizer
+
+_CONTEXT_TOKENS = 5  # prompt tokens decoded as left context of the first output token
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text deltas whose concatenation is the decoded output."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def add(self, token_id: int) -> str:
+        """Text that ``token_id`` completes (may be empty while a character is partial)."""
+        self._ids.append(token_id)
+        return self._delta(final=False)
+
+    def flush(self) -> str:
+        """Whatever is still held back, at the end of the sequence."""
+        return self._delta(final=True)
+
+    def _delta(self, final: bool) -> str:
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = decode(self._ids[self._prefix_offset:])
+        if len(new_text) <= len(prefix_text) or (new_text.endswith(_REPLACEMENT) and not final):
+            return ""
+        delta = new_text[len(prefix_text):]
+        # Keep only the window the next step needs: the ids in it decode to prefix_text.
+        del self._ids[:self._read_offset]
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        return delta
+
+
+class StopStringMatcher:
+    """Accumulates text, cuts it before the first stop string, and says what is safe to send."""
+
+    def __init__(self, stop: tuple[str, ...]) -> None:
+        self._stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1  # chars that may start a stop string
+        self.text = ""  # the output so far, cut before a stop string once one matched
+        self._num_sent = 0  # chars of text already handed out
+        self.stopped = False  # a stop string matched
+
+    def add(self, delta: str) -> None:
+        """Append generated text; sets ``stopped`` and cuts ``text`` when a stop string appears."""
+        assert not self.stopped, "no text after a stop string"
+        search_from = max(0, len(self.text) - self._hold)
+        self.text += delta
+        cut = min((i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0), default=None)
+        if cut is not None:
+            self.text = self.text[:cut]
+            self.stopped = True
+
+    def take(self, final: bool) -> str:
+        """Text not sent yet that no stop string can still claim (all of it when final or stopped)."""
+        end = len(self.text) if final or self.stopped else max(self._num_sent, len(self.text) - self._hold)
+        out = self.text[self._num_sent:end]
+        self._num_sent = end
+        return out

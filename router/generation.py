@@ -1,0 +1,174 @@
+"""One sample (n == 1) through the cluster: pick a pair, send, relay its chunks, fail over.
+
+    attempt k:  choose (P, D) ─► GenerateRequest to P (decode_addr = D.kv_addr) or to D alone
+                ◄─ TokenChunk(is_first) from P, then TokenChunks from D until finish_reason
+
+Before the first token, a retryable RequestFailed, a timeout or a node leaving the registry
+sends the sample to another pair (the failed node excluded). After tokens were streamed the
+sample fails with an error instead: replaying it elsewhere could change sampled text the
+client already has. Whenever a sample ends without a finish_reason (error, stop string,
+client gone) both nodes get an AbortRequest so their blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+
+from engine.sampling_params import SamplingParams
+from protocol import messages as pm
+from router.admission import Role, Ticket
+from router.config import RouterConfig
+from router.errors import APIError
+from router.metrics import RouterMetrics
+from router.node_client import NodeClient, NodeUnavailable
+from router.policy import Route, RoutingPolicy
+from router.registry_client import NodeRegistry
+
+_LIVENESS_CHECK_S = 0.5  # how often a waiting sample checks that its nodes are still registered
+
+
+@dataclasses.dataclass(slots=True)
+class Backend:
+    """Everything a sample needs from the router process."""
+
+    config: RouterConfig
+    nodes: NodeClient
+    registry: NodeRegistry
+    policy: RoutingPolicy
+    metrics: RouterMetrics
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Sample:
+    request_id: str  # unique across the cluster; retries add ".r<k>"
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams  # n == 1, max_tokens set; stop strings stay in the router
+    arrival_time: float  # router wall clock when the HTTP request arrived
+
+
+class _Retry(Exception):
+    def __init__(self, node_id: str, reason: str) -> None:
+        super().__init__(reason)
+        self.node_id = node_id  # excluded from the next attempts
+
+
+def _node_error(failed: pm.RequestFailed, after_tokens: bool) -> APIError:
+    if failed.code == "bad_request":
+        return APIError(400, f"node {failed.node_id} rejected the request: {failed.message}", None, "bad_request")
+    status = 503 if failed.code in ("overloaded", "draining") and not after_tokens else 502
+    return APIError(status, f"node {failed.node_id} failed: {failed.code}: {failed.message}", None,
+                    failed.code, 1 if status == 503 else None)
+
+
+async def run_sample(backend: Backend, sample: Sample, ticket: Ticket) -> AsyncIterator[pm.TokenChunk]:
+    """The sample's chunks, in order, the last with a finish_reason; APIError on failure."""
+    config = backend.config
+    node_params = dataclasses.replace(sample.params, stop=()).to_dict()
+    excluded: set[str] = set()
+    last_error = "no attempt made"
+    for attempt in range(config.max_attempts):
+        route = backend.policy.choose(backend.registry.snapshot(), sample.prompt_ids,
+                                      sample.params.max_tokens or 1, frozenset(excluded))
+        if route is None:
+            raise APIError(503, f"no usable decode node ({last_error})", None, "no_nodes", 1)
+        request_id = sample.request_id if attempt == 0 else f"{sample.request_id}.r{attempt}"
+        queue = backend.nodes.open(request_id)
+        finished = False
+        try:
+            await _send(backend, route, request_id, sample, node_params)
+            async for chunk in _relay(backend, route, queue, sample, ticket):
+                finished = chunk.finish_reason is not None
+                yield chunk
+            return
+        except _Retry as retry:
+            excluded.add(retry.node_id)
+            last_error = str(retry)
+            backend.metrics.retries.inc()
+        finally:
+            backend.nodes.close_request(request_id)
+            backend.policy.finish(request_id)
+            if not finished:
+                _abort(backend, route, request_id)
+    raise APIError(503, f"gave up after {config.max_attempts} attempts: {last_error}", None, "unavailable", 1)
+
+
+async def _send(backend: Backend, route: Route, request_id: str, sample: Sample, params: dict) -> None:
+    target = route.prefill or route.decode
+    request = pm.GenerateRequest(
+        request_id, sample.prompt_ids, params, backend.nodes.reply_addr,
+        route.decode.kv_addr if route.prefill else None, backend.config.request_ttl_s, sample.arrival_time,
+    )
+    try:
+        await backend.nodes.send(target.control_addr, request)
+    except NodeUnavailable as exc:
+        raise _Retry(target.node_id, str(exc)) from None
+    now = time.time()
+    backend.policy.record(request_id, route, len(sample.prompt_ids), now)
+    backend.metrics.queue.observe(now - sample.arrival_time)
+
+
+async def _relay(backend: Backend, route: Route, queue: asyncio.Queue[pm.Message], sample: Sample,
+                 ticket: Ticket) -> AsyncIterator[pm.TokenChunk]:
+    num_tokens = 0
+    first_token_time = 0.0
+    while True:
+        msg = await _next_reply(backend, route, queue, after_tokens=num_tokens > 0)
+        if isinstance(msg, pm.RequestFailed):
+            if msg.retryable and num_tokens == 0:
+                raise _Retry(msg.node_id, f"{msg.node_id}: {msg.code}: {msg.message}")
+            raise _node_error(msg, after_tokens=num_tokens > 0)
+        assert isinstance(msg, pm.TokenChunk)
+        if num_tokens == 0:
+            first_token_time = time.time()
+            ticket.release(Role.PREFILL)
+            backend.metrics.ttft.observe(first_token_time - sample.arrival_time)
+        num_tokens += len(msg.token_ids)
+        _observe_timings(backend.metrics, msg.timings)
+        if msg.finish_reason is not None:
+            now = time.time()
+            backend.metrics.e2e.observe(now - sample.arrival_time)
+            if num_tokens > 1:
+                backend.metrics.tpot.observe((now - first_token_time) / (num_tokens - 1))
+        yield msg
+        if msg.finish_reason is not None:
+            return
+
+
+async def _next_reply(backend: Backend, route: Route, queue: asyncio.Queue[pm.Message],
+                      after_tokens: bool) -> pm.Message:
+    """The next reply, or _Retry / APIError when none comes in time or a node leaves."""
+    deadline = time.monotonic() + backend.config.chunk_timeout_s
+    waiting_on = [route.decode] if after_tokens or route.prefill is None else [route.prefill, route.decode]
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            if after_tokens:
+                raise APIError(504, f"no output from {route.decode.node_id} for "
+                               f"{backend.config.chunk_timeout_s:g} s", None, "timeout")
+            raise _Retry(waiting_on[0].node_id, f"no reply from {waiting_on[0].node_id} in time")
+        try:
+            return await asyncio.wait_for(queue.get(), min(remaining, _LIVENESS_CHECK_S))
+        except TimeoutError:
+            pass
+        gone = next((n for n in waiting_on if not backend.registry.is_alive(n.node_id)), None)
+        if gone is not None and queue.empty():
+            if after_tokens:
+                raise APIError(502, f"decode node {gone.node_id} went away mid-stream", None, "node_lost")
+            raise _Retry(gone.node_id, f"{gone.node_id} left the registry")
+
+
+def _abort(backend: Backend, route: Route, request_id: str) -> None:
+    for node in (route.prefill, route.decode):
+        if node is not None:
+            backend.nodes.send_nowait(node.control_addr, pm.AbortRequest(request_id, "router"))
+
+
+def _observe_timings(metrics: RouterMetrics, timings: dict | None) -> None:
+    for stage, value in (timings or {}).items():
+        if stage == "kv_bytes" and isinstance(value, int):
+            metrics.kv_bytes.inc(value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            metrics.stages.observe(float(value), stage=str(stage))

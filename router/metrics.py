@@ -1,0 +1,136 @@
+"""Prometheus metrics in the text exposition format (version 0.0.4), without a client library.
+
+Counters and histograms are kept here; node gauges are read from the registry at scrape time.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+from protocol.registry import NodeInfo
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+Labels = tuple[tuple[str, str], ...]
+_INF = 'le="+Inf"'
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(labels: Labels, extra: str = "") -> str:
+    parts = [f'{k}="{_escape(v)}"' for k, v in labels]
+    if extra:
+        parts.append(extra)
+    return "{" + ",".join(parts) + "}" if parts else ""
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+@dataclasses.dataclass(slots=True)
+class Counter:
+    name: str  # ends in _total
+    help: str
+    values: dict[Labels, float] = dataclasses.field(default_factory=dict)
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        key = tuple(sorted(labels.items()))
+        self.values[key] = self.values.get(key, 0.0) + amount
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
+        lines += [f"{self.name}{_labels(k)} {_num(v)}" for k, v in sorted(self.values.items())]
+        return lines
+
+
+@dataclasses.dataclass(slots=True)
+class _Series:
+    bucket_counts: list[int]  # per upper bound, not cumulative
+    sum: float = 0.0
+    count: int = 0
+
+
+@dataclasses.dataclass(slots=True)
+class Histogram:
+    name: str
+    help: str
+    buckets: tuple[float, ...] = LATENCY_BUCKETS  # upper bounds, ascending; +Inf is implied
+    series: dict[Labels, _Series] = dataclasses.field(default_factory=dict)
+
+    def observe(self, value: float, **labels: str) -> None:
+        key = tuple(sorted(labels.items()))
+        series = self.series.setdefault(key, _Series([0] * len(self.buckets)))
+        index = bisect.bisect_left(self.buckets, value)
+        if index < len(self.buckets):
+            series.bucket_counts[index] += 1
+        series.sum += value
+        series.count += 1
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        for key, series in sorted(self.series.items()):
+            cumulative = 0
+            for bound, num in zip(self.buckets, series.bucket_counts, strict=True):
+                cumulative += num
+                le = 'le="' + _num(bound) + '"'
+                lines.append(f"{self.name}_bucket{_labels(key, le)} {cumulative}")
+            lines.append(f"{self.name}_bucket{_labels(key, _INF)} {series.count}")
+            lines.append(f"{self.name}_sum{_labels(key)} {_num(series.sum)}")
+            lines.append(f"{self.name}_count{_labels(key)} {series.count}")
+        return lines
+
+
+def _gauge(name: str, help_: str, samples: Iterable[tuple[Labels, float]]) -> list[str]:
+    lines = [f"# HELP {name} {help_}", f"# TYPE {name} gauge"]
+    return lines + [f"{name}{_labels(k)} {_num(v)}" for k, v in samples]
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.requests = Counter("pdserve_requests_total", "HTTP requests by endpoint and outcome.")
+        self.prompt_tokens = Counter("pdserve_prompt_tokens_total", "Prompt tokens of finished samples.")
+        self.cached_tokens = Counter("pdserve_cached_prompt_tokens_total", "Prompt tokens served from a prefix cache.")
+        self.generation_tokens = Counter("pdserve_generation_tokens_total", "Generated tokens.")
+        self.retries = Counter("pdserve_retries_total", "Sub-requests retried on another node pair.")
+        self.kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes moved, as nodes report them.")
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Arrival to first token.")
+        self.tpot = Histogram("pdserve_time_per_output_token_seconds", "Mean time per token after the first.")
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Arrival to last token, per sample.")
+        self.queue = Histogram("pdserve_queue_time_seconds", "Arrival to the request leaving the router.")
+        self.stages = Histogram("pdserve_request_stage_seconds", "Per-sample time in each node stage.")
+
+    def render(self, nodes: Sequence[NodeInfo], num_inflight: dict[str, int]) -> str:
+        lines: list[str] = []
+        for metric in (self.requests, self.prompt_tokens, self.cached_tokens, self.generation_tokens,
+                       self.retries, self.kv_bytes, self.ttft, self.tpot, self.e2e, self.queue, self.stages):
+            lines += metric.render()
+        lines += _gauge("pdserve_router_inflight_requests", "Sub-requests in flight by role.",
+                        [((("role", role),), num) for role, num in sorted(num_inflight.items())])
+        lines += _node_gauges(nodes)
+        return "\n".join(lines) + "\n"
+
+
+_NODE_GAUGES = (
+    ("pdserve_node_kv_blocks_used", "KV blocks held by live requests.",
+     lambda n: n.num_blocks_total - n.num_blocks_free),
+    ("pdserve_node_kv_blocks_cached", "Free KV blocks that still hold prefix cache (evictable).",
+     lambda n: n.num_blocks_cached),
+    ("pdserve_node_kv_blocks_total", "KV blocks in the pool.", lambda n: n.num_blocks_total),
+    ("pdserve_node_running_requests", "Requests in the running batch.", lambda n: n.num_running),
+    ("pdserve_node_queued_requests", "Requests waiting on the node.", lambda n: n.num_queued),
+    ("pdserve_node_queued_prefill_tokens", "Prompt tokens not yet computed.",
+     lambda n: n.num_queued_prefill_tokens),
+)
+
+
+def _node_gauges(nodes: Sequence[NodeInfo]) -> list[str]:
+    lines: list[str] = []
+    for name, help_, value in _NODE_GAUGES:
+        lines += _gauge(name, help_, (((("node_id", n.node_id), ("role", n.role)), value(n)) for n in nodes))
+    return lines

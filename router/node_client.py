@@ -1,0 +1,150 @@
+"""The router's only ZeroMQ code: one DEALER per node control address, one PULL for replies.
+
+    router DEALER ──GenerateRequest / AbortRequest / StatusQuery──► node ROUTER (control_addr)
+    router DEALER ◄──NodeStatus───────────────────────────────────── node ROUTER
+    router PULL (reply_addr) ◄──TokenChunk / RequestFailed────────── prefill and decode nodes
+
+A reader task hands each TokenChunk / RequestFailed to the bounded queue of its request id;
+replies for request ids nobody waits for (aborted, finished, timed out) are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+
+import zmq
+import zmq.asyncio
+
+from protocol import messages as pm
+
+log = logging.getLogger(__name__)
+
+
+class NodeUnavailable(ConnectionError):
+    """A message could not be handed to a node's socket in time (not connected or not reading)."""
+
+
+def _ignore_failure(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved, so asyncio does not log it
+
+
+class NodeClient:
+    def __init__(self, reply_addr: str | None = None, queue_size: int = 1024, send_timeout_s: float = 2.0) -> None:
+        self._context = zmq.asyncio.Context()
+        self._pull = self._context.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(reply_addr or "tcp://127.0.0.1:*")
+        self.reply_addr: str = self._pull.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._queue_size = queue_size  # replies buffered per request before it is failed
+        self._send_timeout_s = send_timeout_s
+        self._dealers: dict[str, zmq.asyncio.Socket] = {}  # control address -> socket
+        self._readers: dict[str, asyncio.Task] = {}  # control address -> its reply reader
+        self._queues: dict[str, asyncio.Queue[pm.Message]] = {}  # request id -> its replies
+        self._status_waiters: dict[int, asyncio.Future[pm.NodeStatus]] = {}  # nonce -> waiter
+        self._nonces = itertools.count(1)
+        self._pull_task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._pull_task = asyncio.create_task(self._read(self._pull))
+
+    async def close(self) -> None:
+        tasks = [t for t in [self._pull_task, *self._readers.values()] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for socket in [self._pull, *self._dealers.values()]:
+            socket.close(linger=0)
+        self._dealers.clear()
+        self._readers.clear()
+        self._context.term()
+
+    # ------------------------------------------------------------------ per-request replies
+    def open(self, request_id: str) -> asyncio.Queue[pm.Message]:
+        assert request_id not in self._queues, f"request id {request_id} is in use"
+        queue: asyncio.Queue[pm.Message] = asyncio.Queue(self._queue_size)
+        self._queues[request_id] = queue
+        return queue
+
+    def close_request(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    def _deliver(self, msg: pm.Message) -> None:
+        if isinstance(msg, pm.NodeStatus):
+            waiter = self._status_waiters.pop(msg.nonce, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(msg)
+            return
+        if not isinstance(msg, (pm.TokenChunk, pm.RequestFailed)):
+            log.warning("unexpected %s from a node", msg.TAG)
+            return
+        queue = self._queues.get(msg.request_id)
+        if queue is None:
+            return  # late reply of a request that ended
+        try:
+            queue.put_nowait(msg)
+        except asyncio.QueueFull:  # the reader fell behind by a whole queue: end the request
+            while not queue.empty():
+                queue.get_nowait()
+            queue.put_nowait(pm.RequestFailed(msg.request_id, msg.node_id, "overflow",
+                                              "the client is not reading the output fast enough", False))
+
+    async def _read(self, socket: zmq.asyncio.Socket) -> None:
+        while True:
+            parts = await socket.recv_multipart()
+            try:
+                self._deliver(pm.decode(parts[0]))
+            except pm.ProtocolError as exc:
+                log.warning("dropped a malformed node message: %s", exc)
+
+    # ------------------------------------------------------------------ sending
+    def _dealer(self, addr: str) -> zmq.asyncio.Socket:
+        socket = self._dealers.get(addr)
+        if socket is None:
+            socket = self._context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not connected
+            socket.connect(addr)
+            self._dealers[addr] = socket
+            self._readers[addr] = asyncio.create_task(self._read(socket))
+        return socket
+
+    def connect(self, addr: str) -> None:
+        """Start connecting to a node ahead of its first request."""
+        self._dealer(addr)
+
+    def disconnect(self, addr: str) -> None:
+        socket = self._dealers.pop(addr, None)
+        reader = self._readers.pop(addr, None)
+        if reader is not None:
+            reader.cancel()
+        if socket is not None:
+            socket.close(linger=0)
+
+    async def send(self, addr: str, msg: pm.Message) -> None:
+        """Hand ``msg`` to the node at ``addr``, waiting a little for a connection; else NodeUnavailable."""
+        try:
+            await asyncio.wait_for(self._dealer(addr).send(pm.encode(msg)), self._send_timeout_s)
+        except (TimeoutError, zmq.ZMQError) as exc:
+            raise NodeUnavailable(f"cannot reach {addr}: {exc or 'send timed out'}") from None
+
+    def send_nowait(self, addr: str, msg: pm.Message) -> None:
+        """Best effort (aborts): dropped when the node is not connected."""
+        with contextlib.suppress(zmq.ZMQError):
+            sent = self._dealer(addr).send(pm.encode(msg), flags=zmq.NOBLOCK)
+            sent.add_done_callback(_ignore_failure)
+
+    async def query_status(self, addr: str, timeout_s: float) -> pm.NodeStatus | None:
+        nonce = next(self._nonces)
+        waiter: asyncio.Future[pm.NodeStatus] = asyncio.get_running_loop().create_future()
+        self._status_waiters[nonce] = waiter
+        try:
+            await self.send(addr, pm.StatusQuery(nonce))
+            return await asyncio.wait_for(waiter, timeout_s)
+        except (TimeoutError, NodeUnavailable):
+            return None
+        finally:
+            self._status_waiters.pop(nonce, None)

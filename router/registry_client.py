@@ -1,0 +1,118 @@
+"""The router's view of the live nodes, refreshed every ``poll_interval_s``.
+
+Two sources: Redis records (``protocol.registry``; nodes come and go at runtime) or a static
+list of control addresses, each asked for its status with a StatusQuery. Either way a node
+not heard from for ``node_expiry_s`` is dropped, and the node client's sockets follow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+from protocol.registry import NodeInfo, list_nodes
+from router.node_client import NodeClient
+
+log = logging.getLogger(__name__)
+
+
+class NodeRegistry:
+    def __init__(self, nodes: NodeClient, poll_interval_s: float, node_expiry_s: float) -> None:
+        self._nodes = nodes
+        self._poll_interval_s = poll_interval_s
+        self._expiry_s = node_expiry_s
+        self._by_id: dict[str, NodeInfo] = {}  # live nodes
+        self._last_seen: dict[str, float] = {}  # node id -> router clock when last heard of
+        self._task: asyncio.Task | None = None
+        self.ready = asyncio.Event()  # set after the first poll
+
+    def snapshot(self) -> list[NodeInfo]:
+        return sorted(self._by_id.values(), key=lambda n: n.node_id)
+
+    def is_alive(self, node_id: str) -> bool:
+        return node_id in self._by_id
+
+    def update(self, seen: Sequence[NodeInfo], now: float) -> None:
+        """Merge a poll's records; drop nodes not seen within the expiry."""
+        for node in seen:
+            self._by_id[node.node_id] = node
+            self._last_seen[node.node_id] = now
+        for node_id, last in list(self._last_seen.items()):
+            if now - last > self._expiry_s:
+                gone = self._by_id.pop(node_id)
+                del self._last_seen[node_id]
+                log.warning("node %s (%s) expired", node_id, gone.role)
+                if not any(n.control_addr == gone.control_addr for n in self._by_id.values()):
+                    self._nodes.disconnect(gone.control_addr)
+        for node in seen:
+            self._nodes.connect(node.control_addr)
+
+    async def poll_once(self) -> list[NodeInfo]:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                seen = await self.poll_once()
+            except Exception as exc:  # a registry outage must not kill the router; nodes expire instead
+                log.warning("registry poll failed: %s", exc)
+                seen = []
+            self.update(seen, time.monotonic())
+            self.ready.set()
+            await asyncio.sleep(self._poll_interval_s)
+
+
+class RedisRegistry(NodeRegistry):
+    """Node records from Redis; keys expire with their TTL, records older than the expiry are ignored."""
+
+    def __init__(self, redis_url: str, nodes: NodeClient, poll_interval_s: float, node_expiry_s: float) -> None:
+        super().__init__(nodes, poll_interval_s, node_expiry_s)
+        import redis
+
+        self._client = redis.Redis.from_url(redis_url, socket_timeout=max(1.0, poll_interval_s))
+
+    async def poll_once(self) -> list[NodeInfo]:
+        records = await asyncio.to_thread(list_nodes, self._client)
+        oldest = time.time() - self._expiry_s
+        return [n for n in records if n.heartbeat_time >= oldest]
+
+
+class StaticRegistry(NodeRegistry):
+    """Fixed control addresses, each asked for its NodeStatus every poll."""
+
+    def __init__(self, prefill_addrs: Sequence[str], decode_addrs: Sequence[str], nodes: NodeClient,
+                 poll_interval_s: float, node_expiry_s: float) -> None:
+        super().__init__(nodes, poll_interval_s, node_expiry_s)
+        self._roles = {**{a: "prefill" for a in prefill_addrs}, **{a: "decode" for a in decode_addrs}}
+
+    async def poll_once(self) -> list[NodeInfo]:
+        results = await asyncio.gather(*(self._query(addr) for addr in self._roles))
+        return [info for info in results if info is not None]
+
+    async def _query(self, addr: str) -> NodeInfo | None:
+        asked_at = time.time()
+        status = await self._nodes.query_status(addr, timeout_s=max(self._poll_interval_s, 0.5))
+        if status is None:
+            return None
+        names = {f.name for f in dataclasses.fields(NodeInfo)}
+        try:
+            info = NodeInfo(**{k: v for k, v in status.info.items() if k in names})
+        except TypeError as exc:
+            log.warning("node at %s sent an unreadable status: %s", addr, exc)
+            return None
+        if info.role != self._roles[addr]:
+            log.warning("node at %s is a %s node, listed as %s", addr, info.role, self._roles[addr])
+            return None
+        # The status covers every request sent before the query went out (see policy.Outstanding).
+        return dataclasses.replace(info, heartbeat_time=asked_at)

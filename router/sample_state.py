@@ -1,0 +1,52 @@
+"""One sample's output as its chunks arrive: text deltas, stop strings, logprobs, token counts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from protocol import messages as pm
+from router.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from router.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SampleDelta:
+    """What a chunk adds to a sample's output."""
+
+    text: str  # safe to send (never part of a stop string)
+    logprobs: tuple[pm.TokenLogprobs, ...]  # of the tokens this chunk contributed, when asked for
+    finish_reason: str | None  # set on the sample's last delta
+
+
+class SampleState:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: tuple[int, ...], stop: tuple[str, ...]) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, list(prompt_ids))
+        self._matcher = StopStringMatcher(stop)
+        self.num_prompt_tokens = len(prompt_ids)  # replaced by the node's count
+        self.num_cached_tokens = 0  # prompt tokens from a prefix cache (the first chunk says)
+        self.num_output_tokens = 0  # generated tokens that count (up to a stop string)
+        self.finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self._matcher.text
+
+    def on_chunk(self, chunk: pm.TokenChunk) -> SampleDelta:
+        assert self.finish_reason is None, "chunk after the sample finished"
+        if chunk.is_first or self.num_output_tokens == 0:
+            self.num_prompt_tokens = chunk.num_prompt_tokens or self.num_prompt_tokens
+            self.num_cached_tokens = chunk.num_cached_tokens
+        logprobs = []
+        for i, token_id in enumerate(chunk.token_ids):
+            self.num_output_tokens += 1
+            if i < len(chunk.logprobs):
+                logprobs.append(chunk.logprobs[i])
+            self._matcher.add(self._detokenizer.add(token_id))
+            if self._matcher.stopped:
+                self.finish_reason = "stop"
+                break
+        if self.finish_reason is None and chunk.finish_reason is not None:
+            self._matcher.add(self._detokenizer.flush())
+            self.finish_reason = "stop" if self._matcher.stopped else chunk.finish_reason
+        text = self._matcher.take(final=self.finish_reason is not None)
+        return SampleDelta(text, tuple(logprobs), self.finish_reason)

@@ -1,0 +1,258 @@
+"""One HTTP request's samples: start them, merge their deltas, answer whole or as SSE.
+
+n > 1 (and a list of prompts) is split here into independent samples with ids
+``f"{request_id}-{index}"``, each sent to the nodes with n == 1 and, when a seed is given,
+seed + i for the prompt's i-th sample (so a seeded request is reproducible, and its samples
+differ). Choice ``index`` = prompt index * n + i, as in OpenAI's API. Usage counts each
+prompt once and every sample's output tokens.
+
+A streamed answer only starts (status 200) once the first delta arrived: a request that fails
+before any token gets a plain error status, never a 200 with an empty body. Later failures end
+the stream with an ``{"error": ...}`` event and ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from router import responses as rs
+from router.admission import Admission, Role, Ticket
+from router.errors import APIError
+from router.generation import Backend, Sample, run_sample
+from router.jobs import Job, Prompt
+from router.sample_state import SampleDelta, SampleState
+from router.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+_EVENT_QUEUE_SIZE = 64  # deltas buffered for the HTTP side, across a request's samples
+
+
+@dataclasses.dataclass(slots=True)
+class _Choice:
+    index: int
+    prompt_index: int
+    sample: Sample
+    state: SampleState
+    prefix: str  # echo: prompt text still to send before the output
+    logprobs: list = dataclasses.field(default_factory=list)  # non-streaming: all entries
+    text_offset: int = 0  # completions logprobs: offset of the next token
+
+
+class JobRun:
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, admission: Admission, job: Job,
+                 model: str, max_model_len: int) -> None:
+        self.job = job
+        self.model = model
+        self.id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self._backend = backend
+        self._admission = admission
+        self._tokenizer = tokenizer
+        self._max_model_len = max_model_len
+        self._events: asyncio.Queue[tuple[int, SampleDelta | APIError]] = asyncio.Queue(_EVENT_QUEUE_SIZE)
+        self._tasks: list[asyncio.Task] = []
+        self.choices = self._make_choices(time.time())
+        self.formatter = rs.LogprobFormatter(tokenizer, job.logprobs or 0, job.tokens_as_ids)
+
+    def _make_choices(self, arrival: float) -> list[_Choice]:
+        choices = []
+        n = self.job.params.n
+        for p, prompt in enumerate(self.job.prompts):
+            base = self.job.params_for(prompt, self._max_model_len)
+            for i in range(n):
+                seed = None if base.seed is None else base.seed + i
+                params = dataclasses.replace(base, n=1, seed=seed)
+                index = p * n + i
+                sample = Sample(f"{self.id}-{index}", prompt.token_ids, params, arrival)
+                state = SampleState(self._tokenizer, prompt.token_ids, params.stop)
+                choices.append(_Choice(index, p, sample, state, self._echo_text(prompt)))
+        return choices
+
+    def _echo_text(self, prompt: Prompt) -> str:
+        if not self.job.echo:
+            return ""
+        return prompt.text if prompt.text is not None else self._tokenizer.decode(list(prompt.token_ids))
+
+    def start(self) -> None:
+        """Admit every sample (or raise 429 taking nothing) and start them."""
+        num = len(self.choices)
+        self._admission.admit(Role.DECODE, num)
+        try:
+            self._admission.admit(Role.PREFILL, num)
+        except APIError:
+            self._admission.release(Role.DECODE, num)
+            raise
+        for choice in self.choices:
+            ticket = Ticket(self._admission, (Role.DECODE, Role.PREFILL))
+            self._tasks.append(asyncio.create_task(self._drive(choice, ticket)))
+
+    def cancel(self) -> None:
+        """Stop every sample (synchronous: safe in a cancelled scope); their nodes get aborts."""
+        for task in self._tasks:
+            task.cancel()
+
+    def fail(self, error: APIError) -> None:
+        """Cancel every sample and make ``events`` end with ``error``."""
+        self.cancel()
+        while not self._events.empty():
+            self._events.get_nowait()
+        self._events.put_nowait((0, error))
+
+    async def _drive(self, choice: _Choice, ticket: Ticket) -> None:
+        try:
+            async with contextlib.aclosing(run_sample(self._backend, choice.sample, ticket)) as chunks:
+                async for chunk in chunks:
+                    delta = choice.state.on_chunk(chunk)
+                    await self._events.put((choice.index, delta))
+                    if delta.finish_reason is not None:
+                        self._count_tokens(choice)
+                        return
+            raise APIError(502, "the node ended the sample without a finish reason", None, "node_error")
+        except APIError as exc:
+            await self._events.put((choice.index, exc))
+        except Exception as exc:  # a bug: answer 500 rather than hang the client
+            log.exception("sample %s failed", choice.sample.request_id)
+            await self._events.put((choice.index, APIError(500, f"internal error: {exc}", None, "internal")))
+        finally:
+            ticket.release_all()
+
+    def _count_tokens(self, choice: _Choice) -> None:
+        metrics = self._backend.metrics
+        metrics.prompt_tokens.inc(choice.state.num_prompt_tokens)
+        metrics.cached_tokens.inc(choice.state.num_cached_tokens)
+        metrics.generation_tokens.inc(choice.state.num_output_tokens)
+
+    async def events(self) -> AsyncIterator[tuple[_Choice, SampleDelta | APIError]]:
+        """Deltas as they come, until every sample finished; stops after the first error."""
+        num_open = len(self.choices)
+        while num_open:
+            index, event = await self._events.get()
+            yield self.choices[index], event
+            if isinstance(event, APIError):
+                return
+            if event.finish_reason is not None:
+                num_open -= 1
+
+    def usage(self) -> rs.Usage:
+        firsts = {c.prompt_index: c for c in reversed(self.choices)}  # each prompt's first sample
+        return rs.Usage(
+            prompt_tokens=sum(c.state.num_prompt_tokens for c in firsts.values()),
+            completion_tokens=sum(c.state.num_output_tokens for c in self.choices),
+            cached_tokens=sum(c.state.num_cached_tokens for c in firsts.values()),
+        )
+
+    # ------------------------------------------------------------------ formatting
+    def _logprobs(self, choice: _Choice, entries) -> dict | None:
+        if self.job.logprobs is None:
+            return None
+        if self.job.chat:
+            return self.formatter.chat(entries)
+        body, choice.text_offset = self.formatter.completion(entries, choice.text_offset)
+        return body
+
+    def chunk(self, choice: _Choice, delta: SampleDelta) -> str | None:
+        """The SSE event for one delta (None when it carries nothing)."""
+        text = choice.prefix + delta.text
+        if choice.prefix:
+            choice.text_offset = len(choice.prefix)
+        choice.prefix = ""
+        if not text and not delta.logprobs and delta.finish_reason is None:
+            return None
+        logprobs = self._logprobs(choice, delta.logprobs)
+        if self.job.chat:
+            body = rs.chat_chunk_choice(choice.index, {"content": text} if text else {}, logprobs,
+                                        delta.finish_reason)
+            return rs.sse(rs.envelope(self.id, "chat.completion.chunk", self.created, self.model, [body]))
+        body = rs.completion_choice(choice.index, text, logprobs, delta.finish_reason)
+        return rs.sse(rs.envelope(self.id, "text_completion", self.created, self.model, [body]))
+
+    def role_chunks(self) -> list[str]:
+        """Chat streams open each choice with the assistant role."""
+        if not self.job.chat:
+            return []
+        return [rs.sse(rs.envelope(self.id, "chat.completion.chunk", self.created, self.model,
+                                   [rs.chat_chunk_choice(c.index, {"role": "assistant", "content": ""},
+                                                         None, None)])) for c in self.choices]
+
+    def usage_chunk(self) -> str:
+        object_ = "chat.completion.chunk" if self.job.chat else "text_completion"
+        return rs.sse(rs.envelope(self.id, object_, self.created, self.model, [], self.usage()))
+
+    def whole(self) -> dict:
+        choices = []
+        for c in self.choices:
+            text = c.prefix + c.state.text
+            logprobs = None
+            if self.job.logprobs is not None:
+                logprobs = (self.formatter.chat(c.logprobs) if self.job.chat
+                            else self.formatter.completion(c.logprobs, len(c.prefix))[0])
+            make = rs.chat_choice if self.job.chat else rs.completion_choice
+            choices.append(make(c.index, text, logprobs, c.state.finish_reason))
+        object_ = "chat.completion" if self.job.chat else "text_completion"
+        return rs.envelope(self.id, object_, self.created, self.model, choices, self.usage())
+
+
+async def serve(run: JobRun, request: Request) -> Response:
+    run.start()
+    try:
+        if not run.job.stream:
+            return await _answer_whole(run, request)
+        events = run.events()
+        first = await anext(events)
+        if isinstance(first[1], APIError):
+            raise first[1]
+    except BaseException:
+        run.cancel()
+        raise
+    return StreamingResponse(_stream(run, first, events), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _answer_whole(run: JobRun, request: Request) -> Response:
+    watcher = asyncio.create_task(_cancel_on_disconnect(run, request))
+    try:
+        async for choice, event in run.events():
+            if isinstance(event, APIError):
+                raise event
+            choice.logprobs.extend(event.logprobs)
+        return JSONResponse(run.whole())
+    finally:
+        watcher.cancel()
+
+
+async def _cancel_on_disconnect(run: JobRun, request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.5)
+    run.fail(APIError(499, "the client disconnected", None, "client_disconnected"))
+
+
+async def _stream(run: JobRun, first, events) -> AsyncIterator[str]:
+    try:
+        for line in run.role_chunks():
+            yield line
+        choice, event = first
+        while True:
+            if isinstance(event, APIError):
+                yield rs.sse(event.body())
+                break
+            line = run.chunk(choice, event)
+            if line is not None:
+                yield line
+            try:
+                choice, event = await anext(events)
+            except StopAsyncIteration:
+                if run.job.include_usage:
+                    yield run.usage_chunk()
+                break
+        yield rs.SSE_DONE
+    finally:
+        run.cancel()

@@ -1,0 +1,168 @@
+"""Router HTTP API without nodes: validation errors, auth, unknown model, context length, models,
+health, metrics, and that the router never imports torch."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from router.tokenizer import Tokenizer
+from tests.test_router_support import config_for, node_info, running_app
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir) -> Tokenizer:
+    return Tokenizer(default_model_dir)
+
+
+def _post(tokenizer, default_model_dir, path, body, records=(), headers=None, **config):
+    async def go():
+        async with running_app(config_for(default_model_dir, **config), tokenizer, records) as h:
+            return await h.client.post(path, json=body, headers=headers or {})
+
+    return asyncio.run(go())
+
+
+def _assert_error(response, status: int, param: str | None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert isinstance(error["message"], str) and error["message"]
+    return error
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+BAD_FIELDS = [
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_k": -5}, "top_k"),
+    ("/v1/completions", {"prompt": "x", "min_p": 2}, "min_p"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 1000}, "n"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": 5}, "stop"),
+    ("/v1/completions", {"prompt": "x", "seed": -1}, "seed"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {"prompt": [1, 99999999]}, "prompt"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": 7}, "prompt"),
+    ("/v1/completions", {}, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
+    ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), BAD_FIELDS, ids=[f"{p[4:]}-{f}" for p, _, f in BAD_FIELDS])
+def test_invalid_field_is_400_naming_it(tokenizer, default_model_dir, path, body, param):
+    error = _assert_error(_post(tokenizer, default_model_dir, path, body), 400, param)
+    assert error["type"] == "invalid_request_error"
+
+
+def test_malformed_json_is_400(tokenizer, default_model_dir):
+    async def go():
+        async with running_app(config_for(default_model_dir), tokenizer) as h:
+            return await h.client.post("/v1/completions", content=b"{nope",
+                                       headers={"content-type": "application/json"})
+
+    _assert_error(asyncio.run(go()), 400, None)
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "secret"}])
+def test_missing_or_wrong_api_key_is_401(tokenizer, default_model_dir, headers):
+    response = _post(tokenizer, default_model_dir, "/v1/completions", {"prompt": "x"}, headers=headers,
+                     api_key="secret")
+    assert _assert_error(response, 401, None)["type"] == "authentication_error"
+
+
+def test_right_api_key_passes_auth(tokenizer, default_model_dir):
+    response = _post(tokenizer, default_model_dir, "/v1/completions", {"prompt": "x", "top_p": 5},
+                     headers={"Authorization": "Bearer secret"}, api_key="secret")
+    _assert_error(response, 400, "top_p")
+
+
+def test_unknown_model_is_404(tokenizer, default_model_dir):
+    response = _post(tokenizer, default_model_dir, "/v1/completions", {"prompt": "x", "model": "gpt-9"})
+    assert _assert_error(response, 404, "model")["code"] == "model_not_found"
+
+
+def test_prompt_over_node_context_is_400_context_length_exceeded(tokenizer, default_model_dir):
+    records = [node_info("d0", "decode", max_model_len=32), node_info("p0", "prefill", max_model_len=32)]
+    body = {"prompt": list(range(30)), "max_tokens": 3}
+    error = _assert_error(_post(tokenizer, default_model_dir, "/v1/completions", body, records), 400, "prompt")
+    assert error["code"] == "context_length_exceeded"
+    assert "32" in error["message"]
+
+
+def test_chat_over_model_context_is_400(tokenizer, default_model_dir):
+    body = {"messages": [{"role": "user", "content": "word " * 9000}]}
+    error = _assert_error(_post(tokenizer, default_model_dir, "/v1/chat/completions", body), 400, "messages")
+    assert error["code"] == "context_length_exceeded"
+
+
+def test_body_over_limit_is_413(tokenizer, default_model_dir):
+    response = _post(tokenizer, default_model_dir, "/v1/completions", {"prompt": "x" * 2000}, max_body_bytes=1000)
+    _assert_error(response, 413, None)
+
+
+def test_no_nodes_is_503_with_retry_after(tokenizer, default_model_dir):
+    response = _post(tokenizer, default_model_dir, "/v1/completions", {"prompt": "hello"})
+    _assert_error(response, 503, None)
+    assert response.headers["retry-after"] == "1"
+
+
+def test_models_health_and_metrics(tokenizer, default_model_dir):
+    records = [node_info("d0", "decode", num_blocks_free=60, num_blocks_cached=10), node_info("p0", "prefill")]
+
+    async def go():
+        async with running_app(config_for(default_model_dir), tokenizer) as h:
+            unhealthy = await h.client.get("/health")
+            h.registry.records = records
+            await asyncio.sleep(0.15)
+            return (unhealthy, await h.client.get("/health"), await h.client.get("/v1/models"),
+                    await h.client.get("/metrics"))
+
+    unhealthy, healthy, models, metrics = asyncio.run(go())
+    assert unhealthy.status_code == 503
+    assert healthy.status_code == 200 and healthy.json()["num_decode"] == 1
+    card = models.json()["data"][0]
+    assert card["id"] == default_model_dir.name and card["max_model_len"] == 512
+    assert metrics.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert 'pdserve_node_kv_blocks_used{node_id="d0",role="decode"} 40' in metrics.text
+    assert 'pdserve_node_kv_blocks_cached{node_id="d0",role="decode"} 10' in metrics.text
+
+
+def test_router_app_never_imports_torch(default_model_dir):
+    code = (
+        "import sys, asyncio\n"
+        "from router.app import create_app\n"
+        "from router.config import RouterConfig\n"
+        f"app = create_app(RouterConfig(model={str(default_model_dir)!r}, decode_addrs=('tcp://127.0.0.1:1',)))\n"
+        "async def go():\n"
+        "    async with app.router.lifespan_context(app):\n"
+        "        pass\n"
+        "asyncio.run(go())\n"
+        "import pdserve_cli.main\n"
+        "pdserve_cli.main.build_parser()\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

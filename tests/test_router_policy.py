@@ -1,0 +1,128 @@
+"""Routing policy on synthetic node records, and admission control."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.block_hash import hash_full_blocks
+from router.admission import Admission, Role, Ticket
+from router.errors import APIError
+from router.policy import PrefixMap, RoutingPolicy
+from tests.test_router_support import FINGERPRINT, node_info
+
+PROMPT = tuple(range(40))  # 10 full blocks of 4
+
+
+def test_decode_with_most_free_blocks_wins():
+    nodes = [node_info("d0", "decode", num_blocks_free=50), node_info("d1", "decode", num_blocks_free=80)]
+    assert RoutingPolicy(disagg_threshold=1000).choose(nodes, PROMPT, 8).decode.node_id == "d1"
+
+
+def test_decode_tie_on_free_blocks_goes_to_fewest_running():
+    nodes = [node_info("d0", "decode", num_running=5), node_info("d1", "decode", num_running=2)]
+    assert RoutingPolicy(1000).choose(nodes, PROMPT, 8).decode.node_id == "d1"
+
+
+def test_outstanding_reservations_count_until_a_newer_heartbeat():
+    policy = RoutingPolicy(1000)
+    nodes = [node_info("d0", "decode", num_blocks_free=100), node_info("d1", "decode", num_blocks_free=95)]
+    route = policy.choose(nodes, PROMPT, 8)
+    assert route.decode.node_id == "d0" and route.num_blocks == 12
+    policy.record("r1", route, len(PROMPT), now=10.0)
+    other = tuple(range(100, 140))  # shares no prefix with r1
+    assert policy.choose(nodes, other, 8).decode.node_id == "d1"  # 100 - 12 < 95
+    fresh = [node_info("d0", "decode", num_blocks_free=100, heartbeat_time=11.0), nodes[1]]
+    assert policy.choose(fresh, other, 8).decode.node_id == "d0"  # the heartbeat accounts for r1
+    policy.finish("r1")
+    assert policy.choose(nodes, other, 8).decode.node_id == "d0"
+
+
+def test_short_prompt_prefills_on_the_decode_node():
+    nodes = [node_info("d0", "decode"), node_info("p0", "prefill")]
+    assert RoutingPolicy(disagg_threshold=41).choose(nodes, PROMPT, 8).prefill is None
+    assert RoutingPolicy(disagg_threshold=40).choose(nodes, PROMPT, 8).prefill.node_id == "p0"
+
+
+def test_prompt_cached_on_the_decode_node_skips_prefill_node():
+    policy = RoutingPolicy(disagg_threshold=16)
+    nodes = [node_info("d0", "decode"), node_info("p0", "prefill")]
+    first = policy.choose(nodes, PROMPT, 8)
+    assert first.prefill is not None
+    policy.record("r1", first, len(PROMPT), now=1.0)
+    policy.finish("r1")
+    assert policy.choose(nodes, PROMPT + (1, 2), 8).prefill is None  # 2 uncached tokens
+
+
+def test_prefill_with_least_queued_tokens_wins():
+    nodes = [node_info("d0", "decode"), node_info("p0", "prefill", num_queued_prefill_tokens=500),
+             node_info("p1", "prefill", num_queued_prefill_tokens=100)]
+    assert RoutingPolicy(0).choose(nodes, PROMPT, 8).prefill.node_id == "p1"
+
+
+def test_prefill_cached_prefix_outweighs_a_smaller_queue():
+    policy = RoutingPolicy(0)
+    policy.prefill_prefixes.record(hash_full_blocks(PROMPT, 4), "p0")  # 40 cached tokens on p0
+    nodes = [node_info("d0", "decode"), node_info("p0", "prefill", num_queued_prefill_tokens=150),
+             node_info("p1", "prefill", num_queued_prefill_tokens=100)]
+    assert policy.choose(nodes, PROMPT, 8).prefill.node_id == "p1"  # 150 - 40 > 100
+    less_busy = [nodes[0], node_info("p0", "prefill", num_queued_prefill_tokens=130), nodes[2]]
+    assert policy.choose(less_busy, PROMPT, 8).prefill.node_id == "p0"  # 130 - 40 < 100
+
+
+def test_conversation_stays_on_its_prefill_node_while_that_pays():
+    policy = RoutingPolicy(0)
+    nodes = [node_info("d0", "decode"), node_info("p0", "prefill"), node_info("p1", "prefill")]
+    turn1 = policy.choose(nodes, PROMPT, 8)
+    policy.record("t1", turn1, len(PROMPT), now=1.0)
+    policy.finish("t1")
+    busier = [nodes[0], *(node_info(n.node_id, "prefill", num_queued_prefill_tokens=20)
+                          if n.node_id == turn1.prefill.node_id else n for n in nodes[1:])]
+    assert policy.choose(busier, PROMPT + tuple(range(100, 140)), 8).prefill.node_id == turn1.prefill.node_id
+
+
+def test_only_nodes_with_the_decode_fingerprint_prefill():
+    other = {**FINGERPRINT, "block_size": 8}
+    nodes = [node_info("d0", "decode"), node_info("p0", "prefill", fingerprint=other)]
+    assert RoutingPolicy(0).choose(nodes, PROMPT, 8).prefill is None
+
+
+def test_draining_excluded_and_too_short_nodes_are_skipped():
+    nodes = [node_info("d0", "decode", draining=True), node_info("d1", "decode", max_model_len=40),
+             node_info("d2", "decode", num_blocks_free=1)]
+    policy = RoutingPolicy(1000)
+    assert policy.choose(nodes, PROMPT, 8).decode.node_id == "d2"
+    assert policy.choose(nodes, PROMPT, 8, exclude=frozenset({"d2"})) is None
+
+
+def test_prefix_map_matches_leading_blocks_only_and_evicts_oldest():
+    prefixes = PrefixMap(capacity=3)
+    prefixes.record([1, 2, 3], "a")
+    assert prefixes.num_cached_blocks([1, 2, 9], "a") == 2
+    assert prefixes.num_cached_blocks([9, 2, 3], "a") == 0
+    prefixes.record([4], "b")
+    assert prefixes.num_cached_blocks([1, 2], "a") == 0  # block 1 evicted
+    prefixes.forget_node("b")
+    assert prefixes.num_cached_blocks([4], "b") == 0
+
+
+def test_admission_sheds_beyond_the_limit_with_retry_after():
+    admission = Admission({Role.PREFILL: 2, Role.DECODE: 3})
+    admission.admit(Role.DECODE, 2)
+    with pytest.raises(APIError) as raised:
+        admission.admit(Role.DECODE, 2)
+    assert raised.value.status == 429 and raised.value.headers()["Retry-After"] == "1"
+    assert admission.num_inflight[Role.DECODE] == 2 and admission.num_rejected[Role.DECODE] == 1
+    admission.release(Role.DECODE, 2)
+    admission.admit(Role.DECODE, 3)
+
+
+def test_ticket_releases_each_role_once():
+    admission = Admission({Role.PREFILL: 1, Role.DECODE: 1})
+    admission.admit(Role.PREFILL)
+    admission.admit(Role.DECODE)
+    ticket = Ticket(admission, (Role.PREFILL, Role.DECODE))
+    ticket.release(Role.PREFILL)
+    ticket.release(Role.PREFILL)
+    ticket.release_all()
+    ticket.release_all()
+    assert admission.num_inflight == {Role.PREFILL: 0, Role.DECODE: 0}
