@@ -97,17 +97,48 @@ def paged_decode_attention(
 
     query: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, max_blocks_per_seq]
     (entries past a sequence's blocks may hold any valid block id); context_lens: [num_seqs].
+    Sequences of similar length are batched together, so padding stays a small fraction of
+    the K/V that is gathered (on CPU the gather copy is most of the cost).
     """
-    num_seqs, num_heads, head_dim = query.shape
+    num_seqs = query.shape[0]
     if num_seqs == 0:
         return torch.empty_like(query)
+    out = torch.empty_like(query)
+    lens = context_lens.tolist()
+    for group in _length_buckets(lens):
+        idx = torch.tensor(group, dtype=torch.int64)
+        out[idx] = _decode_padded(query[idx], key_cache, value_cache, block_tables[idx], context_lens[idx],
+                                  scale, sliding_window)
+    return out
+
+
+def _length_buckets(lens: list[int], max_waste: float = 0.25) -> list[list[int]]:
+    """Indices grouped by length so that padded size <= (1 + max_waste) * real size per group."""
+    order = sorted(range(len(lens)), key=lens.__getitem__, reverse=True)
+    groups: list[list[int]] = []
+    total = 0
+    for i in order:
+        if groups and len(groups[-1]) and (len(groups[-1]) + 1) * lens[groups[-1][0]] <= (1 + max_waste) * (
+            total + lens[i]
+        ):
+            groups[-1].append(i)
+            total += lens[i]
+        else:
+            groups.append([i])
+            total = lens[i]
+    return groups
+
+
+def _decode_padded(query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window):
+    num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     max_len = int(context_lens.max())
     max_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :max_blocks].long()
-    # [S, max_blocks, bs, KVH, D] -> [S, KVH, T, D]
-    k = key_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    v = value_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    # [S, max_blocks, bs, KVH, D] -> [S, KVH, T, D]. index_select on the flat table is ~3x faster
+    # than advanced indexing here; SDPA takes the transposed (strided) view without a copy.
+    flat = block_tables[:, :max_blocks].reshape(-1).long()
+    k = key_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = value_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     groups = num_heads // num_kv_heads
     q = query.reshape(num_seqs, num_kv_heads, groups, head_dim)  # [S, KVH, G, D]
     k_pos = torch.arange(k.shape[2]).unsqueeze(0)  # [1, T]

@@ -1,6 +1,11 @@
-"""The one place that touches ZeroMQ sockets for KV transfer.
+"""The one place that touches ZeroMQ sockets on the nodes (KV transfer and control).
 
     prefill node  DEALER ──connect──►  ROUTER  decode node (bind; tcp:// or ipc://)
+    router        DEALER ──connect──►  ROUTER  node control socket (protocol.messages)
+    node          PUSH   ──connect──►  PULL    router's reply address (protocol.messages)
+
+Channels decode with ``kv_transfer.messages.decode`` unless given another decoder of the
+same wire shape (``protocol.messages.decode_frames``).
 
 Every receive takes a timeout (no call blocks forever) and every send has a send timeout,
 so a dead or stuck peer shows up as a deadline, never as a hang. Data frames go out
@@ -10,7 +15,7 @@ zero-copy (``copy=False``): the caller must not modify a buffer after handing it
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -34,8 +39,18 @@ class Inbound:
     frames: list[memoryview]  # raw data frames, zero-copy views valid while this object lives
 
 
+Decoder = Callable[[memoryview, Sequence[memoryview], int], Message]
+
+
 class _Channel:
-    def __init__(self, socket_type: int, context: zmq.Context | None, max_frame_bytes: int) -> None:
+    def __init__(
+        self,
+        socket_type: int,
+        context: zmq.Context | None,
+        max_frame_bytes: int,
+        decoder: Decoder = messages.decode,
+    ) -> None:
+        self._decoder = decoder
         self._context = context or zmq.Context.instance()
         self._socket = self._context.socket(socket_type)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -61,7 +76,7 @@ class _Channel:
         if not parts:
             raise ProtocolError("empty message")
         frames = [p.buffer for p in parts[1:]]
-        return Inbound(peer, messages.decode(parts[0].buffer, frames, self._max_frame_bytes), frames)
+        return Inbound(peer, self._decoder(parts[0].buffer, frames, self._max_frame_bytes), frames)
 
     def close(self) -> None:
         self._socket.close(linger=0)
@@ -75,8 +90,9 @@ class ListenChannel(_Channel):
         address: str,
         context: zmq.Context | None = None,
         max_frame_bytes: int = messages.DEFAULT_MAX_FRAME_BYTES,
+        decoder: Decoder = messages.decode,
     ) -> None:
-        super().__init__(zmq.ROUTER, context, max_frame_bytes)
+        super().__init__(zmq.ROUTER, context, max_frame_bytes, decoder)
         self._socket.bind(address)
         self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)  # port resolved
 
@@ -105,8 +121,9 @@ class PeerChannel(_Channel):
         address: str,
         context: zmq.Context | None = None,
         max_frame_bytes: int = messages.DEFAULT_MAX_FRAME_BYTES,
+        decoder: Decoder = messages.decode,
     ) -> None:
-        super().__init__(zmq.DEALER, context, max_frame_bytes)
+        super().__init__(zmq.DEALER, context, max_frame_bytes, decoder)
         self._socket.connect(address)
         self.address = address
 
@@ -120,3 +137,23 @@ class PeerChannel(_Channel):
     def recv(self, timeout_s: float) -> Inbound | None:
         parts = self._recv_parts(timeout_s)
         return None if parts is None else self._decode(b"", parts)
+
+
+class PushChannel(_Channel):
+    """PUSH socket to a router's reply address. Sends never wait: a router that is gone or
+    not draining costs dropped messages (it has its own deadlines), never a stuck node."""
+
+    def __init__(self, address: str, context: zmq.Context | None = None, queue_limit: int = 10000) -> None:
+        super().__init__(zmq.PUSH, context, messages.DEFAULT_MAX_FRAME_BYTES)
+        self._socket.setsockopt(zmq.SNDHWM, queue_limit)
+        self._socket.setsockopt(zmq.SNDTIMEO, 0)
+        self._socket.connect(address)
+        self.address = address
+
+    def send(self, msg: Message) -> bool:
+        """True when queued; False when the queue to this router is full."""
+        try:
+            self._socket.send(messages.encode(msg), copy=False)
+            return True
+        except zmq.Again:
+            return False

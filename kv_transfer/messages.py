@@ -89,6 +89,7 @@ class KVReserve(Message):
     sampling_params: dict[str, Any] | None = None  # engine SamplingParams.to_dict(), for the decode side
     shm_name: str | None = None  # the sender's shared-memory staging ring, offered for same-host peers
     host_id: str | None = None  # kv_transfer.staging.host_id() of the sender, to tell same-host peers
+    request_meta: dict[str, Any] | None = None  # opaque to kv_transfer: the decode node's per-request data
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -206,6 +207,8 @@ def _to_wire(value: Any) -> Any:
         return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, enum.Enum):
         return value.value
+    if isinstance(value, tuple) and value and dataclasses.is_dataclass(value[0]):
+        return [_to_wire(item) for item in value]  # plain ints and floats pass as they are
     return value
 
 
@@ -221,6 +224,16 @@ def decode(
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
 ) -> Message:
     """Parse a header frame and check the data frames that came with it."""
+    return decode_with(header, _TAG_TO_TYPE, frames, max_frame_bytes)
+
+
+def decode_with(
+    header: bytes | memoryview,
+    tag_to_type: dict[str, type[Message]],
+    frames: Sequence[memoryview] = (),
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+) -> Message:
+    """``decode`` for another family of messages (e.g. protocol.messages) in the same wire shape."""
     if len(header) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
@@ -232,7 +245,7 @@ def decode(
     version, tag, fields = obj
     if version != PROTOCOL_VERSION or isinstance(version, bool):
         raise ProtocolError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}", "version")
-    cls = _TAG_TO_TYPE.get(tag) if isinstance(tag, str) else None
+    cls = tag_to_type.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message tag {tag!r}", "tag")
     msg = _build(cls, fields)

@@ -76,6 +76,7 @@ class ReceivedKV:
     num_held_blocks: int  # blocks reused from this node's prefix cache (not sent)
     bytes_received: int  # chunk payload bytes
     prefill_cached_tokens: int  # usage: prompt tokens the prefill node took from its cache
+    request_meta: dict | None = None  # KVReserve.request_meta, passed through untouched
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -378,7 +379,12 @@ class KVReceiver:
         self._reply(peer, KVAck(msg.request_id))
         self._result.completed.append(
             ReceivedKV(
-                seq, msg.first_token, state.num_held_blocks, state.bytes_received, msg.num_cached_tokens
+                seq,
+                msg.first_token,
+                state.num_held_blocks,
+                state.bytes_received,
+                msg.num_cached_tokens,
+                state.reserve.request_meta,
             )
         )
 

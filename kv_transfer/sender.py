@@ -97,7 +97,11 @@ class KVSender:
 
     # ----------------------------------------------------------------- per request
     def reserve(
-        self, request_id: str, token_ids: Sequence[int], sampling_params: dict | None = None
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        sampling_params: dict | None = None,
+        request_meta: dict | None = None,
     ) -> OutgoingTransfer:
         """Ask for blocks and wait for the grant. Raises KVRejected or KVTimeout."""
         fp = self.fingerprint
@@ -111,6 +115,7 @@ class KVSender:
             sampling_params,
             self._ring.shm_name,
             host_id(),
+            request_meta,
         )
         self._inbox[request_id] = deque()
         started = time.monotonic()
@@ -183,9 +188,10 @@ class KVSender:
         first_token: int,
         num_cached_tokens: int = 0,
         sampling_params: dict | None = None,
+        request_meta: dict | None = None,
     ) -> TransferStats:
         """Reserve, send every layer, finish. Raises KVTransferError (peer told to abort)."""
-        tx = self.reserve(request_id, token_ids, sampling_params)
+        tx = self.reserve(request_id, token_ids, sampling_params, request_meta)
         try:
             for layer in range(len(key_caches)):
                 self.send_layer(tx, layer, key_caches[layer], value_caches[layer], block_table)

@@ -1,0 +1,119 @@
+"""Router <-> node messages (not KV: that is kv_transfer's protocol).
+
+Same wire shape and strict decoding as ``kv_transfer.messages``: one msgpack header frame
+``[version, tag, {fields}]``, never pickle. Flows:
+
+    router ──GenerateRequest──► prefill node (decode_addr set: prefill, ship KV, report first token)
+    router ──GenerateRequest──► decode node  (decode_addr None: prefill locally, then decode)
+    node   ──TokenChunk───────► router's reply_addr (first token from P; the rest from D)
+    node   ──RequestFailed────► router's reply_addr (the request ended in error)
+    router ──AbortRequest─────► any node holding the request
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from kv_transfer import messages as kvm
+
+Message = kvm.Message
+ProtocolError = kvm.ProtocolError
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GenerateRequest(Message):
+    """Router → node: run this prompt."""
+
+    TAG: ClassVar[str] = "generate"
+    request_id: str  # unique across the cluster
+    token_ids: tuple[int, ...]  # the prompt
+    sampling_params: dict[str, Any]  # engine.sampling_params.SamplingParams.to_dict(), n == 1
+    reply_addr: str  # the router's ZeroMQ PULL address for TokenChunk / RequestFailed
+    decode_addr: str | None  # prefill node: KV address of the decode node; None: generate locally
+    ttl_s: float  # the node drops the request (and frees its blocks) this long after receipt
+    arrival_time: float = 0.0  # router's wall clock at arrival, for queue-time metrics
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One generated token's log-probability and its top alternatives."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: tuple[int, ...]  # most likely first
+    top_logprobs: tuple[float, ...]  # same order as top_token_ids
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenChunk(Message):
+    """Node → router: new tokens of a request (the first from the prefill node)."""
+
+    TAG: ClassVar[str] = "tokens"
+    request_id: str
+    node_id: str  # who produced them
+    token_ids: tuple[int, ...]  # new tokens, in order
+    logprobs: tuple[TokenLogprobs, ...]  # one per token when asked for, else empty
+    finish_reason: str | None  # "stop", "length", "abort" on the last chunk
+    num_prompt_tokens: int  # usage: prompt length
+    num_cached_tokens: int  # usage: prompt tokens that came from a prefix cache
+    is_first: bool = False  # the prefill node's first token; decode chunks follow
+    timings: dict[str, Any] | None = None  # seconds per stage, e.g. {"prefill_queue": 0.01, ...}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestFailed(Message):
+    """Node → router: the request cannot go on on this node."""
+
+    TAG: ClassVar[str] = "failed"
+    request_id: str
+    node_id: str
+    code: str  # e.g. "kv_transfer", "timeout", "rejected", "draining", "bad_request", "overloaded"
+    message: str
+    retryable: bool  # no token was emitted by this node, the router may try elsewhere
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AbortRequest(Message):
+    """Router → node: stop this request and free its blocks."""
+
+    TAG: ClassVar[str] = "abort_request"
+    request_id: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StatusQuery(Message):
+    """Router → node (static mode, no Redis): reply with a NodeStatus on the same socket."""
+
+    TAG: ClassVar[str] = "status_query"
+    nonce: int  # echoed back
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NodeStatus(Message):
+    """Node → router: the same record the node publishes to Redis (protocol.registry.NodeInfo)."""
+
+    TAG: ClassVar[str] = "status"
+    nonce: int
+    info: dict[str, Any]  # dataclasses.asdict(NodeInfo)
+
+
+MESSAGE_TYPES: tuple[type[Message], ...] = (
+    GenerateRequest, TokenChunk, RequestFailed, AbortRequest, StatusQuery, NodeStatus,
+)
+_TAG_TO_TYPE = {cls.TAG: cls for cls in MESSAGE_TYPES}
+
+
+def encode(msg: Message) -> bytes:
+    return kvm.encode(msg)
+
+
+def decode(header: bytes | memoryview) -> Message:
+    """Strictly parse a router/node message; raises ProtocolError on anything else."""
+    return kvm.decode_with(header, _TAG_TO_TYPE)
+
+
+def decode_frames(header: memoryview, frames, max_frame_bytes: int) -> Message:
+    """``decode`` in the shape kv_transfer.channel takes; these messages carry no data frames."""
+    return kvm.decode_with(header, _TAG_TO_TYPE, frames, max_frame_bytes)
