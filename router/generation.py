@@ -124,6 +124,7 @@ async def _relay(backend: Backend, route: Route, queue: asyncio.Queue[pm.Message
         if num_tokens == 0:
             first_token_time = time.time()
             ticket.release(Role.PREFILL)
+            backend.policy.remember_prefix(route)
             backend.metrics.ttft.observe(first_token_time - sample.arrival_time)
         num_tokens += len(msg.token_ids)
         _observe_timings(backend.metrics, msg.timings)

@@ -149,12 +149,16 @@ class RoutingPolicy:
         return min(prefills, key=prefill_key, default=None)
 
     def record(self, request_id: str, route: Route, num_prompt_tokens: int, now: float) -> None:
-        """Book-keep a request just sent along ``route``."""
+        """Book-keep a request just sent along ``route`` (until ``finish``)."""
         self.outstanding.add(request_id, route.decode.node_id, now, num_blocks=route.num_blocks,
                              num_prefill_tokens=0 if route.prefill else num_prompt_tokens)
-        self.decode_prefixes.record(route.block_hashes, route.decode.node_id)
         if route.prefill is not None:
             self.outstanding.add(request_id, route.prefill.node_id, now, num_prefill_tokens=num_prompt_tokens)
+
+    def remember_prefix(self, route: Route) -> None:
+        """The prompt was computed along ``route`` (its first token came): both nodes now cache it."""
+        self.decode_prefixes.record(route.block_hashes, route.decode.node_id)
+        if route.prefill is not None:
             self.prefill_prefixes.record(route.block_hashes, route.prefill.node_id)
 
     def finish(self, request_id: str) -> None:

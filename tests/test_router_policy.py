@@ -29,6 +29,7 @@ def test_outstanding_reservations_count_until_a_newer_heartbeat():
     route = policy.choose(nodes, PROMPT, 8)
     assert route.decode.node_id == "d0" and route.num_blocks == 12
     policy.record("r1", route, len(PROMPT), now=10.0)
+    policy.remember_prefix(route)
     other = tuple(range(100, 140))  # shares no prefix with r1
     assert policy.choose(nodes, other, 8).decode.node_id == "d1"  # 100 - 12 < 95
     fresh = [node_info("d0", "decode", num_blocks_free=100, heartbeat_time=11.0), nodes[1]]
@@ -43,12 +44,21 @@ def test_short_prompt_prefills_on_the_decode_node():
     assert RoutingPolicy(disagg_threshold=40).choose(nodes, PROMPT, 8).prefill.node_id == "p0"
 
 
+def test_failed_attempt_leaves_no_prefix_behind():
+    policy = RoutingPolicy(disagg_threshold=16)
+    nodes = [node_info("d0", "decode"), node_info("p0", "prefill")]
+    policy.record("r1", policy.choose(nodes, PROMPT, 8), len(PROMPT), now=1.0)
+    policy.finish("r1")  # no first token: nothing was computed
+    assert policy.choose(nodes, PROMPT, 8).prefill is not None
+
+
 def test_prompt_cached_on_the_decode_node_skips_prefill_node():
     policy = RoutingPolicy(disagg_threshold=16)
     nodes = [node_info("d0", "decode"), node_info("p0", "prefill")]
     first = policy.choose(nodes, PROMPT, 8)
     assert first.prefill is not None
     policy.record("r1", first, len(PROMPT), now=1.0)
+    policy.remember_prefix(first)
     policy.finish("r1")
     assert policy.choose(nodes, PROMPT + (1, 2), 8).prefill is None  # 2 uncached tokens
 
@@ -74,6 +84,7 @@ def test_conversation_stays_on_its_prefill_node_while_that_pays():
     nodes = [node_info("d0", "decode"), node_info("p0", "prefill"), node_info("p1", "prefill")]
     turn1 = policy.choose(nodes, PROMPT, 8)
     policy.record("t1", turn1, len(PROMPT), now=1.0)
+    policy.remember_prefix(turn1)
     policy.finish("t1")
     busier = [nodes[0], *(node_info(n.node_id, "prefill", num_queued_prefill_tokens=20)
                           if n.node_id == turn1.prefill.node_id else n for n in nodes[1:])]
