@@ -146,6 +146,7 @@ class KVReceiver:
         self.key_caches, self.value_caches = list(key_caches), list(value_caches)
         self._channel = ListenChannel(address, context, self.config.max_frame_bytes)
         self.address = self._channel.address  # resolved (tcp://host:0 gets its port)
+        self.draining = False  # set_draining(): KVReject every new reservation
         self._incoming: dict[str, _Incoming] = {}
         self._queued: deque[_Queued] = deque()
         self._result = PollResult()
@@ -157,6 +158,10 @@ class KVReceiver:
             KVDone: self._on_done,
             Abort: self._on_abort,
         }
+
+    def set_draining(self) -> None:
+        """Refuse new reservations (KVReject) while in-flight transfers finish."""
+        self.draining = True
 
     @property
     def num_incoming(self) -> int:
@@ -236,6 +241,8 @@ class KVReceiver:
 
     def _check_reserve(self, msg: KVReserve) -> tuple[str, str | None] | None:
         """(reason, field) when the reservation can never be granted."""
+        if self.draining:
+            return "receiver is draining: no new reservations", None
         field = self.fingerprint.first_difference(msg.fingerprint)
         if field is not None:
             mine, theirs = getattr(self.fingerprint, field), getattr(msg.fingerprint, field)

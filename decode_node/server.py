@@ -1,0 +1,174 @@
+"""The decode node: receives prompt KV from prefill nodes, decodes in one continuous batch, streams tokens.
+
+One loop, one thread (the engine and the KV receiver share the block manager):
+
+    ┌─► control socket: GenerateRequest (local prefill) / AbortRequest
+    │   KV receiver: grants, chunks, KVDone ─► adopted sequences join the running batch
+    │   engine.step(): one iteration of the continuous batch
+    │   TokenChunks to each request's router; deadlines; status for heartbeats
+    └── until drained
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from engine.config import EngineConfig
+from engine.kv_layout import KV_LAYOUT_NAME
+from engine.llm_engine import LLMEngine, QueueFullError
+from engine.sampling_params import SamplingParams
+from kv_transfer.messages import KVFingerprint
+from kv_transfer.receiver import KVReceiver, ReceivedKV
+from node.log import EventLog
+from node.options import NodeOptions
+from node.runtime import NodeRuntime
+from node.streams import Stream, next_chunk, node_status
+from protocol.messages import AbortRequest, GenerateRequest, RequestFailed
+
+ABORT_MEMORY_S = 120.0  # how long an abort for a not-yet-arrived request is remembered
+
+
+class DecodeNode:
+    def __init__(self, opts: NodeOptions, engine_config: EngineConfig) -> None:
+        self.opts = opts
+        self.log = EventLog(opts.node_id)
+        self.engine = LLMEngine(engine_config)
+        self.fingerprint = KVFingerprint.from_spec(opts.model_id, self.engine.kv_spec, KV_LAYOUT_NAME)
+        self.runtime = NodeRuntime(opts, self.log)
+        caches = self.engine.runner.kv_caches
+        self.receiver = KVReceiver(f"tcp://{opts.host}:{opts.kv_port}", self.fingerprint, self.engine.block_manager,
+                                   [k for k, _ in caches], [v for _, v in caches])
+        self.kv_addr = f"tcp://{opts.advertise_host}:{self.receiver.address.rsplit(':', 1)[1]}"
+        self.streams: dict[str, Stream] = {}
+        self.aborted: dict[str, float] = {}  # request id -> forget after (aborts that beat their KV)
+        self._status_at = 0.0
+
+    def status(self):
+        return node_status(self.opts, self.engine, self.runtime.control_addr, self.kv_addr,
+                           dataclasses.asdict(self.fingerprint), self.runtime.draining.is_set(),
+                           self.receiver.num_incoming + self.receiver.num_queued)
+
+    def serve(self, ready_file: str | None = None) -> int:
+        self.runtime.start(self.status(), ready_file)
+        drain_deadline = None
+        try:
+            while True:
+                if self.runtime.draining.is_set():
+                    if drain_deadline is None:
+                        drain_deadline = time.monotonic() + self.opts.drain_timeout_s
+                        self.receiver.set_draining()
+                        self.runtime.set_status(self.status())  # routers see draining at the next beat
+                        self.log("draining", in_flight=len(self.streams))
+                    if not self._busy() or time.monotonic() > drain_deadline:
+                        break
+                self._iterate()
+        finally:
+            for request_id in list(self.streams):
+                self._fail(request_id, "draining", "node shut down before the request finished")
+            self.receiver.close()
+            self.runtime.close()
+        return 0
+
+    def _busy(self) -> bool:
+        return bool(self.streams) or self.receiver.num_incoming > 0 or self.receiver.num_queued > 0
+
+    def _iterate(self) -> None:
+        busy = self.engine.has_unfinished_requests()
+        for msg in self.runtime.poll_control(0.0 if busy else 0.002):
+            self._on_control(msg)
+        result = self.receiver.poll(0.0 if busy else 0.002)
+        for received in result.completed:
+            self._adopt(received)
+        for failure in result.failed:
+            self.log("kv_failed", failure.request_id, error=repr(failure.error))
+        if self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                self._emit(out)
+        self._expire()
+        now = time.monotonic()
+        if now - self._status_at > 0.1:
+            self.runtime.set_status(self.status())
+            self._status_at = now
+
+    # ----------------------------------------------------------------- control
+    def _on_control(self, msg) -> None:
+        if isinstance(msg, AbortRequest):
+            self._abort(msg.request_id, msg.reason)
+        elif isinstance(msg, GenerateRequest):
+            self._generate(msg)
+        else:
+            self.log("unexpected_message", tag=msg.TAG)
+
+    def _generate(self, msg: GenerateRequest) -> None:
+        """Conditional disaggregation: prefill here, then decode."""
+        rid = msg.request_id
+        if self.runtime.draining.is_set():
+            return self._reply_failed(msg.reply_addr, rid, "draining", "node is draining", retryable=True)
+        try:
+            params = dataclasses.replace(SamplingParams.from_dict(msg.sampling_params), stop=())
+            self.engine.add_request(rid, list(msg.token_ids), params)
+        except QueueFullError as exc:
+            return self._reply_failed(msg.reply_addr, rid, "overloaded", str(exc), retryable=True)
+        except (TypeError, ValueError) as exc:
+            return self._reply_failed(msg.reply_addr, rid, "bad_request", str(exc), retryable=False)
+        ttl = min(msg.ttl_s, self.opts.request_ttl_s)
+        self.streams[rid] = Stream(rid, msg.reply_addr, len(msg.token_ids), time.monotonic() + ttl)
+        self.log("request_added", rid, prompt_tokens=len(msg.token_ids), local_prefill=True)
+
+    def _adopt(self, received: ReceivedKV) -> None:
+        seq, meta = received.seq, received.request_meta or {}
+        rid = seq.request_id
+        if rid in self.aborted or "reply_addr" not in meta:
+            self.engine.block_manager.free(seq)
+            self.log("kv_dropped", rid, reason="aborted" if rid in self.aborted else "no reply address")
+            return
+        stream = Stream(rid, meta["reply_addr"], seq.num_prompt_tokens,
+                        time.monotonic() + min(float(meta.get("ttl_s", 600.0)), self.opts.request_ttl_s),
+                        num_sent=1, num_cached_tokens=received.prefill_cached_tokens)
+        stream.timings = dict(meta.get("timings") or {})
+        self.streams[rid] = stream
+        self.log("kv_adopted", rid, blocks_reused=received.num_held_blocks, bytes=received.bytes_received)
+        seq.params = dataclasses.replace(seq.params, stop=())
+        for out in self.engine.add_prefilled(seq):
+            self._emit(out)
+
+    def _abort(self, request_id: str, reason: str) -> None:
+        if self.engine.abort_request(request_id) or self.receiver.abort(request_id, reason):
+            self.log("request_aborted", request_id, reason=reason)
+        else:
+            self.aborted[request_id] = time.monotonic() + ABORT_MEMORY_S
+        self.streams.pop(request_id, None)
+
+    # ----------------------------------------------------------------- output
+    def _emit(self, out) -> None:
+        stream = self.streams.get(out.request_id)
+        if stream is None:
+            return
+        if out.finished:
+            stream.timings["decode"] = round(time.monotonic() - stream.started, 6)
+        chunk = next_chunk(stream, out.outputs[0], self.opts.node_id, is_first=stream.num_sent == 0)
+        if chunk is not None:
+            self.runtime.reply(stream.reply_addr, chunk)
+        if out.finished:
+            del self.streams[out.request_id]
+            self.log("request_finished", out.request_id, finish_reason=out.outputs[0].finish_reason,
+                     output_tokens=len(out.outputs[0].token_ids))
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, s in self.streams.items() if s.deadline < now]:
+            self.engine.abort_request(rid)
+            self._fail(rid, "timeout", "request exceeded its time to live on the decode node")
+        for rid in [r for r, t in self.aborted.items() if t < now]:
+            del self.aborted[rid]
+
+    def _fail(self, request_id: str, code: str, message: str) -> None:
+        stream = self.streams.pop(request_id, None)
+        self.engine.abort_request(request_id)
+        if stream is not None:
+            self._reply_failed(stream.reply_addr, request_id, code, message, retryable=False)
+
+    def _reply_failed(self, reply_addr: str, request_id: str, code: str, message: str, retryable: bool) -> None:
+        self.log("request_failed", request_id, code=code, message=message)
+        self.runtime.reply(reply_addr, RequestFailed(request_id, self.opts.node_id, code, message, retryable))

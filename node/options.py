@@ -1,0 +1,85 @@
+"""Node process options: CLI flags map one to one onto NodeOptions and EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+import uuid
+
+from engine.config import EngineConfig
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NodeOptions:
+    role: str  # "prefill" or "decode"
+    host: str  # bind address
+    port: int  # control socket port (0: any free port)
+    kv_port: int  # decode nodes: KV receiver port (0: any free port)
+    advertise_host: str  # the address peers use to reach this node
+    redis_url: str | None  # register in Redis; None: static mode (router is given the address)
+    heartbeat_interval_s: float  # how often the Redis record is refreshed
+    heartbeat_ttl_s: float  # how long the record outlives a silent node
+    request_ttl_s: float  # longest a request may live on this node without finishing
+    drain_timeout_s: float  # SIGTERM: longest wait for in-flight work before exiting
+    node_id: str  # unique per process
+    model_id: str  # part of the KV compatibility fingerprint
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
+        if not 0 < self.heartbeat_interval_s < self.heartbeat_ttl_s:
+            raise ValueError("heartbeat interval must be positive and shorter than the ttl")
+        if min(self.request_ttl_s, self.drain_timeout_s) <= 0:
+            raise ValueError("request_ttl_s and drain_timeout_s must be positive")
+
+    @property
+    def control_addr(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+
+def add_node_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="Hugging Face model folder")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
+    parser.add_argument("--port", type=int, default=0, help="control port (0: a free port)")
+    parser.add_argument("--kv-port", type=int, default=0, help="decode: KV receiver port (0: a free port)")
+    parser.add_argument("--advertise-host", default=None,
+                        help="address other nodes and the router use (default: --host, or this "
+                             "machine's hostname when binding 0.0.0.0)")
+    parser.add_argument("--redis", default=os.environ.get("PDSERVE_REDIS"), help="Redis URL for the registry")
+    parser.add_argument("--heartbeat-interval", type=float, default=0.5)
+    parser.add_argument("--heartbeat-ttl", type=float, default=3.0)
+    parser.add_argument("--request-ttl", type=float, default=600.0)
+    parser.add_argument("--drain-timeout", type=float, default=30.0)
+    parser.add_argument("--node-id", default=None)
+    parser.add_argument("--ready-file", default=None, help="write the node's addresses here (JSON) once serving")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--kv-cache-memory-mb", type=int, default=512)
+    engine.add_argument("--num-kv-blocks", type=int, default=None)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument("--max-num-seqs", type=int, default=64)
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument("--max-waiting", type=int, default=1024)
+    engine.add_argument("--threads", type=int, default=None, help="torch threads for this process")
+
+
+def options_from_args(role: str, args: argparse.Namespace) -> tuple[NodeOptions, EngineConfig]:
+    advertise = args.advertise_host or (socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host)
+    node = NodeOptions(
+        role=role, host=args.host, port=args.port, kv_port=args.kv_port, advertise_host=advertise,
+        redis_url=args.redis, heartbeat_interval_s=args.heartbeat_interval, heartbeat_ttl_s=args.heartbeat_ttl,
+        request_ttl_s=args.request_ttl, drain_timeout_s=args.drain_timeout,
+        node_id=args.node_id or f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+        model_id=os.path.basename(os.path.normpath(args.model)),
+    )
+    engine = EngineConfig(
+        model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory_mb=args.kv_cache_memory_mb,
+        num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching, max_waiting=args.max_waiting, num_threads=args.threads,
+    )
+    return node, engine

@@ -1,0 +1,128 @@
+"""What every node process has: a control socket, reply channels, heartbeats, a drain signal.
+
+    router DEALER ──GenerateRequest / AbortRequest / StatusQuery──► ROUTER control socket
+    node   PUSH   ──TokenChunk / RequestFailed──────────────────► router's reply address
+
+The node's own loop calls ``poll_control`` and ``reply``; heartbeats run on a thread that
+publishes the latest ``NodeInfo`` the loop handed to ``set_status``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+from collections import OrderedDict
+
+from kv_transfer.channel import ListenChannel, PushChannel
+from kv_transfer.messages import ProtocolError
+from node.log import EventLog
+from node.options import NodeOptions
+from protocol import registry
+from protocol.messages import Message, NodeStatus, RequestFailed, StatusQuery, decode_frames
+
+MAX_REPLY_CHANNELS = 64  # routers a node talks back to at once (LRU beyond)
+
+
+class NodeRuntime:
+    def __init__(self, opts: NodeOptions, log: EventLog) -> None:
+        self.opts = opts
+        self.log = log
+        self.control = ListenChannel(opts.control_addr, decoder=decode_frames)
+        port = self.control.address.rsplit(":", 1)[1]
+        self.control_addr = f"tcp://{opts.advertise_host}:{port}"  # what others connect to
+        self._replies: OrderedDict[str, PushChannel] = OrderedDict()
+        self.draining = threading.Event()
+        self.stopped = threading.Event()
+        self._status: registry.NodeInfo | None = None
+        self._redis = None
+        self._heartbeat: threading.Thread | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self, status: registry.NodeInfo, ready_file: str | None) -> None:
+        self._status = status
+        signal.signal(signal.SIGTERM, lambda *_: self.draining.set())
+        signal.signal(signal.SIGINT, lambda *_: self.draining.set())
+        if self.opts.redis_url:
+            import redis
+
+            self._redis = redis.Redis.from_url(self.opts.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+            registry.publish(self._redis, status, self.opts.heartbeat_ttl_s)
+            self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+            self._heartbeat.start()
+        if ready_file:
+            tmp = f"{ready_file}.tmp{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump({"node_id": status.node_id, "role": status.role, "control_addr": status.control_addr,
+                           "kv_addr": status.kv_addr, "pid": os.getpid()}, f)
+            os.replace(tmp, ready_file)
+        self.log("node_started", role=status.role, control_addr=status.control_addr, kv_addr=status.kv_addr,
+                 redis=bool(self._redis))
+
+    def set_status(self, status: registry.NodeInfo) -> None:
+        self._status = status
+
+    def _beat(self) -> None:
+        while not self.stopped.wait(self.opts.heartbeat_interval_s):
+            try:
+                registry.publish(self._redis, self._status, self.opts.heartbeat_ttl_s)
+            except Exception as exc:  # Redis down: keep serving, retry next beat
+                self.log("heartbeat_failed", error=repr(exc))
+
+    def close(self) -> None:
+        self.stopped.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
+        if self._redis is not None:
+            try:
+                registry.withdraw(self._redis, self.opts.node_id)
+            except Exception as exc:
+                self.log("withdraw_failed", error=repr(exc))
+        self.control.close()
+        for channel in self._replies.values():
+            channel.close()
+        self.log("node_stopped")
+
+    # ----------------------------------------------------------------- messages
+    def poll_control(self, timeout_s: float) -> list[Message]:
+        """Control messages that arrived (waiting up to timeout_s for the first); answers
+        StatusQuery itself and malformed input with an error, never raising."""
+        out: list[Message] = []
+        wait = timeout_s
+        while len(out) < 256:
+            try:
+                inbound = self.control.recv(wait)
+            except ProtocolError as exc:
+                self.log("bad_message", error=str(exc))
+                peer = getattr(exc, "peer", b"")
+                self._safe_send(peer, RequestFailed("", self.opts.node_id, "bad_message", str(exc), False))
+                continue
+            if inbound is None:
+                break
+            wait = 0.0
+            if isinstance(inbound.msg, StatusQuery):
+                info = dataclasses.asdict(self._status) if self._status else {}
+                self._safe_send(inbound.peer, NodeStatus(inbound.msg.nonce, info))
+            else:
+                out.append(inbound.msg)
+        return out
+
+    def _safe_send(self, peer: bytes, msg: Message) -> None:
+        try:
+            self.control.send(peer, msg)
+        except Exception as exc:  # a vanished peer must not take the node down
+            self.log("control_reply_failed", error=repr(exc))
+
+    def reply(self, reply_addr: str, msg: Message) -> None:
+        """Send to a router's reply address; never blocks, logs what it had to drop."""
+        channel = self._replies.get(reply_addr)
+        if channel is None:
+            channel = PushChannel(reply_addr)
+            self._replies[reply_addr] = channel
+            while len(self._replies) > MAX_REPLY_CHANNELS:
+                self._replies.popitem(last=False)[1].close()
+        self._replies.move_to_end(reply_addr)
+        if not channel.send(msg):
+            self.log("reply_dropped", request_id=getattr(msg, "request_id", None), reply_addr=reply_addr)

@@ -1,0 +1,31 @@
+"""`pdserve prefill` and `pdserve decode`: start a node process."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    for role, help_text in (("prefill", "run a prefill node (prompt KV → decode nodes)"),
+                            ("decode", "run a decode node (continuous-batching decode)")):
+        parser = subparsers.add_parser(role, help=help_text, description=help_text)
+        from node.options import add_node_args
+
+        add_node_args(parser)
+        parser.set_defaults(run=_runner(role))
+
+
+def _runner(role: str):
+    def run(args: argparse.Namespace) -> int:
+        from node.options import options_from_args
+
+        opts, engine_config = options_from_args(role, args)
+        if role == "prefill":
+            from prefill_node.server import PrefillNode
+
+            return PrefillNode(opts, engine_config).serve(args.ready_file)
+        from decode_node.server import DecodeNode
+
+        return DecodeNode(opts, engine_config).serve(args.ready_file)
+
+    return run

@@ -1,0 +1,187 @@
+"""The prefill node: batched, chunked prefill with prefix caching; ships KV; reports the first token.
+
+    control socket ──GenerateRequest──► engine (prefill-only: stops after the first token,
+                                        blocks held) ──► first token to the router at once
+                                                    └──► Shipper thread ──KV──► decode node
+    Shipper outcome ──► release the blocks (they stay as evictable prefix cache)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from engine.config import EngineConfig
+from engine.kv_layout import KV_LAYOUT_NAME
+from engine.llm_engine import LLMEngine, QueueFullError
+from engine.sampling_params import SamplingParams
+from kv_transfer.messages import KVFingerprint
+from node.log import EventLog
+from node.options import NodeOptions
+from node.runtime import NodeRuntime
+from node.streams import Stream, next_chunk, node_status
+from prefill_node.shipper import Outcome, Shipment, Shipper
+from protocol.messages import AbortRequest, GenerateRequest, RequestFailed
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    stream: Stream
+    decode_addr: str
+    params: dict  # SamplingParams.to_dict() for the decode node
+    ttl_s: float
+
+
+class PrefillNode:
+    def __init__(self, opts: NodeOptions, engine_config: EngineConfig) -> None:
+        self.opts = opts
+        self.log = EventLog(opts.node_id)
+        self.engine = LLMEngine(engine_config)
+        self.fingerprint = KVFingerprint.from_spec(opts.model_id, self.engine.kv_spec, KV_LAYOUT_NAME)
+        self.runtime = NodeRuntime(opts, self.log)
+        caches = self.engine.runner.kv_caches
+        self.shipper = Shipper(self.fingerprint, [k for k, _ in caches], [v for _, v in caches])
+        self.pending: dict[str, _Pending] = {}  # computing or shipping
+        # Requests whose KV a shipper thread may be reading: their blocks stay held until the
+        # outcome arrives, even when the request was aborted or timed out meanwhile.
+        self.shipping: set[str] = set()
+        self._status_at = 0.0
+
+    def status(self):
+        return node_status(self.opts, self.engine, self.runtime.control_addr, None,
+                           dataclasses.asdict(self.fingerprint), self.runtime.draining.is_set())
+
+    def serve(self, ready_file: str | None = None) -> int:
+        self.runtime.start(self.status(), ready_file)
+        drain_deadline = None
+        try:
+            while True:
+                if self.runtime.draining.is_set():
+                    if drain_deadline is None:
+                        drain_deadline = time.monotonic() + self.opts.drain_timeout_s
+                        self.runtime.set_status(self.status())
+                        self.log("draining", in_flight=len(self.pending))
+                    if not (self.pending or self.shipping) or time.monotonic() > drain_deadline:
+                        break
+                self._iterate()
+        finally:
+            for rid in list(self.pending):
+                self._fail(rid, "draining", "prefill node shut down before the request was handed over")
+            self.shipper.close()
+            self.runtime.close()
+        return 0
+
+    def _iterate(self) -> None:
+        busy = self.engine.has_unfinished_requests()
+        for msg in self.runtime.poll_control(0.0 if busy or self.pending else 0.005):
+            self._on_control(msg)
+        if self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    self._prefilled(out)
+        elif self.pending:
+            time.sleep(0.001)  # only transfers in flight: don't spin
+        while True:
+            try:
+                self._settle(self.shipper.outcomes.get_nowait())
+            except Exception:  # queue.Empty
+                break
+        self._expire()
+        now = time.monotonic()
+        if now - self._status_at > 0.1:
+            self.runtime.set_status(self.status())
+            self._status_at = now
+
+    def _on_control(self, msg) -> None:
+        if isinstance(msg, GenerateRequest):
+            self._accept(msg)
+        elif isinstance(msg, AbortRequest):
+            if msg.request_id in self.pending:
+                self._drop(msg.request_id)
+                del self.pending[msg.request_id]
+                self.log("request_aborted", msg.request_id, reason=msg.reason)
+        else:
+            self.log("unexpected_message", tag=msg.TAG)
+
+    def _accept(self, msg: GenerateRequest) -> None:
+        rid = msg.request_id
+        if self.runtime.draining.is_set():
+            return self._reply_failed(msg.reply_addr, rid, "draining", "node is draining", True)
+        if msg.decode_addr is None:
+            return self._reply_failed(msg.reply_addr, rid, "bad_request", "a prefill node needs decode_addr", False)
+        try:
+            params = dataclasses.replace(SamplingParams.from_dict(msg.sampling_params), stop=())
+            self.engine.add_request(rid, list(msg.token_ids), params, prefill_only=True)
+        except QueueFullError as exc:
+            return self._reply_failed(msg.reply_addr, rid, "overloaded", str(exc), True)
+        except (TypeError, ValueError) as exc:
+            return self._reply_failed(msg.reply_addr, rid, "bad_request", str(exc), False)
+        ttl = min(msg.ttl_s, self.opts.request_ttl_s)
+        stream = Stream(rid, msg.reply_addr, len(msg.token_ids), time.monotonic() + ttl)
+        self.pending[rid] = _Pending(stream, msg.decode_addr, params.to_dict(), ttl)
+        self.log("request_added", rid, prompt_tokens=len(msg.token_ids), decode_addr=msg.decode_addr)
+
+    def _prefilled(self, out) -> None:
+        """First token sampled: report it now, then ship the KV (unless that token ended it)."""
+        rid = out.request_id
+        pending = self.pending.get(rid)
+        if pending is None:
+            self.engine.release_held(rid)
+            return
+        stream, completion = pending.stream, out.outputs[0]
+        stream.num_cached_tokens = out.num_cached_tokens
+        stream.timings["prefill"] = round(time.monotonic() - stream.started, 6)
+        ends_here = completion.finish_reason == "stop" or pending.params.get("max_tokens") == 1
+        first = dataclasses.replace(completion, finish_reason=completion.finish_reason if ends_here else None)
+        self.runtime.reply(stream.reply_addr, next_chunk(stream, first, self.opts.node_id, is_first=True))
+        self.log("first_token_sent", rid, cached_tokens=out.num_cached_tokens)
+        if ends_here:
+            self.engine.release_held(rid)
+            del self.pending[rid]
+            return
+        seq = self.engine.held[rid]
+        shipment = Shipment(rid, pending.decode_addr, tuple(seq.token_ids[:seq.num_prompt_tokens]),
+                            tuple(seq.block_table), completion.token_ids[0], out.num_cached_tokens, pending.params,
+                            {"reply_addr": stream.reply_addr, "ttl_s": pending.ttl_s, "timings": stream.timings})
+        if self.shipper.submit(shipment):
+            self.shipping.add(rid)
+        else:
+            self._fail(rid, "overloaded", "too many KV transfers queued for that decode node")
+
+    def _settle(self, outcome: Outcome) -> None:
+        rid = outcome.request_id
+        self.shipping.discard(rid)
+        self.engine.release_held(rid)  # KV is on the decode node now, or the request failed
+        pending = self.pending.pop(rid, None)
+        if pending is None:
+            return
+        if outcome.error is None:
+            s = outcome.stats
+            self.log("kv_shipped", rid, blocks_sent=s.num_sent_blocks, blocks_reused=s.num_held_blocks,
+                     bytes=s.bytes_sent, seconds=round(s.seconds, 6), shm=s.shm)
+        else:
+            self.pending[rid] = pending
+            self._fail(rid, "kv_transfer", outcome.error)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, p in self.pending.items() if p.stream.deadline < now]:
+            self._fail(rid, "timeout", "request exceeded its time to live on the prefill node")
+
+    def _fail(self, rid: str, code: str, message: str) -> None:
+        pending = self.pending.pop(rid, None)
+        self._drop(rid)
+        if pending is not None:
+            # Retryable only while the router has seen no token from us.
+            self._reply_failed(pending.stream.reply_addr, rid, code, message, pending.stream.num_sent == 0)
+
+    def _drop(self, rid: str) -> None:
+        """Stop work on a request; held blocks a shipper may be reading wait for its outcome."""
+        if rid in self.shipping:
+            self.shipper.cancel(rid)
+        else:
+            self.engine.abort_request(rid)
+
+    def _reply_failed(self, reply_addr: str, rid: str, code: str, message: str, retryable: bool) -> None:
+        self.log("request_failed", rid, code=code, message=message)
+        self.runtime.reply(reply_addr, RequestFailed(rid, self.opts.node_id, code, message, retryable))
