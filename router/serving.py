@@ -213,8 +213,24 @@ async def serve(run: JobRun, request: Request) -> Response:
     except BaseException:
         run.cancel()
         raise
-    return StreamingResponse(_stream(run, first, events), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _SampleStream(run, _stream(run, first, events))
+
+
+class _SampleStream(StreamingResponse):
+    """SSE that stops the samples however the response ends. When the client goes away,
+    Starlette abandons the body generator without closing it, so its ``finally`` would only run
+    whenever it is garbage-collected: too late to free node blocks promptly."""
+
+    def __init__(self, run: JobRun, body: AsyncIterator[str]) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._run = run
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._run.cancel()
 
 
 async def _answer_whole(run: JobRun, request: Request) -> Response:
