@@ -1,0 +1,206 @@
+"""The router end to end: ``pdserve router`` + 1 prefill + 1 decode node + redis-server, tiny model
+with the default model's tokenizer, driven by the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.cluster import ROOT, NodeProcess, RedisServer, free_port
+from tests.engine_helpers import hf_greedy
+
+pytestmark = pytest.mark.slow
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+LONG_PROMPT = "Once upon a time, in a quiet village by the sea, there lived an old fisherman who"
+
+
+def tiny_model_with_tokenizer(default_model_dir: pathlib.Path) -> pathlib.Path:
+    """A seeded 2-layer Llama with the default model's vocabulary, tokenizer and chat template."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
+                                      max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                                      tie_word_embeddings=True)
+    digest = hashlib.sha256(config.to_json_string().encode()).hexdigest()[:12]
+    path = pathlib.Path(tempfile.gettempdir()) / f"pdserve-tiny-models-{os.getuid()}" / f"llama-tok-{digest}"
+    if (path / "config.json").is_file():
+        return path
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(default_model_dir / name, tmp / name)
+    if path.exists():
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, path)
+    return path
+
+
+class RouterProcess:
+    def __init__(self, model: pathlib.Path, redis_url: str, tmp: pathlib.Path, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / f"router-{self.port}.log"
+        self._log = open(self.log_path, "w")
+        cmd = [sys.executable, "-m", "pdserve_cli", "router", "--model", str(model), "--port", str(self.port),
+               "--redis", redis_url, "--poll-interval-s", "0.2", *extra]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_healthy(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited:\n{self.log_path.read_text()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"router not healthy:\n{self.log_path.read_text()}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, default_model_dir):
+    tmp = tmp_path_factory.mktemp("router-cluster")
+    model = tiny_model_with_tokenizer(default_model_dir)
+    redis = RedisServer(tmp)
+    extra = ["--num-kv-blocks", "128", "--heartbeat-interval", "0.2", "--heartbeat-ttl", "2"]
+    nodes = [NodeProcess(role, str(model), tmp, redis.url, extra) for role in ("prefill", "decode")]
+    router = RouterProcess(model, redis.url, tmp, "--disagg-threshold", "8")
+    try:
+        for node in nodes:
+            node.wait_ready()
+        router.wait_healthy()
+        yield model, router, nodes
+    finally:
+        router.close()
+        for node in nodes:
+            node.close()
+        redis.stop()
+
+
+def _client(router) -> openai.OpenAI:
+    return openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+
+def test_greedy_completion_equals_hf_and_streaming_equals_whole(cluster, default_model_dir):
+    model, router, nodes = cluster
+    client = _client(router)
+    whole = client.completions.create(model=model.name, prompt=LONG_PROMPT, max_tokens=8, **GREEDY)
+    parts = list(client.completions.create(model=model.name, prompt=LONG_PROMPT, max_tokens=8, stream=True,
+                                           stream_options={"include_usage": True}, **GREEDY))
+    from router.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(model)
+    prompt_ids = tokenizer.encode(LONG_PROMPT)
+    assert whole.choices[0].text == tokenizer.decode(hf_greedy(str(model), prompt_ids, 8))
+    assert "".join(p.choices[0].text for p in parts if p.choices) == whole.choices[0].text
+    assert whole.usage.prompt_tokens == len(prompt_ids) and whole.usage.completion_tokens == 8
+    assert parts[-1].usage.completion_tokens == 8
+    # The first went through the prefill node; the repeat, cached on the decode node, may skip it.
+    assert len(nodes[0].events("request_added")) >= 1
+
+
+def test_chat_streaming_equals_whole(cluster):
+    model, router, _ = cluster
+    client = _client(router)
+    messages = [{"role": "user", "content": "Write a haiku about the sea."}]
+    whole = client.chat.completions.create(model=model.name, messages=messages, max_tokens=6, **GREEDY)
+    parts = list(client.chat.completions.create(model=model.name, messages=messages, max_tokens=6,
+                                                stream=True, **GREEDY))
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == whole.choices[0].message.content
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 6
+
+
+def test_seeded_samples_are_reproducible_and_n_gives_n_choices(cluster):
+    model, router, _ = cluster
+    client = _client(router)
+    kwargs = dict(model=model.name, prompt=LONG_PROMPT, max_tokens=6, n=2, seed=123, temperature=1.0)
+    first, second = client.completions.create(**kwargs), client.completions.create(**kwargs)
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert first.usage.completion_tokens == 12
+
+
+def test_logprobs_and_stop_strings(cluster):
+    model, router, _ = cluster
+    client = _client(router)
+    done = client.completions.create(model=model.name, prompt=LONG_PROMPT, max_tokens=5, logprobs=2, **GREEDY)
+    logprobs = done.choices[0].logprobs
+    assert len(logprobs.tokens) == 5 and all(lp <= 0 for lp in logprobs.token_logprobs)
+    assert "".join(logprobs.tokens) == done.choices[0].text
+    text = client.completions.create(model=model.name, prompt=LONG_PROMPT, max_tokens=12, **GREEDY).choices[0].text
+    stop = text[3:6]
+    cut = client.completions.create(model=model.name, prompt=LONG_PROMPT, max_tokens=12, stop=[stop], **GREEDY)
+    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_repeated_prompt_reports_cached_tokens(cluster):
+    model, router, _ = cluster
+    client = _client(router)
+    system = "You are a terse assistant. " * 6
+    first = client.chat.completions.create(model=model.name, max_tokens=2, **GREEDY, messages=[
+        {"role": "system", "content": system}, {"role": "user", "content": "Hello"}])
+    second = client.chat.completions.create(model=model.name, max_tokens=2, **GREEDY, messages=[
+        {"role": "system", "content": system}, {"role": "user", "content": "Goodbye"}])
+    assert first.usage.prompt_tokens_details.cached_tokens == 0 or first.usage.prompt_tokens > 16
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def _used_blocks(router) -> dict[str, int]:
+    text = httpx.get(router.url + "/metrics").text
+    return {m.group(1): int(m.group(2)) for m in
+            re.finditer(r'pdserve_node_kv_blocks_used\{node_id="([^"]+)",role="\w+"\} (\d+)', text)}
+
+
+def test_client_disconnect_frees_the_blocks(cluster):
+    model, router, _ = cluster
+
+    async def stream_then_leave():
+        async with httpx.AsyncClient(timeout=60) as http:
+            body = {"model": model.name, "prompt": LONG_PROMPT, "max_tokens": 400, "stream": True,
+                    "ignore_eos": True}
+            async with http.stream("POST", router.url + "/v1/completions", json=body) as reply:
+                num = 0
+                async for line in reply.aiter_lines():
+                    num += line.startswith("data: ")
+                    if num == 3:
+                        break
+
+    asyncio.run(stream_then_leave())
+    deadline = time.monotonic() + 5
+    while any(_used_blocks(router).values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    used = _used_blocks(router)
+    assert used and not any(used.values()), used
