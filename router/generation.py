@@ -114,8 +114,17 @@ async def _relay(backend: Backend, route: Route, queue: asyncio.Queue[pm.Message
                  ticket: Ticket) -> AsyncIterator[pm.TokenChunk]:
     num_tokens = 0
     first_token_time = 0.0
+    # Prefill and decode node push on separate sockets: the decode node's first chunk may
+    # overtake the prefill node's first token. Hold such chunks until the first token came.
+    early: list[pm.TokenChunk] = []
     while True:
-        msg = await _next_reply(backend, route, queue, after_tokens=num_tokens > 0)
+        if early and num_tokens > 0:
+            msg = early.pop(0)
+        else:
+            msg = await _next_reply(backend, route, queue, after_tokens=num_tokens > 0)
+        if isinstance(msg, pm.TokenChunk) and route.prefill is not None and num_tokens == 0 and not msg.is_first:
+            early.append(msg)
+            continue
         if isinstance(msg, pm.RequestFailed):
             if msg.retryable and num_tokens == 0:
                 raise _Retry(msg.node_id, f"{msg.node_id}: {msg.code}: {msg.message}")

@@ -8,7 +8,9 @@ prompt once and every sample's output tokens.
 
 A streamed answer only starts (status 200) once the first delta arrived: a request that fails
 before any token gets a plain error status, never a 200 with an empty body. Later failures end
-the stream with an ``{"error": ...}`` event and ``[DONE]``.
+the stream with an ``{"error": ...}`` event and ``[DONE]``. A non-streamed sample whose node dies
+or stalls after its first token is replayed from scratch on another pair (the client saw
+nothing yet), up to ``max_attempts`` times.
 """
 
 from __future__ import annotations
@@ -109,14 +111,18 @@ class JobRun:
 
     async def _drive(self, choice: _Choice, ticket: Ticket) -> None:
         try:
-            async with contextlib.aclosing(run_sample(self._backend, choice.sample, ticket)) as chunks:
-                async for chunk in chunks:
-                    delta = choice.state.on_chunk(chunk)
-                    await self._events.put((choice.index, delta))
-                    if delta.finish_reason is not None:
-                        self._count_tokens(choice)
-                        return
-            raise APIError(502, "the node ended the sample without a finish reason", None, "node_error")
+            num_replays = 0 if self.job.stream else self._backend.config.max_attempts - 1
+            for replay in range(num_replays + 1):
+                try:
+                    await self._relay(choice, ticket, replay)
+                    return
+                except APIError as exc:  # after tokens: a node died or stalled
+                    if exc.status not in (502, 504) or replay == num_replays:
+                        raise
+                    log.warning("replaying sample %s from scratch: %s", choice.sample.request_id, exc.message)
+                    self._backend.metrics.retries.inc()
+                    choice.state = SampleState(self._tokenizer, choice.sample.prompt_ids, choice.sample.params.stop)
+                    choice.logprobs = []
         except APIError as exc:
             await self._events.put((choice.index, exc))
         except Exception as exc:  # a bug: answer 500 rather than hang the client
@@ -124,6 +130,23 @@ class JobRun:
             await self._events.put((choice.index, APIError(500, f"internal error: {exc}", None, "internal")))
         finally:
             ticket.release_all()
+
+    async def _relay(self, choice: _Choice, ticket: Ticket, replay: int) -> None:
+        """Run the sample; streaming: every delta to ``events``; else only the last one."""
+        sample = choice.sample
+        if replay:
+            sample = dataclasses.replace(sample, request_id=f"{sample.request_id}.x{replay}")
+        async with contextlib.aclosing(run_sample(self._backend, sample, ticket)) as chunks:
+            async for chunk in chunks:
+                delta = choice.state.on_chunk(chunk)
+                if self.job.stream or delta.finish_reason is not None:
+                    await self._events.put((choice.index, delta))
+                if not self.job.stream:
+                    choice.logprobs.extend(delta.logprobs)
+                if delta.finish_reason is not None:
+                    self._count_tokens(choice)
+                    return
+        raise APIError(502, "the node ended the sample without a finish reason", None, "node_error")
 
     def _count_tokens(self, choice: _Choice) -> None:
         metrics = self._backend.metrics
@@ -236,10 +259,9 @@ class _SampleStream(StreamingResponse):
 async def _answer_whole(run: JobRun, request: Request) -> Response:
     watcher = asyncio.create_task(_cancel_on_disconnect(run, request))
     try:
-        async for choice, event in run.events():
+        async for _, event in run.events():
             if isinstance(event, APIError):
                 raise event
-            choice.logprobs.extend(event.logprobs)
         return JSONResponse(run.whole())
     finally:
         watcher.cancel()

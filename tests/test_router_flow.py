@@ -212,6 +212,34 @@ def test_decode_failure_mid_stream_ends_with_an_error_event(default_model_dir, t
     assert whole.status_code == 502 and whole.json()["error"]["code"] == "internal"
 
 
+def test_whole_answer_is_replayed_when_decode_fails_after_the_first_token(default_model_dir, tokens):
+    async def go():
+        nodes = _pair(tokens)
+        nodes[1].fail_after, nodes[1].fail_once = 2, True
+        async with fake_cluster(default_model_dir, nodes) as cluster, httpx.AsyncClient() as http:
+            reply = await http.post(cluster.base_url + "/v1/completions",
+                                    json={"prompt": LONG_PROMPT, "max_tokens": len(tokens)})
+        return nodes, reply
+
+    (prefill, decode), reply = _run(go())
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == TEXT
+    assert reply.json()["usage"]["completion_tokens"] == len(tokens)
+    replayed = [r.request_id for r in prefill.received + decode.received if r.request_id.endswith(".x1")]
+    assert len(replayed) == 1
+
+
+def test_decode_chunks_that_overtake_the_first_token_are_put_back_in_order(default_model_dir, tokens):
+    async def go():
+        nodes = _pair(tokens)
+        nodes[0].late_first_token = True
+        async with fake_cluster(default_model_dir, nodes) as cluster, httpx.AsyncClient() as http:
+            return await http.post(cluster.base_url + "/v1/completions",
+                                   json={"prompt": LONG_PROMPT, "max_tokens": len(tokens)})
+
+    assert _run(go()).json()["choices"][0]["text"] == TEXT
+
+
 def test_client_disconnect_aborts_on_both_nodes_within_a_second(default_model_dir, tokens):
     async def go():
         nodes = _pair(tokens, token_delay_s=0.05)

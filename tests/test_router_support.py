@@ -99,6 +99,8 @@ class FakeNode:
         self.aborted: list[str] = []
         self.fail_with: pm.RequestFailed | None = None  # answer every request with this
         self.fail_after: int | None = None  # decode: fail (non-retryable) after this many tokens
+        self.fail_once = False  # ... only the first time
+        self.late_first_token = False  # prefill: hand over to decode before reporting the first token
         self.silent = False  # take requests and never answer (a hung node)
         self._context = zmq.asyncio.Context.instance()
         self._tasks: set[asyncio.Task] = set()
@@ -160,18 +162,24 @@ class FakeNode:
             await self._send(req.reply_addr, dataclasses.replace(self.fail_with, request_id=req.request_id))
             return
         first = self._chunk(req, 0, is_first=True)
-        await self._send(req.reply_addr, first)
+        if not self.late_first_token:
+            await self._send(req.reply_addr, first)
         if first.finish_reason is None:
             if req.decode_addr is None:
                 await self.decode_rest(req)
             else:
-                FakeNode.peers[req.decode_addr]._spawn(FakeNode.peers[req.decode_addr].decode_rest(req),
-                                                       req.request_id)
+                decode = FakeNode.peers[req.decode_addr]
+                decode._spawn(decode.decode_rest(req), req.request_id)
+        if self.late_first_token:
+            await asyncio.sleep(0.2)
+            await self._send(req.reply_addr, first)
 
     async def decode_rest(self, req: pm.GenerateRequest) -> None:
         for index in range(1, req.sampling_params["max_tokens"]):
             await asyncio.sleep(self.token_delay_s)
             if self.fail_after is not None and index >= self.fail_after:
+                if self.fail_once:
+                    self.fail_after = None
                 failed = pm.RequestFailed(req.request_id, self.info.node_id, "internal", "boom", False)
                 await self._send(req.reply_addr, failed)
                 return
