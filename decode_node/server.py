@@ -51,24 +51,18 @@ class DecodeNode:
 
     def serve(self, ready_file: str | None = None) -> int:
         self.runtime.start(self.status(), ready_file)
-        drain_deadline = None
         try:
-            while True:
-                if self.runtime.draining.is_set():
-                    if drain_deadline is None:
-                        drain_deadline = time.monotonic() + self.opts.drain_timeout_s
-                        self.receiver.set_draining()
-                        self.runtime.set_status(self.status())  # routers see draining at the next beat
-                        self.log("draining", in_flight=len(self.streams))
-                    if not self._busy() or time.monotonic() > drain_deadline:
-                        break
-                self._iterate()
+            self.runtime.run(self._iterate, self._busy, self._start_draining)
         finally:
             for request_id in list(self.streams):
                 self._fail(request_id, "draining", "node shut down before the request finished")
             self.receiver.close()
             self.runtime.close()
         return 0
+
+    def _start_draining(self) -> None:
+        self.receiver.set_draining()
+        self.runtime.set_status(self.status())  # routers see draining at the next beat
 
     def _busy(self) -> bool:
         return bool(self.streams) or self.receiver.num_incoming > 0 or self.receiver.num_queued > 0

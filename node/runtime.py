@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import threading
+import time
 from collections import OrderedDict
 
 from kv_transfer.channel import ListenChannel, PushChannel
@@ -60,6 +61,20 @@ class NodeRuntime:
             os.replace(tmp, ready_file)
         self.log("node_started", role=status.role, control_addr=status.control_addr, kv_addr=status.kv_addr,
                  redis=bool(self._redis))
+
+    def run(self, iterate, in_flight, on_drain) -> None:
+        """The node loop: ``iterate()`` until SIGTERM, then until ``in_flight()`` is false or the
+        drain timeout passes. ``on_drain()`` runs once when draining starts."""
+        drain_deadline: float | None = None
+        while True:
+            if self.draining.is_set():
+                if drain_deadline is None:
+                    drain_deadline = time.monotonic() + self.opts.drain_timeout_s
+                    on_drain()
+                    self.log("draining")
+                if not in_flight() or time.monotonic() > drain_deadline:
+                    return
+            iterate()
 
     def set_status(self, status: registry.NodeInfo) -> None:
         self._status = status

@@ -53,17 +53,9 @@ class PrefillNode:
 
     def serve(self, ready_file: str | None = None) -> int:
         self.runtime.start(self.status(), ready_file)
-        drain_deadline = None
         try:
-            while True:
-                if self.runtime.draining.is_set():
-                    if drain_deadline is None:
-                        drain_deadline = time.monotonic() + self.opts.drain_timeout_s
-                        self.runtime.set_status(self.status())
-                        self.log("draining", in_flight=len(self.pending))
-                    if not (self.pending or self.shipping) or time.monotonic() > drain_deadline:
-                        break
-                self._iterate()
+            self.runtime.run(self._iterate, lambda: bool(self.pending or self.shipping),
+                             lambda: self.runtime.set_status(self.status()))
         finally:
             for rid in list(self.pending):
                 self._fail(rid, "draining", "prefill node shut down before the request was handed over")
