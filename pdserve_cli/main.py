@@ -13,9 +13,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pdserve_cli import generate, model, nodes, router_cmd
+from pdserve_cli import generate, model, nodes, router_cmd, status, up
 
-COMMAND_MODULES = (model, generate, nodes, router_cmd)
+COMMAND_MODULES = (model, generate, nodes, router_cmd, up, status)
 
 
 def build_parser() -> argparse.ArgumentParser:

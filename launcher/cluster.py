@@ -1,0 +1,170 @@
+"""LocalCluster: registry, nodes and router started in order, watched, and stopped together.
+
+    start():  [redis-server] ─► N prefill + M decode nodes ─► (ready files) ─► router ─► /health 200
+    stop():   router + nodes get SIGTERM (nodes drain and deregister) ─► redis-server last
+
+Every wait has a deadline; a child that exits during start-up fails the launch with its log tail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+from launcher.children import Child, stop_all
+from launcher.plan import ClusterPlan
+from launcher.registry import find_redis_server, start_redis
+
+SOURCE_ROOT = pathlib.Path(__file__).resolve().parent.parent  # holds pdserve_cli, node, router, ...
+
+
+class LaunchError(RuntimeError):
+    """The cluster could not start; the message says which child and why."""
+
+
+class LocalCluster:
+    def __init__(self, plan: ClusterPlan, say: Callable[[str], None] = print) -> None:
+        self.plan = plan
+        self.say = say
+        self.redis: Child | None = None
+        self.redis_url: str | None = plan.redis_url
+        self.nodes: list[Child] = []
+        self.router: Child | None = None
+        self.ready: dict[str, dict] = {}  # node child name -> its ready file (node_id, addresses, pid)
+        self._reported: set[str] = set()  # children whose exit was already reported
+
+    # ----------------------------------------------------------------- start
+    def start(self) -> None:
+        self._check_port_free()
+        if self.redis_url is None and self.plan.use_redis:
+            self._start_registry()
+        for role, count in (("prefill", self.plan.num_prefill), ("decode", self.plan.num_decode)):
+            self.nodes += [self._start_node(role, i) for i in range(count)]
+        self._wait_nodes_ready()
+        self.router = self._spawn("router", self._router_argv(), threads=1)
+        self._wait_healthy()
+
+    def _env(self, threads: int) -> dict[str, str]:
+        path = os.pathsep.join(p for p in (str(SOURCE_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        n = str(threads)
+        return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
+
+    def _spawn(self, name: str, argv: list[str], threads: int) -> Child:
+        return Child(name, argv, self.plan.log_dir / f"{name}.log", self._env(threads))
+
+    def _check_port_free(self) -> None:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((self.plan.host, self.plan.port))
+            except OSError as exc:
+                raise LaunchError(f"cannot bind the router to {self.plan.host}:{self.plan.port} ({exc.strerror}); "
+                                  "choose another --port") from None
+
+    def _start_registry(self) -> None:
+        binary = find_redis_server()
+        if binary is None:
+            self.say("registry: no redis-server found; nodes are given to the router as static addresses")
+            return
+        try:
+            self.redis, self.redis_url = start_redis(binary, self.plan.log_dir, self._env(1), self.plan.start_timeout_s)
+        except RuntimeError as exc:
+            raise LaunchError(str(exc)) from None
+
+    def _start_node(self, role: str, index: int) -> Child:
+        name = f"{role}-{index}"
+        argv = [sys.executable, "-m", "pdserve_cli", role, "--model", self.plan.model, "--host", "127.0.0.1",
+                "--ready-file", str(self._ready_path(name)), "--threads", str(self.plan.threads_per_node),
+                *self.plan.node_args]
+        if self.redis_url:
+            argv += ["--redis", self.redis_url]
+        return self._spawn(name, argv, self.plan.threads_per_node)
+
+    def _ready_path(self, name: str) -> pathlib.Path:
+        return self.plan.log_dir / f"{name}.ready.json"
+
+    def _router_argv(self) -> list[str]:
+        argv = [sys.executable, "-m", "pdserve_cli", "router", "--model", self.plan.model,
+                "--host", self.plan.host, "--port", str(self.plan.port)]
+        if self.redis_url:
+            return argv + ["--redis", self.redis_url]
+        addrs = {role: [r["control_addr"] for r in self.ready.values() if r["role"] == role]
+                 for role in ("prefill", "decode")}
+        return argv + (["--prefill", *addrs["prefill"]] if addrs["prefill"] else []) + ["--decode", *addrs["decode"]]
+
+    def _fail_if_exited(self, children: list[Child]) -> None:
+        for child in children:
+            code = child.exit_code()
+            if code is not None:
+                raise LaunchError(f"{child.name} exited with code {code} during start-up; "
+                                  f"the end of {child.log_path}:\n{child.log_tail()}")
+
+    def _wait_nodes_ready(self) -> None:
+        deadline = time.monotonic() + self.plan.start_timeout_s
+        waiting = list(self.nodes)
+        while waiting:
+            self._fail_if_exited(waiting)
+            for child in [c for c in waiting if self._ready_path(c.name).exists()]:
+                self.ready[child.name] = json.loads(self._ready_path(child.name).read_text())
+                waiting.remove(child)
+            if waiting and time.monotonic() > deadline:
+                names = ", ".join(c.name for c in waiting)
+                raise LaunchError(f"{names} not serving after {self.plan.start_timeout_s:.0f}s; "
+                                  f"the end of {waiting[0].log_path}:\n{waiting[0].log_tail()}")
+            time.sleep(0.05)
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.plan.start_timeout_s
+        while not self.healthy():
+            self._fail_if_exited([self.router, *self.nodes])
+            if time.monotonic() > deadline:
+                raise LaunchError(f"router's /health not 200 after {self.plan.start_timeout_s:.0f}s; "
+                                  f"the end of its log:\n{self.router.log_tail()}")
+            time.sleep(0.1)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.plan.url + "/health", timeout=1) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    # ----------------------------------------------------------------- run and stop
+    def watch(self, poll_s: float = 0.2) -> int:
+        """Until the router exits (its code is returned); reports nodes that leave meanwhile.
+        A node that exits is not restarted: the pools shrink, as when one is drained."""
+        assert self.router is not None, "start() first"
+        while True:
+            code = self.router.exit_code()
+            if code is not None:
+                self.say(f"router exited with code {code}; the end of its log:\n{self.router.log_tail()}")
+                return code or 1
+            for child in self.nodes:
+                self._report_exit(child)
+            time.sleep(poll_s)
+
+    def _report_exit(self, child: Child) -> None:
+        code = child.exit_code()
+        if code is None or child.name in self._reported:
+            return
+        self._reported.add(child.name)
+        if code == 0:
+            self.say(f"{child.name} left the cluster (drained, exit 0)")
+        else:
+            self.say(f"{child.name} exited with code {code}; the end of its log:\n{child.log_tail()}")
+
+    def stop(self) -> None:
+        """Router and nodes first (nodes drain and deregister while Redis is still up), Redis last."""
+        stop_all([c for c in (self.router, *self.nodes) if c is not None], self.plan.stop_timeout_s)
+        if self.redis is not None:
+            stop_all([self.redis], self.plan.stop_timeout_s)
+
+    def children(self) -> list[Child]:
+        return [c for c in (self.redis, *self.nodes, self.router) if c is not None]

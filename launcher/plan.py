@@ -1,0 +1,57 @@
+"""What `pdserve up` starts: one frozen plan, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterPlan:
+    model: str  # local Hugging Face folder every process loads
+    num_prefill: int  # prefill node processes
+    num_decode: int  # decode node processes
+    host: str  # router's HTTP bind address
+    port: int  # router's HTTP port
+    redis_url: str | None  # an existing registry; None: start a private one if possible
+    use_redis: bool  # False: static addresses even when a redis-server is installed
+    threads_per_node: int  # torch threads in each node process
+    log_dir: pathlib.Path  # one log (and ready file) per child
+    node_args: tuple[str, ...] = ()  # extra flags passed to every node (engine sizes etc.)
+    start_timeout_s: float = 120.0  # longest wait for any one stage of start-up
+    stop_timeout_s: float = 20.0  # SIGTERM, then this long, then SIGKILL
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:  # the router is healthy with one of each
+            raise ValueError("need at least one prefill and one decode node (--prefill N --decode M)")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.threads_per_node < 1:
+            raise ValueError("threads_per_node must be >= 1")
+        if min(self.start_timeout_s, self.stop_timeout_s) <= 0:
+            raise ValueError("timeouts must be positive")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_prefill + self.num_decode
+
+    @property
+    def url(self) -> str:
+        """Where clients reach the router (a wildcard bind is reached over loopback)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (the affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_node(num_cores: int, num_nodes: int) -> int:
+    """Each node gets an equal share of the cores, at least one thread; the router and Redis
+    are light and share whatever is left."""
+    return max(1, num_cores // max(1, num_nodes))

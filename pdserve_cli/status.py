@@ -1,0 +1,68 @@
+"""`pdserve status`: the node pools as the Redis registry sees them, one table per role."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+COLUMNS = ("NODE", "ADDRESS", "KV FREE/TOTAL", "CACHED", "QUEUED", "RUNNING", "HEARTBEAT", "STATE")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "status", help="show the prefill and decode pools registered in Redis",
+        description="List the nodes registered in Redis by role: free and total KV blocks, queued and "
+        "running requests, heartbeat age, and whether each is draining.",
+    )
+    parser.add_argument("--redis", default=os.environ.get("PDSERVE_REDIS", DEFAULT_REDIS), metavar="URL",
+                        help=f"the registry (default: $PDSERVE_REDIS, else {DEFAULT_REDIS})")
+    parser.set_defaults(run=run_status)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    import redis
+
+    from protocol.registry import list_nodes
+
+    client = redis.Redis.from_url(args.redis, socket_timeout=2.0, socket_connect_timeout=2.0)
+    try:
+        nodes = list_nodes(client)
+    except redis.RedisError as exc:
+        print(f"pdserve status: cannot read the registry at {args.redis}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(render(nodes, now=time.time()))
+    return 0
+
+
+def render(nodes: Sequence, now: float) -> str:
+    """Nodes grouped by role (prefill, then decode), a table each, and a line of totals per role."""
+    if not nodes:
+        return "no nodes registered"
+    sections = []
+    for role in ("prefill", "decode"):
+        pool = [n for n in nodes if n.role == role]
+        serving = sum(not n.draining for n in pool)
+        free = sum(n.num_blocks_free for n in pool)
+        total = sum(n.num_blocks_total for n in pool)
+        title = f"{role}: {len(pool)} node(s), {serving} serving, KV blocks {free}/{total} free"
+        rows = [_row(n, now) for n in pool]
+        sections.append(title + ("\n" + _table(rows) if rows else ""))
+    return "\n\n".join(sections)
+
+
+def _row(node, now: float) -> tuple[str, ...]:
+    return (node.node_id, node.control_addr, f"{node.num_blocks_free}/{node.num_blocks_total}",
+            str(node.num_blocks_cached), str(node.num_queued), str(node.num_running),
+            f"{max(0.0, now - node.heartbeat_time):.1f}s ago", "draining" if node.draining else "serving")
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in (COLUMNS, *rows)) for i in range(len(COLUMNS))]
+    return "\n".join("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+                     for row in (COLUMNS, *rows))

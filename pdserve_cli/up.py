@@ -1,0 +1,123 @@
+"""`pdserve up`: a whole cluster on this machine (registry, N prefill + M decode nodes, router).
+
+The launcher logic lives in the torch-free `launcher` package; this module maps flags onto a
+ClusterPlan, prints what it does, and turns Ctrl-C / SIGTERM / SIGHUP into one orderly stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shlex
+import signal
+import sys
+import tempfile
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "up", help="start a local cluster: router + prefill and decode nodes",
+        description="Start a router and N prefill + M decode node processes on this machine, with a "
+        "private redis-server as their registry when one is installed (else static addresses). "
+        "Ctrl-C stops everything.",
+    )
+    parser.add_argument("--model", default=None, help="Hugging Face model folder (default: fetch the default model)")
+    parser.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill node processes (default: 1)")
+    parser.add_argument("--decode", type=int, default=1, metavar="M", help="decode node processes (default: 1)")
+    parser.add_argument("--host", default="127.0.0.1", help="router's HTTP bind address (default: loopback)")
+    parser.add_argument("--port", type=int, default=8000, help="router's HTTP port (default: 8000)")
+    registry = parser.add_mutually_exclusive_group()
+    registry.add_argument("--redis", default=os.environ.get("PDSERVE_REDIS"), metavar="URL",
+                          help="use this Redis as the registry instead of a private redis-server")
+    registry.add_argument("--no-redis", action="store_true", help="static node addresses, no registry")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per node (default: this machine's cores / number of nodes)")
+    parser.add_argument("--node-args", default="", metavar="FLAGS",
+                        help="extra flags for every node, e.g. \"--dtype bfloat16 --kv-cache-memory-mb 2048\"")
+    parser.add_argument("--log-dir", default=None, help="children's logs and ready files (default: a temp dir)")
+    parser.add_argument("--start-timeout", type=float, default=120.0, help="seconds each start-up stage may take")
+    parser.add_argument("--stop-timeout", type=float, default=20.0, help="seconds to drain before SIGKILL")
+    parser.set_defaults(run=run_up)
+
+
+class _Stop(Exception):
+    """A stop signal arrived."""
+
+
+def _raise_stop(signum: int, _frame) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from launcher.cluster import LaunchError, LocalCluster
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_stop)
+    cluster = None
+    try:
+        plan = _plan(args)
+        cluster = LocalCluster(plan, say=_say)
+        cluster.start()
+        _banner(cluster)
+        return cluster.watch()
+    except (ValueError, LaunchError) as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except (KeyboardInterrupt, _Stop):
+        _say("stopping the cluster ...")
+        return 0
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # the stop below has its own deadlines
+        if cluster is not None:
+            cluster.stop()
+            _say("stopped")
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _plan(args: argparse.Namespace):
+    from launcher.plan import ClusterPlan, threads_per_node, usable_cores
+
+    model = args.model or _fetch_default_model()
+    if not (pathlib.Path(model) / "config.json").is_file():
+        raise ValueError(f"--model {model}: not a Hugging Face model folder (no config.json)")
+    num_nodes = args.prefill + args.decode
+    cores = usable_cores()
+    threads = args.threads or threads_per_node(cores, num_nodes)
+    how = "set by --threads" if args.threads else f"{cores} cores / {num_nodes} nodes"
+    _say(f"threads: {threads} torch thread(s) per node ({how})")
+    log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return ClusterPlan(model=str(model), num_prefill=args.prefill, num_decode=args.decode, host=args.host,
+                       port=args.port, redis_url=args.redis, use_redis=not args.no_redis,
+                       threads_per_node=threads, log_dir=log_dir, node_args=tuple(shlex.split(args.node_args)),
+                       start_timeout_s=args.start_timeout, stop_timeout_s=args.stop_timeout)
+
+
+def _fetch_default_model() -> str:
+    from engine.model_fetch import fetch_default_model
+
+    _say("model: the default model (SmolLM2-135M-Instruct), converted once into the cache")
+    return str(fetch_default_model(progress=True))
+
+
+def _banner(cluster) -> None:
+    plan = cluster.plan
+    registry = (f"{cluster.redis_url}   (pdserve status --redis {cluster.redis_url})" if cluster.redis_url
+                else "none: static node addresses")
+    body = json.dumps({"model": pathlib.Path(plan.model).name, "max_tokens": 32,
+                       "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    _say("\n".join([
+        f"pdserve is up: {plan.num_prefill} prefill + {plan.num_decode} decode node(s), model {plan.model}",
+        f"  router:   {plan.url}   (OpenAI API under {plan.url}/v1)",
+        f"  registry: {registry}",
+        f"  logs:     {plan.log_dir}",
+        "Try it:",
+        f"  curl {plan.url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+        "Ctrl-C stops the cluster.",
+    ]))

@@ -1,0 +1,218 @@
+"""`pdserve up` end to end: real launcher, router, nodes and Redis on a tiny model.
+
+The tests share one 2-prefill + 2-decode cluster and run in file order: traffic, a node joining,
+a node draining, then the launcher's shutdown. The last two tests start launches of their own.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+import torch
+import transformers
+
+from tests.cluster import ROOT, NodeProcess, free_port
+from tests.engine_helpers import hf_greedy
+from tests.tiny_models import TINY
+
+pytestmark = pytest.mark.slow
+NODE_ARGS = "--block-size 8 --num-kv-blocks 256"
+FILLER = " ".join(f"word{k}" for k in range(40))  # long enough that prompts go prefill -> decode
+
+
+def tiny_model_with_tokenizer(default_model_dir: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
+    """A tiny random Llama whose vocabulary is the default model's, with its tokenizer files:
+    the router tokenizes real text and the nodes run in milliseconds."""
+    path = root / "tiny-llama-smollm2-vocab"
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**TINY, "vocab_size": 49152})
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(default_model_dir / name, path / name)
+    return path
+
+
+class Launcher:
+    """`pdserve up` in a subprocess, its output in a file."""
+
+    def __init__(self, tmp: pathlib.Path, model: pathlib.Path, *flags: str) -> None:
+        self.port = free_port()
+        self.log_dir = tmp / "logs"
+        self.out_path = tmp / "up.out"
+        self._out = open(self.out_path, "w")
+        cmd = [sys.executable, "-m", "pdserve_cli", "up", "--model", str(model), "--port", str(self.port),
+               "--log-dir", str(self.log_dir), "--node-args", NODE_ARGS, "--stop-timeout", "10", *flags]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                     stdout=self._out, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def output(self) -> str:
+        return self.out_path.read_text()
+
+    def wait_up(self, timeout_s: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while "pdserve is up" not in self.output():
+            assert self.proc.poll() is None and time.monotonic() < deadline, f"launch failed:\n{self.output()}"
+            time.sleep(0.1)
+
+    def redis_url(self) -> str:
+        return re.search(r"registry: (redis://\S+)", self.output()).group(1)
+
+    def events(self, child: str, name: str) -> list[dict]:
+        lines = (self.log_dir / f"{child}.log").read_text().splitlines()
+        return [r for r in (json.loads(line) for line in lines if line.startswith("{")) if r.get("event") == name]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._out.close()
+
+
+def processes_mentioning(text: str) -> list[psutil.Process]:
+    """Live processes whose command line contains ``text`` (zombies count as gone)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and text in " ".join(proc.info["cmdline"] or ()):
+            found.append(proc)
+    return found
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(0.05)
+
+
+def complete(url: str, prompt: str, max_tokens: int) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    response = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def complete_all(url: str, prompts: list[str], max_tokens: int) -> list[dict]:
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: complete(url, p, max_tokens), prompts))
+
+
+@pytest.fixture(scope="module")
+def model(default_model_dir, tmp_path_factory) -> pathlib.Path:
+    return tiny_model_with_tokenizer(default_model_dir, tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def up(model, tmp_path_factory):
+    launcher = Launcher(tmp_path_factory.mktemp("up"), model, "--prefill", "2", "--decode", "2")
+    try:
+        launcher.wait_up()
+        yield launcher
+    finally:
+        launcher.close()
+
+
+def test_forty_concurrent_requests_match_hf_and_use_both_nodes_of_each_role(up, model):
+    from router.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(model)
+    prompts = [f"Request {i}: {FILLER}" for i in range(40)]
+    results = complete_all(up.url, prompts, max_tokens=6)
+    for prompt, result in zip(prompts, results, strict=True):
+        ids = tokenizer.encode(prompt)
+        assert len(ids) >= 64  # above the router's disaggregation threshold: prefill node, then decode
+        assert result["usage"] == {**result["usage"], "prompt_tokens": len(ids), "completion_tokens": 6}
+        assert result["choices"][0]["text"] == tokenizer.decode(hf_greedy(str(model), ids, 6))
+    for child in ("prefill-0", "prefill-1"):
+        assert up.events(child, "request_added"), f"{child} got no request"
+    for child in ("decode-0", "decode-1"):
+        assert up.events(child, "request_finished"), f"{child} got no request"
+
+
+def test_decode_node_started_later_takes_requests_within_two_seconds(up, model, tmp_path_factory):
+    node = NodeProcess("decode", str(model), tmp_path_factory.mktemp("joined"), up.redis_url(), NODE_ARGS.split())
+    up.joined = node  # the drain test stops it
+    node.wait_ready()
+    joined_at = node.ready_file.stat().st_mtime  # it registered in Redis just before writing this
+    deadline = time.monotonic() + 10
+    while not node.events("request_finished") and time.monotonic() < deadline:
+        complete_all(up.url, [f"Join {time.monotonic_ns()} {k}: {FILLER}" for k in range(6)], max_tokens=2)
+    arrivals = [e["ts"] for e in node.events("kv_adopted") + node.events("request_added")]
+    assert arrivals, "the joined node got no request in 10 s"
+    assert min(arrivals) - joined_at < 2.0
+
+
+def test_sigterm_drains_a_decode_node_without_failing_a_request(up):
+    node = up.joined
+    prompts = [f"Drain {k}: {FILLER}" for k in range(9)]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(complete, up.url, p, 48) for p in prompts]
+        wait_for(lambda: node.events("kv_adopted"), 20, "a request on the joined node")
+        node.proc.send_signal(signal.SIGTERM)
+        results = [f.result() for f in futures]  # complete() asserts every status is 200
+    assert all(r["usage"]["completion_tokens"] == 48 for r in results)
+    assert node.proc.wait(30) == 0
+    assert node.events("request_finished")  # it finished what it had before leaving
+    assert httpx.get(up.url + "/health").json()["num_decode"] == 2
+    node.close()
+
+
+def test_sigterm_to_the_launcher_stops_every_child_and_frees_every_port(up, model):
+    ready = [json.loads(p.read_text()) for p in up.log_dir.glob("*.ready.json")]
+    ports = [up.port, int(up.redis_url().rsplit(":", 1)[1].split("/")[0])]
+    ports += [int(addr.rsplit(":", 1)[1]) for r in ready for addr in (r["control_addr"], r["kv_addr"]) if addr]
+    launcher = psutil.Process(up.proc.pid)
+    assert len(launcher.children()) == 6  # redis, 4 nodes, router
+    children = launcher.children(recursive=True)  # with theirs (e.g. multiprocessing's resource tracker)
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(30) == 0
+    assert "stopped" in up.output()
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not processes_mentioning(str(model))  # nodes and router name the model folder
+    for port in ports:
+        with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            pass
+
+
+def test_node_failing_at_start_fails_the_launch_with_its_log_and_leaves_nothing(tmp_path):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    launcher = Launcher(tmp_path, broken, "--prefill", "1", "--decode", "1", "--no-redis")
+    try:
+        assert launcher.proc.wait(60) == 1
+        out = launcher.output()
+        failed = re.search(r"(prefill|decode)-0 exited with code 1 during start-up", out).group(0).split()[0]
+        assert (launcher.log_dir / f"{failed}.log").read_text().splitlines()[-1] in out  # its log tail
+        assert not processes_mentioning(str(launcher.log_dir))
+    finally:
+        launcher.close()
+
+
+def test_children_die_with_a_launcher_killed_by_sigkill(model, tmp_path):
+    launcher = Launcher(tmp_path, model, "--prefill", "1", "--decode", "1", "--no-redis")
+    try:
+        launcher.wait_up()
+        assert "registry: none: static node addresses" in launcher.output()
+        assert complete(launcher.url, "Hello", 2)["usage"]["completion_tokens"] == 2
+        children = psutil.Process(launcher.proc.pid).children(recursive=True)
+        launcher.proc.kill()
+        launcher.proc.wait(10)
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive
+        assert not processes_mentioning(str(model))
+    finally:
+        launcher.close()
