@@ -60,21 +60,35 @@ def serve(address: str, num_blocks: int, ready: mp.Queue, stop: mp.Event) -> Non
 
 
 def time_transfers(
-    address: str, num_tokens: int, repeats: int, wire: WireFormat, shm: bool
+    address: str, num_tokens: int, repeats: int, wire: WireFormat, shm: bool, direct: bool = False
 ) -> tuple[float, int]:
-    """Best reserve→ack seconds over ``repeats`` transfers, and the payload bytes of one."""
+    """Best reserve→ack seconds over ``repeats`` transfers, and the payload bytes of one.
+
+    direct: the sender's cache lives in shared memory (as a prefill node's does) and the
+    receiver copies the blocks straight out of it."""
     from kv_transfer.sender import KVSender, SenderConfig
+    from kv_transfer.shared_cache import SharedKVCache
 
     num_blocks = -(-num_tokens // SPEC_ARGS["block_size"])
-    keys, values = make_caches(num_blocks, random=True)
+    cache_ref = None
+    if direct:
+        cache = SharedKVCache(KVCacheSpec(num_blocks=num_blocks, **SPEC_ARGS))
+        cache.tensor.copy_(torch.randn(cache.tensor.shape))
+        keys, values = [k for k, _ in cache.layer_caches()], [v for _, v in cache.layer_caches()]
+        cache_ref = cache.ref
+    else:
+        keys, values = make_caches(num_blocks, random=True)
     sender = KVSender(
-        address, fingerprint(), SenderConfig(wire_format=wire, grant_timeout_s=30, shared_memory=shm)
+        address,
+        fingerprint(),
+        SenderConfig(wire_format=wire, grant_timeout_s=30, shared_memory=shm or direct),
+        cache_ref=cache_ref,
     )
     best, num_bytes = float("inf"), 0
     tokens = list(range(num_tokens))
     for i in range(repeats + 1):  # the first warms pages and connections
         stats = sender.transfer(f"bench-{num_tokens}-{i}", tokens, keys, values, list(range(num_blocks)), 0)
-        assert stats.shm == shm
+        assert stats.direct == direct and stats.shm == (shm and not direct)
         if i > 0:
             best, num_bytes = min(best, stats.seconds), stats.bytes_sent
     sender.close()
@@ -122,7 +136,12 @@ def prefill_seconds(num_tokens: int) -> float:
 
 
 def run_transport(
-    address: str, sizes: list[int], repeats: int, wire: WireFormat = WireFormat.NATIVE, shm: bool = False
+    address: str,
+    sizes: list[int],
+    repeats: int,
+    wire: WireFormat = WireFormat.NATIVE,
+    shm: bool = False,
+    direct: bool = False,
 ) -> dict[int, tuple[float, int]]:
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Queue(), ctx.Event()
@@ -131,7 +150,7 @@ def run_transport(
     proc.start()
     bound = ready.get(timeout=60)
     try:
-        return {n: time_transfers(bound, n, repeats, wire, shm) for n in sizes}
+        return {n: time_transfers(bound, n, repeats, wire, shm, direct) for n in sizes}
     finally:
         stop.set()
         proc.join(10)
@@ -152,6 +171,7 @@ def main() -> None:
         results["tcp"] = run_transport("tcp://127.0.0.1:0", args.tokens, args.repeats)
         results["ipc"] = run_transport(f"ipc://{folder}/kv.sock", args.tokens, args.repeats)
         results["shm"] = run_transport("tcp://127.0.0.1:0", args.tokens, args.repeats, shm=True)
+        results["direct"] = run_transport("tcp://127.0.0.1:0", args.tokens, args.repeats, direct=True)
         results["tcp_int8"] = run_transport("tcp://127.0.0.1:0", args.tokens, args.repeats, WireFormat.INT8)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -166,11 +186,11 @@ def main() -> None:
             f"{n:>8} {kv_bytes[n] / 1e6:>8.1f} {memcpy[n]:>12.2f} " + " ".join(f"{r:>14.2f}" for r in rates)
         )
     big = max(args.tokens)
-    gbps = {k: kv_bytes[big] / results[k][big][0] / 1e9 for k in ("tcp", "ipc", "shm")}
+    gbps = {k: kv_bytes[big] / results[k][big][0] / 1e9 for k in ("tcp", "ipc", "shm", "direct")}
     overhead = None
     if not args.skip_prefill:
         prefill = prefill_seconds(1024)
-        transfer = min(results[k][1024][0] for k in ("tcp", "ipc", "shm"))
+        transfer = min(results[k][1024][0] for k in ("tcp", "ipc", "shm", "direct"))
         overhead = 100 * transfer / prefill
         print(
             f"1k-token prefill {prefill * 1e3:.0f} ms (HF transformers, random weights); "
@@ -182,6 +202,7 @@ def main() -> None:
         "tcp_gbps": round(gbps["tcp"], 3),
         "ipc_gbps": round(gbps["ipc"], 3),
         "shm_gbps": round(gbps["shm"], 3),
+        "direct_gbps": round(gbps["direct"], 3),
         "ratio_best": round(max(gbps.values()) / memcpy[big], 3),
         "ttft_overhead_pct": None if overhead is None else round(overhead, 2),
     }

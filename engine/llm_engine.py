@@ -10,7 +10,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_layout import KVCacheSpec
-from engine.model_runner import ModelRunner
+from engine.model_runner import KVCacheFactory, ModelRunner
 from engine.models import model_class
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampler import Sampler, SamplerInput
@@ -36,7 +36,7 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
+    def __init__(self, config: EngineConfig, tokenizer=None, kv_cache_factory: KVCacheFactory | None = None) -> None:
         self.config = config
         self.model_config = ModelConfig.from_path(config.model)
         model_class(self.model_config)  # unsupported architectures fail before any allocation
@@ -47,7 +47,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.kv_spec.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model_config, config, self.kv_spec)
+        self.runner = ModelRunner(self.model_config, config, self.kv_spec, kv_cache_factory)
         self.sampler = Sampler()
         self.tokenizer = tokenizer
         self.requests: dict[str, Request] = {}

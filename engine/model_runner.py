@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -14,6 +15,7 @@ from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.weights import load_weights
 
+KVCacheFactory = Callable[[KVCacheSpec], list[tuple[torch.Tensor, torch.Tensor]]]
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -27,14 +29,21 @@ class ModelInput:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, kv_spec: KVCacheSpec) -> None:
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, kv_spec: KVCacheSpec,
+                 kv_cache_factory: KVCacheFactory | None = None) -> None:
+        """kv_cache_factory: allocates the per-layer (K, V) caches for ``kv_spec`` (e.g. in shared
+        memory, for the one-copy transfer); plain zeroed tensors by default."""
         self.model_config = model_config
         self.kv_spec = kv_spec
         self.dtype = TORCH_DTYPES[engine_config.dtype]
         max_positions = engine_config.max_model_len or model_config.max_position_embeddings
         self.model = model_class(model_config)(model_config, max_positions).to(self.dtype).eval()
         load_weights(self.model, model_config.path)
-        self.kv_caches = [(self._empty_cache(), self._empty_cache()) for _ in range(kv_spec.num_layers)]
+        if kv_cache_factory is not None:
+            self.kv_caches = kv_cache_factory(kv_spec)
+            assert len(self.kv_caches) == kv_spec.num_layers and self.kv_caches[0][0].dtype == self.dtype
+        else:
+            self.kv_caches = [(self._empty_cache(), self._empty_cache()) for _ in range(kv_spec.num_layers)]
 
     def _empty_cache(self) -> torch.Tensor:
         s = self.kv_spec

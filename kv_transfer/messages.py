@@ -41,6 +41,15 @@ class WireFormat(enum.StrEnum):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class CacheRef:
+    """Where a peer on the same host finds a node's shared KV cache (kv_transfer.shared_cache)."""
+
+    pid: int  # the owning process
+    fd: int  # its memfd descriptor
+    num_blocks: int  # blocks per layer in that cache
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class KVFingerprint:
     """What must match for one node's KV blocks to be meaningful in another's cache."""
 
@@ -90,6 +99,7 @@ class KVReserve(Message):
     shm_name: str | None = None  # the sender's shared-memory staging ring, offered for same-host peers
     host_id: str | None = None  # kv_transfer.staging.host_id() of the sender, to tell same-host peers
     request_meta: dict[str, Any] | None = None  # opaque to kv_transfer: the decode node's per-request data
+    cache_ref: CacheRef | None = None  # the sender's shared KV cache, for a one-copy same-host transfer
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -102,6 +112,7 @@ class KVGrant(Message):
     block_ids: tuple[int, ...]  # receiver block ids of the blocks to send, in prompt order
     window_bytes: int  # bound on this peer's unacknowledged chunk bytes (see KVCredit)
     shm: bool = False  # the receiver mapped the offered ring: chunks name slots instead of carrying frames
+    direct: bool = False  # the receiver mapped the sender's cache: no chunks, KVDone names the blocks
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -157,6 +168,8 @@ class KVDone(Message):
     first_token: int  # sampled by the prefill node from the prompt's last logits
     num_prompt_tokens: int  # usage
     num_cached_tokens: int  # usage: prompt tokens the prefill node took from its prefix cache
+    src_block_ids: tuple[int, ...] = ()  # direct grants: the sender's blocks to copy, in prompt order
+    layer_checksums: tuple[int, ...] = ()  # direct grants: xxh3 of K then V blocks, per layer
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

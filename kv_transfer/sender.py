@@ -23,11 +23,12 @@ import torch
 import zmq
 
 from engine.block_hash import hash_full_blocks
-from kv_transfer import tensors
+from kv_transfer import shared_cache, tensors
 from kv_transfer.channel import PeerChannel, PeerUnavailable
 from kv_transfer.errors import KVAborted, KVRejected, KVTimeout, KVTransferError
 from kv_transfer.messages import (
     Abort,
+    CacheRef,
     Error,
     KVAck,
     KVChunk,
@@ -67,7 +68,8 @@ class OutgoingTransfer:
     num_send_blocks: int  # blocks to send, from num_held_blocks on
     started_at: float  # time.monotonic() at reserve
     shm: bool  # chunks name slots of the shared staging ring instead of carrying frames
-    bytes_sent: int = 0  # payload bytes of all chunks
+    direct: bool = False  # the receiver copies straight from our shared cache: no chunks at all
+    bytes_sent: int = 0  # payload bytes of all chunks (or, direct, of the blocks it copied)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,6 +80,7 @@ class TransferStats:
     bytes_sent: int  # payload bytes
     seconds: float  # reserve to ack
     shm: bool  # the chunks went through the shared staging ring, not the socket
+    direct: bool = False  # the receiver copied from our shared cache (one copy, no chunks)
 
 
 class KVSender:
@@ -87,8 +90,12 @@ class KVSender:
         fingerprint: KVFingerprint,
         config: SenderConfig | None = None,
         context: zmq.Context | None = None,
+        cache_ref: CacheRef | None = None,
     ) -> None:
+        """cache_ref: this node's KV cache in shared memory (kv_transfer.shared_cache), offered to
+        same-host receivers for the one-copy path; the caches passed to send calls must be it."""
         self.fingerprint = fingerprint
+        self.cache_ref = cache_ref if (config or SenderConfig()).shared_memory else None
         self.config = config or SenderConfig()
         self._channel = PeerChannel(address, context)
         self._inbox: dict[str, deque[Message]] = {}  # replies per active request, in arrival order
@@ -116,6 +123,7 @@ class KVSender:
             self._ring.shm_name,
             host_id(),
             request_meta,
+            self.cache_ref,
         )
         self._inbox[request_id] = deque()
         started = time.monotonic()
@@ -124,7 +132,13 @@ class KVSender:
         assert isinstance(grant, KVGrant)
         self._window_bytes = grant.window_bytes
         return OutgoingTransfer(
-            request_id, len(token_ids), grant.num_held_blocks, len(grant.block_ids), started, grant.shm
+            request_id,
+            len(token_ids),
+            grant.num_held_blocks,
+            len(grant.block_ids),
+            started,
+            grant.shm,
+            grant.direct and self.cache_ref is not None,
         )
 
     def send_layer(
@@ -154,11 +168,25 @@ class KVSender:
         for start in range(0, tx.num_send_blocks, per_chunk):
             self._send_chunk(tx, layer, start, key_cache, value_cache, ids[start : start + per_chunk])
 
-    def finish(self, tx: OutgoingTransfer, first_token: int, num_cached_tokens: int = 0) -> TransferStats:
-        """Send KVDone and wait for KVAck; then the caller may free its blocks."""
-        self._send_or_fail(
-            tx.request_id, KVDone(tx.request_id, first_token, tx.num_prompt_tokens, num_cached_tokens)
+    def finish(
+        self,
+        tx: OutgoingTransfer,
+        first_token: int,
+        num_cached_tokens: int = 0,
+        src_block_ids: tuple[int, ...] = (),
+        layer_checksums: tuple[int, ...] = (),
+    ) -> TransferStats:
+        """Send KVDone and wait for KVAck; then the caller may free its blocks. Direct grants
+        name the blocks to copy (``src_block_ids``) with a checksum per layer."""
+        done = KVDone(
+            tx.request_id,
+            first_token,
+            tx.num_prompt_tokens,
+            num_cached_tokens,
+            src_block_ids,
+            layer_checksums,
         )
+        self._send_or_fail(tx.request_id, done)
         self._wait_for(tx.request_id, KVAck, "ack", time.monotonic() + self.config.reply_timeout_s)
         del self._inbox[tx.request_id]
         return TransferStats(
@@ -168,6 +196,7 @@ class KVSender:
             tx.bytes_sent,
             time.monotonic() - tx.started_at,
             tx.shm,
+            tx.direct,
         )
 
     def abort(self, request_id: str, reason: str) -> None:
@@ -193,6 +222,14 @@ class KVSender:
         """Reserve, send every layer, finish. Raises KVTransferError (peer told to abort)."""
         tx = self.reserve(request_id, token_ids, sampling_params, request_meta)
         try:
+            if tx.direct:  # the receiver copies from our shared cache: name the blocks, no chunks
+                src = tuple(block_table[tx.num_held_blocks :])
+                sums = tuple(
+                    shared_cache.layer_checksum(key_caches[layer], value_caches[layer], list(src))
+                    for layer in range(len(key_caches))
+                )
+                tx.bytes_sent = len(src) * 2 * sum(k[0].numel() * k.element_size() for k in key_caches)
+                return self.finish(tx, first_token, num_cached_tokens, src, sums)
             for layer in range(len(key_caches)):
                 self.send_layer(tx, layer, key_caches[layer], value_caches[layer], block_table)
             return self.finish(tx, first_token, num_cached_tokens)

@@ -16,6 +16,7 @@ from engine.kv_layout import KV_LAYOUT_NAME
 from engine.llm_engine import LLMEngine, QueueFullError
 from engine.sampling_params import SamplingParams
 from kv_transfer.messages import KVFingerprint
+from kv_transfer.shared_cache import SharedKVCache
 from node.log import EventLog
 from node.options import NodeOptions
 from node.runtime import NodeRuntime
@@ -36,16 +37,22 @@ class PrefillNode:
     def __init__(self, opts: NodeOptions, engine_config: EngineConfig) -> None:
         self.opts = opts
         self.log = EventLog(opts.node_id)
-        self.engine = LLMEngine(engine_config)
+        # The KV cache lives in shared memory so same-host decode nodes copy blocks straight out of it.
+        self.engine = LLMEngine(engine_config, kv_cache_factory=self._shared_cache)
         self.fingerprint = KVFingerprint.from_spec(opts.model_id, self.engine.kv_spec, KV_LAYOUT_NAME)
         self.runtime = NodeRuntime(opts, self.log)
         caches = self.engine.runner.kv_caches
-        self.shipper = Shipper(self.fingerprint, [k for k, _ in caches], [v for _, v in caches])
+        self.shipper = Shipper(self.fingerprint, [k for k, _ in caches], [v for _, v in caches],
+                               cache_ref=self.cache.ref)
         self.pending: dict[str, _Pending] = {}  # computing or shipping
         # Requests whose KV a shipper thread may be reading: their blocks stay held until the
         # outcome arrives, even when the request was aborted or timed out meanwhile.
         self.shipping: set[str] = set()
         self._status_at = 0.0
+
+    def _shared_cache(self, spec):
+        self.cache = SharedKVCache(spec)
+        return self.cache.layer_caches()
 
     def status(self):
         return node_status(self.opts, self.engine, self.runtime.control_addr, None,
@@ -150,7 +157,7 @@ class PrefillNode:
         if outcome.error is None:
             s = outcome.stats
             self.log("kv_shipped", rid, blocks_sent=s.num_sent_blocks, blocks_reused=s.num_held_blocks,
-                     bytes=s.bytes_sent, seconds=round(s.seconds, 6), shm=s.shm)
+                     bytes=s.bytes_sent, seconds=round(s.seconds, 6), shm=s.shm, direct=s.direct)
         else:
             self.pending[rid] = pending
             self._fail(rid, "kv_transfer", outcome.error)

@@ -15,7 +15,7 @@ import time
 import torch
 
 from kv_transfer.errors import KVTransferError
-from kv_transfer.messages import KVFingerprint
+from kv_transfer.messages import CacheRef, KVFingerprint
 from kv_transfer.sender import KVSender, SenderConfig, TransferStats
 
 
@@ -40,7 +40,9 @@ class Outcome:
 
 class Shipper:
     def __init__(self, fingerprint: KVFingerprint, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
-                 config: SenderConfig | None = None, queue_limit: int = 256, max_peers: int = 64) -> None:
+                 config: SenderConfig | None = None, queue_limit: int = 256, max_peers: int = 64,
+                 cache_ref: CacheRef | None = None) -> None:
+        self.cache_ref = cache_ref  # the caches in shared memory: offered for one-copy transfers
         self.fingerprint = fingerprint
         self.key_caches, self.value_caches = key_caches, value_caches
         self.config = config or SenderConfig()
@@ -89,7 +91,7 @@ class Shipper:
             thread.join(max(0.0, deadline - time.monotonic()))
 
     def _work(self, addr: str, q: queue.Queue) -> None:
-        sender = KVSender(addr, self.fingerprint, self.config)
+        sender = KVSender(addr, self.fingerprint, self.config, cache_ref=self.cache_ref)
         try:
             while (job := q.get()) is not None:
                 with self._lock:

@@ -1,0 +1,73 @@
+"""A node's whole paged KV cache in one anonymous shared-memory file, readable by same-host peers.
+
+The one-copy path of the transfer: a prefill node allocates its cache here; a decode node on
+the same host maps it read-only through ``/proc/<pid>/fd/<fd>`` and copies the granted blocks
+straight from the prefill node's cache into its own — no staging copy, no socket payload.
+
+    memfd  [ layer 0: K blocks | V blocks | layer 1: K | V | ... ]   = [L, 2, num_blocks, bs, kvh, d]
+
+A memfd has no name in /dev/shm, so nothing leaks when the process dies (even by kill -9).
+Peers in another PID namespace or under another user cannot open it and fall back to the
+staging ring or the socket.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import warnings
+
+import torch
+import xxhash
+
+from engine.kv_layout import KVCacheSpec
+from kv_transfer.messages import CacheRef, KVFingerprint
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class SharedKVCache:
+    def __init__(self, spec: KVCacheSpec) -> None:
+        dtype = TORCH_DTYPES[spec.dtype]
+        shape = (spec.num_layers, 2, spec.num_blocks, *spec.block_shape)
+        nbytes = spec.num_blocks * spec.bytes_per_block
+        self.fd = os.memfd_create("pdserve-kv-cache", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, nbytes)
+        self._map = mmap.mmap(self.fd, nbytes)
+        self.tensor = torch.frombuffer(self._map, dtype=dtype).view(shape)  # [L, 2, NB, bs, kvh, d]
+        self.ref = CacheRef(os.getpid(), self.fd, spec.num_blocks)
+
+    def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(key_cache, value_cache) per layer, each [num_blocks, block_size, kv_heads, head_dim]."""
+        return [(self.tensor[layer, 0], self.tensor[layer, 1]) for layer in range(self.tensor.shape[0])]
+
+
+def attach(ref: CacheRef, fingerprint: KVFingerprint) -> torch.Tensor:
+    """Read-only view [L, 2, num_blocks, bs, kvh, d] of a peer's shared cache; OSError when not allowed."""
+    fd = os.open(f"/proc/{ref.pid}/fd/{ref.fd}", os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    fp = fingerprint
+    shape = (fp.num_layers, 2, ref.num_blocks, fp.block_size, fp.num_kv_heads, fp.head_dim)
+    dtype = TORCH_DTYPES[fp.dtype]
+    expected = 1
+    for n in shape:
+        expected *= n
+    if size != expected * dtype.itemsize:
+        raise OSError(f"shared cache is {size} bytes, expected {expected * dtype.itemsize}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only ever copy from it
+        return torch.frombuffer(mapped, dtype=dtype).view(shape)
+
+
+def layer_checksum(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: list[int]) -> int:
+    """xxh3_64 over one layer's K blocks then V blocks, in the given order (streamed, no gather)."""
+    h = xxhash.xxh3_64()
+    for cache in (key_cache, value_cache):
+        rows = cache.reshape(cache.shape[0], -1).view(torch.uint8)
+        for b in block_ids:
+            h.update(memoryview(rows[b].numpy()))
+    return h.intdigest()

@@ -1,0 +1,119 @@
+"""The one-copy same-host path: the receiver copies blocks straight out of the sender's shared cache."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from kv_transfer_peer import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, make_fingerprint, prefill_side
+from test_kv_transfer import make_receiver, poll_until
+
+from engine.kv_layout import KVCacheSpec
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from kv_transfer import shared_cache
+from kv_transfer.messages import CacheRef
+from kv_transfer.sender import KVSender, SenderConfig
+
+pytestmark = pytest.mark.timeout(30)
+NUM_BLOCKS = 16
+
+
+def _shared_cache(seed: int) -> shared_cache.SharedKVCache:
+    spec = KVCacheSpec(NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, "float32")
+    cache = shared_cache.SharedKVCache(spec)
+    cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=torch.Generator().manual_seed(seed)))
+    return cache
+
+
+def test_direct_transfer_copies_exact_bytes_and_sends_no_chunks():
+    receiver = make_receiver("tcp://127.0.0.1:0")
+    squatter = Sequence("squat", [9] * 2 * BLOCK_SIZE, 2 * BLOCK_SIZE, SamplingParams())
+    receiver.block_manager.append(squatter, 2 * BLOCK_SIZE)
+    cache = _shared_cache(seed=3)
+    tokens = list(range(200, 200 + 3 * BLOCK_SIZE + 2))
+    src_bm, src_seq = prefill_side(tokens, NUM_BLOCKS, skip=4)
+    keys = [k for k, _ in cache.layer_caches()]
+    values = [v for _, v in cache.layer_caches()]
+    sender = KVSender(receiver.address, make_fingerprint(), SenderConfig(), cache_ref=cache.ref)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(sender.transfer, "d1", tokens, keys, values, src_seq.block_table, 11)
+        got = poll_until(receiver, lambda r: bool(r.completed)).completed[0]
+        stats = future.result(timeout=5)
+    assert stats.direct and not stats.shm
+    assert got.seq.block_table == [2, 3, 4, 5] and src_seq.block_table == [4, 5, 6, 7]
+    for layer in range(NUM_LAYERS):
+        for src, dst in ((keys, receiver.key_caches), (values, receiver.value_caches)):
+            assert torch.equal(src[layer][src_seq.block_table], dst[layer][got.seq.block_table])
+    receiver.block_manager.free(got.seq)
+    receiver.block_manager.free(squatter)
+    assert receiver.block_manager.num_free_blocks == NUM_BLOCKS
+    sender.close()
+    receiver.close()
+
+
+def test_a_corrupted_source_block_fails_the_checksum_and_frees_the_grant():
+    receiver = make_receiver("tcp://127.0.0.1:0")
+    cache = _shared_cache(seed=4)
+    tokens = list(range(10, 10 + 2 * BLOCK_SIZE))
+    _, src_seq = prefill_side(tokens, NUM_BLOCKS)
+    keys = [k for k, _ in cache.layer_caches()]
+    values = [v for _, v in cache.layer_caches()]
+    sender = KVSender(receiver.address, make_fingerprint(), SenderConfig(), cache_ref=cache.ref)
+
+    def corrupt_and_send():
+        tx = sender.reserve("bad", tokens)
+        assert tx.direct
+        ids = list(src_seq.block_table)
+        sums = tuple(shared_cache.layer_checksum(keys[i], values[i], ids) for i in range(NUM_LAYERS))
+        keys[1][ids[0]].add_(1.0)  # changes after the checksum was taken
+        return sender.finish(tx, 5, 0, tuple(ids), sums)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(corrupt_and_send)
+        failed = poll_until(receiver, lambda r: bool(r.failed)).failed[0]
+        with pytest.raises(Exception, match="checksum"):
+            future.result(timeout=5)
+    assert "checksum mismatch in layer 1" in str(failed.error)
+    assert receiver.block_manager.num_free_blocks == NUM_BLOCKS
+    sender.close()
+    receiver.close()
+
+
+def test_a_cache_ref_that_cannot_be_opened_falls_back_to_chunks():
+    receiver = make_receiver("tcp://127.0.0.1:0")
+    tokens = list(range(10, 10 + BLOCK_SIZE + 1))
+    _, src_seq = prefill_side(tokens, NUM_BLOCKS)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    bogus = CacheRef(int(dead.stdout), 3, NUM_BLOCKS)  # that process is gone
+    from kv_transfer_peer import make_caches
+
+    keys, values = make_caches(NUM_BLOCKS, seed=5)
+    sender = KVSender(receiver.address, make_fingerprint(), SenderConfig(), cache_ref=bogus)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(sender.transfer, "fb", tokens, keys, values, src_seq.block_table, 1)
+        got = poll_until(receiver, lambda r: bool(r.completed)).completed[0]
+        stats = future.result(timeout=5)
+    assert not stats.direct
+    assert torch.equal(keys[0][src_seq.block_table], receiver.key_caches[0][got.seq.block_table])
+    sender.close()
+    receiver.close()
+
+
+def test_the_cache_is_readable_from_another_process():
+    cache = _shared_cache(seed=6)
+    code = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, "tests")
+        from kv_transfer_peer import make_fingerprint
+        from kv_transfer import shared_cache
+        from kv_transfer.messages import CacheRef
+        view = shared_cache.attach(CacheRef({cache.ref.pid}, {cache.ref.fd}, {NUM_BLOCKS}), make_fingerprint())
+        print(float(view[1, 0, 3].sum()), float(view[2, 1, 7, 1].sum()))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    expected = f"{float(cache.tensor[1, 0, 3].sum())} {float(cache.tensor[2, 1, 7, 1].sum())}"
+    assert out.stdout.strip() == expected
