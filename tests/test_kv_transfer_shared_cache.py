@@ -88,7 +88,9 @@ def test_a_cache_ref_that_cannot_be_opened_falls_back_to_chunks():
     receiver = make_receiver("tcp://127.0.0.1:0")
     tokens = list(range(10, 10 + BLOCK_SIZE + 1))
     _, src_seq = prefill_side(tokens, NUM_BLOCKS)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     bogus = CacheRef(int(dead.stdout), 3, NUM_BLOCKS)  # that process is gone
     from kv_transfer_peer import make_caches
 
