@@ -1,7 +1,7 @@
 """`pdserve up` end to end: real launcher, router, nodes and Redis on a tiny model.
 
-The tests share one 2-prefill + 2-decode cluster and run in file order: traffic, a node joining,
-a node draining, then the launcher's shutdown. The last two tests start launches of their own.
+The slow tests share one 2-prefill + 2-decode cluster and run in file order: traffic, a node
+joining, a node draining, then the launcher's shutdown. The last two start launches of their own.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ import pytest
 import torch
 import transformers
 
+from launcher.children import Child, stop_all
+from launcher.plan import ClusterPlan, threads_per_node
 from tests.cluster import ROOT, NodeProcess, free_port
 from tests.engine_helpers import hf_greedy
 from tests.tiny_models import TINY
 
-pytestmark = pytest.mark.slow
 NODE_ARGS = "--block-size 8 --num-kv-blocks 256"
 FILLER = " ".join(f"word{k}" for k in range(40))  # long enough that prompts go prefill -> decode
 
@@ -110,6 +111,36 @@ def complete_all(url: str, prompts: list[str], max_tokens: int) -> list[dict]:
         return list(pool.map(lambda p: complete(url, p, max_tokens), prompts))
 
 
+def test_threads_split_the_cores_evenly_with_at_least_one_per_node():
+    assert [threads_per_node(16, n) for n in (1, 2, 3, 4, 16, 40)] == [16, 8, 5, 4, 1, 1]
+    assert threads_per_node(2, 4) == 1
+
+
+@pytest.mark.parametrize(("num_prefill", "num_decode"), [(0, 1), (1, 0)])
+def test_plan_refuses_a_cluster_without_both_roles(tmp_path, num_prefill, num_decode):
+    with pytest.raises(ValueError, match="at least one prefill and one decode"):
+        ClusterPlan(model="m", num_prefill=num_prefill, num_decode=num_decode, host="127.0.0.1", port=8000,
+                    redis_url=None, use_redis=True, threads_per_node=1, log_dir=tmp_path)
+
+
+def test_plan_url_reaches_a_wildcard_bind_over_loopback(tmp_path):
+    plan = ClusterPlan(model="m", num_prefill=1, num_decode=1, host="0.0.0.0", port=8123, redis_url=None,
+                       use_redis=True, threads_per_node=1, log_dir=tmp_path)
+    assert plan.url == "http://127.0.0.1:8123"
+
+
+def test_stop_all_kills_a_child_that_ignores_sigterm_and_everything_it_started(tmp_path):
+    argv = ["bash", "-c", "trap '' TERM; sleep 60 & sleep 60; wait"]  # the sleeps ignore TERM too
+    child = Child("stubborn", argv, tmp_path / "stubborn.log", dict(os.environ))
+    wait_for(lambda: len(psutil.Process(child.pid).children()) == 2, 10, "both sleeps")
+    grandchildren = psutil.Process(child.pid).children()
+    started = time.monotonic()
+    stop_all([child], timeout_s=0.3)
+    assert time.monotonic() - started < 5
+    assert child.proc.returncode == -signal.SIGKILL
+    assert not psutil.wait_procs(grandchildren, timeout=5)[1]
+
+
 @pytest.fixture(scope="module")
 def model(default_model_dir, tmp_path_factory) -> pathlib.Path:
     return tiny_model_with_tokenizer(default_model_dir, tmp_path_factory.mktemp("model"))
@@ -125,6 +156,7 @@ def up(model, tmp_path_factory):
         launcher.close()
 
 
+@pytest.mark.slow
 def test_forty_concurrent_requests_match_hf_and_use_both_nodes_of_each_role(up, model):
     from router.tokenizer import Tokenizer
 
@@ -142,6 +174,7 @@ def test_forty_concurrent_requests_match_hf_and_use_both_nodes_of_each_role(up, 
         assert up.events(child, "request_finished"), f"{child} got no request"
 
 
+@pytest.mark.slow
 def test_decode_node_started_later_takes_requests_within_two_seconds(up, model, tmp_path_factory):
     node = NodeProcess("decode", str(model), tmp_path_factory.mktemp("joined"), up.redis_url(), NODE_ARGS.split())
     up.joined = node  # the drain test stops it
@@ -155,6 +188,7 @@ def test_decode_node_started_later_takes_requests_within_two_seconds(up, model, 
     assert min(arrivals) - joined_at < 2.0
 
 
+@pytest.mark.slow
 def test_sigterm_drains_a_decode_node_without_failing_a_request(up):
     node = up.joined
     prompts = [f"Drain {k}: {FILLER}" for k in range(9)]
@@ -170,6 +204,7 @@ def test_sigterm_drains_a_decode_node_without_failing_a_request(up):
     node.close()
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_every_child_and_frees_every_port(up, model):
     ready = [json.loads(p.read_text()) for p in up.log_dir.glob("*.ready.json")]
     ports = [up.port, int(up.redis_url().rsplit(":", 1)[1].split("/")[0])]
@@ -187,6 +222,7 @@ def test_sigterm_to_the_launcher_stops_every_child_and_frees_every_port(up, mode
             pass
 
 
+@pytest.mark.slow
 def test_node_failing_at_start_fails_the_launch_with_its_log_and_leaves_nothing(tmp_path):
     broken = tmp_path / "broken-model"
     broken.mkdir()
@@ -202,6 +238,7 @@ def test_node_failing_at_start_fails_the_launch_with_its_log_and_leaves_nothing(
         launcher.close()
 
 
+@pytest.mark.slow
 def test_children_die_with_a_launcher_killed_by_sigkill(model, tmp_path):
     launcher = Launcher(tmp_path, model, "--prefill", "1", "--decode", "1", "--no-redis")
     try:

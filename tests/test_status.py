@@ -1,0 +1,57 @@
+"""`pdserve status`: the pools table, exact for fixed records, and read from a real Redis."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pdserve_cli.main import build_parser, main
+from pdserve_cli.status import render
+from protocol.registry import NodeInfo, publish
+from tests.cluster import RedisServer, free_port
+
+PREFILL = NodeInfo(node_id="prefill-a", role="prefill", control_addr="tcp://10.0.0.2:5001", kv_addr=None,
+                   fingerprint={}, max_model_len=512, num_blocks_total=64, num_blocks_free=60, num_blocks_cached=12,
+                   num_running=1, num_queued=3, num_queued_prefill_tokens=90, heartbeat_time=100.0)
+DECODE = dataclasses.replace(PREFILL, node_id="decode-b", role="decode", control_addr="tcp://10.0.0.3:5002",
+                             kv_addr="tcp://10.0.0.3:5003", num_blocks_free=8, num_blocks_cached=0, num_running=7,
+                             num_queued=0, draining=True, heartbeat_time=99.25)
+
+
+def test_render_groups_nodes_by_role_with_blocks_queue_running_heartbeat_and_state():
+    assert render([DECODE, PREFILL], now=101.0) == "\n".join([
+        "prefill: 1 node(s), 1 serving, KV blocks 60/64 free",
+        "  NODE       ADDRESS              KV FREE/TOTAL  CACHED  QUEUED  RUNNING  HEARTBEAT  STATE",
+        "  prefill-a  tcp://10.0.0.2:5001  60/64          12      3       1        1.0s ago   serving",
+        "",
+        "decode: 1 node(s), 0 serving, KV blocks 8/64 free",
+        "  NODE      ADDRESS              KV FREE/TOTAL  CACHED  QUEUED  RUNNING  HEARTBEAT  STATE",
+        "  decode-b  tcp://10.0.0.3:5002  8/64           0       0       7        1.8s ago   draining",
+    ])
+
+
+def test_render_says_so_when_no_node_is_registered():
+    assert render([], now=0.0) == "no nodes registered"
+
+
+def test_status_reads_the_nodes_registered_in_redis(tmp_path, capsys):
+    redis = RedisServer(tmp_path)
+    try:
+        publish(redis.client, PREFILL, ttl_s=30)
+        publish(redis.client, DECODE, ttl_s=30)
+        assert main(["status", "--redis", redis.url]) == 0
+    finally:
+        redis.stop()
+    out = capsys.readouterr().out
+    assert out.index("prefill-a") < out.index("decode: 1 node(s), 0 serving") < out.index("decode-b")
+    assert "s ago   draining" in out
+
+
+def test_status_without_a_reachable_redis_fails_with_a_message(capsys):
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    assert main(["status", "--redis", url]) == 1
+    assert f"cannot read the registry at {url}" in capsys.readouterr().err
+
+
+def test_status_takes_its_default_registry_from_pdserve_redis(monkeypatch):
+    monkeypatch.setenv("PDSERVE_REDIS", "redis://elsewhere:6379/1")
+    assert build_parser().parse_args(["status"]).redis == "redis://elsewhere:6379/1"
