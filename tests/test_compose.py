@@ -1,0 +1,156 @@
+"""docker-compose.yml, Dockerfile and the env-to-flag entrypoint, checked without a Docker engine.
+
+The compose file is parsed with PyYAML and held to the rules that make `--scale` work; every
+PDSERVE_* variable a service sets must be a real flag of its pdserve command. Where a compose
+client is installed (`docker compose` or Debian's `docker-compose`), it validates the file too.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from engine.model_fetch import default_model_dir
+from launcher.env_flags import flags_from_env
+from pdserve_cli.main import build_parser
+from tests.cluster import ROOT
+
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES = COMPOSE["services"]
+PDSERVE_SERVICES = ("router", "prefill", "decode")
+NODES = ("prefill", "decode")
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+
+
+def resolved_env(service: str) -> dict[str, str]:
+    """The service's environment with compose's ${VAR:-default} taken at its default."""
+    env = SERVICES[service].get("environment", {})
+    return {k: re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(v)) for k, v in env.items()}
+
+
+def parsed_args(service: str):
+    command = SERVICES[service]["command"]
+    return build_parser().parse_args([command[0], *flags_from_env(command[0], resolved_env(service)), *command[1:]])
+
+
+def seconds(duration: str) -> float:
+    return float(duration.removesuffix("s"))
+
+
+def test_services_are_redis_router_prefill_and_decode():
+    assert set(SERVICES) == {"redis", "router", "prefill", "decode"}
+
+
+def test_redis_is_the_official_image():
+    assert re.fullmatch(r"redis:[\w.-]+", SERVICES["redis"]["image"])
+
+
+def test_router_publishes_port_8000():
+    assert any(str(p).endswith(":8000") for p in SERVICES["router"]["ports"])
+    assert parsed_args("router").port == 8000
+
+
+@pytest.mark.parametrize("service", NODES)
+def test_nodes_have_no_fixed_host_port_or_name_so_they_scale(service):
+    assert not {"ports", "container_name", "hostname"} & set(SERVICES[service])
+
+
+@pytest.mark.parametrize("service", sorted(SERVICES))
+def test_every_service_has_a_healthcheck(service):
+    check = SERVICES[service]["healthcheck"]
+    assert check["test"][0] == "CMD" and seconds(check["interval"]) <= 5 and check["retries"] >= 10
+
+
+@pytest.mark.parametrize("service", NODES)
+def test_node_health_is_its_ready_file_on_a_tmpfs(service):
+    ready_file = resolved_env(service)["PDSERVE_READY_FILE"]
+    assert SERVICES[service]["healthcheck"]["test"] == ["CMD", "test", "-f", ready_file]
+    assert any(ready_file.startswith(mount + "/") for mount in SERVICES[service]["tmpfs"])
+
+
+def test_depends_on_waits_for_healthy_services():
+    for service, spec in SERVICES.items():
+        for target, condition in spec.get("depends_on", {}).items():
+            assert target in SERVICES and condition == {"condition": "service_healthy"}, (service, target)
+    assert set(SERVICES["router"]["depends_on"]) == {"redis", "prefill", "decode"}
+    for node in NODES:
+        assert set(SERVICES[node]["depends_on"]) == {"redis"}
+
+
+@pytest.mark.parametrize("service", PDSERVE_SERVICES)
+def test_every_pdserve_variable_is_a_flag_of_the_service_command(service):
+    env = resolved_env(service)
+    assert all(name.startswith("PDSERVE_") for name in env)
+    args = parsed_args(service)  # raises on a variable without a flag, or flags the command rejects
+    assert args.model == str(default_model_dir("/models"))
+    assert (args.redis_url if service == "router" else args.redis) == "redis://redis:6379/0"
+
+
+@pytest.mark.parametrize("service", NODES)
+def test_nodes_bind_all_interfaces_and_advertise_their_hostname(service):
+    args = parsed_args(service)
+    assert args.host == "0.0.0.0" and args.advertise_host is None  # node.options: then the hostname
+
+
+@pytest.mark.parametrize("service", NODES)
+def test_nodes_get_longer_to_stop_than_their_drain_takes(service):
+    assert seconds(SERVICES[service]["stop_grace_period"]) > parsed_args(service).drain_timeout
+
+
+def test_model_default_is_where_the_image_converts_it():
+    assert re.search(r"PDSERVE_CACHE=/models\b", DOCKERFILE)  # compose expects the model under it
+    assert re.search(r"^RUN pdserve model fetch", DOCKERFILE, re.M)
+
+
+def test_dockerfile_defaults_to_python_slim_and_takes_a_base_image_argument():
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", DOCKERFILE, re.M)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", DOCKERFILE, re.M)
+    assert re.search(r"^ENTRYPOINT \[\"python\", \"-m\", \"launcher.env_flags\"\]$", DOCKERFILE, re.M)
+
+
+def test_dockerfile_copies_every_python_package_of_the_repository():
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "bench"}
+    copied = set(re.findall(r"^COPY (\w+) \1$", DOCKERFILE, re.M))
+    assert packages <= copied, f"not in the image: {sorted(packages - copied)}"
+
+
+def test_dockerignore_keeps_the_venv_and_git_out_of_the_build_context():
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".venv"} <= set(ignored)
+
+
+def test_env_flags_maps_values_switches_lists_and_skips_empty_ones():
+    env = {"PDSERVE_MODEL": "/m", "PDSERVE_NO_PREFIX_CACHING": "true", "PDSERVE_THREADS": "", "HOME": "/root",
+           "PDSERVE_CACHE": "/models", "PDSERVE_KV_CACHE_MEMORY_MB": "2048"}
+    assert flags_from_env("decode", env) == ["--kv-cache-memory-mb", "2048", "--model", "/m", "--no-prefix-caching"]
+    assert flags_from_env("router", {"PDSERVE_DECODE": "tcp://a:1 tcp://b:2"}) == ["--decode", "tcp://a:1", "tcp://b:2"]
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"PDSERVE_THREADS": "2"}, "`pdserve router` has no flag --threads"),
+    ({"PDSERVE_API_KEYS": "k"}, "has no flag --api-keys"),
+])
+def test_env_flags_refuses_a_variable_that_is_no_flag(env, message):
+    with pytest.raises(ValueError, match=message):
+        flags_from_env("router", env)
+
+
+def _compose_client() -> list[str] | None:
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        return [docker, "compose"]
+    legacy = shutil.which("docker-compose")
+    return [legacy] if legacy else None
+
+
+def test_compose_client_accepts_the_file():
+    client = _compose_client()
+    if client is None:
+        pytest.skip("no `docker compose` or `docker-compose` installed (apt-get install docker-compose)")
+    result = subprocess.run([*client, "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr
