@@ -101,12 +101,12 @@ async def _send(backend: Backend, route: Route, request_id: str, sample: Sample,
         request_id, sample.prompt_ids, params, backend.nodes.reply_addr,
         route.decode.kv_addr if route.prefill else None, backend.config.request_ttl_s, sample.arrival_time,
     )
+    now = time.time()
+    backend.policy.record(request_id, route, len(sample.prompt_ids), now)  # before any await: others see it
     try:
         await backend.nodes.send(target.control_addr, request)
     except NodeUnavailable as exc:
         raise _Retry(target.node_id, str(exc)) from None
-    now = time.time()
-    backend.policy.record(request_id, route, len(sample.prompt_ids), now)
     backend.metrics.queue.observe(now - sample.arrival_time)
 
 

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 
 import zmq
 import zmq.asyncio
@@ -21,15 +22,11 @@ import zmq.asyncio
 from protocol import messages as pm
 
 log = logging.getLogger(__name__)
+_SEND_RETRY_S = 0.01  # while a node's connection is being set up
 
 
 class NodeUnavailable(ConnectionError):
     """A message could not be handed to a node's socket in time (not connected or not reading)."""
-
-
-def _ignore_failure(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()  # retrieved, so asyncio does not log it
 
 
 class NodeClient:
@@ -41,7 +38,8 @@ class NodeClient:
         self.reply_addr: str = self._pull.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._queue_size = queue_size  # replies buffered per request before it is failed
         self._send_timeout_s = send_timeout_s
-        self._dealers: dict[str, zmq.asyncio.Socket] = {}  # control address -> socket
+        self._dealers: dict[str, zmq.asyncio.Socket] = {}  # control address -> socket (receives)
+        self._senders: dict[str, zmq.Socket] = {}  # control address -> the same socket, sync (sends)
         self._readers: dict[str, asyncio.Task] = {}  # control address -> its reply reader
         self._queues: dict[str, asyncio.Queue[pm.Message]] = {}  # request id -> its replies
         self._status_waiters: dict[int, asyncio.Future[pm.NodeStatus]] = {}  # nonce -> waiter
@@ -59,6 +57,7 @@ class NodeClient:
         for socket in [self._pull, *self._dealers.values()]:
             socket.close(linger=0)
         self._dealers.clear()
+        self._senders.clear()
         self._readers.clear()
         self._context.term()
 
@@ -109,8 +108,19 @@ class NodeClient:
             socket.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not connected
             socket.connect(addr)
             self._dealers[addr] = socket
+            # Sends go through a synchronous shadow with NOBLOCK: an awaited asyncio send to a dead
+            # peer queues forever, and cancelling it can leave the sends behind it stuck.
+            self._senders[addr] = zmq.Socket.shadow(socket.underlying)
             self._readers[addr] = asyncio.create_task(self._read(socket))
         return socket
+
+    def _try_send(self, addr: str, frame: bytes) -> bool:
+        self._dealer(addr)
+        try:
+            self._senders[addr].send(frame, zmq.NOBLOCK)
+        except zmq.Again:  # not connected (yet, or any more)
+            return False
+        return True
 
     def connect(self, addr: str) -> None:
         """Start connecting to a node ahead of its first request."""
@@ -118,6 +128,7 @@ class NodeClient:
 
     def disconnect(self, addr: str) -> None:
         socket = self._dealers.pop(addr, None)
+        self._senders.pop(addr, None)
         reader = self._readers.pop(addr, None)
         if reader is not None:
             reader.cancel()
@@ -126,16 +137,17 @@ class NodeClient:
 
     async def send(self, addr: str, msg: pm.Message) -> None:
         """Hand ``msg`` to the node at ``addr``, waiting a little for a connection; else NodeUnavailable."""
-        try:
-            await asyncio.wait_for(self._dealer(addr).send(pm.encode(msg)), self._send_timeout_s)
-        except (TimeoutError, zmq.ZMQError) as exc:
-            raise NodeUnavailable(f"cannot reach {addr}: {exc or 'send timed out'}") from None
+        frame = pm.encode(msg)
+        deadline = time.monotonic() + self._send_timeout_s
+        while not self._try_send(addr, frame):
+            if time.monotonic() > deadline:
+                raise NodeUnavailable(f"cannot reach {addr} within {self._send_timeout_s:g} s")
+            await asyncio.sleep(_SEND_RETRY_S)
 
     def send_nowait(self, addr: str, msg: pm.Message) -> None:
         """Best effort (aborts): dropped when the node is not connected."""
         with contextlib.suppress(zmq.ZMQError):
-            sent = self._dealer(addr).send(pm.encode(msg), flags=zmq.NOBLOCK)
-            sent.add_done_callback(_ignore_failure)
+            self._try_send(addr, pm.encode(msg))
 
     async def query_status(self, addr: str, timeout_s: float) -> pm.NodeStatus | None:
         nonce = next(self._nonces)
