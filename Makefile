@@ -11,7 +11,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
-PROMPT ?= What is the capital of France? Answer in one sentence.
+UP_ARGS ?=
 
 DEPS_HASH := $(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.pdserve-deps-$(DEPS_HASH)
@@ -47,6 +47,8 @@ test: lint model
 	if [ $$status -eq 5 ]; then echo "make test: pytest ran no test" >&2; fi; \
 	exit $$status
 
-# For now: one offline generation with the default model (a local cluster comes later).
+# A local cluster with the defaults (router on :8000, 1 prefill + 1 decode node, a private
+# redis-server); Ctrl-C stops it. More: make run UP_ARGS="--prefill 2 --decode 2".
+# `python -m` from the repository root: every package is importable whatever pyproject lists.
 run: model
-	$(VENV)/bin/pdserve generate --chat --prompt "$(PROMPT)" --max-tokens 48
+	$(PY) -m pdserve_cli up $(UP_ARGS)

@@ -118,6 +118,6 @@ def _banner(cluster) -> None:
         f"  registry: {registry}",
         f"  logs:     {plan.log_dir}",
         "Try it:",
-        f"  curl {plan.url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+        f"  curl -s {plan.url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
         "Ctrl-C stops the cluster.",
     ]))
