@@ -1,7 +1,8 @@
 """`pdserve up` end to end: real launcher, router, nodes and Redis on a tiny model.
 
 The slow tests share one 2-prefill + 2-decode cluster and run in file order: traffic, a node
-joining, a node draining, then the launcher's shutdown. The last two start launches of their own.
+joining, a node draining, a node killed, then the launcher's shutdown. The last two start
+launches of their own.
 """
 
 from __future__ import annotations
@@ -181,9 +182,10 @@ def test_decode_node_started_later_takes_requests_within_two_seconds(up, model, 
     node.wait_ready()
     joined_at = node.ready_file.stat().st_mtime  # it registered in Redis just before writing this
     deadline = time.monotonic() + 10
-    while not node.events("request_finished") and time.monotonic() < deadline:
-        complete_all(up.url, [f"Join {time.monotonic_ns()} {k}: {FILLER}" for k in range(6)], max_tokens=2)
-    arrivals = [e["ts"] for e in node.events("kv_adopted") + node.events("request_added")]
+    while not node.events("request_added") and time.monotonic() < deadline:
+        # Short prompts go to a decode node alone, which logs request_added as they arrive.
+        complete_all(up.url, [f"Join {time.monotonic_ns()} {k}" for k in range(6)], max_tokens=2)
+    arrivals = [e["ts"] for e in node.events("request_added")]
     assert arrivals, "the joined node got no request in 10 s"
     assert min(arrivals) - joined_at < 2.0
 
@@ -200,8 +202,24 @@ def test_sigterm_drains_a_decode_node_without_failing_a_request(up):
     assert all(r["usage"]["completion_tokens"] == 48 for r in results)
     assert node.proc.wait(30) == 0
     assert node.events("request_finished")  # it finished what it had before leaving
-    assert httpx.get(up.url + "/health").json()["num_decode"] == 2
+    # The router forgets a withdrawn node node_expiry_s (3 s) after its last poll that saw it.
+    wait_for(lambda: httpx.get(up.url + "/health").json()["num_decode"] == 2, 4.5, "the router to drop it")
     node.close()
+
+
+@pytest.mark.slow
+def test_killed_decode_node_leaves_the_pool_within_two_heartbeat_ttls_and_traffic_goes_on(up):
+    pid = json.loads((up.log_dir / "decode-1.ready.json").read_text())["pid"]
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_for(lambda: httpx.get(up.url + "/health").json()["num_decode"] == 1, 10, "the registry to drop it")
+    # The Redis key expires 3 s (the heartbeat ttl) after the last beat; the router then keeps the
+    # node for its own node_expiry_s (3 s) after the last poll that saw it: about 6 s in all.
+    assert time.monotonic() - killed_at < 2 * 3.0 + 1.0
+    results = complete_all(up.url, [f"After kill {k}: {FILLER}" for k in range(8)], max_tokens=4)
+    assert [r["usage"]["completion_tokens"] for r in results] == [4] * 8
+    wait_for(lambda: "decode-1 exited with code -9" in up.output(), 5, "the launcher to report it")
+    assert up.proc.poll() is None  # the launcher keeps serving with what is left
 
 
 @pytest.mark.slow
