@@ -76,6 +76,9 @@ class DecodeNode:
             self._adopt(received)
         for failure in result.failed:
             self.log("kv_failed", failure.request_id, error=repr(failure.error))
+            reply_addr = (failure.request_meta or {}).get("reply_addr")
+            if reply_addr and failure.request_id not in self.aborted:
+                self._reply_failed(reply_addr, failure.request_id, "kv_transfer", str(failure.error), retryable=False)
         if self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 self._emit(out)
@@ -121,6 +124,10 @@ class DecodeNode:
                         time.monotonic() + min(float(meta.get("ttl_s", 600.0)), self.opts.request_ttl_s),
                         num_sent=1, num_cached_tokens=received.prefill_cached_tokens)
         stream.timings = dict(meta.get("timings") or {})
+        if "shipped_at" in meta:  # wall clocks of one host (or NTP-close hosts)
+            stream.timings["transfer"] = round(max(0.0, time.time() - float(meta["shipped_at"])), 6)
+        stream.timings["kv_bytes"] = received.bytes_received
+        stream.adopted_at = time.monotonic()
         self.streams[rid] = stream
         self.log("kv_adopted", rid, blocks_reused=received.num_held_blocks, bytes=received.bytes_received)
         seq.params = dataclasses.replace(seq.params, stop=())
@@ -139,6 +146,8 @@ class DecodeNode:
         stream = self.streams.get(out.request_id)
         if stream is None:
             return
+        if stream.adopted_at is not None and "decode_queue" not in stream.timings:
+            stream.timings["decode_queue"] = round(time.monotonic() - stream.adopted_at, 6)
         if out.finished:
             stream.timings["decode"] = round(time.monotonic() - stream.started, 6)
         chunk = next_chunk(stream, out.outputs[0], self.opts.node_id, is_first=stream.num_sent == 0)

@@ -14,6 +14,7 @@ prefix hit simply starts with tokens already computed. Order of service:
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 
 from engine.block_manager import BlockCopy, BlockManager
@@ -102,6 +103,8 @@ class Scheduler:
                 seq.num_cached_tokens = 0
                 break
             self.waiting.popleft()
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             copies += bm.append(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -53,6 +53,7 @@ class Sequence:
     max_tokens: int = 0  # resolved output limit (params.max_tokens or what the context leaves)
     num_preemptions: int = 0  # times its KV was dropped and recomputed
     stop_text: str | None = None  # the stop string that ended it, if any
+    first_scheduled_time: float | None = None  # time.monotonic() when it first got compute (queue time)
 
     @property
     def num_tokens(self) -> int:

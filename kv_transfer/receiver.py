@@ -85,6 +85,7 @@ class ReceivedKV:
 class TransferFailure:
     request_id: str
     error: KVTransferError  # KVTimeout, KVAborted (peer abort, bad frame)
+    request_meta: dict | None = None  # KVReserve.request_meta, so the node can tell whoever waits
 
 
 @dataclasses.dataclass(slots=True)
@@ -472,7 +473,11 @@ class KVReceiver:
                 queued.peer, KVReject(queued.reserve.request_id, "timed out waiting for blocks", "ttl_s")
             )
             self._result.failed.append(
-                TransferFailure(queued.reserve.request_id, KVTimeout(queued.reserve.request_id, "grant"))
+                TransferFailure(
+                    queued.reserve.request_id,
+                    KVTimeout(queued.reserve.request_id, "grant"),
+                    queued.reserve.request_meta,
+                )
             )
 
     def _next_expiry(self) -> float:
@@ -488,17 +493,18 @@ class KVReceiver:
 
     def _fail(self, request_id: str, error: KVTransferError, notify: bool = True) -> None:
         state = self._incoming.pop(request_id, None)
-        peer = None
+        peer, meta = None, None
         if state is not None:
+            meta = state.reserve.request_meta
             self.block_manager.free(state.seq)
             state.seq.status = SequenceStatus.FINISHED_ABORTED
             peer = state.peer
         for queued in [q for q in self._queued if q.reserve.request_id == request_id]:
             self._queued.remove(queued)
-            peer = queued.peer
+            peer, meta = queued.peer, queued.reserve.request_meta
         if notify and peer is not None:
             self._reply(peer, Abort(request_id, str(error)))
-        self._result.failed.append(TransferFailure(request_id, error))
+        self._result.failed.append(TransferFailure(request_id, error, meta))
 
     def _reply(self, peer: bytes, msg: Message) -> None:
         try:

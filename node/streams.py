@@ -22,7 +22,8 @@ class Stream:
     num_sent: int = 0  # output tokens already sent to the router (by this node or the prefill node)
     num_cached_tokens: int = 0  # usage: prompt tokens from a prefix cache
     timings: dict = dataclasses.field(default_factory=dict)  # seconds per stage, sent with the last chunk
-    started: float = dataclasses.field(default_factory=time.monotonic)
+    started: float = dataclasses.field(default_factory=time.monotonic)  # arrival on this node
+    adopted_at: float | None = None  # decode nodes: when the transferred KV was adopted
 
 
 def next_chunk(stream: Stream, out: CompletionOutput, node_id: str, is_first: bool = False) -> TokenChunk | None:

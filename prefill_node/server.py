@@ -129,7 +129,11 @@ class PrefillNode:
             return
         stream, completion = pending.stream, out.outputs[0]
         stream.num_cached_tokens = out.num_cached_tokens
-        stream.timings["prefill"] = round(time.monotonic() - stream.started, 6)
+        seq = self.engine.held.get(rid)
+        now = time.monotonic()
+        started = seq.first_scheduled_time if seq is not None and seq.first_scheduled_time else stream.started
+        stream.timings["prefill_queue"] = round(started - stream.started, 6)
+        stream.timings["prefill_compute"] = round(now - started, 6)
         ends_here = completion.finish_reason == "stop" or pending.params.get("max_tokens") == 1
         first = dataclasses.replace(completion, finish_reason=completion.finish_reason if ends_here else None)
         self.runtime.reply(stream.reply_addr, next_chunk(stream, first, self.opts.node_id, is_first=True))
@@ -138,10 +142,10 @@ class PrefillNode:
             self.engine.release_held(rid)
             del self.pending[rid]
             return
-        seq = self.engine.held[rid]
         shipment = Shipment(rid, pending.decode_addr, tuple(seq.token_ids[:seq.num_prompt_tokens]),
                             tuple(seq.block_table), completion.token_ids[0], out.num_cached_tokens, pending.params,
-                            {"reply_addr": stream.reply_addr, "ttl_s": pending.ttl_s, "timings": stream.timings})
+                            {"reply_addr": stream.reply_addr, "ttl_s": pending.ttl_s, "timings": stream.timings,
+                             "shipped_at": time.time()})
         if self.shipper.submit(shipment):
             self.shipping.add(rid)
         else:

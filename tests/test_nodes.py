@@ -164,3 +164,27 @@ def test_sigterm_drains_and_deregisters(model, redis_server, tmp_path):
         assert node.events("node_stopped")
     finally:
         node.close()
+
+
+def test_kv_that_never_arrives_is_reported_to_the_router_and_its_blocks_freed(pair, client):
+    """A prefill node that reserves and then goes silent (as if killed): the decode node frees
+    the grant at its chunk deadline and tells the waiting router instead of leaving it hanging."""
+    from engine.kv_layout import KV_LAYOUT_NAME
+    from kv_transfer.messages import KVFingerprint
+    from kv_transfer.sender import KVSender, SenderConfig
+    from protocol.messages import RequestFailed
+
+    _, _, prefill, decode = pair
+    fp = KVFingerprint(**client.status(decode)["fingerprint"])
+    assert fp.layout == KV_LAYOUT_NAME
+    sender = KVSender(decode["kv_addr"], fp, SenderConfig(shared_memory=False))
+    try:
+        tx = sender.reserve("silent", list(range(200, 227)), {"max_tokens": 4},
+                            {"reply_addr": client.reply_addr, "ttl_s": 30})
+        assert tx.num_send_blocks == 4
+        failed = client.collect(["silent"], timeout_s=15)["silent"]["failed"]
+        assert isinstance(failed, RequestFailed) and failed.code == "kv_transfer"
+        info = client.wait_idle(decode)
+        assert info["num_blocks_free"] == info["num_blocks_total"]
+    finally:
+        sender.close()
