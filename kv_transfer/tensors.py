@@ -3,7 +3,8 @@
 A chunk is one layer's K and V for a run of blocks. Frames per chunk:
 
     native:  K [n, block_size, kv_heads, head_dim] (cache dtype),  V (same)
-    int8:    Kq [n, block_size, kv_heads, head_dim] int8,  Ks [n, block_size, kv_heads, 1] float32,  Vq,  Vs
+    int8:    Kq [n, block_size, kv_heads, head_dim] int8,  Ks [n, kv_heads] float32,  Vq,  Vs
+             (kernels.quantize_kv_int8: one symmetric scale per (block, head))
 
 Every frame carries an xxh3_64 checksum in the chunk header.
 """
@@ -15,6 +16,7 @@ import warnings
 import torch
 import xxhash
 
+import kernels
 from kv_transfer.messages import WireFormat
 
 FRAME_ALIGN = 64
@@ -35,18 +37,6 @@ def from_frame(frame: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) ->
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch warns that the buffer is not writable
         return torch.frombuffer(frame, dtype=dtype).view(shape)
-
-
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per last-dim row: x ≈ q * scale. x: [..., head_dim] -> q int8, scale [..., 1] fp32."""
-    x = x.float()
-    scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0
-    q = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
-    return q, scale
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.float() * scale).to(dtype)
 
 
 def frame_offsets(sizes: list[int]) -> tuple[list[int], int]:
@@ -90,8 +80,8 @@ def pack_layer(
                 torch.index_select(rows, 0, block_ids, out=out)
         return frames
     parts = [
-        *quantize_int8(key_cache.index_select(0, block_ids)),
-        *quantize_int8(value_cache.index_select(0, block_ids)),
+        *kernels.quantize_kv_int8(key_cache.index_select(0, block_ids)),
+        *kernels.quantize_kv_int8(value_cache.index_select(0, block_ids)),
     ]
     for part, frame in zip(parts, frames, strict=True):
         frame.view(part.dtype).view(part.shape).copy_(part)
@@ -110,12 +100,12 @@ def unpack_layer(
     if wire_format is WireFormat.NATIVE:
         k, v = (from_frame(f, key_cache.dtype, shape) for f in frames)
     else:
-        scale_shape = (*shape[:-1], 1)
+        scale_shape = (shape[0], shape[2])  # [n, kv_heads]
         kq, ks, vq, vs = frames
-        k = dequantize_int8(
+        k = kernels.dequantize_kv_int8(
             from_frame(kq, torch.int8, shape), from_frame(ks, torch.float32, scale_shape), key_cache.dtype
         )
-        v = dequantize_int8(
+        v = kernels.dequantize_kv_int8(
             from_frame(vq, torch.int8, shape), from_frame(vs, torch.float32, scale_shape), value_cache.dtype
         )
     run = _as_range(block_ids)
@@ -144,5 +134,5 @@ def frame_sizes(
     if wire_format is WireFormat.NATIVE:
         size = elems * dtype.itemsize
         return [size, size]
-    scales = num_blocks * block_size * kv_heads * 4
+    scales = num_blocks * kv_heads * 4  # float32 per (block, head)
     return [elems, scales, elems, scales]

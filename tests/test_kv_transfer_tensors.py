@@ -29,11 +29,19 @@ def test_pack_then_unpack_copies_exactly_the_listed_blocks(dtype, src_ids, dst_i
     assert not dst_k[untouched].any() and not dst_v[untouched].any()
 
 
-def test_int8_round_trip_error_is_within_half_a_step():
-    x = torch.randn(3, 4, 2, 8)
-    q, scale = tensors.quantize_int8(x)
-    assert q.dtype == torch.int8 and scale.shape == (3, 4, 2, 1)
-    assert ((tensors.dequantize_int8(q, scale, torch.float32) - x).abs() <= scale / 2 + 1e-7).all()
+def test_int8_frames_round_trip_within_half_a_step_per_block_and_head():
+    k, v = torch.randn(6, 4, 2, 8), torch.randn(6, 4, 2, 8)
+    ids = torch.tensor([4, 1, 2])
+    sizes = tensors.frame_sizes((4, 2, 8), torch.float32, 3, WireFormat.INT8)
+    assert sizes == [3 * 4 * 2 * 8, 3 * 2 * 4, 3 * 4 * 2 * 8, 3 * 2 * 4]
+    slot = torch.empty(tensors.frame_offsets(sizes)[1], dtype=torch.uint8)
+    frames = tensors.pack_layer(k, v, ids, WireFormat.INT8, slot)
+    dst_k, dst_v = torch.zeros(6, 4, 2, 8), torch.zeros(6, 4, 2, 8)
+    dst = torch.tensor([0, 3, 5])
+    tensors.unpack_layer([tensors.as_frame(f) for f in frames], dst_k, dst_v, dst, WireFormat.INT8)
+    for src, out in ((k, dst_k), (v, dst_v)):
+        step = src[ids].abs().amax(dim=(1, 3), keepdim=True) / 127
+        assert ((out[dst] - src[ids]).abs() <= step / 2 + 1e-6).all()
 
 
 def test_frame_offsets_are_aligned_for_any_dtype():
