@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import mmap
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -31,7 +30,7 @@ from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence as EngineSequence
 from engine.sequence import SequenceStatus
-from kv_transfer import shared_cache, staging, tensors
+from kv_transfer import tensors
 from kv_transfer.channel import Inbound, ListenChannel, PeerUnavailable
 from kv_transfer.errors import KVAborted, KVTimeout, KVTransferError
 from kv_transfer.messages import (
@@ -49,8 +48,7 @@ from kv_transfer.messages import (
     Message,
     ProtocolError,
 )
-
-MAX_MAPPED_CACHES = 64  # sender caches kept mapped (one per prefill process)
+from kv_transfer.peer_memory import PeerMemory, copy_direct
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -154,11 +152,9 @@ class KVReceiver:
         self._incoming: dict[str, _Incoming] = {}
         self._queued: deque[_Queued] = deque()
         self._result = PollResult()
-        self._host_id = staging.host_id()
-        self._rings: dict[str, mmap.mmap] = {}  # mapped sender rings by name (read-only)
-        self._caches: dict[tuple[int, int, int], torch.Tensor] = {}  # mapped sender caches (one-copy path)
+        self._peers = PeerMemory(fingerprint, self.config.shared_memory)  # same-host rings and caches
         k = self.key_caches[0]
-        self.fingerprint_bytes_per_block = 2 * self.fingerprint.num_layers * k[0].numel() * k.element_size()
+        self._bytes_per_block = 2 * self.fingerprint.num_layers * k[0].numel() * k.element_size()
         self._handlers: dict[type[Message], Callable[[bytes, Message, list[memoryview]], None]] = {
             KVReserve: self._on_reserve,
             KVChunk: self._on_chunk,
@@ -211,8 +207,7 @@ class KVReceiver:
         for request_id in [*self._incoming, *(q.reserve.request_id for q in self._queued)]:
             self._fail(request_id, KVAborted(request_id, "receiver closing"))
         self._channel.close()
-        self._rings.clear()  # the mappings close once no chunk view refers to them
-        self._caches.clear()
+        self._peers.close()
 
     # ----------------------------------------------------------------- messages
     def _recv(self, timeout_s: float) -> Inbound | None:
@@ -288,8 +283,8 @@ class KVReceiver:
         bm.append(seq, num_new)
         seq.status = SequenceStatus.WAITING_FOR_KV
         send_ids = seq.block_table[len(ids) :]
-        direct_src = self._map_cache(msg)
-        ring = None if direct_src is not None else self._map_ring(msg)
+        direct_src = self._peers.map_cache(msg)
+        ring = None if direct_src is not None else self._peers.map_ring(msg)
         self._incoming[msg.request_id] = _Incoming(
             peer,
             seq,
@@ -311,55 +306,6 @@ class KVReceiver:
         )
         self._reply(peer, grant)
         return True
-
-    def _map_cache(self, msg: KVReserve) -> torch.Tensor | None:
-        """The sender's whole KV cache, mapped read-only, when it offers one on this host."""
-        if not (self.config.shared_memory and msg.cache_ref and msg.host_id == self._host_id):
-            return None
-        key = (msg.cache_ref.pid, msg.cache_ref.fd, msg.cache_ref.num_blocks)
-        if key not in self._caches:
-            try:
-                self._caches[key] = shared_cache.attach(msg.cache_ref, self.fingerprint)
-            except (OSError, ValueError):
-                return None  # another PID namespace or user: chunks it is
-            while len(self._caches) > MAX_MAPPED_CACHES:
-                self._caches.pop(next(iter(self._caches)))
-        return self._caches[key]
-
-    def _land_direct(self, state: _Incoming, msg: KVDone) -> str | None:
-        """Copy the granted blocks straight from the sender's cache; a problem, or None."""
-        src, dst_ids = state.direct_src, state.block_ids
-        src_ids = list(msg.src_block_ids)
-        if len(src_ids) != len(dst_ids) or any(not 0 <= b < src.shape[2] for b in src_ids):
-            return f"direct transfer names {len(src_ids)} source blocks for {len(dst_ids)} granted"
-        if len(msg.layer_checksums) != self.fingerprint.num_layers:
-            return "direct transfer without a checksum per layer"
-        src_index = torch.tensor(src_ids, dtype=torch.long)
-        dst_list = dst_ids.tolist()
-        for layer, expected in enumerate(msg.layer_checksums):
-            key_cache, value_cache = self.key_caches[layer], self.value_caches[layer]
-            for kind, cache in enumerate((key_cache, value_cache)):
-                rows = cache.view(cache.shape[0], -1)
-                rows.index_copy_(
-                    0, dst_ids, src[layer, kind].reshape(src.shape[2], -1).index_select(0, src_index)
-                )
-            got = shared_cache.layer_checksum(key_cache, value_cache, dst_list)
-            if got != expected:
-                return f"checksum mismatch in layer {layer} (direct)"
-        state.landed[:] = b"\x01" * len(state.landed)
-        state.bytes_received = len(dst_list) * self.fingerprint_bytes_per_block
-        return None
-
-    def _map_ring(self, msg: KVReserve) -> memoryview | None:
-        """The sender's shared staging ring when it is on this host and we may map it, else None."""
-        if not (self.config.shared_memory and msg.shm_name and msg.host_id == self._host_id):
-            return None
-        if msg.shm_name not in self._rings:
-            try:
-                self._rings[msg.shm_name] = staging.attach(msg.shm_name)
-            except (OSError, ValueError):
-                return None  # fall back to frames on the socket
-        return memoryview(self._rings[msg.shm_name])
 
     def _on_chunk(self, peer: bytes, msg: Message, frames: list[memoryview]) -> None:
         assert isinstance(msg, KVChunk)
@@ -431,10 +377,19 @@ class KVReceiver:
             self._reply(peer, Error(msg.request_id, "unknown_request", "no transfer in progress for this id"))
             return
         if state.direct_src is not None:
-            problem = self._land_direct(state, msg)
+            problem = copy_direct(
+                state.direct_src,
+                list(msg.src_block_ids),
+                self.key_caches,
+                self.value_caches,
+                state.block_ids,
+                msg.layer_checksums,
+            )
             if problem is not None:
                 self._fail(msg.request_id, KVAborted(msg.request_id, problem))
                 return
+            state.landed[:] = b"\x01" * len(state.landed)
+            state.bytes_received = len(state.block_ids) * self._bytes_per_block
         if not all(state.landed):
             self._fail(msg.request_id, KVAborted(msg.request_id, "done before every chunk landed"))
             return

@@ -1,0 +1,96 @@
+"""Receiver side of the same-host paths: map a sender's staging ring or its whole KV cache.
+
+Both are offered in ``KVReserve`` (``shm_name`` / ``cache_ref``) and used only when the sender
+runs on this host (same ``host_id``) and the mapping succeeds; otherwise chunks travel on the
+socket. Mappings are read-only, cached per sender, and bounded in number.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections import OrderedDict
+
+import torch
+
+from kv_transfer import shared_cache, staging
+from kv_transfer.messages import KVFingerprint, KVReserve
+
+MAX_MAPPINGS = 64  # per kind: sender rings and sender caches kept mapped
+
+
+class PeerMemory:
+    def __init__(self, fingerprint: KVFingerprint, enabled: bool) -> None:
+        self.fingerprint = fingerprint
+        self.enabled = enabled
+        self.host_id = staging.host_id()
+        self._rings: OrderedDict[str, mmap.mmap] = OrderedDict()  # sender rings by name
+        self._caches: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()  # sender caches
+
+    def _same_host(self, msg: KVReserve) -> bool:
+        return self.enabled and msg.host_id == self.host_id
+
+    def map_cache(self, msg: KVReserve) -> torch.Tensor | None:
+        """The sender's whole KV cache [L, 2, NB, bs, kvh, d], read-only, for the one-copy path."""
+        if msg.cache_ref is None or not self._same_host(msg):
+            return None
+        key = (msg.cache_ref.pid, msg.cache_ref.fd, msg.cache_ref.num_blocks)
+        if key not in self._caches:
+            try:
+                self._caches[key] = shared_cache.attach(msg.cache_ref, self.fingerprint)
+            except (OSError, ValueError):
+                return None  # another PID namespace or user: chunks it is
+            _bound(self._caches)
+        self._caches.move_to_end(key)
+        return self._caches[key]
+
+    def map_ring(self, msg: KVReserve) -> memoryview | None:
+        """The sender's shared staging ring, so chunks name slots instead of carrying frames."""
+        if not msg.shm_name or not self._same_host(msg):
+            return None
+        if msg.shm_name not in self._rings:
+            try:
+                self._rings[msg.shm_name] = staging.attach(msg.shm_name)
+            except (OSError, ValueError):
+                return None  # fall back to frames on the socket
+            _bound(self._rings)
+        self._rings.move_to_end(msg.shm_name)
+        return memoryview(self._rings[msg.shm_name])
+
+    def close(self) -> None:
+        self._rings.clear()  # the mappings close once no view refers to them
+        self._caches.clear()
+
+
+def _bound(mappings: OrderedDict) -> None:
+    while len(mappings) > MAX_MAPPINGS:
+        mappings.popitem(last=False)
+
+
+def copy_direct(
+    src: torch.Tensor,
+    src_ids: list[int],
+    key_caches,
+    value_caches,
+    dst_ids: torch.Tensor,
+    layer_checksums: tuple[int, ...],
+) -> str | None:
+    """Copy blocks ``src_ids`` of a mapped sender cache into ``dst_ids`` of ours, layer by layer,
+    checking each layer's checksum; returns the problem, or None.
+
+    src: [L, 2, NB_sender, bs, kvh, d]; key_caches / value_caches: per layer [NB, bs, kvh, d].
+    """
+    if len(src_ids) != len(dst_ids) or any(not 0 <= b < src.shape[2] for b in src_ids):
+        return f"direct transfer names {len(src_ids)} source blocks for {len(dst_ids)} granted"
+    if len(layer_checksums) != len(key_caches):
+        return "direct transfer without a checksum per layer"
+    src_index = torch.tensor(src_ids, dtype=torch.long)
+    dst_list = dst_ids.tolist()
+    for layer, expected in enumerate(layer_checksums):
+        for kind, cache in enumerate((key_caches[layer], value_caches[layer])):
+            rows = cache.view(cache.shape[0], -1)  # [NB, bs * kvh * d]
+            rows.index_copy_(
+                0, dst_ids, src[layer, kind].reshape(src.shape[2], -1).index_select(0, src_index)
+            )
+        if shared_cache.layer_checksum(key_caches[layer], value_caches[layer], dst_list) != expected:
+            return f"checksum mismatch in layer {layer} (direct)"
+    return None
