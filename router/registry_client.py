@@ -1,8 +1,10 @@
 """The router's view of the live nodes, refreshed every ``poll_interval_s``.
 
 Two sources: Redis records (``protocol.registry``; nodes come and go at runtime) or a static
-list of control addresses, each asked for its status with a StatusQuery. Either way a node
-not heard from for ``node_expiry_s`` is dropped, and the node client's sockets follow.
+list of control addresses, each asked for its status with a StatusQuery. A successful Redis
+poll is the whole truth: a node whose key expired (TTL) or was withdrawn (drain) is dropped at
+once. Otherwise (a static node that did not answer, Redis unreachable) a node not heard from
+for ``node_expiry_s`` is dropped. The node client's sockets follow.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class NodeRegistry:
+    COMPLETE_POLLS = False  # True when one successful poll lists every live node
+
     def __init__(self, nodes: NodeClient, poll_interval_s: float, node_expiry_s: float) -> None:
         self._nodes = nodes
         self._poll_interval_s = poll_interval_s
@@ -35,13 +39,14 @@ class NodeRegistry:
     def is_alive(self, node_id: str) -> bool:
         return node_id in self._by_id
 
-    def update(self, seen: Sequence[NodeInfo], now: float) -> None:
-        """Merge a poll's records; drop nodes not seen within the expiry."""
+    def update(self, seen: Sequence[NodeInfo], now: float, complete: bool = False) -> None:
+        """Merge a poll's records; drop nodes not seen within the expiry (at once when the poll
+        was ``complete``: it lists every live node)."""
         for node in seen:
             self._by_id[node.node_id] = node
             self._last_seen[node.node_id] = now
         for node_id, last in list(self._last_seen.items()):
-            if now - last > self._expiry_s:
+            if (complete and last != now) or now - last > self._expiry_s:
                 gone = self._by_id.pop(node_id)
                 del self._last_seen[node_id]
                 log.warning("node %s (%s) expired", node_id, gone.role)
@@ -63,18 +68,21 @@ class NodeRegistry:
 
     async def _run(self) -> None:
         while True:
+            complete = self.COMPLETE_POLLS
             try:
                 seen = await self.poll_once()
             except Exception as exc:  # a registry outage must not kill the router; nodes expire instead
                 log.warning("registry poll failed: %s", exc)
-                seen = []
-            self.update(seen, time.monotonic())
+                seen, complete = [], False
+            self.update(seen, time.monotonic(), complete)
             self.ready.set()
             await asyncio.sleep(self._poll_interval_s)
 
 
 class RedisRegistry(NodeRegistry):
     """Node records from Redis; keys expire with their TTL, records older than the expiry are ignored."""
+
+    COMPLETE_POLLS = True
 
     def __init__(self, redis_url: str, nodes: NodeClient, poll_interval_s: float, node_expiry_s: float) -> None:
         super().__init__(nodes, poll_interval_s, node_expiry_s)

@@ -1,0 +1,34 @@
+"""The router's view of the nodes: a complete (Redis) poll drops vanished nodes at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+from router.node_client import NodeClient
+from router.registry_client import NodeRegistry
+from tests.test_router_support import node_info
+
+
+def _run(complete: bool) -> tuple[list[str], list[str]]:
+    async def go():
+        nodes = NodeClient()
+        registry = NodeRegistry(nodes, poll_interval_s=0.1, node_expiry_s=10.0)
+        a, b = node_info("p1", "prefill"), node_info("d1", "decode")
+        registry.update([a, b], now=100.0, complete=complete)
+        first = [n.node_id for n in registry.snapshot()]
+        registry.update([b], now=100.5, complete=complete)  # p1's key expired or was withdrawn
+        second = [n.node_id for n in registry.snapshot()]
+        await nodes.close()
+        return first, second
+
+    return asyncio.run(go())
+
+
+def test_a_complete_poll_drops_a_vanished_node_at_once():
+    first, second = _run(complete=True)
+    assert first == ["d1", "p1"] and second == ["d1"]
+
+
+def test_an_incomplete_poll_keeps_a_silent_node_until_its_expiry():
+    first, second = _run(complete=False)
+    assert first == ["d1", "p1"] and second == ["d1", "p1"]
