@@ -10,6 +10,7 @@ from __future__ import annotations
 import mmap
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from kv_transfer import shared_cache, staging
@@ -83,14 +84,14 @@ def copy_direct(
         return f"direct transfer names {len(src_ids)} source blocks for {len(dst_ids)} granted"
     if len(layer_checksums) != len(key_caches):
         return "direct transfer without a checksum per layer"
-    src_index = torch.tensor(src_ids, dtype=torch.long)
     dst_list = dst_ids.tolist()
+    pairs = shared_cache.paired_runs(src_ids, dst_list)  # usually few: blocks come in runs
     for layer, expected in enumerate(layer_checksums):
         for kind, cache in enumerate((key_caches[layer], value_caches[layer])):
-            rows = cache.view(cache.shape[0], -1)  # [NB, bs * kvh * d]
-            rows.index_copy_(
-                0, dst_ids, src[layer, kind].reshape(src.shape[2], -1).index_select(0, src_index)
-            )
+            rows = cache.view(cache.shape[0], -1).view(torch.uint8).numpy()  # [NB, block bytes]
+            src_rows = src[layer, kind].reshape(src.shape[2], -1).view(torch.uint8).numpy()
+            for s, d, n in pairs:  # numpy's copy is ~2-3x torch's single-threaded copy_ here
+                np.copyto(rows[d : d + n], src_rows[s : s + n])
         if shared_cache.layer_checksum(key_caches[layer], value_caches[layer], dst_list) != expected:
             return f"checksum mismatch in layer {layer} (direct)"
     return None

@@ -63,11 +63,35 @@ def attach(ref: CacheRef, fingerprint: KVFingerprint) -> torch.Tensor:
         return torch.frombuffer(mapped, dtype=dtype).view(shape)
 
 
+def runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive ids as (first id, length): [4, 5, 6, 9, 10] -> [(4, 3), (9, 2)]."""
+    out: list[tuple[int, int]] = []
+    for i in ids:
+        if out and out[-1][0] + out[-1][1] == i:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((i, 1))
+    return out
+
+
+def paired_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """Runs consecutive on both sides as (src first, dst first, length): one slice copy each."""
+    out: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((s, d, 1))
+    return out
+
+
 def layer_checksum(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: list[int]) -> int:
-    """xxh3_64 over one layer's K blocks then V blocks, in the given order (streamed, no gather)."""
+    """xxh3_64 over one layer's K blocks then V blocks, in the given order. Streamed over runs of
+    consecutive blocks (one contiguous view each), so the digest does not depend on the layout."""
     h = xxhash.xxh3_64()
+    id_runs = runs(block_ids)
     for cache in (key_cache, value_cache):
-        rows = cache.reshape(cache.shape[0], -1).view(torch.uint8)
-        for b in block_ids:
-            h.update(memoryview(rows[b].numpy()))
+        rows = cache.reshape(cache.shape[0], -1)  # [num_blocks, bs * kvh * d], a view
+        for first, length in id_runs:
+            h.update(memoryview(rows[first : first + length].view(torch.uint8).numpy()).cast("B"))
     return h.intdigest()

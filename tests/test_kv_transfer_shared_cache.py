@@ -119,3 +119,18 @@ def test_the_cache_is_readable_from_another_process():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     expected = f"{float(cache.tensor[1, 0, 3].sum())} {float(cache.tensor[2, 1, 7, 1].sum())}"
     assert out.stdout.strip() == expected
+
+
+def test_runs_split_ids_into_consecutive_stretches():
+    assert shared_cache.runs([4, 5, 6, 9, 10, 3]) == [(4, 3), (9, 2), (3, 1)]
+    assert shared_cache.paired_runs([1, 2, 3, 7], [5, 6, 9, 10]) == [(1, 5, 2), (3, 9, 1), (7, 10, 1)]
+
+
+def test_layer_checksum_depends_on_the_bytes_not_on_where_the_blocks_sit():
+    k, v = torch.randn(8, 4, 2, 8), torch.randn(8, 4, 2, 8)
+    k2, v2 = torch.zeros_like(k), torch.zeros_like(v)
+    src, dst = [1, 2, 3, 6], [7, 0, 4, 5]
+    k2[dst], v2[dst] = k[src], v[src]
+    assert shared_cache.layer_checksum(k, v, src) == shared_cache.layer_checksum(k2, v2, dst)
+    v2[5, 0, 0, 0] += 1
+    assert shared_cache.layer_checksum(k, v, src) != shared_cache.layer_checksum(k2, v2, dst)
