@@ -121,8 +121,9 @@ class BlockManager:
             seq.block_table[-1] = new
             copies.append(BlockCopy(old, new))
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        for _ in range(needed):
-            seq.block_table.append(self._allocate_fresh())
+        # The LRU picks which blocks; ascending order makes runs of consecutive ids (freed blocks
+        # come back tail first), so gathers, transfers and copies touch few contiguous ranges.
+        seq.block_table.extend(sorted(self._allocate_fresh() for _ in range(needed)))
         return copies
 
     def _needs_copy_on_write(self, seq: Sequence, num_new_tokens: int) -> bool:

@@ -84,11 +84,11 @@ def test_freed_cached_blocks_are_evicted_in_lru_order():
     bm.free(a)  # freed tail first: 2, 1, 0 go to the back of the pool
     assert list(bm.free_block_ids) == [3, 2, 1, 0]
     assert bm.num_cached_free_blocks == 2  # blocks 0 and 1 hold full blocks
-    _prefill(bm, b)  # needs 2 blocks: takes 3 then 2, keeping the cached ones
-    assert b.block_table == [3, 2]
+    _prefill(bm, b)  # needs 2 blocks: takes 3 and 2, keeping the cached ones
+    assert b.block_table == [2, 3]
     c = _seq([9, 9, 9])
-    _prefill(bm, c)  # evicts block 1 (freed before block 0)
-    assert c.block_table == [1, 0]
+    _prefill(bm, c)  # evicts blocks 1 and 0 (freed in that order), handed out ascending
+    assert c.block_table == [0, 1]
     assert bm.match_prefix([1, 2, 3, 4]) == ([], [])
     bm.check_integrity([b, c])
 
