@@ -53,7 +53,8 @@ def run_vllm(python: str, model: pathlib.Path, reqs, max_num_seqs: int, threads:
                                     "max_model_len": 1024}))
         worker = pathlib.Path(tmp, "worker.py")
         worker.write_text(VLLM_WORKER)
-        env = {"VLLM_CPU_OMP_THREADS_BIND": "all", "OMP_NUM_THREADS": str(threads), "PATH": "/usr/bin:/bin",
+        env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+               "OMP_NUM_THREADS": str(threads), "PATH": "/usr/bin:/bin",
                "HOME": str(pathlib.Path.home()), "HF_HUB_OFFLINE": "1"}
         out = subprocess.run([python, str(worker), str(spec)], capture_output=True, text=True, env=env, timeout=1800)
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
