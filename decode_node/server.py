@@ -42,7 +42,6 @@ class DecodeNode:
         self.kv_addr = f"tcp://{opts.advertise_host}:{self.receiver.address.rsplit(':', 1)[1]}"
         self.streams: dict[str, Stream] = {}
         self.aborted: dict[str, float] = {}  # request id -> forget after (aborts that beat their KV)
-        self._status_at = 0.0
 
     def status(self):
         return node_status(self.opts, self.engine, self.runtime.control_addr, self.kv_addr,
@@ -83,10 +82,7 @@ class DecodeNode:
             for out in self.engine.step():
                 self._emit(out)
         self._expire()
-        now = time.monotonic()
-        if now - self._status_at > 0.1:
-            self.runtime.set_status(self.status())
-            self._status_at = now
+        self.runtime.refresh_status(self.status)
 
     # ----------------------------------------------------------------- control
     def _on_control(self, msg) -> None:

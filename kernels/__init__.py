@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import torch_fast
+from kernels import cpu_native, torch_fast
 
 
 def _use_triton(tensor: torch.Tensor, backend: str | None) -> bool:
@@ -56,13 +56,22 @@ def paged_prefill_attention(
 def paged_decode_attention(
     query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window=None, backend=None
 ):
-    """Attention of one query token per sequence over its paged context."""
+    """Attention of one query token per sequence over its paged context.
+
+    On CPU (backend None) a small C kernel reads the blocks in place when it could be built
+    (kernels/cpu_native.py, fp32); ``backend="torch"`` forces the pure-torch path."""
     if _use_triton(query, backend):
         from kernels.paged_decode import paged_decode_attention_triton
 
         return paged_decode_attention_triton(
             query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window
         )
+    if backend is None:
+        out = cpu_native.paged_decode_attention(
+            query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window
+        )
+        if out is not None:
+            return out
     return torch_fast.paged_decode_attention(
         query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window
     )

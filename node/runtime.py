@@ -38,6 +38,7 @@ class NodeRuntime:
         self.draining = threading.Event()
         self.stopped = threading.Event()
         self._status: registry.NodeInfo | None = None
+        self._status_at = 0.0  # time.monotonic() of the last refresh
         self._redis = None
         self._heartbeat: threading.Thread | None = None
 
@@ -75,6 +76,13 @@ class NodeRuntime:
                 if not in_flight() or time.monotonic() > drain_deadline:
                     return
             iterate()
+
+    def refresh_status(self, make_status, every_s: float = 0.1) -> None:
+        """Recompute the status record (for heartbeats and StatusQuery) at most every ``every_s``."""
+        now = time.monotonic()
+        if now - self._status_at >= every_s:
+            self._status = make_status()
+            self._status_at = now
 
     def set_status(self, status: registry.NodeInfo) -> None:
         self._status = status

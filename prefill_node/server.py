@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import queue
 import time
 
 from engine.config import EngineConfig
@@ -48,7 +49,6 @@ class PrefillNode:
         # Requests whose KV a shipper thread may be reading: their blocks stay held until the
         # outcome arrives, even when the request was aborted or timed out meanwhile.
         self.shipping: set[str] = set()
-        self._status_at = 0.0
 
     def _shared_cache(self, spec):
         self.cache = SharedKVCache(spec)
@@ -83,13 +83,10 @@ class PrefillNode:
         while True:
             try:
                 self._settle(self.shipper.outcomes.get_nowait())
-            except Exception:  # queue.Empty
+            except queue.Empty:
                 break
         self._expire()
-        now = time.monotonic()
-        if now - self._status_at > 0.1:
-            self.runtime.set_status(self.status())
-            self._status_at = now
+        self.runtime.refresh_status(self.status)
 
     def _on_control(self, msg) -> None:
         if isinstance(msg, GenerateRequest):
