@@ -58,8 +58,8 @@ def paged_decode_attention(
 ):
     """Attention of one query token per sequence over its paged context.
 
-    On CPU (backend None) a small C kernel reads the blocks in place when it could be built
-    (kernels/cpu_native.py, fp32); ``backend="torch"`` forces the pure-torch path."""
+    On CPU (backend None) the experimental C kernel of kernels/cpu_native.py runs when enabled
+    with PDSERVE_NATIVE_CPU=1 (fp32); otherwise, and with ``backend="torch"``, the torch path."""
     if _use_triton(query, backend):
         from kernels.paged_decode import paged_decode_attention_triton
 

@@ -1,8 +1,10 @@
-"""A small C kernel for CPU decode attention that reads the paged cache in place.
+"""An experimental C kernel for CPU decode attention that reads the paged cache in place.
 
-Built once with the system C compiler into a per-user cache (keyed by the source's hash) and
-loaded with ctypes; the foreign call releases the GIL. When no compiler is available, or
-``PDSERVE_NATIVE_CPU=0``, callers fall back to the torch path (``native_decode()`` is None).
+Opt-in with ``PDSERVE_NATIVE_CPU=1``: measured side by side it did not beat the torch path
+(gather + SDPA on torch's thread pool) on this project's machines — single-threaded it is level,
+and an OpenMP build fights torch's own OpenMP pool and loses badly (see bench/README.md). Built
+once with the system C compiler into a per-user cache (keyed by the source and the CPU's flags),
+loaded with ctypes; ``native_decode()`` is None when disabled or when it cannot be built.
 """
 
 from __future__ import annotations
@@ -34,11 +36,14 @@ def _cpu_flags() -> str:
         return os.uname().machine
 
 
-@functools.cache
 def native_decode():
-    """The ctypes function, or None when it cannot be built here."""
-    if os.environ.get("PDSERVE_NATIVE_CPU", "1") == "0":
-        return None
+    """The ctypes function when enabled (PDSERVE_NATIVE_CPU=1) and buildable, else None."""
+    return build() if os.environ.get("PDSERVE_NATIVE_CPU", "0") == "1" else None
+
+
+@functools.cache
+def build():
+    """Build (once per source and CPU) and load the kernel; None without a working C compiler."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     # -march=native: the build is only valid for this CPU, so its flags are part of the key.
     key = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:16]
@@ -49,7 +54,7 @@ def native_decode():
         lib.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
             out = pathlib.Path(tmp) / lib.name
-            cmd = [compiler, "-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp",
+            cmd = [compiler, "-O3", "-march=native", "-ffast-math", "-fno-finite-math-only",
                    "-shared", "-fPIC", str(SOURCE), "-o", str(out), "-lm"]
             if subprocess.run(cmd, capture_output=True).returncode != 0:
                 return None
@@ -63,9 +68,10 @@ def native_decode():
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           sliding_window: int | None) -> torch.Tensor | None:
-    """Same contract as kernels.torch_fast.paged_decode_attention; None when not applicable."""
-    fn = native_decode()
+                           sliding_window: int | None, fn=None) -> torch.Tensor | None:
+    """Same contract as kernels.torch_fast.paged_decode_attention; None when not applicable.
+    ``fn``: a built kernel to use regardless of PDSERVE_NATIVE_CPU (tests)."""
+    fn = fn or native_decode()
     if fn is None or query.dtype != torch.float32 or key_cache.dtype != torch.float32:
         return None
     num_seqs, num_heads, head_dim = query.shape

@@ -25,7 +25,7 @@ void paged_decode_f32(const float *query,        /* [S, H, D] */
                       int64_t max_context, int num_threads) {
     const int64_t groups = num_heads / num_kv_heads;
     const int64_t tasks = num_seqs * num_kv_heads;
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         float *scores = (float *)malloc(sizeof(float) * groups * (max_context > 0 ? max_context : 1));
         float *acc = (float *)malloc(sizeof(float) * groups * head_dim);
