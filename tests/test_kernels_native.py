@@ -53,3 +53,11 @@ def test_native_kernel_is_off_unless_asked_for():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PATH": os.environ.get("PATH", "")})
     assert out.stdout.strip() == "None"
+
+
+def test_loading_the_kernel_keeps_subnormal_floats(kernel):
+    # A library built with -ffast-math would switch on flush-to-zero for this whole process.
+    import numpy as np
+
+    tiny = np.float32(1e-40)
+    assert tiny != 0 and np.float32(1e-39) * np.float32(0.1) != 0
