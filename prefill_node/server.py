@@ -151,7 +151,8 @@ class PrefillNode:
     def _settle(self, outcome: Outcome) -> None:
         rid = outcome.request_id
         self.shipping.discard(rid)
-        self.engine.release_held(rid)  # KV is on the decode node now, or the request failed
+        if not self.engine.release_held(rid):  # KV is on the decode node now, or the request failed
+            self.log("release_without_held_blocks", rid)  # would mean a block accounting bug
         pending = self.pending.pop(rid, None)
         if pending is None:
             return

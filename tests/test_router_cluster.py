@@ -203,4 +203,5 @@ def test_client_disconnect_frees_the_blocks(cluster):
     while any(_used_blocks(router).values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     used = _used_blocks(router)
-    assert used and not any(used.values()), used
+    logs = {n.role: n.log()[-2000:] for n in _nodes} if (_nodes := cluster[2]) else {}
+    assert used and not any(used.values()), (used, logs)
