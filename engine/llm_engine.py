@@ -152,9 +152,11 @@ class LLMEngine:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.commit_computed(item.seq)
         rows, seqs = self._expand_forks(sampled)
+        if len(seqs) != len(sampled):  # forks sample from their parent's row; else no copy of the logits
+            logits = logits[rows]
         inputs = [SamplerInput(s, self._banned_tokens(s)) for s in seqs]
         touched: dict[str, Request] = {}
-        for seq, (token_id, logprob) in zip(seqs, self.sampler.sample(logits[rows], inputs), strict=True):
+        for seq, (token_id, logprob) in zip(seqs, self.sampler.sample(logits, inputs), strict=True):
             seq.token_ids.append(token_id)
             if logprob is not None:
                 seq.logprobs.append(logprob)
