@@ -25,13 +25,13 @@ from collections.abc import Callable, Sequence
 import torch
 import zmq
 
-from engine.block_hash import hash_full_blocks
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence as EngineSequence
 from engine.sequence import SequenceStatus
 from kv_transfer import tensors
 from kv_transfer.channel import Inbound, ListenChannel, PeerUnavailable
+from kv_transfer.checks import chunk_problem, reserve_problem, ring_frames
 from kv_transfer.errors import KVAborted, KVTimeout, KVTransferError
 from kv_transfer.messages import (
     Abort,
@@ -48,6 +48,7 @@ from kv_transfer.messages import (
     Message,
     ProtocolError,
 )
+from kv_transfer.outcomes import PollResult, ReceivedKV, TransferFailure
 from kv_transfer.peer_memory import PeerMemory, copy_direct
 
 
@@ -65,34 +66,6 @@ class ReceiverConfig:
             raise ValueError("ReceiverConfig sizes and timeouts must be positive")
         if self.max_waiting < 0:
             raise ValueError("ReceiverConfig.max_waiting must be >= 0")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ReceivedKV:
-    """A request whose prompt KV landed: its sequence is the decode node's now."""
-
-    seq: EngineSequence  # prompt computed, first token appended, status WAITING_FOR_KV
-    first_token: int  # sampled by the prefill node
-    num_held_blocks: int  # blocks reused from this node's prefix cache (not sent)
-    bytes_received: int  # chunk payload bytes
-    prefill_cached_tokens: int  # usage: prompt tokens the prefill node took from its cache
-    request_meta: dict | None = None  # KVReserve.request_meta, passed through untouched
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class TransferFailure:
-    request_id: str
-    error: KVTransferError  # KVTimeout, KVAborted (peer abort, bad frame)
-    request_meta: dict | None = None  # KVReserve.request_meta, so the node can tell whoever waits
-
-
-@dataclasses.dataclass(slots=True)
-class PollResult:
-    completed: list[ReceivedKV] = dataclasses.field(default_factory=list)
-    failed: list[TransferFailure] = dataclasses.field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.completed or self.failed)
 
 
 @dataclasses.dataclass(slots=True)
@@ -228,7 +201,12 @@ class KVReceiver:
 
     def _on_reserve(self, peer: bytes, msg: Message, frames: list[memoryview]) -> None:
         assert isinstance(msg, KVReserve)
-        problem = self._check_reserve(msg)
+        duplicate = msg.request_id in self._incoming or any(
+            q.reserve.request_id == msg.request_id for q in self._queued
+        )
+        problem = reserve_problem(
+            msg, self.fingerprint, self.block_manager.num_blocks, self.draining, duplicate
+        )
         if problem is not None:
             self._reply(peer, KVReject(msg.request_id, *problem))
             return
@@ -241,35 +219,6 @@ class KVReceiver:
         ttl = min(msg.ttl_s, self.config.max_ttl_s)
         self._queued.append(_Queued(peer, msg, params, time.monotonic() + ttl))
         self._reply(peer, KVWait(msg.request_id, len(self._queued) - 1))
-
-    def _check_reserve(self, msg: KVReserve) -> tuple[str, str | None] | None:
-        """(reason, field) when the reservation can never be granted."""
-        if self.draining:
-            return "receiver is draining: no new reservations", None
-        field = self.fingerprint.first_difference(msg.fingerprint)
-        if field is not None:
-            mine, theirs = getattr(self.fingerprint, field), getattr(msg.fingerprint, field)
-            return f"fingerprint mismatch: {field} is {theirs!r} here {mine!r}", field
-        if msg.request_id in self._incoming or any(
-            q.reserve.request_id == msg.request_id for q in self._queued
-        ):
-            return "duplicate request id", "request_id"
-        if not msg.token_ids:
-            return "empty prompt", "token_ids"
-        if self.block_manager.blocks_needed(len(msg.token_ids)) > self.block_manager.num_blocks:
-            return (
-                f"{len(msg.token_ids)} tokens can never fit in {self.block_manager.num_blocks} blocks",
-                "token_ids",
-            )
-        if not (math.isfinite(msg.ttl_s) and msg.ttl_s > 0):
-            return "ttl_s must be positive", "ttl_s"
-        if list(msg.block_hashes) != hash_full_blocks(msg.token_ids, self.fingerprint.block_size):
-            return "block hashes do not match the token ids", "block_hashes"
-        try:
-            SamplingParams.from_dict(msg.sampling_params or {})
-        except (TypeError, ValueError) as exc:
-            return f"bad sampling params: {exc}", "sampling_params"
-        return None
 
     def _try_grant(self, peer: bytes, msg: KVReserve, params: SamplingParams) -> bool:
         bm, token_ids = self.block_manager, list(msg.token_ids)
@@ -319,9 +268,18 @@ class KVReceiver:
             self._reply(peer, KVCredit(msg.request_id, sum(len(f) for f in frames)))
 
     def _land_chunk(self, state: _Incoming, msg: KVChunk, frames: list[memoryview]) -> None:
+        wire = state.reserve.wire_format
         if msg.shm_offset is not None:
-            frames = self._ring_frames(state, msg)
-        problem = self._check_chunk(state, msg, frames)
+            frames = ring_frames(state.ring, msg, self.key_caches[0], wire)
+        problem = chunk_problem(
+            msg,
+            frames,
+            self.fingerprint.num_layers,
+            len(state.block_ids),
+            state.landed,
+            self.key_caches[0],
+            wire,
+        )
         if problem is not None:
             self._fail(msg.request_id, KVAborted(msg.request_id, problem))
             return
@@ -333,42 +291,6 @@ class KVReceiver:
         state.landed[first : first + msg.num_blocks] = b"\x01" * msg.num_blocks
         state.bytes_received += sum(len(f) for f in frames)
         state.deadline = time.monotonic() + self.config.chunk_timeout_s
-
-    def _ring_frames(self, state: _Incoming, msg: KVChunk) -> list[memoryview]:
-        """The chunk's frames as views of the shared ring ([] when they cannot be there: fails the check)."""
-        cache = self.key_caches[0]
-        sizes = tensors.frame_sizes(
-            tuple(cache.shape[1:]), cache.dtype, msg.num_blocks, state.reserve.wire_format
-        )
-        offsets, total = tensors.frame_offsets(sizes)
-        if state.ring is None or msg.shm_offset + total > len(state.ring):
-            return []
-        return [
-            state.ring[msg.shm_offset + o : msg.shm_offset + o + n]
-            for o, n in zip(offsets, sizes, strict=True)
-        ]
-
-    def _check_chunk(self, state: _Incoming, msg: KVChunk, frames: list[memoryview]) -> str | None:
-        num_send = len(state.block_ids)
-        if not (
-            msg.layer < self.fingerprint.num_layers
-            and 0 < msg.num_blocks
-            and msg.block_start + msg.num_blocks <= num_send
-        ):
-            return f"chunk layer {msg.layer} blocks {msg.block_start}+{msg.num_blocks} outside the grant"
-        first = msg.layer * num_send + msg.block_start
-        if any(state.landed[first : first + msg.num_blocks]):
-            return f"chunk layer {msg.layer} block {msg.block_start} sent twice"
-        cache = self.key_caches[msg.layer]
-        sizes = tensors.frame_sizes(
-            tuple(cache.shape[1:]), cache.dtype, msg.num_blocks, state.reserve.wire_format
-        )
-        if [len(f) for f in frames] != sizes:
-            return f"chunk frame sizes {[len(f) for f in frames]}, expected {sizes}"
-        for i, (frame, expected) in enumerate(zip(frames, msg.checksums, strict=True)):
-            if tensors.checksum(frame) != expected:
-                return f"checksum mismatch in layer {msg.layer} frame {i}"
-        return None
 
     def _on_done(self, peer: bytes, msg: Message, frames: list[memoryview]) -> None:
         assert isinstance(msg, KVDone)

@@ -1,0 +1,36 @@
+"""What a KV receiver reports upward from ``KVReceiver.poll``: requests whose KV landed, and failures."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.sequence import Sequence as EngineSequence
+from kv_transfer.errors import KVTransferError
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReceivedKV:
+    """A request whose prompt KV landed: its sequence is the decode node's now."""
+
+    seq: EngineSequence  # prompt computed, first token appended, status WAITING_FOR_KV
+    first_token: int  # sampled by the prefill node
+    num_held_blocks: int  # blocks reused from this node's prefix cache (not sent)
+    bytes_received: int  # chunk payload bytes
+    prefill_cached_tokens: int  # usage: prompt tokens the prefill node took from its cache
+    request_meta: dict | None = None  # KVReserve.request_meta, passed through untouched
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TransferFailure:
+    request_id: str
+    error: KVTransferError  # KVTimeout, KVAborted (peer abort, bad frame)
+    request_meta: dict | None = None  # KVReserve.request_meta, so the node can tell whoever waits
+
+
+@dataclasses.dataclass(slots=True)
+class PollResult:
+    completed: list[ReceivedKV] = dataclasses.field(default_factory=list)
+    failed: list[TransferFailure] = dataclasses.field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.completed or self.failed)
