@@ -16,15 +16,14 @@ import time
 
 from engine.config import EngineConfig
 from engine.kv_layout import KV_LAYOUT_NAME
-from engine.llm_engine import LLMEngine, QueueFullError
-from engine.sampling_params import SamplingParams
+from engine.llm_engine import LLMEngine
 from kv_transfer.messages import KVFingerprint
 from kv_transfer.receiver import KVReceiver, ReceivedKV
 from node.log import EventLog
 from node.options import NodeOptions
 from node.runtime import NodeRuntime
 from node.streams import Stream, next_chunk, node_status
-from protocol.messages import AbortRequest, GenerateRequest, RequestFailed
+from protocol.messages import AbortRequest, GenerateRequest
 
 ABORT_MEMORY_S = 120.0  # how long an abort for a not-yet-arrived request is remembered
 
@@ -77,7 +76,7 @@ class DecodeNode:
             self.log("kv_failed", failure.request_id, error=repr(failure.error))
             reply_addr = (failure.request_meta or {}).get("reply_addr")
             if reply_addr and failure.request_id not in self.aborted:
-                self._reply_failed(reply_addr, failure.request_id, "kv_transfer", str(failure.error), retryable=False)
+                self.runtime.reply_failed(reply_addr, failure.request_id, "kv_transfer", str(failure.error), retryable=False)
         if self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 self._emit(out)
@@ -96,15 +95,8 @@ class DecodeNode:
     def _generate(self, msg: GenerateRequest) -> None:
         """Conditional disaggregation: prefill here, then decode."""
         rid = msg.request_id
-        if self.runtime.draining.is_set():
-            return self._reply_failed(msg.reply_addr, rid, "draining", "node is draining", retryable=True)
-        try:
-            params = dataclasses.replace(SamplingParams.from_dict(msg.sampling_params), stop=())
-            self.engine.add_request(rid, list(msg.token_ids), params)
-        except QueueFullError as exc:
-            return self._reply_failed(msg.reply_addr, rid, "overloaded", str(exc), retryable=True)
-        except (TypeError, ValueError) as exc:
-            return self._reply_failed(msg.reply_addr, rid, "bad_request", str(exc), retryable=False)
+        if self.runtime.admit(self.engine, msg) is None:
+            return
         ttl = min(msg.ttl_s, self.opts.request_ttl_s)
         self.streams[rid] = Stream(rid, msg.reply_addr, len(msg.token_ids), time.monotonic() + ttl)
         self.log("request_added", rid, prompt_tokens=len(msg.token_ids), local_prefill=True)
@@ -166,8 +158,5 @@ class DecodeNode:
         stream = self.streams.pop(request_id, None)
         self.engine.abort_request(request_id)
         if stream is not None:
-            self._reply_failed(stream.reply_addr, request_id, code, message, retryable=False)
+            self.runtime.reply_failed(stream.reply_addr, request_id, code, message, retryable=False)
 
-    def _reply_failed(self, reply_addr: str, request_id: str, code: str, message: str, retryable: bool) -> None:
-        self.log("request_failed", request_id, code=code, message=message)
-        self.runtime.reply(reply_addr, RequestFailed(request_id, self.opts.node_id, code, message, retryable))

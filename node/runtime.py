@@ -17,12 +17,14 @@ import threading
 import time
 from collections import OrderedDict
 
+from engine.llm_engine import LLMEngine, QueueFullError
+from engine.sampling_params import SamplingParams
 from kv_transfer.channel import ListenChannel, PushChannel
 from kv_transfer.messages import ProtocolError
 from node.log import EventLog
 from node.options import NodeOptions
 from protocol import registry
-from protocol.messages import Message, NodeStatus, RequestFailed, StatusQuery, decode_frames
+from protocol.messages import GenerateRequest, Message, NodeStatus, RequestFailed, StatusQuery, decode_frames
 
 MAX_REPLY_CHANNELS = 64  # routers a node talks back to at once (LRU beyond)
 
@@ -137,6 +139,28 @@ class NodeRuntime:
             self.control.send(peer, msg)
         except Exception as exc:  # a vanished peer must not take the node down
             self.log("control_reply_failed", error=repr(exc))
+
+    def reply_failed(self, reply_addr: str, request_id: str, code: str, message: str, retryable: bool) -> None:
+        """Tell the router a request ended in error here (``retryable``: it may go elsewhere)."""
+        self.log("request_failed", request_id, code=code, message=message)
+        self.reply(reply_addr, RequestFailed(request_id, self.opts.node_id, code, message, retryable))
+
+    def admit(self, engine: LLMEngine, msg: GenerateRequest, prefill_only: bool = False) -> SamplingParams | None:
+        """Add a GenerateRequest to ``engine``; its sampling params, or None after telling the router
+        why not (draining or overloaded: retryable; bad input: not). Stop strings stay with the router."""
+        if self.draining.is_set():
+            self.reply_failed(msg.reply_addr, msg.request_id, "draining", "node is draining", True)
+            return None
+        try:
+            params = dataclasses.replace(SamplingParams.from_dict(msg.sampling_params), stop=())
+            engine.add_request(msg.request_id, list(msg.token_ids), params, prefill_only=prefill_only)
+        except QueueFullError as exc:
+            self.reply_failed(msg.reply_addr, msg.request_id, "overloaded", str(exc), True)
+            return None
+        except (TypeError, ValueError) as exc:
+            self.reply_failed(msg.reply_addr, msg.request_id, "bad_request", str(exc), False)
+            return None
+        return params
 
     def reply(self, reply_addr: str, msg: Message) -> None:
         """Send to a router's reply address; never blocks, logs what it had to drop."""

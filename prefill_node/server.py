@@ -14,8 +14,7 @@ import time
 
 from engine.config import EngineConfig
 from engine.kv_layout import KV_LAYOUT_NAME
-from engine.llm_engine import LLMEngine, QueueFullError
-from engine.sampling_params import SamplingParams
+from engine.llm_engine import LLMEngine
 from kv_transfer.messages import KVFingerprint
 from kv_transfer.shared_cache import SharedKVCache
 from node.log import EventLog
@@ -23,7 +22,7 @@ from node.options import NodeOptions
 from node.runtime import NodeRuntime
 from node.streams import Stream, next_chunk, node_status
 from prefill_node.shipper import Outcome, Shipment, Shipper
-from protocol.messages import AbortRequest, GenerateRequest, RequestFailed
+from protocol.messages import AbortRequest, GenerateRequest
 
 
 @dataclasses.dataclass(slots=True)
@@ -101,17 +100,12 @@ class PrefillNode:
 
     def _accept(self, msg: GenerateRequest) -> None:
         rid = msg.request_id
-        if self.runtime.draining.is_set():
-            return self._reply_failed(msg.reply_addr, rid, "draining", "node is draining", True)
         if msg.decode_addr is None:
-            return self._reply_failed(msg.reply_addr, rid, "bad_request", "a prefill node needs decode_addr", False)
-        try:
-            params = dataclasses.replace(SamplingParams.from_dict(msg.sampling_params), stop=())
-            self.engine.add_request(rid, list(msg.token_ids), params, prefill_only=True)
-        except QueueFullError as exc:
-            return self._reply_failed(msg.reply_addr, rid, "overloaded", str(exc), True)
-        except (TypeError, ValueError) as exc:
-            return self._reply_failed(msg.reply_addr, rid, "bad_request", str(exc), False)
+            return self.runtime.reply_failed(msg.reply_addr, rid, "bad_request", "a prefill node needs decode_addr",
+                                             False)
+        params = self.runtime.admit(self.engine, msg, prefill_only=True)
+        if params is None:
+            return
         ttl = min(msg.ttl_s, self.opts.request_ttl_s)
         stream = Stream(rid, msg.reply_addr, len(msg.token_ids), time.monotonic() + ttl)
         self.pending[rid] = _Pending(stream, msg.decode_addr, params.to_dict(), ttl)
@@ -174,7 +168,7 @@ class PrefillNode:
         self._drop(rid)
         if pending is not None:
             # Retryable only while the router has seen no token from us.
-            self._reply_failed(pending.stream.reply_addr, rid, code, message, pending.stream.num_sent == 0)
+            self.runtime.reply_failed(pending.stream.reply_addr, rid, code, message, pending.stream.num_sent == 0)
 
     def _drop(self, rid: str) -> None:
         """Stop work on a request; held blocks a shipper may be reading wait for its outcome."""
@@ -183,6 +177,3 @@ class PrefillNode:
         else:
             self.engine.abort_request(rid)
 
-    def _reply_failed(self, reply_addr: str, rid: str, code: str, message: str, retryable: bool) -> None:
-        self.log("request_failed", rid, code=code, message=message)
-        self.runtime.reply(reply_addr, RequestFailed(rid, self.opts.node_id, code, message, retryable))
