@@ -156,3 +156,26 @@ def test_chats_sharing_a_system_prompt_count_the_shared_blocks(cluster):
         cached.append(_post(routers["pd"], "/v1/chat/completions", body)["usage"]["prompt_tokens_details"]
                       ["cached_tokens"])
     assert cached == [0] + [num_shared // BLOCK_SIZE * BLOCK_SIZE] * 3
+
+
+def test_a_seeded_sample_is_the_same_offline_through_prefill_and_decode_and_decode_only(cluster):
+    from engine import LLM, SamplingParams
+
+    model, routers, _ = cluster
+    prompts = _prompts(11, [90, 200, 130])
+    params = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "seed": 1234, "max_tokens": 12, "ignore_eos": True}
+    llm = LLM(model=str(model), num_kv_blocks=128)
+    offline = [o.outputs[0].token_ids for o in llm.generate(prompts,
+                                                              SamplingParams(**params))]
+
+    def served(args):
+        path, prompt = args
+        body = {"model": model.name, "prompt": prompt, "logprobs": 0, "return_tokens_as_token_ids": True, **params}
+        tokens = _post(routers[path], "/v1/completions", body)["choices"][0]["logprobs"]["tokens"]
+        return [int(t.removeprefix("token_id:")) for t in tokens]
+
+    jobs = [(path, p) for path in ("pd", "decode_only") for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(served, jobs))
+    assert got == offline + offline
+    assert len({tuple(t) for t in offline}) == 3

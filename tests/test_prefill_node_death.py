@@ -87,3 +87,23 @@ def test_requests_held_by_a_dead_prefill_node_are_retried_at_once_and_complete(c
     else:  # a hung node keeps its connection: its heartbeat expiring says so
         assert max(retries) - stopped < HEARTBEAT_TTL_S + 1.5, [round(t - stopped, 2) for t in retries]
     assert ended - stopped < HEARTBEAT_TTL_S + 8
+
+
+def test_a_stream_whose_client_leaves_before_its_first_token_is_aborted_at_once(cluster):
+    model, router, nodes = cluster
+    prefills = nodes[:2]
+    for node in prefills:  # whichever takes the request holds it without answering
+        os.kill(node.proc.pid, signal.SIGSTOP)
+    body = {"model": model.name, "prompt": list(range(1000, 1200)), "max_tokens": 8, "stream": True}  # via P
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(router.url + "/v1/completions", json=body, timeout=1.5)  # the client gives up
+    time.sleep(1.0)  # the router notices the disconnect and sends the aborts
+    for node in prefills:
+        os.kill(node.proc.pid, signal.SIGCONT)
+    time.sleep(2.0)
+    added = [e["request_id"] for n in prefills for e in n.events("request_added")]
+    aborted = [e["request_id"] for n in prefills for e in n.events("request_aborted")]
+    first_tokens = [e["request_id"] for n in prefills for e in n.events("first_token_sent")]
+    assert added and added == aborted and not first_tokens
+    metrics = httpx.get(router.url + "/metrics").text
+    assert re.findall(r'pdserve_router_inflight_requests\{role="\w+"\} (\d+)', metrics) == ["0", "0"]
