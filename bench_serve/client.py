@@ -3,8 +3,11 @@
 Output tokens are counted from the stream, not taken from ``usage``: each request asks for the
 sampled token's logprob (``logprobs: 0`` for completions, ``logprobs: true, top_logprobs: 0``
 for chat), so every streamed token arrives as one logprob entry even when its text is held back
-(an incomplete UTF-8 sequence, a possible stop string). ``stream_options.include_usage`` asks
-for the server's own count, which the record keeps beside the counted one.
+(an incomplete UTF-8 sequence, a possible stop string) or several share one event. An event
+with text but no entry counts as one token and is counted in the record
+(``events_without_logprobs``), since it means the server dropped the logprobs it was asked for.
+``stream_options.include_usage`` asks for the server's own count, which the record keeps
+beside the counted one.
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class _Tally:
     finish_reason: str | None = None
     done: bool = False  # [DONE] seen
     ended: float | None = None  # perf_counter at the end of the stream
+    events_without_logprobs: int = 0  # events with text but no logprob entry
 
     def feed(self, line: str, chat: bool, now: float) -> None:
         if not line.startswith("data:"):
@@ -107,20 +111,25 @@ class _Tally:
         if event.get("usage"):
             self.usage = event["usage"]
         for choice in event.get("choices") or ():
-            num = _choice_tokens(choice, chat)
+            num_entries, has_text = _choice_tokens(choice, chat)
+            num = num_entries or int(has_text)
             if num:
                 self.token_times.append(now - self.sent)
                 self.event_tokens.append(num)
+            self.events_without_logprobs += has_text and not num_entries
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
 
 
-def _choice_tokens(choice: dict[str, Any], chat: bool) -> int:
+def _choice_tokens(choice: dict[str, Any], chat: bool) -> tuple[int, bool]:
+    """(logprob entries, whether it carries text) of one streamed choice.
+
+    An event with entries counts one token per entry; one with text but no entry (a server
+    without logprobs, or one that dropped them) counts as one token.
+    """
     logprobs = choice.get("logprobs") or {}
     entries = logprobs.get("content") if chat else logprobs.get("tokens")
-    if entries is not None:
-        return len(entries)
     text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-    return 1 if text else 0
+    return len(entries or ()), bool(text)
 
 
 def _record(tally: _Tally, item: WorkItem, index: int, sent_s: float, error_kind: str | None = None,
@@ -138,6 +147,7 @@ def _record(tally: _Tally, item: WorkItem, index: int, sent_s: float, error_kind
         token_times_s=tuple(tally.token_times), event_tokens=tuple(tally.event_tokens),
         requested_tokens=item.output_len, prompt_tokens=exact if exact is not None else usage.get("prompt_tokens"),
         usage_completion_tokens=usage.get("completion_tokens"), finish_reason=tally.finish_reason,
+        events_without_logprobs=tally.events_without_logprobs,
     )
 
 

@@ -80,6 +80,7 @@ class Summary:
     errors: dict[str, int]  # error kind -> requests
     num_usage_mismatch: int  # completed requests whose usage.completion_tokens != the counted tokens
     num_usage_missing: int  # completed requests whose stream carried no usage
+    num_logprobs_missing: int  # completed requests with events that lacked the logprobs asked for
     num_off_length: int  # completed requests with more or fewer tokens than requested (with ignore_eos: none)
 
 
@@ -99,5 +100,6 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: Slo) -> 
         errors=dict(sorted(collections.Counter(r.error_kind for r in records if not r.ok).items())),
         num_usage_mismatch=sum(r.usage_mismatch for r in ok),
         num_usage_missing=sum(r.usage_completion_tokens is None for r in ok),
+        num_logprobs_missing=sum(r.events_without_logprobs > 0 for r in ok),
         num_off_length=sum(r.num_output_tokens != r.requested_tokens for r in ok),
     )

@@ -33,6 +33,7 @@ class RequestRecord:
     prompt_tokens: int | None  # exact ids sent, else usage.prompt_tokens, else None
     usage_completion_tokens: int | None  # usage.completion_tokens; None when the server sent no usage
     finish_reason: str | None  # the last finish reason seen
+    events_without_logprobs: int = 0  # events with text but no logprob entry although logprobs were asked for
 
     @property
     def num_output_tokens(self) -> int:

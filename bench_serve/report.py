@@ -61,7 +61,8 @@ def table(run: RunReport) -> str:
         *(_stats_line(name, stats) for name, stats in
           (("TTFT", s.ttft), ("TPOT", s.tpot), ("ITL", s.itl), ("E2E", s.e2e))),
         f"tokens        counted in the stream; usage disagrees on {s.num_usage_mismatch}, missing on "
-        f"{s.num_usage_missing}; {s.num_off_length} not of the requested length",
+        f"{s.num_usage_missing}; {s.num_off_length} not of the requested length"
+        + (f"; {s.num_logprobs_missing} streamed text without the logprobs asked for" if s.num_logprobs_missing else ""),
     ]
     return "\n".join(lines)
 
