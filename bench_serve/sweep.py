@@ -36,6 +36,8 @@ def sweep(workload: WorkloadSpec, spec: SweepSpec, endpoint: Endpoint, progress:
     reports = []
     for k, rate in enumerate(spec.rates):
         items = workload.build(spec.seed + k)
+        for item in items:
+            endpoint.body(item)  # a prompt the endpoint cannot take fails here, before anything is sent
         times = send_times(items, rate, spec.burstiness, spec.seed + k, spec.limits.max_s)
         result = runner.run(items, times, endpoint, spec.limits, progress)
         report = RunReport(rate, spec.limits.max_concurrency, summarize(result.records, result.duration_s, spec.slo),
