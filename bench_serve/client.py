@@ -146,7 +146,9 @@ def _record(tally: _Tally, item: WorkItem, index: int, sent_s: float, error_kind
         e2e_s=tally.ended - tally.sent if ok and tally.ended is not None else None,
         token_times_s=tuple(tally.token_times), event_tokens=tuple(tally.event_tokens),
         requested_tokens=item.output_len, prompt_tokens=exact if exact is not None else usage.get("prompt_tokens"),
-        usage_completion_tokens=usage.get("completion_tokens"), finish_reason=tally.finish_reason,
+        usage_completion_tokens=usage.get("completion_tokens"),
+        usage_cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+        finish_reason=tally.finish_reason,
         events_without_logprobs=tally.events_without_logprobs,
     )
 

@@ -71,6 +71,7 @@ class Summary:
     output_throughput: float  # output tokens (counted in the stream, completed requests) per second
     total_output_tokens: int
     total_prompt_tokens: int  # exact for token-id prompts, else as the server's usage reported
+    total_cached_tokens: int  # prompt tokens the server's usage says came from its prefix cache
     ttft: Stats | None
     tpot: Stats | None
     itl: Stats | None
@@ -92,6 +93,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: Slo) -> 
         num_sent=len(records), num_ok=len(ok), duration_s=duration_s,
         request_throughput=len(ok) * per_second, output_throughput=total_output * per_second,
         total_output_tokens=total_output, total_prompt_tokens=sum(r.prompt_tokens or 0 for r in ok),
+        total_cached_tokens=sum(r.usage_cached_tokens or 0 for r in ok),
         ttft=Stats.of([r.ttft_s for r in ok if r.ttft_s is not None]),
         tpot=Stats.of([r.tpot_s for r in ok if r.tpot_s is not None]),
         itl=Stats.of([gap for r in ok for gap in r.itl_s]),

@@ -32,6 +32,7 @@ class RequestRecord:
     requested_tokens: int  # max_tokens asked for
     prompt_tokens: int | None  # exact ids sent, else usage.prompt_tokens, else None
     usage_completion_tokens: int | None  # usage.completion_tokens; None when the server sent no usage
+    usage_cached_tokens: int | None  # usage.prompt_tokens_details.cached_tokens (prefix-cache hits), if sent
     finish_reason: str | None  # the last finish reason seen
     events_without_logprobs: int = 0  # events with text but no logprob entry although logprobs were asked for
 

@@ -55,7 +55,7 @@ def table(run: RunReport) -> str:
         + (f" ({run.result.num_unsent} not sent before the time limit)" if run.result.num_unsent else ""),
         f"duration      {s.duration_s:.1f} s",
         f"throughput    {s.request_throughput:.3f} req/s, {s.output_throughput:.1f} output tok/s "
-        f"({s.total_output_tokens} output, {s.total_prompt_tokens} prompt tokens)",
+        f"({s.total_output_tokens} output, {s.total_prompt_tokens} prompt tokens, {s.total_cached_tokens} of them cached)",
         f"goodput       {s.goodput:.3f} req/s (TTFT <= {s.slo.ttft_s * 1e3:g} ms and TPOT <= {s.slo.tpot_s * 1e3:g} ms)",
         f"{'':14}{'mean':>9}{'p50':>9}{'p90':>9}{'p99':>9}   ms",
         *(_stats_line(name, stats) for name, stats in

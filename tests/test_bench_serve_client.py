@@ -28,7 +28,8 @@ def text_event(text: str, num_logprobs: int | None, finish: str | None = None) -
 
 
 def usage(completion_tokens: int) -> dict:
-    return {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": completion_tokens}}
+    return {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": completion_tokens,
+                                     "prompt_tokens_details": {"cached_tokens": 2}}}
 
 
 def send_to(handler, endpoint: Endpoint = COMPLETIONS, item: WorkItem | None = None, deadline: float | None = None):
@@ -49,7 +50,7 @@ def test_tokens_are_counted_from_logprob_entries_even_when_their_text_is_held_ba
     assert r.ok and r.finish_reason == "length"
     assert r.event_tokens == (1, 1, 2) and r.num_output_tokens == 4
     assert r.usage_completion_tokens == 4 and not r.usage_mismatch
-    assert r.prompt_tokens == 3 and r.events_without_logprobs == 0
+    assert r.prompt_tokens == 3 and r.usage_cached_tokens == 2 and r.events_without_logprobs == 0
     assert r.ttft_s == r.token_times_s[0] and r.e2e_s >= r.token_times_s[-1]
 
 

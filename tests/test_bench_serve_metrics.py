@@ -17,7 +17,7 @@ def record(index: int, ttft: float | None, token_times: tuple[float, ...], e2e: 
                          error=None if ok else "boom", sent_s=float(index), ttft_s=ttft, e2e_s=e2e,
                          token_times_s=token_times, event_tokens=tokens,
                          requested_tokens=requested if requested is not None else sum(tokens),
-                         prompt_tokens=10, usage_completion_tokens=usage if usage is not None else sum(tokens),
+                         prompt_tokens=10, usage_completion_tokens=usage if usage is not None else sum(tokens), usage_cached_tokens=4,
                          finish_reason="length" if ok else None)
 
 
@@ -60,6 +60,7 @@ def test_summary_throughputs_count_completed_requests_and_streamed_tokens_over_t
     assert s.request_throughput == 0.5  # 2 ok / 4 s
     assert s.output_throughput == 1.5  # (2 + 4) tokens / 4 s
     assert s.errors == {"http_429": 1}
+    assert (s.total_prompt_tokens, s.total_cached_tokens) == (20, 8)
     assert s.ttft.mean == 0.75 and s.ttft.p50 == 0.75
     assert s.e2e.p90 == pytest.approx(2.45)  # sorted 2.0, 2.5: rank 0.9
     assert s.itl.count == 4 and s.itl.mean == pytest.approx((1.0 + 0.5 * 3) / 4)
