@@ -7,7 +7,12 @@ import json
 import math
 import pathlib
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported in the handler only, so that `pdserve --help` stays fast
+    from bench_serve.client import Endpoint
+    from bench_serve.spec import WorkloadSpec
+    from bench_serve.sweep import SweepSpec
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -82,7 +87,7 @@ def _add_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _specs(args: argparse.Namespace):
+def _specs(args: argparse.Namespace) -> tuple[WorkloadSpec, SweepSpec, Endpoint]:
     from bench_serve.client import Api, Endpoint, served_model
     from bench_serve.metrics import Slo
     from bench_serve.runner import Limits
@@ -107,8 +112,11 @@ def _specs(args: argparse.Namespace):
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
-    import httpx
-
+    try:
+        import httpx
+    except ImportError:
+        print("pdserve bench serve needs httpx: pip install 'pdserve[bench]'", file=sys.stderr)
+        return 1
     from bench_serve import report, trace
     from bench_serve.sweep import sweep
 
