@@ -90,6 +90,7 @@ class _Tally:
     """The stream so far (mutable, private to one request)."""
 
     sent: float  # perf_counter at send
+    logprobs_asked: bool  # the request asked for logprobs
     token_times: list[float] = dataclasses.field(default_factory=list)
     event_tokens: list[int] = dataclasses.field(default_factory=list)
     usage: dict[str, Any] | None = None
@@ -116,7 +117,8 @@ class _Tally:
             if num:
                 self.token_times.append(now - self.sent)
                 self.event_tokens.append(num)
-            self.events_without_logprobs += has_text and not num_entries
+            if self.logprobs_asked and has_text and not num_entries:
+                self.events_without_logprobs += 1
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
 
 
@@ -161,7 +163,7 @@ async def send(http: httpx.AsyncClient, endpoint: Endpoint, item: WorkItem, inde
     """
     body = endpoint.body(item)
     headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
-    tally = _Tally(sent=time.perf_counter())
+    tally = _Tally(sent=time.perf_counter(), logprobs_asked=endpoint.count_with_logprobs)
     sent_s = tally.sent - run_start
     budget = None if deadline is None else max(0.0, deadline - tally.sent)
     try:

@@ -59,6 +59,8 @@ def test_text_without_logprobs_counts_one_token_per_event_and_is_flagged():
     r = send_to(answer(body))
     assert r.num_output_tokens == 3 and r.events_without_logprobs == 2
     assert r.usage_mismatch  # the server says 4: the report shows the disagreement
+    unasked = send_to(answer(body), Endpoint("http://bench.test", Api.COMPLETIONS, "m", count_with_logprobs=False))
+    assert unasked.num_output_tokens == 3 and unasked.events_without_logprobs == 0
 
 
 def test_request_body_asks_for_logprobs_usage_and_exact_lengths():
