@@ -84,8 +84,6 @@ def test_bench_serve_streams_multi_turn_chat_one_turn_after_another(up, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="pdserve bug: on the prefill -> decode path the decode node's tokens "
-                   "come without the logprobs asked for (only the prefill node's first token has one)")
 def test_bench_serve_counts_exactly_on_the_prefill_to_decode_path(up, tmp_path):
     result = bench_serve(up.url, tmp_path / "disagg.json", "--workload", "fixed", "--num-requests", "12",
                          "--input-len", "80", "--output-len", "9")
