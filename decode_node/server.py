@@ -26,6 +26,9 @@ from node.streams import Stream, engine_logprob, next_chunk, node_status
 from protocol.messages import AbortRequest, GenerateRequest
 
 ABORT_MEMORY_S = 120.0  # how long an abort for a not-yet-arrived request is remembered
+# Longest sleep of an idle loop: any message wakes it at once; this bounds how late deadlines
+# (transfer chunk timeouts, request TTLs) and the status refresh are looked at.
+IDLE_WAIT_S = 0.05
 
 
 class DecodeNode:
@@ -66,10 +69,11 @@ class DecodeNode:
         return bool(self.streams) or self.receiver.num_incoming > 0 or self.receiver.num_queued > 0
 
     def _iterate(self) -> None:
-        busy = self.engine.has_unfinished_requests()
-        for msg in self.runtime.poll_control(0.0 if busy else 0.002):
+        if not self.engine.has_unfinished_requests():
+            self.runtime.wait_for_input(IDLE_WAIT_S, self.receiver.socket)
+        for msg in self.runtime.poll_control(0.0):
             self._on_control(msg)
-        result = self.receiver.poll(0.0 if busy else 0.002)
+        result = self.receiver.poll(0.0)
         for received in result.completed:
             self._adopt(received)
         for failure in result.failed:

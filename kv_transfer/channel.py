@@ -61,6 +61,11 @@ class _Channel:
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
 
+    @property
+    def socket(self) -> zmq.Socket:
+        """For waiting on several channels at once (zmq.Poller); receive through the channel."""
+        return self._socket
+
     def _send(self, parts: list[Any]) -> None:
         try:
             self._socket.send_multipart(parts, copy=False)

@@ -168,6 +168,11 @@ class KVReceiver:
             self._handle(inbound)
         return result
 
+    @property
+    def socket(self) -> zmq.Socket:
+        """The receiving socket, for a node loop that waits on it together with others."""
+        return self._channel.socket
+
     def abort(self, request_id: str, reason: str) -> bool:
         """Drop a request still in transfer (e.g. its client left); False when unknown here."""
         if request_id in self._incoming or any(q.reserve.request_id == request_id for q in self._queued):

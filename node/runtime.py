@@ -17,6 +17,8 @@ import threading
 import time
 from collections import OrderedDict
 
+import zmq
+
 from engine.llm_engine import LLMEngine, QueueFullError
 from engine.sampling_params import SamplingParams
 from kv_transfer.channel import ListenChannel, PushChannel
@@ -136,6 +138,14 @@ class NodeRuntime:
             else:
                 out.append(inbound.msg)
         return out
+
+    def wait_for_input(self, timeout_s: float, *sockets: zmq.Socket) -> None:
+        """Sleep until a message is waiting on the control socket or on ``sockets``, or timeout_s.
+        An idle node loop waits here instead of spinning on short polls."""
+        poller = zmq.Poller()
+        for socket in (self.control.socket, *sockets):
+            poller.register(socket, zmq.POLLIN)
+        poller.poll(max(0, int(timeout_s * 1000)))
 
     def _safe_send(self, peer: bytes, msg: Message) -> None:
         try:

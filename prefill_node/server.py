@@ -35,6 +35,9 @@ class _Pending:
     ttl_s: float
 
 
+IDLE_WAIT_S = 0.05  # longest sleep of an idle loop: a control message wakes it at once
+
+
 class PrefillNode:
     def __init__(self, opts: NodeOptions, engine_config: EngineConfig) -> None:
         self.opts = opts
@@ -82,7 +85,9 @@ class PrefillNode:
 
     def _iterate(self) -> None:
         busy = self.engine.has_unfinished_requests()
-        for msg in self.runtime.poll_control(0.0 if busy or self.pending else 0.005):
+        if not busy and not self.pending:
+            self.runtime.wait_for_input(IDLE_WAIT_S)
+        for msg in self.runtime.poll_control(0.0):
             self._on_control(msg)
         if self.engine.has_unfinished_requests():
             for out in self.engine.step():
