@@ -275,7 +275,9 @@ class KVReceiver:
     def _land_chunk(self, state: _Incoming, msg: KVChunk, frames: list[memoryview]) -> None:
         wire = state.reserve.wire_format
         if msg.shm_offset is not None:
-            frames = ring_frames(state.ring, msg, self.key_caches[0], wire)
+            # Copy out of the sender's live ring first, then check and land that copy: checking the
+            # ring in place would let bytes that change between the check and the copy land unchecked.
+            frames = [memoryview(bytes(f)) for f in ring_frames(state.ring, msg, self.key_caches[0], wire)]
         problem = chunk_problem(
             msg,
             frames,

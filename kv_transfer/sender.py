@@ -289,7 +289,7 @@ class KVSender:
             in_flight = self._ring.in_flight_bytes
             # A chunk bigger than the whole window still goes alone, so a small window cannot deadlock.
             if in_flight == 0 or in_flight + slot_bytes <= self._window_bytes:
-                offset = self._ring.try_alloc(slot_bytes)
+                offset = self._ring.try_alloc(slot_bytes, request_id)
                 if offset is not None:
                     return offset
             self._pump(request_id, deadline, "credit")
@@ -332,7 +332,7 @@ class KVSender:
 
     def _file(self, msg: Message) -> None:
         if isinstance(msg, KVCredit):
-            self._ring.release_oldest()  # credits come back in send order
+            self._ring.release_oldest(msg.request_id)  # credits come back in send order
         elif msg.request_id in self._inbox:  # replies to forgotten requests are dropped
             self._inbox[msg.request_id].append(msg)
 

@@ -44,6 +44,7 @@ def host_id() -> str:
 class _Slot:
     offset: int
     size: int
+    request_id: str  # whose chunk: a credit frees the oldest slot only when it is that request's
 
 
 class StagingRing:
@@ -70,7 +71,7 @@ class StagingRing:
     def in_flight_bytes(self) -> int:
         return sum(s.size for s in self._in_flight)
 
-    def try_alloc(self, size: int) -> int | None:
+    def try_alloc(self, size: int, request_id: str) -> int | None:
         """Offset of a free slot of ``size`` bytes, or None until credits free one."""
         if size > self.capacity:
             raise ValueError(f"chunk of {size} bytes exceeds the staging ring ({self.capacity})")
@@ -87,13 +88,17 @@ class StagingRing:
             else:
                 offset = 0 if size <= first.offset else None
         if offset is not None:
-            self._in_flight.append(_Slot(offset, size))
+            self._in_flight.append(_Slot(offset, size, request_id))
         return offset
 
-    def release_oldest(self) -> None:
-        """A credit came back: the oldest chunk's slot is free."""
-        if self._in_flight:
+    def release_oldest(self, request_id: str) -> bool:
+        """A credit of ``request_id`` came back: the oldest chunk's slot is free, if it is that
+        request's. Credits come in send order, so any other credit is a late one of a request
+        whose slots a ``reset`` already forgot, and must not free the next request's slot."""
+        if self._in_flight and self._in_flight[0].request_id == request_id:
             self._in_flight.popleft()
+            return True
+        return False
 
     def reset(self) -> None:
         """Forget every in-flight slot (the peer stopped answering; checksums catch any overlap)."""

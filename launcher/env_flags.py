@@ -17,7 +17,9 @@ import sys
 from collections.abc import Mapping, Sequence
 
 PREFIX = "PDSERVE_"
-NOT_FLAGS = frozenset({"PDSERVE_CACHE"})  # read by engine.model_fetch, not a command-line flag
+# Read from the environment by the code itself, not command-line flags: the model cache directory
+# (engine.model_fetch) and the opt-in C decode kernel (kernels.cpu_native).
+NOT_FLAGS = frozenset({"PDSERVE_CACHE", "PDSERVE_NATIVE_CPU"})
 TRUE, FALSE = frozenset({"1", "true", "yes"}), frozenset({"0", "false", "no"})
 
 

@@ -39,69 +39,119 @@ class Outcome:
     error: str | None  # why it failed
 
 
+@dataclasses.dataclass(slots=True)
+class _Peer:
+    """One decode node's worker: its queue and whether it is sending right now."""
+
+    queue: queue.Queue[Shipment | None]
+    busy: bool = False  # a transfer is running (the queue may be empty meanwhile)
+
+
 class Shipper:
+    """Peers come and go (scaling, restarts): a worker with nothing to do for ``idle_timeout_s``
+    leaves the peer table, and a full table makes room by retiring an idle worker."""
+
     def __init__(self, fingerprint: KVFingerprint, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
                  config: SenderConfig | None = None, queue_limit: int = 256, max_peers: int = 64,
-                 cache_ref: CacheRef | None = None) -> None:
+                 cache_ref: CacheRef | None = None, idle_timeout_s: float = 60.0) -> None:
         self.cache_ref = cache_ref  # the caches in shared memory: offered for one-copy transfers
         self.fingerprint = fingerprint
         self.key_caches, self.value_caches = key_caches, value_caches
         self.config = config or SenderConfig()
         self.queue_limit = queue_limit
         self.max_peers = max_peers
+        self.idle_timeout_s = idle_timeout_s
         self.outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
-        self._queues: dict[str, queue.Queue[Shipment | None]] = {}
+        self._peers: dict[str, _Peer] = {}  # decode KV address -> its worker
         self._threads: list[threading.Thread] = []
-        self._cancelled: set[str] = set()
-        self._lock = threading.Lock()
+        self._queued: set[str] = set()  # request ids submitted and not yet taken by a worker
+        self._cancelled: set[str] = set()  # of those, the ones to skip (always a subset of _queued)
+        self._lock = threading.Lock()  # guards the peer table and both id sets
 
     def submit(self, shipment: Shipment) -> bool:
         """Queue a transfer; False when the decode node's queue (or the peer table) is full."""
-        q = self._queues.get(shipment.decode_addr)
-        if q is None:
-            if len(self._queues) >= self.max_peers:
+        with self._lock:
+            peer = self._peers.get(shipment.decode_addr)
+            if peer is None:
+                if len(self._peers) >= self.max_peers and not self._retire_an_idle_peer():
+                    return False
+                peer = self._start_peer(shipment.decode_addr)
+            try:
+                peer.queue.put_nowait(shipment)
+            except queue.Full:
                 return False
-            q = self._queues[shipment.decode_addr] = queue.Queue(self.queue_limit)
-            thread = threading.Thread(target=self._work, args=(shipment.decode_addr, q), daemon=True,
-                                      name=f"ship-{shipment.decode_addr}")
-            thread.start()
-            self._threads.append(thread)
-        try:
-            q.put_nowait(shipment)
+            self._queued.add(shipment.request_id)
             return True
-        except queue.Full:
+
+    def _start_peer(self, addr: str) -> _Peer:
+        peer = self._peers[addr] = _Peer(queue.Queue(self.queue_limit))
+        thread = threading.Thread(target=self._work, args=(addr, peer), daemon=True, name=f"ship-{addr}")
+        thread.start()
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        return peer
+
+    def _retire_an_idle_peer(self) -> bool:
+        """With the lock held: drop one worker with nothing queued or running (it exits)."""
+        addr = next((a for a, p in self._peers.items() if not p.busy and p.queue.empty()), None)
+        if addr is None:
             return False
+        self._peers.pop(addr).queue.put_nowait(None)
+        return True
 
     def cancel(self, request_id: str) -> None:
-        """Skip a queued shipment (one already sending runs to its end or deadline)."""
+        """Skip a queued shipment. One already sending runs to its end or deadline, so nothing is
+        remembered for it (remembering would grow without bound)."""
         with self._lock:
-            self._cancelled.add(request_id)
+            if request_id in self._queued:
+                self._cancelled.add(request_id)
+
+    @property
+    def num_peers(self) -> int:
+        return len(self._peers)
 
     @property
     def num_pending(self) -> int:
-        return sum(q.qsize() for q in self._queues.values())
+        return sum(p.queue.qsize() for p in list(self._peers.values()))
 
     def close(self, timeout_s: float = 5.0) -> None:
-        for q in self._queues.values():
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
             try:
-                q.put_nowait(None)
+                peer.queue.put_nowait(None)
             except queue.Full:
                 pass
         deadline = time.monotonic() + timeout_s
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
 
-    def _work(self, addr: str, q: queue.Queue) -> None:
+    def _next_job(self, addr: str, peer: _Peer) -> Shipment | None:
+        """The next shipment to send, or None when this worker should exit."""
+        while True:
+            try:
+                job = peer.queue.get(timeout=self.idle_timeout_s)
+            except queue.Empty:
+                with self._lock:  # nothing can be queued for us while we decide
+                    if peer.queue.empty() and self._peers.get(addr) is peer:
+                        del self._peers[addr]
+                        return None
+                continue
+            if job is None:
+                return None
+            with self._lock:
+                self._queued.discard(job.request_id)
+                if job.request_id not in self._cancelled:
+                    peer.busy = True
+                    return job
+                self._cancelled.discard(job.request_id)
+            self.outcomes.put(Outcome(job.request_id, None, "aborted"))
+
+    def _work(self, addr: str, peer: _Peer) -> None:
         sender = KVSender(addr, self.fingerprint, self.config, cache_ref=self.cache_ref)
         try:
-            while (job := q.get()) is not None:
-                with self._lock:
-                    cancelled = job.request_id in self._cancelled
-                    self._cancelled.discard(job.request_id)
-                if cancelled:
-                    self.outcomes.put(Outcome(job.request_id, None, "aborted"))
-                    continue
+            while (job := self._next_job(addr, peer)) is not None:
                 self.outcomes.put(self._ship(sender, job))
+                peer.busy = False
         finally:
             sender.close()
 

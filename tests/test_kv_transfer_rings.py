@@ -72,3 +72,35 @@ def test_no_shared_memory_falls_back_to_the_socket_with_a_log_line(monkeypatch, 
     finally:
         sender.close()
         receiver.close()
+
+
+def test_ring_bytes_that_change_after_the_check_never_land(monkeypatch):
+    """A sender that rewrites a slot between the receiver's checksum and its copy (a reset ring
+    reused by the next request) must not get unchecked bytes into the receiver's cache."""
+    import kv_transfer.receiver as receiver_module
+
+    receiver = make_receiver("tcp://127.0.0.1:0")
+    sender = KVSender(receiver.address, make_fingerprint(), SenderConfig(staging_bytes=1 << 20))
+    check = receiver_module.chunk_problem
+
+    def check_then_scribble(msg, frames, *args):
+        problem = check(msg, frames, *args)
+        size = sum(len(f) for f in frames)
+        sender._ring.buffer[msg.shm_offset:msg.shm_offset + size].fill_(0x5A)  # after the check, before the copy
+        return problem
+
+    monkeypatch.setattr(receiver_module, "chunk_problem", check_then_scribble)
+    tokens = list(range(1, 40))
+    _, seq = prefill_side(tokens, 16)
+    keys, values = make_caches(16, seed=4)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(sender.transfer, "r1", tokens, keys, values, seq.block_table, 7)
+            got = poll_until(receiver, lambda r: bool(r.completed)).completed[0]
+            assert future.result(timeout=10).shm
+        for src, dst in ((keys, receiver.key_caches), (values, receiver.value_caches)):
+            for layer in range(len(src)):
+                assert src[layer][seq.block_table].equal(dst[layer][got.seq.block_table])
+    finally:
+        sender.close()
+        receiver.close()

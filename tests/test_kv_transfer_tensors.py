@@ -51,12 +51,23 @@ def test_frame_offsets_are_aligned_for_any_dtype():
 
 def test_staging_ring_reuses_slots_only_after_credits_in_order():
     ring = StagingRing(256, shared=False)
-    assert [ring.try_alloc(100), ring.try_alloc(100)] == [0, 100]
-    assert ring.try_alloc(100) is None  # 56 left at the end, the front is in flight
-    ring.release_oldest()  # slot 0 credited
-    assert ring.try_alloc(100) == 0  # wraps to the front
-    assert ring.try_alloc(1) is None  # wrapped: only [100, 100) is free until slot 100 is credited
-    ring.release_oldest()
-    assert ring.try_alloc(56) == 100 and ring.in_flight_bytes == 156
+    assert [ring.try_alloc(100, "r"), ring.try_alloc(100, "r")] == [0, 100]
+    assert ring.try_alloc(100, "r") is None  # 56 left at the end, the front is in flight
+    assert ring.release_oldest("r")  # slot 0 credited
+    assert ring.try_alloc(100, "r") == 0  # wraps to the front
+    assert ring.try_alloc(1, "r") is None  # wrapped: only [100, 100) is free until slot 100 is credited
+    assert ring.release_oldest("r")
+    assert ring.try_alloc(56, "r") == 100 and ring.in_flight_bytes == 156
     with pytest.raises(ValueError):
-        ring.try_alloc(257)
+        ring.try_alloc(257, "r")
+
+
+def test_late_credits_of_an_abandoned_request_free_no_slot_of_the_next():
+    ring = StagingRing(256, shared=False)
+    ring.try_alloc(100, "old")
+    ring.try_alloc(100, "old")
+    ring.reset()  # the peer stopped answering: "old"'s slots are forgotten
+    assert ring.try_alloc(200, "new") == 0
+    assert not ring.release_oldest("old") and not ring.release_oldest("old")  # its credits, late
+    assert ring.in_flight_bytes == 200 and ring.try_alloc(100, "new") is None  # "new"'s slot still held
+    assert ring.release_oldest("new") and ring.in_flight_bytes == 0

@@ -1,0 +1,80 @@
+"""The prefill node's shipper keeps a bounded table of decode peers that follows the cluster: idle
+workers leave it (scaling and restarts bring new addresses forever), and cancellations are kept
+only for shipments still queued. The decode addresses here have no receiver: each transfer ends in
+a grant timeout, which is all these tests need from it."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kv_transfer.sender import SenderConfig
+from prefill_node.shipper import Shipment, Shipper
+from tests.cluster import free_port
+from tests.kv_transfer_peer import make_fingerprint
+
+
+def _shipper(**options) -> Shipper:
+    caches = [torch.zeros(4, 4, 1, 8) for _ in range(2)]
+    return Shipper(make_fingerprint(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8), caches, caches,
+                   SenderConfig(grant_timeout_s=0.3, shared_memory=False), **options)
+
+
+def _shipment(request_id: str, addr: str) -> Shipment:
+    return Shipment(request_id, addr, (1, 2, 3, 4, 5), (0, 1), 9, 0, {}, {})
+
+
+def _outcomes(shipper: Shipper, num: int, timeout_s: float = 10.0) -> list:
+    got, deadline = [], time.monotonic() + timeout_s
+    while len(got) < num:
+        assert time.monotonic() < deadline, f"{len(got)} of {num} outcomes"
+        got.append(shipper.outcomes.get(timeout=timeout_s))
+    return got
+
+
+def test_a_full_peer_table_makes_room_by_retiring_idle_peers():
+    shipper = _shipper(max_peers=2)
+    addrs = [f"tcp://127.0.0.1:{free_port()}" for _ in range(5)]
+    try:
+        assert shipper.submit(_shipment("a", addrs[0])) and shipper.submit(_shipment("b", addrs[1]))
+        assert not shipper.submit(_shipment("c", addrs[2]))  # both peers busy: refused, not queued
+        assert {o.request_id for o in _outcomes(shipper, 2)} == {"a", "b"}
+        time.sleep(0.1)  # the workers mark themselves idle
+        for i, addr in enumerate(addrs[2:]):  # three new addresses through a table of two
+            assert shipper.submit(_shipment(f"n{i}", addr)), addr
+            assert _outcomes(shipper, 1)[0].request_id == f"n{i}"
+            time.sleep(0.1)
+        assert shipper.num_peers <= 2
+    finally:
+        shipper.close()
+
+
+def test_idle_workers_leave_the_table():
+    shipper = _shipper(idle_timeout_s=0.2)
+    try:
+        assert shipper.submit(_shipment("a", f"tcp://127.0.0.1:{free_port()}"))
+        _outcomes(shipper, 1)
+        deadline = time.monotonic() + 5
+        while shipper.num_peers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert shipper.num_peers == 0
+    finally:
+        shipper.close()
+
+
+def test_cancellations_are_kept_only_for_queued_shipments():
+    shipper = _shipper()
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    try:
+        assert shipper.submit(_shipment("running", addr)) and shipper.submit(_shipment("queued", addr))
+        time.sleep(0.1)  # "running" is being sent (waiting for its grant)
+        shipper.cancel("running")  # too late to skip: runs to its deadline
+        shipper.cancel("queued")
+        shipper.cancel("unknown")
+        outcomes = {o.request_id: o for o in _outcomes(shipper, 2)}
+        assert outcomes["queued"].error == "aborted"
+        assert "KVTimeout" in outcomes["running"].error
+        assert not shipper._cancelled and not shipper._queued
+    finally:
+        shipper.close()
