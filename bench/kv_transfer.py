@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from engine.block_manager import BlockManager  # noqa: E402
 from engine.kv_layout import KV_LAYOUT_NAME, KVCacheSpec  # noqa: E402
 from kv_transfer.messages import KVFingerprint, WireFormat  # noqa: E402
+from tests.kv_transfer_peer import PoolReservations  # noqa: E402  (the engine's side, without a model)
 
 # Default model (SmolLM2-135M): 30 layers x 3 KV heads x 64 dims, fp32, 16-token blocks.
 SPEC_ARGS = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
@@ -50,12 +51,12 @@ def serve(address: str, num_blocks: int, ready: mp.Queue, stop: mp.Event) -> Non
 
     torch.set_num_threads(1)
     keys, values = make_caches(num_blocks, random=False)
-    bm = BlockManager(num_blocks, SPEC_ARGS["block_size"], enable_prefix_caching=False)
-    receiver = KVReceiver(address, fingerprint(), bm, keys, values)
+    pool = PoolReservations(BlockManager(num_blocks, SPEC_ARGS["block_size"], enable_prefix_caching=False))
+    receiver = KVReceiver(address, fingerprint(), pool, keys, values)
     ready.put(receiver.address)
     while not stop.is_set():
         for got in receiver.poll(0.1).completed:
-            bm.free(got.seq)  # "decoding finished" at once: room for the next round
+            pool.finish(got.request_id)  # "decoding finished" at once: room for the next round
     receiver.close()
 
 

@@ -16,7 +16,8 @@ import time
 
 from engine.config import EngineConfig
 from engine.kv_layout import KV_LAYOUT_NAME
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, RemoteReservation
+from engine.sampling_params import SamplingParams
 from kv_transfer.messages import KVFingerprint
 from kv_transfer.receiver import KVReceiver, ReceivedKV
 from node.log import EventLog
@@ -31,6 +32,29 @@ ABORT_MEMORY_S = 120.0  # how long an abort for a not-yet-arrived request is rem
 IDLE_WAIT_S = 0.05
 
 
+class EngineReservations:
+    """The KV receiver's view of this node's engine (``kv_transfer.reservations.BlockReservations``):
+    incoming prompts are admitted by the engine's own rules, and their state is the engine's."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
+
+    @property
+    def num_blocks(self) -> int:
+        return self._engine.block_manager.num_blocks
+
+    def reserve(self, request_id: str, token_ids, sampling_params: dict | None) -> RemoteReservation | None:
+        try:
+            params = SamplingParams.from_dict(sampling_params or {})
+        except TypeError as exc:
+            raise ValueError(f"sampling_params: {exc}") from None
+        # Stop strings stay with the router, as for local requests.
+        return self._engine.reserve_remote(request_id, list(token_ids), dataclasses.replace(params, stop=()))
+
+    def release(self, request_id: str) -> None:
+        self._engine.abort_request(request_id)
+
+
 class DecodeNode:
     def __init__(self, opts: NodeOptions, engine_config: EngineConfig) -> None:
         self.opts = opts
@@ -39,8 +63,8 @@ class DecodeNode:
         self.fingerprint = KVFingerprint.from_spec(opts.model_id, self.engine.kv_spec, KV_LAYOUT_NAME)
         self.runtime = NodeRuntime(opts, self.log)
         caches = self.engine.runner.kv_caches
-        self.receiver = KVReceiver(f"tcp://{opts.host}:{opts.kv_port}", self.fingerprint, self.engine.block_manager,
-                                   [k for k, _ in caches], [v for _, v in caches])
+        self.receiver = KVReceiver(f"tcp://{opts.host}:{opts.kv_port}", self.fingerprint,
+                                   EngineReservations(self.engine), [k for k, _ in caches], [v for _, v in caches])
         self.kv_addr = f"tcp://{opts.advertise_host}:{self.receiver.address.rsplit(':', 1)[1]}"
         self.streams: dict[str, Stream] = {}
         self.aborted: dict[str, float] = {}  # request id -> forget after (aborts that beat their KV)
@@ -69,7 +93,7 @@ class DecodeNode:
         return bool(self.streams) or self.receiver.num_incoming > 0 or self.receiver.num_queued > 0
 
     def _iterate(self) -> None:
-        if not self.engine.has_unfinished_requests():
+        if not self.engine.has_work():
             self.runtime.wait_for_input(IDLE_WAIT_S, self.receiver.socket)
         for msg in self.runtime.poll_control(0.0):
             self._on_control(msg)
@@ -81,7 +105,7 @@ class DecodeNode:
             reply_addr = (failure.request_meta or {}).get("reply_addr")
             if reply_addr and failure.request_id not in self.aborted:
                 self.runtime.reply_failed(reply_addr, failure.request_id, "kv_transfer", str(failure.error), retryable=False)
-        if self.engine.has_unfinished_requests():
+        if self.engine.has_work():
             for out in self.engine.step():
                 self._emit(out)
         self._expire()
@@ -106,13 +130,13 @@ class DecodeNode:
         self.log("request_added", rid, prompt_tokens=len(msg.token_ids), local_prefill=True)
 
     def _adopt(self, received: ReceivedKV) -> None:
-        seq, meta = received.seq, received.request_meta or {}
-        rid = seq.request_id
+        rid, meta = received.request_id, received.request_meta or {}
         if rid in self.aborted or "reply_addr" not in meta:
-            self.engine.block_manager.free(seq)
+            self.engine.abort_request(rid)
             self.log("kv_dropped", rid, reason="aborted" if rid in self.aborted else "no reply address")
             return
-        stream = Stream(rid, meta["reply_addr"], seq.num_prompt_tokens,
+        num_prompt_tokens = len(self.engine.requests[rid].prompt_token_ids)
+        stream = Stream(rid, meta["reply_addr"], num_prompt_tokens,
                         time.monotonic() + min(float(meta.get("ttl_s", 600.0)), self.opts.request_ttl_s),
                         num_sent=1, num_cached_tokens=received.prefill_cached_tokens)
         stream.timings = dict(meta.get("timings") or {})
@@ -122,14 +146,13 @@ class DecodeNode:
         stream.adopted_at = time.monotonic()
         self.streams[rid] = stream
         self.log("kv_adopted", rid, blocks_reused=received.num_held_blocks, bytes=received.bytes_received)
-        seq.params = dataclasses.replace(seq.params, stop=())
-        if seq.params.logprobs is not None and received.first_logprobs is not None:
-            seq.logprobs = [engine_logprob(received.first_logprobs)]  # one per output token, as locally
-        for out in self.engine.add_prefilled(seq):
+        first_logprob = engine_logprob(received.first_logprobs) if received.first_logprobs else None
+        for out in self.engine.kv_arrived(rid, received.first_token, first_logprob):
             self._emit(out)
 
     def _abort(self, request_id: str, reason: str) -> None:
-        if self.engine.abort_request(request_id) or self.receiver.abort(request_id, reason):
+        # The receiver first: a transfer in flight must stop writing into the blocks the engine frees.
+        if self.receiver.abort(request_id, reason) or self.engine.abort_request(request_id):
             self.log("request_aborted", request_id, reason=reason)
         else:
             self.aborted[request_id] = time.monotonic() + ABORT_MEMORY_S

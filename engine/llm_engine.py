@@ -16,11 +16,19 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampler import Sampler, SamplerInput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence, SequenceStatus, TokenLogprob
 
 
 class QueueFullError(RuntimeError):
     """The engine's bounded waiting queue is full; retry later."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RemoteReservation:
+    """Blocks held for a request whose prompt KV another node sends (``reserve_remote``)."""
+
+    num_held_blocks: int  # leading prompt blocks already in this engine's prefix cache: not sent
+    block_ids: tuple[int, ...]  # the blocks the rest of the prompt's KV lands in, in prompt order
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -106,19 +114,43 @@ class LLMEngine:
         self.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [seq])
         self.scheduler.add(seq)
 
-    def add_prefilled(self, seq: Sequence) -> list[RequestOutput]:
-        """Adopt a sequence whose prompt KV is already in this engine's blocks (a decode node's
-        received transfer): prompt computed, first token appended. It joins the running batch
-        at the next step; returns its output at once when that first token already ends it."""
-        if seq.request_id in self.requests:
-            raise ValueError(f"request_id {seq.request_id!r} is already in use")
-        assert seq.num_computed_tokens == seq.num_prompt_tokens == seq.num_tokens - 1
-        seq.max_tokens = min(seq.params.max_tokens or self.max_model_len, self.max_model_len - seq.num_prompt_tokens)
-        request = Request(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.params, [seq])
-        self.requests[seq.request_id] = request
-        self.scheduler.add_running(seq)
-        self._check_stop(seq, seq.token_ids[-1])
+    def reserve_remote(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> RemoteReservation | None:
+        """Admit a request whose prompt KV another node computes (a decode node's incoming
+        transfer): blocks for its prompt, prefix-cache hits included, status WAITING_FOR_KV. None
+        while there is no room (the same rules as local admission: ``max_num_seqs``, free blocks
+        above the watermark); ValueError when it can never be admitted."""
+        if request_id in self.requests or request_id in self.held:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.n != 1:
+            raise ValueError("n: requests prefilled elsewhere take n == 1")
+        max_tokens = self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params,
+                       arrival_time=time.monotonic(), max_tokens=max_tokens)
+        if not self.scheduler.reserve(seq):
+            return None
+        self.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [seq])
+        num_held = seq.num_computed_tokens // self.block_manager.block_size
+        return RemoteReservation(num_held, tuple(seq.block_table[num_held:]))
+
+    def kv_arrived(self, request_id: str, first_token: int,
+                   first_logprob: TokenLogprob | None = None) -> list[RequestOutput]:
+        """The reserved request's prompt KV landed, with the first token the other node sampled
+        (and its logprobs). It decodes from the next step; returns its output at once when that
+        first token already ends it."""
+        request = self.requests[request_id]
+        seq = request.seqs[0]
+        assert seq.status is SequenceStatus.WAITING_FOR_KV, f"{request_id} is {seq.status}"
+        self.scheduler.kv_arrived(seq)
+        seq.token_ids.append(first_token)
+        if seq.params.logprobs is not None and first_logprob is not None:
+            seq.logprobs.append(first_logprob)  # one per output token, as when sampled here
+        self._check_stop(seq, first_token)
         return [self._output(request)] if seq.is_finished else []
+
+    def has_work(self) -> bool:
+        """Anything to compute at the next step (requests waiting for their KV are not)."""
+        return self.scheduler.has_work()
 
     def release_held(self, request_id: str) -> bool:
         """Free the blocks a finished prefill-only request kept (they stay as prefix cache)."""

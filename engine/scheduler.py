@@ -9,6 +9,10 @@ prefix hit simply starts with tokens already computed. Order of service:
      recomputed later) — the oldest always progresses, so there is no livelock;
   2. waiting sequences, FIFO, while budget, ``max_num_seqs`` and free blocks allow;
      the head of the queue is never skipped, so nothing starves.
+
+A decode node's requests whose prompt KV comes from a prefill node are ``receiving``
+(WAITING_FOR_KV): they hold their blocks and count toward ``max_num_seqs`` like running ones,
+and join ``running`` once their KV has landed (``kv_arrived``).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.receiving: list[Sequence] = []  # WAITING_FOR_KV: blocks held, KV arriving from a peer
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -58,7 +63,43 @@ class Scheduler:
         self.running.append(seq)
 
     def has_work(self) -> bool:
+        """Anything to compute (sequences waiting for their KV are not)."""
         return bool(self.waiting or self.running)
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences holding a slot under ``max_num_seqs``."""
+        return len(self.running) + len(self.receiving)
+
+    def _watermark(self) -> int:
+        # Keep a few blocks back while others run, so admitting a prompt doesn't force the
+        # running decodes to preempt it right away on their next block.
+        return max(1, self.block_manager.num_blocks // 100) if self.running else 0
+
+    def reserve(self, seq: Sequence) -> bool:
+        """Hold blocks for a prompt whose KV another node computes (status WAITING_FOR_KV), under
+        the rules local prompts are admitted by; False when there is no room now."""
+        bm = self.block_manager
+        if self.num_seqs >= self.max_num_seqs:
+            return False
+        block_ids, hashes = bm.match_prefix(seq.token_ids, (seq.num_tokens - 1) // bm.block_size)
+        bm.take_prefix(seq, block_ids, hashes)
+        num_new = seq.num_uncomputed_tokens
+        if not bm.can_append(seq, num_new, reserve=self._watermark()):
+            bm.free(seq)
+            seq.num_cached_tokens = 0
+            return False
+        bm.append(seq, num_new)
+        seq.status = SequenceStatus.WAITING_FOR_KV
+        self.receiving.append(seq)
+        return True
+
+    def kv_arrived(self, seq: Sequence) -> None:
+        """The reserved prompt's KV landed: its prompt is computed, it decodes from the next step."""
+        self.receiving.remove(seq)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.commit_computed(seq)
+        self.add_running(seq)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -87,10 +128,8 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSeq], copies: list[BlockCopy]) -> int:
         bm = self.block_manager
-        # Keep a few blocks back while others run, so admitting a prompt doesn't force the
-        # running decodes to preempt it right away on their next block.
-        watermark = max(1, bm.num_blocks // 100) if self.running else 0
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        watermark = self._watermark()
+        while self.waiting and budget > 0 and self.num_seqs < self.max_num_seqs:
             seq = self.waiting[0]
             assert not seq.block_table, "waiting sequences hold no blocks"
             # A hit never covers the last token: it must run to produce logits.
@@ -125,6 +164,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.receiving:
+            self.receiving.remove(seq)
         if free_blocks:
             self.block_manager.free(seq)
         seq.status = status

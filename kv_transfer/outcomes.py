@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.sequence import Sequence as EngineSequence
 from kv_transfer.errors import KVTransferError
 from kv_transfer.messages import TokenLogprobs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReceivedKV:
-    """A request whose prompt KV landed: its sequence is the decode node's now."""
+    """A request whose prompt KV landed in the blocks the engine reserved for it."""
 
-    seq: EngineSequence  # prompt computed, first token appended, status WAITING_FOR_KV
+    request_id: str
     first_token: int  # sampled by the prefill node
     num_held_blocks: int  # blocks reused from this node's prefix cache (not sent)
     bytes_received: int  # chunk payload bytes

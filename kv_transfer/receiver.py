@@ -1,14 +1,15 @@
-"""Decode side of a KV transfer: grant blocks from the node's BlockManager, land chunks, hand over.
+"""Decode side of a KV transfer: blocks granted by the engine, chunks landed in them, hand-over.
 
 The decode node drives it from its loop: ``poll(timeout_s)`` handles messages and deadlines and
-returns the requests whose KV landed (a ``Sequence`` ready to decode) and those that failed.
-Per reservation:
+returns the requests whose KV landed (the engine then moves them to RUNNING) and those that
+failed. Which blocks a request gets, and whether it may have any, is the engine's decision
+(``BlockReservations``: the same admission rules as local requests). Per reservation:
 
     KVReserve ─► checks (fingerprint, hashes, fits at all?) ─► KVReject
-                 └─► room now?  yes ─► take prefix blocks + append the rest ─► KVGrant
-                                no  ─► FIFO queue (≤ max_waiting) ─► KVWait … grant or KVReject at ttl
+                 └─► engine.reserve?  blocks ─► KVGrant
+                                      not now ─► FIFO queue (≤ max_waiting) ─► KVWait … grant or KVReject at ttl
     KVChunk   ─► sizes + xxh3 checked ─► index_copy_ into the granted blocks ─► KVCredit
-    KVDone    ─► all (layer, block) pieces landed? ─► commit blocks, KVAck, report completed
+    KVDone    ─► all (layer, block) pieces landed? ─► KVAck, report completed
 
 A granted request that stays silent for ``chunk_timeout_s``, fails a check, or is aborted frees
 its blocks at once and is reported failed; the node keeps serving every other request.
@@ -25,10 +26,6 @@ from collections.abc import Callable, Sequence
 import torch
 import zmq
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence as EngineSequence
-from engine.sequence import SequenceStatus
 from kv_transfer import tensors
 from kv_transfer.channel import Inbound, ListenChannel, PeerUnavailable
 from kv_transfer.checks import chunk_problem, reserve_problem, ring_frames
@@ -50,6 +47,7 @@ from kv_transfer.messages import (
 )
 from kv_transfer.outcomes import PollResult, ReceivedKV, TransferFailure
 from kv_transfer.peer_memory import PeerMemory, copy_direct
+from kv_transfer.reservations import BlockReservations
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -73,7 +71,6 @@ class _Incoming:
     """A granted request whose KV is arriving."""
 
     peer: bytes
-    seq: EngineSequence
     reserve: KVReserve
     num_held_blocks: int
     block_ids: torch.Tensor  # [num_send_blocks] receiver block ids, in prompt order
@@ -88,7 +85,6 @@ class _Incoming:
 class _Queued:
     peer: bytes
     reserve: KVReserve
-    params: SamplingParams
     expires_at: float
 
 
@@ -97,7 +93,7 @@ class KVReceiver:
         self,
         address: str,
         fingerprint: KVFingerprint,
-        block_manager: BlockManager,
+        reservations: BlockReservations,
         key_caches: Sequence[torch.Tensor],
         value_caches: Sequence[torch.Tensor],
         config: ReceiverConfig | None = None,
@@ -106,7 +102,7 @@ class KVReceiver:
         """key_caches, value_caches: per layer [num_blocks, block_size, kv_heads, head_dim]."""
         assert len(key_caches) == len(value_caches) == fingerprint.num_layers, "one K and V cache per layer"
         expected = (
-            block_manager.num_blocks,
+            reservations.num_blocks,
             fingerprint.block_size,
             fingerprint.num_kv_heads,
             fingerprint.head_dim,
@@ -114,10 +110,9 @@ class KVReceiver:
         assert all(tuple(c.shape) == expected for c in [*key_caches, *value_caches]), (
             "cache shape != fingerprint"
         )
-        assert block_manager.block_size == fingerprint.block_size
         self.fingerprint = fingerprint
         self.config = config or ReceiverConfig()
-        self.block_manager = block_manager
+        self.reservations = reservations
         self.key_caches, self.value_caches = list(key_caches), list(value_caches)
         self._channel = ListenChannel(address, context, self.config.max_frame_bytes)
         self.address = self._channel.address  # resolved (tcp://host:0 gets its port)
@@ -210,40 +205,36 @@ class KVReceiver:
             q.reserve.request_id == msg.request_id for q in self._queued
         )
         problem = reserve_problem(
-            msg, self.fingerprint, self.block_manager.num_blocks, self.draining, duplicate
+            msg, self.fingerprint, self.reservations.num_blocks, self.draining, duplicate
         )
         if problem is not None:
             self._reply(peer, KVReject(msg.request_id, *problem))
             return
-        params = SamplingParams.from_dict(msg.sampling_params) if msg.sampling_params else SamplingParams()
-        if not self._queued and self._try_grant(peer, msg, params):
+        try:
+            if not self._queued and self._try_grant(peer, msg):
+                return
+        except ValueError as exc:  # the engine will never admit it
+            self._reply(peer, KVReject(msg.request_id, f"not admitted: {exc}"))
             return
         if len(self._queued) >= self.config.max_waiting:
             self._reply(peer, KVReject(msg.request_id, "receiver busy: wait queue full"))
             return
         ttl = min(msg.ttl_s, self.config.max_ttl_s)
-        self._queued.append(_Queued(peer, msg, params, time.monotonic() + ttl))
+        self._queued.append(_Queued(peer, msg, time.monotonic() + ttl))
         self._reply(peer, KVWait(msg.request_id, len(self._queued) - 1))
 
-    def _try_grant(self, peer: bytes, msg: KVReserve, params: SamplingParams) -> bool:
-        bm, token_ids = self.block_manager, list(msg.token_ids)
-        seq = EngineSequence(msg.request_id, token_ids, len(token_ids), params)
-        ids, hashes = bm.match_prefix(token_ids, max_blocks=(len(token_ids) - 1) // bm.block_size)
-        bm.take_prefix(seq, ids, hashes)
-        num_new = len(token_ids) - seq.num_computed_tokens
-        if not bm.can_append(seq, num_new):
-            bm.free(seq)
+    def _try_grant(self, peer: bytes, msg: KVReserve) -> bool:
+        """Grant when the engine has room now; ValueError when it never will."""
+        reservation = self.reservations.reserve(msg.request_id, msg.token_ids, msg.sampling_params)
+        if reservation is None:
             return False
-        bm.append(seq, num_new)
-        seq.status = SequenceStatus.WAITING_FOR_KV
-        send_ids = seq.block_table[len(ids) :]
+        num_held, send_ids = reservation.num_held_blocks, list(reservation.block_ids)
         direct_src = self._peers.map_cache(msg)
         ring = None if direct_src is not None else self._peers.map_ring(msg)
         self._incoming[msg.request_id] = _Incoming(
             peer,
-            seq,
             msg,
-            len(ids),
+            num_held,
             torch.tensor(send_ids, dtype=torch.long),
             bytearray(self.fingerprint.num_layers * len(send_ids)),
             time.monotonic() + self.config.chunk_timeout_s,
@@ -252,7 +243,7 @@ class KVReceiver:
         )
         grant = KVGrant(
             msg.request_id,
-            len(ids),
+            num_held,
             tuple(send_ids),
             self.config.window_bytes,
             ring is not None,
@@ -323,14 +314,10 @@ class KVReceiver:
             self._fail(msg.request_id, KVAborted(msg.request_id, "done before every chunk landed"))
             return
         del self._incoming[msg.request_id]
-        seq = state.seq
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.block_manager.commit_computed(seq)
-        seq.token_ids.append(msg.first_token)
         self._reply(peer, KVAck(msg.request_id))
         self._result.completed.append(
             ReceivedKV(
-                seq,
+                msg.request_id,
                 msg.first_token,
                 state.num_held_blocks,
                 state.bytes_received,
@@ -371,9 +358,13 @@ class KVReceiver:
 
     def _grant_queued(self) -> None:
         """Grant queued reservations in arrival order while the head fits (no overtaking)."""
-        while self._queued and self._try_grant(
-            self._queued[0].peer, self._queued[0].reserve, self._queued[0].params
-        ):
+        while self._queued:
+            head = self._queued[0]
+            try:
+                if not self._try_grant(head.peer, head.reserve):
+                    return
+            except ValueError as exc:  # admitted rules changed under it (e.g. a duplicate id)
+                self._reply(head.peer, KVReject(head.reserve.request_id, f"not admitted: {exc}"))
             self._queued.popleft()
 
     def _fail(self, request_id: str, error: KVTransferError, notify: bool = True) -> None:
@@ -381,8 +372,7 @@ class KVReceiver:
         peer, meta = None, None
         if state is not None:
             meta = state.reserve.request_meta
-            self.block_manager.free(state.seq)
-            state.seq.status = SequenceStatus.FINISHED_ABORTED
+            self.reservations.release(request_id)
             peer = state.peer
         for queued in [q for q in self._queued if q.reserve.request_id == request_id]:
             self._queued.remove(queued)

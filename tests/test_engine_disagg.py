@@ -13,20 +13,18 @@ from tests.engine_helpers import hf_greedy
 from tests.tiny_models import make_tiny_model
 
 
-def _move_kv(src: LLMEngine, dst: LLMEngine, seq: Sequence, request_id: str) -> Sequence:
-    """What kv_transfer does over the wire, done in-process: gather, reserve, scatter."""
+def _move_kv(src: LLMEngine, dst: LLMEngine, seq: Sequence, request_id: str) -> list:
+    """What kv_transfer does over the wire, done in-process: reserve, gather, scatter, arrive."""
     prompt = seq.token_ids[:seq.num_prompt_tokens]
-    moved = Sequence(request_id, list(prompt), len(prompt), seq.params)
-    dst.block_manager.append(moved, len(prompt))
+    reservation = dst.reserve_remote(request_id, list(prompt), seq.params)
+    assert reservation is not None
+    held = reservation.num_held_blocks
     src_k = [k for k, _ in src.runner.kv_caches]
     src_v = [v for _, v in src.runner.kv_caches]
-    buf = kernels.gather_blocks(src_k, src_v, torch.tensor(seq.block_table))
+    buf = kernels.gather_blocks(src_k, src_v, torch.tensor(seq.block_table[held:]))
     kernels.scatter_blocks(buf, [k for k, _ in dst.runner.kv_caches], [v for _, v in dst.runner.kv_caches],
-                           torch.tensor(moved.block_table))
-    moved.num_computed_tokens = len(prompt)
-    dst.block_manager.commit_computed(moved)
-    moved.token_ids.append(seq.token_ids[-1])
-    return moved
+                           torch.tensor(reservation.block_ids))
+    return dst.kv_arrived(request_id, seq.token_ids[-1])
 
 
 def test_prefill_only_then_decode_elsewhere_matches_hf():
@@ -42,7 +40,7 @@ def test_prefill_only_then_decode_elsewhere_matches_hf():
         prefill.step()
     assert set(prefill.held) == {"a", "b"}
     for rid in prompts:
-        decode.add_prefilled(_move_kv(prefill, decode, prefill.held[rid], rid))
+        _move_kv(prefill, decode, prefill.held[rid], rid)
         assert prefill.release_held(rid)
     assert prefill.block_manager.num_free_blocks == 32
     results = {}
@@ -61,8 +59,54 @@ def test_first_token_that_ends_the_request_finishes_at_adoption():
     decode = LLMEngine(EngineConfig(model=path, num_kv_blocks=16, block_size=8))
     prefill.add_request("x", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1), prefill_only=True)
     prefill.step()
-    outs = decode.add_prefilled(_move_kv(prefill, decode, prefill.held["x"], "x"))
+    outs = _move_kv(prefill, decode, prefill.held["x"], "x")
     assert outs and outs[0].finished and outs[0].outputs[0].finish_reason == "length"
     assert decode.block_manager.num_free_blocks == 16
     prefill.abort_request("x")  # abort releases held blocks too
     assert prefill.block_manager.num_free_blocks == 16
+
+
+def _prefilled(path: str, prompts: dict[str, list[int]], max_tokens: int) -> LLMEngine:
+    prefill = LLMEngine(EngineConfig(model=path, num_kv_blocks=64, block_size=8))
+    for rid, prompt in prompts.items():
+        prefill.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                            prefill_only=True)
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    return prefill
+
+
+def test_remote_reservations_obey_max_num_seqs_and_count_as_running():
+    path = str(make_tiny_model("llama"))
+    decode = LLMEngine(EngineConfig(model=path, num_kv_blocks=64, block_size=8, max_num_seqs=2))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert decode.reserve_remote("a", list(range(3, 20)), params) is not None
+    decode.add_request("local", list(range(30, 40)), params)
+    decode.step()  # the local prompt runs: now "a" (receiving) and "local" fill max_num_seqs
+    assert decode.scheduler.num_seqs == 2
+    assert decode.reserve_remote("b", list(range(50, 60)), params) is None
+    decode.add_request("queued", list(range(60, 70)), params)
+    decode.step()
+    assert [s.request_id for s in decode.scheduler.waiting] == ["queued"]  # "a" holds its slot locally too
+    decode.abort_request("a")  # its transfer failed: blocks and slot come back
+    assert decode.reserve_remote("b", list(range(50, 60)), params) is not None
+    decode.block_manager.check_integrity([*decode.scheduler.running, *decode.scheduler.receiving])
+
+
+def test_remote_reservation_reuses_cached_prefix_blocks_and_decodes_equal_to_hf():
+    path = str(make_tiny_model("llama"))
+    shared = list(range(3, 27))  # 3 full blocks of 8
+    prompts = {"first": [*shared, 40, 41], "second": [*shared, 50, 51, 52]}
+    prefill = _prefilled(path, prompts, 6)
+    decode = LLMEngine(EngineConfig(model=path, num_kv_blocks=32, block_size=8))
+    outs = {}
+    for rid in prompts:
+        reservation = decode.reserve_remote(rid, prompts[rid], prefill.held[rid].params)
+        assert reservation.num_held_blocks == (0 if rid == "first" else 3)
+        decode.abort_request(rid)
+        _move_kv(prefill, decode, prefill.held[rid], rid)
+        while decode.has_work():
+            for out in decode.step():
+                if out.finished:
+                    outs[out.request_id] = out.outputs[0].token_ids
+    assert outs == {rid: hf_greedy(path, p, 6) for rid, p in prompts.items()}

@@ -11,7 +11,15 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from kv_transfer_peer import BLOCK_SIZE, NUM_KV_HEADS, NUM_LAYERS, make_caches, make_fingerprint, prefill_side
+from kv_transfer_peer import (
+    BLOCK_SIZE,
+    NUM_KV_HEADS,
+    NUM_LAYERS,
+    PoolReservations,
+    make_caches,
+    make_fingerprint,
+    prefill_side,
+)
 
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
@@ -54,7 +62,7 @@ def make_receiver(address: str, num_blocks: int = NUM_BLOCKS, **config: object) 
     return KVReceiver(
         address,
         make_fingerprint(),
-        BlockManager(num_blocks, BLOCK_SIZE),
+        PoolReservations(BlockManager(num_blocks, BLOCK_SIZE)),
         keys,
         values,
         config,
@@ -90,7 +98,7 @@ def assert_blocks_equal(
 def test_round_trip_lands_exact_bytes_in_the_granted_blocks(link, pool):
     receiver = make_receiver(link.address)
     squatter = Sequence("squat", [9] * 3 * BLOCK_SIZE, 3 * BLOCK_SIZE, SamplingParams())
-    receiver.block_manager.append(squatter, 3 * BLOCK_SIZE)  # so the free layouts differ
+    receiver.reservations.block_manager.append(squatter, 3 * BLOCK_SIZE)  # so the free layouts differ
     tokens = list(range(100, 100 + 3 * BLOCK_SIZE + 1))  # 3 full blocks and one partial
     src_bm, src_seq = prefill_side(tokens, NUM_BLOCKS, skip=5)
     keys, values = make_caches(NUM_BLOCKS, seed=1)
@@ -100,18 +108,19 @@ def test_round_trip_lands_exact_bytes_in_the_granted_blocks(link, pool):
     got = poll_until(receiver, lambda r: bool(r.completed)).completed[0]
     stats = future.result(timeout=5)
 
-    seq = got.seq
-    assert seq.token_ids == [*tokens, 7] and seq.num_computed_tokens == len(tokens)
-    assert seq.status is SequenceStatus.WAITING_FOR_KV and got.num_held_blocks == 0
+    seq = receiver.reservations.seqs[got.request_id]
+    assert seq.status is SequenceStatus.WAITING_FOR_KV and got.num_held_blocks == 0 and got.first_token == 7
+    receiver.reservations.arrived(got.request_id)
+    assert seq.num_computed_tokens == len(tokens) and seq.status is SequenceStatus.RUNNING
     assert seq.block_table == [3, 4, 5, 6] and src_seq.block_table == [5, 6, 7, 8]
     assert_blocks_equal(keys, src_seq.block_table, receiver.key_caches, seq.block_table)
     assert_blocks_equal(values, src_seq.block_table, receiver.value_caches, seq.block_table)
     assert stats.bytes_sent == got.bytes_received == 2 * NUM_LAYERS * 4 * keys[0][0].numel() * 4
     assert stats.shm == link.shared_memory
-    receiver.block_manager.check_integrity([squatter, seq])
-    receiver.block_manager.free(seq)
-    receiver.block_manager.free(squatter)
-    assert receiver.block_manager.num_free_blocks == NUM_BLOCKS
+    receiver.reservations.block_manager.check_integrity([squatter, seq])
+    receiver.reservations.finish(got.request_id)
+    receiver.reservations.block_manager.free(squatter)
+    assert receiver.reservations.block_manager.num_free_blocks == NUM_BLOCKS
     src_bm.free(src_seq)
     sender.close()
     receiver.close()
@@ -119,13 +128,13 @@ def test_round_trip_lands_exact_bytes_in_the_granted_blocks(link, pool):
 
 def test_prefix_blocks_held_by_the_receiver_are_not_sent(link, pool):
     receiver = make_receiver(link.address)
-    bm = receiver.block_manager
+    bm = receiver.reservations.block_manager
     keys, values = make_caches(NUM_BLOCKS, seed=2)
     sender = make_sender(receiver, link)
     first = list(range(1, 2 * BLOCK_SIZE + 2))  # 2 full blocks + 1 token
     _, src_seq = prefill_side(first, NUM_BLOCKS)
     future = pool.submit(sender.transfer, "a", first, keys, values, src_seq.block_table, 5)
-    bm.free(poll_until(receiver, lambda r: bool(r.completed)).completed[0].seq)  # blocks stay cached
+    receiver.reservations.finish(poll_until(receiver, lambda r: bool(r.completed)).completed[0].request_id)  # blocks stay cached
     future.result(timeout=5)  # a KVSender is used from one thread at a time
 
     second = [*first[: 2 * BLOCK_SIZE], 50, 51, 52, 53, 54]  # same 2 leading blocks, new tail (2 blocks)
@@ -137,9 +146,9 @@ def test_prefix_blocks_held_by_the_receiver_are_not_sent(link, pool):
     block_bytes = 2 * NUM_LAYERS * keys[0][0].numel() * 4  # K and V, every layer, fp32
     assert got.num_held_blocks == stats.num_held_blocks == 2
     assert stats.bytes_sent == got.bytes_received == 2 * block_bytes  # only the two tail blocks
-    assert_blocks_equal(keys, src_seq2.block_table, receiver.key_caches, got.seq.block_table)
-    bm.check_integrity([got.seq])
-    bm.free(got.seq)
+    assert_blocks_equal(keys, src_seq2.block_table, receiver.key_caches, receiver.reservations.arrived(got.request_id).block_table)
+    bm.check_integrity([receiver.reservations.arrived(got.request_id)])
+    receiver.reservations.finish(got.request_id)
     assert bm.num_free_blocks == NUM_BLOCKS
     sender.close()
     receiver.close()
@@ -160,13 +169,13 @@ def test_second_sender_waits_for_room_then_completes(link, pool):
     poll_until(receiver, lambda r: receiver.num_queued == 1)
     receiver.poll(0.2)
     assert receiver.num_queued == 1 and receiver.num_incoming == 0 and not future_b.done()
-    receiver.block_manager.free(got_a.seq)  # request a finished decoding
+    receiver.reservations.finish(got_a.request_id)  # request a finished decoding
     got_b = poll_until(receiver, lambda r: bool(r.completed)).completed[0]
     assert future_b.result(timeout=5).num_sent_blocks == 3
-    assert_blocks_equal(keys, seq_b.block_table, receiver.key_caches, got_b.seq.block_table)
-    receiver.block_manager.free(got_b.seq)
-    receiver.block_manager.check_integrity([])
-    assert receiver.block_manager.num_free_blocks == 3
+    assert_blocks_equal(keys, seq_b.block_table, receiver.key_caches, receiver.reservations.arrived(got_b.request_id).block_table)
+    receiver.reservations.finish(got_b.request_id)
+    receiver.reservations.block_manager.check_integrity([])
+    assert receiver.reservations.block_manager.num_free_blocks == 3
     sender_a.close()
     sender_b.close()
     receiver.close()
@@ -180,7 +189,7 @@ def test_fingerprint_mismatch_is_rejected_naming_the_field(link, pool):
     with pytest.raises(KVRejected) as info:
         future.result(timeout=5)
     assert info.value.field == "num_kv_heads"
-    assert receiver.block_manager.num_free_blocks == NUM_BLOCKS
+    assert receiver.reservations.block_manager.num_free_blocks == NUM_BLOCKS
     sender.close()
     receiver.close()
 
@@ -200,7 +209,7 @@ def test_prompt_that_can_never_fit_is_rejected(link, pool):
 def test_queued_reservation_is_rejected_when_its_ttl_passes(link, pool):
     receiver = make_receiver(link.address, num_blocks=2, max_ttl_s=0.3)  # caps the sender's 5 s
     hog = Sequence("hog", [0] * BLOCK_SIZE, BLOCK_SIZE, SamplingParams())
-    receiver.block_manager.append(hog, BLOCK_SIZE)
+    receiver.reservations.block_manager.append(hog, BLOCK_SIZE)
     sender = make_sender(receiver, link, grant_timeout_s=5)
     future = pool.submit(sender.reserve, "late", list(range(2 * BLOCK_SIZE)))
     got = poll_until(receiver, lambda r: bool(r.failed))
@@ -208,8 +217,8 @@ def test_queued_reservation_is_rejected_when_its_ttl_passes(link, pool):
     with pytest.raises(KVRejected) as info:
         future.result(timeout=5)
     assert info.value.field == "ttl_s"
-    receiver.block_manager.free(hog)
-    assert receiver.block_manager.num_free_blocks == 2
+    receiver.reservations.block_manager.free(hog)
+    assert receiver.reservations.block_manager.num_free_blocks == 2
     sender.close()
     receiver.close()
 
@@ -228,10 +237,35 @@ def test_int8_wire_quarters_the_bytes_within_quantization_error(link, pool):
     assert stats.bytes_sent == elems + num_scales * 4  # int8 values + one fp32 scale per (block, head)
     for src, dst in [(keys, receiver.key_caches), (values, receiver.value_caches)]:
         for s, d in zip(src, dst, strict=True):
-            x, y = s[src_seq.block_table], d[got.seq.block_table]  # [blocks, block_size, heads, dim]
+            x, y = s[src_seq.block_table], d[receiver.reservations.arrived(got.request_id).block_table]  # [blocks, block_size, heads, dim]
             step = x.abs().amax(dim=(1, 3), keepdim=True) / 127  # one scale per (block, head)
             assert ((x - y).abs() <= step / 2 + 1e-6).all()
-    receiver.block_manager.free(got.seq)
-    assert receiver.block_manager.num_free_blocks == NUM_BLOCKS
+    receiver.reservations.finish(got.request_id)
+    assert receiver.reservations.block_manager.num_free_blocks == NUM_BLOCKS
+    sender.close()
+    receiver.close()
+
+
+def test_a_reservation_waits_while_the_engine_runs_max_num_seqs(link, pool):
+    """Incoming transfers are admitted by the engine's rules: with max_num_seqs 1 and one request
+    holding its slot, the next reservation queues (KVWait) until that one finishes."""
+    keys, values = make_caches(NUM_BLOCKS, seed=None)
+    reservations = PoolReservations(BlockManager(NUM_BLOCKS, BLOCK_SIZE), max_num_seqs=1)
+    receiver = KVReceiver(link.address, make_fingerprint(), reservations, keys, values)
+    sender = make_sender(receiver, link, grant_timeout_s=10)
+    src_keys, src_values = make_caches(NUM_BLOCKS, seed=5)
+    tokens = list(range(1, BLOCK_SIZE + 3))
+    _, src_seq = prefill_side(tokens, NUM_BLOCKS)
+    first = pool.submit(sender.transfer, "one", tokens, src_keys, src_values, src_seq.block_table, 3)
+    assert poll_until(receiver, lambda r: bool(r.completed)).completed[0].request_id == "one"
+    first.result(timeout=5)
+    second = pool.submit(sender.transfer, "two", [*tokens, 9], src_keys, src_values, src_seq.block_table, 3)
+    receiver.poll(0.5)
+    assert receiver.num_queued == 1 and receiver.num_incoming == 0 and not second.done()
+    reservations.finish("one")  # it decoded to its end: the slot is free
+    assert poll_until(receiver, lambda r: bool(r.completed)).completed[0].request_id == "two"
+    second.result(timeout=5)
+    reservations.finish("two")
+    assert reservations.block_manager.num_free_blocks == NUM_BLOCKS
     sender.close()
     receiver.close()

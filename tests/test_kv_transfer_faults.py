@@ -52,13 +52,13 @@ def serve_one_transfer(receiver: KVReceiver, request_id: str) -> None:
         future = pool.submit(sender.transfer, request_id, tokens, keys, values, src.block_table, 1)
         got = poll_until(receiver, lambda r: bool(r.completed)).completed[0]
         future.result(timeout=5)
-    receiver.block_manager.free(got.seq)
+    receiver.reservations.finish(got.request_id)
     sender.close()
 
 
 def assert_all_blocks_free(receiver: KVReceiver) -> None:
-    receiver.block_manager.check_integrity([])
-    assert receiver.block_manager.num_free_blocks == receiver.block_manager.num_blocks
+    receiver.reservations.block_manager.check_integrity([])
+    assert receiver.reservations.block_manager.num_free_blocks == receiver.reservations.block_manager.num_blocks
     assert receiver.num_incoming == receiver.num_queued == 0
 
 
@@ -90,7 +90,7 @@ def test_silent_sender_loses_its_blocks_at_the_chunk_deadline():
     receiver = make_receiver("tcp://127.0.0.1:0", chunk_timeout_s=0.3)
     peer = PeerChannel(receiver.address)
     raw_grant(receiver, peer, "quiet", list(range(1, 3 * BLOCK_SIZE)))
-    assert receiver.block_manager.num_free_blocks == NUM_BLOCKS - 3
+    assert receiver.reservations.block_manager.num_free_blocks == NUM_BLOCKS - 3
     started = time.monotonic()
     got = poll_until(receiver, lambda r: bool(r.failed))
     assert isinstance(got.failed[0].error, KVTimeout) and time.monotonic() - started < 1.0

@@ -27,7 +27,7 @@ def _transfer(sender: KVSender, receiver, request_id: str):
         future = pool.submit(sender.transfer, request_id, tokens, keys, values, seq.block_table, 7)
         got = poll_until(receiver, lambda r: bool(r.completed)).completed[0]
         stats = future.result(timeout=10)
-    receiver.block_manager.free(got.seq)
+    receiver.reservations.finish(got.request_id)
     return stats
 
 
@@ -100,7 +100,7 @@ def test_ring_bytes_that_change_after_the_check_never_land(monkeypatch):
             assert future.result(timeout=10).shm
         for src, dst in ((keys, receiver.key_caches), (values, receiver.value_caches)):
             for layer in range(len(src)):
-                assert src[layer][seq.block_table].equal(dst[layer][got.seq.block_table])
+                assert src[layer][seq.block_table].equal(dst[layer][receiver.reservations.arrived(got.request_id).block_table])
     finally:
         sender.close()
         receiver.close()

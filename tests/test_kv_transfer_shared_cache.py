@@ -33,7 +33,7 @@ def _shared_cache(seed: int) -> shared_cache.SharedKVCache:
 def test_direct_transfer_copies_exact_bytes_and_sends_no_chunks():
     receiver = make_receiver("tcp://127.0.0.1:0")
     squatter = Sequence("squat", [9] * 2 * BLOCK_SIZE, 2 * BLOCK_SIZE, SamplingParams())
-    receiver.block_manager.append(squatter, 2 * BLOCK_SIZE)
+    receiver.reservations.block_manager.append(squatter, 2 * BLOCK_SIZE)
     cache = _shared_cache(seed=3)
     tokens = list(range(200, 200 + 3 * BLOCK_SIZE + 2))
     src_bm, src_seq = prefill_side(tokens, NUM_BLOCKS, skip=4)
@@ -45,13 +45,13 @@ def test_direct_transfer_copies_exact_bytes_and_sends_no_chunks():
         got = poll_until(receiver, lambda r: bool(r.completed)).completed[0]
         stats = future.result(timeout=5)
     assert stats.direct and not stats.shm
-    assert got.seq.block_table == [2, 3, 4, 5] and src_seq.block_table == [4, 5, 6, 7]
+    assert receiver.reservations.arrived(got.request_id).block_table == [2, 3, 4, 5] and src_seq.block_table == [4, 5, 6, 7]
     for layer in range(NUM_LAYERS):
         for src, dst in ((keys, receiver.key_caches), (values, receiver.value_caches)):
-            assert torch.equal(src[layer][src_seq.block_table], dst[layer][got.seq.block_table])
-    receiver.block_manager.free(got.seq)
-    receiver.block_manager.free(squatter)
-    assert receiver.block_manager.num_free_blocks == NUM_BLOCKS
+            assert torch.equal(src[layer][src_seq.block_table], dst[layer][receiver.reservations.arrived(got.request_id).block_table])
+    receiver.reservations.finish(got.request_id)
+    receiver.reservations.block_manager.free(squatter)
+    assert receiver.reservations.block_manager.num_free_blocks == NUM_BLOCKS
     sender.close()
     receiver.close()
 
@@ -79,7 +79,7 @@ def test_a_corrupted_source_block_fails_the_checksum_and_frees_the_grant():
         with pytest.raises(Exception, match="checksum"):
             future.result(timeout=5)
     assert "checksum mismatch in layer 1" in str(failed.error)
-    assert receiver.block_manager.num_free_blocks == NUM_BLOCKS
+    assert receiver.reservations.block_manager.num_free_blocks == NUM_BLOCKS
     sender.close()
     receiver.close()
 
@@ -101,7 +101,7 @@ def test_a_cache_ref_that_cannot_be_opened_falls_back_to_chunks():
         got = poll_until(receiver, lambda r: bool(r.completed)).completed[0]
         stats = future.result(timeout=5)
     assert not stats.direct
-    assert torch.equal(keys[0][src_seq.block_table], receiver.key_caches[0][got.seq.block_table])
+    assert torch.equal(keys[0][src_seq.block_table], receiver.key_caches[0][receiver.reservations.arrived(got.request_id).block_table])
     sender.close()
     receiver.close()
 
