@@ -1,0 +1,30 @@
+"""Normalisations: RMSNorm in Llama's form (w * x) and Gemma's form ((1 + w) * x), and LayerNorm."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+LayerNorm = nn.LayerNorm  # GPT-2 and StableLM: mean and variance, weight and bias
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x), scaled by ``weight`` (Llama) or by ``1 + weight`` (Gemma, zero-initialised).
+
+    Works on any leading shape: [T, hidden], or [T, heads, head_dim] for per-head q/k norms.
+    The rounding follows HF per family: Llama casts back to the input dtype before scaling,
+    Gemma scales in fp32 and casts after.
+    """
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * normed.to(dtype)
