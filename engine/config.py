@@ -39,7 +39,11 @@ class ModelConfig:
         arch = (cfg.get("architectures") or [""])[0]
         if "model_type" not in cfg:
             raise ValueError(f"model: config.json in {path} has no model_type")
-        hf = transformers.AutoConfig.for_model(**cfg)
+        try:
+            hf = transformers.AutoConfig.for_model(**cfg)
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"model: config.json in {path} has model_type {cfg['model_type']!r}, which "
+                             f"transformers {transformers.__version__} does not know ({e})") from None
         num_heads = hf.num_attention_heads
         eos = hf.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
