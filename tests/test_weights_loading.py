@@ -85,3 +85,16 @@ def test_model_type_unknown_to_transformers_fails_at_start_up(tmp_path):
     (dst / "config.json").write_text(json.dumps({**cfg, "model_type": "no-such-family"}))
     with pytest.raises(ValueError, match="model_type 'no-such-family'"):
         LLM(str(dst))
+
+
+def test_gpt2_checkpoint_in_openai_naming_with_mask_buffers_loads(tmp_path):
+    # openai-community/gpt2 names tensors without "transformer." and stores the causal masks.
+    src = make_tiny_model("gpt2")
+    dst = tmp_path / "openai-names"
+    shutil.copytree(src, dst)
+    tensors = {name.removeprefix("transformer."): t for name, t in load_file(f"{src}/model.safetensors").items()}
+    tensors.pop("lm_head.weight", None)
+    for i in range(2):
+        tensors[f"h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 8, 8))
+    save_file(tensors, f"{dst}/model.safetensors", metadata={"format": "pt"})
+    assert torch.equal(paged_logits(str(dst), TOKENS, chunks=[20]), paged_logits(str(src), TOKENS, chunks=[20]))
