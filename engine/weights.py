@@ -15,7 +15,10 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
 # '...experts.<e>.<name>.weight' -> (our [num_experts, out, in] parameter, shard index within it)
-_EXPERT_FUSED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+_EXPERT_FUSED = {
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
+    "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0),  # Mixtral's names
+}
 
 
 def checkpoint_files(model_dir: str | pathlib.Path) -> list[pathlib.Path]:

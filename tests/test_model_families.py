@@ -17,7 +17,7 @@ from engine.model_runner import ModelRunner
 from tests.engine_helpers import hf_greedy, hf_logits, hf_model, paged_logits
 from tests.tiny_models import make_tiny_model
 
-FAMILIES = ["qwen3", "gemma", "gemma2", "phi3", "gpt2", "stablelm", "qwen2_moe"]
+FAMILIES = ["qwen3", "gemma", "gemma2", "phi3", "gpt2", "stablelm", "qwen2_moe", "mixtral"]
 VARIANTS = ["qwen3-yarn", "gemma-linear", "qwen2-dynamic", "stablelm-parallel"]  # rotary or residual variants
 
 
@@ -87,17 +87,18 @@ def test_dynamic_ntk_refuses_a_context_past_max_position_embeddings():
         LLM(str(make_tiny_model("qwen2-dynamic")), num_kv_blocks=8, max_model_len=512)
 
 
-def test_moe_router_logits_expert_choice_and_block_output_match_hf():
-    path = str(make_tiny_model("qwen2_moe"))
+@pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral"])
+def test_moe_router_logits_expert_choice_and_block_output_match_hf(kind):
+    path = str(make_tiny_model(kind))
     cfg = ModelConfig.from_path(path)
     spec = KVCacheSpec(cfg.num_layers, 4, 4, cfg.num_kv_heads, cfg.head_dim, "float32")
     ours = ModelRunner(cfg, EngineConfig(model=path), spec).model.model.layers[1].mlp  # the sparse layer
     theirs = hf_model(path).model.layers[1].mlp
-    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(6))  # 32 picks of 8 experts
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(6))  # 32 picks of 8 or 4 experts
     with torch.no_grad():
         routing = ours.gate(x)
         hf_logits_, hf_weights, hf_experts = theirs.gate(x)
-        assert torch.bincount(routing.experts.reshape(-1), minlength=8).max().item() >= 4  # shared experts
+        assert torch.bincount(routing.experts.reshape(-1)).max().item() >= 4  # tokens share experts
         assert torch.equal(routing.experts, hf_experts)
         torch.testing.assert_close(routing.logits, hf_logits_, atol=1e-6, rtol=0)
         torch.testing.assert_close(routing.weights, hf_weights, atol=1e-6, rtol=0)

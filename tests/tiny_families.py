@@ -42,6 +42,9 @@ FAMILY_CONFIGS = {
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**BASE, num_experts=8, num_experts_per_tok=2,
                                                      moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                                      norm_topk_prob=True, mlp_only_layers=[0]),
+    # 4 experts of 48, top 2 renormalised, no shared expert; window 16 on every layer
+    "mixtral": lambda: transformers.MixtralConfig(**BASE, num_local_experts=4, num_experts_per_tok=2,
+                                                  sliding_window=16),
     # dynamic NTK: the plain rotation while the context stays within max_position_embeddings
     "qwen2-dynamic": lambda: transformers.Qwen2Config(**BASE, rope_parameters={
         "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
