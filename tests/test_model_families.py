@@ -17,7 +17,7 @@ from engine.model_runner import ModelRunner
 from tests.engine_helpers import hf_greedy, hf_logits, hf_model, paged_logits
 from tests.tiny_models import make_tiny_model
 
-FAMILIES = ["qwen3", "gemma", "gemma2", "phi3", "gpt2", "stablelm", "qwen2_moe", "mixtral"]
+FAMILIES = ["qwen3", "gemma", "gemma2", "phi3", "gpt2", "stablelm", "olmo2", "qwen2_moe", "mixtral"]
 VARIANTS = ["qwen3-yarn", "gemma-linear", "qwen2-dynamic", "stablelm-parallel"]  # rotary or residual variants
 
 

@@ -38,6 +38,8 @@ FAMILY_CONFIGS = {
     # partial rotary (a quarter of each 16-channel head), LayerNorm with bias, q/k/v bias
     "stablelm": lambda: transformers.StableLmConfig(**BASE, use_qkv_bias=True),
     "stablelm-parallel": lambda: transformers.StableLmConfig(**BASE, use_parallel_residual=True),
+    # norms after attention and MLP only; q/k norms over all heads (4 x 16 and 2 x 16 channels)
+    "olmo2": lambda: transformers.Olmo2Config(**BASE, pad_token_id=0),
     # layer 0 dense, layer 1 sparse: 8 experts, top 2 renormalised, plus a gated shared expert
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**BASE, num_experts=8, num_experts_per_tok=2,
                                                      moe_intermediate_size=32, shared_expert_intermediate_size=48,

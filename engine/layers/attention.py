@@ -34,7 +34,8 @@ class AttentionSpec:
 
 
 class SelfAttention(nn.Module):
-    """``q_norm`` / ``k_norm`` act on [T, heads, head_dim] before the rotation (Qwen3)."""
+    """``q_norm`` / ``k_norm`` act on [T, heads, head_dim] before the rotation (Qwen3 per head,
+    OLMo 2 over all heads)."""
 
     def __init__(self, spec: AttentionSpec, rope: RotaryEmbedding | None, q_norm: nn.Module | None = None,
                  k_norm: nn.Module | None = None) -> None:

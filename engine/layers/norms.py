@@ -28,3 +28,11 @@ class RMSNorm(nn.Module):
         if self.unit_offset:
             return (normed * (1.0 + self.weight.float())).to(dtype)
         return self.weight * normed.to(dtype)
+
+
+class FlatHeadsRMSNorm(RMSNorm):
+    """RMSNorm over all of a token's heads at once (OLMo 2's q/k norm): [T, heads, D] is
+    normalised as [T, heads * D], with one weight of heads * D channels."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.reshape(x.shape[0], -1)).view_as(x)

@@ -8,6 +8,7 @@ from engine.models.gemma2 import Gemma2ForCausalLM
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
+from engine.models.olmo2 import Olmo2ForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
@@ -23,6 +24,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "StableLmForCausalLM": StableLmForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
 }

@@ -6,6 +6,7 @@ A family file builds its layers from engine/layers and picks one of the residual
     PreNormLayer    x += attn(n1(x));  x += mlp(n2(x))             Llama, Qwen, Phi-3, StableLM, MoE
     SandwichLayer   x += n2(attn(n1(x)));  x += n4(mlp(n3(x)))     Gemma 2 (norms before and after)
     ParallelLayer   h = n1(x);  x += attn(h) + mlp(h)              StableLM with use_parallel_residual
+    PostNormLayer   x += n1(attn(x));  x += n2(mlp(x))             OLMo 2 (norms after, none before)
 """
 
 from __future__ import annotations
@@ -54,6 +55,19 @@ class ParallelLayer(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         h = self.input_layernorm(x)
         return x + self.self_attn(h, positions, kv_cache, meta) + self.mlp(h)
+
+
+class PostNormLayer(nn.Module):
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, post_attention_layernorm: nn.Module,
+                 post_feedforward_layernorm: nn.Module) -> None:
+        super().__init__()
+        self.self_attn, self.post_attention_layernorm = self_attn, post_attention_layernorm
+        self.mlp, self.post_feedforward_layernorm = mlp, post_feedforward_layernorm
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(x, positions, kv_cache, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(x))
 
 
 class DecoderStack(nn.Module):
