@@ -37,7 +37,8 @@ FAMILY_CONFIGS = {
                                             eos_token_id=2, bos_token_id=1),
     # partial rotary (a quarter of each 16-channel head), LayerNorm with bias, q/k/v bias
     "stablelm": lambda: transformers.StableLmConfig(**BASE, use_qkv_bias=True),
-    "stablelm-parallel": lambda: transformers.StableLmConfig(**BASE, use_parallel_residual=True),
+    # StableLM 2 12B's shape: parallel residual and a LayerNorm per q/k head
+    "stablelm-parallel": lambda: transformers.StableLmConfig(**BASE, use_parallel_residual=True, qk_layernorm=True),
     # norms after attention and MLP only; q/k norms over all heads (4 x 16 and 2 x 16 channels)
     "olmo2": lambda: transformers.Olmo2Config(**BASE, pad_token_id=0),
     # layer 0 dense, layer 1 sparse: 8 experts, top 2 renormalised, plus a gated shared expert

@@ -36,3 +36,14 @@ class FlatHeadsRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x.reshape(x.shape[0], -1)).view_as(x)
+
+
+class PerHeadLayerNorm(nn.Module):
+    """A LayerNorm (no bias) of its own for each head (StableLM's qk_layernorm): [T, heads, D]."""
+
+    def __init__(self, num_heads: int, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(head_dim, eps=eps, bias=False) for _ in range(num_heads))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([norm(x[:, h]) for h, norm in enumerate(self.norms)], dim=1)
