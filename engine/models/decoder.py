@@ -94,7 +94,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.embed_scale, self.logit_softcap = embed_scale, logit_softcap
 
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         if self.embed_scale is not None:  # HF rounds the scale to the weights' dtype first
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
@@ -103,7 +103,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden states [T, hidden]
-        x = self.embed(input_ids, positions)
+        x = self.embed(input_ids)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, positions, kv_cache, meta)
         return self.model.norm(x)
