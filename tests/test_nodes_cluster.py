@@ -90,8 +90,9 @@ def test_draining_decode_node_finishes_in_flight_requests_and_leaves(cluster):
     victim = next(p for p in procs if p.role == "decode" and p.addrs["node_id"] == decodes[1]["node_id"])
     client = Client()
     try:
+        # 200 tokens: on an idle machine 60 took ~60 ms, too short a window to see all three running.
         for i in range(3):
-            client.generate(prefills[0], f"drain-{i}", [3 + i] * 20, {**GREEDY, "max_tokens": 60}, decode=decodes[1])
+            client.generate(prefills[0], f"drain-{i}", [3 + i] * 20, {**GREEDY, "max_tokens": 200}, decode=decodes[1])
         deadline = time.monotonic() + 20
         while client.status(decodes[1])["num_running"] < 3:  # all three decoding on the victim
             assert time.monotonic() < deadline
@@ -101,7 +102,7 @@ def test_draining_decode_node_finishes_in_flight_requests_and_leaves(cluster):
         assert victim.proc.wait(30) == 0
         for i in range(3):
             assert results[f"drain-{i}"]["failed"] is None
-            assert results[f"drain-{i}"]["tokens"] == hf_greedy(model, [3 + i] * 20, 60)
+            assert results[f"drain-{i}"]["tokens"] == hf_greedy(model, [3 + i] * 20, 200)
         assert decodes[1]["node_id"] not in {n.node_id for n in list_nodes(redis.client)}
     finally:
         client.close()
