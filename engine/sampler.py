@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import struct
 
 import torch
+import xxhash
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, TokenLogprob
@@ -17,11 +19,8 @@ class SamplerInput:
 
 
 class Sampler:
-    def __init__(self) -> None:
-        self._generators: dict[int, torch.Generator] = {}  # seq_id -> RNG of seeded requests
-
     def forget(self, seq: Sequence) -> None:
-        self._generators.pop(seq.seq_id, None)
+        """Nothing is kept per sequence: a seeded draw depends only on (seed, sample, position)."""
 
     def sample(self, logits: torch.Tensor, inputs: list[SamplerInput]) -> list[tuple[int, TokenLogprob | None]]:
         # logits: [S, vocab] float32, one row per input
@@ -62,14 +61,13 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self._generator(inp.seq)))
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
+        """A seeded sequence's RNG for its next token: a function of (seed, sample index, output
+        position) alone, never of an RNG's history. So a request that moves between engines (prefill
+        node to decode node), is preempted or resumed draws exactly what one engine would have."""
         if seq.params.seed is None:
             return None
-        gen = self._generators.get(seq.seq_id)
-        if gen is None:
-            # Sample i of a seeded request gets its own stream, the same on every run.
-            gen = torch.Generator().manual_seed(seq.params.seed * 1_000_003 + seq.index)
-            self._generators[seq.seq_id] = gen
-        return gen
+        key = struct.pack("<QQQ", seq.params.seed % (1 << 64), seq.index, seq.num_output_tokens)
+        return torch.Generator().manual_seed(xxhash.xxh3_64_intdigest(key) >> 1)  # manual_seed takes < 2**63
 
 
 def _apply_penalties(row: torch.Tensor, seq: Sequence, params: SamplingParams) -> None:

@@ -2,7 +2,7 @@
 
 Each command module exposes `add_parser(subparsers)`, which registers its parser and binds its
 handler with `set_defaults(run=...)`; a handler takes the parsed args and returns an exit code.
-Adding a command (prefill, decode, router, up, status, ...) is one module and one line below.
+Adding a command (prefill, decode, router, up, status, bench, ...) is one module and one line below.
 Command modules import heavy dependencies (torch, transformers) inside their handlers only, so
 `pdserve --help` stays fast.
 """
@@ -10,12 +10,15 @@ Command modules import heavy dependencies (torch, transformers) inside their han
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
+import io
 import sys
 from collections.abc import Sequence
 
-from pdserve_cli import generate, model, nodes, router_cmd, status, up
+from pdserve_cli import bench, generate, model, nodes, router_cmd, status, up
 
-COMMAND_MODULES = (model, generate, nodes, router_cmd, up, status)
+COMMAND_MODULES = (model, generate, nodes, router_cmd, up, status, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):  # no real stderr
+        faulthandler.enable(sys.__stderr__)  # a crash (SIGSEGV, SIGBUS, ...) leaves a traceback in the log
     args = build_parser().parse_args(argv)
     return args.run(args)
 

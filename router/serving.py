@@ -230,7 +230,11 @@ async def serve(run: JobRun, request: Request) -> Response:
         if not run.job.stream:
             return await _answer_whole(run, request)
         events = run.events()
-        first = await anext(events)
+        watcher = asyncio.create_task(_cancel_on_disconnect(run, request))  # no token yet to fail on
+        try:
+            first = await anext(events)
+        finally:
+            watcher.cancel()
         if isinstance(first[1], APIError):
             raise first[1]
     except BaseException:

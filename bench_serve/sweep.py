@@ -1,0 +1,48 @@
+"""A bench: one run per request rate, each measured and summarized on its own."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from bench_serve import runner
+from bench_serve.arrivals import Arrivals, replayed_times
+from bench_serve.client import Endpoint
+from bench_serve.metrics import Slo, summarize
+from bench_serve.report import RunReport, table
+from bench_serve.spec import WorkloadSpec
+from bench_serve.workload import WorkItem
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SweepSpec:
+    rates: tuple[float, ...]  # one run per rate, in this order; math.inf: all at once
+    burstiness: float  # gamma shape of the gaps (1.0: Poisson)
+    limits: runner.Limits  # concurrency cap and time bounds of every run
+    slo: Slo  # what goodput counts against
+    seed: int  # run k uses seed + k for its prompts and its arrivals
+
+
+def send_times(items: list[WorkItem], rate: float, burstiness: float, seed: int, max_s: float) -> list[float]:
+    """A replayed trace keeps its own arrival times; anything else gets the arrival process's."""
+    if items and all(item.arrival_s is not None for item in items):
+        return replayed_times([item.arrival_s for item in items if item.arrival_s is not None], len(items), max_s)
+    return Arrivals(rate, burstiness, seed).send_times(len(items), max_s)
+
+
+def sweep(workload: WorkloadSpec, spec: SweepSpec, endpoint: Endpoint, progress: bool = True,
+          say: Callable[[str], None] = print) -> list[RunReport]:
+    """Each run draws fresh prompts (seed + k) so that no run hits prefixes an earlier run cached."""
+    reports = []
+    for k, rate in enumerate(spec.rates):
+        items = workload.build(spec.seed + k)
+        for item in items:
+            endpoint.body(item)  # a prompt the endpoint cannot take fails here, before anything is sent
+        times = send_times(items, rate, spec.burstiness, spec.seed + k, spec.limits.max_s)
+        result = runner.run(items, times, endpoint, spec.limits, progress)
+        report = RunReport(rate, spec.limits.max_concurrency, summarize(result.records, result.duration_s, spec.slo),
+                           result)
+        say(table(report))
+        reports.append(report)
+    return reports
+

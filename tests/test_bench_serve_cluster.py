@@ -1,0 +1,90 @@
+"""`pdserve bench serve` end to end: the command against a real `pdserve up` cluster on a tiny model.
+
+Prompts below the router's disaggregation threshold (64 uncached tokens) prefill on the decode
+node; longer ones go prefill node -> decode node. The tiny random model often emits tokens that
+are incomplete UTF-8, whose text the router holds back: such a token shows in the stream only
+as its logprob entry, so exact counts need every logprob the client asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tests.cluster import ROOT
+from tests.test_up import Launcher, tiny_model_with_tokenizer
+
+
+@pytest.fixture(scope="module")
+def up(default_model_dir, tmp_path_factory):
+    model = tiny_model_with_tokenizer(default_model_dir, tmp_path_factory.mktemp("model"))
+    launcher = Launcher(tmp_path_factory.mktemp("up"), model, "--prefill", "1", "--decode", "1")
+    try:
+        launcher.wait_up()
+        yield launcher
+    finally:
+        launcher.close()
+
+
+def bench_serve(url: str, out: pathlib.Path, *flags: str) -> dict:
+    cmd = [sys.executable, "-m", "pdserve_cli", "bench", "serve", "--base-url", url, "--result-json", str(out),
+           "--no-progress", "--max-concurrency", "4", "--duration", "90", *flags]
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=150)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "12 sent, 12 ok, errors: none" in done.stdout, done.stdout
+    return json.loads(out.read_text())
+
+
+def assert_every_request_streamed_exactly_what_it_asked_for(run: dict) -> None:
+    records = run["records"]
+    assert [r["index"] for r in records] == list(range(12))
+    for r in records:
+        assert r["ok"] and r["error_kind"] is None and r["finish_reason"] == "length", r
+        assert r["num_output_tokens"] == r["requested_tokens"] == r["usage_completion_tokens"], r
+        assert not r["usage_mismatch"] and r["events_without_logprobs"] == 0, r
+        times = r["token_times_s"]
+        assert 0 < r["ttft_s"] == times[0] and times == sorted(times) and times[-1] <= r["e2e_s"]
+    summary = run["summary"]
+    assert (summary["num_sent"], summary["num_ok"], summary["errors"]) == (12, 12, {})
+    assert summary["num_usage_mismatch"] == summary["num_usage_missing"] == summary["num_off_length"] == 0
+    assert summary["total_output_tokens"] == sum(r["requested_tokens"] for r in records)
+
+
+@pytest.mark.slow
+def test_bench_serve_streams_token_id_completions_at_fixed_concurrency_with_exact_counts(up, tmp_path):
+    result = bench_serve(up.url, tmp_path / "completions.json", "--api", "completions", "--workload", "fixed",
+                         "--num-requests", "12", "--input-len", "40", "--output-len", "9",
+                         "--plot-dir", str(tmp_path / "plots"))
+    (run,) = result["runs"]
+    assert_every_request_streamed_exactly_what_it_asked_for(run)
+    assert all(r["prompt_tokens"] == 40 and r["requested_tokens"] == 9 for r in run["records"])
+    assert run["max_concurrency"] == 4 and run["request_rate"] is None
+    assert (tmp_path / "plots" / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_bench_serve_streams_multi_turn_chat_one_turn_after_another(up, tmp_path):
+    result = bench_serve(up.url, tmp_path / "chat.json", "--api", "chat", "--workload", "multi-turn",
+                         "--num-conversations", "4", "--num-turns", "3", "--input-len", "12", "--output-len", "6",
+                         "--request-rate", "20")
+    (run,) = result["runs"]
+    assert_every_request_streamed_exactly_what_it_asked_for(run)
+    by_turn = {(r["conversation"], r["turn"]): r for r in run["records"]}
+    for conv in range(4):
+        turns = [by_turn[(conv, t)] for t in range(3)]
+        for earlier, later in zip(turns, turns[1:], strict=False):
+            assert later["sent_s"] >= earlier["sent_s"] + earlier["e2e_s"]  # sent after the last turn ended
+            assert later["prompt_tokens"] > earlier["prompt_tokens"] + 12  # it resends the history
+
+
+@pytest.mark.slow
+def test_bench_serve_counts_exactly_on_the_prefill_to_decode_path(up, tmp_path):
+    result = bench_serve(up.url, tmp_path / "disagg.json", "--workload", "fixed", "--num-requests", "12",
+                         "--input-len", "80", "--output-len", "9")
+    assert_every_request_streamed_exactly_what_it_asked_for(result["runs"][0])
