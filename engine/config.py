@@ -6,57 +6,55 @@ import dataclasses
 import json
 import pathlib
 
+import transformers
+
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """What the engine needs from a Hugging Face config.json of a Llama-family model."""
+    """What the engine needs from a Hugging Face config.json, whatever the family.
+
+    ``hf`` is the family's own transformers config built from the file, so a key that a
+    checkpoint leaves out takes the same default here as in transformers; the model files read
+    their family's knobs from it (and never write to it).
+    """
 
     path: str  # model folder
     architecture: str  # config.json "architectures"[0]
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
     num_layers: int
     num_heads: int  # query heads
     num_kv_heads: int  # key/value heads (GQA)
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None  # {"rope_type": "llama3" | "linear", ...} or None for plain RoPE
+    head_dim: int  # channels per head (Gemma, Mistral: not hidden_size / num_heads)
     max_position_embeddings: int
     tie_word_embeddings: bool  # lm_head shares the embedding matrix
-    qkv_bias: bool  # Qwen2 (and Llama with attention_bias) add a bias to q, k, v
-    sliding_window: int | None  # Mistral: attend to at most this many most recent tokens
     eos_token_ids: tuple[int, ...]  # tokens that end generation
     bos_token_id: int | None
+    hf: transformers.PreTrainedConfig  # the whole config, family defaults filled in
 
     @classmethod
     def from_dict(cls, path: str, cfg: dict) -> ModelConfig:
         arch = (cfg.get("architectures") or [""])[0]
-        num_heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-        rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5 layout
-        legacy = cfg.get("rope_scaling") or {}
-        rope = {**legacy, **rope}
-        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        eos = cfg.get("eos_token_id")
+        if "model_type" not in cfg:
+            raise ValueError(f"model: config.json in {path} has no model_type")
+        try:
+            hf = transformers.AutoConfig.for_model(**cfg)
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"model: config.json in {path} has model_type {cfg['model_type']!r}, which "
+                             f"transformers {transformers.__version__} does not know ({e})") from None
+        num_heads = hf.num_attention_heads
+        eos = hf.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        window = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-            window = None
         return cls(
-            path=path, architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
-            num_heads=num_heads, num_kv_heads=cfg.get("num_key_value_heads") or num_heads, head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=rope_theta,
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=arch == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
-            sliding_window=window, eos_token_ids=eos_ids, bos_token_id=cfg.get("bos_token_id"),
+            path=path, architecture=arch, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+            num_layers=hf.num_hidden_layers, num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            eos_token_ids=eos_ids, bos_token_id=hf.bos_token_id, hf=hf,
         )
 
     @classmethod
@@ -65,6 +63,18 @@ class ModelConfig:
         if not config_file.is_file():
             raise ValueError(f"model: no config.json in {path!s}; pass a Hugging Face model folder")
         return cls.from_dict(str(path), json.loads(config_file.read_text()))
+
+    def rope_parameters(self) -> dict:
+        """rope_theta, rope_type and the variant's keys (transformers' normalised form)."""
+        return dict(self.hf.rope_parameters)
+
+    def sliding_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s attention window: per ``layer_types`` where the config has them."""
+        window = getattr(self.hf, "sliding_window", None) or None
+        layer_types = getattr(self.hf, "layer_types", None)
+        if layer_types is not None and layer_types[layer] != "sliding_attention":
+            return None
+        return window
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -14,6 +14,11 @@ _FUSED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
+# '...experts.<e>.<name>.weight' -> (our [num_experts, out, in] parameter, shard index within it)
+_EXPERT_FUSED = {
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
+    "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0),  # Mixtral's names
+}
 
 
 def checkpoint_files(model_dir: str | pathlib.Path) -> list[pathlib.Path]:
@@ -36,33 +41,60 @@ def iter_tensors(model_dir: str | pathlib.Path) -> Iterator[tuple[str, torch.Ten
 
 
 def load_weights(model: torch.nn.Module, model_dir: str | pathlib.Path) -> None:
-    """Copy checkpoint tensors into ``model``, fusing q/k/v and gate/up; every parameter must be set."""
+    """Copy checkpoint tensors into ``model``, fusing q/k/v, gate/up and per-expert matrices;
+    every parameter must be set. ``model.checkpoint_name(name)`` (when the model has it) renames
+    a checkpoint tensor to its parameter, or returns None for tensors to skip (buffers)."""
     params = dict(model.named_parameters())
-    pending: dict[str, dict[int, torch.Tensor]] = {}
+    rename = getattr(model, "checkpoint_name", lambda name: name)
+    pending: dict[str, dict[tuple[int, int], torch.Tensor]] = {}  # fused parameter -> (expert, shard) -> part
+    stacked: set[str] = set()  # fused parameters stacked over experts
     loaded: set[str] = set()
-    for name, tensor in iter_tensors(model_dir):
-        if "rotary_emb" in name:
+    for raw_name, tensor in iter_tensors(model_dir):
+        name = rename(raw_name)
+        if name is None or "rotary_emb" in name:
             continue
-        parts = name.split(".")
-        fused = _FUSED.get(parts[-2]) if len(parts) >= 2 else None
-        if fused is not None:
-            target = ".".join(parts[:-2] + [fused[0], parts[-1]])
-            pending.setdefault(target, {})[fused[1]] = tensor
+        target, expert, shard = _fused_target(name)
+        if target is not None:
+            pending.setdefault(target, {})[(expert or 0, shard)] = tensor
+            if expert is not None:
+                stacked.add(target)
             continue
         if name not in params:
-            if name == "lm_head.weight":  # tied checkpoints sometimes store it anyway
+            if name == "lm_head.weight" and model.config.tie_word_embeddings:  # tied, stored anyway
                 continue
-            raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            raise ValueError(f"checkpoint tensor {raw_name!r} has no place in the model")
         _copy(params[name], tensor, name)
         loaded.add(name)
-    for target, shards in pending.items():
-        _copy(params[target], torch.cat([shards[i] for i in sorted(shards)]), target)
+    for target, parts in pending.items():
+        if target not in params:
+            raise ValueError(f"checkpoint tensors for {target!r} have no place in the model")
+        _copy(params[target], _assemble(parts, target in stacked), target)
         loaded.add(target)
     missing = set(params) - loaded
-    if getattr(model.config, "tie_word_embeddings", False):
+    if model.config.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"checkpoint lacks parameters: {sorted(missing)[:5]}")
+
+
+def _fused_target(name: str) -> tuple[str | None, int | None, int]:
+    """'...mlp.experts.3.up_proj.weight' -> ('...mlp.experts.gate_up_proj', 3, 1);
+    '...self_attn.k_proj.bias' -> ('...self_attn.qkv_proj.bias', None, 1); else (None, None, 0)."""
+    parts = name.split(".")
+    if len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit() and parts[-2] in _EXPERT_FUSED:
+        target, shard = _EXPERT_FUSED[parts[-2]]
+        return ".".join(parts[:-3] + [target]), int(parts[-3]), shard
+    fused = _FUSED.get(parts[-2]) if len(parts) >= 2 else None
+    if fused is None:
+        return None, None, 0
+    return ".".join(parts[:-2] + [fused[0], parts[-1]]), None, fused[1]
+
+
+def _assemble(parts: dict[tuple[int, int], torch.Tensor], over_experts: bool) -> torch.Tensor:
+    if not over_experts:
+        return torch.cat([parts[k] for k in sorted(parts)])
+    experts = sorted({e for e, _ in parts})
+    return torch.stack([torch.cat([parts[k] for k in sorted(parts) if k[0] == e]) for e in experts])
 
 
 def _copy(param: torch.nn.Parameter, tensor: torch.Tensor, name: str) -> None:

@@ -39,22 +39,27 @@ def paged_prefill_attention(
     context_lens,
     scale,
     sliding_window=None,
+    softcap=None,
     backend=None,
 ):
-    """Causal attention of each sequence's new tokens over its cached context (varlen, chunked)."""
+    """Causal attention of each sequence's new tokens over its cached context (varlen, chunked).
+
+    ``softcap`` (Gemma 2): attention logits become softcap * tanh(logits / softcap) before the mask."""
     if _use_triton(query, backend):
         from kernels.paged_prefill import paged_prefill_attention_triton
 
         return paged_prefill_attention_triton(
-            query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, sliding_window
+            query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, sliding_window,
+            softcap
         )
     return torch_fast.paged_prefill_attention(
-        query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, sliding_window
+        query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, sliding_window, softcap
     )
 
 
 def paged_decode_attention(
-    query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window=None, backend=None
+    query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window=None, softcap=None,
+    backend=None,
 ):
     """Attention of one query token per sequence over its paged context.
 
@@ -64,16 +69,16 @@ def paged_decode_attention(
         from kernels.paged_decode import paged_decode_attention_triton
 
         return paged_decode_attention_triton(
-            query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window
+            query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window, softcap
         )
-    if backend is None:
+    if backend is None and softcap is None:  # the C kernel has no soft-capping
         out = cpu_native.paged_decode_attention(
             query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window
         )
         if out is not None:
             return out
     return torch_fast.paged_decode_attention(
-        query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window
+        query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window, softcap
     )
 
 

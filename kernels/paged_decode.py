@@ -32,12 +32,13 @@ _LOG2E = 1.4426950408889634
 def _decode_partition_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
-    scale_log2, window, num_heads, num_partitions,
+    scale_log2, window, cap_log2, num_heads, num_partitions,
     stride_q_seq, stride_q_head, stride_o_seq, stride_o_head, stride_bt_seq,
     stride_c_block, stride_c_tok, stride_c_head,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     PARTITION_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PARTITION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -66,6 +67,8 @@ def _decode_partition_kernel(
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, N], log2 domain
+        if HAS_SOFTCAP:  # cap * tanh(s / cap), in the log2 domain (cap_log2 = cap * log2(e))
+            s = cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s / cap_log2) + 1.0))
         s = tl.where(t_mask[None, :], s, float("-inf"))
         # Every tile holds at least one visible token, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -119,6 +122,7 @@ def paged_decode_attention_triton(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     *,
     partition_size: int = 512,
     block_n: int | None = None,
@@ -141,6 +145,7 @@ def paged_decode_attention_triton(
     check_index_tensor(context_lens, "context_lens")
     assert partition_size > 0, partition_size
     assert sliding_window is None or sliding_window > 0, sliding_window
+    assert softcap is None or softcap > 0, softcap
     out = torch.empty_like(query) if out is None else out
     assert out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1, out.shape
     if num_seqs == 0:
@@ -161,11 +166,12 @@ def paged_decode_attention_triton(
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
         query, key_cache, value_cache, block_tables, context_lens,
         out, part_max, part_sum, part_acc,
-        scale * _LOG2E, window, num_heads, num_partitions,
+        scale * _LOG2E, window, (softcap or 1.0) * _LOG2E, num_heads, num_partitions,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad,
         PARTITION_SIZE=partition_size, BLOCK_N=block_n, SINGLE_PARTITION=single,
+        HAS_SOFTCAP=softcap is not None,
     )  # fmt: skip
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -183,6 +189,7 @@ def paged_decode_attention_ref(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Reference: token by token, head by head, in fp32. Context_len 0 gives zeros."""
     num_seqs, num_heads, _ = query.shape
@@ -199,6 +206,9 @@ def paged_decode_attention_ref(
             kv_head = head // group
             k = torch.stack([key_cache[b, o, kv_head] for b, o in slots]).float()  # [T, D]
             v = torch.stack([value_cache[b, o, kv_head] for b, o in slots]).float()
-            weights = torch.softmax(k @ query[seq, head].float() * scale, dim=0)  # [T]
+            logits = k @ query[seq, head].float() * scale  # [T]
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+            weights = torch.softmax(logits, dim=0)
             out[seq, head] = (weights @ v).to(out.dtype)
     return out

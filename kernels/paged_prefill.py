@@ -27,11 +27,11 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr,
-    scale_log2, window,
+    scale_log2, window, cap_log2,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_bt_seq,
     stride_c_block, stride_c_tok, stride_c_head,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -68,6 +68,8 @@ def _prefill_kernel(
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [M, N], no tf32 for fp32
+        if HAS_SOFTCAP:  # cap * tanh(s / cap), in the log2 domain (cap_log2 = cap * log2(e))
+            s = cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s / cap_log2) + 1.0))
         visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] > pos[:, None] - window) & k_valid[None, :]
         s = tl.where(visible, s, float("-inf"))
         # A row may see nothing in this tile (window, or padding rows): keep it NaN-free.
@@ -93,6 +95,7 @@ def paged_prefill_attention_triton(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     *,
     block_m: int = 64,
     block_n: int = 64,
@@ -116,6 +119,7 @@ def paged_prefill_attention_triton(
                     ("context_lens", context_lens)):  # fmt: skip
         check_index_tensor(t, name)
     assert sliding_window is None or sliding_window > 0, sliding_window
+    assert softcap is None or softcap > 0, softcap
     for name, size in (("block_m", block_m), ("block_n", block_n)):
         assert size >= 16 and size & (size - 1) == 0, f"{name} must be a power of two >= 16, got {size}"
     out = torch.empty_like(query) if out is None else out
@@ -130,11 +134,12 @@ def paged_prefill_attention_triton(
     grid = (num_seqs, num_heads, triton.cdiv(max(max_q_len, 1), block_m))
     _prefill_kernel[grid](
         query, key_cache, value_cache, out, block_tables, query_start_loc, context_lens,
-        scale * _LOG2E, window,
+        scale * _LOG2E, window, (softcap or 1.0) * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=max(16, next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_SOFTCAP=softcap is not None,
     )  # fmt: skip
     return out
 
@@ -148,6 +153,7 @@ def paged_prefill_attention_ref(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Reference: row by row, head by head, in fp32 over the visible keys only."""
     num_heads = query.shape[1]
@@ -165,6 +171,9 @@ def paged_prefill_attention_ref(
                 kv_head = head // group
                 k = torch.stack([key_cache[b, o, kv_head] for b, o in slots]).float()  # [T, D]
                 v = torch.stack([value_cache[b, o, kv_head] for b, o in slots]).float()
-                weights = torch.softmax(k @ query[row, head].float() * scale, dim=0)  # [T]
+                logits = k @ query[row, head].float() * scale  # [T]
+                if softcap is not None:
+                    logits = torch.tanh(logits / softcap) * softcap
+                weights = torch.softmax(logits, dim=0)
                 out[row, head] = (weights @ v).to(out.dtype)
     return out

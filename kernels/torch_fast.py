@@ -43,6 +43,16 @@ def _causal_bias(first_pos: int, q_len: int, context_len: int, sliding_window: i
     return torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
 
 
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+               softcap: float | None) -> torch.Tensor:
+    # q: [..., Q, D]; k, v: [..., T, D]; mask: additive, broadcastable to [..., Q, T]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    # SDPA has no soft-capping: capped logits, then the mask, then softmax in fp32 (as HF's eager path).
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap + mask  # [..., Q, T]
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
 def paged_prefill_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -52,6 +62,7 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context.
 
@@ -76,12 +87,12 @@ def paged_prefill_attention(
         groups = num_heads // k.shape[1]
         k = k.transpose(0, 1).repeat_interleave(groups, dim=0).to(q.dtype).unsqueeze(0)  # [1, H, T, D]
         v = v.transpose(0, 1).repeat_interleave(groups, dim=0).to(q.dtype).unsqueeze(0)
-        if q_len == context_len and sliding_window is None:
+        if q_len == context_len and sliding_window is None and softcap is None:
             # Plain causal: no mask tensor to build or read.
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         else:
             mask = _causal_bias(context_len - q_len, q_len, context_len, sliding_window, q.dtype)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            o = _attention(q, k, v, mask, scale, softcap)
         out[q_start:q_end] = o[0].transpose(0, 1)
     return out
 
@@ -94,6 +105,7 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (the last of its context), batched with padding.
 
@@ -110,7 +122,7 @@ def paged_decode_attention(
     for group in _length_buckets(lens):
         idx = torch.tensor(group, dtype=torch.int64)
         out[idx] = _decode_padded(query[idx], key_cache, value_cache, block_tables[idx], context_lens[idx],
-                                  scale, sliding_window)
+                                  scale, sliding_window, softcap)
     return out
 
 
@@ -131,7 +143,7 @@ def _length_buckets(lens: list[int], max_waste: float = 0.25) -> list[list[int]]
     return groups
 
 
-def _decode_padded(query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window):
+def _decode_padded(query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window, softcap):
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     max_len = int(context_lens.max())
@@ -150,7 +162,7 @@ def _decode_padded(query, key_cache, value_cache, block_tables, context_lens, sc
         hidden |= k_pos < lens - sliding_window
     # An additive float mask is about twice as fast as a boolean one in CPU SDPA.
     mask = torch.zeros(hidden.shape, dtype=q.dtype).masked_fill_(hidden, float("-inf"))[:, None, None, :]
-    o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+    o = _attention(q, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap)
     return o.reshape(num_seqs, num_heads, head_dim)
 
 

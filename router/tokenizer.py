@@ -62,8 +62,8 @@ class Tokenizer:
         self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True),
                               int(model_config.get("vocab_size", 0)))
         # longest prompt + output the model takes, before node records say otherwise
-        self.max_model_len = int(model_config.get("max_position_embeddings")
-                                 or tok_config.get("model_max_length") or 2048)
+        self.max_model_len = int(model_config.get("max_position_embeddings") or model_config.get("n_positions")
+                                 or tok_config.get("model_max_length") or 2048)  # n_positions: GPT-2
         self.special_ids = frozenset(
             i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special
         )

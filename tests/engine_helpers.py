@@ -18,7 +18,11 @@ from engine.sequence import Sequence
 
 @functools.cache
 def hf_model(path: str) -> transformers.PreTrainedModel:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # Soft-capped attention (Gemma 2) exists only in HF's eager path.
+    config = transformers.AutoConfig.from_pretrained(path)
+    eager = getattr(config, "attn_logit_softcapping", None) is not None
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager" if eager else None).eval()
     model.generation_config.eos_token_id = None  # fixed-length runs: like ignore_eos, EOS may be emitted
     return model
 

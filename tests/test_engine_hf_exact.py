@@ -70,10 +70,12 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     import shutil
 
     src = make_tiny_model("llama")
-    dst = tmp_path / "gpt2ish"
+    dst = tmp_path / "bloomish"
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
-    cfg["architectures"] = ["GPT2LMHeadModel"]
+    cfg["architectures"] = ["BloomForCausalLM"]
     (dst / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM, MistralForCausalLM"):
+    supported = ("GPT2LMHeadModel, Gemma2ForCausalLM, GemmaForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
+                 "MixtralForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, StableLmForCausalLM")
+    with pytest.raises(ValueError, match=f"'BloomForCausalLM' is not supported; supported: {supported}$"):
         LLM(str(dst))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -90,6 +91,21 @@ def test_torch_fast_prefill_matches_ref(case, data):
     query = torch.randn(sum(query_lens), case["num_kv_heads"] * case["group"], case["head_dim"])
     args = (query, kv.key_cache, kv.value_cache, kv.block_tables, query_start_loc(query_lens), kv.context_lens,
             0.25, case["window"])  # fmt: skip
+    torch.testing.assert_close(torch_fast.paged_prefill_attention(*args), paged_prefill_attention_ref(*args))
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_torch_fast_softcapped_attention_matches_ref(window):
+    kv = random_paged_kv([17, 6], 8, 2, 24, seed=3)
+    query = 3 * torch.randn(2, 4, 24)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, 0.3, window, 2.0)
+    decode = torch_fast.paged_decode_attention(*args)
+    torch.testing.assert_close(decode, paged_decode_attention_ref(*args))
+    uncapped = torch_fast.paged_decode_attention(*args[:-1])
+    assert (decode - uncapped).abs().max().item() > 1e-2  # the cap really bends these logits
+    prefill_query = 3 * torch.randn(23, 4, 24)  # one whole prompt, one chunk after a prefix
+    args = (prefill_query, kv.key_cache, kv.value_cache, kv.block_tables, query_start_loc([17, 6]),
+            kv.context_lens, 0.3, window, 2.0)  # fmt: skip
     torch.testing.assert_close(torch_fast.paged_prefill_attention(*args), paged_prefill_attention_ref(*args))
 
 

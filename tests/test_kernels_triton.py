@@ -138,6 +138,21 @@ def test_prefill_half_precision_matches_ref(dtype):
     torch.testing.assert_close(out, paged_prefill_attention_ref(*args), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_softcapped_decode_and_prefill_match_refs(window):
+    # Gemma 2: logits -> cap * tanh(logits / cap); a cap of 2 bends every logit of these inputs.
+    kv = random_paged_kv([19, 7], 8, 1, 24, device=DEVICE)
+    query = 3 * torch.randn(2, 2, 24, device=DEVICE)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, 0.3, window, 2.0)
+    out = paged_decode_attention_triton(*args, partition_size=8, block_n=16, out=_poisoned(query))
+    torch.testing.assert_close(out, paged_decode_attention_ref(*args), atol=1e-5, rtol=1e-5)
+    prefill_query = 3 * torch.randn(9, 2, 24, device=DEVICE)
+    qsl = query_start_loc([5, 4], device=DEVICE)
+    args = (prefill_query, kv.key_cache, kv.value_cache, kv.block_tables, qsl, kv.context_lens, 0.3, window, 2.0)
+    out = paged_prefill_attention_triton(*args, block_m=16, block_n=16, out=_poisoned(prefill_query))
+    torch.testing.assert_close(out, paged_prefill_attention_ref(*args), atol=1e-5, rtol=1e-5)
+
+
 def test_prefill_through_dispatch_with_no_tokens_returns_empty():
     kv = random_paged_kv([4], 8, 1, 16, device=DEVICE)
     query = torch.randn(0, 1, 16, device=DEVICE)

@@ -12,6 +12,8 @@ import tempfile
 import torch
 import transformers
 
+from tests.tiny_families import FAMILY_CONFIGS
+
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, eos_token_id=2, bos_token_id=1)
 
@@ -29,7 +31,7 @@ CONFIGS = {
 
 def make_tiny_model(kind: str, root: pathlib.Path | None = None, seed: int = 0) -> pathlib.Path:
     """Save a seeded random model of ``kind`` (cached by its config) and return its folder."""
-    config = CONFIGS[kind]()
+    config = {**CONFIGS, **FAMILY_CONFIGS}[kind]()
     digest = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:12]
     root = root or pathlib.Path(tempfile.gettempdir()) / f"pdserve-tiny-models-{os.getuid()}"
     path = root / f"{kind}-{seed}-{digest}"

@@ -1,0 +1,23 @@
+"""Feed-forward blocks: the gated MLP (SwiGLU / GeGLU) with gate and up fused into one matmul."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.layers.activations import activation
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)); ``gate_up_proj`` holds gate's rows, then up's."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(self.act(gate) * up)

@@ -1,0 +1,49 @@
+"""Normalisations: RMSNorm in Llama's form (w * x) and Gemma's form ((1 + w) * x), and LayerNorm."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+LayerNorm = nn.LayerNorm  # GPT-2 and StableLM: mean and variance, weight and bias
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x), scaled by ``weight`` (Llama) or by ``1 + weight`` (Gemma, zero-initialised).
+
+    Works on any leading shape: [T, hidden], or [T, heads, head_dim] for per-head q/k norms.
+    The rounding follows HF per family: Llama casts back to the input dtype before scaling,
+    Gemma scales in fp32 and casts after.
+    """
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * normed.to(dtype)
+
+
+class FlatHeadsRMSNorm(RMSNorm):
+    """RMSNorm over all of a token's heads at once (OLMo 2's q/k norm): [T, heads, D] is
+    normalised as [T, heads * D], with one weight of heads * D channels."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.reshape(x.shape[0], -1)).view_as(x)
+
+
+class PerHeadLayerNorm(nn.Module):
+    """A LayerNorm (no bias) of its own for each head (StableLM's qk_layernorm): [T, heads, D]."""
+
+    def __init__(self, num_heads: int, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(head_dim, eps=eps, bias=False) for _ in range(num_heads))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([norm(x[:, h]) for h, norm in enumerate(self.norms)], dim=1)

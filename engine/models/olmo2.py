@@ -1,0 +1,27 @@
+"""OLMo 2: norms *after* attention and MLP (none before), and q/k RMSNorms over all heads of a
+token at once rather than per head."""
+
+from __future__ import annotations
+
+from engine.config import ModelConfig
+from engine.layers.attention import SelfAttention
+from engine.layers.mlp import GatedMLP
+from engine.layers.norms import FlatHeadsRMSNorm, RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.decoder import CausalLM, PostNormLayer, attention_spec, rotary
+
+
+def olmo2_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> PostNormLayer:
+    hf, eps = cfg.hf, cfg.hf.rms_norm_eps
+    spec = attention_spec(cfg, layer, qkv_bias=hf.attention_bias, o_bias=hf.attention_bias)
+    attn = SelfAttention(spec, rope, q_norm=FlatHeadsRMSNorm(cfg.num_heads * cfg.head_dim, eps),
+                         k_norm=FlatHeadsRMSNorm(cfg.num_kv_heads * cfg.head_dim, eps))
+    mlp = GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act)
+    return PostNormLayer(attn, mlp, RMSNorm(cfg.hidden_size, eps), RMSNorm(cfg.hidden_size, eps))
+
+
+class Olmo2ForCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        rope = rotary(cfg, max_positions)
+        layers = [olmo2_layer(cfg, i, rope) for i in range(cfg.num_layers)]
+        super().__init__(cfg, layers, RMSNorm(cfg.hidden_size, cfg.hf.rms_norm_eps))

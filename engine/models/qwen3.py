@@ -1,0 +1,31 @@
+"""Qwen3: the Llama layer with an RMSNorm over each query and key head before the rotation."""
+
+from __future__ import annotations
+
+from engine.config import ModelConfig
+from engine.layers.attention import SelfAttention
+from engine.layers.mlp import GatedMLP
+from engine.layers.norms import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.decoder import CausalLM, PreNormLayer, attention_spec, rotary
+
+
+def qwen3_attention(cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> SelfAttention:
+    hf = cfg.hf
+    spec = attention_spec(cfg, layer, qkv_bias=hf.attention_bias, o_bias=hf.attention_bias)
+    return SelfAttention(spec, rope, q_norm=RMSNorm(cfg.head_dim, hf.rms_norm_eps),
+                         k_norm=RMSNorm(cfg.head_dim, hf.rms_norm_eps))
+
+
+def qwen3_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> PreNormLayer:
+    hf = cfg.hf
+    mlp = GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act)
+    return PreNormLayer(qwen3_attention(cfg, layer, rope), mlp, RMSNorm(cfg.hidden_size, hf.rms_norm_eps),
+                        RMSNorm(cfg.hidden_size, hf.rms_norm_eps))
+
+
+class Qwen3ForCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        rope = rotary(cfg, max_positions)
+        layers = [qwen3_layer(cfg, i, rope) for i in range(cfg.num_layers)]
+        super().__init__(cfg, layers, RMSNorm(cfg.hidden_size, cfg.hf.rms_norm_eps))
