@@ -72,6 +72,10 @@ class Project:
     def container_state(self, container: str) -> str:
         return docker("inspect", "-f", "{{.State.Status}}", container).strip()
 
+    def container_env(self, container: str) -> list[str]:
+        """The container's environment as NAME=value strings."""
+        return docker("inspect", "-f", "{{range .Config.Env}}{{println .}}{{end}}", container).split("\n")
+
     def logs_since(self, container: str, since: float) -> str:
         result = subprocess.run(["docker", "logs", "--since", f"{since:.3f}", container], capture_output=True,
                                 text=True, timeout=60)

@@ -33,6 +33,10 @@ from pathlib import Path
 from scripts import compose_engine as ce
 from scripts.compose_traffic import CLEAN, Load, Outcome, Result, mixed_specs
 
+NODE_SERVICES = ("prefill", "decode")
+# Set in compose's environment; the compose file must pass them through to every node.
+HOST_ENV = {"PDSERVE_KV_CACHE_MEMORY_MB": "384", "PDSERVE_DTYPE": "float32"}
+
 
 @dataclasses.dataclass(slots=True)
 class Phase:
@@ -99,9 +103,14 @@ def phase_mixed(h: Harness) -> None:
     start, wall = time.monotonic(), time.time()
     results = h.load(h.args.num_requests).results()
     decode_counts = h.served("decode", "request_finished", wall)
+    passed = {name: value for name, value in HOST_ENV.items()
+              if all(f"{name}={value}" in h.project.container_env(c) for s in NODE_SERVICES
+                     for c in h.project.containers(s))}
     phase = h.record("1P+2D mixed", results, start, all_ok=all_clean_ok(results),
-                     every_decode_served=len(decode_counts) == 2 and min(decode_counts.values()) > 0)
-    phase.notes.append("decode " + "/".join(map(str, decode_counts.values())))
+                     every_decode_served=len(decode_counts) == 2 and min(decode_counts.values()) > 0,
+                     host_env_reaches_nodes=passed == HOST_ENV)
+    phase.notes.append("decode " + "/".join(map(str, decode_counts.values()))
+                       + "; nodes got " + " ".join(f"{k}={v}" for k, v in passed.items()))
 
 
 def phase_scale_up(h: Harness) -> None:
@@ -250,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = [*(args.override or [])]
         if args.build_network:
             overrides.append(build_override(args.build_network, Path(tmp)))
-        env = {"ROUTER_PORT": str(args.port or port), "PDSERVE_THREADS": args.threads}
+        env = {"ROUTER_PORT": str(args.port or port), "PDSERVE_THREADS": args.threads, **HOST_ENV}
         project = ce.Project(client, args.project, overrides, env)
         harness = Harness(args, project, f"http://127.0.0.1:{args.port or port}", Path(tmp))
         try:
