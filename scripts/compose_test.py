@@ -137,7 +137,8 @@ def phase_scale_down(h: Harness, name: str, service: str, num_prefill: int, num_
     time.sleep(h.args.settle)  # the streams are on the nodes (first tokens out) before one is removed
     arriving = h.load(h.args.num_requests)  # and new requests keep coming while it goes
     took = h.scale(num_prefill, num_decode)
-    results = load.results() + arriving.results()
+    in_flight, arrivals = load.results(), arriving.results()
+    results = in_flight + arrivals
     for follower in followers.values():
         follower.terminate()
         follower.wait(timeout=10)
@@ -145,7 +146,8 @@ def phase_scale_down(h: Harness, name: str, service: str, num_prefill: int, num_
     logs = [(h.tmp / f"{c}.log").read_text() for c in removed]
     took_on = sum(log.count(f'"event": "{STARTED_EVENT[service]}"') for log in logs)
     drains = [drain_seconds(log) for log in logs]
-    phase = h.record(name, results, start, none_lost=all_clean_ok(results), removed_node_took_requests=took_on > 0)
+    phase = h.record(name, results, start, in_flight_none_lost=all_clean_ok(in_flight),
+                     arrivals_none_lost=all_clean_ok(arrivals), removed_node_took_requests=took_on > 0)
     phase.notes.append(f"compose took {took:.0f} s; removed {', '.join(c[:12] for c in removed)}, which took "
                        f"{took_on} and drained in " + ", ".join("?" if d is None else f"{d:.1f} s" for d in drains))
 
@@ -240,7 +242,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=16, help="requests in a mixed round")
     p.add_argument("--num-streams", type=int, default=8, help="streams in flight while the pools change")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--long-tokens", type=int, default=96, help="tokens per stream held in flight")
+    p.add_argument("--long-tokens", type=int, default=64,
+                   help="tokens per stream held in flight (a drain must finish them within 30 s on a busy CPU)")
     p.add_argument("--settle", type=float, default=4.0, help="seconds between starting streams and acting")
     p.add_argument("--request-timeout", type=float, default=180.0)
     p.add_argument("--ready-timeout", type=float, default=240.0)
