@@ -3,13 +3,15 @@
 kubernetes-validate ships the Kubernetes JSON schemas in its wheel, so this runs offline. KEDA's
 ScaledObject is no Kubernetes kind: it is checked against the part of KEDA's CRD schema it uses.
 The GPU overlay's patches are merged here (strategic-merge rules for the fields they touch) and the
-result validated too. The compose half: the same images, commands and PDSERVE_* variables, save the
+result validated too; where kubectl is installed, its kustomize renders every kustomization as well. The compose half: the same images, commands and PDSERVE_* variables, save the
 few a cluster needs on top (a pod's own IP as its address).
 """
 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import jsonschema
@@ -257,3 +259,34 @@ def test_every_metric_the_autoscalers_query_is_one_the_router_exports_and_the_re
     assert queried <= exported_metric_names()
     readme = (K8S / "README.md").read_text()
     assert all(f"`{name}`" in readme for name in queried | {r["name"]["as"] for r in rules})
+
+
+def _kubectl_kustomize(folder: Path) -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl installed (its built-in kustomize renders the kustomizations)")
+    result = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc is not None]
+
+
+@pytest.mark.parametrize("folder", sorted(p.parent.relative_to(K8S) for p in K8S.rglob("kustomization.yaml")),
+                         ids=str)
+def test_kustomize_renders_every_kustomization_into_valid_manifests_in_the_namespace(folder):
+    for doc in _kubectl_kustomize(K8S / folder):
+        if doc["kind"] == "ScaledObject":
+            jsonschema.validate(doc, SCALED_OBJECT_SCHEMA)
+        else:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        assert doc["kind"] == "Namespace" or doc["metadata"]["namespace"] == "pdserve"
+
+
+def test_kustomize_renders_the_gpu_overlay_as_the_merge_above_does():
+    rendered = {d["metadata"]["name"]: d for d in _kubectl_kustomize(K8S / "overlays" / "gpu")
+                if d["kind"] == "Deployment"}
+    for name, merged in gpu_deployments().items():
+        (ours,) = merged["spec"]["template"]["spec"]["containers"]
+        (theirs,) = rendered[name]["spec"]["template"]["spec"]["containers"]
+        assert theirs["image"] == "pdserve:gpu"
+        assert {e["name"]: e.get("value") for e in theirs["env"]} == {e["name"]: e.get("value") for e in ours["env"]}
+        assert theirs["resources"] == ours["resources"]
