@@ -22,7 +22,7 @@ from kv_transfer.receiver import KVReceiver, ReceivedKV
 from node.log import EventLog
 from node.options import NodeOptions
 from node.runtime import NodeRuntime
-from node.streams import Stream, next_chunk, node_status
+from node.streams import Stream, engine_logprob, next_chunk, node_status
 from protocol.messages import AbortRequest, GenerateRequest
 
 ABORT_MEMORY_S = 120.0  # how long an abort for a not-yet-arrived request is remembered
@@ -119,6 +119,8 @@ class DecodeNode:
         self.streams[rid] = stream
         self.log("kv_adopted", rid, blocks_reused=received.num_held_blocks, bytes=received.bytes_received)
         seq.params = dataclasses.replace(seq.params, stop=())
+        if seq.params.logprobs is not None and received.first_logprobs is not None:
+            seq.logprobs = [engine_logprob(received.first_logprobs)]  # one per output token, as locally
         for out in self.engine.add_prefilled(seq):
             self._emit(out)
 
@@ -138,13 +140,16 @@ class DecodeNode:
             stream.timings["decode_queue"] = round(time.monotonic() - stream.adopted_at, 6)
         if out.finished:
             stream.timings["decode"] = round(time.monotonic() - stream.started, 6)
+        if stream.adopted_at is None:  # prefilled here: the hit is this engine's own
+            stream.num_cached_tokens = out.num_cached_tokens
         chunk = next_chunk(stream, out.outputs[0], self.opts.node_id, is_first=stream.num_sent == 0)
         if chunk is not None:
             self.runtime.reply(stream.reply_addr, chunk)
         if out.finished:
             del self.streams[out.request_id]
             self.log("request_finished", out.request_id, finish_reason=out.outputs[0].finish_reason,
-                     output_tokens=len(out.outputs[0].token_ids))
+                     output_tokens=len(out.outputs[0].token_ids), local_prefill=stream.adopted_at is None,
+                     cached_tokens=stream.num_cached_tokens)
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: staging rings are memfds named by RingRef, KVDone carries first_logprobs
 MAX_HEADER_BYTES = 8 << 20  # a 1M-token prompt's token ids and hashes fit
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
 
@@ -47,6 +47,15 @@ class CacheRef:
     pid: int  # the owning process
     fd: int  # its memfd descriptor
     num_blocks: int  # blocks per layer in that cache
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RingRef:
+    """Where a peer on the same host finds a sender's staging ring (kv_transfer.staging)."""
+
+    pid: int  # the owning process
+    fd: int  # its memfd descriptor
+    num_bytes: int  # the ring's size
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -76,6 +85,16 @@ class KVFingerprint:
         return None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One generated token's log-probability and its top alternatives."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: tuple[int, ...]  # most likely first
+    top_logprobs: tuple[float, ...]  # same order as top_token_ids
+
+
 class Message:
     """Base of all wire messages; ``TAG`` names the type on the wire."""
 
@@ -96,7 +115,7 @@ class KVReserve(Message):
     ttl_s: float  # how long the reservation may wait for a grant
     wire_format: WireFormat = WireFormat.NATIVE  # how chunks will be encoded
     sampling_params: dict[str, Any] | None = None  # engine SamplingParams.to_dict(), for the decode side
-    shm_name: str | None = None  # the sender's shared-memory staging ring, offered for same-host peers
+    ring_ref: RingRef | None = None  # the sender's staging ring in shared memory, offered to same-host peers
     host_id: str | None = None  # kv_transfer.staging.host_id() of the sender, to tell same-host peers
     request_meta: dict[str, Any] | None = None  # opaque to kv_transfer: the decode node's per-request data
     cache_ref: CacheRef | None = None  # the sender's shared KV cache, for a one-copy same-host transfer
@@ -170,6 +189,7 @@ class KVDone(Message):
     num_cached_tokens: int  # usage: prompt tokens the prefill node took from its prefix cache
     src_block_ids: tuple[int, ...] = ()  # direct grants: the sender's blocks to copy, in prompt order
     layer_checksums: tuple[int, ...] = ()  # direct grants: xxh3 of K then V blocks, per layer
+    first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asked for logprobs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

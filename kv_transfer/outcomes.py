@@ -6,6 +6,7 @@ import dataclasses
 
 from engine.sequence import Sequence as EngineSequence
 from kv_transfer.errors import KVTransferError
+from kv_transfer.messages import TokenLogprobs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -18,6 +19,7 @@ class ReceivedKV:
     bytes_received: int  # chunk payload bytes
     prefill_cached_tokens: int  # usage: prompt tokens the prefill node took from its cache
     request_meta: dict | None = None  # KVReserve.request_meta, passed through untouched
+    first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asked for logprobs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Receiver side of the same-host paths: map a sender's staging ring or its whole KV cache.
 
-Both are offered in ``KVReserve`` (``shm_name`` / ``cache_ref``) and used only when the sender
+Both are offered in ``KVReserve`` (``ring_ref`` / ``cache_ref``) and used only when the sender
 runs on this host (same ``host_id``) and the mapping succeeds; otherwise chunks travel on the
 socket. Mappings are read-only, cached per sender, and bounded in number.
 """
@@ -24,7 +24,7 @@ class PeerMemory:
         self.fingerprint = fingerprint
         self.enabled = enabled
         self.host_id = staging.host_id()
-        self._rings: OrderedDict[str, mmap.mmap] = OrderedDict()  # sender rings by name
+        self._rings: OrderedDict[tuple[int, int, int], mmap.mmap] = OrderedDict()  # sender rings
         self._caches: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()  # sender caches
 
     def _same_host(self, msg: KVReserve) -> bool:
@@ -46,16 +46,18 @@ class PeerMemory:
 
     def map_ring(self, msg: KVReserve) -> memoryview | None:
         """The sender's shared staging ring, so chunks name slots instead of carrying frames."""
-        if not msg.shm_name or not self._same_host(msg):
+        ref = msg.ring_ref
+        if ref is None or not self._same_host(msg):
             return None
-        if msg.shm_name not in self._rings:
+        key = (ref.pid, ref.fd, ref.num_bytes)
+        if key not in self._rings:
             try:
-                self._rings[msg.shm_name] = staging.attach(msg.shm_name)
+                self._rings[key] = staging.attach(ref)
             except (OSError, ValueError):
                 return None  # fall back to frames on the socket
             _bound(self._rings)
-        self._rings.move_to_end(msg.shm_name)
-        return memoryview(self._rings[msg.shm_name])
+        self._rings.move_to_end(key)
+        return memoryview(self._rings[key])
 
     def close(self) -> None:
         self._rings.clear()  # the mappings close once no view refers to them

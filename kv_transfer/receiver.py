@@ -329,6 +329,7 @@ class KVReceiver:
                 state.bytes_received,
                 msg.num_cached_tokens,
                 state.reserve.request_meta,
+                msg.first_logprobs,
             )
         )
 

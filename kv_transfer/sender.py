@@ -39,9 +39,10 @@ from kv_transfer.messages import (
     KVReject,
     KVReserve,
     Message,
+    TokenLogprobs,
     WireFormat,
 )
-from kv_transfer.staging import StagingRing, host_id
+from kv_transfer.staging import StagingRing, host_id, peer_is_local
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -99,7 +100,8 @@ class KVSender:
         self.config = config or SenderConfig()
         self._channel = PeerChannel(address, context)
         self._inbox: dict[str, deque[Message]] = {}  # replies per active request, in arrival order
-        self._ring = StagingRing(self.config.staging_bytes, shared=self.config.shared_memory)
+        shared = self.config.shared_memory and peer_is_local(address)  # else nobody could map it
+        self._ring = StagingRing(self.config.staging_bytes, shared)
         self._window_bytes = 0  # from the latest grant
 
     # ----------------------------------------------------------------- per request
@@ -120,7 +122,7 @@ class KVSender:
             self.config.grant_timeout_s,
             self.config.wire_format,
             sampling_params,
-            self._ring.shm_name,
+            self._ring.ref,
             host_id(),
             request_meta,
             self.cache_ref,
@@ -175,6 +177,7 @@ class KVSender:
         num_cached_tokens: int = 0,
         src_block_ids: tuple[int, ...] = (),
         layer_checksums: tuple[int, ...] = (),
+        first_logprobs: TokenLogprobs | None = None,
     ) -> TransferStats:
         """Send KVDone and wait for KVAck; then the caller may free its blocks. Direct grants
         name the blocks to copy (``src_block_ids``) with a checksum per layer."""
@@ -185,6 +188,7 @@ class KVSender:
             num_cached_tokens,
             src_block_ids,
             layer_checksums,
+            first_logprobs,
         )
         self._send_or_fail(tx.request_id, done)
         self._wait_for(tx.request_id, KVAck, "ack", time.monotonic() + self.config.reply_timeout_s)
@@ -218,6 +222,7 @@ class KVSender:
         num_cached_tokens: int = 0,
         sampling_params: dict | None = None,
         request_meta: dict | None = None,
+        first_logprobs: TokenLogprobs | None = None,
     ) -> TransferStats:
         """Reserve, send every layer, finish. Raises KVTransferError (peer told to abort)."""
         tx = self.reserve(request_id, token_ids, sampling_params, request_meta)
@@ -229,10 +234,10 @@ class KVSender:
                     for layer in range(len(key_caches))
                 )
                 tx.bytes_sent = len(src) * 2 * sum(k[0].numel() * k.element_size() for k in key_caches)
-                return self.finish(tx, first_token, num_cached_tokens, src, sums)
+                return self.finish(tx, first_token, num_cached_tokens, src, sums, first_logprobs)
             for layer in range(len(key_caches)):
                 self.send_layer(tx, layer, key_caches[layer], value_caches[layer], block_table)
-            return self.finish(tx, first_token, num_cached_tokens)
+            return self.finish(tx, first_token, num_cached_tokens, first_logprobs=first_logprobs)
         except BaseException as exc:
             if request_id in self._inbox:  # not already settled with the peer
                 self.abort(request_id, f"sender failed: {exc!r}")

@@ -6,14 +6,14 @@ straight from the prefill node's cache into its own — no staging copy, no sock
 
     memfd  [ layer 0: K blocks | V blocks | layer 1: K | V | ... ]   = [L, 2, num_blocks, bs, kvh, d]
 
-A memfd has no name in /dev/shm, so nothing leaks when the process dies (even by kill -9).
-Peers in another PID namespace or under another user cannot open it and fall back to the
-staging ring or the socket.
+The memory is a memfd (``kv_transfer.memfd``): not bound by /dev/shm's size, nothing leaks when
+the process dies. Peers in another PID namespace or under another user cannot open it and fall
+back to the staging ring or the socket.
 """
 
 from __future__ import annotations
 
-import mmap
+import math
 import os
 import warnings
 
@@ -21,19 +21,19 @@ import torch
 import xxhash
 
 from engine.kv_layout import KVCacheSpec
+from kv_transfer import memfd
 from kv_transfer.messages import CacheRef, KVFingerprint
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class SharedKVCache:
+    """Raises OSError when the shared memory cannot be had (the caller falls back to private memory)."""
+
     def __init__(self, spec: KVCacheSpec) -> None:
         dtype = TORCH_DTYPES[spec.dtype]
         shape = (spec.num_layers, 2, spec.num_blocks, *spec.block_shape)
-        nbytes = spec.num_blocks * spec.bytes_per_block
-        self.fd = os.memfd_create("pdserve-kv-cache", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, nbytes)
-        self._map = mmap.mmap(self.fd, nbytes)
+        self.fd, self._map = memfd.create("pdserve-kv-cache", spec.num_blocks * spec.bytes_per_block)
         self.tensor = torch.frombuffer(self._map, dtype=dtype).view(shape)  # [L, 2, NB, bs, kvh, d]
         self.ref = CacheRef(os.getpid(), self.fd, spec.num_blocks)
 
@@ -44,20 +44,10 @@ class SharedKVCache:
 
 def attach(ref: CacheRef, fingerprint: KVFingerprint) -> torch.Tensor:
     """Read-only view [L, 2, num_blocks, bs, kvh, d] of a peer's shared cache; OSError when not allowed."""
-    fd = os.open(f"/proc/{ref.pid}/fd/{ref.fd}", os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
     fp = fingerprint
     shape = (fp.num_layers, 2, ref.num_blocks, fp.block_size, fp.num_kv_heads, fp.head_dim)
     dtype = TORCH_DTYPES[fp.dtype]
-    expected = 1
-    for n in shape:
-        expected *= n
-    if size != expected * dtype.itemsize:
-        raise OSError(f"shared cache is {size} bytes, expected {expected * dtype.itemsize}")
+    mapped = memfd.attach(ref.pid, ref.fd, math.prod(shape) * dtype.itemsize)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only ever copy from it
         return torch.frombuffer(mapped, dtype=dtype).view(shape)

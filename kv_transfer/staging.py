@@ -6,23 +6,28 @@
 A chunk's slot is reused only after the receiver's KVCredit for it (credits come back in send
 order), so the ring is the sender's only chunk memory and in-flight bytes never exceed it.
 Reusing the same pages avoids the page faults of a fresh allocation per chunk. When the ring is
-shared memory and the receiver runs on the same host, chunks do not travel over the socket at
-all: the header names the slot offset and the receiver reads the slot (still checksummed).
+shared memory (a memfd, made only for a peer whose address is on this machine) and the receiver
+runs on the same host, chunks do not travel over the socket at all: the header names the slot
+offset and the receiver reads the slot (still checksummed). No shared memory to be had: a private
+ring, a log line, and the socket path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import logging
 import mmap
 import os
 import socket
-import uuid
 from collections import deque
-from multiprocessing import shared_memory
 
 import torch
 
-SHM_PREFIX = "pdserve-kv-"
+from kv_transfer import memfd
+from kv_transfer.messages import RingRef
+
+log = logging.getLogger(__name__)
 
 
 def host_id() -> str:
@@ -43,21 +48,19 @@ class _Slot:
 
 class StagingRing:
     def __init__(self, num_bytes: int, shared: bool) -> None:
-        self.shm = (
-            shared_memory.SharedMemory(SHM_PREFIX + uuid.uuid4().hex, True, num_bytes) if shared else None
-        )
-        raw = (
-            torch.frombuffer(self.shm.buf, dtype=torch.uint8)
-            if self.shm
-            else torch.empty(num_bytes, dtype=torch.uint8)
-        )
-        self.buffer = raw  # [num_bytes] uint8
+        self.ref: RingRef | None = None  # set when the ring is shared memory
+        self._fd: int | None = None
+        self._map: mmap.mmap | None = None
+        if shared:
+            try:
+                self._fd, self._map = memfd.create("pdserve-kv-ring", num_bytes)
+                self.ref = RingRef(os.getpid(), self._fd, num_bytes)
+            except OSError as exc:
+                log.warning("staging ring in private memory, chunks go over the socket: %s", exc)
+        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8) if self._map is not None else (
+            torch.empty(num_bytes, dtype=torch.uint8))  # [num_bytes] uint8
         self.buffer.fill_(0)  # touch every page now, not on the first transfer
         self._in_flight: deque[_Slot] = deque()
-
-    @property
-    def shm_name(self) -> str | None:
-        return self.shm.name if self.shm else None
 
     @property
     def capacity(self) -> int:
@@ -97,23 +100,38 @@ class StagingRing:
         self._in_flight.clear()
 
     def close(self) -> None:
-        if self.shm is not None:
+        if self._map is not None:
             del self.buffer
-            self.shm.close()
-            self.shm.unlink()
-            self.shm = None
+            self._map.close()
+            os.close(self._fd)
+            self._map, self._fd, self.ref = None, None, None
 
 
-def attach(name: str) -> mmap.mmap:
-    """Map a sender's ring on the receiver (Linux /dev/shm); the sender stays its owner and unlinks it.
+def attach(ref: RingRef) -> mmap.mmap:
+    """Map a sender's ring on the receiver, read-only; the sender stays its owner."""
+    return memfd.attach(ref.pid, ref.fd, ref.num_bytes)
 
-    Not through ``SharedMemory(name)``: on Python < 3.13 that registers the segment with this
-    process's resource tracker, which would unlink the sender's ring when we exit.
-    """
-    if not name.startswith(SHM_PREFIX) or "/" in name:
-        raise ValueError(f"not a kv staging segment: {name!r}")
-    fd = os.open(f"/dev/shm/{name}", os.O_RDONLY)
+
+def peer_is_local(address: str) -> bool:
+    """Whether a ZeroMQ address names this machine (loopback, ipc, or an address of our own
+    interfaces): only then can the peer map our memory, so only then is a shared ring worth making."""
+    scheme, _, rest = address.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = rest.rsplit(":", 1)[0].strip("[]")
     try:
-        return mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return False
+    return any(_is_own_address(info[0], info[4][0]) for info in infos)
+
+
+def _is_own_address(family: int, ip: str) -> bool:
+    if ipaddress.ip_address(ip.split("%")[0]).is_loopback:
+        return True
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((ip, 0))  # binding works only to an address of one of our interfaces
+        return True
+    except OSError:
+        return False

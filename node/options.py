@@ -9,6 +9,7 @@ import socket
 import uuid
 
 from engine.config import EngineConfig
+from protocol.addresses import advertised_host
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -68,7 +69,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(role: str, args: argparse.Namespace) -> tuple[NodeOptions, EngineConfig]:
-    advertise = args.advertise_host or (socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host)
+    advertise = advertised_host(args.host, args.advertise_host)
     node = NodeOptions(
         role=role, host=args.host, port=args.port, kv_port=args.kv_port, advertise_host=advertise,
         redis_url=args.redis, heartbeat_interval_s=args.heartbeat_interval, heartbeat_ttl_s=args.heartbeat_ttl,

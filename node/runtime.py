@@ -129,7 +129,10 @@ class NodeRuntime:
             wait = 0.0
             if isinstance(inbound.msg, StatusQuery):
                 info = dataclasses.asdict(self._status) if self._status else {}
-                self._safe_send(inbound.peer, NodeStatus(inbound.msg.nonce, info))
+                if inbound.msg.reply_addr is None:
+                    self._safe_send(inbound.peer, NodeStatus(inbound.msg.nonce, info))
+                else:
+                    self.reply(inbound.msg.reply_addr, NodeStatus(inbound.msg.nonce, info))
             else:
                 out.append(inbound.msg)
         return out

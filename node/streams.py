@@ -31,15 +31,19 @@ def next_chunk(stream: Stream, out: CompletionOutput, node_id: str, is_first: bo
     new = out.token_ids[stream.num_sent:]
     if not new and out.finish_reason is None:
         return None
-    logprobs = tuple(_wire_logprob(lp) for lp in (out.logprobs or [])[stream.num_sent:])
+    logprobs = tuple(wire_logprob(lp) for lp in (out.logprobs or [])[stream.num_sent:])
     stream.num_sent = len(out.token_ids)
     timings = dict(stream.timings) if out.finish_reason is not None else None
     return TokenChunk(stream.request_id, node_id, tuple(new), logprobs, out.finish_reason,
                       stream.num_prompt_tokens, stream.num_cached_tokens, is_first, timings)
 
 
-def _wire_logprob(lp: TokenLogprob) -> TokenLogprobs:
+def wire_logprob(lp: TokenLogprob) -> TokenLogprobs:
     return TokenLogprobs(lp.token_id, lp.logprob, tuple(t for t, _ in lp.top), tuple(v for _, v in lp.top))
+
+
+def engine_logprob(lp: TokenLogprobs) -> TokenLogprob:
+    return TokenLogprob(lp.token_id, lp.logprob, tuple(zip(lp.top_token_ids, lp.top_logprobs, strict=True)))
 
 
 class PrefillRate:

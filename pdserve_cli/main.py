@@ -10,6 +10,9 @@ Command modules import heavy dependencies (torch, transformers) inside their han
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
+import io
 import sys
 from collections.abc import Sequence
 
@@ -30,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):  # no real stderr
+        faulthandler.enable(sys.__stderr__)  # a crash (SIGSEGV, SIGBUS, ...) leaves a traceback in the log
     args = build_parser().parse_args(argv)
     return args.run(args)
 

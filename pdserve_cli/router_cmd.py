@@ -27,8 +27,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="static mode: decode nodes' control addresses")
     parser.add_argument("--prefill", dest="prefill_addrs", nargs="+", default=[], metavar="ADDR",
                         help="static mode: prefill nodes' control addresses")
-    parser.add_argument("--reply-addr", default=None, help="ZeroMQ address nodes push tokens to "
-                        "(default: a free loopback port)")
+    parser.add_argument("--reply-port", type=int, default=0, help="ZeroMQ port nodes push tokens to, "
+                        "bound on --host (default: a free port)")
+    parser.add_argument("--advertise-host", default=None, help="host the nodes reach the reply port at "
+                        "(default: --host, or this machine's hostname when --host is 0.0.0.0)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     for name, default in DEFAULTS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
@@ -38,7 +40,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_router(args: argparse.Namespace) -> int:
+    import logging
+
     import uvicorn
+
+    # The router's own warnings (retries, expired nodes, lost connections) with a wall-clock stamp.
+    logging.basicConfig(level=args.log_level.upper(), format="%(created).3f %(levelname)s %(name)s: %(message)s")
 
     from router.app import create_app
     from router.config import RouterConfig
@@ -47,7 +54,8 @@ def run_router(args: argparse.Namespace) -> int:
         config = RouterConfig(
             model=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
             redis_url=args.redis_url, prefill_addrs=tuple(args.prefill_addrs),
-            decode_addrs=tuple(args.decode_addrs or ()), reply_addr=args.reply_addr, api_key=args.api_key,
+            decode_addrs=tuple(args.decode_addrs or ()), reply_port=args.reply_port,
+            advertise_host=args.advertise_host, api_key=args.api_key,
             **{name: getattr(args, name) for name in DEFAULTS},
         )
     except ValueError as exc:

@@ -12,15 +12,17 @@ import dataclasses
 import queue
 import time
 
+import torch
+
 from engine.config import EngineConfig
 from engine.kv_layout import KV_LAYOUT_NAME
 from engine.llm_engine import LLMEngine
 from kv_transfer.messages import KVFingerprint
-from kv_transfer.shared_cache import SharedKVCache
+from kv_transfer.shared_cache import TORCH_DTYPES, SharedKVCache
 from node.log import EventLog
 from node.options import NodeOptions
 from node.runtime import NodeRuntime
-from node.streams import PrefillRate, Stream, next_chunk, node_status, num_queued_prefill_tokens
+from node.streams import PrefillRate, Stream, next_chunk, node_status, num_queued_prefill_tokens, wire_logprob
 from prefill_node.shipper import Outcome, Shipment, Shipper
 from protocol.messages import AbortRequest, GenerateRequest
 
@@ -43,7 +45,7 @@ class PrefillNode:
         self.runtime = NodeRuntime(opts, self.log)
         caches = self.engine.runner.kv_caches
         self.shipper = Shipper(self.fingerprint, [k for k, _ in caches], [v for _, v in caches],
-                               cache_ref=self.cache.ref)
+                               cache_ref=self.cache.ref if self.cache is not None else None)
         self.pending: dict[str, _Pending] = {}  # computing or shipping
         # Requests whose KV a shipper thread may be reading: their blocks stay held until the
         # outcome arrives, even when the request was aborted or timed out meanwhile.
@@ -51,7 +53,16 @@ class PrefillNode:
         self.prefill_rate = PrefillRate()  # for the registry: autoscalers divide the backlog by it
 
     def _shared_cache(self, spec):
-        self.cache = SharedKVCache(spec)
+        """The KV cache in shared memory for same-host decode nodes; private memory (and chunks on
+        the socket) when none can be had."""
+        self.cache: SharedKVCache | None = None
+        try:
+            self.cache = SharedKVCache(spec)
+        except OSError as exc:
+            self.log("kv_cache_private", error=repr(exc))
+            dtype = TORCH_DTYPES[spec.dtype]
+            return [(torch.zeros((spec.num_blocks, *spec.block_shape), dtype=dtype),
+                     torch.zeros((spec.num_blocks, *spec.block_shape), dtype=dtype)) for _ in range(spec.num_layers)]
         return self.cache.layer_caches()
 
     def status(self):
@@ -145,7 +156,8 @@ class PrefillNode:
         shipment = Shipment(rid, pending.decode_addr, tuple(seq.token_ids[:seq.num_prompt_tokens]),
                             tuple(seq.block_table), completion.token_ids[0], out.num_cached_tokens, pending.params,
                             {"reply_addr": stream.reply_addr, "ttl_s": pending.ttl_s, "timings": stream.timings,
-                             "shipped_at": time.time()})
+                             "shipped_at": time.time()},
+                            wire_logprob(completion.logprobs[0]) if completion.logprobs else None)
         if self.shipper.submit(shipment):
             self.shipping.add(rid)
         else:

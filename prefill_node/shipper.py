@@ -15,7 +15,7 @@ import time
 import torch
 
 from kv_transfer.errors import KVTransferError
-from kv_transfer.messages import CacheRef, KVFingerprint
+from kv_transfer.messages import CacheRef, KVFingerprint, TokenLogprobs
 from kv_transfer.sender import KVSender, SenderConfig, TransferStats
 
 
@@ -29,6 +29,7 @@ class Shipment:
     num_cached_tokens: int  # usage: prompt tokens from this node's prefix cache
     sampling_params: dict  # for the decode node's sequence
     request_meta: dict  # opaque to kv_transfer: reply address, ttl, timings
+    first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asked for logprobs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,7 +109,7 @@ class Shipper:
         try:
             stats = sender.transfer(job.request_id, job.token_ids, self.key_caches, self.value_caches,
                                     job.block_table, job.first_token, job.num_cached_tokens,
-                                    job.sampling_params, job.request_meta)
+                                    job.sampling_params, job.request_meta, job.first_logprobs)
             return Outcome(job.request_id, stats, None)
         except KVTransferError as exc:
             return Outcome(job.request_id, None, f"{type(exc).__name__}: {exc}")

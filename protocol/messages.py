@@ -19,6 +19,7 @@ from kv_transfer import messages as kvm
 
 Message = kvm.Message
 ProtocolError = kvm.ProtocolError
+TokenLogprobs = kvm.TokenLogprobs  # shared with KVDone, which carries the first token's
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -33,16 +34,6 @@ class GenerateRequest(Message):
     decode_addr: str | None  # prefill node: KV address of the decode node; None: generate locally
     ttl_s: float  # the node drops the request (and frees its blocks) this long after receipt
     arrival_time: float = 0.0  # router's wall clock at arrival, for queue-time metrics
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    """One generated token's log-probability and its top alternatives."""
-
-    token_id: int
-    logprob: float
-    top_token_ids: tuple[int, ...]  # most likely first
-    top_logprobs: tuple[float, ...]  # same order as top_token_ids
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,15 +75,19 @@ class AbortRequest(Message):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StatusQuery(Message):
-    """Router → node (static mode, no Redis): reply with a NodeStatus on the same socket."""
+    """Router → node: reply with a NodeStatus, on the same socket or through ``reply_addr``."""
 
     TAG: ClassVar[str] = "status_query"
     nonce: int  # echoed back
+    # Answer through this PUSH address, the one tokens take: an answer proves the router's reply
+    # path works from this node (a router advertising an address the node cannot reach gets none).
+    reply_addr: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class NodeStatus(Message):
-    """Node → router: the same record the node publishes to Redis (protocol.registry.NodeInfo)."""
+    """Node → router: the record the node publishes to Redis (protocol.registry.NodeInfo); empty
+    before the node has one."""
 
     TAG: ClassVar[str] = "status"
     nonce: int

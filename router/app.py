@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import pathlib
 import time
 
@@ -25,6 +26,8 @@ from router.node_client import NodeClient
 from router.openai_schema import ChatBody, CompletionBody, validation_error
 from router.registry_client import NodeRegistry, RedisRegistry, StaticRegistry
 from router.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
@@ -59,8 +62,9 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        node_client = nodes or NodeClient(config.reply_addr)
+        node_client = nodes or NodeClient(config.host, config.reply_port, config.advertise_host)
         node_client.start()
+        log.info("nodes push replies to %s", node_client.reply_addr)
         node_registry = registry or make_registry(config, node_client)
         node_registry.start()
         backend = Backend(config, node_client, node_registry,

@@ -17,7 +17,9 @@ class RouterConfig:
     redis_url: str | None = None  # node registry in Redis; None: the static lists below
     prefill_addrs: tuple[str, ...] = ()  # static mode: prefill nodes' control addresses
     decode_addrs: tuple[str, ...] = ()  # static mode: decode nodes' control addresses
-    reply_addr: str | None = None  # ZeroMQ PULL address nodes push tokens to; None: a free loopback port
+    reply_port: int = 0  # ZeroMQ PULL port nodes push tokens to, bound on ``host``; 0: a free port
+    advertise_host: str | None = None  # the host nodes reach the reply port at; None: ``host``, or this
+    #                                    machine's hostname when ``host`` is every interface
     api_key: str | None = None  # when set, every /v1 request needs "Authorization: Bearer <key>"
     disagg_threshold: int = 64  # prompts with fewer uncached tokens prefill on the decode node
     max_inflight_prefill: int = 256  # sub-requests in their prefill stage; beyond: 429
@@ -46,3 +48,5 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if not 0 <= self.reply_port < 65536:
+            raise ValueError(f"reply_port must be in 0..65535, got {self.reply_port}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -27,7 +28,8 @@ from router.node_client import NodeClient, NodeUnavailable
 from router.policy import Route, RoutingPolicy
 from router.registry_client import NodeRegistry
 
-_LIVENESS_CHECK_S = 0.5  # how often a waiting sample checks that its nodes are still registered
+log = logging.getLogger(__name__)
+_LIVENESS_CHECK_S = 0.2  # how often a waiting sample checks that its nodes are still alive
 
 
 @dataclasses.dataclass(slots=True)
@@ -87,6 +89,8 @@ async def run_sample(backend: Backend, sample: Sample, ticket: Ticket) -> AsyncI
             excluded.add(retry.node_id)
             last_error = str(retry)
             backend.metrics.retries.inc()
+            log.warning("sample %s: attempt %d failed before its first token (%s); trying another pair",
+                        sample.request_id, attempt + 1, retry)
         finally:
             backend.nodes.close_request(request_id)
             backend.policy.finish(request_id)

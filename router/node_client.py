@@ -5,7 +5,9 @@
     router PULL (reply_addr) ◄──TokenChunk / RequestFailed────────── prefill and decode nodes
 
 A reader task hands each TokenChunk / RequestFailed to the bounded queue of its request id;
-replies for request ids nobody waits for (aborted, finished, timed out) are dropped.
+replies for request ids nobody waits for (aborted, finished, timed out) are dropped. A socket
+monitor per DEALER tells when a node's connection drops (its process died: the kernel resets the
+TCP connection), so waiting requests need not wait for the node's heartbeat to expire.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import time
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from protocol import messages as pm
+from protocol.addresses import advertised_host, zmq_host
 
 log = logging.getLogger(__name__)
 _SEND_RETRY_S = 0.01  # while a node's connection is being set up
@@ -30,33 +34,45 @@ class NodeUnavailable(ConnectionError):
 
 
 class NodeClient:
-    def __init__(self, reply_addr: str | None = None, queue_size: int = 1024, send_timeout_s: float = 2.0) -> None:
+    def __init__(self, host: str = "127.0.0.1", reply_port: int = 0, advertise_host: str | None = None,
+                 queue_size: int = 1024, send_timeout_s: float = 2.0) -> None:
         self._context = zmq.asyncio.Context()
         self._pull = self._context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.bind(reply_addr or "tcp://127.0.0.1:*")
-        self.reply_addr: str = self._pull.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._pull.bind(f"tcp://{zmq_host(host)}:{reply_port or '*'}")
+        port = self._pull.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]
+        # Bound where the router's HTTP side is (all interfaces in a container), advertised as an
+        # address the nodes can reach: never a loopback address they would take for their own.
+        self.reply_addr = f"tcp://{zmq_host(advertised_host(host, advertise_host))}:{port}"
+        self.reply_path_ok: set[str] = set()  # ids of nodes whose status came back through reply_addr
         self._queue_size = queue_size  # replies buffered per request before it is failed
         self._send_timeout_s = send_timeout_s
         self._dealers: dict[str, zmq.asyncio.Socket] = {}  # control address -> socket (receives)
         self._senders: dict[str, zmq.Socket] = {}  # control address -> the same socket, sync (sends)
         self._readers: dict[str, asyncio.Task] = {}  # control address -> its reply reader
+        self._watchers: dict[str, asyncio.Task] = {}  # control address -> its connection monitor's reader
+        self._monitors: dict[str, zmq.asyncio.Socket] = {}  # control address -> its monitor socket
+        self._link_up: dict[str, bool] = {}  # control address -> connected (absent: never was)
         self._queues: dict[str, asyncio.Queue[pm.Message]] = {}  # request id -> its replies
         self._status_waiters: dict[int, asyncio.Future[pm.NodeStatus]] = {}  # nonce -> waiter
         self._nonces = itertools.count(1)
         self._pull_task: asyncio.Task | None = None
 
     def start(self) -> None:
-        self._pull_task = asyncio.create_task(self._read(self._pull))
+        self._pull_task = asyncio.create_task(self._read(self._pull, reply_path=True))
 
     async def close(self) -> None:
-        tasks = [t for t in [self._pull_task, *self._readers.values()] if t is not None]
+        tasks = [t for t in [self._pull_task, *self._readers.values(), *self._watchers.values()] if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for socket in [self._pull, *self._dealers.values()]:
+        for socket in self._dealers.values():
+            socket.disable_monitor()
+        for socket in [self._pull, *self._dealers.values(), *self._monitors.values()]:
             socket.close(linger=0)
         self._dealers.clear()
+        self._watchers.clear()
+        self._monitors.clear()
         self._senders.clear()
         self._readers.clear()
         self._context.term()
@@ -71,8 +87,10 @@ class NodeClient:
     def close_request(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
-    def _deliver(self, msg: pm.Message) -> None:
+    def _deliver(self, msg: pm.Message, reply_path: bool) -> None:
         if isinstance(msg, pm.NodeStatus):
+            if reply_path and "node_id" in msg.info:
+                self.reply_path_ok.add(str(msg.info["node_id"]))
             waiter = self._status_waiters.pop(msg.nonce, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg)
@@ -91,11 +109,11 @@ class NodeClient:
             queue.put_nowait(pm.RequestFailed(msg.request_id, msg.node_id, "overflow",
                                               "the client is not reading the output fast enough", False))
 
-    async def _read(self, socket: zmq.asyncio.Socket) -> None:
+    async def _read(self, socket: zmq.asyncio.Socket, reply_path: bool = False) -> None:
         while True:
             parts = await socket.recv_multipart()
             try:
-                self._deliver(pm.decode(parts[0]))
+                self._deliver(pm.decode(parts[0]), reply_path)
             except pm.ProtocolError as exc:
                 log.warning("dropped a malformed node message: %s", exc)
 
@@ -112,7 +130,22 @@ class NodeClient:
             # peer queues forever, and cancelling it can leave the sends behind it stuck.
             self._senders[addr] = zmq.Socket.shadow(socket.underlying)
             self._readers[addr] = asyncio.create_task(self._read(socket))
+            monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            self._monitors[addr] = monitor  # closed by disconnect/close: the task may never run
+            self._watchers[addr] = asyncio.create_task(self._watch(addr, monitor))
         return socket
+
+    async def _watch(self, addr: str, monitor: zmq.asyncio.Socket) -> None:
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            up = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+            if not up and self._link_up.get(addr):
+                log.warning("lost the connection to node %s", addr)
+            self._link_up[addr] = up
+
+    def link_lost(self, addr: str) -> bool:
+        """The connection to ``addr`` was up and dropped (and has not come back)."""
+        return self._link_up.get(addr) is False
 
     def _try_send(self, addr: str, frame: bytes) -> bool:
         self._dealer(addr)
@@ -129,11 +162,16 @@ class NodeClient:
     def disconnect(self, addr: str) -> None:
         socket = self._dealers.pop(addr, None)
         self._senders.pop(addr, None)
-        reader = self._readers.pop(addr, None)
-        if reader is not None:
-            reader.cancel()
+        self._link_up.pop(addr, None)
+        for task in (self._readers.pop(addr, None), self._watchers.pop(addr, None)):
+            if task is not None:
+                task.cancel()
         if socket is not None:
+            socket.disable_monitor()
             socket.close(linger=0)
+        monitor = self._monitors.pop(addr, None)
+        if monitor is not None:
+            monitor.close(linger=0)
 
     async def send(self, addr: str, msg: pm.Message) -> None:
         """Hand ``msg`` to the node at ``addr``, waiting a little for a connection; else NodeUnavailable."""
@@ -150,11 +188,12 @@ class NodeClient:
             self._try_send(addr, pm.encode(msg))
 
     async def query_status(self, addr: str, timeout_s: float) -> pm.NodeStatus | None:
+        """The node's status, asked to come back through the reply path (None: no answer in time)."""
         nonce = next(self._nonces)
         waiter: asyncio.Future[pm.NodeStatus] = asyncio.get_running_loop().create_future()
         self._status_waiters[nonce] = waiter
         try:
-            await self.send(addr, pm.StatusQuery(nonce))
+            await self.send(addr, pm.StatusQuery(nonce, self.reply_addr))
             return await asyncio.wait_for(waiter, timeout_s)
         except (TimeoutError, NodeUnavailable):
             return None

@@ -5,6 +5,10 @@ list of control addresses, each asked for its status with a StatusQuery. A succe
 poll is the whole truth: a node whose key expired (TTL) or was withdrawn (drain) is dropped at
 once. Otherwise (a static node that did not answer, Redis unreachable) a node not heard from
 for ``node_expiry_s`` is dropped. The node client's sockets follow.
+
+A node takes requests only once its status came back through the router's reply address, the
+path its tokens will take (static polls ask for that; Redis-found nodes are probed once): a router
+advertising an address the node cannot reach stays unhealthy instead of timing out every request.
 """
 
 from __future__ import annotations
@@ -31,13 +35,22 @@ class NodeRegistry:
         self._by_id: dict[str, NodeInfo] = {}  # live nodes
         self._last_seen: dict[str, float] = {}  # node id -> router clock when last heard of
         self._task: asyncio.Task | None = None
+        self._probes: dict[str, asyncio.Task] = {}  # node id -> its reply-path probe in flight
+        self._probe_failures: dict[str, int] = {}  # node id -> probes that got no answer
         self.ready = asyncio.Event()  # set after the first poll
 
     def snapshot(self) -> list[NodeInfo]:
-        return sorted(self._by_id.values(), key=lambda n: n.node_id)
+        """The usable nodes: registered, answering through the reply path, connection not dropped."""
+        live = [n for n in self._by_id.values()
+                if self.reply_verified(n) and not self._nodes.link_lost(n.control_addr)]
+        return sorted(live, key=lambda n: n.node_id)
+
+    def reply_verified(self, node: NodeInfo) -> bool:
+        return node.node_id in self._nodes.reply_path_ok
 
     def is_alive(self, node_id: str) -> bool:
-        return node_id in self._by_id
+        node = self._by_id.get(node_id)
+        return node is not None and not self._nodes.link_lost(node.control_addr)
 
     def update(self, seen: Sequence[NodeInfo], now: float, complete: bool = False) -> None:
         """Merge a poll's records; drop nodes not seen within the expiry (at once when the poll
@@ -49,6 +62,8 @@ class NodeRegistry:
             if (complete and last != now) or now - last > self._expiry_s:
                 gone = self._by_id.pop(node_id)
                 del self._last_seen[node_id]
+                self._nodes.reply_path_ok.discard(node_id)
+                self._probe_failures.pop(node_id, None)
                 log.warning("node %s (%s) expired", node_id, gone.role)
                 if not any(n.control_addr == gone.control_addr for n in self._by_id.values()):
                     self._nodes.disconnect(gone.control_addr)
@@ -62,9 +77,28 @@ class NodeRegistry:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in [self._task, *self._probes.values()] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _probe_reply_paths(self) -> None:
+        """Ask each node not yet heard through the reply path for its status through it."""
+        for node in self._by_id.values():
+            if not self.reply_verified(node) and node.node_id not in self._probes:
+                task = asyncio.create_task(self._probe(node))
+                self._probes[node.node_id] = task
+                task.add_done_callback(lambda _, node_id=node.node_id: self._probes.pop(node_id, None))
+
+    async def _probe(self, node: NodeInfo) -> None:
+        timeout_s = max(2 * self._poll_interval_s, 1.0)
+        if await self._nodes.query_status(node.control_addr, timeout_s) is not None:
+            return
+        num = self._probe_failures[node.node_id] = self._probe_failures.get(node.node_id, 0) + 1
+        if num in (3, 30, 300):  # a misconfigured address is loud, not a flood
+            log.warning("node %s (%s) sent no status back through the reply address %s in %d tries: "
+                        "can it reach that address? (router --host / --advertise-host)",
+                        node.node_id, node.role, self._nodes.reply_addr, num)
 
     async def _run(self) -> None:
         while True:
@@ -75,6 +109,7 @@ class NodeRegistry:
                 log.warning("registry poll failed: %s", exc)
                 seen, complete = [], False
             self.update(seen, time.monotonic(), complete)
+            self._probe_reply_paths()
             self.ready.set()
             await asyncio.sleep(self._poll_interval_s)
 

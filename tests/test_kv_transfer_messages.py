@@ -22,6 +22,7 @@ from kv_transfer.messages import (
     KVReserve,
     KVWait,
     ProtocolError,
+    RingRef,
     WireFormat,
 )
 
@@ -31,7 +32,7 @@ EXAMPLES = [
     KVReserve("r2", (5,), (), FP, 1.0),
     KVGrant("r1", 2, (7, 3, 9), 1 << 26),
     KVGrant("r1", 0, (1,), 4096, shm=True),
-    KVReserve("r3", (5, 6), (), FP, 3.0, shm_name="pdserve-kv-ab", host_id="h/boot"),
+    KVReserve("r3", (5, 6), (), FP, 3.0, ring_ref=RingRef(41, 7, 1 << 20), host_id="h/boot"),
     KVWait("r1", 4),
     KVReject("r1", "fingerprint mismatch", "head_dim"),
     KVReject("r1", "busy"),

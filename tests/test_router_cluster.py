@@ -26,14 +26,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 LONG_PROMPT = "Once upon a time, in a quiet village by the sea, there lived an old fisherman who"
 
 
-def tiny_model_with_tokenizer(default_model_dir: pathlib.Path) -> pathlib.Path:
+def tiny_model_with_tokenizer(default_model_dir: pathlib.Path, max_position_embeddings: int = 512) -> pathlib.Path:
     """A seeded 2-layer Llama with the default model's vocabulary, tokenizer and chat template."""
     import torch
     import transformers
 
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
-                                      max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                                      max_position_embeddings=max_position_embeddings, bos_token_id=1, eos_token_id=2,
                                       tie_word_embeddings=True)
     digest = hashlib.sha256(config.to_json_string().encode()).hexdigest()[:12]
     path = pathlib.Path(tempfile.gettempdir()) / f"pdserve-tiny-models-{os.getuid()}" / f"llama-tok-{digest}"

@@ -14,6 +14,7 @@ def _run(complete: bool) -> tuple[list[str], list[str]]:
         nodes = NodeClient()
         registry = NodeRegistry(nodes, poll_interval_s=0.1, node_expiry_s=10.0)
         a, b = node_info("p1", "prefill"), node_info("d1", "decode")
+        nodes.reply_path_ok.update({"p1", "d1"})  # both answered a status query through the reply path
         registry.update([a, b], now=100.0, complete=complete)
         first = [n.node_id for n in registry.snapshot()]
         registry.update([b], now=100.5, complete=complete)  # p1's key expired or was withdrawn

@@ -46,6 +46,9 @@ class FixedRegistry(NodeRegistry):
     async def poll_once(self) -> list[NodeInfo]:
         return list(self.records)
 
+    def reply_verified(self, node: NodeInfo) -> bool:
+        return True  # records without a node behind them: nothing could answer a probe
+
 
 def config_for(model_dir, **fields) -> RouterConfig:
     return RouterConfig(model=str(model_dir), decode_addrs=("inproc://unused",), **fields)
@@ -118,7 +121,10 @@ class FakeNode:
                 msg = pm.decode(header)
                 if isinstance(msg, pm.StatusQuery):
                     reply = pm.NodeStatus(msg.nonce, dataclasses.asdict(self.info))
-                    await router.send_multipart([identity, pm.encode(reply)])
+                    if msg.reply_addr is None:
+                        await router.send_multipart([identity, pm.encode(reply)])
+                    else:
+                        await self._send(msg.reply_addr, reply)
                 elif isinstance(msg, pm.AbortRequest):
                     self.aborted.append(msg.request_id)
                     for task in [t for t in self._tasks if t.get_name() == msg.request_id]:

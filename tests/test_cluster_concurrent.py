@@ -1,0 +1,158 @@
+"""Real clients against a real cluster, many requests at once: 1 prefill + 1 decode node, redis-server,
+and two routers on the same nodes, one that disaggregates (the default threshold) and one that
+never does (every request prefills on the decode node). Each answer is checked against Hugging
+Face on the same weights: text, token ids, logprob values, and the exact number of cached tokens."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import json
+import random
+
+import httpx
+import pytest
+import torch
+
+from router.tokenizer import Tokenizer
+from tests.cluster import NodeProcess, RedisServer
+from tests.engine_helpers import hf_greedy, hf_logits
+from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
+
+pytestmark = pytest.mark.slow
+BLOCK_SIZE = 16  # the nodes' default
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, default_model_dir):
+    tmp = tmp_path_factory.mktemp("concurrent")
+    model = tiny_model_with_tokenizer(default_model_dir, max_position_embeddings=1024)
+    redis = RedisServer(tmp)
+    extra = ["--num-kv-blocks", "512", "--heartbeat-interval", "0.2", "--heartbeat-ttl", "2"]
+    nodes = {role: NodeProcess(role, str(model), tmp, redis.url, extra) for role in ("prefill", "decode")}
+    routers = {"pd": RouterProcess(model, redis.url, tmp),
+               "decode_only": RouterProcess(model, redis.url, tmp, "--disagg-threshold", "100000")}
+    try:
+        for node in nodes.values():
+            node.wait_ready()
+        for router in routers.values():
+            router.wait_healthy()
+        yield model, routers, nodes
+    finally:
+        for process in [*routers.values(), *nodes.values()]:
+            process.close()
+        redis.stop()
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(n)] for n in lengths]
+
+
+def _post(router, path: str, body: dict) -> dict:
+    reply = httpx.post(router.url + path, json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def _stream(router, path: str, body: dict) -> list[dict]:
+    events = []
+    with httpx.stream("POST", router.url + path, json={**body, "stream": True}, timeout=120) as reply:
+        assert reply.status_code == 200, reply.read()
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def _completion_logprobs(router, model, prompt: list[int], stream: bool) -> tuple[list[int], list[float]]:
+    """Token ids and their logprobs, as the client sees them."""
+    body = {"model": model.name, "prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1, "return_tokens_as_token_ids": True}
+    if stream:
+        parts = [e["choices"][0]["logprobs"] for e in _stream(router, "/v1/completions", body) if e["choices"]]
+        tokens = [t for p in parts if p for t in p["tokens"]]
+        values = [v for p in parts if p for v in p["token_logprobs"]]
+    else:
+        done = _post(router, "/v1/completions", body)
+        assert done["usage"]["completion_tokens"] == 20
+        tokens, values = done["choices"][0]["logprobs"]["tokens"], done["choices"][0]["logprobs"]["token_logprobs"]
+    return [int(t.removeprefix("token_id:")) for t in tokens], values
+
+
+@functools.cache
+def _hf_expected(model: str, prompt: tuple[int, ...]) -> tuple[list[int], list[float]]:
+    ids = hf_greedy(model, list(prompt), 20)
+    logits = hf_logits(model, [*prompt, *ids])[len(prompt) - 1:-1]  # [20, vocab]: the ones that chose ids
+    logprobs = torch.log_softmax(logits, dim=-1)[torch.arange(20), torch.tensor(ids)]
+    return ids, logprobs.tolist()
+
+
+@pytest.mark.parametrize("path", ["pd", "decode_only"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_concurrent_completions_return_every_logprob_equal_to_hf(cluster, path, stream):
+    model, routers, _ = cluster
+    lengths = [80, 700, 150, 333, 96, 512, 260, 81]
+    prompts = _prompts(len(path) * 2 + stream, lengths)
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: _completion_logprobs(routers[path], model, p, stream), prompts))
+    for prompt, (ids, values) in zip(prompts, got, strict=True):
+        want_ids, want_values = _hf_expected(str(model), tuple(prompt))
+        assert ids == want_ids, len(prompt)
+        assert values == pytest.approx(want_values, abs=2e-3), len(prompt)
+
+
+def _cached(router, model, prompt: list[int]) -> int:
+    body = {"model": model.name, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "return_tokens_as_token_ids": True, "logprobs": 0}
+    done = _post(router, "/v1/completions", body)
+    ids = [int(t.removeprefix("token_id:")) for t in done["choices"][0]["logprobs"]["tokens"]]
+    assert ids == hf_greedy(str(model), prompt, 4)  # a reused prefix must not change the output
+    return done["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _full_blocks(num_tokens: int) -> int:
+    """Tokens a prefix hit can cover: whole blocks, never the last prompt token (it must run)."""
+    return (num_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_a_repeated_prompt_is_a_counted_prefix_hit_on_the_decode_node(cluster):
+    model, routers, nodes = cluster
+    (prompt,) = _prompts(7, [301])
+    assert _cached(routers["pd"], model, prompt) == 0  # through the prefill node: nothing cached yet
+    assert _cached(routers["pd"], model, prompt) == _full_blocks(301)  # the decode node now holds it
+    changed = [*prompt[:-1], prompt[-1] + 1]
+    assert _cached(routers["pd"], model, changed) == _full_blocks(301)
+    local = [e for e in nodes["decode"].events("request_finished") if e.get("local_prefill")]
+    assert [e["cached_tokens"] for e in local[-2:]] == [_full_blocks(301)] * 2
+
+
+def test_prefill_node_hit_counts_its_cached_tokens(cluster):
+    model, routers, _ = cluster
+    (first,) = _prompts(8, [200])
+    (suffix,) = _prompts(9, [220])
+    assert _cached(routers["pd"], model, first) == 0
+    extended = first[:100] + suffix  # 96 tokens (6 blocks) shared; 224 new: prefilled on the prefill node
+    assert _cached(routers["pd"], model, extended) == 96
+
+
+def test_chats_sharing_a_system_prompt_count_the_shared_blocks(cluster):
+    model, routers, _ = cluster
+    tokenizer = Tokenizer(model)
+    system = ("You are a meticulous assistant for a shipping company. Answer in short, factual sentences, "
+              "quote tracking numbers exactly, never invent delivery dates, and ask for the order number "
+              "when it is missing. Prefer metric units. Keep a polite, neutral tone in every reply. If a "
+              "customer is upset, acknowledge it once and move on to the facts. Do not promise refunds; "
+              "explain that the claims team decides them within five working days of a complete claim.")
+    questions = ["Where is my parcel?", "Can I change the delivery address?", "How heavy can a box be?",
+                 "Do you ship to Norway?"]
+    conversations = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in questions]
+    ids = [tokenizer.encode_chat(c) for c in conversations]
+    num_shared = next(i for i, (a, b) in enumerate(zip(ids[0], ids[1], strict=False)) if a != b)
+    assert num_shared > 64  # long enough to make the router keep the later ones on the decode node
+    cached = []
+    for messages in conversations:
+        body = {"model": model.name, "messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        cached.append(_post(routers["pd"], "/v1/chat/completions", body)["usage"]["prompt_tokens_details"]
+                      ["cached_tokens"])
+    assert cached == [0] + [num_shared // BLOCK_SIZE * BLOCK_SIZE] * 3
