@@ -31,7 +31,7 @@ COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
 ROLES = ("router", "prefill", "decode")
 NODES = ("prefill", "decode")
 # Variables only a cluster sets: the pod's IP, which compose's hostnames stand in for.
-K8S_ONLY = {"router": {"PDSERVE_REPLY_ADDR"}, "prefill": {"PDSERVE_ADVERTISE_HOST"},
+K8S_ONLY = {"router": {"PDSERVE_ADVERTISE_HOST", "PDSERVE_REPLY_PORT"}, "prefill": {"PDSERVE_ADVERTISE_HOST"},
             "decode": {"PDSERVE_ADVERTISE_HOST"}}
 ADAPTER_VALUES = K8S / "autoscaling" / "hpa" / "prometheus-adapter-values.yaml"
 
@@ -189,7 +189,10 @@ def test_nodes_advertise_their_pod_ip_and_have_no_service(role):
 
 
 def test_router_replies_at_its_pod_ip_and_its_service_targets_port_8000():
-    assert env_of(container("router"))["PDSERVE_REPLY_ADDR"] == "tcp://$(POD_IP):7100"
+    env = {k: v.replace("$(POD_IP)", "10.0.0.7") for k, v in env_of(container("router")).items()}
+    args = build_parser().parse_args(["router", *flags_from_env("router", env)])
+    assert (args.host, args.advertise_host, args.reply_port) == ("0.0.0.0", "10.0.0.7", 7100)
+    assert {"name": "replies", "containerPort": 7100} in container("router")["ports"]
     service = BASE[("Service", "pdserve-router")]["spec"]
     assert service["selector"] == deployment("router")["spec"]["template"]["metadata"]["labels"]
     assert service["ports"] == [{"name": "http", "port": 8000, "targetPort": "http"}]

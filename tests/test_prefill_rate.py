@@ -7,6 +7,8 @@ in its NodeInfo; the router's /metrics divides each node's queued prompt tokens 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from node.streams import PrefillRate
@@ -72,6 +74,9 @@ def test_prefill_node_publishes_its_measured_speed_after_a_prefill(tmp_path):
         assert client.status(prefill)["prefill_tokens_per_s"] is None
         client.generate(prefill, "r0", list(range(3, 43)), {"temperature": 0.0, "max_tokens": 4}, decode=decode)
         assert client.collect(["r0"])["r0"]["finish"] == "length"
+        deadline = time.monotonic() + 5  # the node recomputes its status record every 0.1 s
+        while client.status(prefill)["prefill_tokens_per_s"] is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert client.status(prefill)["prefill_tokens_per_s"] > 0
     finally:
         client.close()
