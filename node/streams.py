@@ -46,15 +46,46 @@ def engine_logprob(lp: TokenLogprobs) -> TokenLogprob:
     return TokenLogprob(lp.token_id, lp.logprob, tuple(zip(lp.top_token_ids, lp.top_logprobs, strict=True)))
 
 
+class PrefillRate:
+    """Prompt tokens computed per second of engine step: a decaying average over recent steps.
+
+    Both sums decay by ``decay`` at every step that computed prompt tokens, so the rate follows
+    the node's current batch mix within tens of steps and never divides by an idle gap.
+    """
+
+    def __init__(self, decay: float = 0.9) -> None:
+        assert 0.0 < decay < 1.0
+        self.decay = decay
+        self.num_tokens = 0.0  # decayed prompt tokens computed
+        self.seconds = 0.0  # decayed seconds of the steps that computed them
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or seconds <= 0.0:  # a decode-only step, or a preemption put tokens back
+            return
+        self.num_tokens = self.num_tokens * self.decay + num_tokens
+        self.seconds = self.seconds * self.decay + seconds
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.num_tokens / self.seconds if self.seconds > 0.0 else None
+
+
+def num_queued_prefill_tokens(engine: LLMEngine) -> int:
+    """Prompt tokens not computed yet: waiting requests', and running ones' unfinished chunks."""
+    sched = engine.scheduler
+    queued = sum(s.num_uncomputed_tokens for s in sched.waiting)
+    return queued + sum(s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1)
+
+
 def node_status(opts: NodeOptions, engine: LLMEngine, control_addr: str, kv_addr: str | None,
-                fingerprint: dict, draining: bool, extra_queued: int = 0) -> NodeInfo:
+                fingerprint: dict, draining: bool, extra_queued: int = 0,
+                prefill_tokens_per_s: float | None = None) -> NodeInfo:
     bm, sched = engine.block_manager, engine.scheduler
-    queued_tokens = sum(s.num_uncomputed_tokens for s in sched.waiting)
-    queued_tokens += sum(s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1)
     return NodeInfo(
         node_id=opts.node_id, role=opts.role, control_addr=control_addr, kv_addr=kv_addr,
         fingerprint=fingerprint, max_model_len=engine.max_model_len, num_blocks_total=bm.num_blocks,
         num_blocks_free=bm.num_free_blocks, num_blocks_cached=bm.num_cached_free_blocks,
         num_running=len(sched.running), num_queued=len(sched.waiting) + extra_queued,
-        num_queued_prefill_tokens=queued_tokens, draining=draining, heartbeat_time=time.time(),
+        num_queued_prefill_tokens=num_queued_prefill_tokens(engine), draining=draining, heartbeat_time=time.time(),
+        prefill_tokens_per_s=prefill_tokens_per_s,
     )

@@ -22,7 +22,7 @@ from kv_transfer.shared_cache import TORCH_DTYPES, SharedKVCache
 from node.log import EventLog
 from node.options import NodeOptions
 from node.runtime import NodeRuntime
-from node.streams import Stream, next_chunk, node_status, wire_logprob
+from node.streams import PrefillRate, Stream, next_chunk, node_status, num_queued_prefill_tokens, wire_logprob
 from prefill_node.shipper import Outcome, Shipment, Shipper
 from protocol.messages import AbortRequest, GenerateRequest
 
@@ -53,6 +53,7 @@ class PrefillNode:
         # Requests whose KV a shipper thread may be reading: their blocks stay held until the
         # outcome arrives, even when the request was aborted or timed out meanwhile.
         self.shipping: set[str] = set()
+        self.prefill_rate = PrefillRate()  # for the registry: autoscalers divide the backlog by it
 
     def _shared_cache(self, spec):
         """The KV cache in shared memory for same-host decode nodes; private memory (and chunks on
@@ -69,7 +70,8 @@ class PrefillNode:
 
     def status(self):
         return node_status(self.opts, self.engine, self.runtime.control_addr, None,
-                           dataclasses.asdict(self.fingerprint), self.runtime.draining.is_set())
+                           dataclasses.asdict(self.fingerprint), self.runtime.draining.is_set(),
+                           prefill_tokens_per_s=self.prefill_rate.tokens_per_s)
 
     def serve(self, ready_file: str | None = None) -> int:
         self.runtime.start(self.status(), ready_file)
@@ -90,7 +92,7 @@ class PrefillNode:
         for msg in self.runtime.poll_control(0.0):
             self._on_control(msg)
         if self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            for out in self._timed_step():
                 if out.finished:
                     self._prefilled(out)
         elif self.pending:
@@ -102,6 +104,13 @@ class PrefillNode:
                 break
         self._expire()
         self.runtime.refresh_status(self.status)
+
+    def _timed_step(self) -> list:
+        """One engine step, its prompt tokens and seconds counted into ``prefill_rate``."""
+        num_queued, start = num_queued_prefill_tokens(self.engine), time.perf_counter()
+        outs = self.engine.step()
+        self.prefill_rate.observe(num_queued - num_queued_prefill_tokens(self.engine), time.perf_counter() - start)
+        return outs
 
     def _on_control(self, msg) -> None:
         if isinstance(msg, GenerateRequest):

@@ -31,6 +31,8 @@ class NodeInfo:
     num_queued: int  # requests waiting (for blocks, KV or a slot)
     num_queued_prefill_tokens: int  # prompt tokens not yet computed
     draining: bool = False  # finishing in-flight work, takes no new requests
+    prefill_tokens_per_s: float | None = None  # prompt tokens computed per second of engine step, recent
+    # average (node.streams.PrefillRate); None until the node has computed a prompt token
     heartbeat_time: float = 0.0  # wall clock of this record
 
     def to_redis(self) -> dict[str, str]:

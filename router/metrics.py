@@ -133,4 +133,34 @@ def _node_gauges(nodes: Sequence[NodeInfo]) -> list[str]:
     lines: list[str] = []
     for name, help_, value in _NODE_GAUGES:
         lines += _gauge(name, help_, (((("node_id", n.node_id), ("role", n.role)), value(n)) for n in nodes))
+    prefills = [n for n in nodes if n.role == "prefill"]
+    lines += _gauge("pdserve_node_prefill_tokens_per_second", "Prompt tokens a prefill node computes per second "
+                    "of engine step, as it measured them recently.",
+                    ((_node_labels(n), n.prefill_tokens_per_s) for n in prefills if n.prefill_tokens_per_s))
+    lines += _gauge("pdserve_node_prefill_backlog_seconds", "Queued prompt tokens over the node's measured "
+                    "prefill speed (the pool's mean for a node without one yet): what autoscales prefill.",
+                    ((_node_labels(n), seconds) for n, seconds in prefill_backlog_seconds(prefills)))
     return lines
+
+
+def _node_labels(node: NodeInfo) -> Labels:
+    return (("node_id", node.node_id), ("role", node.role))
+
+
+def prefill_backlog_seconds(prefills: Sequence[NodeInfo]) -> list[tuple[NodeInfo, float]]:
+    """Per prefill node: seconds its queued prompt tokens take at its measured speed.
+
+    A node that has not measured its speed yet (just started) is given the pool's mean speed; an
+    empty queue is 0 s whatever the speed. A node with a queue and no speed in the whole pool to
+    go by has no sample: an autoscaler then sees the others' (or none) rather than a guess.
+    """
+    speeds = [n.prefill_tokens_per_s for n in prefills if n.prefill_tokens_per_s]
+    pool_speed = sum(speeds) / len(speeds) if speeds else None
+    out = []
+    for node in prefills:
+        speed = node.prefill_tokens_per_s or pool_speed
+        if node.num_queued_prefill_tokens == 0:
+            out.append((node, 0.0))
+        elif speed:
+            out.append((node, node.num_queued_prefill_tokens / speed))
+    return out

