@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import zmq
@@ -223,9 +223,13 @@ class KVSender:
         sampling_params: dict | None = None,
         request_meta: dict | None = None,
         first_logprobs: TokenLogprobs | None = None,
+        on_granted: Callable[[], None] | None = None,
     ) -> TransferStats:
-        """Reserve, send every layer, finish. Raises KVTransferError (peer told to abort)."""
+        """Reserve, send every layer, finish. Raises KVTransferError (peer told to abort).
+        ``on_granted`` runs once the receiver holds the blocks, before any KV is sent."""
         tx = self.reserve(request_id, token_ids, sampling_params, request_meta)
+        if on_granted is not None:
+            on_granted()
         try:
             if tx.direct:  # the receiver copies from our shared cache: name the blocks, no chunks
                 src = tuple(block_table[tx.num_held_blocks :])

@@ -17,13 +17,14 @@ import torch
 from engine.config import EngineConfig
 from engine.kv_layout import KV_LAYOUT_NAME
 from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput
 from kv_transfer.messages import KVFingerprint
 from kv_transfer.shared_cache import TORCH_DTYPES, SharedKVCache
 from node.log import EventLog
 from node.options import NodeOptions
 from node.runtime import NodeRuntime
 from node.streams import PrefillRate, Stream, next_chunk, node_status, num_queued_prefill_tokens, wire_logprob
-from prefill_node.shipper import Outcome, Shipment, Shipper
+from prefill_node.shipper import Granted, Outcome, Shipment, Shipper
 from protocol.messages import AbortRequest, GenerateRequest
 
 
@@ -33,6 +34,7 @@ class _Pending:
     decode_addr: str
     params: dict  # SamplingParams.to_dict() for the decode node
     ttl_s: float
+    first: CompletionOutput | None = None  # the first token, held until the decode node grants blocks
 
 
 IDLE_WAIT_S = 0.05  # longest sleep of an idle loop: a control message wakes it at once
@@ -137,7 +139,9 @@ class PrefillNode:
         self.log("request_added", rid, prompt_tokens=len(msg.token_ids), decode_addr=msg.decode_addr)
 
     def _prefilled(self, out) -> None:
-        """First token sampled: report it now, then ship the KV (unless that token ended it)."""
+        """First token sampled: ship the KV, and report the token once the decode node has granted
+        blocks for it. A refusal before then (draining, full) leaves the router free to retry the
+        request on another pair: no token of it was seen. A token that ends the request goes at once."""
         rid = out.request_id
         pending = self.pending.get(rid)
         if pending is None:
@@ -151,10 +155,9 @@ class PrefillNode:
         stream.timings["prefill_queue"] = round(started - stream.started, 6)
         stream.timings["prefill_compute"] = round(now - started, 6)
         ends_here = completion.finish_reason == "stop" or pending.params.get("max_tokens") == 1
-        first = dataclasses.replace(completion, finish_reason=completion.finish_reason if ends_here else None)
-        self.runtime.reply(stream.reply_addr, next_chunk(stream, first, self.opts.node_id, is_first=True))
-        self.log("first_token_sent", rid, cached_tokens=out.num_cached_tokens)
+        pending.first = dataclasses.replace(completion, finish_reason=completion.finish_reason if ends_here else None)
         if ends_here:
+            self._send_first_token(rid)
             self.engine.release_held(rid)
             del self.pending[rid]
             return
@@ -168,7 +171,18 @@ class PrefillNode:
         else:
             self._fail(rid, "overloaded", "too many KV transfers queued for that decode node")
 
-    def _settle(self, outcome: Outcome) -> None:
+    def _send_first_token(self, rid: str) -> None:
+        pending = self.pending.get(rid)
+        if pending is None or pending.first is None:
+            return  # aborted or failed meanwhile
+        stream = pending.stream
+        self.runtime.reply(stream.reply_addr, next_chunk(stream, pending.first, self.opts.node_id, is_first=True))
+        pending.first = None
+        self.log("first_token_sent", rid, cached_tokens=stream.num_cached_tokens)
+
+    def _settle(self, outcome: Granted | Outcome) -> None:
+        if isinstance(outcome, Granted):
+            return self._send_first_token(outcome.request_id)
         rid = outcome.request_id
         self.shipping.discard(rid)
         if not self.engine.release_held(rid):  # KV is on the decode node now, or the request failed
@@ -182,7 +196,8 @@ class PrefillNode:
                      bytes=s.bytes_sent, seconds=round(s.seconds, 6), shm=s.shm, direct=s.direct)
         else:
             self.pending[rid] = pending
-            self._fail(rid, "kv_transfer", outcome.error)
+            # Refused before its first token was sent: the router retries elsewhere, blaming D.
+            self._fail(rid, "decode_rejected" if outcome.rejected else "kv_transfer", outcome.error)
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -1,7 +1,8 @@
 """Ships held prompt KV to decode nodes: one worker thread and one KVSender per decode node.
 
 The engine loop hands over a ``Shipment`` (the request's block table stays held in the
-engine until the worker reports back), so compute of other requests overlaps the transfer.
+engine until the worker reports back), so compute of other requests overlaps the transfer. The
+worker reports ``Granted`` once the decode node holds blocks, then the ``Outcome``.
 Queues are bounded; a full queue refuses the shipment and the request fails cleanly.
 """
 
@@ -14,7 +15,7 @@ import time
 
 import torch
 
-from kv_transfer.errors import KVTransferError
+from kv_transfer.errors import KVRejected, KVTimeout, KVTransferError
 from kv_transfer.messages import CacheRef, KVFingerprint, TokenLogprobs
 from kv_transfer.sender import KVSender, SenderConfig, TransferStats
 
@@ -33,10 +34,18 @@ class Shipment:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Granted:
+    """The decode node holds blocks for the request: its first token may go to the router."""
+
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Outcome:
     request_id: str
     stats: TransferStats | None  # None on failure
     error: str | None  # why it failed
+    rejected: bool = False  # the decode node refused the reservation (draining, or no room in time)
 
 
 @dataclasses.dataclass(slots=True)
@@ -61,7 +70,7 @@ class Shipper:
         self.queue_limit = queue_limit
         self.max_peers = max_peers
         self.idle_timeout_s = idle_timeout_s
-        self.outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        self.outcomes: queue.SimpleQueue[Granted | Outcome] = queue.SimpleQueue()  # in order per request
         self._peers: dict[str, _Peer] = {}  # decode KV address -> its worker
         self._threads: list[threading.Thread] = []
         self._queued: set[str] = set()  # request ids submitted and not yet taken by a worker
@@ -159,9 +168,11 @@ class Shipper:
         try:
             stats = sender.transfer(job.request_id, job.token_ids, self.key_caches, self.value_caches,
                                     job.block_table, job.first_token, job.num_cached_tokens,
-                                    job.sampling_params, job.request_meta, job.first_logprobs)
+                                    job.sampling_params, job.request_meta, job.first_logprobs,
+                                    on_granted=lambda: self.outcomes.put(Granted(job.request_id)))
             return Outcome(job.request_id, stats, None)
         except KVTransferError as exc:
-            return Outcome(job.request_id, None, f"{type(exc).__name__}: {exc}")
+            refused = isinstance(exc, KVRejected) or (isinstance(exc, KVTimeout) and exc.stage == "grant")
+            return Outcome(job.request_id, None, f"{type(exc).__name__}: {exc}", rejected=refused)
         except Exception as exc:  # a bug must fail the request, not kill the worker
             return Outcome(job.request_id, None, f"unexpected {type(exc).__name__}: {exc}")

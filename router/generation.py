@@ -131,7 +131,9 @@ async def _relay(backend: Backend, route: Route, queue: asyncio.Queue[pm.Message
             continue
         if isinstance(msg, pm.RequestFailed):
             if msg.retryable and num_tokens == 0:
-                raise _Retry(msg.node_id, f"{msg.node_id}: {msg.code}: {msg.message}")
+                # The prefill node reports the decode node's refusal: that one is to avoid.
+                blamed = route.decode.node_id if msg.code == "decode_rejected" else msg.node_id
+                raise _Retry(blamed, f"{msg.node_id}: {msg.code}: {msg.message}")
             raise _node_error(msg, after_tokens=num_tokens > 0)
         assert isinstance(msg, pm.TokenChunk)
         if num_tokens == 0:
