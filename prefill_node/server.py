@@ -17,14 +17,13 @@ import torch
 from engine.config import EngineConfig
 from engine.kv_layout import KV_LAYOUT_NAME
 from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput
 from kv_transfer.messages import KVFingerprint
 from kv_transfer.shared_cache import TORCH_DTYPES, SharedKVCache
 from node.log import EventLog
 from node.options import NodeOptions
 from node.runtime import NodeRuntime
 from node.streams import PrefillRate, Stream, next_chunk, node_status, num_queued_prefill_tokens, wire_logprob
-from prefill_node.shipper import Granted, Outcome, Shipment, Shipper
+from prefill_node.shipper import FirstToken, Granted, Outcome, Shipment, Shipper
 from protocol.messages import AbortRequest, GenerateRequest
 
 
@@ -34,7 +33,6 @@ class _Pending:
     decode_addr: str
     params: dict  # SamplingParams.to_dict() for the decode node
     ttl_s: float
-    first: CompletionOutput | None = None  # the first token, held until the decode node grants blocks
 
 
 IDLE_WAIT_S = 0.05  # longest sleep of an idle loop: a control message wakes it at once
@@ -50,7 +48,7 @@ class PrefillNode:
         self.runtime = NodeRuntime(opts, self.log)
         caches = self.engine.runner.kv_caches
         self.shipper = Shipper(self.fingerprint, [k for k, _ in caches], [v for _, v in caches],
-                               cache_ref=self.cache.ref if self.cache is not None else None)
+                               cache_ref=self.cache.ref if self.cache is not None else None, log=self.log)
         self.pending: dict[str, _Pending] = {}  # computing or shipping
         # Requests whose KV a shipper thread may be reading: their blocks stay held until the
         # outcome arrives, even when the request was aborted or timed out meanwhile.
@@ -155,34 +153,33 @@ class PrefillNode:
         stream.timings["prefill_queue"] = round(started - stream.started, 6)
         stream.timings["prefill_compute"] = round(now - started, 6)
         ends_here = completion.finish_reason == "stop" or pending.params.get("max_tokens") == 1
-        pending.first = dataclasses.replace(completion, finish_reason=completion.finish_reason if ends_here else None)
+        first = dataclasses.replace(completion, finish_reason=completion.finish_reason if ends_here else None)
         if ends_here:
-            self._send_first_token(rid)
+            self.runtime.reply(stream.reply_addr, next_chunk(stream, first, self.opts.node_id, is_first=True))
+            self.log("first_token_sent", rid, cached_tokens=stream.num_cached_tokens)
             self.engine.release_held(rid)
             del self.pending[rid]
             return
+        # The chunk goes out from the shipper's worker the moment blocks are granted (not after this
+        # loop's next engine step); until then the router has seen nothing (num_sent stays 0).
+        first_chunk = next_chunk(dataclasses.replace(stream), first, self.opts.node_id, is_first=True)
         shipment = Shipment(rid, pending.decode_addr, tuple(seq.token_ids[:seq.num_prompt_tokens]),
                             tuple(seq.block_table), completion.token_ids[0], out.num_cached_tokens, pending.params,
                             {"reply_addr": stream.reply_addr, "ttl_s": pending.ttl_s, "timings": stream.timings,
                              "shipped_at": time.time()},
-                            wire_logprob(completion.logprobs[0]) if completion.logprobs else None)
+                            wire_logprob(completion.logprobs[0]) if completion.logprobs else None,
+                            FirstToken(stream.reply_addr, first_chunk))
         if self.shipper.submit(shipment):
             self.shipping.add(rid)
         else:
             self._fail(rid, "overloaded", "too many KV transfers queued for that decode node")
 
-    def _send_first_token(self, rid: str) -> None:
-        pending = self.pending.get(rid)
-        if pending is None or pending.first is None:
-            return  # aborted or failed meanwhile
-        stream = pending.stream
-        self.runtime.reply(stream.reply_addr, next_chunk(stream, pending.first, self.opts.node_id, is_first=True))
-        pending.first = None
-        self.log("first_token_sent", rid, cached_tokens=stream.num_cached_tokens)
-
     def _settle(self, outcome: Granted | Outcome) -> None:
+        pending = self.pending.get(outcome.request_id)
+        if pending is not None and (isinstance(outcome, Granted) or outcome.first_token_sent):
+            pending.stream.num_sent = 1  # the worker sent the first token: no retry elsewhere now
         if isinstance(outcome, Granted):
-            return self._send_first_token(outcome.request_id)
+            return
         rid = outcome.request_id
         self.shipping.discard(rid)
         if not self.engine.release_held(rid):  # KV is on the decode node now, or the request failed

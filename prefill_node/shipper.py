@@ -8,16 +8,30 @@ Queues are bounded; a full queue refuses the shipment and the request fails clea
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
+from kv_transfer.channel import PushChannel
 from kv_transfer.errors import KVRejected, KVTimeout, KVTransferError
 from kv_transfer.messages import CacheRef, KVFingerprint, TokenLogprobs
 from kv_transfer.sender import KVSender, SenderConfig, TransferStats
+from protocol.messages import TokenChunk
+
+_MAX_REPLY_CHANNELS = 16  # routers one worker talks back to at once (LRU beyond)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FirstToken:
+    """The request's first token, for the router once the decode node has granted blocks."""
+
+    reply_addr: str  # the router's reply address
+    chunk: TokenChunk  # TokenChunk(is_first=True)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -31,6 +45,7 @@ class Shipment:
     sampling_params: dict  # for the decode node's sequence
     request_meta: dict  # opaque to kv_transfer: reply address, ttl, timings
     first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asked for logprobs
+    first: FirstToken | None = None  # sent to the router at the grant; None: the caller reports it
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -46,6 +61,7 @@ class Outcome:
     stats: TransferStats | None  # None on failure
     error: str | None  # why it failed
     rejected: bool = False  # the decode node refused the reservation (draining, or no room in time)
+    first_token_sent: bool = False  # the worker sent the shipment's first token to the router
 
 
 @dataclasses.dataclass(slots=True)
@@ -62,7 +78,8 @@ class Shipper:
 
     def __init__(self, fingerprint: KVFingerprint, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
                  config: SenderConfig | None = None, queue_limit: int = 256, max_peers: int = 64,
-                 cache_ref: CacheRef | None = None, idle_timeout_s: float = 60.0) -> None:
+                 cache_ref: CacheRef | None = None, idle_timeout_s: float = 60.0,
+                 log: Callable[..., None] | None = None) -> None:
         self.cache_ref = cache_ref  # the caches in shared memory: offered for one-copy transfers
         self.fingerprint = fingerprint
         self.key_caches, self.value_caches = key_caches, value_caches
@@ -70,6 +87,7 @@ class Shipper:
         self.queue_limit = queue_limit
         self.max_peers = max_peers
         self.idle_timeout_s = idle_timeout_s
+        self._log = log or (lambda *args, **fields: None)  # the node's event log (thread-safe)
         self.outcomes: queue.SimpleQueue[Granted | Outcome] = queue.SimpleQueue()  # in order per request
         self._peers: dict[str, _Peer] = {}  # decode KV address -> its worker
         self._threads: list[threading.Thread] = []
@@ -157,22 +175,45 @@ class Shipper:
 
     def _work(self, addr: str, peer: _Peer) -> None:
         sender = KVSender(addr, self.fingerprint, self.config, cache_ref=self.cache_ref)
+        replies: collections.OrderedDict[str, PushChannel] = collections.OrderedDict()  # this thread's own
         try:
             while (job := self._next_job(addr, peer)) is not None:
-                self.outcomes.put(self._ship(sender, job))
+                self.outcomes.put(self._ship(sender, job, replies))
                 peer.busy = False
         finally:
             sender.close()
+            for channel in replies.values():
+                channel.close()
 
-    def _ship(self, sender: KVSender, job: Shipment) -> Outcome:
+    def _granted(self, job: Shipment, replies: collections.OrderedDict[str, PushChannel]) -> None:
+        """Blocks are held on the decode node: the first token goes to the router now."""
+        if job.first is not None:
+            channel = replies.pop(job.first.reply_addr, None) or PushChannel(job.first.reply_addr)
+            replies[job.first.reply_addr] = channel  # most recent last
+            while len(replies) > _MAX_REPLY_CHANNELS:
+                replies.popitem(last=False)[1].close()
+            if channel.send(job.first.chunk):
+                self._log("first_token_sent", job.request_id, cached_tokens=job.num_cached_tokens)
+            else:
+                self._log("reply_dropped", job.request_id, reply_addr=job.first.reply_addr)
+        self.outcomes.put(Granted(job.request_id))
+
+    def _ship(self, sender: KVSender, job: Shipment, replies: collections.OrderedDict[str, PushChannel]) -> Outcome:
+        granted = []
+
+        def on_granted() -> None:
+            granted.append(True)
+            self._granted(job, replies)
+
         try:
             stats = sender.transfer(job.request_id, job.token_ids, self.key_caches, self.value_caches,
                                     job.block_table, job.first_token, job.num_cached_tokens,
-                                    job.sampling_params, job.request_meta, job.first_logprobs,
-                                    on_granted=lambda: self.outcomes.put(Granted(job.request_id)))
-            return Outcome(job.request_id, stats, None)
+                                    job.sampling_params, job.request_meta, job.first_logprobs, on_granted)
+            return Outcome(job.request_id, stats, None, first_token_sent=job.first is not None)
         except KVTransferError as exc:
             refused = isinstance(exc, KVRejected) or (isinstance(exc, KVTimeout) and exc.stage == "grant")
-            return Outcome(job.request_id, None, f"{type(exc).__name__}: {exc}", rejected=refused)
+            return Outcome(job.request_id, None, f"{type(exc).__name__}: {exc}", rejected=refused and not granted,
+                           first_token_sent=bool(granted) and job.first is not None)
         except Exception as exc:  # a bug must fail the request, not kill the worker
-            return Outcome(job.request_id, None, f"unexpected {type(exc).__name__}: {exc}")
+            return Outcome(job.request_id, None, f"unexpected {type(exc).__name__}: {exc}",
+                           first_token_sent=bool(granted) and job.first is not None)
