@@ -8,6 +8,8 @@ import pathlib
 
 import transformers
 
+from engine.device import check_device_name
+
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -91,10 +93,12 @@ class EngineConfig:
     max_model_len: int | None = None  # context limit; defaults to the model's
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True  # split long prompts over several iterations
-    max_waiting: int = 4096  # bound on queued requests; add_request raises past it
+    max_waiting: int = 1024  # bound on queued requests; add_request raises past it
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    device: str = "auto"  # auto, cpu, cuda or cuda:N (engine.device)
 
     def __post_init__(self) -> None:
+        check_device_name(self.device)
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         for name in ("block_size", "kv_cache_memory_mb", "max_num_batched_tokens", "max_num_seqs", "max_waiting"):

@@ -8,7 +8,7 @@ import os
 import socket
 import uuid
 
-from engine.config import EngineConfig
+from engine.config import SUPPORTED_DTYPES, EngineConfig
 from protocol.addresses import advertised_host
 
 
@@ -40,6 +40,9 @@ class NodeOptions:
         return f"tcp://{self.host}:{self.port}"
 
 
+_ENGINE = EngineConfig(model="")  # the defaults every engine flag shows
+
+
 def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="Hugging Face model folder")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
@@ -55,17 +58,18 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=30.0)
     parser.add_argument("--node-id", default=None)
     parser.add_argument("--ready-file", default=None, help="write the node's addresses here (JSON) once serving")
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--kv-cache-memory-mb", type=int, default=512)
-    engine.add_argument("--num-kv-blocks", type=int, default=None)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    engine.add_argument("--max-num-seqs", type=int, default=64)
-    engine.add_argument("--max-model-len", type=int, default=None)
+    engine = parser.add_argument_group("engine")  # defaults: engine.config.EngineConfig's, the one source
+    engine.add_argument("--dtype", default=_ENGINE.dtype, choices=SUPPORTED_DTYPES)
+    engine.add_argument("--device", default=_ENGINE.device, help="auto, cpu, cuda or cuda:N (default: auto)")
+    engine.add_argument("--block-size", type=int, default=_ENGINE.block_size)
+    engine.add_argument("--kv-cache-memory-mb", type=int, default=_ENGINE.kv_cache_memory_mb)
+    engine.add_argument("--num-kv-blocks", type=int, default=_ENGINE.num_kv_blocks)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=_ENGINE.max_num_batched_tokens)
+    engine.add_argument("--max-num-seqs", type=int, default=_ENGINE.max_num_seqs)
+    engine.add_argument("--max-model-len", type=int, default=_ENGINE.max_model_len)
     engine.add_argument("--no-prefix-caching", action="store_true")
-    engine.add_argument("--max-waiting", type=int, default=1024)
-    engine.add_argument("--threads", type=int, default=None, help="torch threads for this process")
+    engine.add_argument("--max-waiting", type=int, default=_ENGINE.max_waiting)
+    engine.add_argument("--threads", type=int, default=_ENGINE.num_threads, help="torch threads for this process")
 
 
 def options_from_args(role: str, args: argparse.Namespace) -> tuple[NodeOptions, EngineConfig]:
@@ -82,5 +86,6 @@ def options_from_args(role: str, args: argparse.Namespace) -> tuple[NodeOptions,
         num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, max_waiting=args.max_waiting, num_threads=args.threads,
+        device=args.device,
     )
     return node, engine

@@ -87,5 +87,5 @@ def node_status(opts: NodeOptions, engine: LLMEngine, control_addr: str, kv_addr
         num_blocks_free=bm.num_free_blocks, num_blocks_cached=bm.num_cached_free_blocks,
         num_running=len(sched.running), num_queued=len(sched.waiting) + extra_queued,
         num_queued_prefill_tokens=num_queued_prefill_tokens(engine), draining=draining, heartbeat_time=time.time(),
-        prefill_tokens_per_s=prefill_tokens_per_s,
+        prefill_tokens_per_s=prefill_tokens_per_s, device=str(engine.device),
     )

@@ -32,6 +32,7 @@ class NodeInfo:
     num_queued_prefill_tokens: int  # prompt tokens not yet computed
     draining: bool = False  # finishing in-flight work, takes no new requests
     prefill_tokens_per_s: float | None = None  # prompt tokens computed per second of engine step, recent
+    device: str = "cpu"  # the torch device the node's engine computes on
     # average (node.streams.PrefillRate); None until the node has computed a prompt token
     heartbeat_time: float = 0.0  # wall clock of this record
 

@@ -172,7 +172,8 @@ def test_compose_build_arguments_default_to_the_dockerfiles(arg):
 
 
 @pytest.mark.parametrize("service", NODES)
-@pytest.mark.parametrize("variable", ["PDSERVE_KV_CACHE_MEMORY_MB", "PDSERVE_DTYPE", "PDSERVE_THREADS"])
+@pytest.mark.parametrize("variable", ["PDSERVE_KV_CACHE_MEMORY_MB", "PDSERVE_DTYPE", "PDSERVE_DEVICE",
+                                      "PDSERVE_THREADS"])
 def test_nodes_take_engine_sizes_from_the_host_environment(service, variable):
     assert SERVICES[service]["environment"][variable] == f"${{{variable}:-}}"  # empty: the flag's default
 

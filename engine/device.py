@@ -1,0 +1,35 @@
+"""Which device an engine computes on, from ``--device {auto,cpu,cuda,cuda:N}``.
+
+The CUDA path of the engine (weights, KV cache and inputs on the device, the Triton kernels in
+the serving path) is not built yet, so ``auto`` runs on the CPU even where torch sees a GPU, and
+says so; asking for ``cuda`` explicitly is a clear error rather than a silent CPU run.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+
+log = logging.getLogger(__name__)
+DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def check_device_name(name: str) -> None:
+    if not DEVICE_RE.match(name):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device for ``name``; ValueError when it cannot be served here."""
+    check_device_name(name)
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "auto":
+        if torch.cuda.is_available():
+            log.warning("a CUDA device is present, but the engine's CUDA path is not built yet: running on CPU")
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {name}: torch sees no CUDA device (torch.cuda.is_available() is false)")
+    raise ValueError(f"device {name}: the engine's CUDA path is not built yet; use --device cpu")

@@ -1,0 +1,53 @@
+"""Device selection on a CPU-only machine: cpu and auto run, cuda is a clear error, bad names are
+refused; the flag reaches nodes from PDSERVE_DEVICE and their status says which device they use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from launcher.env_flags import flags_from_env
+from tests.engine_helpers import hf_greedy
+from tests.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+
+
+@pytest.mark.parametrize("device", ["cpu", "auto"])
+def test_cpu_and_auto_serve_on_the_cpu_equal_to_hf(device):
+    path = str(make_tiny_model("llama"))
+    llm = LLM(model=path, num_kv_blocks=32, device=device)
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert llm.engine.device == torch.device("cpu")
+    assert out[0].outputs[0].token_ids == hf_greedy(path, [5, 6, 7, 8], 5)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_cuda_without_a_gpu_is_a_clear_error(device):
+    with pytest.raises(ValueError, match="torch sees no CUDA device"):
+        LLM(model=str(make_tiny_model("llama")), num_kv_blocks=32, device=device)
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "CPU", ""])
+def test_an_unknown_device_name_is_refused_by_the_config(device):
+    with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:N"):
+        EngineConfig(model="m", device=device)
+
+
+def test_pdserve_device_becomes_the_node_flag():
+    assert flags_from_env("decode", {"PDSERVE_DEVICE": "cpu"}) == ["--device", "cpu"]
+
+
+def test_node_status_names_its_device(tmp_path, default_model_dir):
+    from tests.cluster import Client, NodeProcess
+
+    node = NodeProcess("decode", str(make_tiny_model("llama")), tmp_path, None,
+                       ["--num-kv-blocks", "16", "--device", "auto"])
+    client = Client()
+    try:
+        assert client.status(node.wait_ready())["device"] == "cpu"
+    finally:
+        client.close()
+        node.close()
