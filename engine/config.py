@@ -96,6 +96,7 @@ class EngineConfig:
     max_waiting: int = 1024  # bound on queued requests; add_request raises past it
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     device: str = "auto"  # auto, cpu, cuda or cuda:N (engine.device)
+    debug_checks: bool = False  # the full block-pool integrity check before every step (slow)
 
     def __post_init__(self) -> None:
         check_device_name(self.device)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -23,6 +25,8 @@ def check_device_name(name: str) -> None:
 
 def resolve_device(name: str) -> torch.device:
     """The torch device for ``name``; ValueError when it cannot be served here."""
+    import torch  # here, not at import: the config (and through it the router's CLI) stays torch-free
+
     check_device_name(name)
     if name == "cpu":
         return torch.device("cpu")

@@ -177,7 +177,15 @@ class LLMEngine:
         return bool(self.requests)
 
     # ------------------------------------------------------------------ the loop
+    def check_integrity(self) -> None:
+        """Assert the block pool's invariants, ref counts against every sequence holding blocks."""
+        sched = self.scheduler
+        holders = [*sched.running, *sched.receiving, *self.held.values()]
+        self.block_manager.check_integrity(holders)
+
     def step(self) -> list[RequestOutput]:
+        if self.config.debug_checks:
+            self.check_integrity()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []

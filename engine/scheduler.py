@@ -124,7 +124,19 @@ class Scheduler:
         if not preempted:
             budget = self._schedule_waiting(budget, scheduled, copies)
         scheduled.sort(key=lambda s: s.num_new_tokens > 1)  # decode rows first (stable)
-        return SchedulerOutput(scheduled, copies, preempted)
+        out = SchedulerOutput(scheduled, copies, preempted)
+        self._check(out)
+        return out
+
+    def _check(self, out: SchedulerOutput) -> None:
+        """Cheap invariants of every schedule (the engine runs the full pool check in debug mode)."""
+        assert out.num_batched_tokens <= self.max_num_batched_tokens, "token budget exceeded"
+        assert all(s.seq.status is SequenceStatus.RUNNING and s.num_new_tokens > 0 for s in out.scheduled), \
+            "scheduled a sequence that is not running"
+        assert len({s.seq.seq_id for s in out.scheduled}) == len(out.scheduled), "a sequence scheduled twice"
+        assert all(s.num_computed_tokens + n.num_new_tokens <= s.num_tokens
+                   for n in out.scheduled for s in (n.seq,)), "more new tokens than the sequence has"
+        assert not any(seq.block_table for seq in self.waiting), "a waiting sequence holds blocks"
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSeq], copies: list[BlockCopy]) -> int:
         bm = self.block_manager

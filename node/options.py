@@ -70,6 +70,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--max-waiting", type=int, default=_ENGINE.max_waiting)
     engine.add_argument("--threads", type=int, default=_ENGINE.num_threads, help="torch threads for this process")
+    engine.add_argument("--debug-checks", action="store_true", help="check the block pool's integrity every step")
 
 
 def options_from_args(role: str, args: argparse.Namespace) -> tuple[NodeOptions, EngineConfig]:
@@ -86,6 +87,6 @@ def options_from_args(role: str, args: argparse.Namespace) -> tuple[NodeOptions,
         num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, max_waiting=args.max_waiting, num_threads=args.threads,
-        device=args.device,
+        device=args.device, debug_checks=args.debug_checks,
     )
     return node, engine

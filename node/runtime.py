@@ -45,6 +45,7 @@ class NodeRuntime:
         self._status_at = 0.0  # time.monotonic() of the last refresh
         self._redis = None
         self._heartbeat: threading.Thread | None = None
+        self.integrity_error: str | None = None  # set when an invariant check failed in the loop
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, status: registry.NodeInfo, ready_file: str | None) -> None:
@@ -79,10 +80,28 @@ class NodeRuntime:
                     self.log("draining")
                 if not in_flight() or time.monotonic() > drain_deadline:
                     return
-            iterate()
+            try:
+                iterate()
+            except AssertionError as exc:  # an invariant broke: this node's state cannot be trusted
+                self._report_integrity_error(exc)
+                raise
+
+    def _report_integrity_error(self, exc: AssertionError) -> None:
+        """Publish a last record saying why (it stays until its TTL, not withdrawn at close)."""
+        self.integrity_error = str(exc) or type(exc).__name__
+        self.log("integrity_failed", error=self.integrity_error)
+        if self._status is not None:
+            self._status = dataclasses.replace(self._status, draining=True, integrity_error=self.integrity_error)
+            if self._redis is not None:
+                try:
+                    registry.publish(self._redis, self._status, self.opts.heartbeat_ttl_s)
+                except Exception as exc_publish:
+                    self.log("heartbeat_failed", error=repr(exc_publish))
 
     def refresh_status(self, make_status, every_s: float = 0.1) -> None:
         """Recompute the status record (for heartbeats and StatusQuery) at most every ``every_s``."""
+        if self.integrity_error is not None:
+            return
         now = time.monotonic()
         if now - self._status_at >= every_s:
             self._status = make_status()
@@ -92,7 +111,7 @@ class NodeRuntime:
         self._status = status
 
     def _beat(self) -> None:
-        while not self.stopped.wait(self.opts.heartbeat_interval_s):
+        while not self.stopped.wait(self.opts.heartbeat_interval_s) and self.integrity_error is None:
             try:
                 registry.publish(self._redis, self._status, self.opts.heartbeat_ttl_s)
             except Exception as exc:  # Redis down: keep serving, retry next beat
@@ -102,7 +121,7 @@ class NodeRuntime:
         self.stopped.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
-        if self._redis is not None:
+        if self._redis is not None and self.integrity_error is None:
             try:
                 registry.withdraw(self._redis, self.opts.node_id)
             except Exception as exc:

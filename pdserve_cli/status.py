@@ -59,7 +59,13 @@ def render(nodes: Sequence, now: float) -> str:
 def _row(node, now: float) -> tuple[str, ...]:
     return (node.node_id, node.control_addr, f"{node.num_blocks_free}/{node.num_blocks_total}",
             str(node.num_blocks_cached), str(node.num_queued), str(node.num_running),
-            f"{max(0.0, now - node.heartbeat_time):.1f}s ago", "draining" if node.draining else "serving")
+            f"{max(0.0, now - node.heartbeat_time):.1f}s ago", _state(node))
+
+
+def _state(node) -> str:
+    if node.integrity_error:
+        return f"failed: {node.integrity_error}"
+    return "draining" if node.draining else "serving"
 
 
 def _table(rows: list[tuple[str, ...]]) -> str:

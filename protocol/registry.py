@@ -33,6 +33,7 @@ class NodeInfo:
     draining: bool = False  # finishing in-flight work, takes no new requests
     prefill_tokens_per_s: float | None = None  # prompt tokens computed per second of engine step, recent
     device: str = "cpu"  # the torch device the node's engine computes on
+    integrity_error: str | None = None  # a failed invariant check: the node stopped serving (see its log)
     # average (node.streams.PrefillRate); None until the node has computed a prompt token
     heartbeat_time: float = 0.0  # wall clock of this record
 
