@@ -12,6 +12,7 @@ One loop, one thread (the engine and the KV receiver share the block manager):
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 from engine.config import EngineConfig
@@ -23,7 +24,7 @@ from kv_transfer.receiver import KVReceiver, ReceivedKV
 from node.log import EventLog
 from node.options import NodeOptions
 from node.runtime import NodeRuntime
-from node.streams import Stream, engine_logprob, next_chunk, node_status
+from node.streams import Stream, engine_logprob, local_deadline, next_chunk, node_status
 from protocol.messages import AbortRequest, GenerateRequest
 
 ABORT_MEMORY_S = 120.0  # how long an abort for a not-yet-arrived request is remembered
@@ -125,8 +126,8 @@ class DecodeNode:
         rid = msg.request_id
         if self.runtime.admit(self.engine, msg) is None:
             return
-        ttl = min(msg.ttl_s, self.opts.request_ttl_s)
-        self.streams[rid] = Stream(rid, msg.reply_addr, len(msg.token_ids), time.monotonic() + ttl)
+        deadline = local_deadline(msg.deadline, self.opts.request_ttl_s)
+        self.streams[rid] = Stream(rid, msg.reply_addr, len(msg.token_ids), deadline)
         self.log("request_added", rid, prompt_tokens=len(msg.token_ids), local_prefill=True)
 
     def _adopt(self, received: ReceivedKV) -> None:
@@ -137,7 +138,7 @@ class DecodeNode:
             return
         num_prompt_tokens = len(self.engine.requests[rid].prompt_token_ids)
         stream = Stream(rid, meta["reply_addr"], num_prompt_tokens,
-                        time.monotonic() + min(float(meta.get("ttl_s", 600.0)), self.opts.request_ttl_s),
+                        local_deadline(float(meta.get("deadline", math.inf)), self.opts.request_ttl_s),
                         num_sent=1, num_cached_tokens=received.prefill_cached_tokens)
         stream.timings = dict(meta.get("timings") or {})
         if "shipped_at" in meta:  # wall clocks of one host (or NTP-close hosts)

@@ -26,6 +26,12 @@ class Stream:
     adopted_at: float | None = None  # decode nodes: when the transferred KV was adopted
 
 
+def local_deadline(deadline: float, cap_s: float) -> float:
+    """``time.monotonic()`` at which a request with wall-clock ``deadline`` must be dropped here,
+    never later than ``cap_s`` (the node's own limit) from now."""
+    return time.monotonic() + max(0.0, min(deadline - time.time(), cap_s))
+
+
 def next_chunk(stream: Stream, out: CompletionOutput, node_id: str, is_first: bool = False) -> TokenChunk | None:
     """The chunk carrying ``out``'s tokens the router has not seen yet (None when nothing is new)."""
     new = out.token_ids[stream.num_sent:]

@@ -22,7 +22,15 @@ from kv_transfer.shared_cache import TORCH_DTYPES, SharedKVCache
 from node.log import EventLog
 from node.options import NodeOptions
 from node.runtime import NodeRuntime
-from node.streams import PrefillRate, Stream, next_chunk, node_status, num_queued_prefill_tokens, wire_logprob
+from node.streams import (
+    PrefillRate,
+    Stream,
+    local_deadline,
+    next_chunk,
+    node_status,
+    num_queued_prefill_tokens,
+    wire_logprob,
+)
 from prefill_node.shipper import FirstToken, Granted, Outcome, Shipment, Shipper
 from protocol.messages import AbortRequest, GenerateRequest
 
@@ -32,7 +40,7 @@ class _Pending:
     stream: Stream
     decode_addr: str
     params: dict  # SamplingParams.to_dict() for the decode node
-    ttl_s: float
+    deadline: float  # the request's wall-clock deadline, passed on to the decode node
 
 
 IDLE_WAIT_S = 0.05  # longest sleep of an idle loop: a control message wakes it at once
@@ -131,9 +139,8 @@ class PrefillNode:
         params = self.runtime.admit(self.engine, msg, prefill_only=True)
         if params is None:
             return
-        ttl = min(msg.ttl_s, self.opts.request_ttl_s)
-        stream = Stream(rid, msg.reply_addr, len(msg.token_ids), time.monotonic() + ttl)
-        self.pending[rid] = _Pending(stream, msg.decode_addr, params.to_dict(), ttl)
+        stream = Stream(rid, msg.reply_addr, len(msg.token_ids), local_deadline(msg.deadline, self.opts.request_ttl_s))
+        self.pending[rid] = _Pending(stream, msg.decode_addr, params.to_dict(), msg.deadline)
         self.log("request_added", rid, prompt_tokens=len(msg.token_ids), decode_addr=msg.decode_addr)
 
     def _prefilled(self, out) -> None:
@@ -165,7 +172,7 @@ class PrefillNode:
         first_chunk = next_chunk(dataclasses.replace(stream), first, self.opts.node_id, is_first=True)
         shipment = Shipment(rid, pending.decode_addr, tuple(seq.token_ids[:seq.num_prompt_tokens]),
                             tuple(seq.block_table), completion.token_ids[0], out.num_cached_tokens, pending.params,
-                            {"reply_addr": stream.reply_addr, "ttl_s": pending.ttl_s, "timings": stream.timings,
+                            {"reply_addr": stream.reply_addr, "deadline": pending.deadline, "timings": stream.timings,
                              "shipped_at": time.time()},
                             wire_logprob(completion.logprobs[0]) if completion.logprobs else None,
                             FirstToken(stream.reply_addr, first_chunk))

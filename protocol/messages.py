@@ -32,7 +32,9 @@ class GenerateRequest(Message):
     sampling_params: dict[str, Any]  # engine.sampling_params.SamplingParams.to_dict(), n == 1
     reply_addr: str  # the router's ZeroMQ PULL address for TokenChunk / RequestFailed
     decode_addr: str | None  # prefill node: KV address of the decode node; None: generate locally
-    ttl_s: float  # the node drops the request (and frees its blocks) this long after receipt
+    # Wall clock (time.time()) by which the request must be over, set once by the router and carried
+    # on to the decode node: its whole life stays within the router's TTL (hosts need NTP-close clocks).
+    deadline: float
     arrival_time: float = 0.0  # router's wall clock at arrival, for queue-time metrics
 
 

@@ -103,7 +103,8 @@ async def _send(backend: Backend, route: Route, request_id: str, sample: Sample,
     target = route.prefill or route.decode
     request = pm.GenerateRequest(
         request_id, sample.prompt_ids, params, backend.nodes.reply_addr,
-        route.decode.kv_addr if route.prefill else None, backend.config.request_ttl_s, sample.arrival_time,
+        route.decode.kv_addr if route.prefill else None, sample.arrival_time + backend.config.request_ttl_s,
+        sample.arrival_time,
     )
     now = time.time()
     backend.policy.record(request_id, route, len(sample.prompt_ids), now)  # before any await: others see it

@@ -142,7 +142,8 @@ class Client:
     def generate(self, node: dict, request_id: str, token_ids: list[int], params: dict,
                  decode: dict | None = None, ttl_s: float = 60.0) -> None:
         decode_addr = decode["kv_addr"] if decode else None
-        msg = GenerateRequest(request_id, tuple(token_ids), params, self.reply_addr, decode_addr, ttl_s, time.time())
+        now = time.time()
+        msg = GenerateRequest(request_id, tuple(token_ids), params, self.reply_addr, decode_addr, now + ttl_s, now)
         self._dealer(node["control_addr"]).send(encode(msg))
 
     def status(self, node: dict, timeout_s: float = 5.0) -> dict:

@@ -180,7 +180,7 @@ def test_kv_that_never_arrives_is_reported_to_the_router_and_its_blocks_freed(pa
     sender = KVSender(decode["kv_addr"], fp, SenderConfig(shared_memory=False))
     try:
         tx = sender.reserve("silent", list(range(200, 227)), {"max_tokens": 4},
-                            {"reply_addr": client.reply_addr, "ttl_s": 30})
+                            {"reply_addr": client.reply_addr, "deadline": time.time() + 30})
         assert tx.num_send_blocks == 4
         failed = client.collect(["silent"], timeout_s=15)["silent"]["failed"]
         assert isinstance(failed, RequestFailed) and failed.code == "kv_transfer"
