@@ -27,7 +27,7 @@ class RouterConfig:
     max_n: int = 16  # largest n (samples per prompt) one request may ask for
     chunk_timeout_s: float = 60.0  # no chunk for this long: abort the request (retry before any token)
     request_ttl_s: float = 600.0  # nodes drop a request this long after receipt
-    max_attempts: int = 3  # tries on different pairs while no token was produced
+    max_attempts: int = 3  # tries of a sample in all (retries before tokens, replays of non-streamed ones)
     poll_interval_s: float = 0.5  # registry refresh period (Redis scan or StatusQuery round)
     node_expiry_s: float = 3.0  # a node not heard from for this long is dropped
     max_body_bytes: int = 8 << 20  # larger request bodies get 413

@@ -3,11 +3,13 @@
     attempt k:  choose (P, D) ─► GenerateRequest to P (decode_addr = D.kv_addr) or to D alone
                 ◄─ TokenChunk(is_first) from P, then TokenChunks from D until finish_reason
 
-Before the first token, a retryable RequestFailed, a timeout or a node leaving the registry
-sends the sample to another pair (the failed node excluded). After tokens were streamed the
-sample fails with an error instead: replaying it elsewhere could change sampled text the
-client already has. Whenever a sample ends without a finish_reason (error, stop string,
-client gone) both nodes get an AbortRequest so their blocks are freed.
+This is the router's one retry loop: ``max_attempts`` tries in all, request ids
+``{id}``, ``{id}.r1``, ``{id}.r2``... Before the first token, a retryable RequestFailed, a timeout
+or a node leaving sends the sample to another pair (the node to blame excluded). After tokens, a
+non-streamed sample (the client has seen nothing) is replayed from scratch on a live pair
+— the caller gets ``RESTART`` and drops what it had — while a streamed one fails with an error:
+replaying it could change text the client already has. Whenever an attempt ends without a
+finish_reason (error, stop string, client gone) both its nodes get an AbortRequest.
 """
 
 from __future__ import annotations
@@ -65,8 +67,13 @@ def _node_error(failed: pm.RequestFailed, after_tokens: bool) -> APIError:
                     failed.code, 1 if status == 503 else None)
 
 
-async def run_sample(backend: Backend, sample: Sample, ticket: Ticket) -> AsyncIterator[pm.TokenChunk]:
-    """The sample's chunks, in order, the last with a finish_reason; APIError on failure."""
+RESTART = object()  # run_sample: what came so far is void, the sample starts again elsewhere
+
+
+async def run_sample(backend: Backend, sample: Sample, ticket: Ticket,
+                     replay_after_tokens: bool = False) -> AsyncIterator[pm.TokenChunk | object]:
+    """The sample's chunks, in order, the last with a finish_reason (or RESTART, then the chunks
+    of a replay, when ``replay_after_tokens``); APIError on failure."""
     config = backend.config
     node_params = dataclasses.replace(sample.params, stop=()).to_dict()
     excluded: set[str] = set()
@@ -91,6 +98,14 @@ async def run_sample(backend: Backend, sample: Sample, ticket: Ticket) -> AsyncI
             backend.metrics.retries.inc()
             log.warning("sample %s: attempt %d failed before its first token (%s); trying another pair",
                         sample.request_id, attempt + 1, retry)
+        except APIError as exc:  # after tokens: the decode node died or stalled
+            if not replay_after_tokens or exc.status not in (502, 504) or attempt + 1 == config.max_attempts:
+                raise
+            last_error = exc.message  # a dead decode node leaves the registry; a live one may serve the replay
+            backend.metrics.retries.inc()
+            log.warning("sample %s: attempt %d failed after tokens (%s); replaying it from scratch",
+                        sample.request_id, attempt + 1, exc.message)
+            yield RESTART
         finally:
             backend.nodes.close_request(request_id)
             backend.policy.finish(request_id)

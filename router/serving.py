@@ -10,7 +10,7 @@ A streamed answer only starts (status 200) once the first delta arrived: a reque
 before any token gets a plain error status, never a 200 with an empty body. Later failures end
 the stream with an ``{"error": ...}`` event and ``[DONE]``. A non-streamed sample whose node dies
 or stalls after its first token is replayed from scratch on another pair (the client saw
-nothing yet), up to ``max_attempts`` times.
+nothing yet); every retry and replay comes out of the one budget of ``run_sample``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from router import responses as rs
 from router.admission import Admission, Role, Ticket
 from router.errors import APIError
-from router.generation import Backend, Sample, run_sample
+from router.generation import RESTART, Backend, Sample, run_sample
 from router.jobs import Job, Prompt
 from router.sample_state import SampleDelta, SampleState
 from router.tokenizer import Tokenizer
@@ -111,18 +111,7 @@ class JobRun:
 
     async def _drive(self, choice: _Choice, ticket: Ticket) -> None:
         try:
-            num_replays = 0 if self.job.stream else self._backend.config.max_attempts - 1
-            for replay in range(num_replays + 1):
-                try:
-                    await self._relay(choice, ticket, replay)
-                    return
-                except APIError as exc:  # after tokens: a node died or stalled
-                    if exc.status not in (502, 504) or replay == num_replays:
-                        raise
-                    log.warning("replaying sample %s from scratch: %s", choice.sample.request_id, exc.message)
-                    self._backend.metrics.retries.inc()
-                    choice.state = SampleState(self._tokenizer, choice.sample.prompt_ids, choice.sample.params.stop)
-                    choice.logprobs = []
+            await self._relay(choice, ticket)
         except APIError as exc:
             await self._events.put((choice.index, exc))
         except Exception as exc:  # a bug: answer 500 rather than hang the client
@@ -131,13 +120,16 @@ class JobRun:
         finally:
             ticket.release_all()
 
-    async def _relay(self, choice: _Choice, ticket: Ticket, replay: int) -> None:
+    async def _relay(self, choice: _Choice, ticket: Ticket) -> None:
         """Run the sample; streaming: every delta to ``events``; else only the last one."""
         sample = choice.sample
-        if replay:
-            sample = dataclasses.replace(sample, request_id=f"{sample.request_id}.x{replay}")
-        async with contextlib.aclosing(run_sample(self._backend, sample, ticket)) as chunks:
+        runs = run_sample(self._backend, sample, ticket, replay_after_tokens=not self.job.stream)
+        async with contextlib.aclosing(runs) as chunks:
             async for chunk in chunks:
+                if chunk is RESTART:  # nothing of it reached the client: start the sample over
+                    choice.state = SampleState(self._tokenizer, sample.prompt_ids, sample.params.stop)
+                    choice.logprobs = []
+                    continue
                 delta = choice.state.on_chunk(chunk)
                 if self.job.stream or delta.finish_reason is not None:
                     await self._events.put((choice.index, delta))

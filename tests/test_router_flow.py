@@ -225,7 +225,7 @@ def test_whole_answer_is_replayed_when_decode_fails_after_the_first_token(defaul
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["text"] == TEXT
     assert reply.json()["usage"]["completion_tokens"] == len(tokens)
-    replayed = [r.request_id for r in prefill.received + decode.received if r.request_id.endswith(".x1")]
+    replayed = [r.request_id for r in prefill.received + decode.received if r.request_id.endswith(".r1")]  # the one id scheme
     assert len(replayed) == 1
 
 
@@ -284,3 +284,18 @@ def test_echo_puts_the_prompt_before_the_output(default_model_dir, tokens):
 
     text = _run(go()).json()["choices"][0]["text"]
     assert text == LONG_PROMPT + " The quick"
+
+
+def test_retries_and_replays_share_one_budget_of_max_attempts(default_model_dir, tokens):
+    async def go():
+        nodes = _pair(tokens)
+        nodes[1].fail_after = 2  # the decode node fails every attempt after two tokens
+        async with fake_cluster(default_model_dir, nodes, max_attempts=3) as cluster, httpx.AsyncClient() as http:
+            reply = await http.post(cluster.base_url + "/v1/completions",
+                                    json={"prompt": LONG_PROMPT, "max_tokens": len(tokens)})
+        return nodes, reply
+
+    (prefill, decode), reply = _run(go())
+    assert reply.status_code == 502
+    ids = sorted({r.request_id.rsplit("-", 1)[-1] for r in prefill.received + decode.received})
+    assert ids == ["0", "0.r1", "0.r2"]  # three tries in all (the replays may prefill on the decode node)
