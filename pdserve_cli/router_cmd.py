@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-DEFAULTS = {  # mirrors router.config.RouterConfig without importing it (keeps --help fast)
-    "disagg_threshold": 64, "max_inflight_prefill": 256, "max_inflight_decode": 1024, "max_n": 16,
-    "chunk_timeout_s": 60.0, "request_ttl_s": 600.0, "max_attempts": 3, "poll_interval_s": 0.5,
-    "node_expiry_s": 3.0,
-}
+from router.config import RouterConfig  # a plain dataclass module: cheap to import, no torch
+
+# The tuning knobs' flags and defaults come from RouterConfig itself: one source.
+TUNABLES = ("disagg_threshold", "max_inflight_prefill", "max_inflight_decode", "max_n", "chunk_timeout_s",
+            "request_ttl_s", "max_attempts", "poll_interval_s", "node_expiry_s")
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(RouterConfig) if f.name in TUNABLES}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -48,7 +50,6 @@ def run_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(created).3f %(levelname)s %(name)s: %(message)s")
 
     from router.app import create_app
-    from router.config import RouterConfig
 
     try:
         config = RouterConfig(
