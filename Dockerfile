@@ -69,6 +69,7 @@ COPY node node
 COPY prefill_node prefill_node
 COPY decode_node decode_node
 COPY router router
+COPY detok detok
 COPY launcher launcher
 COPY pdserve_cli pdserve_cli
 RUN pip install --no-deps -e .

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from detok import IncrementalDetokenizer, StopStringMatcher
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.device import resolve_device
@@ -22,6 +23,13 @@ from engine.sequence import Sequence, SequenceStatus, TokenLogprob
 
 class QueueFullError(RuntimeError):
     """The engine's bounded waiting queue is full; retry later."""
+
+
+@dataclasses.dataclass(slots=True)
+class _StopState:
+    detokenizer: IncrementalDetokenizer
+    matcher: StopStringMatcher
+    pending: str = ""  # text generated before min_tokens: matched once they are reached
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -65,6 +73,7 @@ class LLMEngine:
         # here, KV intact, until the transfer to a decode node ends and release_held() is called.
         self.prefill_only: set[str] = set()
         self.held: dict[str, Sequence] = {}
+        self._stops: dict[int, _StopState] = {}  # seq_id -> stop-string matching of sequences with stop strings
 
     def _kv_spec(self) -> KVCacheSpec:
         m, c = self.model_config, self.config
@@ -232,22 +241,30 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token_id: int) -> None:
         params = seq.params
+        hit = bool(params.stop) and self._stop_string_hit(seq, token_id)
         if seq.num_output_tokens >= params.min_tokens:
             if (not params.ignore_eos and token_id in self.model_config.eos_token_ids) \
-                    or token_id in params.stop_token_ids:
-                return self._finish(seq, SequenceStatus.FINISHED_STOPPED)
-            if params.stop and self._find_stop_string(seq) is not None:
+                    or token_id in params.stop_token_ids or hit:
                 return self._finish(seq, SequenceStatus.FINISHED_STOPPED)
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, SequenceStatus.FINISHED_LENGTH)
 
-    def _find_stop_string(self, seq: Sequence) -> str | None:
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        hits = [(text.find(s), s) for s in seq.params.stop if s in text]
-        if not hits:
-            return None
-        seq.stop_text = min(hits)[1]
-        return seq.stop_text
+    def _stop_string_hit(self, seq: Sequence, token_id: int) -> bool:
+        """Feed the new token's text to the sequence's stop-string matcher (the router's, in
+        ``detok``): O(new text) per token. Text made before min_tokens is matched once they are."""
+        state = self._stops.get(seq.seq_id)
+        if state is None:
+            prompt = seq.token_ids[:seq.num_prompt_tokens]
+            state = self._stops[seq.seq_id] = _StopState(IncrementalDetokenizer(self.tokenizer, prompt),
+                                                         StopStringMatcher(seq.params.stop))
+        state.pending += state.detokenizer.add(token_id)
+        if seq.num_output_tokens < seq.params.min_tokens:
+            return False
+        state.matcher.add(state.pending)
+        state.pending = ""
+        if state.matcher.stopped:
+            seq.stop_text = state.matcher.matched
+        return state.matcher.stopped
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         hold = seq.request_id in self.prefill_only and status is not SequenceStatus.FINISHED_ABORTED
@@ -256,6 +273,7 @@ class LLMEngine:
             self.held[seq.request_id] = seq
         self.prefill_only.discard(seq.request_id)
         self.sampler.forget(seq)
+        self._stops.pop(seq.seq_id, None)
 
     # ------------------------------------------------------------------ outputs
     def _output(self, request: Request) -> RequestOutput:
@@ -268,10 +286,11 @@ class LLMEngine:
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         text = ""
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and seq.is_finished:  # decoded once, at the end
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
             if seq.stop_text is not None:
-                text = text[:text.find(seq.stop_text)]
+                cut = text.find(seq.stop_text)
+                text = text[:cut] if cut >= 0 else text
         finish = seq.status.value if seq.is_finished else None
         stop_reason = seq.stop_text
         if stop_reason is None and seq.status is SequenceStatus.FINISHED_STOPPED:

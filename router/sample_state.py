@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from detok import IncrementalDetokenizer, StopStringMatcher
 from protocol import messages as pm
-from router.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from router.tokenizer import Tokenizer
 
 

@@ -43,3 +43,15 @@ def test_default_model_stop_string_cuts_text_and_ends_early(default_model_dir, c
     out = llm.generate([chat_prompt], SamplingParams(temperature=0.0, max_tokens=32, stop=[" is"]))[0].outputs[0]
     assert out.text == "The capital of France"
     assert out.finish_reason == "stop" and out.stop_reason == " is"
+
+
+def test_default_model_stop_string_waits_for_min_tokens_and_cuts_at_the_earliest(default_model_dir, chat_prompt):
+    llm = LLM(str(default_model_dir), kv_cache_memory_mb=64)
+    early, late = llm.generate([chat_prompt, chat_prompt], [
+        SamplingParams(temperature=0.0, max_tokens=32, stop=[" of", "capital"]),
+        SamplingParams(temperature=0.0, max_tokens=32, stop=["capital"], min_tokens=4),
+    ])
+    assert early.outputs[0].text == "The " and early.outputs[0].stop_reason == "capital"
+    assert len(early.outputs[0].token_ids) == 2  # "The", " capital": matched at the token that completes it
+    # Seen at token 2, honoured once min_tokens (4) were generated; the text is still cut at it.
+    assert late.outputs[0].text == "The " and len(late.outputs[0].token_ids) == 4

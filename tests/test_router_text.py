@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from detok import IncrementalDetokenizer, StopStringMatcher
 from protocol.messages import TokenChunk
-from router.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from router.sample_state import SampleState
 from router.tokenizer import Tokenizer
 

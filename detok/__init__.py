@@ -10,11 +10,18 @@ decodes a short window twice, with and without the new tokens, and emits the dif
 
 Stop strings are matched on the text; the last ``max(len(stop)) - 1`` characters are held back
 so a stop string split across tokens is never streamed in part.
+
+Torch-free and tokenizer-agnostic (anything with ``decode(ids) -> str``): the router streams with
+it, and the offline engine ends sequences on stop strings with the same code, O(new text) a token.
 """
 
 from __future__ import annotations
 
-from router.tokenizer import Tokenizer
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded as left context of the first output token
 _REPLACEMENT = "\ufffd"
@@ -61,14 +68,16 @@ class StopStringMatcher:
         self.text = ""  # the output so far, cut before a stop string once one matched
         self._num_sent = 0  # chars of text already handed out
         self.stopped = False  # a stop string matched
+        self.matched: str | None = None  # which one (the earliest in the text)
 
     def add(self, delta: str) -> None:
         """Append generated text; sets ``stopped`` and cuts ``text`` when a stop string appears."""
         assert not self.stopped, "no text after a stop string"
         search_from = max(0, len(self.text) - self._hold)
         self.text += delta
-        cut = min((i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0), default=None)
-        if cut is not None:
+        hits = [(i, s) for s in self._stop if (i := self.text.find(s, search_from)) >= 0]
+        if hits:
+            cut, self.matched = min(hits)
             self.text = self.text[:cut]
             self.stopped = True
 
