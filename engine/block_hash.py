@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import xxhash
 
 _NO_PARENT = b"\x00" * 8
+BLOCK_HASH_NAME = "xxh3_64-chained-u32le-v1"  # in the KV fingerprint: peers must hash alike
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:

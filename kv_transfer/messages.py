@@ -62,13 +62,14 @@ class RingRef:
 class KVFingerprint:
     """What must match for one node's KV blocks to be meaningful in another's cache."""
 
-    model_id: str  # model name or weights digest
+    model_id: str  # the weights' content digest (protocol.model_digest)
     dtype: str  # cache dtype, e.g. "float32"
     block_size: int  # tokens per block
     layout: str  # engine.kv_layout.KV_LAYOUT_NAME
     num_layers: int  # transformer layers
     num_kv_heads: int  # key/value heads
     head_dim: int  # channels per head
+    block_hash: str = "xxh3_64-chained-u32le-v1"  # engine.block_hash.BLOCK_HASH_NAME: how prefixes are named
 
     @classmethod
     def from_spec(cls, model_id: str, spec: Any, layout: str) -> KVFingerprint:

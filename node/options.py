@@ -10,6 +10,7 @@ import uuid
 
 from engine.config import SUPPORTED_DTYPES, EngineConfig
 from protocol.addresses import advertised_host
+from protocol.model_digest import model_digest
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -25,7 +26,7 @@ class NodeOptions:
     request_ttl_s: float  # longest a request may live on this node without finishing
     drain_timeout_s: float  # SIGTERM: longest wait for in-flight work before exiting
     node_id: str  # unique per process
-    model_id: str  # part of the KV compatibility fingerprint
+    model_id: str  # the model's content digest (protocol.model_digest): part of the KV fingerprint
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -80,7 +81,7 @@ def options_from_args(role: str, args: argparse.Namespace) -> tuple[NodeOptions,
         redis_url=args.redis, heartbeat_interval_s=args.heartbeat_interval, heartbeat_ttl_s=args.heartbeat_ttl,
         request_ttl_s=args.request_ttl, drain_timeout_s=args.drain_timeout,
         node_id=args.node_id or f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
-        model_id=os.path.basename(os.path.normpath(args.model)),
+        model_id=model_digest(args.model),
     )
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory_mb=args.kv_cache_memory_mb,

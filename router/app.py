@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from protocol.model_digest import model_digest, weight_files
 from router import jobs, metrics, policy, serving
 from router.admission import Admission, Role
 from router.config import RouterConfig
@@ -66,6 +67,8 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None,
         node_client.start()
         log.info("nodes push replies to %s", node_client.reply_addr)
         node_registry = registry or make_registry(config, node_client)
+        if registry is None and weight_files(pathlib.Path(config.model)):  # a tokenizer-only folder cannot tell
+            node_registry.expected_model = model_digest(config.model)
         node_registry.start()
         backend = Backend(config, node_client, node_registry,
                           policy.RoutingPolicy(config.disagg_threshold), metrics.RouterMetrics())

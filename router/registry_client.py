@@ -37,6 +37,8 @@ class NodeRegistry:
         self._task: asyncio.Task | None = None
         self._probes: dict[str, asyncio.Task] = {}  # node id -> its reply-path probe in flight
         self._probe_failures: dict[str, int] = {}  # node id -> probes that got no answer
+        self.expected_model: str | None = None  # the router's model digest: nodes of another are refused
+        self._refused: set[str] = set()  # node ids already logged as refused
         self.ready = asyncio.Event()  # set after the first poll
 
     def snapshot(self) -> list[NodeInfo]:
@@ -44,6 +46,16 @@ class NodeRegistry:
         live = [n for n in self._by_id.values()
                 if self.reply_verified(n) and not self._nodes.link_lost(n.control_addr)]
         return sorted(live, key=lambda n: n.node_id)
+
+    def _same_model(self, node: NodeInfo) -> bool:
+        model = node.fingerprint.get("model_id")
+        if self.expected_model is None or model == self.expected_model:
+            return True
+        if node.node_id not in self._refused:
+            self._refused.add(node.node_id)
+            log.error("refusing node %s (%s): it serves model %s, this router's model is %s",
+                      node.node_id, node.role, model, self.expected_model)
+        return False
 
     def reply_verified(self, node: NodeInfo) -> bool:
         return node.node_id in self._nodes.reply_path_ok
@@ -55,6 +67,7 @@ class NodeRegistry:
     def update(self, seen: Sequence[NodeInfo], now: float, complete: bool = False) -> None:
         """Merge a poll's records; drop nodes not seen within the expiry (at once when the poll
         was ``complete``: it lists every live node)."""
+        seen = [n for n in seen if self._same_model(n)]
         for node in seen:
             self._by_id[node.node_id] = node
             self._last_seen[node.node_id] = now

@@ -15,6 +15,7 @@ import zmq
 import zmq.asyncio
 
 from protocol import messages as pm
+from protocol.model_digest import model_digest
 from protocol.registry import NodeInfo
 from router.app import create_app
 from router.config import RouterConfig
@@ -206,6 +207,9 @@ class Cluster:
 @contextlib.asynccontextmanager
 async def fake_cluster(model_dir, nodes: Sequence[FakeNode], **config) -> AsyncIterator[Cluster]:
     """Fake nodes plus the real router (static registry, uvicorn on a free port), in this loop."""
+    digest = model_digest(model_dir)  # the router refuses nodes of another model
+    for n in nodes:
+        n.info = dataclasses.replace(n.info, fingerprint={**n.info.fingerprint, "model_id": digest})
     node_tasks = [asyncio.create_task(n.serve()) for n in nodes]
     port = free_port()
     by_role = {role: tuple(n.info.control_addr for n in nodes if n.info.role == role)
