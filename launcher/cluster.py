@@ -94,7 +94,7 @@ class LocalCluster:
 
     def _router_argv(self) -> list[str]:
         argv = [sys.executable, "-m", "pdserve_cli", "router", "--model", self.plan.model,
-                "--host", self.plan.host, "--port", str(self.plan.port)]
+                "--host", self.plan.host, "--port", str(self.plan.port), *self.plan.router_args]
         if self.redis_url:
             return argv + ["--redis", self.redis_url]
         addrs = {role: [r["control_addr"] for r in self.ready.values() if r["role"] == role]

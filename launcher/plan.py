@@ -20,6 +20,7 @@ class ClusterPlan:
     log_dir: pathlib.Path  # one log (and ready file) per child
     node_args: tuple[str, ...] = ()  # extra flags passed to every node (engine sizes etc.)
     num_colocated: int = 0  # node processes that prefill and decode (`pdserve decode --colocated`)
+    router_args: tuple[str, ...] = ()  # extra flags for the router (--disagg-threshold N, --no-prefix-routing)
     start_timeout_s: float = 120.0  # longest wait for any one stage of start-up
     stop_timeout_s: float = 20.0  # SIGTERM, then this long, then SIGKILL
 

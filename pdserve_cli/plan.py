@@ -154,7 +154,7 @@ def run_recommend(args: argparse.Namespace) -> int:
               f"{s.output_throughput:>8.1f}{s.ttft.p50 * 1e3:>9.0f}ms{s.tpot.p50 * 1e3:>8.0f}ms{s.tpot.p99 * 1e3:>8.0f}ms")
     best = ranked[0]
     if best.meets(args.min_slo_fraction):
-        print(f"recommended: {best.cluster.label} ({best.cluster.num_nodes} nodes of {profile.threads} thread(s) each)")
+        print(f"recommended: {best.cluster.label} ({best.cluster.num_nodes} node(s) of {profile.threads} thread(s) each)")
     else:
         print(f"no shape of at most {args.max_nodes} nodes meets the SLOs for {args.min_slo_fraction:.0%} of requests")
     _write(args.json, [{"cluster": c.cluster.label, "slo_fraction": c.slo_fraction,

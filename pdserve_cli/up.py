@@ -40,6 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="torch threads per node (default: this machine's cores / number of nodes)")
     parser.add_argument("--node-args", default="", metavar="FLAGS",
                         help="extra flags for every node, e.g. \"--dtype bfloat16 --kv-cache-memory-mb 2048\"")
+    parser.add_argument("--router-args", default="", metavar="FLAGS",
+                        help="extra flags for the router, e.g. \"--disagg-threshold 128 --no-prefix-routing\"")
     parser.add_argument("--log-dir", default=None, help="children's logs and ready files (default: a temp dir)")
     parser.add_argument("--start-timeout", type=float, default=120.0, help="seconds each start-up stage may take")
     parser.add_argument("--stop-timeout", type=float, default=20.0, help="seconds to drain before SIGKILL")
@@ -104,7 +106,7 @@ def _plan(args: argparse.Namespace):
                        port=args.port, redis_url=args.redis, use_redis=not args.no_redis,
                        threads_per_node=threads, log_dir=log_dir, node_args=tuple(shlex.split(args.node_args)),
                        start_timeout_s=args.start_timeout, stop_timeout_s=args.stop_timeout,
-                       num_colocated=args.colocated)
+                       num_colocated=args.colocated, router_args=tuple(shlex.split(args.router_args)))
 
 
 def _fetch_default_model() -> str:

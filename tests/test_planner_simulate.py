@@ -101,3 +101,17 @@ def test_decode_grid_interpolates_in_batch_then_in_context_per_sequence():
 def test_profile_round_trips_through_json(tmp_path):
     PROFILE.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == PROFILE
+
+
+def test_simulate_command_replays_a_bench_workload_through_the_model(tmp_path, capsys):
+    from pdserve_cli.main import main
+
+    PROFILE.save(tmp_path / "p.json")
+    args = ["--profile", str(tmp_path / "p.json"), "--workload", "fixed", "--num-requests", "1", "--input-len", "100",
+            "--output-len", "3", "--request-rate", "1"]
+    assert main(["plan", "simulate", *args, "--json", str(tmp_path / "out.json")]) == 0
+    out = capsys.readouterr().out
+    assert "1P+1D, 1 req/s (predicted)" in out
+    assert "TTFT              100.0    100.0    100.0    100.0" in out  # the one request: its prefill
+    assert main(["plan", "recommend", *args, "--max-nodes", "2", "--ttft-slo-ms", "200"]) == 0
+    assert "recommended: 1 colocated (1 node(s) of 1 thread(s) each)" in capsys.readouterr().out
