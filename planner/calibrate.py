@@ -3,17 +3,18 @@
     prefill:  for each length n, one request of n random ids, max_tokens 1: the step that computes it
               (best of ``repeats``, fresh ids each time, prefix caching off)
     decode:   for each context c, ``max(batches)`` requests of c tokens prefilled, then for each batch
-              size b (largest first, aborting the surplus) the median of a few steps; the grid's
+              size b (largest first, aborting the surplus) the best of a few steps; the grid's
               context axis is the nominal c (the few tokens generated meanwhile are left out)
 
-Runs in this process with ``threads`` torch threads (set it to a node's share of the cores).
+Runs in this process with ``threads`` torch threads (set it to a node's share of the cores). Every
+figure is a best-of: on a shared machine other work only ever adds time, so the profile describes
+the engine with the cores to itself, and predictions from it are lower bounds under load.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
-import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -91,7 +92,7 @@ def _prefill_once(engine, prompt: list[int]) -> float:
 
 
 def _decode_points(engine, prompts: Sequence[list[int]], batches: Sequence[int]) -> list[tuple[int, int, float]]:
-    """(batch, context tokens in all, median step seconds) for each batch size, largest first."""
+    """(batch, context tokens in all, best step seconds) for each batch size, largest first."""
     request_ids = [f"cal-{next(_ids)}" for _ in prompts]
     num_steps = (len(batches) + 1) * (NUM_DECODE_STEPS + 1) + 8
     for rid, prompt in zip(request_ids, prompts, strict=True):
@@ -109,7 +110,7 @@ def _decode_points(engine, prompts: Sequence[list[int]], batches: Sequence[int])
             engine.step()
             times.append(time.perf_counter() - start)
         num_context = sum(engine.requests[r].seqs[0].num_tokens for r in request_ids[:batch])
-        points.append((batch, num_context, statistics.median(times)))
+        points.append((batch, num_context, min(times)))
     for rid in request_ids:
         engine.abort_request(rid)
     return points
