@@ -1,6 +1,6 @@
 """Serving studies: `pdserve up` in a given shape, `pdserve bench serve` against it, a table per study.
 
-    .venv/bin/python bench/serve_studies.py check --profile-1t profile-1t.json    # prediction vs measurement
+    .venv/bin/python bench/serve_studies.py check --calibrate   # calibrate, measure, calibrate again, predict
     .venv/bin/python bench/serve_studies.py colocated --profile-1t p1.json --profile-2t p2.json
     .venv/bin/python bench/serve_studies.py ratio        # P:D 1:1, 1:2, 2:1
     .venv/bin/python bench/serve_studies.py prefix       # prefix caching / prefix-aware routing on and off
@@ -8,7 +8,9 @@
 Every point starts a fresh cluster (default model, cores split evenly between its nodes), runs the
 workload at each rate (run k uses seed + k, fresh prompts), and stops the cluster. Where a profile
 for the nodes' thread count is given, the point's prediction by `pdserve plan simulate` is shown
-beside it. Results (every summary, the tables) go to --out-dir.
+beside it. Results (every summary, the tables) go to --out-dir. ``check --calibrate`` measures a
+1-thread profile right before and right after the measured runs and shows both predictions: on a
+shared machine the gap between the two is the drift of the machine itself.
 """
 
 from __future__ import annotations
@@ -151,6 +153,13 @@ def predicted(point: Point, profiles: dict[int, Profile], slo: Slo) -> list[dict
             for k, rate in enumerate(point.rates)]
 
 
+def calibrate(path: pathlib.Path) -> Profile:
+    """`pdserve plan calibrate` of the default model with one thread, in a child process."""
+    cmd = [sys.executable, "-m", "pdserve_cli", "plan", "calibrate", "--threads", "1", "--repeats", "3", "--out", str(path)]
+    subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return Profile.load(path)
+
+
 def row(label: str, rate: float, s: dict) -> str:
     def ms(stats: dict | None, key: str) -> str:
         return f"{stats[key] * 1e3:.0f}" if stats else "-"
@@ -170,26 +179,38 @@ def main() -> None:
     parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("serve-studies"))
     parser.add_argument("--profile-1t", type=pathlib.Path, default=None, help="profile calibrated with 1 thread")
     parser.add_argument("--profile-2t", type=pathlib.Path, default=None, help="profile calibrated with 2 threads")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure a 1-thread profile before the study and after each point (about 1 min each)")
     parser.add_argument("--ttft-slo-ms", type=float, default=3000.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=300.0)
     args = parser.parse_args()
     slo = Slo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
     profiles = {t: Profile.load(p) for t, p in ((1, args.profile_1t), (2, args.profile_2t)) if p is not None}
+    out_dir = args.out_dir / args.study
+    if args.calibrate:
+        profiles[1] = calibrate(out_dir / "profile-before.json")
     lines, results = [HEADER], []
     for i, point in enumerate(studies()[args.study]):
         started = time.monotonic()
-        measured = measure(point, args.out_dir / args.study / f"point{i}", slo)
-        for rate, m, p in zip(point.rates, measured, predicted(point, profiles, slo), strict=True):
+        measured = measure(point, out_dir / f"point{i}", slo)
+        after = {1: calibrate(out_dir / f"profile-after{i}.json")} if args.calibrate else {}
+        predictions = {"predicted": predicted(point, profiles, slo)}
+        if after:
+            predictions = {"predicted, profile before": predictions["predicted"],
+                           "predicted, profile after": predicted(point, after, slo)}
+        for k, (rate, m) in enumerate(zip(point.rates, measured, strict=True)):
             lines.append(row(point.label, rate, m))
-            if p is not None:
-                lines.append(row(point.label + " (predicted)", rate, p))
-            results.append({"point": point.label, "rate": rate, "measured": m, "predicted": p})
+            for name, preds in predictions.items():
+                if preds[k] is not None:
+                    lines.append(row(f"{point.label} ({name})", rate, preds[k]))
+            results.append({"point": point.label, "rate": rate, "measured": m,
+                            **{name: preds[k] for name, preds in predictions.items()}})
         print(f"{point.label}: {time.monotonic() - started:.0f} s", flush=True)
     table = "\n".join(lines)
     print(table)
-    (args.out_dir / args.study).mkdir(parents=True, exist_ok=True)
-    (args.out_dir / args.study / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (args.out_dir / args.study / "table.md").write_text(table + "\n")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out_dir / "table.md").write_text(table + "\n")
 
 
 if __name__ == "__main__":
