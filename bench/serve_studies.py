@@ -4,6 +4,7 @@
     .venv/bin/python bench/serve_studies.py colocated --profile-1t p1.json --profile-2t p2.json
     .venv/bin/python bench/serve_studies.py ratio        # P:D 1:1, 1:2, 2:1
     .venv/bin/python bench/serve_studies.py prefix       # prefix caching / prefix-aware routing on and off
+    .venv/bin/python bench/serve_studies.py vllm --vllm-python /work/vllm-venv/bin/python   # 1P+1D vs vLLM, 2 cores
 
 Every point starts a fresh cluster (default model, cores split evenly between its nodes), runs the
 workload at each rate (run k uses seed + k, fresh prompts), and stops the cluster. Where a profile
@@ -52,6 +53,7 @@ class Point:
     rates: tuple[float, ...]
     node_args: str = ""  # --node-args of pdserve up
     router_args: str = ""  # --router-args of pdserve up
+    vllm: bool = False  # vLLM's OpenAI server on every core instead of pdserve up (cluster ignored)
 
 
 def studies() -> dict[str, list[Point]]:
@@ -68,6 +70,8 @@ def studies() -> dict[str, list[Point]]:
                   router_args="--no-prefix-routing"),
             Point("2 colocated, cache off", two_colocated, SHARED_PREFIX, (1.0,), node_args="--no-prefix-caching"),
         ],
+        "vllm": [Point("pdserve 1P+1D mix", pd, MIX, (0.5, 1.0)),
+                 Point("vLLM server (2 cores) mix", colocated, MIX, (0.5, 1.0), vllm=True)],
     }
 
 
@@ -127,9 +131,56 @@ class Up:
         self._out.close()
 
 
-def measure(point: Point, out_dir: pathlib.Path, slo: Slo) -> list[dict]:
+class VllmServer(Up):
+    """vLLM's OpenAI server (CPU build, its own venv) on the default model, every core, until stop()."""
+
+    def __init__(self, vllm_python: str, log_dir: pathlib.Path) -> None:
+        from engine.model_fetch import fetch_default_model
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.out_path = log_dir / "vllm.out"
+        self._out = open(self.out_path, "w")
+        cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(fetch_default_model()),
+               "--dtype", "float32", "--port", str(self.port), "--host", "127.0.0.1"]
+        cores = usable_cores()
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        env.pop("PYTHONPATH", None)
+        self.proc = subprocess.Popen(cmd, cwd="/tmp", stdout=self._out, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def wait_up(self, timeout_s: float = 300.0) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM's server failed:\n{self.out_path.read_text()[-3000:]}")
+            time.sleep(1.0)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # its engine runs in child processes of its own
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._out.close()
+
+
+def measure(point: Point, out_dir: pathlib.Path, slo: Slo, vllm_python: str | None = None) -> list[dict]:
     """One summary per rate, as `pdserve bench serve` wrote it."""
-    up = Up(point, out_dir / "logs")
+    if point.vllm and not vllm_python:
+        raise SystemExit("the vllm study needs --vllm-python PATH (a venv with vLLM's CPU build)")
+    up = VllmServer(vllm_python, out_dir / "logs") if point.vllm else Up(point, out_dir / "logs")
     try:
         up.wait_up()
         result = out_dir / "bench.json"
@@ -146,16 +197,17 @@ def measure(point: Point, out_dir: pathlib.Path, slo: Slo) -> list[dict]:
 def predicted(point: Point, profiles: dict[int, Profile], slo: Slo) -> list[dict | None]:
     threads = threads_per_node(usable_cores(), point.cluster.num_nodes)
     profile = profiles.get(threads)
-    if profile is None or point.cluster.num_nodes > usable_cores():  # nodes sharing cores: not modelled
+    if profile is None or point.vllm or point.cluster.num_nodes > usable_cores():  # shared cores: not modelled
         return [None] * len(point.rates)
     spec = workload_spec(point.workload)
     return [dataclasses.asdict(predict(profile, point.cluster, sim_requests(spec.build(k), rate, 1.0, k), slo))
             for k, rate in enumerate(point.rates)]
 
 
-def calibrate(path: pathlib.Path) -> Profile:
+def calibrate(path: pathlib.Path, busy_neighbours: int = 0) -> Profile:
     """`pdserve plan calibrate` of the default model with one thread, in a child process."""
-    cmd = [sys.executable, "-m", "pdserve_cli", "plan", "calibrate", "--threads", "1", "--repeats", "3", "--out", str(path)]
+    cmd = [sys.executable, "-m", "pdserve_cli", "plan", "calibrate", "--threads", "1", "--repeats", "3", "--out", str(path),
+           "--busy-neighbours", str(busy_neighbours)]
     subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     return Profile.load(path)
 
@@ -179,8 +231,10 @@ def main() -> None:
     parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("serve-studies"))
     parser.add_argument("--profile-1t", type=pathlib.Path, default=None, help="profile calibrated with 1 thread")
     parser.add_argument("--profile-2t", type=pathlib.Path, default=None, help="profile calibrated with 2 threads")
+    parser.add_argument("--vllm-python", default=None, help="the vllm study: python of a venv with vLLM's CPU build")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure a 1-thread profile before the study and after each point (about 1 min each)")
+    parser.add_argument("--busy-neighbours", type=int, default=0, help="--calibrate: plan calibrate's flag")
     parser.add_argument("--ttft-slo-ms", type=float, default=3000.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=300.0)
     args = parser.parse_args()
@@ -188,12 +242,12 @@ def main() -> None:
     profiles = {t: Profile.load(p) for t, p in ((1, args.profile_1t), (2, args.profile_2t)) if p is not None}
     out_dir = args.out_dir / args.study
     if args.calibrate:
-        profiles[1] = calibrate(out_dir / "profile-before.json")
+        profiles[1] = calibrate(out_dir / "profile-before.json", args.busy_neighbours)
     lines, results = [HEADER], []
     for i, point in enumerate(studies()[args.study]):
         started = time.monotonic()
-        measured = measure(point, out_dir / f"point{i}", slo)
-        after = {1: calibrate(out_dir / f"profile-after{i}.json")} if args.calibrate else {}
+        measured = measure(point, out_dir / f"point{i}", slo, args.vllm_python)
+        after = {1: calibrate(out_dir / f"profile-after{i}.json", args.busy_neighbours)} if args.calibrate else {}
         predictions = {"predicted": predicted(point, profiles, slo)}
         if after:
             predictions = {"predicted, profile before": predictions["predicted"],

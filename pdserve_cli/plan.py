@@ -29,6 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     cal.add_argument("--max-num-batched-tokens", type=int, default=2048, help="as the nodes' engine flag")
     cal.add_argument("--max-num-seqs", type=int, default=64, help="as the nodes' engine flag")
     cal.add_argument("--no-transfer", action="store_true", help="skip the transfer probe (a zero-cost transfer)")
+    cal.add_argument("--busy-neighbours", type=int, default=0, metavar="N",
+                     help="keep N other processes busy with matmuls meanwhile, as a cluster's other nodes on "
+                     "the same host would (default: 0, the engine alone)")
     cal.set_defaults(run=run_calibrate)
     for name, help_text in (("simulate", "predict TTFT, TPOT and goodput of one cluster shape"),
                             ("recommend", "search node counts for the smallest cluster that meets the SLOs")):
@@ -65,6 +68,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from planner.calibrate import Grid, measure_engine
+    from planner.contention import neighbours
     from planner.profile import Profile, TransferModel
 
     started = time.monotonic()
@@ -78,7 +82,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                           num_threads=args.threads)
     engine = LLMEngine(config)
-    timings = measure_engine(engine, grid)
+    with neighbours(args.busy_neighbours):
+        timings = measure_engine(engine, grid)
     spec = engine.kv_spec
     kv_bytes_per_token = spec.bytes_per_block // spec.block_size
     transfer, transfer_samples = TransferModel(0.0, 0.0), []
@@ -93,7 +98,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         model=pathlib.Path(args.model).name, threads=args.threads, kv_bytes_per_token=kv_bytes_per_token,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         prefill=timings.prefill, decode=timings.decode, transfer=transfer,
-        measured={"prefill": timings.prefill_samples, "decode": timings.decode_samples, "transfer": transfer_samples,
+        measured={"busy_neighbours": args.busy_neighbours, "prefill": timings.prefill_samples, "decode": timings.decode_samples, "transfer": transfer_samples,
                   "seconds": round(time.monotonic() - started, 1)})
     profile.save(args.out)
     print(f"transfer model: {transfer.base_s * 1e3:.2f} ms + {transfer.per_byte_s * 1e12:.1f} ps/byte")
