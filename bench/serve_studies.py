@@ -109,7 +109,7 @@ class Up:
         self.out_path = log_dir / "up.out"
         self._out = open(self.out_path, "w")
         cmd = [sys.executable, "-m", "pdserve_cli", "up", "--port", str(self.port), "--log-dir", str(log_dir),
-               *up_flags(point.cluster), "--node-args", point.node_args, "--router-args", point.router_args]
+               *up_flags(point.cluster), f"--node-args={point.node_args}", f"--router-args={point.router_args}"]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._out, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONPATH": str(ROOT)})
 
