@@ -54,6 +54,7 @@ class Point:
     node_args: str = ""  # --node-args of pdserve up
     router_args: str = ""  # --router-args of pdserve up
     vllm: bool = False  # vLLM's OpenAI server on every core instead of pdserve up (cluster ignored)
+    threads: int | None = None  # torch threads per node; None: pdserve up's even split of the cores
 
 
 def studies() -> dict[str, list[Point]]:
@@ -70,6 +71,8 @@ def studies() -> dict[str, list[Point]]:
                   router_args="--no-prefix-routing"),
             Point("2 colocated, cache off", two_colocated, SHARED_PREFIX, (1.0,), node_args="--no-prefix-caching"),
         ],
+        "colocated-threads": [Point("1 colocated, 2 threads, mix", colocated, MIX, (0.5,)),
+                              Point("1 colocated, 1 thread, mix", colocated, MIX, (0.5,), threads=1)],
         "vllm": [Point("pdserve 1P+1D mix", pd, MIX, (0.5, 1.0)),
                  Point("vLLM server (2 cores) mix", colocated, MIX, (0.5, 1.0), vllm=True)],
     }
@@ -110,6 +113,8 @@ class Up:
         self._out = open(self.out_path, "w")
         cmd = [sys.executable, "-m", "pdserve_cli", "up", "--port", str(self.port), "--log-dir", str(log_dir),
                *up_flags(point.cluster), f"--node-args={point.node_args}", f"--router-args={point.router_args}"]
+        if point.threads:
+            cmd += ["--threads", str(point.threads)]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._out, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONPATH": str(ROOT)})
 
@@ -195,7 +200,7 @@ def measure(point: Point, out_dir: pathlib.Path, slo: Slo, vllm_python: str | No
 
 
 def predicted(point: Point, profiles: dict[int, Profile], slo: Slo) -> list[dict | None]:
-    threads = threads_per_node(usable_cores(), point.cluster.num_nodes)
+    threads = point.threads or threads_per_node(usable_cores(), point.cluster.num_nodes)
     profile = profiles.get(threads)
     if profile is None or point.vllm or point.cluster.num_nodes > usable_cores():  # shared cores: not modelled
         return [None] * len(point.rates)
