@@ -1,4 +1,4 @@
-"""The local cluster behind `pdserve up`: a registry, N prefill + M decode node processes and a
+"""The local cluster behind `pdserve up`: a registry, N prefill + M decode (or C colocated) node processes and a
 router on one machine, started in order and stopped together.
 
     plan.py      what to start: ClusterPlan (counts, ports, threads per process)

@@ -1,6 +1,6 @@
 """LocalCluster: registry, nodes and router started in order, watched, and stopped together.
 
-    start():  [redis-server] ─► N prefill + M decode nodes ─► (ready files) ─► router ─► /health 200
+    start():  [redis-server] ─► N prefill + M decode (+ C colocated) nodes ─► (ready files) ─► router ─► /health 200
     stop():   router + nodes get SIGTERM (nodes drain and deregister) ─► redis-server last
 
 Every wait has a deadline; a child that exits during start-up fails the launch with its log tail.
@@ -45,7 +45,8 @@ class LocalCluster:
         self._check_port_free()
         if self.redis_url is None and self.plan.use_redis:
             self._start_registry()
-        for role, count in (("prefill", self.plan.num_prefill), ("decode", self.plan.num_decode)):
+        for role, count in (("prefill", self.plan.num_prefill), ("decode", self.plan.num_decode),
+                            ("colocated", self.plan.num_colocated)):
             self.nodes += [self._start_node(role, i) for i in range(count)]
         self._wait_nodes_ready()
         self.router = self._spawn("router", self._router_argv(), threads=1)
@@ -80,7 +81,8 @@ class LocalCluster:
 
     def _start_node(self, role: str, index: int) -> Child:
         name = f"{role}-{index}"
-        argv = [sys.executable, "-m", "pdserve_cli", role, "--model", self.plan.model, "--host", "127.0.0.1",
+        command = ["decode", "--colocated"] if role == "colocated" else [role]
+        argv = [sys.executable, "-m", "pdserve_cli", *command, "--model", self.plan.model, "--host", "127.0.0.1",
                 "--ready-file", str(self._ready_path(name)), "--threads", str(self.plan.threads_per_node),
                 *self.plan.node_args]
         if self.redis_url:
@@ -92,11 +94,12 @@ class LocalCluster:
 
     def _router_argv(self) -> list[str]:
         argv = [sys.executable, "-m", "pdserve_cli", "router", "--model", self.plan.model,
-                "--host", self.plan.host, "--port", str(self.plan.port)]
+                "--host", self.plan.host, "--port", str(self.plan.port), *self.plan.router_args]
         if self.redis_url:
             return argv + ["--redis", self.redis_url]
         addrs = {role: [r["control_addr"] for r in self.ready.values() if r["role"] == role]
-                 for role in ("prefill", "decode")}
+                 for role in ("prefill", "decode", "colocated")}
+        addrs["decode"] += addrs["colocated"]  # the router tells them apart by their status
         return argv + (["--prefill", *addrs["prefill"]] if addrs["prefill"] else []) + ["--decode", *addrs["decode"]]
 
     def _fail_if_exited(self, children: list[Child]) -> None:

@@ -19,12 +19,18 @@ class ClusterPlan:
     threads_per_node: int  # torch threads in each node process
     log_dir: pathlib.Path  # one log (and ready file) per child
     node_args: tuple[str, ...] = ()  # extra flags passed to every node (engine sizes etc.)
+    num_colocated: int = 0  # node processes that prefill and decode (`pdserve decode --colocated`)
+    router_args: tuple[str, ...] = ()  # extra flags for the router (--disagg-threshold N, --no-prefix-routing)
     start_timeout_s: float = 120.0  # longest wait for any one stage of start-up
     stop_timeout_s: float = 20.0  # SIGTERM, then this long, then SIGKILL
 
     def __post_init__(self) -> None:
-        if self.num_prefill < 1 or self.num_decode < 1:  # the router is healthy with one of each
-            raise ValueError("need at least one prefill and one decode node (--prefill N --decode M)")
+        if min(self.num_prefill, self.num_decode, self.num_colocated) < 0:
+            raise ValueError("node counts must be >= 0")
+        # The router is healthy with one prefill and one decode node, or with one colocated node.
+        if self.num_colocated == 0 and (self.num_prefill < 1 or self.num_decode < 1):
+            raise ValueError("need at least one prefill and one decode node (--prefill N --decode M), "
+                             "or a colocated one (--colocated N)")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.threads_per_node < 1:
@@ -34,7 +40,12 @@ class ClusterPlan:
 
     @property
     def num_nodes(self) -> int:
-        return self.num_prefill + self.num_decode
+        return self.num_prefill + self.num_decode + self.num_colocated
+
+    def describe(self) -> str:
+        """The node pools in words: "1 prefill + 1 decode", "2 colocated", ..."""
+        counts = (("prefill", self.num_prefill), ("decode", self.num_decode), ("colocated", self.num_colocated))
+        return " + ".join(f"{num} {role}" for role, num in counts if num)
 
     @property
     def url(self) -> str:

@@ -15,7 +15,7 @@ from protocol.model_digest import model_digest
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class NodeOptions:
-    role: str  # "prefill" or "decode"
+    role: str  # "prefill", "decode" or "colocated" (a decode node that prefills all it takes)
     host: str  # bind address
     port: int  # control socket port (0: any free port)
     kv_port: int  # decode nodes: KV receiver port (0: any free port)
@@ -29,8 +29,8 @@ class NodeOptions:
     model_id: str  # the model's content digest (protocol.model_digest): part of the KV fingerprint
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
-            raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
+        if self.role not in ("prefill", "decode", "colocated"):
+            raise ValueError(f"role must be 'prefill', 'decode' or 'colocated', got {self.role!r}")
         if not 0 < self.heartbeat_interval_s < self.heartbeat_ttl_s:
             raise ValueError("heartbeat interval must be positive and shorter than the ttl")
         if min(self.request_ttl_s, self.drain_timeout_s) <= 0:

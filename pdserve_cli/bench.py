@@ -25,7 +25,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "TTFT/TPOT/ITL/end-to-end percentiles, goodput and errors; write every request's record as JSON.",
     )
     _add_target(serve)
-    _add_workload(serve)
+    add_workload_args(serve)
     _add_load(serve)
     _add_output(serve)
     serve.set_defaults(run=run_bench_serve)
@@ -45,7 +45,8 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds without a byte before a request fails")
 
 
-def _add_workload(p: argparse.ArgumentParser) -> None:
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload flags (`pdserve plan simulate` takes the same ones)."""
     p.add_argument("--workload", choices=("fixed", "mix", "shared-prefix", "multi-turn", "file"), default="fixed")
     p.add_argument("--workload-file", type=pathlib.Path, default=None, help="JSONL trace for --workload file")
     p.add_argument("--save-workload", type=pathlib.Path, default=None, help="write the first run's workload as JSONL")
@@ -91,17 +92,11 @@ def _specs(args: argparse.Namespace) -> tuple[WorkloadSpec, SweepSpec, Endpoint]
     from bench_serve.client import Api, Endpoint, served_model
     from bench_serve.metrics import Slo
     from bench_serve.runner import Limits
-    from bench_serve.spec import WorkloadKind, WorkloadSpec, parse_rates, style_for
+    from bench_serve.spec import parse_rates, style_for
     from bench_serve.sweep import SweepSpec
-    from bench_serve.workload import TokenSpace
 
     api = Api(args.api)
-    low, high = (int(x) for x in args.token_id_range.split(","))
-    workload = WorkloadSpec(
-        WorkloadKind(args.workload), style_for(api, args.text_prompts), args.num_requests, args.input_len,
-        args.output_len, args.min_input_len, args.max_input_len, args.min_output_len, args.max_output_len,
-        args.length_sigma, args.num_groups, args.questions_per_group, args.prefix_len, args.num_conversations,
-        args.num_turns, TokenSpace(low, high), args.workload_file)
+    workload = workload_spec(args, style_for(api, args.text_prompts))
     limits = Limits(args.max_concurrency, args.duration, args.drain)
     sweep = SweepSpec(parse_rates(args.request_rate), args.burstiness, limits,
                       Slo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3), args.seed)
@@ -109,6 +104,19 @@ def _specs(args: argparse.Namespace) -> tuple[WorkloadSpec, SweepSpec, Endpoint]
     endpoint = Endpoint(args.base_url, api, model, args.ignore_eos, not args.no_logprobs, args.request_timeout,
                         args.api_key)
     return workload, sweep, endpoint
+
+
+def workload_spec(args: argparse.Namespace, style) -> WorkloadSpec:
+    """The workload flags of ``add_workload_args`` as a WorkloadSpec of prompts in ``style``."""
+    from bench_serve.spec import WorkloadKind, WorkloadSpec
+    from bench_serve.workload import TokenSpace
+
+    low, high = (int(x) for x in args.token_id_range.split(","))
+    return WorkloadSpec(
+        WorkloadKind(args.workload), style, args.num_requests, args.input_len,
+        args.output_len, args.min_input_len, args.max_input_len, args.min_output_len, args.max_output_len,
+        args.length_sigma, args.num_groups, args.questions_per_group, args.prefix_len, args.num_conversations,
+        args.num_turns, TokenSpace(low, high), args.workload_file)
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:

@@ -16,9 +16,9 @@ import io
 import sys
 from collections.abc import Sequence
 
-from pdserve_cli import bench, generate, model, nodes, router_cmd, status, up
+from pdserve_cli import bench, generate, model, nodes, plan, router_cmd, status, up
 
-COMMAND_MODULES = (model, generate, nodes, router_cmd, up, status, bench)
+COMMAND_MODULES = (model, generate, nodes, router_cmd, up, status, bench, plan)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""`pdserve prefill` and `pdserve decode`: start a node process."""
+"""`pdserve prefill` and `pdserve decode [--colocated]`: start a node process."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         from node.options import add_node_args
 
         add_node_args(parser)
+        if role == "decode":
+            parser.add_argument("--colocated", action="store_true",
+                                help="prefill every request here too: registers as a colocated node, "
+                                "to which the router never sends KV")
         parser.set_defaults(run=_runner(role))
 
 
@@ -19,7 +23,8 @@ def _runner(role: str):
     def run(args: argparse.Namespace) -> int:
         from node.options import options_from_args
 
-        opts, engine_config = options_from_args(role, args)
+        colocated = getattr(args, "colocated", False)
+        opts, engine_config = options_from_args("colocated" if colocated else role, args)
         if role == "prefill":
             from prefill_node.server import PrefillNode
 

@@ -37,6 +37,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     for name, default in DEFAULTS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
                             help=f"see router.config.RouterConfig.{name} (default: {default})")
+    parser.add_argument("--no-prefix-routing", dest="prefix_routing", action="store_false",
+                        help="route by load alone, ignoring which node caches a prompt's prefix")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(run=run_router)
 
@@ -56,7 +58,7 @@ def run_router(args: argparse.Namespace) -> int:
             model=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
             redis_url=args.redis_url, prefill_addrs=tuple(args.prefill_addrs),
             decode_addrs=tuple(args.decode_addrs or ()), reply_port=args.reply_port,
-            advertise_host=args.advertise_host, api_key=args.api_key,
+            advertise_host=args.advertise_host, api_key=args.api_key, prefix_routing=args.prefix_routing,
             **{name: getattr(args, name) for name in DEFAULTS},
         )
     except ValueError as exc:

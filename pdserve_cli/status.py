@@ -41,11 +41,13 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def render(nodes: Sequence, now: float) -> str:
-    """Nodes grouped by role (prefill, then decode), a table each, and a line of totals per role."""
+    """Nodes grouped by role (prefill, decode, then colocated where there are any), a table each,
+    and a line of totals per role."""
     if not nodes:
         return "no nodes registered"
     sections = []
-    for role in ("prefill", "decode"):
+    roles = ("prefill", "decode", "colocated") if any(n.role == "colocated" for n in nodes) else ("prefill", "decode")
+    for role in roles:
         pool = [n for n in nodes if n.role == role]
         serving = sum(not n.draining for n in pool)
         free = sum(n.num_blocks_free for n in pool)

@@ -1,4 +1,4 @@
-"""`pdserve up`: a whole cluster on this machine (registry, N prefill + M decode nodes, router).
+"""`pdserve up`: a whole cluster on this machine (registry, N prefill + M decode nodes or C colocated ones, router).
 
 The launcher logic lives in the torch-free `launcher` package; this module maps flags onto a
 ClusterPlan, prints what it does, and turns Ctrl-C / SIGTERM / SIGHUP into one orderly stop.
@@ -24,8 +24,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "Ctrl-C stops everything.",
     )
     parser.add_argument("--model", default=None, help="Hugging Face model folder (default: fetch the default model)")
-    parser.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill node processes (default: 1)")
-    parser.add_argument("--decode", type=int, default=1, metavar="M", help="decode node processes (default: 1)")
+    parser.add_argument("--prefill", type=int, default=None, metavar="N",
+                        help="prefill node processes (default: 1, or 0 with --colocated)")
+    parser.add_argument("--decode", type=int, default=None, metavar="M",
+                        help="decode node processes (default: 1, or 0 with --colocated)")
+    parser.add_argument("--colocated", type=int, default=0, metavar="C",
+                        help="node processes that prefill and decode themselves, no KV transfer (default: 0)")
     parser.add_argument("--host", default="127.0.0.1", help="router's HTTP bind address (default: loopback)")
     parser.add_argument("--port", type=int, default=8000, help="router's HTTP port (default: 8000)")
     registry = parser.add_mutually_exclusive_group()
@@ -36,6 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="torch threads per node (default: this machine's cores / number of nodes)")
     parser.add_argument("--node-args", default="", metavar="FLAGS",
                         help="extra flags for every node, e.g. \"--dtype bfloat16 --kv-cache-memory-mb 2048\"")
+    parser.add_argument("--router-args", default="", metavar="FLAGS",
+                        help="extra flags for the router, e.g. \"--disagg-threshold 128 --no-prefix-routing\"")
     parser.add_argument("--log-dir", default=None, help="children's logs and ready files (default: a temp dir)")
     parser.add_argument("--start-timeout", type=float, default=120.0, help="seconds each start-up stage may take")
     parser.add_argument("--stop-timeout", type=float, default=20.0, help="seconds to drain before SIGKILL")
@@ -86,17 +92,21 @@ def _plan(args: argparse.Namespace):
     model = args.model or _fetch_default_model()
     if not (pathlib.Path(model) / "config.json").is_file():
         raise ValueError(f"--model {model}: not a Hugging Face model folder (no config.json)")
-    num_nodes = args.prefill + args.decode
+    default = 0 if args.colocated else 1
+    num_prefill = default if args.prefill is None else args.prefill
+    num_decode = default if args.decode is None else args.decode
+    num_nodes = num_prefill + num_decode + args.colocated
     cores = usable_cores()
     threads = args.threads or threads_per_node(cores, num_nodes)
     how = "set by --threads" if args.threads else f"{cores} cores / {num_nodes} nodes"
     _say(f"threads: {threads} torch thread(s) per node ({how})")
     log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    return ClusterPlan(model=str(model), num_prefill=args.prefill, num_decode=args.decode, host=args.host,
+    return ClusterPlan(model=str(model), num_prefill=num_prefill, num_decode=num_decode, host=args.host,
                        port=args.port, redis_url=args.redis, use_redis=not args.no_redis,
                        threads_per_node=threads, log_dir=log_dir, node_args=tuple(shlex.split(args.node_args)),
-                       start_timeout_s=args.start_timeout, stop_timeout_s=args.stop_timeout)
+                       start_timeout_s=args.start_timeout, stop_timeout_s=args.stop_timeout,
+                       num_colocated=args.colocated, router_args=tuple(shlex.split(args.router_args)))
 
 
 def _fetch_default_model() -> str:
@@ -113,7 +123,7 @@ def _banner(cluster) -> None:
     body = json.dumps({"model": pathlib.Path(plan.model).name, "max_tokens": 32,
                        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
     _say("\n".join([
-        f"pdserve is up: {plan.num_prefill} prefill + {plan.num_decode} decode node(s), model {plan.model}",
+        f"pdserve is up: {plan.describe()} node(s), model {plan.model}",
         f"  router:   {plan.url}   (OpenAI API under {plan.url}/v1)",
         f"  registry: {registry}",
         f"  logs:     {plan.log_dir}",

@@ -19,7 +19,7 @@ KEY_PREFIX = "pdserve:node:"
 @dataclasses.dataclass(frozen=True, slots=True)
 class NodeInfo:
     node_id: str  # unique per process, e.g. "decode-<host>-<pid>-<random>"
-    role: str  # "prefill" or "decode"
+    role: str  # "prefill", "decode" or "colocated" (prefills and decodes; the router never sends it KV)
     control_addr: str  # ZeroMQ address for GenerateRequest / AbortRequest
     kv_addr: str | None  # decode nodes: address of the KV receiver; None on prefill nodes
     fingerprint: dict[str, Any]  # kv_transfer KVFingerprint fields; only equal ones are paired

@@ -71,7 +71,8 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None,
             node_registry.expected_model = model_digest(config.model)
         node_registry.start()
         backend = Backend(config, node_client, node_registry,
-                          policy.RoutingPolicy(config.disagg_threshold), metrics.RouterMetrics())
+                          policy.RoutingPolicy(config.disagg_threshold, prefix_routing=config.prefix_routing),
+                          metrics.RouterMetrics())
         admission = Admission({Role.PREFILL: config.max_inflight_prefill, Role.DECODE: config.max_inflight_decode})
         name = config.served_model_name or pathlib.Path(config.model).name
         app.state.router = RouterState(config, name, tokenizer, admission, backend)
@@ -181,10 +182,12 @@ def _add_routes(app: FastAPI) -> None:
         live = [n for n in nodes if not n.draining]
         decode_keys = {policy.fingerprint_key(n) for n in live if n.role == "decode"}
         num_pairs = sum(1 for n in live if n.role == "prefill" and policy.fingerprint_key(n) in decode_keys)
-        body = {"status": "ok" if num_pairs else "unavailable",
+        num_colocated = sum(n.role == "colocated" for n in live)  # a whole pipeline each
+        serving = num_pairs > 0 or num_colocated > 0
+        body = {"status": "ok" if serving else "unavailable",
                 "num_prefill": sum(n.role == "prefill" for n in live),
-                "num_decode": sum(n.role == "decode" for n in live)}
-        return JSONResponse(body, 200 if num_pairs else 503)
+                "num_decode": sum(n.role == "decode" for n in live), "num_colocated": num_colocated}
+        return JSONResponse(body, 200 if serving else 503)
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> PlainTextResponse:

@@ -22,6 +22,7 @@ class RouterConfig:
     #                                    machine's hostname when ``host`` is every interface
     api_key: str | None = None  # when set, every /v1 request needs "Authorization: Bearer <key>"
     disagg_threshold: int = 64  # prompts with fewer uncached tokens prefill on the decode node
+    prefix_routing: bool = True  # route by the prefixes nodes cache; False: by load alone
     max_inflight_prefill: int = 256  # sub-requests in their prefill stage; beyond: 429
     max_inflight_decode: int = 1024  # sub-requests in flight in all; beyond: 429
     max_n: int = 16  # largest n (samples per prompt) one request may ask for

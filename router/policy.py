@@ -11,6 +11,10 @@ conversation stays on the same pair for as long as its cached tokens outweigh th
 
 Conditional disaggregation: when fewer than ``disagg_threshold`` prompt tokens are left after
 the decode node's cached prefix, the decode node prefills itself (no KV transfer).
+
+Colocated nodes (role ``colocated``) prefill and decode every request they take themselves: they
+compete with decode nodes for requests, never get KV sent to them, and never prefill for others.
+With ``prefix_routing`` off the policy forgets what it sent where: routing by load alone.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from collections.abc import Sequence
 
 from engine.block_hash import hash_full_blocks
 from protocol.registry import NodeInfo
+
+DECODING_ROLES = ("decode", "colocated")  # roles a request's decode (and local prefill) can go to
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -98,8 +104,9 @@ def fingerprint_key(node: NodeInfo) -> str:
 
 
 class RoutingPolicy:
-    def __init__(self, disagg_threshold: int, prefix_capacity: int = 1 << 16) -> None:
+    def __init__(self, disagg_threshold: int, prefix_capacity: int = 1 << 16, prefix_routing: bool = True) -> None:
         self.disagg_threshold = disagg_threshold  # fewer uncached prompt tokens: prefill on decode
+        self.prefix_routing = prefix_routing  # False: never record prefixes, so routing sees no cache
         self.prefill_prefixes = PrefixMap(prefix_capacity)
         self.decode_prefixes = PrefixMap(prefix_capacity)
         self.outstanding = Outstanding()
@@ -109,7 +116,7 @@ class RoutingPolicy:
         """The best pair for this prompt, or None when no decode node can take it."""
         usable = [n for n in nodes if not n.draining and n.node_id not in exclude
                   and n.max_model_len >= len(prompt_ids) + max_tokens]
-        decodes = [n for n in usable if n.role == "decode"]
+        decodes = [n for n in usable if n.role in DECODING_ROLES]
         if not decodes:
             return None
         hashes_by_size: dict[int, tuple[int, ...]] = {}
@@ -131,7 +138,7 @@ class RoutingPolicy:
         num_blocks = math.ceil((len(prompt_ids) + max_tokens) / size)
         num_cached = self.decode_prefixes.num_cached_blocks(block_hashes, decode.node_id) * size
         prefill = None
-        if len(prompt_ids) - num_cached >= self.disagg_threshold:
+        if decode.role != "colocated" and len(prompt_ids) - num_cached >= self.disagg_threshold:
             prefill = self._choose_prefill(usable, decode, block_hashes)
         return Route(decode, prefill, block_hashes, num_blocks)
 
@@ -157,6 +164,8 @@ class RoutingPolicy:
 
     def remember_prefix(self, route: Route) -> None:
         """The prompt was computed along ``route`` (its first token came): both nodes now cache it."""
+        if not self.prefix_routing:
+            return
         self.decode_prefixes.record(route.block_hashes, route.decode.node_id)
         if route.prefill is not None:
             self.prefill_prefixes.record(route.block_hashes, route.prefill.node_id)

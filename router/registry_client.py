@@ -167,7 +167,8 @@ class StaticRegistry(NodeRegistry):
         except TypeError as exc:
             log.warning("node at %s sent an unreadable status: %s", addr, exc)
             return None
-        if info.role != self._roles[addr]:
+        listed = self._roles[addr]
+        if info.role != listed and not (listed == "decode" and info.role == "colocated"):  # both roles in one
             log.warning("node at %s is a %s node, listed as %s", addr, info.role, self._roles[addr])
             return None
         # The status covers every request sent before the query went out (see policy.Outstanding).

@@ -115,8 +115,9 @@ def test_dockerfile_defaults_to_python_slim_and_takes_a_base_image_argument():
 
 
 def test_dockerfile_copies_every_python_package_of_the_repository():
-    # bench_serve is the client-side load generator (`pdserve bench serve`, the bench extra), not served code
-    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "bench", "bench_serve"}
+    # bench_serve is the client-side load generator (`pdserve bench serve`, the bench extra) and planner the
+    # offline sizing tool built on it (`pdserve plan`): neither is served code
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "bench", "bench_serve", "planner"}
     copied = set(re.findall(r"^COPY (\w+) \1$", DOCKERFILE, re.M))
     assert packages <= copied, f"not in the image: {sorted(packages - copied)}"
 

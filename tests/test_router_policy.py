@@ -105,6 +105,35 @@ def test_draining_excluded_and_too_short_nodes_are_skipped():
     assert policy.choose(nodes, PROMPT, 8, exclude=frozenset({"d2"})) is None
 
 
+def test_colocated_node_prefills_even_a_long_prompt_itself_and_never_prefills_for_others():
+    nodes = [node_info("c0", "colocated", num_blocks_free=90), node_info("d0", "decode", num_blocks_free=80),
+             node_info("p0", "prefill")]
+    to_colocated = RoutingPolicy(disagg_threshold=0).choose(nodes, PROMPT, 8)
+    assert to_colocated.decode.node_id == "c0" and to_colocated.prefill is None
+    to_decode = RoutingPolicy(disagg_threshold=0).choose(nodes, PROMPT, 8, exclude=frozenset({"c0"}))
+    assert to_decode.decode.node_id == "d0" and to_decode.prefill.node_id == "p0"
+
+
+def test_colocated_nodes_alone_serve_with_load_spread_by_free_blocks():
+    nodes = [node_info("c0", "colocated", num_blocks_free=50), node_info("c1", "colocated", num_blocks_free=80)]
+    policy = RoutingPolicy(disagg_threshold=0)
+    first = policy.choose(nodes, PROMPT, 8)
+    assert first.decode.node_id == "c1" and first.prefill is None
+    policy.record("r1", first, len(PROMPT), now=10.0)  # 12 blocks outstanding on c1: 68 left
+    assert policy.choose(nodes, PROMPT, 8).decode.node_id == "c1"
+    for k in range(2, 4):  # two more: 80 - 36 = 44 < 50
+        policy.record(f"r{k}", policy.choose(nodes, PROMPT, 8), len(PROMPT), now=10.0)
+    assert policy.choose(nodes, PROMPT, 8).decode.node_id == "c0"
+
+
+def test_without_prefix_routing_a_cached_prompt_is_routed_by_load_alone():
+    nodes = [node_info("d0", "decode", num_blocks_free=50), node_info("d1", "decode", num_blocks_free=52)]
+    for prefix_routing, expected in ((True, "d0"), (False, "d1")):
+        policy = RoutingPolicy(1000, prefix_routing=prefix_routing)
+        policy.remember_prefix(policy.choose(nodes, PROMPT, 8, exclude=frozenset({"d1"})))  # d0 caches PROMPT
+        assert policy.choose(nodes, PROMPT, 8).decode.node_id == expected  # d0: 50 free + 10 cached
+
+
 def test_prefix_map_matches_leading_blocks_only_and_evicts_oldest():
     prefixes = PrefixMap(capacity=3)
     prefixes.record([1, 2, 3], "a")

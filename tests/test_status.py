@@ -29,6 +29,14 @@ def test_render_groups_nodes_by_role_with_blocks_queue_running_heartbeat_and_sta
     ])
 
 
+def test_render_lists_colocated_nodes_in_their_own_pool():
+    colocated = dataclasses.replace(DECODE, node_id="colocated-c", role="colocated", draining=False)
+    lines = render([colocated], now=101.0).splitlines()
+    assert lines[0] == "prefill: 0 node(s), 0 serving, KV blocks 0/0 free"
+    assert "colocated: 1 node(s), 1 serving, KV blocks 8/64 free" in lines
+    assert lines[-1].startswith("  colocated-c  tcp://10.0.0.3:5002")
+
+
 def test_render_says_so_when_no_node_is_registered():
     assert render([], now=0.0) == "no nodes registered"
 

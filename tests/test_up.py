@@ -120,9 +120,15 @@ def test_threads_split_the_cores_evenly_with_at_least_one_per_node():
 
 @pytest.mark.parametrize(("num_prefill", "num_decode"), [(0, 1), (1, 0)])
 def test_plan_refuses_a_cluster_without_both_roles(tmp_path, num_prefill, num_decode):
-    with pytest.raises(ValueError, match="at least one prefill and one decode"):
+    with pytest.raises(ValueError, match="at least one prefill and one decode node .* or a colocated one"):
         ClusterPlan(model="m", num_prefill=num_prefill, num_decode=num_decode, host="127.0.0.1", port=8000,
                     redis_url=None, use_redis=True, threads_per_node=1, log_dir=tmp_path)
+
+
+def test_plan_of_colocated_nodes_alone_is_complete(tmp_path):
+    plan = ClusterPlan(model="m", num_prefill=0, num_decode=0, host="127.0.0.1", port=8000, redis_url=None,
+                       use_redis=True, threads_per_node=1, log_dir=tmp_path, num_colocated=2)
+    assert plan.num_nodes == 2 and plan.describe() == "2 colocated"
 
 
 def test_plan_url_reaches_a_wildcard_bind_over_loopback(tmp_path):
@@ -247,6 +253,38 @@ def test_sigterm_to_the_launcher_stops_every_child_and_frees_every_port(up, mode
     for port in ports:
         with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=1):
             pass
+
+
+@pytest.mark.slow
+def test_colocated_nodes_serve_concurrent_requests_equal_to_hf_on_both_nodes_without_kv(model, tmp_path, capsys):
+    from pdserve_cli.main import main
+    from router.tokenizer import Tokenizer
+
+    launcher = Launcher(tmp_path, model, "--colocated", "2")
+    try:
+        launcher.wait_up()
+        assert "pdserve is up: 2 colocated node(s)" in launcher.output()
+        health = httpx.get(launcher.url + "/health")
+        assert health.status_code == 200
+        assert health.json() == {"status": "ok", "num_prefill": 0, "num_decode": 0, "num_colocated": 2}
+        tokenizer = Tokenizer(model)
+        prompts = [f"Colocated {i}: {FILLER}" for i in range(16)]  # >= 64 tokens: a P/D cluster would transfer
+        results = complete_all(launcher.url, prompts, max_tokens=6)
+        for prompt, result in zip(prompts, results, strict=True):
+            ids = tokenizer.encode(prompt)
+            assert len(ids) >= 64
+            assert result["choices"][0]["text"] == tokenizer.decode(hf_greedy(str(model), ids, 6))
+        for child in ("colocated-0", "colocated-1"):
+            finished = launcher.events(child, "request_finished")
+            assert finished, f"{child} got no request"
+            assert all(e["local_prefill"] for e in finished)
+            assert not launcher.events(child, "kv_adopted")
+        assert sum(len(launcher.events(c, "request_finished")) for c in ("colocated-0", "colocated-1")) == 16
+        assert 'role="colocated"' in httpx.get(launcher.url + "/metrics").text
+        assert main(["status", "--redis", launcher.redis_url()]) == 0
+        assert "colocated: 2 node(s), 2 serving" in capsys.readouterr().out
+    finally:
+        launcher.close()
 
 
 @pytest.mark.slow

@@ -1,0 +1,276 @@
+"""Serving studies: `pdserve up` in a given shape, `pdserve bench serve` against it, a table per study.
+
+    .venv/bin/python bench/serve_studies.py check --calibrate   # calibrate, measure, calibrate again, predict
+    .venv/bin/python bench/serve_studies.py colocated --profile-1t p1.json --profile-2t p2.json
+    .venv/bin/python bench/serve_studies.py ratio        # P:D 1:1, 1:2, 2:1
+    .venv/bin/python bench/serve_studies.py prefix       # prefix caching / prefix-aware routing on and off
+    .venv/bin/python bench/serve_studies.py vllm --vllm-python /work/vllm-venv/bin/python   # 1P+1D vs vLLM, 2 cores
+
+Every point starts a fresh cluster (default model, cores split evenly between its nodes), runs the
+workload at each rate (run k uses seed + k, fresh prompts), and stops the cluster. Where a profile
+for the nodes' thread count is given, the point's prediction by `pdserve plan simulate` is shown
+beside it. Results (every summary, the tables) go to --out-dir. ``check --calibrate`` measures a
+1-thread profile right before and right after the measured runs and shows both predictions: on a
+shared machine the gap between the two is the drift of the machine itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench_serve.metrics import Slo  # noqa: E402
+from bench_serve.spec import WorkloadKind, WorkloadSpec  # noqa: E402
+from bench_serve.workload import PromptStyle  # noqa: E402
+from launcher.plan import threads_per_node, usable_cores  # noqa: E402
+from planner.predict import predict, sim_requests  # noqa: E402
+from planner.profile import Profile  # noqa: E402
+from planner.simulate import Cluster  # noqa: E402
+
+MIX = {"kind": "mix", "num_requests": 16, "input_len": 128, "output_len": 48, "max_input_len": 512,
+       "max_output_len": 128}
+PREFILL_HEAVY = {"kind": "fixed", "num_requests": 16, "input_len": 512, "output_len": 16}
+SHARED_PREFIX = {"kind": "shared-prefix", "num_requests": 16, "num_groups": 4, "questions_per_group": 4,
+                 "prefix_len": 384, "input_len": 32, "output_len": 16}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Point:
+    label: str  # the row's name
+    cluster: Cluster  # node counts (and the router's threshold)
+    workload: dict  # WorkloadSpec fields; "kind" is the --workload name
+    rates: tuple[float, ...]
+    node_args: str = ""  # --node-args of pdserve up
+    router_args: str = ""  # --router-args of pdserve up
+    vllm: bool = False  # vLLM's OpenAI server on every core instead of pdserve up (cluster ignored)
+    threads: int | None = None  # torch threads per node; None: pdserve up's even split of the cores
+
+
+def studies() -> dict[str, list[Point]]:
+    pd, colocated = Cluster(1, 1), Cluster(0, 0, 1)
+    two_colocated = Cluster(0, 0, 2)
+    return {
+        "check": [Point("1P+1D mix", pd, MIX, (0.5, 1.0))],
+        "colocated": [Point(f"{c.label} {name}", c, w, (0.5, 1.0)) for name, w in (("mix", MIX), ("prefill-heavy", PREFILL_HEAVY))
+                      for c in (pd, colocated)],
+        "ratio": [Point(f"{c.label} mix", c, MIX, (0.5, 1.0)) for c in (Cluster(1, 1), Cluster(1, 2), Cluster(2, 1))],
+        "prefix": [
+            Point("2 colocated, cache on, prefix routing on", two_colocated, SHARED_PREFIX, (1.0,)),
+            Point("2 colocated, cache on, prefix routing off", two_colocated, SHARED_PREFIX, (1.0,),
+                  router_args="--no-prefix-routing"),
+            Point("2 colocated, cache off", two_colocated, SHARED_PREFIX, (1.0,), node_args="--no-prefix-caching"),
+        ],
+        "colocated-threads": [Point("1 colocated, 2 threads, mix", colocated, MIX, (0.5,)),
+                              Point("1 colocated, 1 thread, mix", colocated, MIX, (0.5,), threads=1)],
+        "vllm": [Point("pdserve 1P+1D mix", pd, MIX, (0.5, 1.0)),
+                 Point("vLLM server (2 cores) mix", colocated, MIX, (0.5, 1.0), vllm=True)],
+    }
+
+
+def workload_flags(workload: dict) -> list[str]:
+    flags = ["--workload", workload["kind"]]
+    for key, value in workload.items():
+        if key != "kind":
+            flags += ["--" + key.replace("_", "-"), str(value)]
+    return flags
+
+
+def workload_spec(workload: dict) -> WorkloadSpec:
+    fields = {k: v for k, v in workload.items() if k != "kind"}
+    return WorkloadSpec(WorkloadKind(workload["kind"]), PromptStyle.TOKEN_IDS, **fields)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def up_flags(cluster: Cluster) -> list[str]:
+    return ["--prefill", str(cluster.num_prefill), "--decode", str(cluster.num_decode),
+            "--colocated", str(cluster.num_colocated)]
+
+
+class Up:
+    """`pdserve up` in the background, until stop()."""
+
+    def __init__(self, point: Point, log_dir: pathlib.Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.out_path = log_dir / "up.out"
+        self._out = open(self.out_path, "w")
+        cmd = [sys.executable, "-m", "pdserve_cli", "up", "--port", str(self.port), "--log-dir", str(log_dir),
+               *up_flags(point.cluster), f"--node-args={point.node_args}", f"--router-args={point.router_args}"]
+        if point.threads:
+            cmd += ["--threads", str(point.threads)]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._out, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    def wait_up(self, timeout_s: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while "pdserve is up" not in self.out_path.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"pdserve up failed:\n{self.out_path.read_text()[-3000:]}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._out.close()
+
+
+class VllmServer(Up):
+    """vLLM's OpenAI server (CPU build, its own venv) on the default model, every core, until stop()."""
+
+    def __init__(self, vllm_python: str, log_dir: pathlib.Path) -> None:
+        from engine.model_fetch import fetch_default_model
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.out_path = log_dir / "vllm.out"
+        self._out = open(self.out_path, "w")
+        cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(fetch_default_model()),
+               "--dtype", "float32", "--port", str(self.port), "--host", "127.0.0.1"]
+        cores = usable_cores()
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        env.pop("PYTHONPATH", None)
+        self.proc = subprocess.Popen(cmd, cwd="/tmp", stdout=self._out, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def wait_up(self, timeout_s: float = 300.0) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM's server failed:\n{self.out_path.read_text()[-3000:]}")
+            time.sleep(1.0)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # its engine runs in child processes of its own
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._out.close()
+
+
+def measure(point: Point, out_dir: pathlib.Path, slo: Slo, vllm_python: str | None = None) -> list[dict]:
+    """One summary per rate, as `pdserve bench serve` wrote it."""
+    if point.vllm and not vllm_python:
+        raise SystemExit("the vllm study needs --vllm-python PATH (a venv with vLLM's CPU build)")
+    up = VllmServer(vllm_python, out_dir / "logs") if point.vllm else Up(point, out_dir / "logs")
+    try:
+        up.wait_up()
+        result = out_dir / "bench.json"
+        cmd = [sys.executable, "-m", "pdserve_cli", "bench", "serve", "--base-url", up.url, "--no-progress",
+               "--request-rate", ",".join(f"{r:g}" for r in point.rates), "--result-json", str(result),
+               "--ttft-slo-ms", f"{slo.ttft_s * 1e3:g}", "--tpot-slo-ms", f"{slo.tpot_s * 1e3:g}",
+               *workload_flags(point.workload)]
+        subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        return [run["summary"] for run in json.loads(result.read_text())["runs"]]
+    finally:
+        up.stop()
+
+
+def predicted(point: Point, profiles: dict[int, Profile], slo: Slo) -> list[dict | None]:
+    threads = point.threads or threads_per_node(usable_cores(), point.cluster.num_nodes)
+    profile = profiles.get(threads)
+    if profile is None or point.vllm or point.cluster.num_nodes > usable_cores():  # shared cores: not modelled
+        return [None] * len(point.rates)
+    spec = workload_spec(point.workload)
+    return [dataclasses.asdict(predict(profile, point.cluster, sim_requests(spec.build(k), rate, 1.0, k), slo))
+            for k, rate in enumerate(point.rates)]
+
+
+def calibrate(path: pathlib.Path, busy_neighbours: int = 0) -> Profile:
+    """`pdserve plan calibrate` of the default model with one thread, in a child process."""
+    cmd = [sys.executable, "-m", "pdserve_cli", "plan", "calibrate", "--threads", "1", "--repeats", "3", "--out", str(path),
+           "--busy-neighbours", str(busy_neighbours)]
+    subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return Profile.load(path)
+
+
+def row(label: str, rate: float, s: dict) -> str:
+    def ms(stats: dict | None, key: str) -> str:
+        return f"{stats[key] * 1e3:.0f}" if stats else "-"
+
+    return (f"| {label} | {rate:g} | {s['num_ok']}/{s['num_sent']} | {s['request_throughput']:.3f} | "
+            f"{s['output_throughput']:.1f} | {ms(s['ttft'], 'p50')} | {ms(s['ttft'], 'p99')} | {ms(s['tpot'], 'p50')} | "
+            f"{ms(s['tpot'], 'p99')} | {s['goodput']:.3f} | {s['total_cached_tokens']} |")
+
+
+HEADER = ("| point | req/s offered | ok | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms "
+          "| goodput req/s | cached prompt tokens |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("study", choices=sorted(studies()))
+    parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("serve-studies"))
+    parser.add_argument("--profile-1t", type=pathlib.Path, default=None, help="profile calibrated with 1 thread")
+    parser.add_argument("--profile-2t", type=pathlib.Path, default=None, help="profile calibrated with 2 threads")
+    parser.add_argument("--vllm-python", default=None, help="the vllm study: python of a venv with vLLM's CPU build")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure a 1-thread profile before the study and after each point (about 1 min each)")
+    parser.add_argument("--busy-neighbours", type=int, default=0, help="--calibrate: plan calibrate's flag")
+    parser.add_argument("--ttft-slo-ms", type=float, default=3000.0)
+    parser.add_argument("--tpot-slo-ms", type=float, default=300.0)
+    args = parser.parse_args()
+    slo = Slo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
+    profiles = {t: Profile.load(p) for t, p in ((1, args.profile_1t), (2, args.profile_2t)) if p is not None}
+    out_dir = args.out_dir / args.study
+    if args.calibrate:
+        profiles[1] = calibrate(out_dir / "profile-before.json", args.busy_neighbours)
+    lines, results = [HEADER], []
+    for i, point in enumerate(studies()[args.study]):
+        started = time.monotonic()
+        measured = measure(point, out_dir / f"point{i}", slo, args.vllm_python)
+        after = {1: calibrate(out_dir / f"profile-after{i}.json", args.busy_neighbours)} if args.calibrate else {}
+        predictions = {"predicted": predicted(point, profiles, slo)}
+        if after:
+            predictions = {"predicted, profile before": predictions["predicted"],
+                           "predicted, profile after": predicted(point, after, slo)}
+        for k, (rate, m) in enumerate(zip(point.rates, measured, strict=True)):
+            lines.append(row(point.label, rate, m))
+            for name, preds in predictions.items():
+                if preds[k] is not None:
+                    lines.append(row(f"{point.label} ({name})", rate, preds[k]))
+            results.append({"point": point.label, "rate": rate, "measured": m,
+                            **{name: preds[k] for name, preds in predictions.items()}})
+        print(f"{point.label}: {time.monotonic() - started:.0f} s", flush=True)
+    table = "\n".join(lines)
+    print(table)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out_dir / "table.md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
