@@ -1,0 +1,63 @@
+"""Offline decode throughput with 2 torch threads, alone and beside one CPU-bound process, under
+OpenMP wait settings; each setting runs in a fresh child process, rounds alternate.
+
+    .venv/bin/python bench/omp_wait.py [--rounds 2] [--spincounts unset,1000]
+
+Why: OpenMP's worker threads spin while they wait; when another process holds one of two cores,
+the spinning thread steals the time the working one needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+import time
+
+CHILD = """
+import random, sys, time
+from engine import LLM, SamplingParams
+from engine.model_fetch import fetch_default_model
+llm = LLM(model=str(fetch_default_model(progress=False)), num_threads=2)
+rng = random.Random(0)
+prompts = [[rng.randrange(100, 40000) for _ in range(64)] for _ in range(8)]
+llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))
+start = time.time()
+llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+print(8 * 32 / (time.time() - start))
+"""
+
+
+def run(spincount: str, busy: bool) -> float:
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    if spincount != "unset":
+        env["GOMP_SPINCOUNT"] = spincount
+    neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+    try:
+        out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, check=True,
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        return float(out.stdout.strip().splitlines()[-1])
+    finally:
+        if neighbour is not None:
+            neighbour.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--spincounts", default="unset,1000")
+    args = parser.parse_args()
+    settings = [(s, busy) for s in args.spincounts.split(",") for busy in (False, True)]
+    results: dict[tuple[str, bool], list[float]] = {k: [] for k in settings}
+    for _ in range(args.rounds):
+        for key in random.Random(len(results)).sample(settings, len(settings)):
+            results[key].append(run(*key))
+    for (spin, busy), values in results.items():
+        print(f"GOMP_SPINCOUNT={spin:>6}  {'busy neighbour' if busy else 'quiet         '}  "
+              f"{' '.join(f'{v:6.1f}' for v in values)} tok/s")
+
+
+if __name__ == "__main__":
+    main()
