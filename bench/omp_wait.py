@@ -14,7 +14,6 @@ import os
 import random
 import subprocess
 import sys
-import time
 
 CHILD = """
 import random, sys, time
