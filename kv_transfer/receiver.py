@@ -27,7 +27,6 @@ import torch
 import zmq
 
 from kv_transfer import tensors
-from kv_transfer.channel import Inbound, ListenChannel, PeerUnavailable
 from kv_transfer.checks import chunk_problem, reserve_problem, ring_frames
 from kv_transfer.errors import KVAborted, KVTimeout, KVTransferError
 from kv_transfer.messages import (
@@ -44,10 +43,12 @@ from kv_transfer.messages import (
     KVWait,
     Message,
     ProtocolError,
+    decode,
 )
 from kv_transfer.outcomes import PollResult, ReceivedKV, TransferFailure
 from kv_transfer.peer_memory import PeerMemory, copy_direct
 from kv_transfer.reservations import BlockReservations
+from protocol.channel import Inbound, ListenChannel, PeerUnavailable
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -114,7 +115,7 @@ class KVReceiver:
         self.config = config or ReceiverConfig()
         self.reservations = reservations
         self.key_caches, self.value_caches = list(key_caches), list(value_caches)
-        self._channel = ListenChannel(address, context, self.config.max_frame_bytes)
+        self._channel = ListenChannel(address, context, self.config.max_frame_bytes, decoder=decode)
         self.address = self._channel.address  # resolved (tcp://host:0 gets its port)
         self.draining = False  # set_draining(): KVReject every new reservation
         self._incoming: dict[str, _Incoming] = {}

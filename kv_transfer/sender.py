@@ -24,7 +24,6 @@ import zmq
 
 from engine.block_hash import hash_full_blocks
 from kv_transfer import shared_cache, tensors
-from kv_transfer.channel import PeerChannel, PeerUnavailable
 from kv_transfer.errors import KVAborted, KVRejected, KVTimeout, KVTransferError
 from kv_transfer.messages import (
     Abort,
@@ -41,8 +40,10 @@ from kv_transfer.messages import (
     Message,
     TokenLogprobs,
     WireFormat,
+    decode,
 )
 from kv_transfer.staging import StagingRing, host_id, peer_is_local
+from protocol.channel import PeerChannel, PeerUnavailable
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -98,7 +99,7 @@ class KVSender:
         self.fingerprint = fingerprint
         self.cache_ref = cache_ref if (config or SenderConfig()).shared_memory else None
         self.config = config or SenderConfig()
-        self._channel = PeerChannel(address, context)
+        self._channel = PeerChannel(address, context, decoder=decode)
         self._inbox: dict[str, deque[Message]] = {}  # replies per active request, in arrival order
         shared = self.config.shared_memory and peer_is_local(address)  # else nobody could map it
         self._ring = StagingRing(self.config.staging_bytes, shared)

@@ -21,11 +21,11 @@ import zmq
 
 from engine.llm_engine import LLMEngine, QueueFullError
 from engine.sampling_params import SamplingParams
-from kv_transfer.channel import ListenChannel, PushChannel
-from kv_transfer.messages import ProtocolError
 from node.log import EventLog
 from node.options import NodeOptions
 from protocol import registry
+from protocol.channel import ListenChannel, PushChannel
+from protocol.codec import ProtocolError
 from protocol.messages import GenerateRequest, Message, NodeStatus, RequestFailed, StatusQuery, decode_frames
 
 MAX_REPLY_CHANNELS = 64  # routers a node talks back to at once (LRU beyond)

@@ -17,10 +17,10 @@ from collections.abc import Callable
 
 import torch
 
-from kv_transfer.channel import PushChannel
 from kv_transfer.errors import KVRejected, KVTimeout, KVTransferError
 from kv_transfer.messages import CacheRef, KVFingerprint, TokenLogprobs
 from kv_transfer.sender import KVSender, SenderConfig, TransferStats
+from protocol.channel import PushChannel
 from protocol.messages import TokenChunk
 
 _MAX_REPLY_CHANNELS = 16  # routers one worker talks back to at once (LRU beyond)

@@ -15,11 +15,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from kv_transfer import messages as kvm
+from protocol import codec
 
-Message = kvm.Message
-ProtocolError = kvm.ProtocolError
-TokenLogprobs = kvm.TokenLogprobs  # shared with KVDone, which carries the first token's
+Message = codec.Message
+ProtocolError = codec.ProtocolError
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One generated token's log-probability and its top alternatives."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: tuple[int, ...]  # most likely first
+    top_logprobs: tuple[float, ...]  # same order as top_token_ids
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -103,14 +112,14 @@ _TAG_TO_TYPE = {cls.TAG: cls for cls in MESSAGE_TYPES}
 
 
 def encode(msg: Message) -> bytes:
-    return kvm.encode(msg)
+    return codec.encode(msg)
 
 
 def decode(header: bytes | memoryview) -> Message:
     """Strictly parse a router/node message; raises ProtocolError on anything else."""
-    return kvm.decode_with(header, _TAG_TO_TYPE)
+    return codec.decode_with(header, _TAG_TO_TYPE)
 
 
 def decode_frames(header: memoryview, frames, max_frame_bytes: int) -> Message:
-    """``decode`` in the shape kv_transfer.channel takes; these messages carry no data frames."""
-    return kvm.decode_with(header, _TAG_TO_TYPE, frames, max_frame_bytes)
+    """``decode`` in the shape protocol.channel takes; these messages carry no data frames."""
+    return codec.decode_with(header, _TAG_TO_TYPE, frames, max_frame_bytes)

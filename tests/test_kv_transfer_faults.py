@@ -21,11 +21,11 @@ from test_kv_transfer import NUM_BLOCKS, make_receiver, poll_until
 
 from engine.block_hash import hash_full_blocks
 from kv_transfer import tensors
-from kv_transfer.channel import PeerChannel
 from kv_transfer.errors import KVAborted, KVTimeout
-from kv_transfer.messages import Abort, Error, KVChunk, KVGrant, KVReserve, WireFormat
+from kv_transfer.messages import Abort, Error, KVChunk, KVGrant, KVReserve, WireFormat, decode
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender, SenderConfig
+from protocol.channel import PeerChannel
 
 pytestmark = pytest.mark.timeout(40)
 PEER_SCRIPT = Path(__file__).with_name("kv_transfer_peer.py")
@@ -64,7 +64,7 @@ def assert_all_blocks_free(receiver: KVReceiver) -> None:
 
 def test_corrupted_frame_fails_the_request_and_the_node_keeps_serving():
     receiver = make_receiver("tcp://127.0.0.1:0")
-    peer = PeerChannel(receiver.address)
+    peer = PeerChannel(receiver.address, decoder=decode)
     tokens = list(range(1, BLOCK_SIZE + 1))
     raw_grant(receiver, peer, "bad", tokens)
     keys, values = make_caches(NUM_BLOCKS, seed=5)
@@ -88,7 +88,7 @@ def test_corrupted_frame_fails_the_request_and_the_node_keeps_serving():
 
 def test_silent_sender_loses_its_blocks_at_the_chunk_deadline():
     receiver = make_receiver("tcp://127.0.0.1:0", chunk_timeout_s=0.3)
-    peer = PeerChannel(receiver.address)
+    peer = PeerChannel(receiver.address, decoder=decode)
     raw_grant(receiver, peer, "quiet", list(range(1, 3 * BLOCK_SIZE)))
     assert receiver.reservations.block_manager.num_free_blocks == NUM_BLOCKS - 3
     started = time.monotonic()
@@ -101,7 +101,7 @@ def test_silent_sender_loses_its_blocks_at_the_chunk_deadline():
 
 def test_oversized_frame_is_refused_and_the_node_keeps_serving():
     receiver = make_receiver("tcp://127.0.0.1:0", max_frame_bytes=4096, chunk_timeout_s=0.3)
-    peer = PeerChannel(receiver.address)
+    peer = PeerChannel(receiver.address, decoder=decode)
     raw_grant(receiver, peer, "huge", list(range(1, BLOCK_SIZE + 1)))
     peer.send(KVChunk("huge", 0, 0, 1, (0, 0)), [b"x" * 5000, b"y"])
     got = poll_until(receiver, lambda r: bool(r.failed))  # its grant runs out: nothing else came
@@ -115,7 +115,7 @@ def test_oversized_frame_is_refused_and_the_node_keeps_serving():
 def test_malformed_messages_get_an_error_reply_and_the_node_keeps_serving():
     folder = tempfile.mkdtemp(prefix="kvt")
     receiver = make_receiver(f"ipc://{folder}/kv.sock")
-    peer = PeerChannel(receiver.address)
+    peer = PeerChannel(receiver.address, decoder=decode)
 
     @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.lists(st.binary(max_size=64), min_size=1, max_size=3))

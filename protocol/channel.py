@@ -1,11 +1,11 @@
-"""The one place that touches ZeroMQ sockets on the nodes (KV transfer and control).
+"""The one place that touches ZeroMQ sockets on the nodes (KV transfer and control); torch-free.
 
     prefill node  DEALER ──connect──►  ROUTER  decode node (bind; tcp:// or ipc://)
     router        DEALER ──connect──►  ROUTER  node control socket (protocol.messages)
     node          PUSH   ──connect──►  PULL    router's reply address (protocol.messages)
 
-Channels decode with ``kv_transfer.messages.decode`` unless given another decoder of the
-same wire shape (``protocol.messages.decode_frames``).
+Receiving channels take the decoder of their message family (``kv_transfer.messages.decode``,
+``protocol.codec.decode_frames``): both are the wire shape of ``protocol.codec``.
 
 Every receive takes a timeout (no call blocks forever) and every send has a send timeout,
 so a dead or stuck peer shows up as a deadline, never as a hang. Data frames go out
@@ -20,8 +20,8 @@ from typing import Any
 
 import zmq
 
-from kv_transfer import messages
-from kv_transfer.messages import Message, ProtocolError
+from protocol import codec
+from protocol.codec import Message, ProtocolError
 
 _SEND_TIMEOUT_MS = 5000
 
@@ -48,16 +48,16 @@ class _Channel:
         socket_type: int,
         context: zmq.Context | None,
         max_frame_bytes: int,
-        decoder: Decoder = messages.decode,
+        decoder: Decoder | None,
     ) -> None:
-        self._decoder = decoder
+        self._decoder = decoder  # None: a send-only channel
         self._context = context or zmq.Context.instance()
         self._socket = self._context.socket(socket_type)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
         self._max_frame_bytes = max_frame_bytes
         # Let frames up to the limit through; bigger multipart parts are cut off by ZeroMQ itself.
-        self._socket.setsockopt(zmq.MAXMSGSIZE, max(max_frame_bytes, messages.MAX_HEADER_BYTES))
+        self._socket.setsockopt(zmq.MAXMSGSIZE, max(max_frame_bytes, codec.MAX_HEADER_BYTES))
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
 
@@ -81,6 +81,7 @@ class _Channel:
         if not parts:
             raise ProtocolError("empty message")
         frames = [p.buffer for p in parts[1:]]
+        assert self._decoder is not None, "a send-only channel received"
         return Inbound(peer, self._decoder(parts[0].buffer, frames, self._max_frame_bytes), frames)
 
     def close(self) -> None:
@@ -94,8 +95,9 @@ class ListenChannel(_Channel):
         self,
         address: str,
         context: zmq.Context | None = None,
-        max_frame_bytes: int = messages.DEFAULT_MAX_FRAME_BYTES,
-        decoder: Decoder = messages.decode,
+        max_frame_bytes: int = codec.DEFAULT_MAX_FRAME_BYTES,
+        *,
+        decoder: Decoder,
     ) -> None:
         super().__init__(zmq.ROUTER, context, max_frame_bytes, decoder)
         self._socket.bind(address)
@@ -103,7 +105,7 @@ class ListenChannel(_Channel):
 
     def send(self, peer: bytes, msg: Message, frames: Sequence[Any] = ()) -> None:
         """Best effort: ROUTER drops messages to peers that are gone."""
-        self._send([peer, messages.encode(msg), *frames])
+        self._send([peer, codec.encode(msg), *frames])
 
     def recv(self, timeout_s: float) -> Inbound | None:
         """Next message, None on timeout; ProtocolError (with ``.peer``) when malformed."""
@@ -125,15 +127,16 @@ class PeerChannel(_Channel):
         self,
         address: str,
         context: zmq.Context | None = None,
-        max_frame_bytes: int = messages.DEFAULT_MAX_FRAME_BYTES,
-        decoder: Decoder = messages.decode,
+        max_frame_bytes: int = codec.DEFAULT_MAX_FRAME_BYTES,
+        *,
+        decoder: Decoder,
     ) -> None:
         super().__init__(zmq.DEALER, context, max_frame_bytes, decoder)
         self._socket.connect(address)
         self.address = address
 
     def send(self, msg: Message, frames: Sequence[Any] = ()) -> None:
-        self._send([messages.encode(msg), *frames])
+        self._send([codec.encode(msg), *frames])
 
     def send_raw(self, parts: Sequence[bytes]) -> None:
         """Arbitrary frames, for tests of the receiver's input checks."""
@@ -149,7 +152,7 @@ class PushChannel(_Channel):
     not draining costs dropped messages (it has its own deadlines), never a stuck node."""
 
     def __init__(self, address: str, context: zmq.Context | None = None, queue_limit: int = 10000) -> None:
-        super().__init__(zmq.PUSH, context, messages.DEFAULT_MAX_FRAME_BYTES)
+        super().__init__(zmq.PUSH, context, codec.DEFAULT_MAX_FRAME_BYTES, None)
         self._socket.setsockopt(zmq.SNDHWM, queue_limit)
         self._socket.setsockopt(zmq.SNDTIMEO, 0)
         self._socket.connect(address)
@@ -158,7 +161,7 @@ class PushChannel(_Channel):
     def send(self, msg: Message) -> bool:
         """True when queued; False when the queue to this router is full."""
         try:
-            self._socket.send(messages.encode(msg), copy=False)
+            self._socket.send(codec.encode(msg), copy=False)
             return True
         except zmq.Again:
             return False

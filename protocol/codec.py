@@ -1,0 +1,156 @@
+"""The wire codec every pdserve message family shares: router <-> node (protocol.messages) and
+prefill <-> decode KV transfer (kv_transfer.messages). Torch-free.
+
+A message on the wire is one ZeroMQ multipart message:
+
+    frame 0      msgpack header  [PROTOCOL_VERSION, tag, {field: value, ...}]
+    frame 1..n   raw data frames (KV chunks only), whose count the header says
+
+Decoding is strict: an unknown tag, another protocol version, a missing, extra or wrongly typed
+field, a frame count that does not match the header, or an oversized frame raises
+``ProtocolError`` (naming the field where there is one). Nothing is ever pickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 2  # 2: staging rings are memfds named by RingRef, KVDone carries first_logprobs
+MAX_HEADER_BYTES = 8 << 20  # a 1M-token prompt's token ids and hashes fit
+DEFAULT_MAX_FRAME_BYTES = 1 << 30
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be decoded or violates the protocol."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field  # the offending header field, when there is one
+
+
+class Message:
+    """Base of all wire messages; ``TAG`` names the type on the wire."""
+
+    __slots__ = ()
+    TAG: ClassVar[str]
+    NUM_FRAMES_FIELD: ClassVar[str | None] = None  # header field whose length is the data frame count
+
+
+# --------------------------------------------------------------------------- encoding
+def _to_wire(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple) and value and dataclasses.is_dataclass(value[0]):
+        return [_to_wire(item) for item in value]  # plain ints and floats pass as they are
+    return value
+
+
+def encode(msg: Message) -> bytes:
+    """The header frame of ``msg``."""
+    return msgpack.packb([PROTOCOL_VERSION, msg.TAG, _to_wire(msg)], use_bin_type=True)
+
+
+# --------------------------------------------------------------------------- decoding
+def decode_with(
+    header: bytes | memoryview,
+    tag_to_type: dict[str, type[Message]],
+    frames: Sequence[memoryview] = (),
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+) -> Message:
+    """``decode`` for another family of messages (e.g. protocol.messages) in the same wire shape."""
+    if len(header) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        obj = msgpack.unpackb(header, use_list=False, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"header is not msgpack: {exc}") from None
+    if not (isinstance(obj, tuple) and len(obj) == 3):
+        raise ProtocolError("header must be [version, tag, fields]")
+    version, tag, fields = obj
+    if version != PROTOCOL_VERSION or isinstance(version, bool):
+        raise ProtocolError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}", "version")
+    cls = tag_to_type.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message tag {tag!r}", "tag")
+    msg = _build(cls, fields)
+    _check_frames(msg, frames, max_frame_bytes)
+    return msg
+
+
+def _check_frames(msg: Message, frames: Sequence[memoryview], max_frame_bytes: int) -> None:
+    in_shm = getattr(msg, "shm_offset", None) is not None
+    expected = 0 if msg.NUM_FRAMES_FIELD is None or in_shm else len(getattr(msg, msg.NUM_FRAMES_FIELD))
+    if len(frames) != expected:
+        raise ProtocolError(f"{msg.TAG} carries {len(frames)} data frames, expected {expected}", "frames")
+    for frame in frames:
+        if len(frame) > max_frame_bytes:
+            raise ProtocolError(f"data frame of {len(frame)} bytes exceeds {max_frame_bytes}", "frames")
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _build(cls: type, fields: Any) -> Any:
+    if not isinstance(fields, dict):
+        raise ProtocolError(f"{cls.__name__} fields must be a map")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(fields) - set(known)
+    if unknown:
+        raise ProtocolError(f"{cls.__name__} has no field {sorted(map(str, unknown))[0]!r}", "fields")
+    hints = _hints(cls)
+    values = {}
+    for name, field in known.items():
+        if name not in fields:
+            if field.default is dataclasses.MISSING:
+                raise ProtocolError(f"{cls.__name__}.{name} is missing", name)
+            continue
+        values[name] = _coerce(hints[name], fields[name], f"{cls.__name__}.{name}", name)
+    return cls(**values)
+
+
+def _coerce(hint: Any, value: Any, where: str, name: str) -> Any:
+    """``value`` as type ``hint``, or ProtocolError."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(inner, value, where, name)
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            raise ProtocolError(f"{where} must be an array", name)
+        return tuple(_coerce(args[0], item, where, name) for item in value)
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ProtocolError(f"{where} must be a map with string keys", name)
+        return value
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return hint(value)
+        except ValueError:
+            raise ProtocolError(f"{where} has unknown value {value!r}", name) from None
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        if not 0 <= value < 1 << 64:  # every integer in the protocol is a count, id, index or hash
+            raise ProtocolError(f"{where} must be a non-negative 64-bit integer", name)
+        return value
+    if hint in (str, float, bool) and type(value) is hint:
+        return value
+    raise ProtocolError(
+        f"{where} must be {getattr(hint, '__name__', hint)}, got {type(value).__name__}", name
+    )
