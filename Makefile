@@ -38,6 +38,7 @@ $(STAMP):
 
 lint: setup
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 model: setup
 	$(VENV)/bin/pdserve model fetch

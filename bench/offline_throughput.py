@@ -33,9 +33,16 @@ def tiny_bench_model() -> pathlib.Path:
     path = pathlib.Path(tempfile.gettempdir()) / "pdserve-bench-tiny-llama"
     if not (path / "config.json").is_file():
         torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                                       num_attention_heads=8, num_key_value_heads=4, vocab_size=49152,
-                                       max_position_embeddings=2048, tie_word_embeddings=True)
+        cfg = transformers.LlamaConfig(
+            hidden_size=256,
+            intermediate_size=1024,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            vocab_size=49152,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+        )
         transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     return path
 
@@ -46,7 +53,9 @@ def workload(kind: str, n: int, vocab: int, seed: int = 0) -> list[tuple[list[in
         return [(torch.randint(10, vocab, (128,), generator=g).tolist(), 128) for _ in range(n)]
     lens = torch.randint(16, 513, (n,), generator=g).tolist()
     outs = torch.randint(8, 257, (n,), generator=g).tolist()
-    return [(torch.randint(10, vocab, (k,), generator=g).tolist(), o) for k, o in zip(lens, outs, strict=True)]
+    return [
+        (torch.randint(10, vocab, (k,), generator=g).tolist(), o) for k, o in zip(lens, outs, strict=True)
+    ]
 
 
 def run_pdserve(path: pathlib.Path, reqs, max_num_seqs: int) -> tuple[float, int]:
@@ -67,15 +76,16 @@ def run_hf(path: pathlib.Path, reqs, batch: int) -> tuple[float, int]:
     model.generation_config.eos_token_id = None
     start = time.perf_counter()
     for i in range(0, len(reqs), batch):
-        chunk = reqs[i:i + batch]
+        chunk = reqs[i : i + batch]
         width = max(len(p) for p, _ in chunk)
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for r, (p, _) in enumerate(chunk):
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
-        model.generate(ids, attention_mask=mask, max_new_tokens=max(o for _, o in chunk), do_sample=False,
-                       pad_token_id=0)
+            ids[r, width - len(p) :] = torch.tensor(p)
+            mask[r, width - len(p) :] = 1
+        model.generate(
+            ids, attention_mask=mask, max_new_tokens=max(o for _, o in chunk), do_sample=False, pad_token_id=0
+        )
     elapsed = time.perf_counter() - start
     return elapsed, sum(o for _, o in reqs)  # useful tokens: padding past a request's own length is waste
 
@@ -88,7 +98,9 @@ def main() -> None:
     ap.add_argument("--hf-batch-sizes", default="8,32,64")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3, help="alternating pdserve/HF rounds; the median ratio counts")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="alternating pdserve/HF rounds; the median ratio counts"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.model == "tiny":
@@ -101,7 +113,7 @@ def main() -> None:
         path = pathlib.Path(args.model)
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     results = {}
-    for kind in (["fixed", "mix"] if args.workload == "both" else [args.workload]):
+    for kind in ["fixed", "mix"] if args.workload == "both" else [args.workload]:
         reqs = workload(kind, args.num_prompts, vocab)
         rounds = []
         for r in range(args.rounds):  # alternate, so both sides see the same (noisy) machine
@@ -112,10 +124,19 @@ def main() -> None:
                 t_hf, n_hf = run_hf(path, reqs, b)
                 hf[b] = n_hf / t_hf
             best = max(hf.values())
-            print(f"[{kind}] round {r}: pdserve {ours:.1f} tok/s; HF " +
-                  ", ".join(f"batch {b}: {v:.1f}" for b, v in hf.items()) + f"; ratio {ours / best:.2f}x", flush=True)
-            rounds.append({"pdserve_tok_s": round(ours, 1), "hf_tok_s": {str(k): round(v, 1) for k, v in hf.items()},
-                           "ratio_vs_best_hf": round(ours / best, 2)})
+            print(
+                f"[{kind}] round {r}: pdserve {ours:.1f} tok/s; HF "
+                + ", ".join(f"batch {b}: {v:.1f}" for b, v in hf.items())
+                + f"; ratio {ours / best:.2f}x",
+                flush=True,
+            )
+            rounds.append(
+                {
+                    "pdserve_tok_s": round(ours, 1),
+                    "hf_tok_s": {str(k): round(v, 1) for k, v in hf.items()},
+                    "ratio_vs_best_hf": round(ours / best, 2),
+                }
+            )
         median = statistics.median(x["ratio_vs_best_hf"] for x in rounds)
         print(f"[{kind}] median ratio over {len(rounds)} rounds: {median:.2f}x", flush=True)
         results[kind] = {"rounds": rounds, "median_ratio_vs_best_hf": median}

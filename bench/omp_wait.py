@@ -35,8 +35,14 @@ def run(spincount: str, busy: bool) -> float:
         env["GOMP_SPINCOUNT"] = spincount
     neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     try:
-        out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, check=True,
-                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
         return float(out.stdout.strip().splitlines()[-1])
     finally:
         if neighbour is not None:
@@ -54,8 +60,10 @@ def main() -> None:
         for key in random.Random(len(results)).sample(settings, len(settings)):
             results[key].append(run(*key))
     for (spin, busy), values in results.items():
-        print(f"GOMP_SPINCOUNT={spin:>6}  {'busy neighbour' if busy else 'quiet         '}  "
-              f"{' '.join(f'{v:6.1f}' for v in values)} tok/s")
+        print(
+            f"GOMP_SPINCOUNT={spin:>6}  {'busy neighbour' if busy else 'quiet         '}  "
+            f"{' '.join(f'{v:6.1f}' for v in values)} tok/s"
+        )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,10 @@ def main() -> None:
         results.setdefault("3-D", []).append(_time(q, k, v, args.rounds))
         results.setdefault("4-D", []).append(_time(q[None], k[None], v[None], args.rounds))
     three, four = min(results["3-D"]), min(results["4-D"])
-    print(f"{args.tokens} tokens x {args.heads} heads, {args.threads} thread(s): 3-D {three * 1000:.1f} ms, "
-          f"4-D {four * 1000:.1f} ms, 4-D is {three / four:.2f}x faster")
+    print(
+        f"{args.tokens} tokens x {args.heads} heads, {args.threads} thread(s): 3-D {three * 1000:.1f} ms, "
+        f"4-D {four * 1000:.1f} ms, 4-D is {three / four:.2f}x faster"
+    )
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-VLLM_CLIENT = r'''
+VLLM_CLIENT = r"""
 import json, sys
 def main():
     from vllm.benchmarks.serve import add_cli_args, main as bench_main
@@ -34,7 +34,7 @@ def main():
     print("RESULT " + json.dumps({k: v for k, v in result.items() if isinstance(v, (int, float))}), flush=True)
 if __name__ == "__main__":
     main()
-'''
+"""
 
 # figure -> (key in pdserve's summary path, key in vLLM's result, scale to ms or 1)
 FIGURES = {
@@ -51,11 +51,33 @@ FIGURES = {
 
 
 def run_pdserve(args: argparse.Namespace, seed: int, out: pathlib.Path) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "pdserve_cli", "bench", "serve", "--base-url", args.base_url, "--workload", "fixed",
-           "--num-requests", str(args.num_prompts), "--input-len", str(args.input_len), "--output-len",
-           str(args.output_len), "--max-concurrency", str(args.concurrency), "--seed", str(seed), "--no-progress",
-           "--result-json", str(out)]
-    subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True, capture_output=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve_cli",
+        "bench",
+        "serve",
+        "--base-url",
+        args.base_url,
+        "--workload",
+        "fixed",
+        "--num-requests",
+        str(args.num_prompts),
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+        "--max-concurrency",
+        str(args.concurrency),
+        "--seed",
+        str(seed),
+        "--no-progress",
+        "--result-json",
+        str(out),
+    ]
+    subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True, capture_output=True
+    )
     summary = json.loads(out.read_text())["runs"][0]["summary"]
     figures = {}
     for name, (path, _, scale) in FIGURES.items():
@@ -69,16 +91,46 @@ def run_pdserve(args: argparse.Namespace, seed: int, out: pathlib.Path) -> dict[
 def run_vllm(args: argparse.Namespace, seed: int, tmp: pathlib.Path) -> dict[str, float]:
     script = tmp / "vllm_client.py"
     script.write_text(VLLM_CLIENT)
-    cmd = [args.vllm_python, str(script), "--backend", "openai", "--base-url", args.base_url, "--endpoint",
-           "/v1/completions", "--model", args.model, "--tokenizer", str(args.tokenizer), "--dataset-name", "random",
-           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len), "--num-prompts",
-           str(args.num_prompts), "--request-rate", "inf", "--max-concurrency", str(args.concurrency), "--ignore-eos",
-           "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99"]
-    done = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    cmd = [
+        args.vllm_python,
+        str(script),
+        "--backend",
+        "openai",
+        "--base-url",
+        args.base_url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        args.model,
+        "--tokenizer",
+        str(args.tokenizer),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--num-prompts",
+        str(args.num_prompts),
+        "--request-rate",
+        "inf",
+        "--max-concurrency",
+        str(args.concurrency),
+        "--ignore-eos",
+        "--seed",
+        str(seed),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,90,99",
+    ]
+    done = subprocess.run(
+        cmd, cwd=tmp, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         raise RuntimeError(f"vLLM's client failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    result = json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT ") :])
     return {name: result[key] for name, (_, key, _) in FIGURES.items()}
 
 
@@ -87,7 +139,9 @@ def main() -> None:
     ap.add_argument("--vllm-python", required=True)
     ap.add_argument("--base-url", default="http://127.0.0.1:8000")
     ap.add_argument("--model", default="smollm2-135m-instruct", help="the served model id")
-    ap.add_argument("--tokenizer", type=pathlib.Path, required=True, help="model folder (vLLM's client tokenizes)")
+    ap.add_argument(
+        "--tokenizer", type=pathlib.Path, required=True, help="model folder (vLLM's client tokenizes)"
+    )
     ap.add_argument("--num-prompts", type=int, default=24)
     ap.add_argument("--input-len", type=int, default=192)
     ap.add_argument("--output-len", type=int, default=32)
@@ -99,8 +153,14 @@ def main() -> None:
         tmp = pathlib.Path(tmp_dir)
         for k in range(args.rounds):
             order = ("pdserve", "vllm") if k % 2 == 0 else ("vllm", "pdserve")
-            got = {who: (run_pdserve(args, 100 + 2 * k, tmp / f"r{k}.json") if who == "pdserve"
-                         else run_vllm(args, 101 + 2 * k, tmp)) for who in order}
+            got = {
+                who: (
+                    run_pdserve(args, 100 + 2 * k, tmp / f"r{k}.json")
+                    if who == "pdserve"
+                    else run_vllm(args, 101 + 2 * k, tmp)
+                )
+                for who in order
+            }
             for name in FIGURES:
                 rows[name].append((got["pdserve"][name], got["vllm"][name]))
             print(f"round {k + 1}/{args.rounds} done ({' then '.join(order)})", flush=True)

@@ -38,11 +38,24 @@ from planner.predict import predict, sim_requests  # noqa: E402
 from planner.profile import Profile  # noqa: E402
 from planner.simulate import Cluster  # noqa: E402
 
-MIX = {"kind": "mix", "num_requests": 16, "input_len": 128, "output_len": 48, "max_input_len": 512,
-       "max_output_len": 128}
+MIX = {
+    "kind": "mix",
+    "num_requests": 16,
+    "input_len": 128,
+    "output_len": 48,
+    "max_input_len": 512,
+    "max_output_len": 128,
+}
 PREFILL_HEAVY = {"kind": "fixed", "num_requests": 16, "input_len": 512, "output_len": 16}
-SHARED_PREFIX = {"kind": "shared-prefix", "num_requests": 16, "num_groups": 4, "questions_per_group": 4,
-                 "prefix_len": 384, "input_len": 32, "output_len": 16}
+SHARED_PREFIX = {
+    "kind": "shared-prefix",
+    "num_requests": 16,
+    "num_groups": 4,
+    "questions_per_group": 4,
+    "prefix_len": 384,
+    "input_len": 32,
+    "output_len": 16,
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -62,19 +75,39 @@ def studies() -> dict[str, list[Point]]:
     two_colocated = Cluster(0, 0, 2)
     return {
         "check": [Point("1P+1D mix", pd, MIX, (0.5, 1.0))],
-        "colocated": [Point(f"{c.label} {name}", c, w, (0.5, 1.0)) for name, w in (("mix", MIX), ("prefill-heavy", PREFILL_HEAVY))
-                      for c in (pd, colocated)],
-        "ratio": [Point(f"{c.label} mix", c, MIX, (0.5, 1.0)) for c in (Cluster(1, 1), Cluster(1, 2), Cluster(2, 1))],
+        "colocated": [
+            Point(f"{c.label} {name}", c, w, (0.5, 1.0))
+            for name, w in (("mix", MIX), ("prefill-heavy", PREFILL_HEAVY))
+            for c in (pd, colocated)
+        ],
+        "ratio": [
+            Point(f"{c.label} mix", c, MIX, (0.5, 1.0)) for c in (Cluster(1, 1), Cluster(1, 2), Cluster(2, 1))
+        ],
         "prefix": [
             Point("2 colocated, cache on, prefix routing on", two_colocated, SHARED_PREFIX, (1.0,)),
-            Point("2 colocated, cache on, prefix routing off", two_colocated, SHARED_PREFIX, (1.0,),
-                  router_args="--no-prefix-routing"),
-            Point("2 colocated, cache off", two_colocated, SHARED_PREFIX, (1.0,), node_args="--no-prefix-caching"),
+            Point(
+                "2 colocated, cache on, prefix routing off",
+                two_colocated,
+                SHARED_PREFIX,
+                (1.0,),
+                router_args="--no-prefix-routing",
+            ),
+            Point(
+                "2 colocated, cache off",
+                two_colocated,
+                SHARED_PREFIX,
+                (1.0,),
+                node_args="--no-prefix-caching",
+            ),
         ],
-        "colocated-threads": [Point("1 colocated, 2 threads, mix", colocated, MIX, (0.5,)),
-                              Point("1 colocated, 1 thread, mix", colocated, MIX, (0.5,), threads=1)],
-        "vllm": [Point("pdserve 1P+1D mix", pd, MIX, (0.5, 1.0)),
-                 Point("vLLM server (2 cores) mix", colocated, MIX, (0.5, 1.0), vllm=True)],
+        "colocated-threads": [
+            Point("1 colocated, 2 threads, mix", colocated, MIX, (0.5,)),
+            Point("1 colocated, 1 thread, mix", colocated, MIX, (0.5,), threads=1),
+        ],
+        "vllm": [
+            Point("pdserve 1P+1D mix", pd, MIX, (0.5, 1.0)),
+            Point("vLLM server (2 cores) mix", colocated, MIX, (0.5, 1.0), vllm=True),
+        ],
     }
 
 
@@ -98,8 +131,14 @@ def free_port() -> int:
 
 
 def up_flags(cluster: Cluster) -> list[str]:
-    return ["--prefill", str(cluster.num_prefill), "--decode", str(cluster.num_decode),
-            "--colocated", str(cluster.num_colocated)]
+    return [
+        "--prefill",
+        str(cluster.num_prefill),
+        "--decode",
+        str(cluster.num_decode),
+        "--colocated",
+        str(cluster.num_colocated),
+    ]
 
 
 class Up:
@@ -111,12 +150,28 @@ class Up:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.out_path = log_dir / "up.out"
         self._out = open(self.out_path, "w")
-        cmd = [sys.executable, "-m", "pdserve_cli", "up", "--port", str(self.port), "--log-dir", str(log_dir),
-               *up_flags(point.cluster), f"--node-args={point.node_args}", f"--router-args={point.router_args}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve_cli",
+            "up",
+            "--port",
+            str(self.port),
+            "--log-dir",
+            str(log_dir),
+            *up_flags(point.cluster),
+            f"--node-args={point.node_args}",
+            f"--router-args={point.router_args}",
+        ]
         if point.threads:
             cmd += ["--threads", str(point.threads)]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._out, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
 
     def wait_up(self, timeout_s: float = 240.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -147,13 +202,25 @@ class VllmServer(Up):
         log_dir.mkdir(parents=True, exist_ok=True)
         self.out_path = log_dir / "vllm.out"
         self._out = open(self.out_path, "w")
-        cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(fetch_default_model()),
-               "--dtype", "float32", "--port", str(self.port), "--host", "127.0.0.1"]
+        cmd = [
+            vllm_python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(fetch_default_model()),
+            "--dtype",
+            "float32",
+            "--port",
+            str(self.port),
+            "--host",
+            "127.0.0.1",
+        ]
         cores = usable_cores()
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "VLLM_CPU_KVCACHE_SPACE": "2"}
         env.pop("PYTHONPATH", None)
-        self.proc = subprocess.Popen(cmd, cwd="/tmp", stdout=self._out, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd="/tmp", stdout=self._out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
     def wait_up(self, timeout_s: float = 300.0) -> None:
         import urllib.request
@@ -189,10 +256,25 @@ def measure(point: Point, out_dir: pathlib.Path, slo: Slo, vllm_python: str | No
     try:
         up.wait_up()
         result = out_dir / "bench.json"
-        cmd = [sys.executable, "-m", "pdserve_cli", "bench", "serve", "--base-url", up.url, "--no-progress",
-               "--request-rate", ",".join(f"{r:g}" for r in point.rates), "--result-json", str(result),
-               "--ttft-slo-ms", f"{slo.ttft_s * 1e3:g}", "--tpot-slo-ms", f"{slo.tpot_s * 1e3:g}",
-               *workload_flags(point.workload)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve_cli",
+            "bench",
+            "serve",
+            "--base-url",
+            up.url,
+            "--no-progress",
+            "--request-rate",
+            ",".join(f"{r:g}" for r in point.rates),
+            "--result-json",
+            str(result),
+            "--ttft-slo-ms",
+            f"{slo.ttft_s * 1e3:g}",
+            "--tpot-slo-ms",
+            f"{slo.tpot_s * 1e3:g}",
+            *workload_flags(point.workload),
+        ]
         subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         return [run["summary"] for run in json.loads(result.read_text())["runs"]]
     finally:
@@ -202,17 +284,34 @@ def measure(point: Point, out_dir: pathlib.Path, slo: Slo, vllm_python: str | No
 def predicted(point: Point, profiles: dict[int, Profile], slo: Slo) -> list[dict | None]:
     threads = point.threads or threads_per_node(usable_cores(), point.cluster.num_nodes)
     profile = profiles.get(threads)
-    if profile is None or point.vllm or point.cluster.num_nodes > usable_cores():  # shared cores: not modelled
+    if (
+        profile is None or point.vllm or point.cluster.num_nodes > usable_cores()
+    ):  # shared cores: not modelled
         return [None] * len(point.rates)
     spec = workload_spec(point.workload)
-    return [dataclasses.asdict(predict(profile, point.cluster, sim_requests(spec.build(k), rate, 1.0, k), slo))
-            for k, rate in enumerate(point.rates)]
+    return [
+        dataclasses.asdict(predict(profile, point.cluster, sim_requests(spec.build(k), rate, 1.0, k), slo))
+        for k, rate in enumerate(point.rates)
+    ]
 
 
 def calibrate(path: pathlib.Path, busy_neighbours: int = 0) -> Profile:
     """`pdserve plan calibrate` of the default model with one thread, in a child process."""
-    cmd = [sys.executable, "-m", "pdserve_cli", "plan", "calibrate", "--threads", "1", "--repeats", "3", "--out", str(path),
-           "--busy-neighbours", str(busy_neighbours)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve_cli",
+        "plan",
+        "calibrate",
+        "--threads",
+        "1",
+        "--repeats",
+        "3",
+        "--out",
+        str(path),
+        "--busy-neighbours",
+        str(busy_neighbours),
+    ]
     subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     return Profile.load(path)
 
@@ -221,24 +320,37 @@ def row(label: str, rate: float, s: dict) -> str:
     def ms(stats: dict | None, key: str) -> str:
         return f"{stats[key] * 1e3:.0f}" if stats else "-"
 
-    return (f"| {label} | {rate:g} | {s['num_ok']}/{s['num_sent']} | {s['request_throughput']:.3f} | "
-            f"{s['output_throughput']:.1f} | {ms(s['ttft'], 'p50')} | {ms(s['ttft'], 'p99')} | {ms(s['tpot'], 'p50')} | "
-            f"{ms(s['tpot'], 'p99')} | {s['goodput']:.3f} | {s['total_cached_tokens']} |")
+    return (
+        f"| {label} | {rate:g} | {s['num_ok']}/{s['num_sent']} | {s['request_throughput']:.3f} | "
+        f"{s['output_throughput']:.1f} | {ms(s['ttft'], 'p50')} | {ms(s['ttft'], 'p99')} | {ms(s['tpot'], 'p50')} | "
+        f"{ms(s['tpot'], 'p99')} | {s['goodput']:.3f} | {s['total_cached_tokens']} |"
+    )
 
 
-HEADER = ("| point | req/s offered | ok | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms "
-          "| goodput req/s | cached prompt tokens |\n|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = (
+    "| point | req/s offered | ok | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms "
+    "| goodput req/s | cached prompt tokens |\n|---|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("study", choices=sorted(studies()))
     parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("serve-studies"))
-    parser.add_argument("--profile-1t", type=pathlib.Path, default=None, help="profile calibrated with 1 thread")
-    parser.add_argument("--profile-2t", type=pathlib.Path, default=None, help="profile calibrated with 2 threads")
-    parser.add_argument("--vllm-python", default=None, help="the vllm study: python of a venv with vLLM's CPU build")
-    parser.add_argument("--calibrate", action="store_true",
-                        help="measure a 1-thread profile before the study and after each point (about 1 min each)")
+    parser.add_argument(
+        "--profile-1t", type=pathlib.Path, default=None, help="profile calibrated with 1 thread"
+    )
+    parser.add_argument(
+        "--profile-2t", type=pathlib.Path, default=None, help="profile calibrated with 2 threads"
+    )
+    parser.add_argument(
+        "--vllm-python", default=None, help="the vllm study: python of a venv with vLLM's CPU build"
+    )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure a 1-thread profile before the study and after each point (about 1 min each)",
+    )
     parser.add_argument("--busy-neighbours", type=int, default=0, help="--calibrate: plan calibrate's flag")
     parser.add_argument("--ttft-slo-ms", type=float, default=3000.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=300.0)
@@ -252,18 +364,28 @@ def main() -> None:
     for i, point in enumerate(studies()[args.study]):
         started = time.monotonic()
         measured = measure(point, out_dir / f"point{i}", slo, args.vllm_python)
-        after = {1: calibrate(out_dir / f"profile-after{i}.json", args.busy_neighbours)} if args.calibrate else {}
+        after = (
+            {1: calibrate(out_dir / f"profile-after{i}.json", args.busy_neighbours)} if args.calibrate else {}
+        )
         predictions = {"predicted": predicted(point, profiles, slo)}
         if after:
-            predictions = {"predicted, profile before": predictions["predicted"],
-                           "predicted, profile after": predicted(point, after, slo)}
+            predictions = {
+                "predicted, profile before": predictions["predicted"],
+                "predicted, profile after": predicted(point, after, slo),
+            }
         for k, (rate, m) in enumerate(zip(point.rates, measured, strict=True)):
             lines.append(row(point.label, rate, m))
             for name, preds in predictions.items():
                 if preds[k] is not None:
                     lines.append(row(f"{point.label} ({name})", rate, preds[k]))
-            results.append({"point": point.label, "rate": rate, "measured": m,
-                            **{name: preds[k] for name, preds in predictions.items()}})
+            results.append(
+                {
+                    "point": point.label,
+                    "rate": rate,
+                    "measured": m,
+                    **{name: preds[k] for name, preds in predictions.items()},
+                }
+            )
         print(f"{point.label}: {time.monotonic() - started:.0f} s", flush=True)
     table = "\n".join(lines)
     print(table)

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from bench.offline_throughput import tiny_bench_model, workload  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
-VLLM_WORKER = r'''
+VLLM_WORKER = r"""
 import json, sys, time
 def main():
     spec = json.load(open(sys.argv[1]))
@@ -43,24 +43,34 @@ def main():
     print("RESULT " + json.dumps({"seconds": elapsed, "tokens": tokens}), flush=True)
 if __name__ == "__main__":
     main()
-'''
+"""
 
 
 def run_vllm(python: str, model: pathlib.Path, reqs, max_num_seqs: int, threads: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         spec = pathlib.Path(tmp, "spec.json")
-        spec.write_text(json.dumps({"model": str(model), "reqs": reqs, "max_num_seqs": max_num_seqs,
-                                    "max_model_len": 1024}))
+        spec.write_text(
+            json.dumps(
+                {"model": str(model), "reqs": reqs, "max_num_seqs": max_num_seqs, "max_model_len": 1024}
+            )
+        )
         worker = pathlib.Path(tmp, "worker.py")
         worker.write_text(VLLM_WORKER)
-        env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-               "OMP_NUM_THREADS": str(threads), "PATH": "/usr/bin:/bin",
-               "HOME": str(pathlib.Path.home()), "HF_HUB_OFFLINE": "1"}
-        out = subprocess.run([python, str(worker), str(spec)], capture_output=True, text=True, env=env, timeout=1800)
+        env = {
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "OMP_NUM_THREADS": str(threads),
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(pathlib.Path.home()),
+            "HF_HUB_OFFLINE": "1",
+        }
+        out = subprocess.run(
+            [python, str(worker), str(spec)], capture_output=True, text=True, env=env, timeout=1800
+        )
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         raise RuntimeError(f"vLLM run failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    result = json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT ") :])
     assert result["tokens"] == sum(o for _, o in reqs)
     return result["tokens"] / result["seconds"]
 
@@ -90,8 +100,16 @@ def main() -> None:
     print(f"[{args.workload}] pdserve: {ours:.1f} tok/s", flush=True)
     theirs = run_vllm(args.vllm_python, model, reqs, args.max_num_seqs, args.threads)
     print(f"[{args.workload}] vLLM CPU: {theirs:.1f} tok/s; ratio {ours / theirs:.2f}x", flush=True)
-    print(json.dumps({"workload": args.workload, "pdserve_tok_s": round(ours, 1), "vllm_tok_s": round(theirs, 1),
-                      "ratio": round(ours / theirs, 2)}))
+    print(
+        json.dumps(
+            {
+                "workload": args.workload,
+                "pdserve_tok_s": round(ours, 1),
+                "vllm_tok_s": round(theirs, 1),
+                "ratio": round(ours / theirs, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -46,9 +46,14 @@ class Endpoint:
         return self.base_url.rstrip("/") + path
 
     def body(self, item: WorkItem) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": item.output_len, "temperature": 0.0,
-                                "stream": True, "stream_options": {"include_usage": True},
-                                "ignore_eos": self.ignore_eos}
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": item.output_len,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": self.ignore_eos,
+        }
         if self.api is Api.CHAT:
             body["messages"] = _messages(item)
             if self.count_with_logprobs:
@@ -134,20 +139,36 @@ def _choice_tokens(choice: dict[str, Any], chat: bool) -> tuple[int, bool]:
     return len(entries or ()), bool(text)
 
 
-def _record(tally: _Tally, item: WorkItem, index: int, sent_s: float, error_kind: str | None = None,
-            error: str | None = None) -> RequestRecord:
+def _record(
+    tally: _Tally,
+    item: WorkItem,
+    index: int,
+    sent_s: float,
+    error_kind: str | None = None,
+    error: str | None = None,
+) -> RequestRecord:
     if error_kind is None and not (tally.done and tally.finish_reason):
-        error_kind, error = "incomplete", f"stream ended (done={tally.done}, finish_reason={tally.finish_reason})"
+        error_kind, error = (
+            "incomplete",
+            f"stream ended (done={tally.done}, finish_reason={tally.finish_reason})",
+        )
     usage = tally.usage or {}
     exact = prompt_len(item.prompt)
     ok = error_kind is None
     return RequestRecord(
-        index=index, conversation=item.conversation, turn=item.turn, ok=ok, error_kind=error_kind,
-        error=error[:500] if error else None, sent_s=sent_s,
+        index=index,
+        conversation=item.conversation,
+        turn=item.turn,
+        ok=ok,
+        error_kind=error_kind,
+        error=error[:500] if error else None,
+        sent_s=sent_s,
         ttft_s=tally.token_times[0] if tally.token_times else None,
         e2e_s=tally.ended - tally.sent if ok and tally.ended is not None else None,
-        token_times_s=tuple(tally.token_times), event_tokens=tuple(tally.event_tokens),
-        requested_tokens=item.output_len, prompt_tokens=exact if exact is not None else usage.get("prompt_tokens"),
+        token_times_s=tuple(tally.token_times),
+        event_tokens=tuple(tally.event_tokens),
+        requested_tokens=item.output_len,
+        prompt_tokens=exact if exact is not None else usage.get("prompt_tokens"),
         usage_completion_tokens=usage.get("completion_tokens"),
         usage_cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
         finish_reason=tally.finish_reason,
@@ -155,8 +176,14 @@ def _record(tally: _Tally, item: WorkItem, index: int, sent_s: float, error_kind
     )
 
 
-async def send(http: httpx.AsyncClient, endpoint: Endpoint, item: WorkItem, index: int, run_start: float,
-               deadline: float | None = None) -> RequestRecord:
+async def send(
+    http: httpx.AsyncClient,
+    endpoint: Endpoint,
+    item: WorkItem,
+    index: int,
+    run_start: float,
+    deadline: float | None = None,
+) -> RequestRecord:
     """Send ``item``, read its stream to the end; never raises for a failed request.
 
     ``deadline`` (a ``time.perf_counter()`` value) cuts the request off as ``cut_off``.
@@ -192,10 +219,13 @@ class _HttpStatus(Exception):
         self.status, self.text = status, text
 
 
-async def _stream(http: httpx.AsyncClient, endpoint: Endpoint, body: dict[str, Any], headers: dict[str, str],
-                  tally: _Tally) -> None:
+async def _stream(
+    http: httpx.AsyncClient, endpoint: Endpoint, body: dict[str, Any], headers: dict[str, str], tally: _Tally
+) -> None:
     chat = endpoint.api is Api.CHAT
-    async with http.stream("POST", endpoint.url, json=body, headers=headers, timeout=endpoint.timeout_s) as response:
+    async with http.stream(
+        "POST", endpoint.url, json=body, headers=headers, timeout=endpoint.timeout_s
+    ) as response:
         if response.status_code != 200:
             raise _HttpStatus(response.status_code, (await response.aread()).decode(errors="replace"))
         async for line in response.aiter_lines():

@@ -45,8 +45,13 @@ class Stats:
     def of(cls, values: Sequence[float]) -> Stats | None:
         if not values:
             return None
-        return cls(len(values), sum(values) / len(values), percentile(values, 50), percentile(values, 90),
-                   percentile(values, 99))
+        return cls(
+            len(values),
+            sum(values) / len(values),
+            percentile(values, 50),
+            percentile(values, 90),
+            percentile(values, 99),
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,15 +95,20 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: Slo) -> 
     per_second = 1.0 / duration_s if duration_s > 0 else 0.0
     total_output = sum(r.num_output_tokens for r in ok)
     return Summary(
-        num_sent=len(records), num_ok=len(ok), duration_s=duration_s,
-        request_throughput=len(ok) * per_second, output_throughput=total_output * per_second,
-        total_output_tokens=total_output, total_prompt_tokens=sum(r.prompt_tokens or 0 for r in ok),
+        num_sent=len(records),
+        num_ok=len(ok),
+        duration_s=duration_s,
+        request_throughput=len(ok) * per_second,
+        output_throughput=total_output * per_second,
+        total_output_tokens=total_output,
+        total_prompt_tokens=sum(r.prompt_tokens or 0 for r in ok),
         total_cached_tokens=sum(r.usage_cached_tokens or 0 for r in ok),
         ttft=Stats.of([r.ttft_s for r in ok if r.ttft_s is not None]),
         tpot=Stats.of([r.tpot_s for r in ok if r.tpot_s is not None]),
         itl=Stats.of([gap for r in ok for gap in r.itl_s]),
         e2e=Stats.of([r.e2e_s for r in ok if r.e2e_s is not None]),
-        goodput=sum(slo.met_by(r) for r in ok) * per_second, slo=slo,
+        goodput=sum(slo.met_by(r) for r in ok) * per_second,
+        slo=slo,
         errors=dict(sorted(collections.Counter(r.error_kind for r in records if not r.ok).items())),
         num_usage_mismatch=sum(r.usage_mismatch for r in ok),
         num_usage_missing=sum(r.usage_completion_tokens is None for r in ok),

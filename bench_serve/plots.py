@@ -64,7 +64,9 @@ def _latency_cdfs(path: pathlib.Path, runs: Sequence[RunReport]) -> pathlib.Path
 
 def _throughput_vs_rate(path: pathlib.Path, runs: Sequence[RunReport]) -> pathlib.Path:
     plt = _pyplot()
-    finite = sorted((run for run in runs if not math.isinf(run.request_rate)), key=lambda run: run.request_rate)
+    finite = sorted(
+        (run for run in runs if not math.isinf(run.request_rate)), key=lambda run: run.request_rate
+    )
     rates = [run.request_rate for run in finite]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.plot(rates, [run.summary.request_throughput for run in finite], "o-", label="completed")

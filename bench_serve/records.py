@@ -58,12 +58,18 @@ class RequestRecord:
     @property
     def usage_mismatch(self) -> bool:
         """The server's usage disagrees with the tokens counted in the stream."""
-        return self.usage_completion_tokens is not None and self.usage_completion_tokens != self.num_output_tokens
+        return (
+            self.usage_completion_tokens is not None
+            and self.usage_completion_tokens != self.num_output_tokens
+        )
 
     def to_json(self) -> dict[str, Any]:
         body = dataclasses.asdict(self)
-        body |= {"num_output_tokens": self.num_output_tokens, "tpot_s": self.tpot_s,
-                 "usage_mismatch": self.usage_mismatch}
+        body |= {
+            "num_output_tokens": self.num_output_tokens,
+            "tpot_s": self.tpot_s,
+            "usage_mismatch": self.usage_mismatch,
+        }
         return body
 
     @classmethod

@@ -36,8 +36,10 @@ def to_json(config: dict[str, Any], runs: Sequence[RunReport]) -> dict[str, Any]
 def _run_json(run: RunReport) -> dict[str, Any]:
     return {
         "request_rate": None if math.isinf(run.request_rate) else run.request_rate,
-        "max_concurrency": run.max_concurrency, "summary": dataclasses.asdict(run.summary),
-        "num_unsent": run.result.num_unsent, "records": [r.to_json() for r in run.result.records],
+        "max_concurrency": run.max_concurrency,
+        "summary": dataclasses.asdict(run.summary),
+        "num_unsent": run.result.num_unsent,
+        "records": [r.to_json() for r in run.result.records],
     }
 
 
@@ -58,11 +60,17 @@ def table(run: RunReport) -> str:
         f"({s.total_output_tokens} output, {s.total_prompt_tokens} prompt tokens, {s.total_cached_tokens} of them cached)",
         f"goodput       {s.goodput:.3f} req/s (TTFT <= {s.slo.ttft_s * 1e3:g} ms and TPOT <= {s.slo.tpot_s * 1e3:g} ms)",
         f"{'':14}{'mean':>9}{'p50':>9}{'p90':>9}{'p99':>9}   ms",
-        *(_stats_line(name, stats) for name, stats in
-          (("TTFT", s.ttft), ("TPOT", s.tpot), ("ITL", s.itl), ("E2E", s.e2e))),
+        *(
+            _stats_line(name, stats)
+            for name, stats in (("TTFT", s.ttft), ("TPOT", s.tpot), ("ITL", s.itl), ("E2E", s.e2e))
+        ),
         f"tokens        counted in the stream; usage disagrees on {s.num_usage_mismatch}, missing on "
         f"{s.num_usage_missing}; {s.num_off_length} not of the requested length"
-        + (f"; {s.num_logprobs_missing} streamed text without the logprobs asked for" if s.num_logprobs_missing else ""),
+        + (
+            f"; {s.num_logprobs_missing} streamed text without the logprobs asked for"
+            if s.num_logprobs_missing
+            else ""
+        ),
     ]
     return "\n".join(lines)
 

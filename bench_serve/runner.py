@@ -1,9 +1,9 @@
 """One run: send a workload's requests at their times, under the run's bounds, and collect records.
 
-    t=0 ─ send_times[i] ─► (turn - 1 of its conversation done) ─► (a concurrency slot) ─► send
-                                                                   │
-    max_s: nothing is sent after it ────────────────────────────────┘
-    max_s + drain_s: whatever still streams is cut off (error kind cut_off)
+t=0 ─ send_times[i] ─► (turn - 1 of its conversation done) ─► (a concurrency slot) ─► send
+                                                               │
+max_s: nothing is sent after it ────────────────────────────────┘
+max_s + drain_s: whatever still streams is cut off (error kind cut_off)
 """
 
 from __future__ import annotations
@@ -42,8 +42,13 @@ class RunResult:
     num_unsent: int  # requests of the workload not sent before max_s
 
 
-def run(items: Sequence[WorkItem], send_times: Sequence[float], endpoint: Endpoint, limits: Limits,
-        progress: bool = True) -> RunResult:
+def run(
+    items: Sequence[WorkItem],
+    send_times: Sequence[float],
+    endpoint: Endpoint,
+    limits: Limits,
+    progress: bool = True,
+) -> RunResult:
     """Runs ``items[:len(send_times)]``, item i at ``send_times[i]`` seconds."""
     return asyncio.run(_run(items[: len(send_times)], send_times, endpoint, limits, progress))
 
@@ -58,7 +63,9 @@ class _Run:
         self.deadline = None if math.isinf(limits.max_s) else self.stop_sending + limits.drain_s
         self.slots = asyncio.Semaphore(limits.max_concurrency or len(items) or 1)
         # (conversation, turn) -> set once that turn finished, ok or not
-        self.turn_done = {(i.conversation, i.turn): asyncio.Event() for i in items if i.conversation is not None}
+        self.turn_done = {
+            (i.conversation, i.turn): asyncio.Event() for i in items if i.conversation is not None
+        }
         self.last_end = self.start
 
     async def one(self, http: httpx.AsyncClient, index: int, send_at: float) -> RequestRecord | None:
@@ -80,8 +87,9 @@ class _Run:
             self.bar.update(1)
 
 
-async def _run(items: Sequence[WorkItem], send_times: Sequence[float], endpoint: Endpoint, limits: Limits,
-               progress: bool) -> RunResult:
+async def _run(
+    items: Sequence[WorkItem], send_times: Sequence[float], endpoint: Endpoint, limits: Limits, progress: bool
+) -> RunResult:
     connections = httpx.Limits(max_connections=limits.max_concurrency, max_keepalive_connections=None)
     with tqdm(total=len(items), disable=not progress, unit="req", desc="requests", leave=False) as bar:
         state = _Run(items, endpoint, limits, bar)

@@ -43,8 +43,18 @@ class WorkloadSpec:
     def __post_init__(self) -> None:
         if self.num_requests < 1:
             raise ValueError(f"--num-requests must be >= 1, got {self.num_requests}")
-        if min(self.input_len, self.output_len, self.num_groups, self.questions_per_group, self.prefix_len,
-               self.num_conversations, self.num_turns) < 1:
+        if (
+            min(
+                self.input_len,
+                self.output_len,
+                self.num_groups,
+                self.questions_per_group,
+                self.prefix_len,
+                self.num_conversations,
+                self.num_turns,
+            )
+            < 1
+        ):
             raise ValueError("lengths and counts of a workload must be >= 1")
         if (self.kind is WorkloadKind.FILE) != (self.path is not None):
             raise ValueError("--workload file goes with --workload-file PATH, and only it")
@@ -69,11 +79,20 @@ class WorkloadSpec:
         if k is WorkloadKind.MIX:
             return workload.mix(n, self.input_mix(), self.output_mix(), style, seed, ids)
         if k is WorkloadKind.SHARED_PREFIX:
-            return workload.shared_prefix(self.num_groups, self.questions_per_group, self.prefix_len,
-                                          self.input_len, self.output_len, style, seed, ids)
+            return workload.shared_prefix(
+                self.num_groups,
+                self.questions_per_group,
+                self.prefix_len,
+                self.input_len,
+                self.output_len,
+                style,
+                seed,
+                ids,
+            )
         if k is WorkloadKind.MULTI_TURN:
-            return workload.multi_turn(self.num_conversations, self.num_turns, self.input_len, self.output_len,
-                                       style, seed, ids)
+            return workload.multi_turn(
+                self.num_conversations, self.num_turns, self.input_len, self.output_len, style, seed, ids
+            )
         assert self.path is not None
         return trace.read(self.path)
 
@@ -87,7 +106,9 @@ def style_for(api: Api, text: bool) -> PromptStyle:
 
 def parse_rates(text: str) -> tuple[float, ...]:
     """``"0.5,1,2"`` -> (0.5, 1.0, 2.0); ``inf`` sends everything at once."""
-    rates = tuple(math.inf if part.strip() == "inf" else float(part) for part in text.split(",") if part.strip())
+    rates = tuple(
+        math.inf if part.strip() == "inf" else float(part) for part in text.split(",") if part.strip()
+    )
     if not rates or any(not r > 0 for r in rates):
         raise ValueError(f"request rates must be positive numbers or inf, got {text!r}")
     return rates

@@ -26,12 +26,19 @@ class SweepSpec:
 def send_times(items: list[WorkItem], rate: float, burstiness: float, seed: int, max_s: float) -> list[float]:
     """A replayed trace keeps its own arrival times; anything else gets the arrival process's."""
     if items and all(item.arrival_s is not None for item in items):
-        return replayed_times([item.arrival_s for item in items if item.arrival_s is not None], len(items), max_s)
+        return replayed_times(
+            [item.arrival_s for item in items if item.arrival_s is not None], len(items), max_s
+        )
     return Arrivals(rate, burstiness, seed).send_times(len(items), max_s)
 
 
-def sweep(workload: WorkloadSpec, spec: SweepSpec, endpoint: Endpoint, progress: bool = True,
-          say: Callable[[str], None] = print) -> list[RunReport]:
+def sweep(
+    workload: WorkloadSpec,
+    spec: SweepSpec,
+    endpoint: Endpoint,
+    progress: bool = True,
+    say: Callable[[str], None] = print,
+) -> list[RunReport]:
     """Each run draws fresh prompts (seed + k) so that no run hits prefixes an earlier run cached."""
     reports = []
     for k, rate in enumerate(spec.rates):
@@ -40,9 +47,9 @@ def sweep(workload: WorkloadSpec, spec: SweepSpec, endpoint: Endpoint, progress:
             endpoint.body(item)  # a prompt the endpoint cannot take fails here, before anything is sent
         times = send_times(items, rate, spec.burstiness, spec.seed + k, spec.limits.max_s)
         result = runner.run(items, times, endpoint, spec.limits, progress)
-        report = RunReport(rate, spec.limits.max_concurrency, summarize(result.records, result.duration_s, spec.slo),
-                           result)
+        report = RunReport(
+            rate, spec.limits.max_concurrency, summarize(result.records, result.duration_s, spec.slo), result
+        )
         say(table(report))
         reports.append(report)
     return reports
-

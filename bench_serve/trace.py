@@ -40,8 +40,13 @@ def item_from_json(record: dict[str, Any], where: str = "item") -> WorkItem:
     arrival = record.get("arrival_s")
     if arrival is not None and (not isinstance(arrival, int | float) or arrival < 0):
         raise ValueError(f"{where}: arrival_s must be a number >= 0, got {arrival!r}")
-    return WorkItem(_prompt_from_json(record["prompt"], where), output_len,
-                    None if arrival is None else float(arrival), record.get("conversation"), record.get("turn", 0))
+    return WorkItem(
+        _prompt_from_json(record["prompt"], where),
+        output_len,
+        None if arrival is None else float(arrival),
+        record.get("conversation"),
+        record.get("turn", 0),
+    )
 
 
 def _prompt_to_json(prompt: Prompt) -> str | list:
@@ -55,7 +60,11 @@ def _prompt_from_json(raw: Any, where: str) -> Prompt:
         return raw
     if isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
         return tuple(raw)
-    if isinstance(raw, list) and raw and all(isinstance(m, dict) and set(m) == {"role", "content"} for m in raw):
+    if (
+        isinstance(raw, list)
+        and raw
+        and all(isinstance(m, dict) and set(m) == {"role", "content"} for m in raw)
+    ):
         return tuple(ChatMessage(str(m["role"]), str(m["content"])) for m in raw)
     raise ValueError(f"{where}: prompt must be non-empty text, token ids, or messages with role and content")
 

@@ -69,7 +69,9 @@ class TokenSpace:
 
 
 # Common English words, each a single token (with its leading space) in BPE vocabularies.
-WORDS = tuple(dict.fromkeys("""
+WORDS = tuple(
+    dict.fromkeys(
+        """
 the of and to in is was for on that with as by at from his her this are be or an it not
 which have one had all their were can has more who been two new first also after time other
 its but some only into over most may these many such years when than them out all there she
@@ -77,7 +79,9 @@ he about made would world part city year used known three under state during sch
 war way between work people early called being where life both since name number later high
 each then small well long well use family music south north east west water later area power
 game house book line form river began best series end light land music great like found show
-""".split()))
+""".split()
+    )
+)
 
 
 def render(segments: Sequence[Segment], style: PromptStyle) -> Prompt:
@@ -92,11 +96,14 @@ def _words(token_ids: Sequence[int]) -> str:
     return " ".join(WORDS[t % len(WORDS)] for t in token_ids)
 
 
-def fixed(num: int, input_len: int, output_len: int, style: PromptStyle, seed: int,
-          space: TokenSpace = TokenSpace()) -> list[WorkItem]:
+def fixed(
+    num: int, input_len: int, output_len: int, style: PromptStyle, seed: int, space: TokenSpace = TokenSpace()
+) -> list[WorkItem]:
     """``num`` prompts of ``input_len`` tokens, each asking for ``output_len``."""
     rng = random.Random(seed)
-    return [WorkItem(render([Segment("user", space.draw(rng, input_len))], style), output_len) for _ in range(num)]
+    return [
+        WorkItem(render([Segment("user", space.draw(rng, input_len))], style), output_len) for _ in range(num)
+    ]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -116,8 +123,14 @@ class LengthMix:
         return min(self.high, max(self.low, round(rng.lognormvariate(math.log(self.median), self.sigma))))
 
 
-def mix(num: int, inputs: LengthMix, outputs: LengthMix, style: PromptStyle, seed: int,
-        space: TokenSpace = TokenSpace()) -> list[WorkItem]:
+def mix(
+    num: int,
+    inputs: LengthMix,
+    outputs: LengthMix,
+    style: PromptStyle,
+    seed: int,
+    space: TokenSpace = TokenSpace(),
+) -> list[WorkItem]:
     """Chat-like traffic: most prompts and replies short, a long tail of long ones."""
     rng = random.Random(seed)
     items = []
@@ -127,19 +140,37 @@ def mix(num: int, inputs: LengthMix, outputs: LengthMix, style: PromptStyle, see
     return items
 
 
-def shared_prefix(num_groups: int, questions_per_group: int, prefix_len: int, question_len: int,
-                  output_len: int, style: PromptStyle, seed: int, space: TokenSpace = TokenSpace()) -> list[WorkItem]:
+def shared_prefix(
+    num_groups: int,
+    questions_per_group: int,
+    prefix_len: int,
+    question_len: int,
+    output_len: int,
+    style: PromptStyle,
+    seed: int,
+    space: TokenSpace = TokenSpace(),
+) -> list[WorkItem]:
     """``num_groups`` system prompts with ``questions_per_group`` questions each, in shuffled order."""
     rng = random.Random(seed)
     prefixes = [Segment("system", space.draw(rng, prefix_len)) for _ in range(num_groups)]
-    items = [WorkItem(render([prefix, Segment("user", space.draw(rng, question_len))], style), output_len)
-             for prefix in prefixes for _ in range(questions_per_group)]
+    items = [
+        WorkItem(render([prefix, Segment("user", space.draw(rng, question_len))], style), output_len)
+        for prefix in prefixes
+        for _ in range(questions_per_group)
+    ]
     rng.shuffle(items)
     return items
 
 
-def multi_turn(num_conversations: int, num_turns: int, turn_len: int, output_len: int, style: PromptStyle,
-               seed: int, space: TokenSpace = TokenSpace()) -> list[WorkItem]:
+def multi_turn(
+    num_conversations: int,
+    num_turns: int,
+    turn_len: int,
+    output_len: int,
+    style: PromptStyle,
+    seed: int,
+    space: TokenSpace = TokenSpace(),
+) -> list[WorkItem]:
     """Conversations whose every turn resends the whole history, ordered turn by turn.
 
     The history holds the planned replies (``output_len`` drawn tokens), not the served ones, so

@@ -64,16 +64,27 @@ class DecodeNode:
         self.fingerprint = KVFingerprint.from_spec(opts.model_id, self.engine.kv_spec, KV_LAYOUT_NAME)
         self.runtime = NodeRuntime(opts, self.log)
         caches = self.engine.runner.kv_caches
-        self.receiver = KVReceiver(f"tcp://{opts.host}:{opts.kv_port}", self.fingerprint,
-                                   EngineReservations(self.engine), [k for k, _ in caches], [v for _, v in caches])
+        self.receiver = KVReceiver(
+            f"tcp://{opts.host}:{opts.kv_port}",
+            self.fingerprint,
+            EngineReservations(self.engine),
+            [k for k, _ in caches],
+            [v for _, v in caches],
+        )
         self.kv_addr = f"tcp://{opts.advertise_host}:{self.receiver.address.rsplit(':', 1)[1]}"
         self.streams: dict[str, Stream] = {}
         self.aborted: dict[str, float] = {}  # request id -> forget after (aborts that beat their KV)
 
     def status(self):
-        return node_status(self.opts, self.engine, self.runtime.control_addr, self.kv_addr,
-                           dataclasses.asdict(self.fingerprint), self.runtime.draining.is_set(),
-                           self.receiver.num_incoming + self.receiver.num_queued)
+        return node_status(
+            self.opts,
+            self.engine,
+            self.runtime.control_addr,
+            self.kv_addr,
+            dataclasses.asdict(self.fingerprint),
+            self.runtime.draining.is_set(),
+            self.receiver.num_incoming + self.receiver.num_queued,
+        )
 
     def serve(self, ready_file: str | None = None) -> int:
         self.runtime.start(self.status(), ready_file)
@@ -105,7 +116,9 @@ class DecodeNode:
             self.log("kv_failed", failure.request_id, error=repr(failure.error))
             reply_addr = (failure.request_meta or {}).get("reply_addr")
             if reply_addr and failure.request_id not in self.aborted:
-                self.runtime.reply_failed(reply_addr, failure.request_id, "kv_transfer", str(failure.error), retryable=False)
+                self.runtime.reply_failed(
+                    reply_addr, failure.request_id, "kv_transfer", str(failure.error), retryable=False
+                )
         if self.engine.has_work():
             for out in self.engine.step():
                 self._emit(out)
@@ -137,9 +150,14 @@ class DecodeNode:
             self.log("kv_dropped", rid, reason="aborted" if rid in self.aborted else "no reply address")
             return
         num_prompt_tokens = len(self.engine.requests[rid].prompt_token_ids)
-        stream = Stream(rid, meta["reply_addr"], num_prompt_tokens,
-                        local_deadline(float(meta.get("deadline", math.inf)), self.opts.request_ttl_s),
-                        num_sent=1, num_cached_tokens=received.prefill_cached_tokens)
+        stream = Stream(
+            rid,
+            meta["reply_addr"],
+            num_prompt_tokens,
+            local_deadline(float(meta.get("deadline", math.inf)), self.opts.request_ttl_s),
+            num_sent=1,
+            num_cached_tokens=received.prefill_cached_tokens,
+        )
         stream.timings = dict(meta.get("timings") or {})
         if "shipped_at" in meta:  # wall clocks of one host (or NTP-close hosts)
             stream.timings["transfer"] = round(max(0.0, time.time() - float(meta["shipped_at"])), 6)
@@ -175,9 +193,14 @@ class DecodeNode:
             self.runtime.reply(stream.reply_addr, chunk)
         if out.finished:
             del self.streams[out.request_id]
-            self.log("request_finished", out.request_id, finish_reason=out.outputs[0].finish_reason,
-                     output_tokens=len(out.outputs[0].token_ids), local_prefill=stream.adopted_at is None,
-                     cached_tokens=stream.num_cached_tokens)
+            self.log(
+                "request_finished",
+                out.request_id,
+                finish_reason=out.outputs[0].finish_reason,
+                output_tokens=len(out.outputs[0].token_ids),
+                local_prefill=stream.adopted_at is None,
+                cached_tokens=stream.num_cached_tokens,
+            )
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -192,4 +215,3 @@ class DecodeNode:
         self.engine.abort_request(request_id)
         if stream is not None:
             self.runtime.reply_failed(stream.reply_addr, request_id, code, message, retryable=False)
-

@@ -23,6 +23,7 @@ from typing import Protocol
 class Tokenizer(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
+
 _CONTEXT_TOKENS = 5  # prompt tokens decoded as left context of the first output token
 _REPLACEMENT = "\ufffd"
 
@@ -47,13 +48,13 @@ class IncrementalDetokenizer:
 
     def _delta(self, final: bool) -> str:
         decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset])
-        new_text = decode(self._ids[self._prefix_offset:])
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = decode(self._ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or (new_text.endswith(_REPLACEMENT) and not final):
             return ""
-        delta = new_text[len(prefix_text):]
+        delta = new_text[len(prefix_text) :]
         # Keep only the window the next step needs: the ids in it decode to prefix_text.
-        del self._ids[:self._read_offset]
+        del self._ids[: self._read_offset]
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         return delta
@@ -84,6 +85,6 @@ class StopStringMatcher:
     def take(self, final: bool) -> str:
         """Text not sent yet that no stop string can still claim (all of it when final or stopped)."""
         end = len(self.text) if final or self.stopped else max(self._num_sent, len(self.text) - self._hold)
-        out = self.text[self._num_sent:end]
+        out = self.text[self._num_sent : end]
         self._num_sent = end
         return out

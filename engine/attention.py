@@ -30,21 +30,52 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor  # [num_prefills] int32, new tokens included
 
 
-def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                    value_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    sliding_window: int | None, softcap: float | None = None) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     # query: [T, H, D]; key, value: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D]
     kernels.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
     num_decodes = meta.num_decode_tokens
     if num_decodes == query.shape[0]:
-        return kernels.paged_decode_attention(query, key_cache, value_cache, meta.decode_block_tables,
-                                              meta.decode_context_lens, scale, sliding_window, softcap)
+        return kernels.paged_decode_attention(
+            query,
+            key_cache,
+            value_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
+            sliding_window,
+            softcap,
+        )
     prefill_out = kernels.paged_prefill_attention(
-        query[num_decodes:], key_cache, value_cache, meta.prefill_block_tables,
-        meta.prefill_query_start_loc, meta.prefill_context_lens, scale, sliding_window, softcap)
+        query[num_decodes:],
+        key_cache,
+        value_cache,
+        meta.prefill_block_tables,
+        meta.prefill_query_start_loc,
+        meta.prefill_context_lens,
+        scale,
+        sliding_window,
+        softcap,
+    )
     if num_decodes == 0:
         return prefill_out
-    decode_out = kernels.paged_decode_attention(query[:num_decodes], key_cache, value_cache,
-                                                meta.decode_block_tables, meta.decode_context_lens, scale,
-                                                sliding_window, softcap)
+    decode_out = kernels.paged_decode_attention(
+        query[:num_decodes],
+        key_cache,
+        value_cache,
+        meta.decode_block_tables,
+        meta.decode_context_lens,
+        scale,
+        sliding_window,
+        softcap,
+    )
     return torch.cat([decode_out, prefill_out])

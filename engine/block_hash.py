@@ -24,11 +24,12 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return xxhash.xxh3_64_intdigest(parent + struct.pack(f"<{len(token_ids)}I", *token_ids))
 
 
-def hash_full_blocks(token_ids: Sequence[int], block_size: int, start: int = 0,
-                     parent_hash: int | None = None) -> list[int]:
+def hash_full_blocks(
+    token_ids: Sequence[int], block_size: int, start: int = 0, parent_hash: int | None = None
+) -> list[int]:
     """Hashes of the full blocks of ``token_ids`` from block index ``start`` on."""
     hashes = []
     for begin in range(start * block_size, len(token_ids) - block_size + 1, block_size):
-        parent_hash = hash_block(parent_hash, token_ids[begin:begin + block_size])
+        parent_hash = hash_block(parent_hash, token_ids[begin : begin + block_size])
         hashes.append(parent_hash)
     return hashes

@@ -69,7 +69,9 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ----------------------------------------------------------------- prefix cache
-    def match_prefix(self, token_ids: list[int], max_blocks: int | None = None) -> tuple[list[int], list[int]]:
+    def match_prefix(
+        self, token_ids: list[int], max_blocks: int | None = None
+    ) -> tuple[list[int], list[int]]:
         """Leading full blocks of ``token_ids`` already cached: (block ids, their hashes).
 
         Read-only: take the blocks with ``take_prefix``. Stops at the first miss or at a hit
@@ -82,7 +84,7 @@ class BlockManager:
         hashes: list[int] = []
         parent: int | None = None
         for i in range(limit):
-            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
             parent = hash_block(parent, tokens)
             block_id = self.hash_to_block_id.get(parent)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
@@ -129,8 +131,12 @@ class BlockManager:
     def _needs_copy_on_write(self, seq: Sequence, num_new_tokens: int) -> bool:
         # Only a partly filled last block is ever written again; full blocks are immutable.
         partial = seq.num_computed_tokens % self.block_size != 0
-        return (num_new_tokens > 0 and partial and bool(seq.block_table)
-                and self.blocks[seq.block_table[-1]].ref_count > 1)
+        return (
+            num_new_tokens > 0
+            and partial
+            and bool(seq.block_table)
+            and self.blocks[seq.block_table[-1]].ref_count > 1
+        )
 
     def commit_computed(self, seq: Sequence) -> None:
         """Register the blocks that became full and computed as prefix-cache entries."""
@@ -138,7 +144,7 @@ class BlockManager:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         for i in range(len(seq.block_hashes), num_full):
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             parent = seq.block_hashes[i - 1] if i > 0 else None
             block_hash = hash_block(parent, tokens)
             seq.block_hashes.append(block_hash)

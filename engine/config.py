@@ -44,19 +44,27 @@ class ModelConfig:
         try:
             hf = transformers.AutoConfig.for_model(**cfg)
         except (ValueError, KeyError) as e:
-            raise ValueError(f"model: config.json in {path} has model_type {cfg['model_type']!r}, which "
-                             f"transformers {transformers.__version__} does not know ({e})") from None
+            raise ValueError(
+                f"model: config.json in {path} has model_type {cfg['model_type']!r}, which "
+                f"transformers {transformers.__version__} does not know ({e})"
+            ) from None
         num_heads = hf.num_attention_heads
         eos = hf.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
-            path=path, architecture=arch, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
-            num_layers=hf.num_hidden_layers, num_heads=num_heads,
+            path=path,
+            architecture=arch,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            eos_token_ids=eos_ids, bos_token_id=hf.bos_token_id, hf=hf,
+            eos_token_ids=eos_ids,
+            bos_token_id=hf.bos_token_id,
+            hf=hf,
         )
 
     @classmethod
@@ -102,13 +110,22 @@ class EngineConfig:
         check_device_name(self.device)
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
-        for name in ("block_size", "kv_cache_memory_mb", "max_num_batched_tokens", "max_num_seqs", "max_waiting"):
+        for name in (
+            "block_size",
+            "kv_cache_memory_mb",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "max_waiting",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if not self.enable_chunked_prefill and self.max_model_len is not None \
-                and self.max_model_len > self.max_num_batched_tokens:
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len is not None
+            and self.max_model_len > self.max_num_batched_tokens
+        ):
             raise ValueError("max_num_batched_tokens must cover max_model_len without chunked prefill")

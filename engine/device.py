@@ -32,7 +32,9 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cpu")
     if name == "auto":
         if torch.cuda.is_available():
-            log.warning("a CUDA device is present, but the engine's CUDA path is not built yet: running on CPU")
+            log.warning(
+                "a CUDA device is present, but the engine's CUDA path is not built yet: running on CPU"
+            )
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError(f"device {name}: torch sees no CUDA device (torch.cuda.is_available() is false)")

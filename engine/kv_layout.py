@@ -62,8 +62,9 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.bytes_per_block_per_layer
 
     @staticmethod
-    def num_blocks_for_budget(budget_bytes: int, num_layers: int, block_size: int, num_kv_heads: int,
-                              head_dim: int, dtype: str) -> int:
+    def num_blocks_for_budget(
+        budget_bytes: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str
+    ) -> int:
         """How many blocks fit in a memory budget (at least one)."""
         probe = KVCacheSpec(num_layers, 1, block_size, num_kv_heads, head_dim, dtype)
         return max(1, budget_bytes // probe.bytes_per_block)

@@ -16,8 +16,10 @@ Prompt = str | list[int]
 
 def load_tokenizer(model_dir: str):
     """The model folder's tokenizer, or None when it ships none (bare test checkpoints)."""
-    if not (pathlib.Path(model_dir) / "tokenizer_config.json").is_file() and \
-            not (pathlib.Path(model_dir) / "tokenizer.json").is_file():
+    if (
+        not (pathlib.Path(model_dir) / "tokenizer_config.json").is_file()
+        and not (pathlib.Path(model_dir) / "tokenizer.json").is_file()
+    ):
         return None
     from transformers import AutoTokenizer
 
@@ -32,13 +34,19 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
             else list(sampling_params)
+        )
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
         token_lists = [self._encode(p) for p in prompts]

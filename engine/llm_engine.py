@@ -53,7 +53,9 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer=None, kv_cache_factory: KVCacheFactory | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, tokenizer=None, kv_cache_factory: KVCacheFactory | None = None
+    ) -> None:
         self.config = config
         self.device = resolve_device(config.device)  # before any allocation: a bad device fails first
         self.model_config = ModelConfig.from_path(config.model)
@@ -62,9 +64,15 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.kv_spec = self._kv_spec()
-        self.block_manager = BlockManager(self.kv_spec.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.enable_chunked_prefill)
+        self.block_manager = BlockManager(
+            self.kv_spec.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            config.enable_chunked_prefill,
+        )
         self.runner = ModelRunner(self.model_config, config, self.kv_spec, kv_cache_factory)
         self.sampler = Sampler()
         self.tokenizer = tokenizer
@@ -73,12 +81,15 @@ class LLMEngine:
         # here, KV intact, until the transfer to a decode node ends and release_held() is called.
         self.prefill_only: set[str] = set()
         self.held: dict[str, Sequence] = {}
-        self._stops: dict[int, _StopState] = {}  # seq_id -> stop-string matching of sequences with stop strings
+        self._stops: dict[
+            int, _StopState
+        ] = {}  # seq_id -> stop-string matching of sequences with stop strings
 
     def _kv_spec(self) -> KVCacheSpec:
         m, c = self.model_config, self.config
         num_blocks = c.num_kv_blocks or KVCacheSpec.num_blocks_for_budget(
-            c.kv_cache_memory_mb << 20, m.num_layers, c.block_size, m.num_kv_heads, m.head_dim, c.dtype)
+            c.kv_cache_memory_mb << 20, m.num_layers, c.block_size, m.num_kv_heads, m.head_dim, c.dtype
+        )
         return KVCacheSpec(m.num_layers, num_blocks, c.block_size, m.num_kv_heads, m.head_dim, c.dtype)
 
     # ------------------------------------------------------------------ requests
@@ -91,23 +102,35 @@ class LLMEngine:
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
         if num_prompt >= self.max_model_len:
-            raise ValueError(f"prompt: {num_prompt} tokens leave no room in the model's context of "
-                             f"{self.max_model_len} tokens")
+            raise ValueError(
+                f"prompt: {num_prompt} tokens leave no room in the model's context of "
+                f"{self.max_model_len} tokens"
+            )
         room = self.max_model_len - num_prompt
         if params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(f"max_tokens: {params.max_tokens} + {num_prompt} prompt tokens exceed the "
-                             f"model's context of {self.max_model_len} tokens")
+            raise ValueError(
+                f"max_tokens: {params.max_tokens} + {num_prompt} prompt tokens exceed the "
+                f"model's context of {self.max_model_len} tokens"
+            )
         max_tokens = params.max_tokens or room
         blocks = self.block_manager.blocks_needed(num_prompt + max_tokens)
         if blocks > self.block_manager.num_blocks:
-            raise ValueError(f"prompt: {num_prompt} tokens + max_tokens {max_tokens} need {blocks} KV blocks, "
-                             f"more than this engine's {self.block_manager.num_blocks}")
+            raise ValueError(
+                f"prompt: {num_prompt} tokens + max_tokens {max_tokens} need {blocks} KV blocks, "
+                f"more than this engine's {self.block_manager.num_blocks}"
+            )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer")
         return max_tokens
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, prefill_only: bool = False) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        prefill_only: bool = False,
+    ) -> None:
         """Queue a request. ``prefill_only``: stop after the first token and hold the KV blocks."""
         if request_id in self.requests or request_id in self.held:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -119,14 +142,20 @@ class LLMEngine:
             self.prefill_only.add(request_id)
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
-        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params,
-                       arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-                       max_tokens=max_tokens)
+        seq = Sequence(
+            request_id,
+            list(prompt_token_ids),
+            len(prompt_token_ids),
+            params,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            max_tokens=max_tokens,
+        )
         self.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [seq])
         self.scheduler.add(seq)
 
-    def reserve_remote(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> RemoteReservation | None:
+    def reserve_remote(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> RemoteReservation | None:
         """Admit a request whose prompt KV another node computes (a decode node's incoming
         transfer): blocks for its prompt, prefix-cache hits included, status WAITING_FOR_KV. None
         while there is no room (the same rules as local admission: ``max_num_seqs``, free blocks
@@ -136,16 +165,23 @@ class LLMEngine:
         if params.n != 1:
             raise ValueError("n: requests prefilled elsewhere take n == 1")
         max_tokens = self.validate(prompt_token_ids, params)
-        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params,
-                       arrival_time=time.monotonic(), max_tokens=max_tokens)
+        seq = Sequence(
+            request_id,
+            list(prompt_token_ids),
+            len(prompt_token_ids),
+            params,
+            arrival_time=time.monotonic(),
+            max_tokens=max_tokens,
+        )
         if not self.scheduler.reserve(seq):
             return None
         self.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [seq])
         num_held = seq.num_computed_tokens // self.block_manager.block_size
         return RemoteReservation(num_held, tuple(seq.block_table[num_held:]))
 
-    def kv_arrived(self, request_id: str, first_token: int,
-                   first_logprob: TokenLogprob | None = None) -> list[RequestOutput]:
+    def kv_arrived(
+        self, request_id: str, first_token: int, first_logprob: TokenLogprob | None = None
+    ) -> list[RequestOutput]:
         """The reserved request's prompt KV landed, with the first token the other node sampled
         (and its logprobs). It decodes from the next step; returns its output at once when that
         first token already ends it."""
@@ -224,8 +260,15 @@ class LLMEngine:
             request = self.requests[seq.request_id]
             if seq.num_output_tokens == 0 and len(request.seqs) < seq.params.n:
                 for index in range(1, seq.params.n):
-                    child = Sequence(seq.request_id, list(seq.token_ids), seq.num_prompt_tokens, seq.params,
-                                     index=index, arrival_time=seq.arrival_time, max_tokens=seq.max_tokens)
+                    child = Sequence(
+                        seq.request_id,
+                        list(seq.token_ids),
+                        seq.num_prompt_tokens,
+                        seq.params,
+                        index=index,
+                        arrival_time=seq.arrival_time,
+                        max_tokens=seq.max_tokens,
+                    )
                     self.block_manager.fork(seq, child)
                     self.scheduler.add_running(child)
                     request.seqs.append(child)
@@ -243,8 +286,11 @@ class LLMEngine:
         params = seq.params
         hit = bool(params.stop) and self._stop_string_hit(seq, token_id)
         if seq.num_output_tokens >= params.min_tokens:
-            if (not params.ignore_eos and token_id in self.model_config.eos_token_ids) \
-                    or token_id in params.stop_token_ids or hit:
+            if (
+                (not params.ignore_eos and token_id in self.model_config.eos_token_ids)
+                or token_id in params.stop_token_ids
+                or hit
+            ):
                 return self._finish(seq, SequenceStatus.FINISHED_STOPPED)
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, SequenceStatus.FINISHED_LENGTH)
@@ -254,9 +300,10 @@ class LLMEngine:
         ``detok``): O(new text) per token. Text made before min_tokens is matched once they are."""
         state = self._stops.get(seq.seq_id)
         if state is None:
-            prompt = seq.token_ids[:seq.num_prompt_tokens]
-            state = self._stops[seq.seq_id] = _StopState(IncrementalDetokenizer(self.tokenizer, prompt),
-                                                         StopStringMatcher(seq.params.stop))
+            prompt = seq.token_ids[: seq.num_prompt_tokens]
+            state = self._stops[seq.seq_id] = _StopState(
+                IncrementalDetokenizer(self.tokenizer, prompt), StopStringMatcher(seq.params.stop)
+            )
         state.pending += state.detokenizer.add(token_id)
         if seq.num_output_tokens < seq.params.min_tokens:
             return False
@@ -281,8 +328,9 @@ class LLMEngine:
         finished = request.finished
         if finished:
             del self.requests[request.request_id]
-        return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished,
-                             request.seqs[0].num_cached_tokens)
+        return RequestOutput(
+            request.request_id, request.prompt_token_ids, outputs, finished, request.seqs[0].num_cached_tokens
+        )
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         text = ""
@@ -295,5 +343,11 @@ class LLMEngine:
         stop_reason = seq.stop_text
         if stop_reason is None and seq.status is SequenceStatus.FINISHED_STOPPED:
             stop_reason = seq.token_ids[-1]
-        return CompletionOutput(seq.index, list(seq.output_token_ids), text, finish,
-                                list(seq.logprobs) if seq.params.logprobs is not None else None, stop_reason)
+        return CompletionOutput(
+            seq.index,
+            list(seq.output_token_ids),
+            text,
+            finish,
+            list(seq.logprobs) if seq.params.logprobs is not None else None,
+            stop_reason,
+        )

@@ -29,8 +29,13 @@ class ModelInput:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, kv_spec: KVCacheSpec,
-                 kv_cache_factory: KVCacheFactory | None = None) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        engine_config: EngineConfig,
+        kv_spec: KVCacheSpec,
+        kv_cache_factory: KVCacheFactory | None = None,
+    ) -> None:
         """kv_cache_factory: allocates the per-layer (K, V) caches for ``kv_spec`` (e.g. in shared
         memory, for the one-copy transfer); plain zeroed tensors by default."""
         self.model_config = model_config
@@ -96,11 +101,18 @@ class ModelRunner:
             prefill_query_start_loc=torch.tensor(q_starts, dtype=torch.int32),
             prefill_context_lens=torch.tensor(prefill_lens, dtype=torch.int32),
         )
-        return ModelInput(torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
-                          meta, torch.tensor(logits_rows, dtype=torch.int64), sampled)
+        return ModelInput(
+            torch.tensor(input_ids, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            meta,
+            torch.tensor(logits_rows, dtype=torch.int64),
+            sampled,
+        )
 
 
 def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
     # -> [num_seqs, max_blocks] int32; padding points at block 0 and is masked by context_lens
     width = max((len(t) for t in tables), default=0)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).reshape(len(tables), width)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).reshape(
+        len(tables), width
+    )

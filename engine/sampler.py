@@ -22,13 +22,16 @@ class Sampler:
     def forget(self, seq: Sequence) -> None:
         """Nothing is kept per sequence: a seeded draw depends only on (seed, sample, position)."""
 
-    def sample(self, logits: torch.Tensor, inputs: list[SamplerInput]) -> list[tuple[int, TokenLogprob | None]]:
+    def sample(
+        self, logits: torch.Tensor, inputs: list[SamplerInput]
+    ) -> list[tuple[int, TokenLogprob | None]]:
         # logits: [S, vocab] float32, one row per input
         assert logits.shape[0] == len(inputs) and logits.dtype == torch.float32
         want_logprobs = any(i.seq.params.logprobs is not None for i in inputs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        if all(i.seq.params.greedy and not i.seq.params.has_penalties and not i.banned_token_ids
-               for i in inputs):
+        if all(
+            i.seq.params.greedy and not i.seq.params.has_penalties and not i.banned_token_ids for i in inputs
+        ):
             token_ids = logits.max(dim=-1).indices.tolist()  # first max, like argmax; ~1.5x faster on CPU
         else:
             token_ids = [self._sample_row(logits[r], inp) for r, inp in enumerate(inputs)]

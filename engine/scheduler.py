@@ -43,8 +43,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 enable_chunked_prefill: bool = True) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -131,11 +136,13 @@ class Scheduler:
     def _check(self, out: SchedulerOutput) -> None:
         """Cheap invariants of every schedule (the engine runs the full pool check in debug mode)."""
         assert out.num_batched_tokens <= self.max_num_batched_tokens, "token budget exceeded"
-        assert all(s.seq.status is SequenceStatus.RUNNING and s.num_new_tokens > 0 for s in out.scheduled), \
+        assert all(s.seq.status is SequenceStatus.RUNNING and s.num_new_tokens > 0 for s in out.scheduled), (
             "scheduled a sequence that is not running"
+        )
         assert len({s.seq.seq_id for s in out.scheduled}) == len(out.scheduled), "a sequence scheduled twice"
-        assert all(s.num_computed_tokens + n.num_new_tokens <= s.num_tokens
-                   for n in out.scheduled for s in (n.seq,)), "more new tokens than the sequence has"
+        assert all(
+            s.num_computed_tokens + n.num_new_tokens <= s.num_tokens for n in out.scheduled for s in (n.seq,)
+        ), "more new tokens than the sequence has"
         assert not any(seq.block_table for seq in self.waiting), "a waiting sequence holds blocks"
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSeq], copies: list[BlockCopy]) -> int:

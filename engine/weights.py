@@ -11,13 +11,20 @@ from safetensors import safe_open
 
 # Hugging Face parameter -> (our fused parameter, shard index within it)
 _FUSED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }
 # '...experts.<e>.<name>.weight' -> (our [num_experts, out, in] parameter, shard index within it)
 _EXPERT_FUSED = {
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
-    "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0),  # Mixtral's names
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+    "w1": ("gate_up_proj", 0),
+    "w3": ("gate_up_proj", 1),
+    "w2": ("down_proj", 0),  # Mixtral's names
 }
 
 
@@ -99,7 +106,8 @@ def _assemble(parts: dict[tuple[int, int], torch.Tensor], over_experts: bool) ->
 
 def _copy(param: torch.nn.Parameter, tensor: torch.Tensor, name: str) -> None:
     if param.shape != tensor.shape:
-        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, model expects "
-                         f"{tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}"
+        )
     with torch.no_grad():
         param.copy_(tensor.to(param.dtype))

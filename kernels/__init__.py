@@ -49,16 +49,38 @@ def paged_prefill_attention(
         from kernels.paged_prefill import paged_prefill_attention_triton
 
         return paged_prefill_attention_triton(
-            query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, sliding_window,
-            softcap
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_start_loc,
+            context_lens,
+            scale,
+            sliding_window,
+            softcap,
         )
     return torch_fast.paged_prefill_attention(
-        query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, sliding_window, softcap
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        scale,
+        sliding_window,
+        softcap,
     )
 
 
 def paged_decode_attention(
-    query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window=None, softcap=None,
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lens,
+    scale,
+    sliding_window=None,
+    softcap=None,
     backend=None,
 ):
     """Attention of one query token per sequence over its paged context.

@@ -23,8 +23,16 @@ import torch
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "paged_decode_cpu.c"
 # Reassociation lets the dot products vectorize. Never -ffast-math / -Ofast: a shared object built
 # with them links crtfastmath, which turns on flush-to-zero for the whole process when loaded.
-CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-          "-fno-trapping-math", "-shared", "-fPIC")
+CFLAGS = (
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-shared",
+    "-fPIC",
+)
 
 
 def _cache_dir() -> pathlib.Path:
@@ -50,7 +58,9 @@ def build():
     """Build (once per source and CPU) and load the kernel; None without a working C compiler."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     # -march=native: the build is only valid for this CPU, so its flags are part of the key.
-    key = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode() + " ".join(CFLAGS).encode()).hexdigest()[
+        :16
+    ]
     lib = _cache_dir() / f"paged_decode_cpu-{key}.so"
     if not lib.exists():
         if compiler is None:
@@ -69,9 +79,16 @@ def build():
     return fn
 
 
-def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           sliding_window: int | None, fn=None) -> torch.Tensor | None:
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    fn=None,
+) -> torch.Tensor | None:
     """Same contract as kernels.torch_fast.paged_decode_attention; None when not applicable.
     ``fn``: a built kernel to use regardless of PDSERVE_NATIVE_CPU (tests)."""
     fn = fn or native_decode()
@@ -86,7 +103,22 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     lens = context_lens.to(torch.int32).contiguous()  # [S]
     out = torch.empty_like(query)
     max_context = int(lens.max()) if num_seqs else 0
-    fn(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-       out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.shape[1], scale,
-       sliding_window or 0, max_context, torch.get_num_threads())
+    fn(
+        query.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        tables.data_ptr(),
+        lens.data_ptr(),
+        out.data_ptr(),
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        tables.shape[1],
+        scale,
+        sliding_window or 0,
+        max_context,
+        torch.get_num_threads(),
+    )
     return out

@@ -32,8 +32,9 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len:
     return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:context_len]
 
 
-def _causal_bias(first_pos: int, q_len: int, context_len: int, sliding_window: int | None,
-                 dtype: torch.dtype) -> torch.Tensor:
+def _causal_bias(
+    first_pos: int, q_len: int, context_len: int, sliding_window: int | None, dtype: torch.dtype
+) -> torch.Tensor:
     # [Q, T] additive mask: query at position p sees keys k with p - window < k <= p
     q_pos = torch.arange(first_pos, first_pos + q_len).unsqueeze(1)
     k_pos = torch.arange(context_len).unsqueeze(0)
@@ -43,8 +44,9 @@ def _causal_bias(first_pos: int, q_len: int, context_len: int, sliding_window: i
     return torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-               softcap: float | None) -> torch.Tensor:
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+) -> torch.Tensor:
     # q: [..., Q, D]; k, v: [..., T, D]; mask: additive, broadcastable to [..., Q, T]
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
@@ -121,8 +123,16 @@ def paged_decode_attention(
     lens = context_lens.tolist()
     for group in _length_buckets(lens):
         idx = torch.tensor(group, dtype=torch.int64)
-        out[idx] = _decode_padded(query[idx], key_cache, value_cache, block_tables[idx], context_lens[idx],
-                                  scale, sliding_window, softcap)
+        out[idx] = _decode_padded(
+            query[idx],
+            key_cache,
+            value_cache,
+            block_tables[idx],
+            context_lens[idx],
+            scale,
+            sliding_window,
+            softcap,
+        )
     return out
 
 
@@ -132,8 +142,10 @@ def _length_buckets(lens: list[int], max_waste: float = 0.25) -> list[list[int]]
     groups: list[list[int]] = []
     total = 0
     for i in order:
-        if groups and len(groups[-1]) and (len(groups[-1]) + 1) * lens[groups[-1][0]] <= (1 + max_waste) * (
-            total + lens[i]
+        if (
+            groups
+            and len(groups[-1])
+            and (len(groups[-1]) + 1) * lens[groups[-1][0]] <= (1 + max_waste) * (total + lens[i])
         ):
             groups[-1].append(i)
             total += lens[i]

@@ -212,5 +212,3 @@ def decode(
 ) -> Message:
     """Parse a header frame and check the data frames that came with it."""
     return codec.decode_with(header, _TAG_TO_TYPE, frames, max_frame_bytes)
-
-

@@ -22,8 +22,9 @@ class BlockReservations(Protocol):
         """Blocks in the engine's pool (a prompt needing more can never be granted)."""
         ...
 
-    def reserve(self, request_id: str, token_ids: Sequence[int],
-                sampling_params: dict[str, Any] | None) -> Reservation | None:
+    def reserve(
+        self, request_id: str, token_ids: Sequence[int], sampling_params: dict[str, Any] | None
+    ) -> Reservation | None:
         """Blocks for the prompt's KV, or None while there is no room (the receiver queues it).
         Raises ValueError when the request can never be admitted."""
         ...

@@ -58,8 +58,11 @@ class StagingRing:
                 self.ref = RingRef(os.getpid(), self._fd, num_bytes)
             except OSError as exc:
                 log.warning("staging ring in private memory, chunks go over the socket: %s", exc)
-        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8) if self._map is not None else (
-            torch.empty(num_bytes, dtype=torch.uint8))  # [num_bytes] uint8
+        self.buffer = (
+            torch.frombuffer(self._map, dtype=torch.uint8)
+            if self._map is not None
+            else (torch.empty(num_bytes, dtype=torch.uint8))
+        )  # [num_bytes] uint8
         self.buffer.fill_(0)  # touch every page now, not on the first transfer
         self._in_flight: deque[_Slot] = deque()
 

@@ -41,9 +41,15 @@ class Child:
         self.name = name
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                     preexec_fn=_dies_with(os.getpid()))
+        self.proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_dies_with(os.getpid()),
+        )
         self.pid = self.proc.pid
 
     def exit_code(self) -> int | None:

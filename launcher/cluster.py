@@ -45,8 +45,11 @@ class LocalCluster:
         self._check_port_free()
         if self.redis_url is None and self.plan.use_redis:
             self._start_registry()
-        for role, count in (("prefill", self.plan.num_prefill), ("decode", self.plan.num_decode),
-                            ("colocated", self.plan.num_colocated)):
+        for role, count in (
+            ("prefill", self.plan.num_prefill),
+            ("decode", self.plan.num_decode),
+            ("colocated", self.plan.num_colocated),
+        ):
             self.nodes += [self._start_node(role, i) for i in range(count)]
         self._wait_nodes_ready()
         self.router = self._spawn("router", self._router_argv(), threads=1)
@@ -55,7 +58,13 @@ class LocalCluster:
     def _env(self, threads: int) -> dict[str, str]:
         path = os.pathsep.join(p for p in (str(SOURCE_ROOT), os.environ.get("PYTHONPATH", "")) if p)
         n = str(threads)
-        return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
+        return {
+            **os.environ,
+            "PYTHONPATH": path,
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": n,
+            "MKL_NUM_THREADS": n,
+        }
 
     def _spawn(self, name: str, argv: list[str], threads: int) -> Child:
         return Child(name, argv, self.plan.log_dir / f"{name}.log", self._env(threads))
@@ -66,8 +75,10 @@ class LocalCluster:
             try:
                 s.bind((self.plan.host, self.plan.port))
             except OSError as exc:
-                raise LaunchError(f"cannot bind the router to {self.plan.host}:{self.plan.port} ({exc.strerror}); "
-                                  "choose another --port") from None
+                raise LaunchError(
+                    f"cannot bind the router to {self.plan.host}:{self.plan.port} ({exc.strerror}); "
+                    "choose another --port"
+                ) from None
 
     def _start_registry(self) -> None:
         binary = find_redis_server()
@@ -75,16 +86,30 @@ class LocalCluster:
             self.say("registry: no redis-server found; nodes are given to the router as static addresses")
             return
         try:
-            self.redis, self.redis_url = start_redis(binary, self.plan.log_dir, self._env(1), self.plan.start_timeout_s)
+            self.redis, self.redis_url = start_redis(
+                binary, self.plan.log_dir, self._env(1), self.plan.start_timeout_s
+            )
         except RuntimeError as exc:
             raise LaunchError(str(exc)) from None
 
     def _start_node(self, role: str, index: int) -> Child:
         name = f"{role}-{index}"
         command = ["decode", "--colocated"] if role == "colocated" else [role]
-        argv = [sys.executable, "-m", "pdserve_cli", *command, "--model", self.plan.model, "--host", "127.0.0.1",
-                "--ready-file", str(self._ready_path(name)), "--threads", str(self.plan.threads_per_node),
-                *self.plan.node_args]
+        argv = [
+            sys.executable,
+            "-m",
+            "pdserve_cli",
+            *command,
+            "--model",
+            self.plan.model,
+            "--host",
+            "127.0.0.1",
+            "--ready-file",
+            str(self._ready_path(name)),
+            "--threads",
+            str(self.plan.threads_per_node),
+            *self.plan.node_args,
+        ]
         if self.redis_url:
             argv += ["--redis", self.redis_url]
         return self._spawn(name, argv, self.plan.threads_per_node)
@@ -93,21 +118,40 @@ class LocalCluster:
         return self.plan.log_dir / f"{name}.ready.json"
 
     def _router_argv(self) -> list[str]:
-        argv = [sys.executable, "-m", "pdserve_cli", "router", "--model", self.plan.model,
-                "--host", self.plan.host, "--port", str(self.plan.port), *self.plan.router_args]
+        argv = [
+            sys.executable,
+            "-m",
+            "pdserve_cli",
+            "router",
+            "--model",
+            self.plan.model,
+            "--host",
+            self.plan.host,
+            "--port",
+            str(self.plan.port),
+            *self.plan.router_args,
+        ]
         if self.redis_url:
             return argv + ["--redis", self.redis_url]
-        addrs = {role: [r["control_addr"] for r in self.ready.values() if r["role"] == role]
-                 for role in ("prefill", "decode", "colocated")}
+        addrs = {
+            role: [r["control_addr"] for r in self.ready.values() if r["role"] == role]
+            for role in ("prefill", "decode", "colocated")
+        }
         addrs["decode"] += addrs["colocated"]  # the router tells them apart by their status
-        return argv + (["--prefill", *addrs["prefill"]] if addrs["prefill"] else []) + ["--decode", *addrs["decode"]]
+        return (
+            argv
+            + (["--prefill", *addrs["prefill"]] if addrs["prefill"] else [])
+            + ["--decode", *addrs["decode"]]
+        )
 
     def _fail_if_exited(self, children: list[Child]) -> None:
         for child in children:
             code = child.exit_code()
             if code is not None:
-                raise LaunchError(f"{child.name} exited with code {code} during start-up; "
-                                  f"the end of {child.log_path}:\n{child.log_tail()}")
+                raise LaunchError(
+                    f"{child.name} exited with code {code} during start-up; "
+                    f"the end of {child.log_path}:\n{child.log_tail()}"
+                )
 
     def _wait_nodes_ready(self) -> None:
         deadline = time.monotonic() + self.plan.start_timeout_s
@@ -119,8 +163,10 @@ class LocalCluster:
                 waiting.remove(child)
             if waiting and time.monotonic() > deadline:
                 names = ", ".join(c.name for c in waiting)
-                raise LaunchError(f"{names} not serving after {self.plan.start_timeout_s:.0f}s; "
-                                  f"the end of {waiting[0].log_path}:\n{waiting[0].log_tail()}")
+                raise LaunchError(
+                    f"{names} not serving after {self.plan.start_timeout_s:.0f}s; "
+                    f"the end of {waiting[0].log_path}:\n{waiting[0].log_tail()}"
+                )
             time.sleep(0.05)
 
     def _wait_healthy(self) -> None:
@@ -128,8 +174,10 @@ class LocalCluster:
         while not self.healthy():
             self._fail_if_exited([self.router, *self.nodes])
             if time.monotonic() > deadline:
-                raise LaunchError(f"router's /health not 200 after {self.plan.start_timeout_s:.0f}s; "
-                                  f"the end of its log:\n{self.router.log_tail()}")
+                raise LaunchError(
+                    f"router's /health not 200 after {self.plan.start_timeout_s:.0f}s; "
+                    f"the end of its log:\n{self.router.log_tail()}"
+                )
             time.sleep(0.1)
 
     def healthy(self) -> bool:

@@ -20,7 +20,9 @@ class ClusterPlan:
     log_dir: pathlib.Path  # one log (and ready file) per child
     node_args: tuple[str, ...] = ()  # extra flags passed to every node (engine sizes etc.)
     num_colocated: int = 0  # node processes that prefill and decode (`pdserve decode --colocated`)
-    router_args: tuple[str, ...] = ()  # extra flags for the router (--disagg-threshold N, --no-prefix-routing)
+    router_args: tuple[
+        str, ...
+    ] = ()  # extra flags for the router (--disagg-threshold N, --no-prefix-routing)
     start_timeout_s: float = 120.0  # longest wait for any one stage of start-up
     stop_timeout_s: float = 20.0  # SIGTERM, then this long, then SIGKILL
 
@@ -29,8 +31,10 @@ class ClusterPlan:
             raise ValueError("node counts must be >= 0")
         # The router is healthy with one prefill and one decode node, or with one colocated node.
         if self.num_colocated == 0 and (self.num_prefill < 1 or self.num_decode < 1):
-            raise ValueError("need at least one prefill and one decode node (--prefill N --decode M), "
-                             "or a colocated one (--colocated N)")
+            raise ValueError(
+                "need at least one prefill and one decode node (--prefill N --decode M), "
+                "or a colocated one (--colocated N)"
+            )
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.threads_per_node < 1:
@@ -44,7 +48,11 @@ class ClusterPlan:
 
     def describe(self) -> str:
         """The node pools in words: "1 prefill + 1 decode", "2 colocated", ..."""
-        counts = (("prefill", self.num_prefill), ("decode", self.num_decode), ("colocated", self.num_colocated))
+        counts = (
+            ("prefill", self.num_prefill),
+            ("decode", self.num_decode),
+            ("colocated", self.num_colocated),
+        )
         return " + ".join(f"{num} {role}" for role, num in counts if num)
 
     @property

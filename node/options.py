@@ -49,16 +49,21 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     parser.add_argument("--port", type=int, default=0, help="control port (0: a free port)")
     parser.add_argument("--kv-port", type=int, default=0, help="decode: KV receiver port (0: a free port)")
-    parser.add_argument("--advertise-host", default=None,
-                        help="address other nodes and the router use (default: --host, or this "
-                             "machine's hostname when binding 0.0.0.0)")
+    parser.add_argument(
+        "--advertise-host",
+        default=None,
+        help="address other nodes and the router use (default: --host, or this "
+        "machine's hostname when binding 0.0.0.0)",
+    )
     parser.add_argument("--redis", default=os.environ.get("PDSERVE_REDIS"), help="Redis URL for the registry")
     parser.add_argument("--heartbeat-interval", type=float, default=0.5)
     parser.add_argument("--heartbeat-ttl", type=float, default=3.0)
     parser.add_argument("--request-ttl", type=float, default=600.0)
     parser.add_argument("--drain-timeout", type=float, default=30.0)
     parser.add_argument("--node-id", default=None)
-    parser.add_argument("--ready-file", default=None, help="write the node's addresses here (JSON) once serving")
+    parser.add_argument(
+        "--ready-file", default=None, help="write the node's addresses here (JSON) once serving"
+    )
     engine = parser.add_argument_group("engine")  # defaults: engine.config.EngineConfig's, the one source
     engine.add_argument("--dtype", default=_ENGINE.dtype, choices=SUPPORTED_DTYPES)
     engine.add_argument("--device", default=_ENGINE.device, help="auto, cpu, cuda or cuda:N (default: auto)")
@@ -70,24 +75,43 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-model-len", type=int, default=_ENGINE.max_model_len)
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--max-waiting", type=int, default=_ENGINE.max_waiting)
-    engine.add_argument("--threads", type=int, default=_ENGINE.num_threads, help="torch threads for this process")
-    engine.add_argument("--debug-checks", action="store_true", help="check the block pool's integrity every step")
+    engine.add_argument(
+        "--threads", type=int, default=_ENGINE.num_threads, help="torch threads for this process"
+    )
+    engine.add_argument(
+        "--debug-checks", action="store_true", help="check the block pool's integrity every step"
+    )
 
 
 def options_from_args(role: str, args: argparse.Namespace) -> tuple[NodeOptions, EngineConfig]:
     advertise = advertised_host(args.host, args.advertise_host)
     node = NodeOptions(
-        role=role, host=args.host, port=args.port, kv_port=args.kv_port, advertise_host=advertise,
-        redis_url=args.redis, heartbeat_interval_s=args.heartbeat_interval, heartbeat_ttl_s=args.heartbeat_ttl,
-        request_ttl_s=args.request_ttl, drain_timeout_s=args.drain_timeout,
+        role=role,
+        host=args.host,
+        port=args.port,
+        kv_port=args.kv_port,
+        advertise_host=advertise,
+        redis_url=args.redis,
+        heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_ttl_s=args.heartbeat_ttl,
+        request_ttl_s=args.request_ttl,
+        drain_timeout_s=args.drain_timeout,
         node_id=args.node_id or f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
         model_id=model_digest(args.model),
     )
     engine = EngineConfig(
-        model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory_mb=args.kv_cache_memory_mb,
-        num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching, max_waiting=args.max_waiting, num_threads=args.threads,
-        device=args.device, debug_checks=args.debug_checks,
+        model=args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        kv_cache_memory_mb=args.kv_cache_memory_mb,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_waiting=args.max_waiting,
+        num_threads=args.threads,
+        device=args.device,
+        debug_checks=args.debug_checks,
     )
     return node, engine

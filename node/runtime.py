@@ -55,18 +55,33 @@ class NodeRuntime:
         if self.opts.redis_url:
             import redis
 
-            self._redis = redis.Redis.from_url(self.opts.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+            self._redis = redis.Redis.from_url(
+                self.opts.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
+            )
             registry.publish(self._redis, status, self.opts.heartbeat_ttl_s)
             self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
             self._heartbeat.start()
         if ready_file:
             tmp = f"{ready_file}.tmp{os.getpid()}"
             with open(tmp, "w") as f:
-                json.dump({"node_id": status.node_id, "role": status.role, "control_addr": status.control_addr,
-                           "kv_addr": status.kv_addr, "pid": os.getpid()}, f)
+                json.dump(
+                    {
+                        "node_id": status.node_id,
+                        "role": status.role,
+                        "control_addr": status.control_addr,
+                        "kv_addr": status.kv_addr,
+                        "pid": os.getpid(),
+                    },
+                    f,
+                )
             os.replace(tmp, ready_file)
-        self.log("node_started", role=status.role, control_addr=status.control_addr, kv_addr=status.kv_addr,
-                 redis=bool(self._redis))
+        self.log(
+            "node_started",
+            role=status.role,
+            control_addr=status.control_addr,
+            kv_addr=status.kv_addr,
+            redis=bool(self._redis),
+        )
 
     def run(self, iterate, in_flight, on_drain) -> None:
         """The node loop: ``iterate()`` until SIGTERM, then until ``in_flight()`` is false or the
@@ -91,7 +106,9 @@ class NodeRuntime:
         self.integrity_error = str(exc) or type(exc).__name__
         self.log("integrity_failed", error=self.integrity_error)
         if self._status is not None:
-            self._status = dataclasses.replace(self._status, draining=True, integrity_error=self.integrity_error)
+            self._status = dataclasses.replace(
+                self._status, draining=True, integrity_error=self.integrity_error
+            )
             if self._redis is not None:
                 try:
                     registry.publish(self._redis, self._status, self.opts.heartbeat_ttl_s)
@@ -172,12 +189,16 @@ class NodeRuntime:
         except Exception as exc:  # a vanished peer must not take the node down
             self.log("control_reply_failed", error=repr(exc))
 
-    def reply_failed(self, reply_addr: str, request_id: str, code: str, message: str, retryable: bool) -> None:
+    def reply_failed(
+        self, reply_addr: str, request_id: str, code: str, message: str, retryable: bool
+    ) -> None:
         """Tell the router a request ended in error here (``retryable``: it may go elsewhere)."""
         self.log("request_failed", request_id, code=code, message=message)
         self.reply(reply_addr, RequestFailed(request_id, self.opts.node_id, code, message, retryable))
 
-    def admit(self, engine: LLMEngine, msg: GenerateRequest, prefill_only: bool = False) -> SamplingParams | None:
+    def admit(
+        self, engine: LLMEngine, msg: GenerateRequest, prefill_only: bool = False
+    ) -> SamplingParams | None:
         """Add a GenerateRequest to ``engine``; its sampling params, or None after telling the router
         why not (draining or overloaded: retryable; bad input: not). Stop strings stay with the router."""
         if self.draining.is_set():

@@ -32,16 +32,27 @@ def local_deadline(deadline: float, cap_s: float) -> float:
     return time.monotonic() + max(0.0, min(deadline - time.time(), cap_s))
 
 
-def next_chunk(stream: Stream, out: CompletionOutput, node_id: str, is_first: bool = False) -> TokenChunk | None:
+def next_chunk(
+    stream: Stream, out: CompletionOutput, node_id: str, is_first: bool = False
+) -> TokenChunk | None:
     """The chunk carrying ``out``'s tokens the router has not seen yet (None when nothing is new)."""
-    new = out.token_ids[stream.num_sent:]
+    new = out.token_ids[stream.num_sent :]
     if not new and out.finish_reason is None:
         return None
-    logprobs = tuple(wire_logprob(lp) for lp in (out.logprobs or [])[stream.num_sent:])
+    logprobs = tuple(wire_logprob(lp) for lp in (out.logprobs or [])[stream.num_sent :])
     stream.num_sent = len(out.token_ids)
     timings = dict(stream.timings) if out.finish_reason is not None else None
-    return TokenChunk(stream.request_id, node_id, tuple(new), logprobs, out.finish_reason,
-                      stream.num_prompt_tokens, stream.num_cached_tokens, is_first, timings)
+    return TokenChunk(
+        stream.request_id,
+        node_id,
+        tuple(new),
+        logprobs,
+        out.finish_reason,
+        stream.num_prompt_tokens,
+        stream.num_cached_tokens,
+        is_first,
+        timings,
+    )
 
 
 def wire_logprob(lp: TokenLogprob) -> TokenLogprobs:
@@ -83,15 +94,32 @@ def num_queued_prefill_tokens(engine: LLMEngine) -> int:
     return queued + sum(s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1)
 
 
-def node_status(opts: NodeOptions, engine: LLMEngine, control_addr: str, kv_addr: str | None,
-                fingerprint: dict, draining: bool, extra_queued: int = 0,
-                prefill_tokens_per_s: float | None = None) -> NodeInfo:
+def node_status(
+    opts: NodeOptions,
+    engine: LLMEngine,
+    control_addr: str,
+    kv_addr: str | None,
+    fingerprint: dict,
+    draining: bool,
+    extra_queued: int = 0,
+    prefill_tokens_per_s: float | None = None,
+) -> NodeInfo:
     bm, sched = engine.block_manager, engine.scheduler
     return NodeInfo(
-        node_id=opts.node_id, role=opts.role, control_addr=control_addr, kv_addr=kv_addr,
-        fingerprint=fingerprint, max_model_len=engine.max_model_len, num_blocks_total=bm.num_blocks,
-        num_blocks_free=bm.num_free_blocks, num_blocks_cached=bm.num_cached_free_blocks,
-        num_running=len(sched.running), num_queued=len(sched.waiting) + extra_queued,
-        num_queued_prefill_tokens=num_queued_prefill_tokens(engine), draining=draining, heartbeat_time=time.time(),
-        prefill_tokens_per_s=prefill_tokens_per_s, device=str(engine.device),
+        node_id=opts.node_id,
+        role=opts.role,
+        control_addr=control_addr,
+        kv_addr=kv_addr,
+        fingerprint=fingerprint,
+        max_model_len=engine.max_model_len,
+        num_blocks_total=bm.num_blocks,
+        num_blocks_free=bm.num_free_blocks,
+        num_blocks_cached=bm.num_cached_free_blocks,
+        num_running=len(sched.running),
+        num_queued=len(sched.waiting) + extra_queued,
+        num_queued_prefill_tokens=num_queued_prefill_tokens(engine),
+        draining=draining,
+        heartbeat_time=time.time(),
+        prefill_tokens_per_s=prefill_tokens_per_s,
+        device=str(engine.device),
     )

@@ -6,16 +6,21 @@ import argparse
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    for role, help_text in (("prefill", "run a prefill node (prompt KV → decode nodes)"),
-                            ("decode", "run a decode node (continuous-batching decode)")):
+    for role, help_text in (
+        ("prefill", "run a prefill node (prompt KV → decode nodes)"),
+        ("decode", "run a decode node (continuous-batching decode)"),
+    ):
         parser = subparsers.add_parser(role, help=help_text, description=help_text)
         from node.options import add_node_args
 
         add_node_args(parser)
         if role == "decode":
-            parser.add_argument("--colocated", action="store_true",
-                                help="prefill every request here too: registers as a colocated node, "
-                                "to which the router never sends KV")
+            parser.add_argument(
+                "--colocated",
+                action="store_true",
+                help="prefill every request here too: registers as a colocated node, "
+                "to which the router never sends KV",
+            )
         parser.set_defaults(run=_runner(role))
 
 

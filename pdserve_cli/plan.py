@@ -13,33 +13,56 @@ from pdserve_cli.bench import add_workload_args, workload_spec
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("plan", help="predict a cluster's latencies from a calibration profile",
-                                   description="Measure the engine offline, then simulate clusters without running them.")
+    parser = subparsers.add_parser(
+        "plan",
+        help="predict a cluster's latencies from a calibration profile",
+        description="Measure the engine offline, then simulate clusters without running them.",
+    )
     commands = parser.add_subparsers(title="steps", metavar="STEP", required=True)
-    cal = commands.add_parser("calibrate", help="measure prefill, decode steps and KV transfer into a profile",
-                              description="Time prefill by prompt length, decode steps by batch and context, "
-                              "and a same-host KV transfer, with the engine in this process (about a minute).")
+    cal = commands.add_parser(
+        "calibrate",
+        help="measure prefill, decode steps and KV transfer into a profile",
+        description="Time prefill by prompt length, decode steps by batch and context, "
+        "and a same-host KV transfer, with the engine in this process (about a minute).",
+    )
     cal.add_argument("--model", default=None, help="Hugging Face model folder (default: the default model)")
     cal.add_argument("--out", type=pathlib.Path, default=pathlib.Path("profile.json"))
-    cal.add_argument("--threads", type=int, default=1, help="torch threads: a node's share of the cores (default: 1)")
+    cal.add_argument(
+        "--threads", type=int, default=1, help="torch threads: a node's share of the cores (default: 1)"
+    )
     cal.add_argument("--prefill-lens", default="16,64,128,256,512", metavar="N,...")
     cal.add_argument("--decode-batches", default="1,4,16", metavar="B,...")
     cal.add_argument("--decode-contexts", default="64,512", metavar="C,...")
     cal.add_argument("--repeats", type=int, default=2, help="prefill timings per length, the best counts")
     cal.add_argument("--max-num-batched-tokens", type=int, default=2048, help="as the nodes' engine flag")
     cal.add_argument("--max-num-seqs", type=int, default=64, help="as the nodes' engine flag")
-    cal.add_argument("--no-transfer", action="store_true", help="skip the transfer probe (a zero-cost transfer)")
-    cal.add_argument("--busy-neighbours", type=int, default=0, metavar="N",
-                     help="keep N other processes busy with matmuls meanwhile, as a cluster's other nodes on "
-                     "the same host would (default: 0, the engine alone)")
+    cal.add_argument(
+        "--no-transfer", action="store_true", help="skip the transfer probe (a zero-cost transfer)"
+    )
+    cal.add_argument(
+        "--busy-neighbours",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep N other processes busy with matmuls meanwhile, as a cluster's other nodes on "
+        "the same host would (default: 0, the engine alone)",
+    )
     cal.set_defaults(run=run_calibrate)
-    for name, help_text in (("simulate", "predict TTFT, TPOT and goodput of one cluster shape"),
-                            ("recommend", "search node counts for the smallest cluster that meets the SLOs")):
-        p = commands.add_parser(name, help=help_text, description=help_text + " (token-id completions workloads, "
-                                "the same flags and seeds as `pdserve bench serve`).")
+    for name, help_text in (
+        ("simulate", "predict TTFT, TPOT and goodput of one cluster shape"),
+        ("recommend", "search node counts for the smallest cluster that meets the SLOs"),
+    ):
+        p = commands.add_parser(
+            name,
+            help=help_text,
+            description=help_text + " (token-id completions workloads, "
+            "the same flags and seeds as `pdserve bench serve`).",
+        )
         p.add_argument("--profile", type=pathlib.Path, required=True)
         add_workload_args(p)
-        p.add_argument("--request-rate", default="1", metavar="R[,R...]", help="mean requests per second (Poisson)")
+        p.add_argument(
+            "--request-rate", default="1", metavar="R[,R...]", help="mean requests per second (Poisson)"
+        )
         p.add_argument("--burstiness", type=float, default=1.0)
         p.add_argument("--ttft-slo-ms", type=float, default=3000.0)
         p.add_argument("--tpot-slo-ms", type=float, default=300.0)
@@ -52,8 +75,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             p.set_defaults(run=run_simulate)
         else:
             p.add_argument("--max-nodes", type=int, default=4)
-            p.add_argument("--min-slo-fraction", type=float, default=0.9,
-                           help="share of requests that must meet both targets (default: %(default)s)")
+            p.add_argument(
+                "--min-slo-fraction",
+                type=float,
+                default=0.9,
+                help="share of requests that must meet both targets (default: %(default)s)",
+            )
             p.add_argument("--no-colocated", action="store_true", help="search P+D splits only")
             p.set_defaults(run=run_recommend)
 
@@ -72,15 +99,22 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from planner.profile import Profile, TransferModel
 
     started = time.monotonic()
-    grid = Grid(_ints(args.prefill_lens), _ints(args.decode_batches), _ints(args.decode_contexts), args.repeats)
+    grid = Grid(
+        _ints(args.prefill_lens), _ints(args.decode_batches), _ints(args.decode_contexts), args.repeats
+    )
     if args.model is None:
         from engine.model_fetch import fetch_default_model
 
         args.model = str(fetch_default_model())
     num_tokens = max(grid.decode_batches) * (max(grid.decode_contexts) + 64) + max(grid.prefill_lens)
-    config = EngineConfig(model=args.model, num_kv_blocks=num_tokens // 16 + 64, enable_prefix_caching=False,
-                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                          num_threads=args.threads)
+    config = EngineConfig(
+        model=args.model,
+        num_kv_blocks=num_tokens // 16 + 64,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        num_threads=args.threads,
+    )
     engine = LLMEngine(config)
     with neighbours(args.busy_neighbours):
         timings = measure_engine(engine, grid)
@@ -93,13 +127,26 @@ def run_calibrate(args: argparse.Namespace) -> int:
         transfer_samples = measure_transfer(spec)
         transfer = TransferModel.through(transfer_samples[0], transfer_samples[-1])
         for num_bytes, seconds in transfer_samples:
-            print(f"transfer {num_bytes / 1e6:7.1f} MB: {seconds * 1e3:8.2f} ms ({num_bytes / seconds / 1e9:.2f} GB/s)")
+            print(
+                f"transfer {num_bytes / 1e6:7.1f} MB: {seconds * 1e3:8.2f} ms ({num_bytes / seconds / 1e9:.2f} GB/s)"
+            )
     profile = Profile(
-        model=pathlib.Path(args.model).name, threads=args.threads, kv_bytes_per_token=kv_bytes_per_token,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        prefill=timings.prefill, decode=timings.decode, transfer=transfer,
-        measured={"busy_neighbours": args.busy_neighbours, "prefill": timings.prefill_samples, "decode": timings.decode_samples, "transfer": transfer_samples,
-                  "seconds": round(time.monotonic() - started, 1)})
+        model=pathlib.Path(args.model).name,
+        threads=args.threads,
+        kv_bytes_per_token=kv_bytes_per_token,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        prefill=timings.prefill,
+        decode=timings.decode,
+        transfer=transfer,
+        measured={
+            "busy_neighbours": args.busy_neighbours,
+            "prefill": timings.prefill_samples,
+            "decode": timings.decode_samples,
+            "transfer": transfer_samples,
+            "seconds": round(time.monotonic() - started, 1),
+        },
+    )
     profile.save(args.out)
     print(f"transfer model: {transfer.base_s * 1e3:.2f} ms + {transfer.per_byte_s * 1e12:.1f} ps/byte")
     print(f"profile: {args.out} ({profile.measured['seconds']} s)")
@@ -114,7 +161,12 @@ def _inputs(args: argparse.Namespace):
 
     profile = Profile.load(args.profile)
     workload = workload_spec(args, PromptStyle.TOKEN_IDS)
-    return profile, workload, parse_rates(args.request_rate), Slo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
+    return (
+        profile,
+        workload,
+        parse_rates(args.request_rate),
+        Slo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3),
+    )
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -129,8 +181,13 @@ def run_simulate(args: argparse.Namespace) -> int:
             requests = sim_requests(workload.build(args.seed + k), rate, args.burstiness, args.seed + k)
             summary = predict(profile, cluster, requests, slo)
             print(table(f"{cluster.label}, {rate:g} req/s (predicted)", summary))
-            results.append({"cluster": cluster.label, "request_rate": None if math.isinf(rate) else rate,
-                            "summary": dataclasses.asdict(summary)})
+            results.append(
+                {
+                    "cluster": cluster.label,
+                    "request_rate": None if math.isinf(rate) else rate,
+                    "summary": dataclasses.asdict(summary),
+                }
+            )
     except ValueError as exc:
         print(f"pdserve plan simulate: {exc}", file=sys.stderr)
         return 1
@@ -147,23 +204,45 @@ def run_recommend(args: argparse.Namespace) -> int:
         if len(rates) != 1:
             raise ValueError("recommend takes one --request-rate")
         requests = sim_requests(workload.build(args.seed), rates[0], args.burstiness, args.seed)
-        ranked = rank(profile, requests, slo, shapes(args.max_nodes, args.disagg_threshold, not args.no_colocated),
-                      args.min_slo_fraction)
+        ranked = rank(
+            profile,
+            requests,
+            slo,
+            shapes(args.max_nodes, args.disagg_threshold, not args.no_colocated),
+            args.min_slo_fraction,
+        )
     except ValueError as exc:
         print(f"pdserve plan recommend: {exc}", file=sys.stderr)
         return 1
-    print(f"{'cluster':14}{'nodes':>6}{'met SLO':>9}{'goodput':>9}{'tok/s':>8}{'TTFT p50':>10}{'TPOT p50':>10}{'TPOT p99':>10}")
+    print(
+        f"{'cluster':14}{'nodes':>6}{'met SLO':>9}{'goodput':>9}{'tok/s':>8}{'TTFT p50':>10}{'TPOT p50':>10}{'TPOT p99':>10}"
+    )
     for c in ranked:
         s = c.summary
-        print(f"{c.cluster.label:14}{c.cluster.num_nodes:>6}{100 * c.slo_fraction:>8.0f}%{s.goodput:>9.3f}"
-              f"{s.output_throughput:>8.1f}{s.ttft.p50 * 1e3:>9.0f}ms{s.tpot.p50 * 1e3:>8.0f}ms{s.tpot.p99 * 1e3:>8.0f}ms")
+        print(
+            f"{c.cluster.label:14}{c.cluster.num_nodes:>6}{100 * c.slo_fraction:>8.0f}%{s.goodput:>9.3f}"
+            f"{s.output_throughput:>8.1f}{s.ttft.p50 * 1e3:>9.0f}ms{s.tpot.p50 * 1e3:>8.0f}ms{s.tpot.p99 * 1e3:>8.0f}ms"
+        )
     best = ranked[0]
     if best.meets(args.min_slo_fraction):
-        print(f"recommended: {best.cluster.label} ({best.cluster.num_nodes} node(s) of {profile.threads} thread(s) each)")
+        print(
+            f"recommended: {best.cluster.label} ({best.cluster.num_nodes} node(s) of {profile.threads} thread(s) each)"
+        )
     else:
-        print(f"no shape of at most {args.max_nodes} nodes meets the SLOs for {args.min_slo_fraction:.0%} of requests")
-    _write(args.json, [{"cluster": c.cluster.label, "slo_fraction": c.slo_fraction,
-                        "summary": dataclasses.asdict(c.summary)} for c in ranked])
+        print(
+            f"no shape of at most {args.max_nodes} nodes meets the SLOs for {args.min_slo_fraction:.0%} of requests"
+        )
+    _write(
+        args.json,
+        [
+            {
+                "cluster": c.cluster.label,
+                "slo_fraction": c.slo_fraction,
+                "summary": dataclasses.asdict(c.summary),
+            }
+            for c in ranked
+        ],
+    )
     return 0
 
 

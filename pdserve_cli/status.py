@@ -14,12 +14,17 @@ COLUMNS = ("NODE", "ADDRESS", "KV FREE/TOTAL", "CACHED", "QUEUED", "RUNNING", "H
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "status", help="show the prefill and decode pools registered in Redis",
+        "status",
+        help="show the prefill and decode pools registered in Redis",
         description="List the nodes registered in Redis by role: free and total KV blocks, queued and "
         "running requests, heartbeat age, and whether each is draining.",
     )
-    parser.add_argument("--redis", default=os.environ.get("PDSERVE_REDIS", DEFAULT_REDIS), metavar="URL",
-                        help=f"the registry (default: $PDSERVE_REDIS, else {DEFAULT_REDIS})")
+    parser.add_argument(
+        "--redis",
+        default=os.environ.get("PDSERVE_REDIS", DEFAULT_REDIS),
+        metavar="URL",
+        help=f"the registry (default: $PDSERVE_REDIS, else {DEFAULT_REDIS})",
+    )
     parser.set_defaults(run=run_status)
 
 
@@ -46,7 +51,11 @@ def render(nodes: Sequence, now: float) -> str:
     if not nodes:
         return "no nodes registered"
     sections = []
-    roles = ("prefill", "decode", "colocated") if any(n.role == "colocated" for n in nodes) else ("prefill", "decode")
+    roles = (
+        ("prefill", "decode", "colocated")
+        if any(n.role == "colocated" for n in nodes)
+        else ("prefill", "decode")
+    )
     for role in roles:
         pool = [n for n in nodes if n.role == role]
         serving = sum(not n.draining for n in pool)
@@ -59,9 +68,16 @@ def render(nodes: Sequence, now: float) -> str:
 
 
 def _row(node, now: float) -> tuple[str, ...]:
-    return (node.node_id, node.control_addr, f"{node.num_blocks_free}/{node.num_blocks_total}",
-            str(node.num_blocks_cached), str(node.num_queued), str(node.num_running),
-            f"{max(0.0, now - node.heartbeat_time):.1f}s ago", _state(node))
+    return (
+        node.node_id,
+        node.control_addr,
+        f"{node.num_blocks_free}/{node.num_blocks_total}",
+        str(node.num_blocks_cached),
+        str(node.num_queued),
+        str(node.num_running),
+        f"{max(0.0, now - node.heartbeat_time):.1f}s ago",
+        _state(node),
+    )
 
 
 def _state(node) -> str:
@@ -72,5 +88,7 @@ def _state(node) -> str:
 
 def _table(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(r[i]) for r in (COLUMNS, *rows)) for i in range(len(COLUMNS))]
-    return "\n".join("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-                     for row in (COLUMNS, *rows))
+    return "\n".join(
+        "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in (COLUMNS, *rows)
+    )

@@ -18,32 +18,70 @@ import tempfile
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "up", help="start a local cluster: router + prefill and decode nodes",
+        "up",
+        help="start a local cluster: router + prefill and decode nodes",
         description="Start a router and N prefill + M decode node processes on this machine, with a "
         "private redis-server as their registry when one is installed (else static addresses). "
         "Ctrl-C stops everything.",
     )
-    parser.add_argument("--model", default=None, help="Hugging Face model folder (default: fetch the default model)")
-    parser.add_argument("--prefill", type=int, default=None, metavar="N",
-                        help="prefill node processes (default: 1, or 0 with --colocated)")
-    parser.add_argument("--decode", type=int, default=None, metavar="M",
-                        help="decode node processes (default: 1, or 0 with --colocated)")
-    parser.add_argument("--colocated", type=int, default=0, metavar="C",
-                        help="node processes that prefill and decode themselves, no KV transfer (default: 0)")
+    parser.add_argument(
+        "--model", default=None, help="Hugging Face model folder (default: fetch the default model)"
+    )
+    parser.add_argument(
+        "--prefill",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prefill node processes (default: 1, or 0 with --colocated)",
+    )
+    parser.add_argument(
+        "--decode",
+        type=int,
+        default=None,
+        metavar="M",
+        help="decode node processes (default: 1, or 0 with --colocated)",
+    )
+    parser.add_argument(
+        "--colocated",
+        type=int,
+        default=0,
+        metavar="C",
+        help="node processes that prefill and decode themselves, no KV transfer (default: 0)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="router's HTTP bind address (default: loopback)")
     parser.add_argument("--port", type=int, default=8000, help="router's HTTP port (default: 8000)")
     registry = parser.add_mutually_exclusive_group()
-    registry.add_argument("--redis", default=os.environ.get("PDSERVE_REDIS"), metavar="URL",
-                          help="use this Redis as the registry instead of a private redis-server")
+    registry.add_argument(
+        "--redis",
+        default=os.environ.get("PDSERVE_REDIS"),
+        metavar="URL",
+        help="use this Redis as the registry instead of a private redis-server",
+    )
     registry.add_argument("--no-redis", action="store_true", help="static node addresses, no registry")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads per node (default: this machine's cores / number of nodes)")
-    parser.add_argument("--node-args", default="", metavar="FLAGS",
-                        help="extra flags for every node, e.g. \"--dtype bfloat16 --kv-cache-memory-mb 2048\"")
-    parser.add_argument("--router-args", default="", metavar="FLAGS",
-                        help="extra flags for the router, e.g. \"--disagg-threshold 128 --no-prefix-routing\"")
-    parser.add_argument("--log-dir", default=None, help="children's logs and ready files (default: a temp dir)")
-    parser.add_argument("--start-timeout", type=float, default=120.0, help="seconds each start-up stage may take")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per node (default: this machine's cores / number of nodes)",
+    )
+    parser.add_argument(
+        "--node-args",
+        default="",
+        metavar="FLAGS",
+        help='extra flags for every node, e.g. "--dtype bfloat16 --kv-cache-memory-mb 2048"',
+    )
+    parser.add_argument(
+        "--router-args",
+        default="",
+        metavar="FLAGS",
+        help='extra flags for the router, e.g. "--disagg-threshold 128 --no-prefix-routing"',
+    )
+    parser.add_argument(
+        "--log-dir", default=None, help="children's logs and ready files (default: a temp dir)"
+    )
+    parser.add_argument(
+        "--start-timeout", type=float, default=120.0, help="seconds each start-up stage may take"
+    )
     parser.add_argument("--stop-timeout", type=float, default=20.0, help="seconds to drain before SIGKILL")
     parser.set_defaults(run=run_up)
 
@@ -102,11 +140,22 @@ def _plan(args: argparse.Namespace):
     _say(f"threads: {threads} torch thread(s) per node ({how})")
     log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    return ClusterPlan(model=str(model), num_prefill=num_prefill, num_decode=num_decode, host=args.host,
-                       port=args.port, redis_url=args.redis, use_redis=not args.no_redis,
-                       threads_per_node=threads, log_dir=log_dir, node_args=tuple(shlex.split(args.node_args)),
-                       start_timeout_s=args.start_timeout, stop_timeout_s=args.stop_timeout,
-                       num_colocated=args.colocated, router_args=tuple(shlex.split(args.router_args)))
+    return ClusterPlan(
+        model=str(model),
+        num_prefill=num_prefill,
+        num_decode=num_decode,
+        host=args.host,
+        port=args.port,
+        redis_url=args.redis,
+        use_redis=not args.no_redis,
+        threads_per_node=threads,
+        log_dir=log_dir,
+        node_args=tuple(shlex.split(args.node_args)),
+        start_timeout_s=args.start_timeout,
+        stop_timeout_s=args.stop_timeout,
+        num_colocated=args.colocated,
+        router_args=tuple(shlex.split(args.router_args)),
+    )
 
 
 def _fetch_default_model() -> str:
@@ -118,16 +167,28 @@ def _fetch_default_model() -> str:
 
 def _banner(cluster) -> None:
     plan = cluster.plan
-    registry = (f"{cluster.redis_url}   (pdserve status --redis {cluster.redis_url})" if cluster.redis_url
-                else "none: static node addresses")
-    body = json.dumps({"model": pathlib.Path(plan.model).name, "max_tokens": 32,
-                       "messages": [{"role": "user", "content": "What is the capital of France?"}]})
-    _say("\n".join([
-        f"pdserve is up: {plan.describe()} node(s), model {plan.model}",
-        f"  router:   {plan.url}   (OpenAI API under {plan.url}/v1)",
-        f"  registry: {registry}",
-        f"  logs:     {plan.log_dir}",
-        "Try it:",
-        f"  curl -s {plan.url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
-        "Ctrl-C stops the cluster.",
-    ]))
+    registry = (
+        f"{cluster.redis_url}   (pdserve status --redis {cluster.redis_url})"
+        if cluster.redis_url
+        else "none: static node addresses"
+    )
+    body = json.dumps(
+        {
+            "model": pathlib.Path(plan.model).name,
+            "max_tokens": 32,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        }
+    )
+    _say(
+        "\n".join(
+            [
+                f"pdserve is up: {plan.describe()} node(s), model {plan.model}",
+                f"  router:   {plan.url}   (OpenAI API under {plan.url}/v1)",
+                f"  registry: {registry}",
+                f"  logs:     {plan.log_dir}",
+                "Try it:",
+                f"  curl -s {plan.url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+                "Ctrl-C stops the cluster.",
+            ]
+        )
+    )

@@ -31,7 +31,11 @@ class Grid:
     repeats: int = 2  # prefill timings per length (the best counts)
 
     def __post_init__(self) -> None:
-        if len(self.prefill_lens) < 2 or min(self.prefill_lens) < 1 or len(set(self.prefill_lens)) != len(self.prefill_lens):
+        if (
+            len(self.prefill_lens) < 2
+            or min(self.prefill_lens) < 1
+            or len(set(self.prefill_lens)) != len(self.prefill_lens)
+        ):
             raise ValueError("need >= 2 distinct positive prefill lengths")
         for axis in (self.decode_batches, self.decode_contexts):
             if len(set(axis)) != len(axis) or len(axis) < 2 or min(axis) < 1:
@@ -69,8 +73,12 @@ def measure_engine(engine, grid: Grid, say: Callable[[str], None] = print) -> En
         rows.append(tuple(seconds for _, _, seconds in points[::-1]))  # ascending batch
     xs, ys = zip(*prefill_samples, strict=True)
     decode = DecodeStepGrid(tuple(float(b) for b in batches), tuple(float(c) for c in contexts), tuple(rows))
-    return EngineTimings(PiecewiseLinear(tuple(float(x) for x in xs), tuple(ys)), decode,
-                         tuple(prefill_samples), tuple(decode_samples))
+    return EngineTimings(
+        PiecewiseLinear(tuple(float(x) for x in xs), tuple(ys)),
+        decode,
+        tuple(prefill_samples),
+        tuple(decode_samples),
+    )
 
 
 def _params(max_tokens: int):
@@ -91,13 +99,17 @@ def _prefill_once(engine, prompt: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def _decode_points(engine, prompts: Sequence[list[int]], batches: Sequence[int]) -> list[tuple[int, int, float]]:
+def _decode_points(
+    engine, prompts: Sequence[list[int]], batches: Sequence[int]
+) -> list[tuple[int, int, float]]:
     """(batch, context tokens in all, best step seconds) for each batch size, largest first."""
     request_ids = [f"cal-{next(_ids)}" for _ in prompts]
     num_steps = (len(batches) + 1) * (NUM_DECODE_STEPS + 1) + 8
     for rid, prompt in zip(request_ids, prompts, strict=True):
         engine.add_request(rid, prompt, _params(num_steps))
-    while any(len(engine.requests[r].seqs[0].token_ids) == len(p) for r, p in zip(request_ids, prompts, strict=True)):
+    while any(
+        len(engine.requests[r].seqs[0].token_ids) == len(p) for r, p in zip(request_ids, prompts, strict=True)
+    ):
         engine.step()  # until every prompt is prefilled (its first token sampled)
     points = []
     for batch in batches:

@@ -17,15 +17,21 @@ from planner.profile import Profile
 from planner.simulate import Cluster, SimOutcome, SimRequest, simulate
 
 
-def sim_requests(items: Sequence[WorkItem], rate: float, burstiness: float = 1.0, seed: int = 0) -> list[SimRequest]:
+def sim_requests(
+    items: Sequence[WorkItem], rate: float, burstiness: float = 1.0, seed: int = 0
+) -> list[SimRequest]:
     """The requests ``pdserve bench serve`` would send for these items at this rate and seed."""
     times = Arrivals(rate, burstiness, seed).send_times(len(items))
     requests = []
     for item, arrival in zip(items, times, strict=True):
         num = prompt_len(item.prompt)
         if num is None:
-            raise ValueError("the simulator needs token-id prompts (exact lengths): completions without --text-prompts")
-        requests.append(SimRequest(item.arrival_s if item.arrival_s is not None else arrival, num, item.output_len))
+            raise ValueError(
+                "the simulator needs token-id prompts (exact lengths): completions without --text-prompts"
+            )
+        requests.append(
+            SimRequest(item.arrival_s if item.arrival_s is not None else arrival, num, item.output_len)
+        )
     return requests
 
 
@@ -33,10 +39,22 @@ def to_record(index: int, outcome: SimOutcome) -> RequestRecord:
     req = outcome.request
     times = tuple(t - req.arrival_s for t in outcome.token_times_s)
     return RequestRecord(
-        index=index, conversation=None, turn=0, ok=True, error_kind=None, error=None, sent_s=req.arrival_s,
-        ttft_s=times[0], e2e_s=times[-1], token_times_s=times, event_tokens=(1,) * len(times),
-        requested_tokens=req.output_len, prompt_tokens=req.prompt_len, usage_completion_tokens=len(times),
-        usage_cached_tokens=0, finish_reason="length",
+        index=index,
+        conversation=None,
+        turn=0,
+        ok=True,
+        error_kind=None,
+        error=None,
+        sent_s=req.arrival_s,
+        ttft_s=times[0],
+        e2e_s=times[-1],
+        token_times_s=times,
+        event_tokens=(1,) * len(times),
+        requested_tokens=req.output_len,
+        prompt_tokens=req.prompt_len,
+        usage_completion_tokens=len(times),
+        usage_cached_tokens=0,
+        finish_reason="length",
     )
 
 
@@ -64,6 +82,10 @@ def table(label: str, summary: Summary) -> str:
         f"{'':14}{'mean':>9}{'p50':>9}{'p90':>9}{'p99':>9}   ms",
     ]
     for name, stats in (("TTFT", s.ttft), ("TPOT", s.tpot), ("E2E", s.e2e)):
-        cells = "".join(f"{v * 1e3:9.1f}" for v in (stats.mean, stats.p50, stats.p90, stats.p99)) if stats else "-"
+        cells = (
+            "".join(f"{v * 1e3:9.1f}" for v in (stats.mean, stats.p50, stats.p90, stats.p99))
+            if stats
+            else "-"
+        )
         lines.append(f"{name:14}{cells}")
     return "\n".join(lines)

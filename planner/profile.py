@@ -46,7 +46,9 @@ class DecodeStepGrid:
     seconds: tuple[tuple[float, ...], ...]  # [context index][batch index]
 
     def __post_init__(self) -> None:
-        if len(self.seconds) != len(self.contexts) or any(len(row) != len(self.batches) for row in self.seconds):
+        if len(self.seconds) != len(self.contexts) or any(
+            len(row) != len(self.batches) for row in self.seconds
+        ):
             raise ValueError("the decode grid needs one row per context and one column per batch size")
         PiecewiseLinear(self.batches, self.seconds[0])  # checks the axes
         PiecewiseLinear(self.contexts, tuple(row[0] for row in self.seconds))
@@ -105,11 +107,18 @@ class Profile:
         if body.get("version") != VERSION:
             raise ValueError(f"profile version {body.get('version')!r}, this pdserve reads {VERSION}")
         return cls(
-            model=body["model"], threads=body["threads"], kv_bytes_per_token=body["kv_bytes_per_token"],
-            max_num_batched_tokens=body["max_num_batched_tokens"], max_num_seqs=body["max_num_seqs"],
+            model=body["model"],
+            threads=body["threads"],
+            kv_bytes_per_token=body["kv_bytes_per_token"],
+            max_num_batched_tokens=body["max_num_batched_tokens"],
+            max_num_seqs=body["max_num_seqs"],
             prefill=PiecewiseLinear(tuple(body["prefill"]["xs"]), tuple(body["prefill"]["ys"])),
-            decode=DecodeStepGrid(tuple(body["decode"]["batches"]), tuple(body["decode"]["contexts"]),
-                                  tuple(tuple(row) for row in body["decode"]["seconds"])), transfer=TransferModel(**body["transfer"]),
+            decode=DecodeStepGrid(
+                tuple(body["decode"]["batches"]),
+                tuple(body["decode"]["contexts"]),
+                tuple(tuple(row) for row in body["decode"]["seconds"]),
+            ),
+            transfer=TransferModel(**body["transfer"]),
             measured=body.get("measured", {}),
         )
 
@@ -120,4 +129,3 @@ class Profile:
     @classmethod
     def load(cls, path: pathlib.Path) -> Profile:
         return cls.from_json(json.loads(path.read_text()))
-

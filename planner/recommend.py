@@ -23,15 +23,24 @@ class Candidate:
 
 def shapes(max_nodes: int, disagg_threshold: int = 64, colocated: bool = True) -> list[Cluster]:
     """Every P+D split with one or more of each, and (optionally) every colocated count, up to max_nodes."""
-    found = [Cluster(p, d, 0, disagg_threshold) for total in range(2, max_nodes + 1) for p in range(1, total)
-             for d in (total - p,)]
+    found = [
+        Cluster(p, d, 0, disagg_threshold)
+        for total in range(2, max_nodes + 1)
+        for p in range(1, total)
+        for d in (total - p,)
+    ]
     if colocated:
         found += [Cluster(0, 0, c, disagg_threshold) for c in range(1, max_nodes + 1)]
     return found
 
 
-def rank(profile: Profile, requests: Sequence[SimRequest], slo: Slo, clusters: Sequence[Cluster],
-         min_fraction: float) -> list[Candidate]:
+def rank(
+    profile: Profile,
+    requests: Sequence[SimRequest],
+    slo: Slo,
+    clusters: Sequence[Cluster],
+    min_fraction: float,
+) -> list[Candidate]:
     """All candidates, best first: those meeting the SLOs (fewest nodes, then highest share),
     then the others (highest share first)."""
     candidates = []

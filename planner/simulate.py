@@ -121,7 +121,9 @@ class _Clock:
 
 
 class _PrefillNode:
-    def __init__(self, name: str, profile: Profile, clock: _Clock, on_first_token: Callable[[_Live], None]) -> None:
+    def __init__(
+        self, name: str, profile: Profile, clock: _Clock, on_first_token: Callable[[_Live], None]
+    ) -> None:
         self.name, self.profile, self.clock, self.on_first_token = name, profile, clock, on_first_token
         self.queue: collections.deque[_Live] = collections.deque()
         self.num_queued_tokens = 0  # prompt tokens queued or being computed (the router's key)
@@ -138,7 +140,10 @@ class _PrefillNode:
             return
         batch = [self.queue.popleft()]
         num_tokens = batch[0].request.prompt_len
-        while self.queue and num_tokens + self.queue[0].request.prompt_len <= self.profile.max_num_batched_tokens:
+        while (
+            self.queue
+            and num_tokens + self.queue[0].request.prompt_len <= self.profile.max_num_batched_tokens
+        ):
             batch.append(self.queue.popleft())
             num_tokens += batch[-1].request.prompt_len
         self.busy = True
@@ -154,9 +159,21 @@ class _PrefillNode:
 
 
 class _DecodeNode:
-    def __init__(self, name: str, colocated: bool, profile: Profile, clock: _Clock,
-                 on_finished: Callable[[_Live], None]) -> None:
-        self.name, self.colocated, self.profile, self.clock, self.on_finished = name, colocated, profile, clock, on_finished
+    def __init__(
+        self,
+        name: str,
+        colocated: bool,
+        profile: Profile,
+        clock: _Clock,
+        on_finished: Callable[[_Live], None],
+    ) -> None:
+        self.name, self.colocated, self.profile, self.clock, self.on_finished = (
+            name,
+            colocated,
+            profile,
+            clock,
+            on_finished,
+        )
         self.waiting: collections.deque[_Live] = collections.deque()  # KV arrived, or to prefill here
         self.running: list[_Live] = []
         self.num_outstanding_blocks = 0  # blocks of requests routed here and not finished (the router's key)
@@ -175,8 +192,9 @@ class _DecodeNode:
         if not self.running and not prefills:
             return
         num_prefill_tokens = sum(live.request.prompt_len for live in prefills)
-        step_s = (self.profile.decode(len(self.running), sum(live.num_context for live in self.running))
-                  + self.profile.prefill_s(num_prefill_tokens))
+        step_s = self.profile.decode(
+            len(self.running), sum(live.num_context for live in self.running)
+        ) + self.profile.prefill_s(num_prefill_tokens)
         decoding = list(self.running)
         self.busy = True
         self.clock.at(self.clock.now + step_s, lambda: self._done(decoding, prefills))
@@ -227,8 +245,12 @@ def simulate(profile: Profile, cluster: Cluster, requests: Sequence[SimRequest])
     def on_finished(live: _Live) -> None:
         finished[live.index] = live
 
-    decoders = [_DecodeNode(f"decode-{i}", False, profile, clock, on_finished) for i in range(cluster.num_decode)]
-    decoders += [_DecodeNode(f"colocated-{i}", True, profile, clock, on_finished) for i in range(cluster.num_colocated)]
+    decoders = [
+        _DecodeNode(f"decode-{i}", False, profile, clock, on_finished) for i in range(cluster.num_decode)
+    ]
+    decoders += [
+        _DecodeNode(f"colocated-{i}", True, profile, clock, on_finished) for i in range(cluster.num_colocated)
+    ]
     by_name = {node.name: node for node in decoders}
 
     def on_first_token(live: _Live) -> None:  # from a prefill node
@@ -238,7 +260,9 @@ def simulate(profile: Profile, cluster: Cluster, requests: Sequence[SimRequest])
         else:
             clock.at(clock.now + profile.transfer_s(live.request.prompt_len), lambda: node.submit(live))
 
-    prefills = [_PrefillNode(f"prefill-{i}", profile, clock, on_first_token) for i in range(cluster.num_prefill)]
+    prefills = [
+        _PrefillNode(f"prefill-{i}", profile, clock, on_first_token) for i in range(cluster.num_prefill)
+    ]
 
     def arrive(live: _Live) -> None:
         node = min(decoders, key=lambda n: (n.num_outstanding_blocks, len(n.running), n.name))
@@ -256,5 +280,9 @@ def simulate(profile: Profile, cluster: Cluster, requests: Sequence[SimRequest])
         clock.at(request.arrival_s, lambda live=live: arrive(live))
     clock.run()
     assert len(finished) == len(requests), "every request finishes: nothing in the model waits forever"
-    return [SimOutcome(live.request, tuple(live.token_times), live.decode_node, live.prefill_node, live.decode_wait_s)
-            for live in (finished[i] for i in range(len(requests)))]
+    return [
+        SimOutcome(
+            live.request, tuple(live.token_times), live.decode_node, live.prefill_node, live.decode_wait_s
+        )
+        for live in (finished[i] for i in range(len(requests)))
+    ]

@@ -25,7 +25,9 @@ def _receive(spec: KVCacheSpec, ready: mp.Queue, stop) -> None:
     from kv_transfer.receiver import KVReceiver
 
     torch.set_num_threads(1)
-    keys = [torch.zeros((spec.num_blocks, *spec.block_shape), dtype=torch.float32) for _ in range(spec.num_layers)]
+    keys = [
+        torch.zeros((spec.num_blocks, *spec.block_shape), dtype=torch.float32) for _ in range(spec.num_layers)
+    ]
     values = [torch.zeros_like(k) for k in keys]
     blocks = BlockManager(spec.num_blocks, spec.block_size, enable_prefix_caching=False)
     receiver = KVReceiver("tcp://127.0.0.1:0", _fingerprint(spec), blocks, keys, values)
@@ -36,13 +38,17 @@ def _receive(spec: KVCacheSpec, ready: mp.Queue, stop) -> None:
     receiver.close()
 
 
-def measure_transfer(spec: KVCacheSpec, sizes: tuple[int, int] = (64, 512), repeats: int = 3) -> list[tuple[int, float]]:
+def measure_transfer(
+    spec: KVCacheSpec, sizes: tuple[int, int] = (64, 512), repeats: int = 3
+) -> list[tuple[int, float]]:
     """(KV bytes, best seconds) of a transfer of each prompt size; fp32 caches only."""
     from kv_transfer.sender import KVSender, SenderConfig
     from kv_transfer.shared_cache import SharedKVCache
 
     num_blocks = -(-max(sizes) // spec.block_size)
-    probe = KVCacheSpec(spec.num_layers, 2 * num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim, "float32")
+    probe = KVCacheSpec(
+        spec.num_layers, 2 * num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim, "float32"
+    )
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Queue(), ctx.Event()
     child = ctx.Process(target=_receive, args=(probe, ready, stop), daemon=True)
@@ -67,4 +73,3 @@ def measure_transfer(spec: KVCacheSpec, sizes: tuple[int, int] = (64, 512), repe
     finally:
         stop.set()
         child.join(10)
-

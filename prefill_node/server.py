@@ -1,9 +1,9 @@
 """The prefill node: batched, chunked prefill with prefix caching; ships KV; reports the first token.
 
-    control socket ──GenerateRequest──► engine (prefill-only: stops after the first token,
-                                        blocks held) ──► first token to the router at once
-                                                    └──► Shipper thread ──KV──► decode node
-    Shipper outcome ──► release the blocks (they stay as evictable prefix cache)
+control socket ──GenerateRequest──► engine (prefill-only: stops after the first token,
+                                    blocks held) ──► first token to the router at once
+                                                └──► Shipper thread ──KV──► decode node
+Shipper outcome ──► release the blocks (they stay as evictable prefix cache)
 """
 
 from __future__ import annotations
@@ -55,8 +55,13 @@ class PrefillNode:
         self.fingerprint = KVFingerprint.from_spec(opts.model_id, self.engine.kv_spec, KV_LAYOUT_NAME)
         self.runtime = NodeRuntime(opts, self.log)
         caches = self.engine.runner.kv_caches
-        self.shipper = Shipper(self.fingerprint, [k for k, _ in caches], [v for _, v in caches],
-                               cache_ref=self.cache.ref if self.cache is not None else None, log=self.log)
+        self.shipper = Shipper(
+            self.fingerprint,
+            [k for k, _ in caches],
+            [v for _, v in caches],
+            cache_ref=self.cache.ref if self.cache is not None else None,
+            log=self.log,
+        )
         self.pending: dict[str, _Pending] = {}  # computing or shipping
         # Requests whose KV a shipper thread may be reading: their blocks stay held until the
         # outcome arrives, even when the request was aborted or timed out meanwhile.
@@ -72,20 +77,34 @@ class PrefillNode:
         except OSError as exc:
             self.log("kv_cache_private", error=repr(exc))
             dtype = TORCH_DTYPES[spec.dtype]
-            return [(torch.zeros((spec.num_blocks, *spec.block_shape), dtype=dtype),
-                     torch.zeros((spec.num_blocks, *spec.block_shape), dtype=dtype)) for _ in range(spec.num_layers)]
+            return [
+                (
+                    torch.zeros((spec.num_blocks, *spec.block_shape), dtype=dtype),
+                    torch.zeros((spec.num_blocks, *spec.block_shape), dtype=dtype),
+                )
+                for _ in range(spec.num_layers)
+            ]
         return self.cache.layer_caches()
 
     def status(self):
-        return node_status(self.opts, self.engine, self.runtime.control_addr, None,
-                           dataclasses.asdict(self.fingerprint), self.runtime.draining.is_set(),
-                           prefill_tokens_per_s=self.prefill_rate.tokens_per_s)
+        return node_status(
+            self.opts,
+            self.engine,
+            self.runtime.control_addr,
+            None,
+            dataclasses.asdict(self.fingerprint),
+            self.runtime.draining.is_set(),
+            prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
+        )
 
     def serve(self, ready_file: str | None = None) -> int:
         self.runtime.start(self.status(), ready_file)
         try:
-            self.runtime.run(self._iterate, lambda: bool(self.pending or self.shipping),
-                             lambda: self.runtime.set_status(self.status()))
+            self.runtime.run(
+                self._iterate,
+                lambda: bool(self.pending or self.shipping),
+                lambda: self.runtime.set_status(self.status()),
+            )
         finally:
             for rid in list(self.pending):
                 self._fail(rid, "draining", "prefill node shut down before the request was handed over")
@@ -117,7 +136,9 @@ class PrefillNode:
         """One engine step, its prompt tokens and seconds counted into ``prefill_rate``."""
         num_queued, start = num_queued_prefill_tokens(self.engine), time.perf_counter()
         outs = self.engine.step()
-        self.prefill_rate.observe(num_queued - num_queued_prefill_tokens(self.engine), time.perf_counter() - start)
+        self.prefill_rate.observe(
+            num_queued - num_queued_prefill_tokens(self.engine), time.perf_counter() - start
+        )
         return outs
 
     def _on_control(self, msg) -> None:
@@ -134,12 +155,15 @@ class PrefillNode:
     def _accept(self, msg: GenerateRequest) -> None:
         rid = msg.request_id
         if msg.decode_addr is None:
-            return self.runtime.reply_failed(msg.reply_addr, rid, "bad_request", "a prefill node needs decode_addr",
-                                             False)
+            return self.runtime.reply_failed(
+                msg.reply_addr, rid, "bad_request", "a prefill node needs decode_addr", False
+            )
         params = self.runtime.admit(self.engine, msg, prefill_only=True)
         if params is None:
             return
-        stream = Stream(rid, msg.reply_addr, len(msg.token_ids), local_deadline(msg.deadline, self.opts.request_ttl_s))
+        stream = Stream(
+            rid, msg.reply_addr, len(msg.token_ids), local_deadline(msg.deadline, self.opts.request_ttl_s)
+        )
         self.pending[rid] = _Pending(stream, msg.decode_addr, params.to_dict(), msg.deadline)
         self.log("request_added", rid, prompt_tokens=len(msg.token_ids), decode_addr=msg.decode_addr)
 
@@ -170,12 +194,23 @@ class PrefillNode:
         # The chunk goes out from the shipper's worker the moment blocks are granted (not after this
         # loop's next engine step); until then the router has seen nothing (num_sent stays 0).
         first_chunk = next_chunk(dataclasses.replace(stream), first, self.opts.node_id, is_first=True)
-        shipment = Shipment(rid, pending.decode_addr, tuple(seq.token_ids[:seq.num_prompt_tokens]),
-                            tuple(seq.block_table), completion.token_ids[0], out.num_cached_tokens, pending.params,
-                            {"reply_addr": stream.reply_addr, "deadline": pending.deadline, "timings": stream.timings,
-                             "shipped_at": time.time()},
-                            wire_logprob(completion.logprobs[0]) if completion.logprobs else None,
-                            FirstToken(stream.reply_addr, first_chunk))
+        shipment = Shipment(
+            rid,
+            pending.decode_addr,
+            tuple(seq.token_ids[: seq.num_prompt_tokens]),
+            tuple(seq.block_table),
+            completion.token_ids[0],
+            out.num_cached_tokens,
+            pending.params,
+            {
+                "reply_addr": stream.reply_addr,
+                "deadline": pending.deadline,
+                "timings": stream.timings,
+                "shipped_at": time.time(),
+            },
+            wire_logprob(completion.logprobs[0]) if completion.logprobs else None,
+            FirstToken(stream.reply_addr, first_chunk),
+        )
         if self.shipper.submit(shipment):
             self.shipping.add(rid)
         else:
@@ -196,8 +231,16 @@ class PrefillNode:
             return
         if outcome.error is None:
             s = outcome.stats
-            self.log("kv_shipped", rid, blocks_sent=s.num_sent_blocks, blocks_reused=s.num_held_blocks,
-                     bytes=s.bytes_sent, seconds=round(s.seconds, 6), shm=s.shm, direct=s.direct)
+            self.log(
+                "kv_shipped",
+                rid,
+                blocks_sent=s.num_sent_blocks,
+                blocks_reused=s.num_held_blocks,
+                bytes=s.bytes_sent,
+                seconds=round(s.seconds, 6),
+                shm=s.shm,
+                direct=s.direct,
+            )
         else:
             self.pending[rid] = pending
             # Refused before its first token was sent: the router retries elsewhere, blaming D.
@@ -213,7 +256,9 @@ class PrefillNode:
         self._drop(rid)
         if pending is not None:
             # Retryable only while the router has seen no token from us.
-            self.runtime.reply_failed(pending.stream.reply_addr, rid, code, message, pending.stream.num_sent == 0)
+            self.runtime.reply_failed(
+                pending.stream.reply_addr, rid, code, message, pending.stream.num_sent == 0
+            )
 
     def _drop(self, rid: str) -> None:
         """Stop work on a request; held blocks a shipper may be reading wait for its outcome."""
@@ -221,4 +266,3 @@ class PrefillNode:
             self.shipper.cancel(rid)
         else:
             self.engine.abort_request(rid)
-

@@ -76,10 +76,18 @@ class Shipper:
     """Peers come and go (scaling, restarts): a worker with nothing to do for ``idle_timeout_s``
     leaves the peer table, and a full table makes room by retiring an idle worker."""
 
-    def __init__(self, fingerprint: KVFingerprint, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
-                 config: SenderConfig | None = None, queue_limit: int = 256, max_peers: int = 64,
-                 cache_ref: CacheRef | None = None, idle_timeout_s: float = 60.0,
-                 log: Callable[..., None] | None = None) -> None:
+    def __init__(
+        self,
+        fingerprint: KVFingerprint,
+        key_caches: list[torch.Tensor],
+        value_caches: list[torch.Tensor],
+        config: SenderConfig | None = None,
+        queue_limit: int = 256,
+        max_peers: int = 64,
+        cache_ref: CacheRef | None = None,
+        idle_timeout_s: float = 60.0,
+        log: Callable[..., None] | None = None,
+    ) -> None:
         self.cache_ref = cache_ref  # the caches in shared memory: offered for one-copy transfers
         self.fingerprint = fingerprint
         self.key_caches, self.value_caches = key_caches, value_caches
@@ -198,7 +206,9 @@ class Shipper:
                 self._log("reply_dropped", job.request_id, reply_addr=job.first.reply_addr)
         self.outcomes.put(Granted(job.request_id))
 
-    def _ship(self, sender: KVSender, job: Shipment, replies: collections.OrderedDict[str, PushChannel]) -> Outcome:
+    def _ship(
+        self, sender: KVSender, job: Shipment, replies: collections.OrderedDict[str, PushChannel]
+    ) -> Outcome:
         granted = []
 
         def on_granted() -> None:
@@ -206,14 +216,33 @@ class Shipper:
             self._granted(job, replies)
 
         try:
-            stats = sender.transfer(job.request_id, job.token_ids, self.key_caches, self.value_caches,
-                                    job.block_table, job.first_token, job.num_cached_tokens,
-                                    job.sampling_params, job.request_meta, job.first_logprobs, on_granted)
+            stats = sender.transfer(
+                job.request_id,
+                job.token_ids,
+                self.key_caches,
+                self.value_caches,
+                job.block_table,
+                job.first_token,
+                job.num_cached_tokens,
+                job.sampling_params,
+                job.request_meta,
+                job.first_logprobs,
+                on_granted,
+            )
             return Outcome(job.request_id, stats, None, first_token_sent=job.first is not None)
         except KVTransferError as exc:
             refused = isinstance(exc, KVRejected) or (isinstance(exc, KVTimeout) and exc.stage == "grant")
-            return Outcome(job.request_id, None, f"{type(exc).__name__}: {exc}", rejected=refused and not granted,
-                           first_token_sent=bool(granted) and job.first is not None)
+            return Outcome(
+                job.request_id,
+                None,
+                f"{type(exc).__name__}: {exc}",
+                rejected=refused and not granted,
+                first_token_sent=bool(granted) and job.first is not None,
+            )
         except Exception as exc:  # a bug must fail the request, not kill the worker
-            return Outcome(job.request_id, None, f"unexpected {type(exc).__name__}: {exc}",
-                           first_token_sent=bool(granted) and job.first is not None)
+            return Outcome(
+                job.request_id,
+                None,
+                f"unexpected {type(exc).__name__}: {exc}",
+                first_token_sent=bool(granted) and job.first is not None,
+            )

@@ -106,7 +106,12 @@ class NodeStatus(Message):
 
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (
-    GenerateRequest, TokenChunk, RequestFailed, AbortRequest, StatusQuery, NodeStatus,
+    GenerateRequest,
+    TokenChunk,
+    RequestFailed,
+    AbortRequest,
+    StatusQuery,
+    NodeStatus,
 )
 _TAG_TO_TYPE = {cls.TAG: cls for cls in MESSAGE_TYPES}
 

@@ -33,8 +33,12 @@ class Admission:
         if not self.can_admit(role, num):
             self.num_rejected[role] += 1
             raise APIError(
-                429, f"the router has {self.num_inflight[role]} {role} requests in flight (limit "
-                f"{self.max_inflight[role]}); retry later", None, "overloaded", self.retry_after_s,
+                429,
+                f"the router has {self.num_inflight[role]} {role} requests in flight (limit "
+                f"{self.max_inflight[role]}); retry later",
+                None,
+                "overloaded",
+                self.retry_after_s,
             )
         self.num_inflight[role] += num
 

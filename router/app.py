@@ -52,12 +52,17 @@ class RouterState:
 def make_registry(config: RouterConfig, nodes: NodeClient) -> NodeRegistry:
     if config.redis_url is not None:
         return RedisRegistry(config.redis_url, nodes, config.poll_interval_s, config.node_expiry_s)
-    return StaticRegistry(config.prefill_addrs, config.decode_addrs, nodes, config.poll_interval_s,
-                          config.node_expiry_s)
+    return StaticRegistry(
+        config.prefill_addrs, config.decode_addrs, nodes, config.poll_interval_s, config.node_expiry_s
+    )
 
 
-def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None,
-               registry: NodeRegistry | None = None, nodes: NodeClient | None = None) -> FastAPI:
+def create_app(
+    config: RouterConfig,
+    tokenizer: Tokenizer | None = None,
+    registry: NodeRegistry | None = None,
+    nodes: NodeClient | None = None,
+) -> FastAPI:
     """The app; its lifespan opens the node sockets and starts polling the registry."""
     tokenizer = tokenizer or Tokenizer(config.model)
 
@@ -67,13 +72,21 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None,
         node_client.start()
         log.info("nodes push replies to %s", node_client.reply_addr)
         node_registry = registry or make_registry(config, node_client)
-        if registry is None and weight_files(pathlib.Path(config.model)):  # a tokenizer-only folder cannot tell
+        if registry is None and weight_files(
+            pathlib.Path(config.model)
+        ):  # a tokenizer-only folder cannot tell
             node_registry.expected_model = model_digest(config.model)
         node_registry.start()
-        backend = Backend(config, node_client, node_registry,
-                          policy.RoutingPolicy(config.disagg_threshold, prefix_routing=config.prefix_routing),
-                          metrics.RouterMetrics())
-        admission = Admission({Role.PREFILL: config.max_inflight_prefill, Role.DECODE: config.max_inflight_decode})
+        backend = Backend(
+            config,
+            node_client,
+            node_registry,
+            policy.RoutingPolicy(config.disagg_threshold, prefix_routing=config.prefix_routing),
+            metrics.RouterMetrics(),
+        )
+        admission = Admission(
+            {Role.PREFILL: config.max_inflight_prefill, Role.DECODE: config.max_inflight_decode}
+        )
         name = config.served_model_name or pathlib.Path(config.model).name
         app.state.router = RouterState(config, name, tokenizer, admission, backend)
         with contextlib.suppress(TimeoutError):  # answer health checks early either way
@@ -142,7 +155,9 @@ class _Guard:
 
         error = self._refuse(scope)
         if error is not None:
-            await JSONResponse(error.body(), error.status, headers=error.headers())(scope, receive, send_and_note)
+            await JSONResponse(error.body(), error.status, headers=error.headers())(
+                scope, receive, send_and_note
+            )
         else:
             await self.app(scope, receive, send_and_note)
         if scope["path"].startswith("/v1/") and scope["method"] == "POST":
@@ -157,8 +172,9 @@ def _add_routes(app: FastAPI) -> None:
         state = _state(request)
         state.check_model(body.model)
         max_model_len = state.max_model_len()
-        job = await asyncio.to_thread(jobs.completion_job, body, state.tokenizer, max_model_len,
-                                      state.config.max_n)
+        job = await asyncio.to_thread(
+            jobs.completion_job, body, state.tokenizer, max_model_len, state.config.max_n
+        )
         return await _serve(state, job, max_model_len, request)
 
     @app.post("/v1/chat/completions")
@@ -172,8 +188,14 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         state = _state(request)
-        card = {"id": state.model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "pdserve", "root": state.config.model, "max_model_len": state.max_model_len()}
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "pdserve",
+            "root": state.config.model,
+            "max_model_len": state.max_model_len(),
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
@@ -184,19 +206,25 @@ def _add_routes(app: FastAPI) -> None:
         num_pairs = sum(1 for n in live if n.role == "prefill" and policy.fingerprint_key(n) in decode_keys)
         num_colocated = sum(n.role == "colocated" for n in live)  # a whole pipeline each
         serving = num_pairs > 0 or num_colocated > 0
-        body = {"status": "ok" if serving else "unavailable",
-                "num_prefill": sum(n.role == "prefill" for n in live),
-                "num_decode": sum(n.role == "decode" for n in live), "num_colocated": num_colocated}
+        body = {
+            "status": "ok" if serving else "unavailable",
+            "num_prefill": sum(n.role == "prefill" for n in live),
+            "num_decode": sum(n.role == "decode" for n in live),
+            "num_colocated": num_colocated,
+        }
         return JSONResponse(body, 200 if serving else 503)
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> PlainTextResponse:
         state = _state(request)
-        text = state.backend.metrics.render(state.backend.registry.snapshot(),
-                                            {str(r): n for r, n in state.admission.num_inflight.items()})
+        text = state.backend.metrics.render(
+            state.backend.registry.snapshot(), {str(r): n for r, n in state.admission.num_inflight.items()}
+        )
         return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)
 
 
 async def _serve(state: RouterState, job: jobs.Job, max_model_len: int, request: Request) -> Response:
-    run = serving.JobRun(state.backend, state.tokenizer, state.admission, job, state.model_name, max_model_len)
+    run = serving.JobRun(
+        state.backend, state.tokenizer, state.admission, job, state.model_name, max_model_len
+    )
     return await serving.serve(run, request)

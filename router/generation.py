@@ -61,17 +61,25 @@ class _Retry(Exception):
 
 def _node_error(failed: pm.RequestFailed, after_tokens: bool) -> APIError:
     if failed.code == "bad_request":
-        return APIError(400, f"node {failed.node_id} rejected the request: {failed.message}", None, "bad_request")
+        return APIError(
+            400, f"node {failed.node_id} rejected the request: {failed.message}", None, "bad_request"
+        )
     status = 503 if failed.code in ("overloaded", "draining") and not after_tokens else 502
-    return APIError(status, f"node {failed.node_id} failed: {failed.code}: {failed.message}", None,
-                    failed.code, 1 if status == 503 else None)
+    return APIError(
+        status,
+        f"node {failed.node_id} failed: {failed.code}: {failed.message}",
+        None,
+        failed.code,
+        1 if status == 503 else None,
+    )
 
 
 RESTART = object()  # run_sample: what came so far is void, the sample starts again elsewhere
 
 
-async def run_sample(backend: Backend, sample: Sample, ticket: Ticket,
-                     replay_after_tokens: bool = False) -> AsyncIterator[pm.TokenChunk | object]:
+async def run_sample(
+    backend: Backend, sample: Sample, ticket: Ticket, replay_after_tokens: bool = False
+) -> AsyncIterator[pm.TokenChunk | object]:
     """The sample's chunks, in order, the last with a finish_reason (or RESTART, then the chunks
     of a replay, when ``replay_after_tokens``); APIError on failure."""
     config = backend.config
@@ -79,8 +87,9 @@ async def run_sample(backend: Backend, sample: Sample, ticket: Ticket,
     excluded: set[str] = set()
     last_error = "no attempt made"
     for attempt in range(config.max_attempts):
-        route = backend.policy.choose(backend.registry.snapshot(), sample.prompt_ids,
-                                      sample.params.max_tokens or 1, frozenset(excluded))
+        route = backend.policy.choose(
+            backend.registry.snapshot(), sample.prompt_ids, sample.params.max_tokens or 1, frozenset(excluded)
+        )
         if route is None:
             raise APIError(503, f"no usable decode node ({last_error})", None, "no_nodes", 1)
         request_id = sample.request_id if attempt == 0 else f"{sample.request_id}.r{attempt}"
@@ -96,15 +105,25 @@ async def run_sample(backend: Backend, sample: Sample, ticket: Ticket,
             excluded.add(retry.node_id)
             last_error = str(retry)
             backend.metrics.retries.inc()
-            log.warning("sample %s: attempt %d failed before its first token (%s); trying another pair",
-                        sample.request_id, attempt + 1, retry)
+            log.warning(
+                "sample %s: attempt %d failed before its first token (%s); trying another pair",
+                sample.request_id,
+                attempt + 1,
+                retry,
+            )
         except APIError as exc:  # after tokens: the decode node died or stalled
             if not replay_after_tokens or exc.status not in (502, 504) or attempt + 1 == config.max_attempts:
                 raise
-            last_error = exc.message  # a dead decode node leaves the registry; a live one may serve the replay
+            last_error = (
+                exc.message
+            )  # a dead decode node leaves the registry; a live one may serve the replay
             backend.metrics.retries.inc()
-            log.warning("sample %s: attempt %d failed after tokens (%s); replaying it from scratch",
-                        sample.request_id, attempt + 1, exc.message)
+            log.warning(
+                "sample %s: attempt %d failed after tokens (%s); replaying it from scratch",
+                sample.request_id,
+                attempt + 1,
+                exc.message,
+            )
             yield RESTART
         finally:
             backend.nodes.close_request(request_id)
@@ -117,8 +136,12 @@ async def run_sample(backend: Backend, sample: Sample, ticket: Ticket,
 async def _send(backend: Backend, route: Route, request_id: str, sample: Sample, params: dict) -> None:
     target = route.prefill or route.decode
     request = pm.GenerateRequest(
-        request_id, sample.prompt_ids, params, backend.nodes.reply_addr,
-        route.decode.kv_addr if route.prefill else None, sample.arrival_time + backend.config.request_ttl_s,
+        request_id,
+        sample.prompt_ids,
+        params,
+        backend.nodes.reply_addr,
+        route.decode.kv_addr if route.prefill else None,
+        sample.arrival_time + backend.config.request_ttl_s,
         sample.arrival_time,
     )
     now = time.time()
@@ -130,8 +153,9 @@ async def _send(backend: Backend, route: Route, request_id: str, sample: Sample,
     backend.metrics.queue.observe(now - sample.arrival_time)
 
 
-async def _relay(backend: Backend, route: Route, queue: asyncio.Queue[pm.Message], sample: Sample,
-                 ticket: Ticket) -> AsyncIterator[pm.TokenChunk]:
+async def _relay(
+    backend: Backend, route: Route, queue: asyncio.Queue[pm.Message], sample: Sample, ticket: Ticket
+) -> AsyncIterator[pm.TokenChunk]:
     num_tokens = 0
     first_token_time = 0.0
     # Prefill and decode node push on separate sockets: the decode node's first chunk may
@@ -142,7 +166,12 @@ async def _relay(backend: Backend, route: Route, queue: asyncio.Queue[pm.Message
             msg = early.pop(0)
         else:
             msg = await _next_reply(backend, route, queue, after_tokens=num_tokens > 0)
-        if isinstance(msg, pm.TokenChunk) and route.prefill is not None and num_tokens == 0 and not msg.is_first:
+        if (
+            isinstance(msg, pm.TokenChunk)
+            and route.prefill is not None
+            and num_tokens == 0
+            and not msg.is_first
+        ):
             early.append(msg)
             continue
         if isinstance(msg, pm.RequestFailed):
@@ -169,8 +198,9 @@ async def _relay(backend: Backend, route: Route, queue: asyncio.Queue[pm.Message
             return
 
 
-async def _next_reply(backend: Backend, route: Route, queue: asyncio.Queue[pm.Message],
-                      after_tokens: bool) -> pm.Message:
+async def _next_reply(
+    backend: Backend, route: Route, queue: asyncio.Queue[pm.Message], after_tokens: bool
+) -> pm.Message:
     """The next reply, or _Retry / APIError when none comes in time or a node leaves."""
     deadline = time.monotonic() + backend.config.chunk_timeout_s
     waiting_on = [route.decode] if after_tokens or route.prefill is None else [route.prefill, route.decode]
@@ -178,8 +208,12 @@ async def _next_reply(backend: Backend, route: Route, queue: asyncio.Queue[pm.Me
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             if after_tokens:
-                raise APIError(504, f"no output from {route.decode.node_id} for "
-                               f"{backend.config.chunk_timeout_s:g} s", None, "timeout")
+                raise APIError(
+                    504,
+                    f"no output from {route.decode.node_id} for {backend.config.chunk_timeout_s:g} s",
+                    None,
+                    "timeout",
+                )
             raise _Retry(waiting_on[0].node_id, f"no reply from {waiting_on[0].node_id} in time")
         try:
             return await asyncio.wait_for(queue.get(), min(remaining, _LIVENESS_CHECK_S))

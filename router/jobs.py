@@ -38,7 +38,9 @@ class Job:
 
     def params_for(self, prompt: Prompt, max_model_len: int) -> SamplingParams:
         room = max_model_len - len(prompt.token_ids)
-        return dataclasses.replace(self.params, max_tokens=room if self.max_tokens is None else self.max_tokens)
+        return dataclasses.replace(
+            self.params, max_tokens=room if self.max_tokens is None else self.max_tokens
+        )
 
 
 _FIELD_RE = re.compile(r"^(?:stop strings|(\w+))")
@@ -50,13 +52,21 @@ def _sampling_params(body: _SamplingFields, max_tokens: int | None, logprobs: in
 
     try:
         return SamplingParams(
-            n=body.n, temperature=given(body.temperature, 1.0), top_p=given(body.top_p, 1.0),
-            top_k=body.top_k, min_p=given(body.min_p, 0.0), seed=body.seed,
+            n=body.n,
+            temperature=given(body.temperature, 1.0),
+            top_p=given(body.top_p, 1.0),
+            top_k=body.top_k,
+            min_p=given(body.min_p, 0.0),
+            seed=body.seed,
             presence_penalty=given(body.presence_penalty, 0.0),
             frequency_penalty=given(body.frequency_penalty, 0.0),
-            repetition_penalty=given(body.repetition_penalty, 1.0), max_tokens=max_tokens,
-            min_tokens=body.min_tokens, stop=body.stop, stop_token_ids=tuple(body.stop_token_ids or ()),
-            ignore_eos=body.ignore_eos, logprobs=logprobs,
+            repetition_penalty=given(body.repetition_penalty, 1.0),
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            stop=body.stop,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
         )
     except ValueError as exc:
         match = _FIELD_RE.match(str(exc))
@@ -80,9 +90,12 @@ def _check_fits(prompts: tuple[Prompt, ...], max_tokens: int | None, max_model_l
             raise bad_request("the prompt is empty", param)
         if num + (max_tokens or 1) > max_model_len:
             raise APIError(
-                400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, you "
                 f"requested {num + (max_tokens or 1)} tokens ({num} in the prompt, "
-                f"{max_tokens or 1} for the completion).", param, "context_length_exceeded",
+                f"{max_tokens or 1} for the completion).",
+                param,
+                "context_length_exceeded",
             )
 
 
@@ -114,8 +127,17 @@ def completion_job(body: CompletionBody, tokenizer: Tokenizer, max_model_len: in
         _check_token_ids(id_lists, tokenizer.vocab_size)
         prompts = tuple(Prompt(tuple(ids), None) for ids in id_lists)
     _check_fits(prompts, body.max_tokens, max_model_len, "prompt")
-    return Job(False, prompts, params, body.max_tokens, body.stream, _include_usage(body),
-               body.logprobs, body.echo, body.return_tokens_as_token_ids)
+    return Job(
+        False,
+        prompts,
+        params,
+        body.max_tokens,
+        body.stream,
+        _include_usage(body),
+        body.logprobs,
+        body.echo,
+        body.return_tokens_as_token_ids,
+    )
 
 
 def chat_job(body: ChatBody, tokenizer: Tokenizer, max_model_len: int, max_n: int) -> Job:
@@ -123,7 +145,9 @@ def chat_job(body: ChatBody, tokenizer: Tokenizer, max_model_len: int, max_n: in
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}", "top_logprobs")
+        raise bad_request(
+            f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}", "top_logprobs"
+        )
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     try:
@@ -138,8 +162,17 @@ def chat_job(body: ChatBody, tokenizer: Tokenizer, max_model_len: int, max_n: in
         raise bad_request(str(exc), "messages") from None
     prompts = (Prompt(tuple(ids), None),)
     _check_fits(prompts, max_tokens, max_model_len, "messages")
-    return Job(True, prompts, params, max_tokens, body.stream, _include_usage(body),
-               logprobs, False, body.return_tokens_as_token_ids)
+    return Job(
+        True,
+        prompts,
+        params,
+        max_tokens,
+        body.stream,
+        _include_usage(body),
+        logprobs,
+        False,
+        body.return_tokens_as_token_ids,
+    )
 
 
 def _include_usage(body: _SamplingFields) -> bool:

@@ -95,7 +95,9 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.requests = Counter("pdserve_requests_total", "HTTP requests by endpoint and outcome.")
         self.prompt_tokens = Counter("pdserve_prompt_tokens_total", "Prompt tokens of finished samples.")
-        self.cached_tokens = Counter("pdserve_cached_prompt_tokens_total", "Prompt tokens served from a prefix cache.")
+        self.cached_tokens = Counter(
+            "pdserve_cached_prompt_tokens_total", "Prompt tokens served from a prefix cache."
+        )
         self.generation_tokens = Counter("pdserve_generation_tokens_total", "Generated tokens.")
         self.retries = Counter("pdserve_retries_total", "Sub-requests retried on another node pair.")
         self.kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes moved, as nodes report them.")
@@ -107,25 +109,48 @@ class RouterMetrics:
 
     def render(self, nodes: Sequence[NodeInfo], num_inflight: dict[str, int]) -> str:
         lines: list[str] = []
-        for metric in (self.requests, self.prompt_tokens, self.cached_tokens, self.generation_tokens,
-                       self.retries, self.kv_bytes, self.ttft, self.tpot, self.e2e, self.queue, self.stages):
+        for metric in (
+            self.requests,
+            self.prompt_tokens,
+            self.cached_tokens,
+            self.generation_tokens,
+            self.retries,
+            self.kv_bytes,
+            self.ttft,
+            self.tpot,
+            self.e2e,
+            self.queue,
+            self.stages,
+        ):
             lines += metric.render()
-        lines += _gauge("pdserve_router_inflight_requests", "Sub-requests in flight by role.",
-                        [((("role", role),), num) for role, num in sorted(num_inflight.items())])
+        lines += _gauge(
+            "pdserve_router_inflight_requests",
+            "Sub-requests in flight by role.",
+            [((("role", role),), num) for role, num in sorted(num_inflight.items())],
+        )
         lines += _node_gauges(nodes)
         return "\n".join(lines) + "\n"
 
 
 _NODE_GAUGES = (
-    ("pdserve_node_kv_blocks_used", "KV blocks held by live requests.",
-     lambda n: n.num_blocks_total - n.num_blocks_free),
-    ("pdserve_node_kv_blocks_cached", "Free KV blocks that still hold prefix cache (evictable).",
-     lambda n: n.num_blocks_cached),
+    (
+        "pdserve_node_kv_blocks_used",
+        "KV blocks held by live requests.",
+        lambda n: n.num_blocks_total - n.num_blocks_free,
+    ),
+    (
+        "pdserve_node_kv_blocks_cached",
+        "Free KV blocks that still hold prefix cache (evictable).",
+        lambda n: n.num_blocks_cached,
+    ),
     ("pdserve_node_kv_blocks_total", "KV blocks in the pool.", lambda n: n.num_blocks_total),
     ("pdserve_node_running_requests", "Requests in the running batch.", lambda n: n.num_running),
     ("pdserve_node_queued_requests", "Requests waiting on the node.", lambda n: n.num_queued),
-    ("pdserve_node_queued_prefill_tokens", "Prompt tokens not yet computed.",
-     lambda n: n.num_queued_prefill_tokens),
+    (
+        "pdserve_node_queued_prefill_tokens",
+        "Prompt tokens not yet computed.",
+        lambda n: n.num_queued_prefill_tokens,
+    ),
 )
 
 
@@ -134,12 +159,17 @@ def _node_gauges(nodes: Sequence[NodeInfo]) -> list[str]:
     for name, help_, value in _NODE_GAUGES:
         lines += _gauge(name, help_, (((("node_id", n.node_id), ("role", n.role)), value(n)) for n in nodes))
     prefills = [n for n in nodes if n.role == "prefill"]
-    lines += _gauge("pdserve_node_prefill_tokens_per_second", "Prompt tokens a prefill node computes per second "
-                    "of engine step, as it measured them recently.",
-                    ((_node_labels(n), n.prefill_tokens_per_s) for n in prefills if n.prefill_tokens_per_s))
-    lines += _gauge("pdserve_node_prefill_backlog_seconds", "Queued prompt tokens over the node's measured "
-                    "prefill speed (the pool's mean for a node without one yet): what autoscales prefill.",
-                    ((_node_labels(n), seconds) for n, seconds in prefill_backlog_seconds(prefills)))
+    lines += _gauge(
+        "pdserve_node_prefill_tokens_per_second",
+        "Prompt tokens a prefill node computes per second of engine step, as it measured them recently.",
+        ((_node_labels(n), n.prefill_tokens_per_s) for n in prefills if n.prefill_tokens_per_s),
+    )
+    lines += _gauge(
+        "pdserve_node_prefill_backlog_seconds",
+        "Queued prompt tokens over the node's measured "
+        "prefill speed (the pool's mean for a node without one yet): what autoscales prefill.",
+        ((_node_labels(n), seconds) for n, seconds in prefill_backlog_seconds(prefills)),
+    )
     return lines
 
 

@@ -34,8 +34,14 @@ class NodeUnavailable(ConnectionError):
 
 
 class NodeClient:
-    def __init__(self, host: str = "127.0.0.1", reply_port: int = 0, advertise_host: str | None = None,
-                 queue_size: int = 1024, send_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        reply_port: int = 0,
+        advertise_host: str | None = None,
+        queue_size: int = 1024,
+        send_timeout_s: float = 2.0,
+    ) -> None:
         self._context = zmq.asyncio.Context()
         self._pull = self._context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
@@ -62,7 +68,9 @@ class NodeClient:
         self._pull_task = asyncio.create_task(self._read(self._pull, reply_path=True))
 
     async def close(self) -> None:
-        tasks = [t for t in [self._pull_task, *self._readers.values(), *self._watchers.values()] if t is not None]
+        tasks = [
+            t for t in [self._pull_task, *self._readers.values(), *self._watchers.values()] if t is not None
+        ]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -106,8 +114,15 @@ class NodeClient:
         except asyncio.QueueFull:  # the reader fell behind by a whole queue: end the request
             while not queue.empty():
                 queue.get_nowait()
-            queue.put_nowait(pm.RequestFailed(msg.request_id, msg.node_id, "overflow",
-                                              "the client is not reading the output fast enough", False))
+            queue.put_nowait(
+                pm.RequestFailed(
+                    msg.request_id,
+                    msg.node_id,
+                    "overflow",
+                    "the client is not reading the output fast enough",
+                    False,
+                )
+            )
 
     async def _read(self, socket: zmq.asyncio.Socket, reply_path: bool = False) -> None:
         while True:

@@ -100,6 +100,9 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
 
 
 _FIELD_NAMES = frozenset(
-    set(CompletionBody.model_fields) | set(ChatBody.model_fields) | set(ChatMessage.model_fields)
-    | set(TextPart.model_fields) | set(StreamOptions.model_fields)
+    set(CompletionBody.model_fields)
+    | set(ChatBody.model_fields)
+    | set(ChatMessage.model_fields)
+    | set(TextPart.model_fields)
+    | set(StreamOptions.model_fields)
 )

@@ -81,8 +81,9 @@ class Outstanding:
     def __init__(self) -> None:
         self._sent: dict[tuple[str, str], _Sent] = {}  # (request id, node id) -> what was sent
 
-    def add(self, request_id: str, node_id: str, now: float, num_blocks: int = 0,
-            num_prefill_tokens: int = 0) -> None:
+    def add(
+        self, request_id: str, node_id: str, now: float, num_blocks: int = 0, num_prefill_tokens: int = 0
+    ) -> None:
         self._sent[(request_id, node_id)] = _Sent(node_id, now, num_blocks, num_prefill_tokens)
 
     def remove(self, request_id: str) -> None:
@@ -90,7 +91,9 @@ class Outstanding:
             del self._sent[key]
 
     def _since_heartbeat(self, node: NodeInfo) -> list[_Sent]:
-        return [s for s in self._sent.values() if s.node_id == node.node_id and s.sent_time > node.heartbeat_time]
+        return [
+            s for s in self._sent.values() if s.node_id == node.node_id and s.sent_time > node.heartbeat_time
+        ]
 
     def num_blocks(self, node: NodeInfo) -> int:
         return sum(s.num_blocks for s in self._since_heartbeat(node))
@@ -104,18 +107,28 @@ def fingerprint_key(node: NodeInfo) -> str:
 
 
 class RoutingPolicy:
-    def __init__(self, disagg_threshold: int, prefix_capacity: int = 1 << 16, prefix_routing: bool = True) -> None:
+    def __init__(
+        self, disagg_threshold: int, prefix_capacity: int = 1 << 16, prefix_routing: bool = True
+    ) -> None:
         self.disagg_threshold = disagg_threshold  # fewer uncached prompt tokens: prefill on decode
         self.prefix_routing = prefix_routing  # False: never record prefixes, so routing sees no cache
         self.prefill_prefixes = PrefixMap(prefix_capacity)
         self.decode_prefixes = PrefixMap(prefix_capacity)
         self.outstanding = Outstanding()
 
-    def choose(self, nodes: Sequence[NodeInfo], prompt_ids: Sequence[int], max_tokens: int,
-               exclude: frozenset[str] = frozenset()) -> Route | None:
+    def choose(
+        self,
+        nodes: Sequence[NodeInfo],
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        exclude: frozenset[str] = frozenset(),
+    ) -> Route | None:
         """The best pair for this prompt, or None when no decode node can take it."""
-        usable = [n for n in nodes if not n.draining and n.node_id not in exclude
-                  and n.max_model_len >= len(prompt_ids) + max_tokens]
+        usable = [
+            n
+            for n in nodes
+            if not n.draining and n.node_id not in exclude and n.max_model_len >= len(prompt_ids) + max_tokens
+        ]
         decodes = [n for n in usable if n.role in DECODING_ROLES]
         if not decodes:
             return None
@@ -142,8 +155,9 @@ class RoutingPolicy:
             prefill = self._choose_prefill(usable, decode, block_hashes)
         return Route(decode, prefill, block_hashes, num_blocks)
 
-    def _choose_prefill(self, usable: Sequence[NodeInfo], decode: NodeInfo,
-                        block_hashes: tuple[int, ...]) -> NodeInfo | None:
+    def _choose_prefill(
+        self, usable: Sequence[NodeInfo], decode: NodeInfo, block_hashes: tuple[int, ...]
+    ) -> NodeInfo | None:
         key = fingerprint_key(decode)
         prefills = [n for n in usable if n.role == "prefill" and fingerprint_key(n) == key]
         size = _block_size(decode)
@@ -157,8 +171,13 @@ class RoutingPolicy:
 
     def record(self, request_id: str, route: Route, num_prompt_tokens: int, now: float) -> None:
         """Book-keep a request just sent along ``route`` (until ``finish``)."""
-        self.outstanding.add(request_id, route.decode.node_id, now, num_blocks=route.num_blocks,
-                             num_prefill_tokens=0 if route.prefill else num_prompt_tokens)
+        self.outstanding.add(
+            request_id,
+            route.decode.node_id,
+            now,
+            num_blocks=route.num_blocks,
+            num_prefill_tokens=0 if route.prefill else num_prompt_tokens,
+        )
         if route.prefill is not None:
             self.outstanding.add(request_id, route.prefill.node_id, now, num_prefill_tokens=num_prompt_tokens)
 

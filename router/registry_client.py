@@ -43,8 +43,11 @@ class NodeRegistry:
 
     def snapshot(self) -> list[NodeInfo]:
         """The usable nodes: registered, answering through the reply path, connection not dropped."""
-        live = [n for n in self._by_id.values()
-                if self.reply_verified(n) and not self._nodes.link_lost(n.control_addr)]
+        live = [
+            n
+            for n in self._by_id.values()
+            if self.reply_verified(n) and not self._nodes.link_lost(n.control_addr)
+        ]
         return sorted(live, key=lambda n: n.node_id)
 
     def _same_model(self, node: NodeInfo) -> bool:
@@ -53,8 +56,13 @@ class NodeRegistry:
             return True
         if node.node_id not in self._refused:
             self._refused.add(node.node_id)
-            log.error("refusing node %s (%s): it serves model %s, this router's model is %s",
-                      node.node_id, node.role, model, self.expected_model)
+            log.error(
+                "refusing node %s (%s): it serves model %s, this router's model is %s",
+                node.node_id,
+                node.role,
+                model,
+                self.expected_model,
+            )
         return False
 
     def reply_verified(self, node: NodeInfo) -> bool:
@@ -109,9 +117,14 @@ class NodeRegistry:
             return
         num = self._probe_failures[node.node_id] = self._probe_failures.get(node.node_id, 0) + 1
         if num in (3, 30, 300):  # a misconfigured address is loud, not a flood
-            log.warning("node %s (%s) sent no status back through the reply address %s in %d tries: "
-                        "can it reach that address? (router --host / --advertise-host)",
-                        node.node_id, node.role, self._nodes.reply_addr, num)
+            log.warning(
+                "node %s (%s) sent no status back through the reply address %s in %d tries: "
+                "can it reach that address? (router --host / --advertise-host)",
+                node.node_id,
+                node.role,
+                self._nodes.reply_addr,
+                num,
+            )
 
     async def _run(self) -> None:
         while True:
@@ -132,7 +145,9 @@ class RedisRegistry(NodeRegistry):
 
     COMPLETE_POLLS = True
 
-    def __init__(self, redis_url: str, nodes: NodeClient, poll_interval_s: float, node_expiry_s: float) -> None:
+    def __init__(
+        self, redis_url: str, nodes: NodeClient, poll_interval_s: float, node_expiry_s: float
+    ) -> None:
         super().__init__(nodes, poll_interval_s, node_expiry_s)
         import redis
 
@@ -147,8 +162,14 @@ class RedisRegistry(NodeRegistry):
 class StaticRegistry(NodeRegistry):
     """Fixed control addresses, each asked for its NodeStatus every poll."""
 
-    def __init__(self, prefill_addrs: Sequence[str], decode_addrs: Sequence[str], nodes: NodeClient,
-                 poll_interval_s: float, node_expiry_s: float) -> None:
+    def __init__(
+        self,
+        prefill_addrs: Sequence[str],
+        decode_addrs: Sequence[str],
+        nodes: NodeClient,
+        poll_interval_s: float,
+        node_expiry_s: float,
+    ) -> None:
         super().__init__(nodes, poll_interval_s, node_expiry_s)
         self._roles = {**{a: "prefill" for a in prefill_addrs}, **{a: "decode" for a in decode_addrs}}
 

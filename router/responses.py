@@ -26,10 +26,16 @@ class Usage:
         }
 
 
-def envelope(response_id: str, object_: str, created: int, model: str, choices: list[dict],
-             usage: Usage | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {"id": response_id, "object": object_, "created": created, "model": model,
-                            "choices": choices}
+def envelope(
+    response_id: str, object_: str, created: int, model: str, choices: list[dict], usage: Usage | None = None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": response_id,
+        "object": object_,
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
     if usage is not None:
         body["usage"] = usage.to_dict()
     return body
@@ -68,8 +74,12 @@ class LogprobFormatter:
             top_logprobs.append(top)
             offsets.append(text_offset)
             text_offset += len(text)
-        body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-                "text_offset": offsets}
+        body = {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": offsets,
+        }
         return body, text_offset
 
     def chat(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
@@ -89,8 +99,12 @@ def completion_choice(index: int, text: str, logprobs: dict | None, finish_reaso
 
 
 def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
 
 
 def chat_chunk_choice(index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:

@@ -50,8 +50,15 @@ class _Choice:
 
 
 class JobRun:
-    def __init__(self, backend: Backend, tokenizer: Tokenizer, admission: Admission, job: Job,
-                 model: str, max_model_len: int) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: Tokenizer,
+        admission: Admission,
+        job: Job,
+        model: str,
+        max_model_len: int,
+    ) -> None:
         self.job = job
         self.model = model
         self.id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
@@ -184,8 +191,9 @@ class JobRun:
             return None
         logprobs = self._logprobs(choice, delta.logprobs)
         if self.job.chat:
-            body = rs.chat_chunk_choice(choice.index, {"content": text} if text else {}, logprobs,
-                                        delta.finish_reason)
+            body = rs.chat_chunk_choice(
+                choice.index, {"content": text} if text else {}, logprobs, delta.finish_reason
+            )
             return rs.sse(rs.envelope(self.id, "chat.completion.chunk", self.created, self.model, [body]))
         body = rs.completion_choice(choice.index, text, logprobs, delta.finish_reason)
         return rs.sse(rs.envelope(self.id, "text_completion", self.created, self.model, [body]))
@@ -194,9 +202,18 @@ class JobRun:
         """Chat streams open each choice with the assistant role."""
         if not self.job.chat:
             return []
-        return [rs.sse(rs.envelope(self.id, "chat.completion.chunk", self.created, self.model,
-                                   [rs.chat_chunk_choice(c.index, {"role": "assistant", "content": ""},
-                                                         None, None)])) for c in self.choices]
+        return [
+            rs.sse(
+                rs.envelope(
+                    self.id,
+                    "chat.completion.chunk",
+                    self.created,
+                    self.model,
+                    [rs.chat_chunk_choice(c.index, {"role": "assistant", "content": ""}, None, None)],
+                )
+            )
+            for c in self.choices
+        ]
 
     def usage_chunk(self) -> str:
         object_ = "chat.completion.chunk" if self.job.chat else "text_completion"
@@ -208,8 +225,11 @@ class JobRun:
             text = c.prefix + c.state.text
             logprobs = None
             if self.job.logprobs is not None:
-                logprobs = (self.formatter.chat(c.logprobs) if self.job.chat
-                            else self.formatter.completion(c.logprobs, len(c.prefix))[0])
+                logprobs = (
+                    self.formatter.chat(c.logprobs)
+                    if self.job.chat
+                    else self.formatter.completion(c.logprobs, len(c.prefix))[0]
+                )
             make = rs.chat_choice if self.job.chat else rs.completion_choice
             choices.append(make(c.index, text, logprobs, c.state.finish_reason))
         object_ = "chat.completion" if self.job.chat else "text_completion"
@@ -241,8 +261,11 @@ class _SampleStream(StreamingResponse):
     whenever it is garbage-collected: too late to free node blocks promptly."""
 
     def __init__(self, run: JobRun, body: AsyncIterator[str]) -> None:
-        super().__init__(body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            body,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
         self._run = run
 
     async def __call__(self, scope, receive, send) -> None:

@@ -37,10 +37,16 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -59,11 +65,16 @@ class Tokenizer:
         model_config = _read_json(folder / "config.json")
         self.bos_token = _token_str(tok_config.get("bos_token"))
         self.eos_token = _token_str(tok_config.get("eos_token"))
-        self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True),
-                              int(model_config.get("vocab_size", 0)))
+        self.vocab_size = max(
+            self._tok.get_vocab_size(with_added_tokens=True), int(model_config.get("vocab_size", 0))
+        )
         # longest prompt + output the model takes, before node records say otherwise
-        self.max_model_len = int(model_config.get("max_position_embeddings") or model_config.get("n_positions")
-                                 or tok_config.get("model_max_length") or 2048)  # n_positions: GPT-2
+        self.max_model_len = int(
+            model_config.get("max_position_embeddings")
+            or model_config.get("n_positions")
+            or tok_config.get("model_max_length")
+            or 2048
+        )  # n_positions: GPT-2
         self.special_ids = frozenset(
             i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special
         )
@@ -93,8 +104,10 @@ class Tokenizer:
             raise ChatTemplateError("the model has no chat template; use /v1/completions")
         try:
             return self._chat_template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
             )
         except ChatTemplateError:
             raise

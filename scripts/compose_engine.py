@@ -49,8 +49,9 @@ class Project:
         self.env = {**os.environ, **env}
 
     def run(self, *args: str, timeout_s: float = 300, check: bool = True) -> str:
-        result = subprocess.run([*self.base, *args], capture_output=True, text=True, cwd=ROOT, env=self.env,
-                                timeout=timeout_s)
+        result = subprocess.run(
+            [*self.base, *args], capture_output=True, text=True, cwd=ROOT, env=self.env, timeout=timeout_s
+        )
         if check and result.returncode != 0:
             raise RuntimeError(f"{' '.join(args)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
         return result.stdout
@@ -58,15 +59,34 @@ class Project:
     def up(self, num_prefill: int, num_decode: int, build: bool = False, timeout_s: float = 900) -> None:
         """Bring the pools to these sizes; existing containers are kept (stopped ones are started)."""
         extra = ["--build"] if build else ["--no-recreate"]
-        self.run("up", "-d", *extra, "--scale", f"prefill={num_prefill}", "--scale", f"decode={num_decode}",
-                 timeout_s=timeout_s)
+        self.run(
+            "up",
+            "-d",
+            *extra,
+            "--scale",
+            f"prefill={num_prefill}",
+            "--scale",
+            f"decode={num_decode}",
+            timeout_s=timeout_s,
+        )
 
     def containers(self, service: str, running_only: bool = True) -> list[str]:
         """Container ids of a service, oldest first."""
-        flags = ["--filter", f"label=com.docker.compose.project={self.name}",
-                 "--filter", f"label=com.docker.compose.service={service}", "--format", "{{.ID}}"]
-        out = subprocess.run(["docker", "ps", *([] if running_only else ["-a"]), *flags], capture_output=True,
-                             text=True, check=True, timeout=30).stdout
+        flags = [
+            "--filter",
+            f"label=com.docker.compose.project={self.name}",
+            "--filter",
+            f"label=com.docker.compose.service={service}",
+            "--format",
+            "{{.ID}}",
+        ]
+        out = subprocess.run(
+            ["docker", "ps", *([] if running_only else ["-a"]), *flags],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout
         return list(reversed(out.split()))
 
     def container_state(self, container: str) -> str:
@@ -77,22 +97,31 @@ class Project:
         return docker("inspect", "-f", "{{range .Config.Env}}{{println .}}{{end}}", container).split("\n")
 
     def logs_since(self, container: str, since: float) -> str:
-        result = subprocess.run(["docker", "logs", "--since", f"{since:.3f}", container], capture_output=True,
-                                text=True, timeout=60)
+        result = subprocess.run(
+            ["docker", "logs", "--since", f"{since:.3f}", container],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         return result.stdout + result.stderr
 
     def follow_logs(self, container: str, path: Path) -> subprocess.Popen:
         """``docker logs -f`` into ``path``: it ends with the container, so a removed one's log stays."""
         with open(path, "w") as out:
-            return subprocess.Popen(["docker", "logs", "-f", "--since", f"{time.time():.3f}", container],
-                                    stdout=out, stderr=subprocess.STDOUT)
+            return subprocess.Popen(
+                ["docker", "logs", "-f", "--since", f"{time.time():.3f}", container],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
 
     def down(self) -> None:
         self.run("down", "-v", "--remove-orphans", "-t", "10", timeout_s=300, check=False)
 
 
 def docker(*args: str, timeout_s: float = 60) -> str:
-    return subprocess.run(["docker", *args], capture_output=True, text=True, check=True, timeout=timeout_s).stdout
+    return subprocess.run(
+        ["docker", *args], capture_output=True, text=True, check=True, timeout=timeout_s
+    ).stdout
 
 
 def pools(base_url: str) -> dict[str, list[str]]:

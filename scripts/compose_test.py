@@ -68,8 +68,15 @@ class Harness:
         """Seconds until the registry shows the new pool sizes (compose's own wait included)."""
         start = time.monotonic()
         self.project.up(num_prefill, num_decode)
-        return time.monotonic() - start + ce.wait_for(f"{num_prefill}P+{num_decode}D in the registry",
-                           ce.pool_size_is(self.url, num_prefill, num_decode), self.args.ready_timeout)
+        return (
+            time.monotonic()
+            - start
+            + ce.wait_for(
+                f"{num_prefill}P+{num_decode}D in the registry",
+                ce.pool_size_is(self.url, num_prefill, num_decode),
+                self.args.ready_timeout,
+            )
+        )
 
     def record(self, name: str, results: list[Result], start: float, **checks: bool) -> Phase:
         counts = self._pools()
@@ -87,8 +94,10 @@ class Harness:
 
     def served(self, service: str, event: str, since: float) -> dict[str, int]:
         """Per running container of ``service``: how many ``event`` log lines since ``since``."""
-        return {c[:12]: self.project.logs_since(c, since).count(f'"event": "{event}"')
-                for c in self.project.containers(service)}
+        return {
+            c[:12]: self.project.logs_since(c, since).count(f'"event": "{event}"')
+            for c in self.project.containers(service)
+        }
 
     def _pools(self) -> dict[str, int]:
         now = ce.pools(self.url)
@@ -103,14 +112,29 @@ def phase_mixed(h: Harness) -> None:
     start, wall = time.monotonic(), time.time()
     results = h.load(h.args.num_requests).results()
     decode_counts = h.served("decode", "request_finished", wall)
-    passed = {name: value for name, value in HOST_ENV.items()
-              if all(f"{name}={value}" in h.project.container_env(c) for s in NODE_SERVICES
-                     for c in h.project.containers(s))}
-    phase = h.record("1P+2D mixed", results, start, all_ok=all_clean_ok(results),
-                     every_decode_served=len(decode_counts) == 2 and min(decode_counts.values()) > 0,
-                     host_env_reaches_nodes=passed == HOST_ENV)
-    phase.notes.append("decode " + "/".join(map(str, decode_counts.values()))
-                       + "; nodes got " + " ".join(f"{k}={v}" for k, v in passed.items()))
+    passed = {
+        name: value
+        for name, value in HOST_ENV.items()
+        if all(
+            f"{name}={value}" in h.project.container_env(c)
+            for s in NODE_SERVICES
+            for c in h.project.containers(s)
+        )
+    }
+    phase = h.record(
+        "1P+2D mixed",
+        results,
+        start,
+        all_ok=all_clean_ok(results),
+        every_decode_served=len(decode_counts) == 2 and min(decode_counts.values()) > 0,
+        host_env_reaches_nodes=passed == HOST_ENV,
+    )
+    phase.notes.append(
+        "decode "
+        + "/".join(map(str, decode_counts.values()))
+        + "; nodes got "
+        + " ".join(f"{k}={v}" for k, v in passed.items())
+    )
 
 
 def phase_scale_up(h: Harness) -> None:
@@ -122,11 +146,18 @@ def phase_scale_up(h: Harness) -> None:
     spread = h.load(h.args.num_requests).results()
     prefill = h.served("prefill", "request_added", wall)
     decode = h.served("decode", "request_finished", wall)
-    phase = h.record("scale 1+2 -> 2+2", results + spread, start, in_flight_ok=all_clean_ok(results),
-                     spread_ok=all_clean_ok(spread),
-                     every_node_served=min([*prefill.values(), *decode.values()], default=0) > 0)
-    phase.notes.append(f"2+2 in {waited:.0f} s; next round: prefill {'/'.join(map(str, prefill.values()))}, "
-                       f"decode {'/'.join(map(str, decode.values()))}")
+    phase = h.record(
+        "scale 1+2 -> 2+2",
+        results + spread,
+        start,
+        in_flight_ok=all_clean_ok(results),
+        spread_ok=all_clean_ok(spread),
+        every_node_served=min([*prefill.values(), *decode.values()], default=0) > 0,
+    )
+    phase.notes.append(
+        f"2+2 in {waited:.0f} s; next round: prefill {'/'.join(map(str, prefill.values()))}, "
+        f"decode {'/'.join(map(str, decode.values()))}"
+    )
 
 
 def phase_scale_down(h: Harness, name: str, service: str, num_prefill: int, num_decode: int) -> None:
@@ -146,10 +177,18 @@ def phase_scale_down(h: Harness, name: str, service: str, num_prefill: int, num_
     logs = [(h.tmp / f"{c}.log").read_text() for c in removed]
     took_on = sum(log.count(f'"event": "{STARTED_EVENT[service]}"') for log in logs)
     drains = [drain_seconds(log) for log in logs]
-    phase = h.record(name, results, start, in_flight_none_lost=all_clean_ok(in_flight),
-                     arrivals_none_lost=all_clean_ok(arrivals), removed_node_took_requests=took_on > 0)
-    phase.notes.append(f"compose took {took:.0f} s; removed {', '.join(c[:12] for c in removed)}, which took "
-                       f"{took_on} and drained in " + ", ".join("?" if d is None else f"{d:.1f} s" for d in drains))
+    phase = h.record(
+        name,
+        results,
+        start,
+        in_flight_none_lost=all_clean_ok(in_flight),
+        arrivals_none_lost=all_clean_ok(arrivals),
+        removed_node_took_requests=took_on > 0,
+    )
+    phase.notes.append(
+        f"compose took {took:.0f} s; removed {', '.join(c[:12] for c in removed)}, which took "
+        f"{took_on} and drained in " + ", ".join("?" if d is None else f"{d:.1f} s" for d in drains)
+    )
 
 
 # The log event of a request a node takes on: a prefill node's intake, a decode node's adopted KV.
@@ -182,11 +221,19 @@ def phase_kill(h: Harness) -> None:
     replays = ce.counter(h.url, "pdserve_retries_total") - retries_before
     time.sleep(h.args.settle)
     stays_down = h.project.container_state(victim) != "running"
-    phase = h.record("kill a decode node", results, start, every_request_ended_cleanly=all(
-        r.outcome in CLEAN for r in results), killed_container_stays_down=stays_down)
+    phase = h.record(
+        "kill a decode node",
+        results,
+        start,
+        every_request_ended_cleanly=all(r.outcome in CLEAN for r in results),
+        killed_container_stays_down=stays_down,
+    )
     outcomes = collections.Counter(r.outcome.value for r in results)
-    phase.notes.append(f"killed {victim[:12]}; " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items()))
-                       + f"; {replays:.0f} replayed")
+    phase.notes.append(
+        f"killed {victim[:12]}; "
+        + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items()))
+        + f"; {replays:.0f} replayed"
+    )
 
     start = time.monotonic()
     waited = h.scale(1, 2)  # README: `up -d --scale decode=2` brings a killed node back
@@ -201,9 +248,20 @@ def summary(phases: list[Phase]) -> str:
     for p in phases:
         lost = p.count(Outcome.BROKEN, Outcome.TIMEOUT)
         failed = [name for name, held in p.checks.items() if not held]
-        rows.append((p.name, p.pools, str(len(p.results)), str(p.count(Outcome.OK)),
-                     str(p.count(Outcome.STREAM_ERROR)), str(p.count(Outcome.ERROR_STATUS)), str(lost),
-                     f"{p.seconds:.0f}", "pass" if not failed else "FAIL: " + ", ".join(failed), "; ".join(p.notes)))
+        rows.append(
+            (
+                p.name,
+                p.pools,
+                str(len(p.results)),
+                str(p.count(Outcome.OK)),
+                str(p.count(Outcome.STREAM_ERROR)),
+                str(p.count(Outcome.ERROR_STATUS)),
+                str(lost),
+                f"{p.seconds:.0f}",
+                "pass" if not failed else "FAIL: " + ", ".join(failed),
+                "; ".join(p.notes),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
     lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + " | " + r[-1] for r in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths) + "-+-" + "-" * 5)
@@ -213,8 +271,11 @@ def summary(phases: list[Phase]) -> str:
 def failures(phases: list[Phase]) -> list[str]:
     out = []
     for p in phases:
-        out += [f"{p.name}: {r.spec.label} {r.outcome.value}: {r.detail}" for r in p.results
-                if r.outcome not in CLEAN]
+        out += [
+            f"{p.name}: {r.spec.label} {r.outcome.value}: {r.detail}"
+            for r in p.results
+            if r.outcome not in CLEAN
+        ]
     return out
 
 
@@ -234,16 +295,24 @@ def build_override(network: str, directory: Path) -> Path:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--build", action="store_true", help="build the image first (it is built anyway when missing)")
-    p.add_argument("--build-network", default=None, help="network for the build, e.g. host (an override file)")
+    p.add_argument(
+        "--build", action="store_true", help="build the image first (it is built anyway when missing)"
+    )
+    p.add_argument(
+        "--build-network", default=None, help="network for the build, e.g. host (an override file)"
+    )
     p.add_argument("--override", action="append", type=Path, default=[], help="more compose override files")
     p.add_argument("--project", default="pdserve-compose-test")
     p.add_argument("--threads", default="1", help="PDSERVE_THREADS for every node")
     p.add_argument("--num-requests", type=int, default=16, help="requests in a mixed round")
     p.add_argument("--num-streams", type=int, default=8, help="streams in flight while the pools change")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--long-tokens", type=int, default=64,
-                   help="tokens per stream held in flight (a drain must finish them within 30 s on a busy CPU)")
+    p.add_argument(
+        "--long-tokens",
+        type=int,
+        default=64,
+        help="tokens per stream held in flight (a drain must finish them within 30 s on a busy CPU)",
+    )
     p.add_argument("--settle", type=float, default=4.0, help="seconds between starting streams and acting")
     p.add_argument("--request-timeout", type=float, default=180.0)
     p.add_argument("--ready-timeout", type=float, default=240.0)

@@ -55,23 +55,32 @@ class Result:
 
 def mixed_specs(num: int, max_tokens: int, stream_only: bool = False) -> list[Spec]:
     """``num`` requests cycling chat/completion x streamed/not (streamed only when asked)."""
-    kinds = [(True, True), (False, True)] if stream_only else [(True, True), (False, True), (True, False),
-                                                               (False, False)]
+    kinds = (
+        [(True, True), (False, True)]
+        if stream_only
+        else [(True, True), (False, True), (True, False), (False, False)]
+    )
     return [Spec(chat, stream, max_tokens) for chat, stream in (kinds[i % len(kinds)] for i in range(num))]
 
 
 # Long enough (over 64 tokens, the router's default disagg_threshold) that every request goes
 # through a prefill node; the index leads, so no two requests share a cached prefix block.
-_PASSAGE = ("The harbour town wakes before dawn. Fishing boats leave the quay one after another, their "
-            "lamps swinging over black water, while the bakers on the hill light their ovens and the first "
-            "gulls circle the market square. By seven the streets fill with carts, schoolchildren and the "
-            "smell of bread. Describe what a visitor sees there at noon, in a few sentences.")
+_PASSAGE = (
+    "The harbour town wakes before dawn. Fishing boats leave the quay one after another, their "
+    "lamps swinging over black water, while the bakers on the hill light their ovens and the first "
+    "gulls circle the market square. By seven the streets fill with carts, schoolchildren and the "
+    "smell of bread. Describe what a visitor sees there at noon, in a few sentences."
+)
 
 
 def body(spec: Spec, index: int) -> dict:
     prompt = f"Request {index}. {_PASSAGE}"
-    fields = {"max_tokens": spec.max_tokens, "temperature": 0.0, "ignore_eos": spec.ignore_eos,
-              "stream": spec.stream}
+    fields = {
+        "max_tokens": spec.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": spec.ignore_eos,
+        "stream": spec.stream,
+    }
     if spec.chat:
         return {"messages": [{"role": "user", "content": prompt}], **fields}
     return {"prompt": prompt, **fields}
@@ -84,7 +93,9 @@ def send(client: httpx.Client, spec: Spec, index: int, timeout_s: float) -> Resu
         with client.stream("POST", path, json=body(spec, index), timeout=timeout_s) as response:
             lines = _lines_until(response.iter_lines(), start + timeout_s)
             if lines is None:
-                return Result(spec, Outcome.TIMEOUT, 0, time.monotonic() - start, f"no end in {timeout_s:g} s")
+                return Result(
+                    spec, Outcome.TIMEOUT, 0, time.monotonic() - start, f"no end in {timeout_s:g} s"
+                )
             outcome, num_tokens, detail = classify(spec, response.status_code, lines)
     except httpx.TimeoutException as exc:
         return Result(spec, Outcome.TIMEOUT, 0, time.monotonic() - start, repr(exc))

@@ -44,9 +44,23 @@ class RedisServer:
             raise RuntimeError("redis-server not on PATH (make test installs it)")
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(tmp)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(tmp),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         import redis
 
         self.client = redis.Redis(port=self.port, socket_timeout=2)
@@ -69,13 +83,31 @@ class RedisServer:
 class NodeProcess:
     """``pdserve prefill|decode`` in a subprocess; ``addrs`` once it is serving."""
 
-    def __init__(self, role: str, model: str, tmp: pathlib.Path, redis_url: str | None = None,
-                 extra: list[str] | None = None, threads: int = 1) -> None:
+    def __init__(
+        self,
+        role: str,
+        model: str,
+        tmp: pathlib.Path,
+        redis_url: str | None = None,
+        extra: list[str] | None = None,
+        threads: int = 1,
+    ) -> None:
         self.role = role
         self.ready_file = tmp / f"{role}-{time.monotonic_ns()}.json"
         self.log_path = tmp / f"{self.ready_file.stem}.log"
-        cmd = [sys.executable, "-m", "pdserve_cli", role, "--model", model, "--ready-file", str(self.ready_file),
-               "--threads", str(threads), *(extra or [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve_cli",
+            role,
+            "--model",
+            model,
+            "--ready-file",
+            str(self.ready_file),
+            "--threads",
+            str(threads),
+            *(extra or []),
+        ]
         if redis_url:
             cmd += ["--redis", redis_url]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
@@ -139,11 +171,20 @@ class Client:
             self.dealers[addr] = sock
         return self.dealers[addr]
 
-    def generate(self, node: dict, request_id: str, token_ids: list[int], params: dict,
-                 decode: dict | None = None, ttl_s: float = 60.0) -> None:
+    def generate(
+        self,
+        node: dict,
+        request_id: str,
+        token_ids: list[int],
+        params: dict,
+        decode: dict | None = None,
+        ttl_s: float = 60.0,
+    ) -> None:
         decode_addr = decode["kv_addr"] if decode else None
         now = time.time()
-        msg = GenerateRequest(request_id, tuple(token_ids), params, self.reply_addr, decode_addr, now + ttl_s, now)
+        msg = GenerateRequest(
+            request_id, tuple(token_ids), params, self.reply_addr, decode_addr, now + ttl_s, now
+        )
         self._dealer(node["control_addr"]).send(encode(msg))
 
     def status(self, node: dict, timeout_s: float = 5.0) -> dict:

@@ -22,7 +22,8 @@ def hf_model(path: str) -> transformers.PreTrainedModel:
     config = transformers.AutoConfig.from_pretrained(path)
     eager = getattr(config, "attn_logit_softcapping", None) is not None
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager" if eager else None).eval()
+        path, dtype=torch.float32, attn_implementation="eager" if eager else None
+    ).eval()
     model.generation_config.eos_token_id = None  # fixed-length runs: like ignore_eos, EOS may be emitted
     return model
 
@@ -31,10 +32,11 @@ def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Hugging Face generate, greedy, EOS ignored (fixed length)."""
     model = hf_model(str(path))
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=0)
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+        )
     assert out.shape[1] == len(prompt) + max_new_tokens
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def hf_logits(path: str, tokens: list[int]) -> torch.Tensor:

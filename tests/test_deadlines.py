@@ -24,8 +24,14 @@ def test_time_spent_before_the_transfer_counts_against_the_deadline(tmp_path, de
         p, d = prefill.wait_ready(), decode.wait_ready()
         os.kill(prefill.proc.pid, signal.SIGSTOP)  # the request waits 2 s on the prefill node
         sent = time.monotonic()
-        client.generate(p, "late", list(range(5, 60)), {"temperature": 0, "max_tokens": 3900, "ignore_eos": True},
-                        decode=d, ttl_s=3.0)
+        client.generate(
+            p,
+            "late",
+            list(range(5, 60)),
+            {"temperature": 0, "max_tokens": 3900, "ignore_eos": True},
+            decode=d,
+            ttl_s=3.0,
+        )
         time.sleep(2.0)
         os.kill(prefill.proc.pid, signal.SIGCONT)
         result = client.collect(["late"], timeout_s=30)["late"]

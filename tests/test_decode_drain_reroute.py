@@ -22,8 +22,16 @@ pytestmark = pytest.mark.slow
 
 def _stream(router, model, prompt: list[int]) -> tuple[list[int], list[dict]]:
     """A streamed completion's token ids and the error events it ended with, if any."""
-    body = {"model": model.name, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-            "logprobs": 0, "return_tokens_as_token_ids": True, "stream": True}
+    body = {
+        "model": model.name,
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+        "stream": True,
+    }
     tokens, errors = [], []
     with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as reply:
         assert reply.status_code == 200, reply.read()
@@ -54,8 +62,12 @@ def test_requests_refused_by_a_draining_decode_node_are_retried_on_another(tmp_p
         while httpx.get(router.url + "/health").json()["num_decode"] < 2:
             time.sleep(0.1)
         # Keeps the draining node alive (and refusing) for a few seconds after SIGTERM.
-        client.generate(draining.addrs, "long", list(range(5, 40)), {"temperature": 0, "max_tokens": 1900,
-                                                                     "ignore_eos": True})
+        client.generate(
+            draining.addrs,
+            "long",
+            list(range(5, 40)),
+            {"temperature": 0, "max_tokens": 1900, "ignore_eos": True},
+        )
         os.kill(prefill.proc.pid, signal.SIGSTOP)  # the requests wait on the prefill node
         prompts = [[100 + i, *range(200, 300)] for i in range(6)]
         with concurrent.futures.ThreadPoolExecutor(6) as pool:

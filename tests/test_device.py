@@ -43,8 +43,9 @@ def test_pdserve_device_becomes_the_node_flag():
 def test_node_status_names_its_device(tmp_path, default_model_dir):
     from tests.cluster import Client, NodeProcess
 
-    node = NodeProcess("decode", str(make_tiny_model("llama")), tmp_path, None,
-                       ["--num-kv-blocks", "16", "--device", "auto"])
+    node = NodeProcess(
+        "decode", str(make_tiny_model("llama")), tmp_path, None, ["--num-kv-blocks", "16", "--device", "auto"]
+    )
     client = Client()
     try:
         assert client.status(node.wait_ready())["device"] == "cpu"

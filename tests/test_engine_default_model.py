@@ -14,8 +14,11 @@ def chat_prompt(default_model_dir) -> list[int]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(default_model_dir)
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                  add_generation_prompt=True, tokenize=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+    )
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
@@ -31,8 +34,9 @@ def test_default_model_chat_greedy_matches_hf_and_stops_at_eos(default_model_dir
     out = llm.generate([chat_prompt], SamplingParams(temperature=0.0, max_tokens=32))[0].outputs[0]
     model = hf_model(path)
     with torch.no_grad():
-        ref = model.generate(torch.tensor([chat_prompt]), max_new_tokens=32, do_sample=False,
-                             eos_token_id=2)[0, len(chat_prompt):].tolist()
+        ref = model.generate(torch.tensor([chat_prompt]), max_new_tokens=32, do_sample=False, eos_token_id=2)[
+            0, len(chat_prompt) :
+        ].tolist()
     assert out.token_ids == ref
     assert out.finish_reason == "stop" and out.token_ids[-1] == 2
     assert "Paris" in out.text
@@ -40,17 +44,24 @@ def test_default_model_chat_greedy_matches_hf_and_stops_at_eos(default_model_dir
 
 def test_default_model_stop_string_cuts_text_and_ends_early(default_model_dir, chat_prompt):
     llm = LLM(str(default_model_dir), kv_cache_memory_mb=64)
-    out = llm.generate([chat_prompt], SamplingParams(temperature=0.0, max_tokens=32, stop=[" is"]))[0].outputs[0]
+    out = llm.generate([chat_prompt], SamplingParams(temperature=0.0, max_tokens=32, stop=[" is"]))[
+        0
+    ].outputs[0]
     assert out.text == "The capital of France"
     assert out.finish_reason == "stop" and out.stop_reason == " is"
 
 
-def test_default_model_stop_string_waits_for_min_tokens_and_cuts_at_the_earliest(default_model_dir, chat_prompt):
+def test_default_model_stop_string_waits_for_min_tokens_and_cuts_at_the_earliest(
+    default_model_dir, chat_prompt
+):
     llm = LLM(str(default_model_dir), kv_cache_memory_mb=64)
-    early, late = llm.generate([chat_prompt, chat_prompt], [
-        SamplingParams(temperature=0.0, max_tokens=32, stop=[" of", "capital"]),
-        SamplingParams(temperature=0.0, max_tokens=32, stop=["capital"], min_tokens=4),
-    ])
+    early, late = llm.generate(
+        [chat_prompt, chat_prompt],
+        [
+            SamplingParams(temperature=0.0, max_tokens=32, stop=[" of", "capital"]),
+            SamplingParams(temperature=0.0, max_tokens=32, stop=["capital"], min_tokens=4),
+        ],
+    )
     assert early.outputs[0].text == "The " and early.outputs[0].stop_reason == "capital"
     assert len(early.outputs[0].token_ids) == 2  # "The", " capital": matched at the token that completes it
     # Seen at token 2, honoured once min_tokens (4) were generated; the text is still cut at it.

@@ -15,15 +15,19 @@ from tests.tiny_models import make_tiny_model
 
 def _move_kv(src: LLMEngine, dst: LLMEngine, seq: Sequence, request_id: str) -> list:
     """What kv_transfer does over the wire, done in-process: reserve, gather, scatter, arrive."""
-    prompt = seq.token_ids[:seq.num_prompt_tokens]
+    prompt = seq.token_ids[: seq.num_prompt_tokens]
     reservation = dst.reserve_remote(request_id, list(prompt), seq.params)
     assert reservation is not None
     held = reservation.num_held_blocks
     src_k = [k for k, _ in src.runner.kv_caches]
     src_v = [v for _, v in src.runner.kv_caches]
     buf = kernels.gather_blocks(src_k, src_v, torch.tensor(seq.block_table[held:]))
-    kernels.scatter_blocks(buf, [k for k, _ in dst.runner.kv_caches], [v for _, v in dst.runner.kv_caches],
-                           torch.tensor(reservation.block_ids))
+    kernels.scatter_blocks(
+        buf,
+        [k for k, _ in dst.runner.kv_caches],
+        [v for _, v in dst.runner.kv_caches],
+        torch.tensor(reservation.block_ids),
+    )
     return dst.kv_arrived(request_id, seq.token_ids[-1])
 
 
@@ -69,8 +73,12 @@ def test_first_token_that_ends_the_request_finishes_at_adoption():
 def _prefilled(path: str, prompts: dict[str, list[int]], max_tokens: int) -> LLMEngine:
     prefill = LLMEngine(EngineConfig(model=path, num_kv_blocks=64, block_size=8))
     for rid, prompt in prompts.items():
-        prefill.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                            prefill_only=True)
+        prefill.add_request(
+            rid,
+            prompt,
+            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+            prefill_only=True,
+        )
     while prefill.has_unfinished_requests():
         prefill.step()
     return prefill

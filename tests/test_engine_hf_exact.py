@@ -75,7 +75,9 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     cfg = json.loads((dst / "config.json").read_text())
     cfg["architectures"] = ["BloomForCausalLM"]
     (dst / "config.json").write_text(json.dumps(cfg))
-    supported = ("GPT2LMHeadModel, Gemma2ForCausalLM, GemmaForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
-                 "MixtralForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, StableLmForCausalLM")
+    supported = (
+        "GPT2LMHeadModel, Gemma2ForCausalLM, GemmaForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
+        "MixtralForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, StableLmForCausalLM"
+    )
     with pytest.raises(ValueError, match=f"'BloomForCausalLM' is not supported; supported: {supported}$"):
         LLM(str(dst))

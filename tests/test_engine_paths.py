@@ -28,7 +28,12 @@ def _greedy(max_tokens: int) -> SamplingParams:
 
 
 def _alone(path: str, prompt: list[int], max_tokens: int) -> list[int]:
-    return LLM(path, num_kv_blocks=64, block_size=8).generate([prompt], _greedy(max_tokens))[0].outputs[0].token_ids
+    return (
+        LLM(path, num_kv_blocks=64, block_size=8)
+        .generate([prompt], _greedy(max_tokens))[0]
+        .outputs[0]
+        .token_ids
+    )
 
 
 def _check_all_blocks_back(llm: LLM) -> None:

@@ -21,8 +21,12 @@ def pairs(tmp_path_factory):
     """kind -> (prefill addrs, decode addrs); processes started at once so their start-ups overlap."""
     tmp = tmp_path_factory.mktemp("families")
     extra = ["--block-size", "8", "--num-kv-blocks", "32"]
-    procs = {kind: [NodeProcess(role, str(make_tiny_model(kind)), tmp, None, extra) for role in ("prefill", "decode")]
-             for kind in KINDS}
+    procs = {
+        kind: [
+            NodeProcess(role, str(make_tiny_model(kind)), tmp, None, extra) for role in ("prefill", "decode")
+        ]
+        for kind in KINDS
+    }
     try:
         yield {kind: tuple(p.wait_ready() for p in pair) for kind, pair in procs.items()}
     finally:
@@ -43,7 +47,9 @@ def test_prefill_then_decode_node_matches_hf(kind, pairs, client):
     model = str(make_tiny_model(kind))
     prefill, decode = pairs[kind]
     g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (29, 12)]  # past Gemma 2's window of 8
+    prompts = [
+        torch.randint(3, 256, (n,), generator=g).tolist() for n in (29, 12)
+    ]  # past Gemma 2's window of 8
     for i, p in enumerate(prompts):
         client.generate(prefill, f"{kind}-{i}", p, {**GREEDY, "max_tokens": 10}, decode=decode)
     results = client.collect([f"{kind}-{i}" for i in range(len(prompts))])

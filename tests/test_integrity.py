@@ -21,8 +21,9 @@ from tests.tiny_models import make_tiny_model
 
 
 def _engine(debug_checks: bool) -> LLMEngine:
-    config = EngineConfig(model=str(make_tiny_model("llama")), num_kv_blocks=16, block_size=4,
-                          debug_checks=debug_checks)
+    config = EngineConfig(
+        model=str(make_tiny_model("llama")), num_kv_blocks=16, block_size=4, debug_checks=debug_checks
+    )
     engine = LLMEngine(config)
     engine.add_request("r", [3, 4, 5, 6, 7], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     engine.step()
@@ -45,9 +46,20 @@ def test_the_scheduler_refuses_to_schedule_a_sequence_that_is_not_running():
 
 def test_a_node_whose_invariant_fails_leaves_a_record_that_says_so(tmp_path):
     redis = RedisServer(tmp_path)
-    opts = NodeOptions(role="prefill", host="127.0.0.1", port=0, kv_port=0, advertise_host="127.0.0.1",
-                       redis_url=redis.url, heartbeat_interval_s=0.1, heartbeat_ttl_s=5.0, request_ttl_s=60.0,
-                       drain_timeout_s=1.0, node_id="prefill-broken", model_id="tiny")
+    opts = NodeOptions(
+        role="prefill",
+        host="127.0.0.1",
+        port=0,
+        kv_port=0,
+        advertise_host="127.0.0.1",
+        redis_url=redis.url,
+        heartbeat_interval_s=0.1,
+        heartbeat_ttl_s=5.0,
+        request_ttl_s=60.0,
+        drain_timeout_s=1.0,
+        node_id="prefill-broken",
+        model_id="tiny",
+    )
     runtime = NodeRuntime(opts, EventLog(opts.node_id))
     runtime.start(dataclasses.replace(PREFILL, node_id="prefill-broken"), None)
 

@@ -31,8 +31,11 @@ COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
 ROLES = ("router", "prefill", "decode")
 NODES = ("prefill", "decode")
 # Variables only a cluster sets: the pod's IP, which compose's hostnames stand in for.
-K8S_ONLY = {"router": {"PDSERVE_ADVERTISE_HOST", "PDSERVE_REPLY_PORT"}, "prefill": {"PDSERVE_ADVERTISE_HOST"},
-            "decode": {"PDSERVE_ADVERTISE_HOST"}}
+K8S_ONLY = {
+    "router": {"PDSERVE_ADVERTISE_HOST", "PDSERVE_REPLY_PORT"},
+    "prefill": {"PDSERVE_ADVERTISE_HOST"},
+    "decode": {"PDSERVE_ADVERTISE_HOST"},
+}
 ADAPTER_VALUES = K8S / "autoscaling" / "hpa" / "prometheus-adapter-values.yaml"
 
 # The fields of KEDA's ScaledObject CRD (keda.sh/v1alpha1) the manifests use, as its schema has them.
@@ -44,17 +47,35 @@ SCALED_OBJECT_SCHEMA = {
         "kind": {"const": "ScaledObject"},
         "metadata": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
         "spec": {
-            "type": "object", "required": ["scaleTargetRef", "triggers"], "additionalProperties": False,
+            "type": "object",
+            "required": ["scaleTargetRef", "triggers"],
+            "additionalProperties": False,
             "properties": {
-                "scaleTargetRef": {"type": "object", "required": ["name"], "additionalProperties": False,
-                                   "properties": {k: {"type": "string"} for k in ("apiVersion", "kind", "name")}},
-                **{k: {"type": "integer", "minimum": 0} for k in
-                   ("minReplicaCount", "maxReplicaCount", "pollingInterval", "cooldownPeriod")},
-                "triggers": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "required": ["type", "metadata"], "additionalProperties": False,
-                    "properties": {"type": {"type": "string"}, "name": {"type": "string"},
-                                   "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
-                                   "metadata": {"type": "object", "additionalProperties": {"type": "string"}}}}},
+                "scaleTargetRef": {
+                    "type": "object",
+                    "required": ["name"],
+                    "additionalProperties": False,
+                    "properties": {k: {"type": "string"} for k in ("apiVersion", "kind", "name")},
+                },
+                **{
+                    k: {"type": "integer", "minimum": 0}
+                    for k in ("minReplicaCount", "maxReplicaCount", "pollingInterval", "cooldownPeriod")
+                },
+                "triggers": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "metadata"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "type": {"type": "string"},
+                            "name": {"type": "string"},
+                            "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
+                            "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+                        },
+                    },
+                },
             },
         },
     },
@@ -101,29 +122,43 @@ def strategic_merge(base, patch):
     """Kustomize's strategic merge for what the patches here touch: maps merge, named lists by name."""
     if isinstance(base, dict) and isinstance(patch, dict):
         return {**base, **{k: strategic_merge(base[k], v) if k in base else v for k, v in patch.items()}}
-    if isinstance(base, list) and isinstance(patch, list) and all(isinstance(x, dict) and "name" in x
-                                                                  for x in base + patch):
+    if (
+        isinstance(base, list)
+        and isinstance(patch, list)
+        and all(isinstance(x, dict) and "name" in x for x in base + patch)
+    ):
         merged = {x["name"]: x for x in base}
         for item in patch:
-            merged[item["name"]] = strategic_merge(merged[item["name"]], item) if item["name"] in merged else item
+            merged[item["name"]] = (
+                strategic_merge(merged[item["name"]], item) if item["name"] in merged else item
+            )
         return list(merged.values())
     return patch
 
 
 def gpu_deployments() -> dict[str, dict]:
     overlay = K8S / "overlays" / "gpu"
-    patches = [yaml.safe_load((overlay / p["path"]).read_text()) for p in kustomizations()[overlay /
-                                                                                           "kustomization.yaml"]["patches"]]
-    return {p["metadata"]["name"]: strategic_merge(BASE[("Deployment", p["metadata"]["name"])], p) for p in patches}
+    patches = [
+        yaml.safe_load((overlay / p["path"]).read_text())
+        for p in kustomizations()[overlay / "kustomization.yaml"]["patches"]
+    ]
+    return {
+        p["metadata"]["name"]: strategic_merge(BASE[("Deployment", p["metadata"]["name"])], p)
+        for p in patches
+    }
 
 
 def test_kubernetes_validate_has_its_schemas_offline():
-    assert KUBERNETES_VERSION.rsplit(".", 1)[0] in {v.rsplit(".", 1)[0] for v in
-                                                    kubernetes_validate.utils.all_versions()}
+    assert KUBERNETES_VERSION.rsplit(".", 1)[0] in {
+        v.rsplit(".", 1)[0] for v in kubernetes_validate.utils.all_versions()
+    }
 
 
-@pytest.mark.parametrize(("path", "index", "doc"), MANIFESTS,
-                         ids=[f"{p.relative_to(K8S)}#{i}:{d['kind']}" for p, i, d in MANIFESTS])
+@pytest.mark.parametrize(
+    ("path", "index", "doc"),
+    MANIFESTS,
+    ids=[f"{p.relative_to(K8S)}#{i}:{d['kind']}" for p, i, d in MANIFESTS],
+)
 def test_every_manifest_validates_against_its_schema(path, index, doc):
     if doc["kind"] == "ScaledObject":
         jsonschema.validate(doc, SCALED_OBJECT_SCHEMA)
@@ -136,7 +171,9 @@ def test_gpu_overlay_renders_valid_deployments_that_request_a_gpu(name):
     rendered = gpu_deployments()[name]
     kubernetes_validate.validate(rendered, KUBERNETES_VERSION, strict=True)
     (spec,) = rendered["spec"]["template"]["spec"]["containers"]
-    assert spec["resources"]["limits"]["nvidia.com/gpu"] == 1 == spec["resources"]["requests"]["nvidia.com/gpu"]
+    assert (
+        spec["resources"]["limits"]["nvidia.com/gpu"] == 1 == spec["resources"]["requests"]["nvidia.com/gpu"]
+    )
     assert env_of(spec)["PDSERVE_DTYPE"] == "bfloat16"
     assert len(spec["env"]) == len({e["name"] for e in spec["env"]})  # merged by name, not appended
 
@@ -242,22 +279,35 @@ def test_both_autoscalers_scale_the_prefill_and_decode_deployments(kind):
 
 def test_hpa_metrics_are_the_adapters_external_rules():
     rules = {r["name"]["as"]: r for r in yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]["external"]}
-    named = {m["external"]["metric"]["name"] for hpa in autoscalers("HorizontalPodAutoscaler").values()
-             for m in hpa["spec"]["metrics"]}
-    assert named == set(rules) == {"pdserve_prefill_backlog_seconds", "pdserve_decode_kv_usage_ratio",
-                                   "pdserve_decode_running_requests"}
+    named = {
+        m["external"]["metric"]["name"]
+        for hpa in autoscalers("HorizontalPodAutoscaler").values()
+        for m in hpa["spec"]["metrics"]
+    }
+    assert (
+        named
+        == set(rules)
+        == {
+            "pdserve_prefill_backlog_seconds",
+            "pdserve_decode_kv_usage_ratio",
+            "pdserve_decode_running_requests",
+        }
+    )
 
 
 def exported_metric_names() -> set[str]:
-    nodes = [node_info("p0", "prefill", num_queued_prefill_tokens=10, prefill_tokens_per_s=5.0),
-             node_info("d0", "decode")]
+    nodes = [
+        node_info("p0", "prefill", num_queued_prefill_tokens=10, prefill_tokens_per_s=5.0),
+        node_info("d0", "decode"),
+    ]
     return set(re.findall(r"^(pdserve_\w+)[{ ]", RouterMetrics().render(nodes, {}), re.M))
 
 
 def test_every_metric_the_autoscalers_query_is_one_the_router_exports_and_the_readme_names():
     rules = yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]["external"]
     queries = [r["metricsQuery"] for r in rules] + [
-        t["metadata"]["query"] for so in autoscalers("ScaledObject").values() for t in so["spec"]["triggers"]]
+        t["metadata"]["query"] for so in autoscalers("ScaledObject").values() for t in so["spec"]["triggers"]
+    ]
     queried = {m for q in queries for m in re.findall(r"\bpdserve_\w+", q)}
     assert queried <= exported_metric_names()
     readme = (K8S / "README.md").read_text()
@@ -273,8 +323,9 @@ def _kubectl_kustomize(folder: Path) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc is not None]
 
 
-@pytest.mark.parametrize("folder", sorted(p.parent.relative_to(K8S) for p in K8S.rglob("kustomization.yaml")),
-                         ids=str)
+@pytest.mark.parametrize(
+    "folder", sorted(p.parent.relative_to(K8S) for p in K8S.rglob("kustomization.yaml")), ids=str
+)
 def test_kustomize_renders_every_kustomization_into_valid_manifests_in_the_namespace(folder):
     for doc in _kubectl_kustomize(K8S / folder):
         if doc["kind"] == "ScaledObject":
@@ -285,11 +336,16 @@ def test_kustomize_renders_every_kustomization_into_valid_manifests_in_the_names
 
 
 def test_kustomize_renders_the_gpu_overlay_as_the_merge_above_does():
-    rendered = {d["metadata"]["name"]: d for d in _kubectl_kustomize(K8S / "overlays" / "gpu")
-                if d["kind"] == "Deployment"}
+    rendered = {
+        d["metadata"]["name"]: d
+        for d in _kubectl_kustomize(K8S / "overlays" / "gpu")
+        if d["kind"] == "Deployment"
+    }
     for name, merged in gpu_deployments().items():
         (ours,) = merged["spec"]["template"]["spec"]["containers"]
         (theirs,) = rendered[name]["spec"]["template"]["spec"]["containers"]
         assert theirs["image"] == "pdserve:gpu"
-        assert {e["name"]: e.get("value") for e in theirs["env"]} == {e["name"]: e.get("value") for e in ours["env"]}
+        assert {e["name"]: e.get("value") for e in theirs["env"]} == {
+            e["name"]: e.get("value") for e in ours["env"]
+        }
         assert theirs["resources"] == ours["resources"]

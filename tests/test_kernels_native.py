@@ -44,14 +44,21 @@ def test_native_decode_matches_reference(kernel, block_size, num_heads, num_kv_h
 
 def test_native_decode_declines_other_dtypes(kernel):
     q, kc, vc, tables, ctx = _case(1, 2, 4, 2, 8, 8, [3, 9])
-    half = cpu_native.paged_decode_attention(q.half(), kc.half(), vc.half(), tables, ctx, 0.3, None, fn=kernel)
+    half = cpu_native.paged_decode_attention(
+        q.half(), kc.half(), vc.half(), tables, ctx, 0.3, None, fn=kernel
+    )
     assert half is None
 
 
 def test_native_kernel_is_off_unless_asked_for():
     code = "from kernels import cpu_native; print(cpu_native.native_decode())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PATH": os.environ.get("PATH", "")})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": os.environ.get("PATH", "")},
+    )
     assert out.stdout.strip() == "None"
 
 

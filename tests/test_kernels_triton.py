@@ -148,7 +148,17 @@ def test_softcapped_decode_and_prefill_match_refs(window):
     torch.testing.assert_close(out, paged_decode_attention_ref(*args), atol=1e-5, rtol=1e-5)
     prefill_query = 3 * torch.randn(9, 2, 24, device=DEVICE)
     qsl = query_start_loc([5, 4], device=DEVICE)
-    args = (prefill_query, kv.key_cache, kv.value_cache, kv.block_tables, qsl, kv.context_lens, 0.3, window, 2.0)
+    args = (
+        prefill_query,
+        kv.key_cache,
+        kv.value_cache,
+        kv.block_tables,
+        qsl,
+        kv.context_lens,
+        0.3,
+        window,
+        2.0,
+    )
     out = paged_prefill_attention_triton(*args, block_m=16, block_n=16, out=_poisoned(prefill_query))
     torch.testing.assert_close(out, paged_prefill_attention_ref(*args), atol=1e-5, rtol=1e-5)
 

@@ -134,7 +134,9 @@ def test_prefix_blocks_held_by_the_receiver_are_not_sent(link, pool):
     first = list(range(1, 2 * BLOCK_SIZE + 2))  # 2 full blocks + 1 token
     _, src_seq = prefill_side(first, NUM_BLOCKS)
     future = pool.submit(sender.transfer, "a", first, keys, values, src_seq.block_table, 5)
-    receiver.reservations.finish(poll_until(receiver, lambda r: bool(r.completed)).completed[0].request_id)  # blocks stay cached
+    receiver.reservations.finish(
+        poll_until(receiver, lambda r: bool(r.completed)).completed[0].request_id
+    )  # blocks stay cached
     future.result(timeout=5)  # a KVSender is used from one thread at a time
 
     second = [*first[: 2 * BLOCK_SIZE], 50, 51, 52, 53, 54]  # same 2 leading blocks, new tail (2 blocks)
@@ -146,7 +148,12 @@ def test_prefix_blocks_held_by_the_receiver_are_not_sent(link, pool):
     block_bytes = 2 * NUM_LAYERS * keys[0][0].numel() * 4  # K and V, every layer, fp32
     assert got.num_held_blocks == stats.num_held_blocks == 2
     assert stats.bytes_sent == got.bytes_received == 2 * block_bytes  # only the two tail blocks
-    assert_blocks_equal(keys, src_seq2.block_table, receiver.key_caches, receiver.reservations.arrived(got.request_id).block_table)
+    assert_blocks_equal(
+        keys,
+        src_seq2.block_table,
+        receiver.key_caches,
+        receiver.reservations.arrived(got.request_id).block_table,
+    )
     bm.check_integrity([receiver.reservations.arrived(got.request_id)])
     receiver.reservations.finish(got.request_id)
     assert bm.num_free_blocks == NUM_BLOCKS
@@ -172,7 +179,12 @@ def test_second_sender_waits_for_room_then_completes(link, pool):
     receiver.reservations.finish(got_a.request_id)  # request a finished decoding
     got_b = poll_until(receiver, lambda r: bool(r.completed)).completed[0]
     assert future_b.result(timeout=5).num_sent_blocks == 3
-    assert_blocks_equal(keys, seq_b.block_table, receiver.key_caches, receiver.reservations.arrived(got_b.request_id).block_table)
+    assert_blocks_equal(
+        keys,
+        seq_b.block_table,
+        receiver.key_caches,
+        receiver.reservations.arrived(got_b.request_id).block_table,
+    )
     receiver.reservations.finish(got_b.request_id)
     receiver.reservations.block_manager.check_integrity([])
     assert receiver.reservations.block_manager.num_free_blocks == 3
@@ -237,7 +249,10 @@ def test_int8_wire_quarters_the_bytes_within_quantization_error(link, pool):
     assert stats.bytes_sent == elems + num_scales * 4  # int8 values + one fp32 scale per (block, head)
     for src, dst in [(keys, receiver.key_caches), (values, receiver.value_caches)]:
         for s, d in zip(src, dst, strict=True):
-            x, y = s[src_seq.block_table], d[receiver.reservations.arrived(got.request_id).block_table]  # [blocks, block_size, heads, dim]
+            x, y = (
+                s[src_seq.block_table],
+                d[receiver.reservations.arrived(got.request_id).block_table],
+            )  # [blocks, block_size, heads, dim]
             step = x.abs().amax(dim=(1, 3), keepdim=True) / 127  # one scale per (block, head)
             assert ((x - y).abs() <= step / 2 + 1e-6).all()
     receiver.reservations.finish(got.request_id)

@@ -58,7 +58,9 @@ def serve_one_transfer(receiver: KVReceiver, request_id: str) -> None:
 
 def assert_all_blocks_free(receiver: KVReceiver) -> None:
     receiver.reservations.block_manager.check_integrity([])
-    assert receiver.reservations.block_manager.num_free_blocks == receiver.reservations.block_manager.num_blocks
+    assert (
+        receiver.reservations.block_manager.num_free_blocks == receiver.reservations.block_manager.num_blocks
+    )
     assert receiver.num_incoming == receiver.num_queued == 0
 
 

@@ -31,11 +31,16 @@ def _transfer(sender: KVSender, receiver, request_id: str):
     return stats
 
 
-@pytest.mark.parametrize("address, local", [
-    ("tcp://127.0.0.1:5555", True), ("tcp://localhost:5555", True), ("ipc:///tmp/x.sock", True),
-    ("tcp://192.0.2.7:5555", False),  # TEST-NET-1: an address of no interface here (nothing is sent)
-    ("tcp://no-such-host.invalid:5555", False),
-])
+@pytest.mark.parametrize(
+    "address, local",
+    [
+        ("tcp://127.0.0.1:5555", True),
+        ("tcp://localhost:5555", True),
+        ("ipc:///tmp/x.sock", True),
+        ("tcp://192.0.2.7:5555", False),  # TEST-NET-1: an address of no interface here (nothing is sent)
+        ("tcp://no-such-host.invalid:5555", False),
+    ],
+)
 def test_peer_is_local_only_for_addresses_of_this_machine(address, local):
     assert staging.peer_is_local(address) is local
 
@@ -43,11 +48,15 @@ def test_peer_is_local_only_for_addresses_of_this_machine(address, local):
 def test_rings_for_several_local_peers_are_memfds_outside_dev_shm():
     before = _dev_shm()
     receivers = [make_receiver("tcp://127.0.0.1:0") for _ in range(3)]
-    senders = [KVSender(r.address, make_fingerprint(), SenderConfig(staging_bytes=1 << 20)) for r in receivers]
+    senders = [
+        KVSender(r.address, make_fingerprint(), SenderConfig(staging_bytes=1 << 20)) for r in receivers
+    ]
     try:
         for sender in senders:
             ref = sender._ring.ref
-            assert ref is not None and os.readlink(f"/proc/self/fd/{ref.fd}").startswith("/memfd:pdserve-kv-ring")
+            assert ref is not None and os.readlink(f"/proc/self/fd/{ref.fd}").startswith(
+                "/memfd:pdserve-kv-ring"
+            )
         assert _dev_shm() == before
         stats = [_transfer(s, r, f"r{i}") for i, (s, r) in enumerate(zip(senders, receivers, strict=True))]
         assert all(s.shm for s in stats)  # the receivers mapped the rings
@@ -86,7 +95,9 @@ def test_ring_bytes_that_change_after_the_check_never_land(monkeypatch):
     def check_then_scribble(msg, frames, *args):
         problem = check(msg, frames, *args)
         size = sum(len(f) for f in frames)
-        sender._ring.buffer[msg.shm_offset:msg.shm_offset + size].fill_(0x5A)  # after the check, before the copy
+        sender._ring.buffer[msg.shm_offset : msg.shm_offset + size].fill_(
+            0x5A
+        )  # after the check, before the copy
         return problem
 
     monkeypatch.setattr(receiver_module, "chunk_problem", check_then_scribble)
@@ -100,7 +111,9 @@ def test_ring_bytes_that_change_after_the_check_never_land(monkeypatch):
             assert future.result(timeout=10).shm
         for src, dst in ((keys, receiver.key_caches), (values, receiver.value_caches)):
             for layer in range(len(src)):
-                assert src[layer][seq.block_table].equal(dst[layer][receiver.reservations.arrived(got.request_id).block_table])
+                assert src[layer][seq.block_table].equal(
+                    dst[layer][receiver.reservations.arrived(got.request_id).block_table]
+                )
     finally:
         sender.close()
         receiver.close()

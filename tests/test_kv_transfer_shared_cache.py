@@ -45,10 +45,18 @@ def test_direct_transfer_copies_exact_bytes_and_sends_no_chunks():
         got = poll_until(receiver, lambda r: bool(r.completed)).completed[0]
         stats = future.result(timeout=5)
     assert stats.direct and not stats.shm
-    assert receiver.reservations.arrived(got.request_id).block_table == [2, 3, 4, 5] and src_seq.block_table == [4, 5, 6, 7]
+    assert receiver.reservations.arrived(got.request_id).block_table == [
+        2,
+        3,
+        4,
+        5,
+    ] and src_seq.block_table == [4, 5, 6, 7]
     for layer in range(NUM_LAYERS):
         for src, dst in ((keys, receiver.key_caches), (values, receiver.value_caches)):
-            assert torch.equal(src[layer][src_seq.block_table], dst[layer][receiver.reservations.arrived(got.request_id).block_table])
+            assert torch.equal(
+                src[layer][src_seq.block_table],
+                dst[layer][receiver.reservations.arrived(got.request_id).block_table],
+            )
     receiver.reservations.finish(got.request_id)
     receiver.reservations.block_manager.free(squatter)
     assert receiver.reservations.block_manager.num_free_blocks == NUM_BLOCKS
@@ -101,7 +109,10 @@ def test_a_cache_ref_that_cannot_be_opened_falls_back_to_chunks():
         got = poll_until(receiver, lambda r: bool(r.completed)).completed[0]
         stats = future.result(timeout=5)
     assert not stats.direct
-    assert torch.equal(keys[0][src_seq.block_table], receiver.key_caches[0][receiver.reservations.arrived(got.request_id).block_table])
+    assert torch.equal(
+        keys[0][src_seq.block_table],
+        receiver.key_caches[0][receiver.reservations.arrived(got.request_id).block_table],
+    )
     sender.close()
     receiver.close()
 

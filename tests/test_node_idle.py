@@ -16,8 +16,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_an_idle_node_uses_almost_no_cpu(tmp_path, default_model_dir, role):
-    node = NodeProcess(role, str(tiny_model_with_tokenizer(default_model_dir)), tmp_path, None,
-                       ["--num-kv-blocks", "64"])
+    node = NodeProcess(
+        role, str(tiny_model_with_tokenizer(default_model_dir)), tmp_path, None, ["--num-kv-blocks", "64"]
+    )
     try:
         node.wait_ready()
         process = psutil.Process(node.proc.pid)

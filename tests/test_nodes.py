@@ -51,7 +51,10 @@ def client():
 
 def _prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 256, (int(k),), generator=g).tolist() for k in torch.randint(lo, hi, (n,), generator=g)]
+    return [
+        torch.randint(3, 256, (int(k),), generator=g).tolist()
+        for k in torch.randint(lo, hi, (n,), generator=g)
+    ]
 
 
 def _assert_all_blocks_back(client: Client, *nodes: dict) -> None:
@@ -139,8 +142,13 @@ def test_nodes_register_in_redis_with_their_stats(pair, redis_server):
 
 
 def test_heartbeat_appears_within_a_second_and_expires_after_kill(model, redis_server, tmp_path):
-    node = NodeProcess("decode", model, tmp_path, redis_server.url,
-                       ["--heartbeat-interval", "0.2", "--heartbeat-ttl", "1.0", "--num-kv-blocks", "16"])
+    node = NodeProcess(
+        "decode",
+        model,
+        tmp_path,
+        redis_server.url,
+        ["--heartbeat-interval", "0.2", "--heartbeat-ttl", "1.0", "--num-kv-blocks", "16"],
+    )
     try:
         info = node.wait_ready()
         key = KEY_PREFIX + info["node_id"]
@@ -179,8 +187,12 @@ def test_kv_that_never_arrives_is_reported_to_the_router_and_its_blocks_freed(pa
     assert fp.layout == KV_LAYOUT_NAME
     sender = KVSender(decode["kv_addr"], fp, SenderConfig(shared_memory=False))
     try:
-        tx = sender.reserve("silent", list(range(200, 227)), {"max_tokens": 4},
-                            {"reply_addr": client.reply_addr, "deadline": time.time() + 30})
+        tx = sender.reserve(
+            "silent",
+            list(range(200, 227)),
+            {"max_tokens": 4},
+            {"reply_addr": client.reply_addr, "deadline": time.time() + 30},
+        )
         assert tx.num_send_blocks == 4
         failed = client.collect(["silent"], timeout_s=15)["silent"]["failed"]
         assert isinstance(failed, RequestFailed) and failed.code == "kv_transfer"

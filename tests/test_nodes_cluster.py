@@ -22,7 +22,9 @@ def cluster(tmp_path_factory):
     model = str(make_tiny_model("qwen2"))
     redis = RedisServer(tmp)
     extra = ["--block-size", "8", "--num-kv-blocks", "96"]
-    procs = [NodeProcess(role, model, tmp, redis.url, extra) for role in ("prefill", "prefill", "decode", "decode")]
+    procs = [
+        NodeProcess(role, model, tmp, redis.url, extra) for role in ("prefill", "prefill", "decode", "decode")
+    ]
     try:
         for p in procs:
             p.wait_ready()
@@ -36,8 +38,10 @@ def cluster(tmp_path_factory):
 def _discover(redis) -> tuple[list[dict], list[dict]]:
     nodes = list_nodes(redis.client)
     as_addrs = [{"control_addr": n.control_addr, "kv_addr": n.kv_addr, "node_id": n.node_id} for n in nodes]
-    return ([a for a, n in zip(as_addrs, nodes, strict=True) if n.role == "prefill"],
-            [a for a, n in zip(as_addrs, nodes, strict=True) if n.role == "decode"])
+    return (
+        [a for a, n in zip(as_addrs, nodes, strict=True) if n.role == "prefill"],
+        [a for a, n in zip(as_addrs, nodes, strict=True) if n.role == "decode"],
+    )
 
 
 def test_requests_spread_over_both_pools_and_all_match_hf(cluster):
@@ -48,7 +52,9 @@ def test_requests_spread_over_both_pools_and_all_match_hf(cluster):
     try:
         prompts = [list(range(5 + i, 30 + 3 * i)) for i in range(8)]
         for i, p in enumerate(prompts):
-            client.generate(prefills[i % 2], f"s{i}", p, {**GREEDY, "max_tokens": 6}, decode=decodes[(i // 2) % 2])
+            client.generate(
+                prefills[i % 2], f"s{i}", p, {**GREEDY, "max_tokens": 6}, decode=decodes[(i // 2) % 2]
+            )
         results = client.collect([f"s{i}" for i in range(8)])
         for i, p in enumerate(prompts):
             assert results[f"s{i}"]["tokens"] == hf_greedy(model, p, 6)
@@ -68,14 +74,20 @@ def test_same_system_prompt_reuses_prefix_on_both_nodes(cluster):
     system = list(range(100, 140))  # five full blocks of 8
     client = Client()
     try:
-        client.generate(prefills[0], "sys-1", system + [7, 8, 9], {**GREEDY, "max_tokens": 4}, decode=decodes[0])
+        client.generate(
+            prefills[0], "sys-1", system + [7, 8, 9], {**GREEDY, "max_tokens": 4}, decode=decodes[0]
+        )
         first = client.collect(["sys-1"])["sys-1"]
-        client.generate(prefills[0], "sys-2", system + [9, 8, 7, 6], {**GREEDY, "max_tokens": 4}, decode=decodes[0])
+        client.generate(
+            prefills[0], "sys-2", system + [9, 8, 7, 6], {**GREEDY, "max_tokens": 4}, decode=decodes[0]
+        )
         second = client.collect(["sys-2"])["sys-2"]
         assert first["chunks"][0][1].num_cached_tokens == 0
         assert second["chunks"][0][1].num_cached_tokens == 40  # prefill computed only the new part
         assert second["tokens"] == hf_greedy(model, system + [9, 8, 7, 6], 4)
-        prefill_proc = next(p for p in procs if p.role == "prefill" and p.addrs["node_id"] == prefills[0]["node_id"])
+        prefill_proc = next(
+            p for p in procs if p.role == "prefill" and p.addrs["node_id"] == prefills[0]["node_id"]
+        )
         shipped = {e["request_id"]: e for e in prefill_proc.events("kv_shipped")}
         assert shipped["sys-1"]["blocks_reused"] == 0
         assert shipped["sys-2"]["blocks_reused"] == 5  # the decode node already held the system prompt
@@ -92,7 +104,9 @@ def test_draining_decode_node_finishes_in_flight_requests_and_leaves(cluster):
     try:
         # 200 tokens: on an idle machine 60 took ~60 ms, too short a window to see all three running.
         for i in range(3):
-            client.generate(prefills[0], f"drain-{i}", [3 + i] * 20, {**GREEDY, "max_tokens": 200}, decode=decodes[1])
+            client.generate(
+                prefills[0], f"drain-{i}", [3 + i] * 20, {**GREEDY, "max_tokens": 200}, decode=decodes[1]
+            )
         deadline = time.monotonic() + 20
         while client.status(decodes[1])["num_running"] < 3:  # all three decoding on the victim
             assert time.monotonic() < deadline

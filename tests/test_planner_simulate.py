@@ -13,9 +13,16 @@ from planner.profile import DecodeStepGrid, PiecewiseLinear, Profile, TransferMo
 from planner.recommend import rank, shapes
 from planner.simulate import Cluster, SimRequest, simulate
 
-PROFILE = Profile(model="toy", threads=1, kv_bytes_per_token=1000, max_num_batched_tokens=2048, max_num_seqs=64,
-                  prefill=PiecewiseLinear((0.0, 1000.0), (0.0, 1.0)), decode=DecodeStepGrid.constant(0.010),
-                  transfer=TransferModel(0.005, 0.0))
+PROFILE = Profile(
+    model="toy",
+    threads=1,
+    kv_bytes_per_token=1000,
+    max_num_batched_tokens=2048,
+    max_num_seqs=64,
+    prefill=PiecewiseLinear((0.0, 1000.0), (0.0, 1.0)),
+    decode=DecodeStepGrid.constant(0.010),
+    transfer=TransferModel(0.005, 0.0),
+)
 PD = Cluster(num_prefill=1, num_decode=1)
 
 
@@ -41,7 +48,11 @@ def test_colocated_node_prefills_a_long_prompt_itself():
 def test_prompts_queued_together_share_one_prefill_batch():
     outs = simulate(PROFILE, PD, [SimRequest(0.0, 100, 1), SimRequest(0.0, 100, 1), SimRequest(0.0, 100, 1)])
     # The first starts alone at 0; the other two arrive while it runs and go together: 0.1 + 0.2.
-    assert [o.token_times_s for o in outs] == [pytest.approx((0.1,)), pytest.approx((0.3,)), pytest.approx((0.3,))]
+    assert [o.token_times_s for o in outs] == [
+        pytest.approx((0.1,)),
+        pytest.approx((0.3,)),
+        pytest.approx((0.3,)),
+    ]
 
 
 def test_local_prefill_lengthens_the_running_batch_step():
@@ -82,7 +93,11 @@ def test_recommend_picks_the_smallest_cluster_that_meets_the_slos():
     assert ranked[0].cluster.label == "4P+1D" and ranked[0].slo_fraction == 1.0
     assert [c.cluster.label for c in ranked if c.meets(0.9)] == ["4P+1D"]
     with_colocated = rank(PROFILE, requests, slo, shapes(5), min_fraction=0.9)
-    assert [c.cluster.label for c in with_colocated if c.meets(0.9)] == ["4 colocated", "4P+1D", "5 colocated"]
+    assert [c.cluster.label for c in with_colocated if c.meets(0.9)] == [
+        "4 colocated",
+        "4P+1D",
+        "5 colocated",
+    ]
 
 
 def test_piecewise_linear_interpolates_and_extends_the_end_slopes():
@@ -107,8 +122,20 @@ def test_simulate_command_replays_a_bench_workload_through_the_model(tmp_path, c
     from pdserve_cli.main import main
 
     PROFILE.save(tmp_path / "p.json")
-    args = ["--profile", str(tmp_path / "p.json"), "--workload", "fixed", "--num-requests", "1", "--input-len", "100",
-            "--output-len", "3", "--request-rate", "1"]
+    args = [
+        "--profile",
+        str(tmp_path / "p.json"),
+        "--workload",
+        "fixed",
+        "--num-requests",
+        "1",
+        "--input-len",
+        "100",
+        "--output-len",
+        "3",
+        "--request-rate",
+        "1",
+    ]
     assert main(["plan", "simulate", *args, "--json", str(tmp_path / "out.json")]) == 0
     out = capsys.readouterr().out
     assert "1P+1D, 1 req/s (predicted)" in out

@@ -30,7 +30,9 @@ def cluster(tmp_path, default_model_dir):
     model = tiny_model_with_tokenizer(default_model_dir, max_position_embeddings=2048)
     redis = RedisServer(tmp_path)
     extra = ["--num-kv-blocks", "1024"]
-    nodes = [NodeProcess(role, str(model), tmp_path, redis.url, extra) for role in ("prefill", "prefill", "decode")]
+    nodes = [
+        NodeProcess(role, str(model), tmp_path, redis.url, extra) for role in ("prefill", "prefill", "decode")
+    ]
     router = RouterProcess(model, redis.url, tmp_path)
     try:
         for node in nodes:
@@ -50,15 +52,25 @@ def cluster(tmp_path, default_model_dir):
 
 
 def _stream_tokens(router, model, prompt: list[int]) -> list[int]:
-    body = {"model": model.name, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-            "stream": True, "logprobs": 0, "return_tokens_as_token_ids": True}
+    body = {
+        "model": model.name,
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+    }
     tokens = []
     with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as reply:
         assert reply.status_code == 200, reply.read()
         for line in reply.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 choice = json.loads(line[6:])["choices"][0]
-                tokens += [int(t.removeprefix("token_id:")) for t in (choice["logprobs"] or {}).get("tokens", [])]
+                tokens += [
+                    int(t.removeprefix("token_id:")) for t in (choice["logprobs"] or {}).get("tokens", [])
+                ]
     return tokens
 
 

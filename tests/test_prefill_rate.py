@@ -41,12 +41,18 @@ def test_prefill_rate_round_trips_through_the_redis_record():
 
 
 def test_backlog_is_queued_tokens_over_speed_with_the_pool_mean_for_an_unmeasured_node():
-    nodes = [node_info("p0", "prefill", num_queued_prefill_tokens=1000, prefill_tokens_per_s=500.0),
-             node_info("p1", "prefill", num_queued_prefill_tokens=300, prefill_tokens_per_s=100.0),
-             node_info("p2", "prefill", num_queued_prefill_tokens=600),  # just started: pool mean 300
-             node_info("p3", "prefill", num_queued_prefill_tokens=0)]
+    nodes = [
+        node_info("p0", "prefill", num_queued_prefill_tokens=1000, prefill_tokens_per_s=500.0),
+        node_info("p1", "prefill", num_queued_prefill_tokens=300, prefill_tokens_per_s=100.0),
+        node_info("p2", "prefill", num_queued_prefill_tokens=600),  # just started: pool mean 300
+        node_info("p3", "prefill", num_queued_prefill_tokens=0),
+    ]
     assert [(n.node_id, s) for n, s in prefill_backlog_seconds(nodes)] == [
-        ("p0", 2.0), ("p1", 3.0), ("p2", 2.0), ("p3", 0.0)]
+        ("p0", 2.0),
+        ("p1", 3.0),
+        ("p2", 2.0),
+        ("p3", 0.0),
+    ]
 
 
 def test_backlog_has_no_sample_for_a_queue_when_no_node_measured_a_speed():
@@ -55,8 +61,10 @@ def test_backlog_has_no_sample_for_a_queue_when_no_node_measured_a_speed():
 
 
 def test_router_metrics_export_prefill_speed_and_backlog_for_prefill_nodes_only():
-    nodes = [node_info("p0", "prefill", num_queued_prefill_tokens=250, prefill_tokens_per_s=100.0),
-             node_info("d0", "decode", num_queued_prefill_tokens=80, prefill_tokens_per_s=40.0)]
+    nodes = [
+        node_info("p0", "prefill", num_queued_prefill_tokens=250, prefill_tokens_per_s=100.0),
+        node_info("d0", "decode", num_queued_prefill_tokens=80, prefill_tokens_per_s=40.0),
+    ]
     lines = RouterMetrics().render(nodes, {}).splitlines()
     assert 'pdserve_node_prefill_tokens_per_second{node_id="p0",role="prefill"} 100' in lines
     assert 'pdserve_node_prefill_backlog_seconds{node_id="p0",role="prefill"} 2.5' in lines
@@ -66,13 +74,17 @@ def test_router_metrics_export_prefill_speed_and_backlog_for_prefill_nodes_only(
 @pytest.mark.slow
 def test_prefill_node_publishes_its_measured_speed_after_a_prefill(tmp_path):
     model = str(make_tiny_model("llama"))
-    nodes = [NodeProcess(role, model, tmp_path, None, ["--block-size", "8", "--num-kv-blocks", "64"])
-             for role in ("prefill", "decode")]
+    nodes = [
+        NodeProcess(role, model, tmp_path, None, ["--block-size", "8", "--num-kv-blocks", "64"])
+        for role in ("prefill", "decode")
+    ]
     client = Client()
     try:
         prefill, decode = (n.wait_ready() for n in nodes)
         assert client.status(prefill)["prefill_tokens_per_s"] is None
-        client.generate(prefill, "r0", list(range(3, 43)), {"temperature": 0.0, "max_tokens": 4}, decode=decode)
+        client.generate(
+            prefill, "r0", list(range(3, 43)), {"temperature": 0.0, "max_tokens": 4}, decode=decode
+        )
         assert client.collect(["r0"])["r0"]["finish"] == "length"
         deadline = time.monotonic() + 5  # the node recomputes its status record every 0.1 s
         while client.status(prefill)["prefill_tokens_per_s"] is None and time.monotonic() < deadline:

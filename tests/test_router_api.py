@@ -68,11 +68,17 @@ BAD_FIELDS = [
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
-    ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "stream_options": {"include_usage": 1}},
+        "stream_options.include_usage",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("path", "body", "param"), BAD_FIELDS, ids=[f"{p[4:]}-{f}" for p, _, f in BAD_FIELDS])
+@pytest.mark.parametrize(
+    ("path", "body", "param"), BAD_FIELDS, ids=[f"{p[4:]}-{f}" for p, _, f in BAD_FIELDS]
+)
 def test_invalid_field_is_400_naming_it(tokenizer, default_model_dir, path, body, param):
     error = _assert_error(_post(tokenizer, default_model_dir, path, body), 400, param)
     assert error["type"] == "invalid_request_error"
@@ -81,22 +87,30 @@ def test_invalid_field_is_400_naming_it(tokenizer, default_model_dir, path, body
 def test_malformed_json_is_400(tokenizer, default_model_dir):
     async def go():
         async with running_app(config_for(default_model_dir), tokenizer) as h:
-            return await h.client.post("/v1/completions", content=b"{nope",
-                                       headers={"content-type": "application/json"})
+            return await h.client.post(
+                "/v1/completions", content=b"{nope", headers={"content-type": "application/json"}
+            )
 
     _assert_error(asyncio.run(go()), 400, None)
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "secret"}])
 def test_missing_or_wrong_api_key_is_401(tokenizer, default_model_dir, headers):
-    response = _post(tokenizer, default_model_dir, "/v1/completions", {"prompt": "x"}, headers=headers,
-                     api_key="secret")
+    response = _post(
+        tokenizer, default_model_dir, "/v1/completions", {"prompt": "x"}, headers=headers, api_key="secret"
+    )
     assert _assert_error(response, 401, None)["type"] == "authentication_error"
 
 
 def test_right_api_key_passes_auth(tokenizer, default_model_dir):
-    response = _post(tokenizer, default_model_dir, "/v1/completions", {"prompt": "x", "top_p": 5},
-                     headers={"Authorization": "Bearer secret"}, api_key="secret")
+    response = _post(
+        tokenizer,
+        default_model_dir,
+        "/v1/completions",
+        {"prompt": "x", "top_p": 5},
+        headers={"Authorization": "Bearer secret"},
+        api_key="secret",
+    )
     _assert_error(response, 400, "top_p")
 
 
@@ -108,7 +122,9 @@ def test_unknown_model_is_404(tokenizer, default_model_dir):
 def test_prompt_over_node_context_is_400_context_length_exceeded(tokenizer, default_model_dir):
     records = [node_info("d0", "decode", max_model_len=32), node_info("p0", "prefill", max_model_len=32)]
     body = {"prompt": list(range(30)), "max_tokens": 3}
-    error = _assert_error(_post(tokenizer, default_model_dir, "/v1/completions", body, records), 400, "prompt")
+    error = _assert_error(
+        _post(tokenizer, default_model_dir, "/v1/completions", body, records), 400, "prompt"
+    )
     assert error["code"] == "context_length_exceeded"
     assert "32" in error["message"]
 
@@ -120,7 +136,9 @@ def test_chat_over_model_context_is_400(tokenizer, default_model_dir):
 
 
 def test_body_over_limit_is_413(tokenizer, default_model_dir):
-    response = _post(tokenizer, default_model_dir, "/v1/completions", {"prompt": "x" * 2000}, max_body_bytes=1000)
+    response = _post(
+        tokenizer, default_model_dir, "/v1/completions", {"prompt": "x" * 2000}, max_body_bytes=1000
+    )
     _assert_error(response, 413, None)
 
 
@@ -131,15 +149,22 @@ def test_no_nodes_is_503_with_retry_after(tokenizer, default_model_dir):
 
 
 def test_models_health_and_metrics(tokenizer, default_model_dir):
-    records = [node_info("d0", "decode", num_blocks_free=60, num_blocks_cached=10), node_info("p0", "prefill")]
+    records = [
+        node_info("d0", "decode", num_blocks_free=60, num_blocks_cached=10),
+        node_info("p0", "prefill"),
+    ]
 
     async def go():
         async with running_app(config_for(default_model_dir), tokenizer) as h:
             unhealthy = await h.client.get("/health")
             h.registry.records = records
             await asyncio.sleep(0.15)
-            return (unhealthy, await h.client.get("/health"), await h.client.get("/v1/models"),
-                    await h.client.get("/metrics"))
+            return (
+                unhealthy,
+                await h.client.get("/health"),
+                await h.client.get("/v1/models"),
+                await h.client.get("/metrics"),
+            )
 
     unhealthy, healthy, models, metrics = asyncio.run(go())
     assert unhealthy.status_code == 503

@@ -26,15 +26,25 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 LONG_PROMPT = "Once upon a time, in a quiet village by the sea, there lived an old fisherman who"
 
 
-def tiny_model_with_tokenizer(default_model_dir: pathlib.Path, max_position_embeddings: int = 512) -> pathlib.Path:
+def tiny_model_with_tokenizer(
+    default_model_dir: pathlib.Path, max_position_embeddings: int = 512
+) -> pathlib.Path:
     """A seeded 2-layer Llama with the default model's vocabulary, tokenizer and chat template."""
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
-                                      max_position_embeddings=max_position_embeddings, bos_token_id=1, eos_token_id=2,
-                                      tie_word_embeddings=True)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=49152,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
     digest = hashlib.sha256(config.to_json_string().encode()).hexdigest()[:12]
     path = pathlib.Path(tempfile.gettempdir()) / f"pdserve-tiny-models-{os.getuid()}" / f"llama-tok-{digest}"
     if (path / "config.json").is_file():
@@ -62,10 +72,28 @@ class RouterProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"router-{self.port}.log"
         self._log = open(self.log_path, "w")
-        cmd = [sys.executable, "-m", "pdserve_cli", "router", "--model", str(model), "--port", str(self.port),
-               "--redis", redis_url, "--poll-interval-s", "0.2", *extra]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve_cli",
+            "router",
+            "--model",
+            str(model),
+            "--port",
+            str(self.port),
+            "--redis",
+            redis_url,
+            "--poll-interval-s",
+            "0.2",
+            *extra,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
 
     def wait_healthy(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -118,8 +146,16 @@ def test_greedy_completion_equals_hf_and_streaming_equals_whole(cluster, default
     model, router, nodes = cluster
     client = _client(router)
     whole = client.completions.create(model=model.name, prompt=LONG_PROMPT, max_tokens=8, **GREEDY)
-    parts = list(client.completions.create(model=model.name, prompt=LONG_PROMPT, max_tokens=8, stream=True,
-                                           stream_options={"include_usage": True}, **GREEDY))
+    parts = list(
+        client.completions.create(
+            model=model.name,
+            prompt=LONG_PROMPT,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
     from router.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(model)
@@ -137,9 +173,15 @@ def test_chat_streaming_equals_whole(cluster):
     client = _client(router)
     messages = [{"role": "user", "content": "Write a haiku about the sea."}]
     whole = client.chat.completions.create(model=model.name, messages=messages, max_tokens=6, **GREEDY)
-    parts = list(client.chat.completions.create(model=model.name, messages=messages, max_tokens=6,
-                                                stream=True, **GREEDY))
-    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == whole.choices[0].message.content
+    parts = list(
+        client.chat.completions.create(
+            model=model.name, messages=messages, max_tokens=6, stream=True, **GREEDY
+        )
+    )
+    assert (
+        "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+        == whole.choices[0].message.content
+    )
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 6
 
 
@@ -160,28 +202,44 @@ def test_logprobs_and_stop_strings(cluster):
     logprobs = done.choices[0].logprobs
     assert len(logprobs.tokens) == 5 and all(lp <= 0 for lp in logprobs.token_logprobs)
     assert "".join(logprobs.tokens) == done.choices[0].text
-    text = client.completions.create(model=model.name, prompt=LONG_PROMPT, max_tokens=12, **GREEDY).choices[0].text
+    text = (
+        client.completions.create(model=model.name, prompt=LONG_PROMPT, max_tokens=12, **GREEDY)
+        .choices[0]
+        .text
+    )
     stop = text[3:6]
-    cut = client.completions.create(model=model.name, prompt=LONG_PROMPT, max_tokens=12, stop=[stop], **GREEDY)
-    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    cut = client.completions.create(
+        model=model.name, prompt=LONG_PROMPT, max_tokens=12, stop=[stop], **GREEDY
+    )
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
 
 
 def test_repeated_prompt_reports_cached_tokens(cluster):
     model, router, _ = cluster
     client = _client(router)
     system = "You are a terse assistant. " * 6
-    first = client.chat.completions.create(model=model.name, max_tokens=2, **GREEDY, messages=[
-        {"role": "system", "content": system}, {"role": "user", "content": "Hello"}])
-    second = client.chat.completions.create(model=model.name, max_tokens=2, **GREEDY, messages=[
-        {"role": "system", "content": system}, {"role": "user", "content": "Goodbye"}])
+    first = client.chat.completions.create(
+        model=model.name,
+        max_tokens=2,
+        **GREEDY,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": "Hello"}],
+    )
+    second = client.chat.completions.create(
+        model=model.name,
+        max_tokens=2,
+        **GREEDY,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": "Goodbye"}],
+    )
     assert first.usage.prompt_tokens_details.cached_tokens == 0 or first.usage.prompt_tokens > 16
     assert second.usage.prompt_tokens_details.cached_tokens >= 16
 
 
 def _used_blocks(router) -> dict[str, int]:
     text = httpx.get(router.url + "/metrics").text
-    return {m.group(1): int(m.group(2)) for m in
-            re.finditer(r'pdserve_node_kv_blocks_used\{node_id="([^"]+)",role="\w+"\} (\d+)', text)}
+    return {
+        m.group(1): int(m.group(2))
+        for m in re.finditer(r'pdserve_node_kv_blocks_used\{node_id="([^"]+)",role="\w+"\} (\d+)', text)
+    }
 
 
 def test_client_disconnect_frees_the_blocks(cluster):
@@ -189,8 +247,13 @@ def test_client_disconnect_frees_the_blocks(cluster):
 
     async def stream_then_leave():
         async with httpx.AsyncClient(timeout=60) as http:
-            body = {"model": model.name, "prompt": LONG_PROMPT, "max_tokens": 400, "stream": True,
-                    "ignore_eos": True}
+            body = {
+                "model": model.name,
+                "prompt": LONG_PROMPT,
+                "max_tokens": 400,
+                "stream": True,
+                "ignore_eos": True,
+            }
             async with http.stream("POST", router.url + "/v1/completions", json=body) as reply:
                 num = 0
                 async for line in reply.aiter_lines():

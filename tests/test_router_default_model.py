@@ -19,7 +19,9 @@ def cluster(tmp_path_factory, default_model_dir):
     tmp = tmp_path_factory.mktemp("default-cluster")
     redis = RedisServer(tmp)
     extra = ["--kv-cache-memory-mb", "64", "--heartbeat-interval", "0.2"]
-    nodes = [NodeProcess(role, str(default_model_dir), tmp, redis.url, extra) for role in ("prefill", "decode")]
+    nodes = [
+        NodeProcess(role, str(default_model_dir), tmp, redis.url, extra) for role in ("prefill", "decode")
+    ]
     router = RouterProcess(default_model_dir, redis.url, tmp, "--disagg-threshold", "0")
     try:
         for node in nodes:
@@ -37,16 +39,20 @@ def test_default_model_chat_through_the_cluster_equals_hf(cluster, default_model
     router, (prefill, decode) = cluster
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    answer = client.chat.completions.create(model=default_model_dir.name, messages=messages, max_tokens=24,
-                                            temperature=0.0)
+    answer = client.chat.completions.create(
+        model=default_model_dir.name, messages=messages, max_tokens=24, temperature=0.0
+    )
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(default_model_dir)
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     with torch.no_grad():
-        ref = hf_model(str(default_model_dir)).generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
-                                                        eos_token_id=2)[0, len(ids):].tolist()
+        ref = (
+            hf_model(str(default_model_dir))
+            .generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=2)[0, len(ids) :]
+            .tolist()
+        )
     assert answer.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
     assert "Paris" in answer.choices[0].message.content
     assert answer.choices[0].finish_reason == "stop"

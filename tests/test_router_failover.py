@@ -22,9 +22,12 @@ def cluster(tmp_path_factory, default_model_dir):
     model = tiny_model_with_tokenizer(default_model_dir)
     redis = RedisServer(tmp)
     extra = ["--num-kv-blocks", "256", "--heartbeat-interval", "0.2", "--heartbeat-ttl", "1"]
-    nodes = [NodeProcess(role, str(model), tmp, redis.url, extra) for role in ("prefill", "prefill", "decode")]
-    router = RouterProcess(model, redis.url, tmp, "--disagg-threshold", "4", "--chunk-timeout-s", "5",
-                           "--node-expiry-s", "1.5")
+    nodes = [
+        NodeProcess(role, str(model), tmp, redis.url, extra) for role in ("prefill", "prefill", "decode")
+    ]
+    router = RouterProcess(
+        model, redis.url, tmp, "--disagg-threshold", "4", "--chunk-timeout-s", "5", "--node-expiry-s", "1.5"
+    )
     try:
         for node in nodes:
             node.wait_ready()
@@ -41,8 +44,13 @@ def cluster(tmp_path_factory, default_model_dir):
 
 
 def _complete(router, model, i: int) -> httpx.Response:
-    body = {"model": model.name, "prompt": f"{i}: {LONG_PROMPT}", "max_tokens": 16, "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "model": model.name,
+        "prompt": f"{i}: {LONG_PROMPT}",
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     return httpx.post(router.url + "/v1/completions", json=body, timeout=60)
 
 

@@ -28,7 +28,10 @@ def tokens(tokenizer) -> list[int]:
 
 
 def _pair(tokens, **decode_fields):
-    return [FakeNode("p0", "prefill", tokens, num_cached_tokens=4), FakeNode("d0", "decode", tokens, **decode_fields)]
+    return [
+        FakeNode("p0", "prefill", tokens, num_cached_tokens=4),
+        FakeNode("d0", "decode", tokens, **decode_fields),
+    ]
 
 
 def _run(coro):
@@ -44,8 +47,9 @@ def test_completion_goes_prefill_then_decode_with_exact_usage(default_model_dir,
         async with fake_cluster(default_model_dir, nodes) as cluster:
             client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="x")
             cluster.closers.append(client)
-            done = await client.completions.create(model=default_model_dir.name, prompt=LONG_PROMPT,
-                                                   max_tokens=len(tokens), temperature=0)
+            done = await client.completions.create(
+                model=default_model_dir.name, prompt=LONG_PROMPT, max_tokens=len(tokens), temperature=0
+            )
         return nodes, done
 
     (prefill, decode), done = _run(go())
@@ -64,7 +68,9 @@ def test_short_prompt_goes_to_the_decode_node_alone(default_model_dir, tokens):
     async def go():
         nodes = _pair(tokens)
         async with fake_cluster(default_model_dir, nodes) as cluster, httpx.AsyncClient() as http:
-            reply = await http.post(cluster.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+            reply = await http.post(
+                cluster.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}
+            )
         return nodes, reply
 
     (prefill, decode), reply = _run(go())
@@ -79,13 +85,24 @@ def test_streamed_text_equals_whole_text_for_chat_and_completions(default_model_
             cluster.closers.append(client)
             model = default_model_dir.name
             whole = await client.completions.create(model=model, prompt=LONG_PROMPT, max_tokens=7)
-            parts = [c async for c in await client.completions.create(
-                model=model, prompt=LONG_PROMPT, max_tokens=7, stream=True,
-                stream_options={"include_usage": True})]
+            parts = [
+                c
+                async for c in await client.completions.create(
+                    model=model,
+                    prompt=LONG_PROMPT,
+                    max_tokens=7,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            ]
             messages = [{"role": "user", "content": "Say something."}]
             chat = await client.chat.completions.create(model=model, messages=messages, max_tokens=7)
-            chat_parts = [c async for c in await client.chat.completions.create(
-                model=model, messages=messages, max_tokens=7, stream=True)]
+            chat_parts = [
+                c
+                async for c in await client.chat.completions.create(
+                    model=model, messages=messages, max_tokens=7, stream=True
+                )
+            ]
         return whole, parts, chat, chat_parts
 
     whole, parts, chat, chat_parts = _run(go())
@@ -103,8 +120,9 @@ def test_n_samples_are_split_with_distinct_ids_and_seeds(default_model_dir, toke
         async with fake_cluster(default_model_dir, nodes) as cluster:
             client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="x")
             cluster.closers.append(client)
-            done = await client.completions.create(model=default_model_dir.name, prompt=LONG_PROMPT,
-                                                   max_tokens=3, n=3, seed=7)
+            done = await client.completions.create(
+                model=default_model_dir.name, prompt=LONG_PROMPT, max_tokens=3, n=3, seed=7
+            )
         return nodes, done
 
     (prefill, _), done = _run(go())
@@ -134,11 +152,24 @@ def test_stop_string_cuts_the_text_and_aborts_the_node(default_model_dir, tokens
 def test_logprobs_in_completions_and_chat_shapes(default_model_dir, tokenizer, tokens):
     async def go():
         async with fake_cluster(default_model_dir, _pair(tokens)) as cluster, httpx.AsyncClient() as http:
-            completion = await http.post(cluster.base_url + "/v1/completions", json={
-                "prompt": LONG_PROMPT, "max_tokens": 2, "logprobs": 2, "return_tokens_as_token_ids": True})
-            chat = await http.post(cluster.base_url + "/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "Hi there, how are you?"}], "max_tokens": 2,
-                "logprobs": True, "top_logprobs": 1})
+            completion = await http.post(
+                cluster.base_url + "/v1/completions",
+                json={
+                    "prompt": LONG_PROMPT,
+                    "max_tokens": 2,
+                    "logprobs": 2,
+                    "return_tokens_as_token_ids": True,
+                },
+            )
+            chat = await http.post(
+                cluster.base_url + "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": "Hi there, how are you?"}],
+                    "max_tokens": 2,
+                    "logprobs": True,
+                    "top_logprobs": 1,
+                },
+            )
         return completion.json(), chat.json()
 
     completion, chat = _run(go())
@@ -159,7 +190,9 @@ def test_retryable_failure_before_any_token_retries_on_another_prefill(default_m
         good = FakeNode("p1", "prefill", tokens, num_queued_prefill_tokens=10)
         nodes = [bad, good, FakeNode("d0", "decode", tokens)]
         async with fake_cluster(default_model_dir, nodes) as cluster, httpx.AsyncClient() as http:
-            reply = await http.post(cluster.base_url + "/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 3})
+            reply = await http.post(
+                cluster.base_url + "/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 3}
+            )
             metrics = (await http.get(cluster.base_url + "/metrics")).text
         return bad, good, reply, metrics
 
@@ -173,9 +206,18 @@ def test_hung_prefill_times_out_and_retries_elsewhere(default_model_dir, tokens)
     async def go():
         hung = FakeNode("p0", "prefill", tokens)
         hung.silent = True
-        nodes = [hung, FakeNode("p1", "prefill", tokens, num_queued_prefill_tokens=10), FakeNode("d0", "decode", tokens)]
-        async with fake_cluster(default_model_dir, nodes, chunk_timeout_s=0.5) as cluster, httpx.AsyncClient() as http:
-            reply = await http.post(cluster.base_url + "/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 2})
+        nodes = [
+            hung,
+            FakeNode("p1", "prefill", tokens, num_queued_prefill_tokens=10),
+            FakeNode("d0", "decode", tokens),
+        ]
+        async with (
+            fake_cluster(default_model_dir, nodes, chunk_timeout_s=0.5) as cluster,
+            httpx.AsyncClient() as http,
+        ):
+            reply = await http.post(
+                cluster.base_url + "/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 2}
+            )
         return hung, reply
 
     hung, reply = _run(go())
@@ -188,8 +230,10 @@ def test_non_retryable_failure_is_a_json_error_not_an_empty_200(default_model_di
         nodes = _pair(tokens)
         nodes[0].fail_with = pm.RequestFailed("", "p0", "bad_request", "prompt rejected", False)
         async with fake_cluster(default_model_dir, nodes) as cluster, httpx.AsyncClient() as http:
-            return await http.post(cluster.base_url + "/v1/completions",
-                                   json={"prompt": LONG_PROMPT, "max_tokens": 2, "stream": True})
+            return await http.post(
+                cluster.base_url + "/v1/completions",
+                json={"prompt": LONG_PROMPT, "max_tokens": 2, "stream": True},
+            )
 
     reply = _run(go())
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "bad_request"
@@ -217,15 +261,18 @@ def test_whole_answer_is_replayed_when_decode_fails_after_the_first_token(defaul
         nodes = _pair(tokens)
         nodes[1].fail_after, nodes[1].fail_once = 2, True
         async with fake_cluster(default_model_dir, nodes) as cluster, httpx.AsyncClient() as http:
-            reply = await http.post(cluster.base_url + "/v1/completions",
-                                    json={"prompt": LONG_PROMPT, "max_tokens": len(tokens)})
+            reply = await http.post(
+                cluster.base_url + "/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": len(tokens)}
+            )
         return nodes, reply
 
     (prefill, decode), reply = _run(go())
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["text"] == TEXT
     assert reply.json()["usage"]["completion_tokens"] == len(tokens)
-    replayed = [r.request_id for r in prefill.received + decode.received if r.request_id.endswith(".r1")]  # the one id scheme
+    replayed = [
+        r.request_id for r in prefill.received + decode.received if r.request_id.endswith(".r1")
+    ]  # the one id scheme
     assert len(replayed) == 1
 
 
@@ -234,8 +281,9 @@ def test_decode_chunks_that_overtake_the_first_token_are_put_back_in_order(defau
         nodes = _pair(tokens)
         nodes[0].late_first_token = True
         async with fake_cluster(default_model_dir, nodes) as cluster, httpx.AsyncClient() as http:
-            return await http.post(cluster.base_url + "/v1/completions",
-                                   json={"prompt": LONG_PROMPT, "max_tokens": len(tokens)})
+            return await http.post(
+                cluster.base_url + "/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": len(tokens)}
+            )
 
     assert _run(go()).json()["choices"][0]["text"] == TEXT
 
@@ -262,8 +310,10 @@ def test_client_disconnect_aborts_on_both_nodes_within_a_second(default_model_di
 def test_over_admission_limit_is_429_with_retry_after(default_model_dir, tokens):
     async def go():
         nodes = _pair(tokens, token_delay_s=0.05)
-        async with fake_cluster(default_model_dir, nodes, max_inflight_decode=2) as cluster, \
-                httpx.AsyncClient() as http:
+        async with (
+            fake_cluster(default_model_dir, nodes, max_inflight_decode=2) as cluster,
+            httpx.AsyncClient() as http,
+        ):
             url = cluster.base_url + "/v1/completions"
             slow = asyncio.create_task(http.post(url, json={"prompt": LONG_PROMPT, "max_tokens": 20, "n": 2}))
             await asyncio.sleep(0.3)
@@ -279,8 +329,10 @@ def test_over_admission_limit_is_429_with_retry_after(default_model_dir, tokens)
 def test_echo_puts_the_prompt_before_the_output(default_model_dir, tokens):
     async def go():
         async with fake_cluster(default_model_dir, _pair(tokens)) as cluster, httpx.AsyncClient() as http:
-            return await http.post(cluster.base_url + "/v1/completions",
-                                   json={"prompt": LONG_PROMPT, "max_tokens": 2, "echo": True})
+            return await http.post(
+                cluster.base_url + "/v1/completions",
+                json={"prompt": LONG_PROMPT, "max_tokens": 2, "echo": True},
+            )
 
     text = _run(go()).json()["choices"][0]["text"]
     assert text == LONG_PROMPT + " The quick"
@@ -290,9 +342,13 @@ def test_retries_and_replays_share_one_budget_of_max_attempts(default_model_dir,
     async def go():
         nodes = _pair(tokens)
         nodes[1].fail_after = 2  # the decode node fails every attempt after two tokens
-        async with fake_cluster(default_model_dir, nodes, max_attempts=3) as cluster, httpx.AsyncClient() as http:
-            reply = await http.post(cluster.base_url + "/v1/completions",
-                                    json={"prompt": LONG_PROMPT, "max_tokens": len(tokens)})
+        async with (
+            fake_cluster(default_model_dir, nodes, max_attempts=3) as cluster,
+            httpx.AsyncClient() as http,
+        ):
+            reply = await http.post(
+                cluster.base_url + "/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": len(tokens)}
+            )
         return nodes, reply
 
     (prefill, decode), reply = _run(go())

@@ -34,8 +34,12 @@ def test_histogram_buckets_are_cumulative_with_inf_sum_and_count():
 
 
 def test_router_metrics_include_node_gauges_by_id_and_role():
-    nodes = [node_info("d0", "decode", num_blocks_total=100, num_blocks_free=70, num_blocks_cached=20,
-                       num_running=3), node_info("p0", "prefill", num_queued=4)]
+    nodes = [
+        node_info(
+            "d0", "decode", num_blocks_total=100, num_blocks_free=70, num_blocks_cached=20, num_running=3
+        ),
+        node_info("p0", "prefill", num_queued=4),
+    ]
     text = RouterMetrics().render(nodes, {"decode": 2, "prefill": 1})
     lines = text.splitlines()
     assert 'pdserve_node_kv_blocks_used{node_id="d0",role="decode"} 30' in lines

@@ -64,16 +64,22 @@ def test_prompt_cached_on_the_decode_node_skips_prefill_node():
 
 
 def test_prefill_with_least_queued_tokens_wins():
-    nodes = [node_info("d0", "decode"), node_info("p0", "prefill", num_queued_prefill_tokens=500),
-             node_info("p1", "prefill", num_queued_prefill_tokens=100)]
+    nodes = [
+        node_info("d0", "decode"),
+        node_info("p0", "prefill", num_queued_prefill_tokens=500),
+        node_info("p1", "prefill", num_queued_prefill_tokens=100),
+    ]
     assert RoutingPolicy(0).choose(nodes, PROMPT, 8).prefill.node_id == "p1"
 
 
 def test_prefill_cached_prefix_outweighs_a_smaller_queue():
     policy = RoutingPolicy(0)
     policy.prefill_prefixes.record(hash_full_blocks(PROMPT, 4), "p0")  # 40 cached tokens on p0
-    nodes = [node_info("d0", "decode"), node_info("p0", "prefill", num_queued_prefill_tokens=150),
-             node_info("p1", "prefill", num_queued_prefill_tokens=100)]
+    nodes = [
+        node_info("d0", "decode"),
+        node_info("p0", "prefill", num_queued_prefill_tokens=150),
+        node_info("p1", "prefill", num_queued_prefill_tokens=100),
+    ]
     assert policy.choose(nodes, PROMPT, 8).prefill.node_id == "p1"  # 150 - 40 > 100
     less_busy = [nodes[0], node_info("p0", "prefill", num_queued_prefill_tokens=130), nodes[2]]
     assert policy.choose(less_busy, PROMPT, 8).prefill.node_id == "p0"  # 130 - 40 < 100
@@ -86,8 +92,15 @@ def test_conversation_stays_on_its_prefill_node_while_that_pays():
     policy.record("t1", turn1, len(PROMPT), now=1.0)
     policy.remember_prefix(turn1)
     policy.finish("t1")
-    busier = [nodes[0], *(node_info(n.node_id, "prefill", num_queued_prefill_tokens=20)
-                          if n.node_id == turn1.prefill.node_id else n for n in nodes[1:])]
+    busier = [
+        nodes[0],
+        *(
+            node_info(n.node_id, "prefill", num_queued_prefill_tokens=20)
+            if n.node_id == turn1.prefill.node_id
+            else n
+            for n in nodes[1:]
+        ),
+    ]
     assert policy.choose(busier, PROMPT + tuple(range(100, 140)), 8).prefill.node_id == turn1.prefill.node_id
 
 
@@ -98,16 +111,22 @@ def test_only_nodes_with_the_decode_fingerprint_prefill():
 
 
 def test_draining_excluded_and_too_short_nodes_are_skipped():
-    nodes = [node_info("d0", "decode", draining=True), node_info("d1", "decode", max_model_len=40),
-             node_info("d2", "decode", num_blocks_free=1)]
+    nodes = [
+        node_info("d0", "decode", draining=True),
+        node_info("d1", "decode", max_model_len=40),
+        node_info("d2", "decode", num_blocks_free=1),
+    ]
     policy = RoutingPolicy(1000)
     assert policy.choose(nodes, PROMPT, 8).decode.node_id == "d2"
     assert policy.choose(nodes, PROMPT, 8, exclude=frozenset({"d2"})) is None
 
 
 def test_colocated_node_prefills_even_a_long_prompt_itself_and_never_prefills_for_others():
-    nodes = [node_info("c0", "colocated", num_blocks_free=90), node_info("d0", "decode", num_blocks_free=80),
-             node_info("p0", "prefill")]
+    nodes = [
+        node_info("c0", "colocated", num_blocks_free=90),
+        node_info("d0", "decode", num_blocks_free=80),
+        node_info("p0", "prefill"),
+    ]
     to_colocated = RoutingPolicy(disagg_threshold=0).choose(nodes, PROMPT, 8)
     assert to_colocated.decode.node_id == "c0" and to_colocated.prefill is None
     to_decode = RoutingPolicy(disagg_threshold=0).choose(nodes, PROMPT, 8, exclude=frozenset({"c0"}))
@@ -115,7 +134,10 @@ def test_colocated_node_prefills_even_a_long_prompt_itself_and_never_prefills_fo
 
 
 def test_colocated_nodes_alone_serve_with_load_spread_by_free_blocks():
-    nodes = [node_info("c0", "colocated", num_blocks_free=50), node_info("c1", "colocated", num_blocks_free=80)]
+    nodes = [
+        node_info("c0", "colocated", num_blocks_free=50),
+        node_info("c1", "colocated", num_blocks_free=80),
+    ]
     policy = RoutingPolicy(disagg_threshold=0)
     first = policy.choose(nodes, PROMPT, 8)
     assert first.decode.node_id == "c1" and first.prefill is None

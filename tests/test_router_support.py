@@ -23,15 +23,30 @@ from router.node_client import NodeClient
 from router.registry_client import NodeRegistry
 from router.tokenizer import Tokenizer
 
-FINGERPRINT = {"model_id": "tiny", "dtype": "float32", "block_size": 4, "layout": "test",
-               "num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
+FINGERPRINT = {
+    "model_id": "tiny",
+    "dtype": "float32",
+    "block_size": 4,
+    "layout": "test",
+    "num_layers": 2,
+    "num_kv_heads": 2,
+    "head_dim": 16,
+}
 
 
 def node_info(node_id: str, role: str, **fields) -> NodeInfo:
     defaults = dict(
-        control_addr=f"inproc://{node_id}", kv_addr=f"inproc://{node_id}-kv" if role == "decode" else None,
-        fingerprint=FINGERPRINT, max_model_len=512, num_blocks_total=100, num_blocks_free=100,
-        num_blocks_cached=0, num_running=0, num_queued=0, num_queued_prefill_tokens=0, heartbeat_time=0.0,
+        control_addr=f"inproc://{node_id}",
+        kv_addr=f"inproc://{node_id}-kv" if role == "decode" else None,
+        fingerprint=FINGERPRINT,
+        max_model_len=512,
+        num_blocks_total=100,
+        num_blocks_free=100,
+        num_blocks_cached=0,
+        num_running=0,
+        num_queued=0,
+        num_queued_prefill_tokens=0,
+        heartbeat_time=0.0,
     )
     return NodeInfo(node_id=node_id, role=role, **{**defaults, **fields})
 
@@ -39,8 +54,13 @@ def node_info(node_id: str, role: str, **fields) -> NodeInfo:
 class FixedRegistry(NodeRegistry):
     """Serves ``records`` (change them at will); nodes expire like real ones when removed."""
 
-    def __init__(self, nodes: NodeClient, records: Sequence[NodeInfo] = (), poll_interval_s: float = 0.05,
-                 node_expiry_s: float = 0.3) -> None:
+    def __init__(
+        self,
+        nodes: NodeClient,
+        records: Sequence[NodeInfo] = (),
+        poll_interval_s: float = 0.05,
+        node_expiry_s: float = 0.3,
+    ) -> None:
         super().__init__(nodes, poll_interval_s, node_expiry_s)
         self.records = list(records)
 
@@ -63,8 +83,9 @@ class AppHandle:
 
 
 @contextlib.asynccontextmanager
-async def running_app(config: RouterConfig, tokenizer: Tokenizer,
-                      records: Sequence[NodeInfo] = ()) -> AsyncIterator[AppHandle]:
+async def running_app(
+    config: RouterConfig, tokenizer: Tokenizer, records: Sequence[NodeInfo] = ()
+) -> AsyncIterator[AppHandle]:
     """The app with its lifespan running, a fixed registry, and an httpx client on it (no sockets)."""
     nodes = NodeClient()
     registry = FixedRegistry(nodes, records)
@@ -91,11 +112,23 @@ class FakeNode:
 
     peers: dict[str, FakeNode] = {}  # kv_addr -> decode node, shared by a test's fake cluster
 
-    def __init__(self, node_id: str, role: str, tokens: Sequence[int], token_delay_s: float = 0.0,
-                 num_cached_tokens: int = 0, **fields) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        role: str,
+        tokens: Sequence[int],
+        token_delay_s: float = 0.0,
+        num_cached_tokens: int = 0,
+        **fields,
+    ) -> None:
         port = free_port()
-        self.info = node_info(node_id, role, control_addr=f"tcp://127.0.0.1:{port}",
-                              kv_addr=f"fake-kv://{node_id}" if role == "decode" else None, **fields)
+        self.info = node_info(
+            node_id,
+            role,
+            control_addr=f"tcp://127.0.0.1:{port}",
+            kv_addr=f"fake-kv://{node_id}" if role == "decode" else None,
+            **fields,
+        )
         self.tokens = list(tokens)
         self.token_delay_s = token_delay_s  # between decode chunks
         self.num_cached_tokens = num_cached_tokens
@@ -159,8 +192,16 @@ class FakeNode:
         if req.sampling_params.get("logprobs") is not None:
             top = tuple(self.tokens[(index + k) % len(self.tokens)] for k in range(1, 3))
             logprobs = (pm.TokenLogprobs(token, -0.5, (token, *top), (-0.5, -1.5, -2.5)),)
-        return pm.TokenChunk(req.request_id, self.info.node_id, (token,), logprobs, finish,
-                             len(req.token_ids), self.num_cached_tokens, is_first=is_first)
+        return pm.TokenChunk(
+            req.request_id,
+            self.info.node_id,
+            (token,),
+            logprobs,
+            finish,
+            len(req.token_ids),
+            self.num_cached_tokens,
+            is_first=is_first,
+        )
 
     async def _generate(self, req: pm.GenerateRequest) -> None:
         if self.silent:
@@ -212,11 +253,18 @@ async def fake_cluster(model_dir, nodes: Sequence[FakeNode], **config) -> AsyncI
         n.info = dataclasses.replace(n.info, fingerprint={**n.info.fingerprint, "model_id": digest})
     node_tasks = [asyncio.create_task(n.serve()) for n in nodes]
     port = free_port()
-    by_role = {role: tuple(n.info.control_addr for n in nodes if n.info.role == role)
-               for role in ("prefill", "decode")}
+    by_role = {
+        role: tuple(n.info.control_addr for n in nodes if n.info.role == role)
+        for role in ("prefill", "decode")
+    }
     settings = dict(poll_interval_s=0.1, node_expiry_s=1.0, disagg_threshold=4, chunk_timeout_s=5.0)
-    router_config = RouterConfig(model=str(model_dir), port=port, prefill_addrs=by_role["prefill"],
-                                 decode_addrs=by_role["decode"], **{**settings, **config})
+    router_config = RouterConfig(
+        model=str(model_dir),
+        port=port,
+        prefill_addrs=by_role["prefill"],
+        decode_addrs=by_role["decode"],
+        **{**settings, **config},
+    )
     app = create_app(router_config)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     server_task = asyncio.create_task(server.serve())

@@ -21,8 +21,17 @@ def _stream(tokenizer, ids, prompt=(1, 2, 3)):
     return deltas + [detok.flush()]
 
 
-@pytest.mark.parametrize("text", ["héllo wörld", "你好世界，日本語のテキスト", "emoji 🎉🎉 and 🇫🇷 flags",
-                                  "  leading  and trailing  ", "tabs\tand\nnewlines\n\n", "Ünïcödé ∑∫√"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "héllo wörld",
+        "你好世界，日本語のテキスト",
+        "emoji 🎉🎉 and 🇫🇷 flags",
+        "  leading  and trailing  ",
+        "tabs\tand\nnewlines\n\n",
+        "Ünïcödé ∑∫√",
+    ],
+)
 def test_streamed_deltas_concatenate_to_the_full_decode(tokenizer, text):
     ids = tokenizer.encode(text)
     assert "".join(_stream(tokenizer, ids)) == tokenizer.decode(ids) == text
@@ -107,10 +116,15 @@ def test_chat_template_renders_like_transformers(tokenizer, default_model_dir):
     import transformers
 
     hf = transformers.AutoTokenizer.from_pretrained(default_model_dir)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ü"},
-                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Again"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi ü"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Again"},
+    ]
     for conversation in (messages, messages[1:2]):
         expected = hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         assert tokenizer.render_chat(conversation) == expected
         assert tokenizer.encode_chat(conversation) == list(
-            hf(expected, add_special_tokens=False)["input_ids"])
+            hf(expected, add_special_tokens=False)["input_ids"]
+        )

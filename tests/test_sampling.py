@@ -17,12 +17,23 @@ def llm() -> LLM:
     return LLM(str(make_tiny_model("llama")), num_kv_blocks=64, block_size=8)
 
 
-@pytest.mark.parametrize(("kwargs", "field"), [
-    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -3}, "max_tokens"), ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"), ({"stop": 5}, "stop"), ({"stop": ["ok", 3]}, "stop"),
-    ({"temperature": -1.0}, "temperature"), ({"n": 0}, "n"), ({"logprobs": 99}, "logprobs"),
-    ({"top_k": -5}, "top_k"), ({"min_p": 2.0}, "min_p"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"stop": 5}, "stop"),
+        ({"stop": ["ok", 3]}, "stop"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"n": 0}, "n"),
+        ({"logprobs": 99}, "logprobs"),
+        ({"top_k": -5}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ],
+)
 def test_invalid_sampling_params_raise_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
@@ -58,11 +69,25 @@ def test_same_seed_same_output_different_seed_differs(llm):
 def test_repetition_penalty_greedy_matches_hf(llm):
     path = llm.engine.model_config.path
     prompt = [7, 8, 9, 10, 7, 8]
-    ours = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=1.3,
-                                                 ignore_eos=True))[0].outputs[0].token_ids
+    ours = (
+        llm.generate(
+            [prompt], SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=1.3, ignore_eos=True)
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     with torch.no_grad():
-        ref = hf_model(path).generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                                      repetition_penalty=1.3, pad_token_id=0)[0, len(prompt):].tolist()
+        ref = (
+            hf_model(path)
+            .generate(
+                torch.tensor([prompt]),
+                max_new_tokens=16,
+                do_sample=False,
+                repetition_penalty=1.3,
+                pad_token_id=0,
+            )[0, len(prompt) :]
+            .tolist()
+        )
     assert ours == ref
 
 
@@ -93,9 +118,10 @@ def test_min_tokens_suppresses_eos_and_stop_tokens():
 def test_logprobs_are_the_models_log_softmax_with_top_alternatives(llm):
     path = llm.engine.model_config.path
     prompt = [11, 12, 13]
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, logprobs=5,
-                                                ignore_eos=True))[0].outputs[0]
-    ref = torch.log_softmax(hf_logits(path, prompt + out.token_ids[:-1]), dim=-1)[len(prompt) - 1:]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, logprobs=5, ignore_eos=True))[
+        0
+    ].outputs[0]
+    ref = torch.log_softmax(hf_logits(path, prompt + out.token_ids[:-1]), dim=-1)[len(prompt) - 1 :]
     for i, lp in enumerate(out.logprobs):
         assert lp.token_id == out.token_ids[i]
         assert lp.logprob == pytest.approx(ref[i, lp.token_id].item(), abs=1e-4)
@@ -106,7 +132,8 @@ def test_logprobs_are_the_models_log_softmax_with_top_alternatives(llm):
 def test_stop_token_ids_end_generation_with_reason(llm):
     first = llm.generate([[20, 21]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     stop_at = first[0].outputs[0].token_ids[3]
-    out = llm.generate([[20, 21]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
-                                                  stop_token_ids=[stop_at]))[0].outputs[0]
+    out = llm.generate(
+        [[20, 21]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop_at])
+    )[0].outputs[0]
     assert out.token_ids[-1] == stop_at and len(out.token_ids) <= 4
     assert out.finish_reason == "stop" and out.stop_reason == stop_at

@@ -17,8 +17,13 @@ from tests.kv_transfer_peer import make_fingerprint
 
 def _shipper(**options) -> Shipper:
     caches = [torch.zeros(4, 4, 1, 8) for _ in range(2)]
-    return Shipper(make_fingerprint(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8), caches, caches,
-                   SenderConfig(grant_timeout_s=0.3, shared_memory=False), **options)
+    return Shipper(
+        make_fingerprint(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8),
+        caches,
+        caches,
+        SenderConfig(grant_timeout_s=0.3, shared_memory=False),
+        **options,
+    )
 
 
 def _shipment(request_id: str, addr: str) -> Shipment:

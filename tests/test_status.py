@@ -9,24 +9,48 @@ from pdserve_cli.status import render
 from protocol.registry import NodeInfo, publish
 from tests.cluster import RedisServer, free_port
 
-PREFILL = NodeInfo(node_id="prefill-a", role="prefill", control_addr="tcp://10.0.0.2:5001", kv_addr=None,
-                   fingerprint={}, max_model_len=512, num_blocks_total=64, num_blocks_free=60, num_blocks_cached=12,
-                   num_running=1, num_queued=3, num_queued_prefill_tokens=90, heartbeat_time=100.0)
-DECODE = dataclasses.replace(PREFILL, node_id="decode-b", role="decode", control_addr="tcp://10.0.0.3:5002",
-                             kv_addr="tcp://10.0.0.3:5003", num_blocks_free=8, num_blocks_cached=0, num_running=7,
-                             num_queued=0, draining=True, heartbeat_time=99.25)
+PREFILL = NodeInfo(
+    node_id="prefill-a",
+    role="prefill",
+    control_addr="tcp://10.0.0.2:5001",
+    kv_addr=None,
+    fingerprint={},
+    max_model_len=512,
+    num_blocks_total=64,
+    num_blocks_free=60,
+    num_blocks_cached=12,
+    num_running=1,
+    num_queued=3,
+    num_queued_prefill_tokens=90,
+    heartbeat_time=100.0,
+)
+DECODE = dataclasses.replace(
+    PREFILL,
+    node_id="decode-b",
+    role="decode",
+    control_addr="tcp://10.0.0.3:5002",
+    kv_addr="tcp://10.0.0.3:5003",
+    num_blocks_free=8,
+    num_blocks_cached=0,
+    num_running=7,
+    num_queued=0,
+    draining=True,
+    heartbeat_time=99.25,
+)
 
 
 def test_render_groups_nodes_by_role_with_blocks_queue_running_heartbeat_and_state():
-    assert render([DECODE, PREFILL], now=101.0) == "\n".join([
-        "prefill: 1 node(s), 1 serving, KV blocks 60/64 free",
-        "  NODE       ADDRESS              KV FREE/TOTAL  CACHED  QUEUED  RUNNING  HEARTBEAT  STATE",
-        "  prefill-a  tcp://10.0.0.2:5001  60/64          12      3       1        1.0s ago   serving",
-        "",
-        "decode: 1 node(s), 0 serving, KV blocks 8/64 free",
-        "  NODE      ADDRESS              KV FREE/TOTAL  CACHED  QUEUED  RUNNING  HEARTBEAT  STATE",
-        "  decode-b  tcp://10.0.0.3:5002  8/64           0       0       7        1.8s ago   draining",
-    ])
+    assert render([DECODE, PREFILL], now=101.0) == "\n".join(
+        [
+            "prefill: 1 node(s), 1 serving, KV blocks 60/64 free",
+            "  NODE       ADDRESS              KV FREE/TOTAL  CACHED  QUEUED  RUNNING  HEARTBEAT  STATE",
+            "  prefill-a  tcp://10.0.0.2:5001  60/64          12      3       1        1.0s ago   serving",
+            "",
+            "decode: 1 node(s), 0 serving, KV blocks 8/64 free",
+            "  NODE      ADDRESS              KV FREE/TOTAL  CACHED  QUEUED  RUNNING  HEARTBEAT  STATE",
+            "  decode-b  tcp://10.0.0.3:5002  8/64           0       0       7        1.8s ago   draining",
+        ]
+    )
 
 
 def test_render_lists_colocated_nodes_in_their_own_pool():

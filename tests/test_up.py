@@ -56,10 +56,30 @@ class Launcher:
         self.log_dir = tmp / "logs"
         self.out_path = tmp / "up.out"
         self._out = open(self.out_path, "w")
-        cmd = [sys.executable, "-m", "pdserve_cli", "up", "--model", str(model), "--port", str(self.port),
-               "--log-dir", str(self.log_dir), "--node-args", NODE_ARGS, "--stop-timeout", "10", *flags]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                                     stdout=self._out, stderr=subprocess.STDOUT)
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve_cli",
+            "up",
+            "--model",
+            str(model),
+            "--port",
+            str(self.port),
+            "--log-dir",
+            str(self.log_dir),
+            "--node-args",
+            NODE_ARGS,
+            "--stop-timeout",
+            "10",
+            *flags,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+        )
         self.url = f"http://127.0.0.1:{self.port}"
 
     def output(self) -> str:
@@ -68,7 +88,9 @@ class Launcher:
     def wait_up(self, timeout_s: float = 90.0) -> None:
         deadline = time.monotonic() + timeout_s
         while "pdserve is up" not in self.output():
-            assert self.proc.poll() is None and time.monotonic() < deadline, f"launch failed:\n{self.output()}"
+            assert self.proc.poll() is None and time.monotonic() < deadline, (
+                f"launch failed:\n{self.output()}"
+            )
             time.sleep(0.1)
 
     def redis_url(self) -> str:
@@ -76,7 +98,9 @@ class Launcher:
 
     def events(self, child: str, name: str) -> list[dict]:
         lines = (self.log_dir / f"{child}.log").read_text().splitlines()
-        return [r for r in (json.loads(line) for line in lines if line.startswith("{")) if r.get("event") == name]
+        return [
+            r for r in (json.loads(line) for line in lines if line.startswith("{")) if r.get("event") == name
+        ]
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -121,19 +145,47 @@ def test_threads_split_the_cores_evenly_with_at_least_one_per_node():
 @pytest.mark.parametrize(("num_prefill", "num_decode"), [(0, 1), (1, 0)])
 def test_plan_refuses_a_cluster_without_both_roles(tmp_path, num_prefill, num_decode):
     with pytest.raises(ValueError, match="at least one prefill and one decode node .* or a colocated one"):
-        ClusterPlan(model="m", num_prefill=num_prefill, num_decode=num_decode, host="127.0.0.1", port=8000,
-                    redis_url=None, use_redis=True, threads_per_node=1, log_dir=tmp_path)
+        ClusterPlan(
+            model="m",
+            num_prefill=num_prefill,
+            num_decode=num_decode,
+            host="127.0.0.1",
+            port=8000,
+            redis_url=None,
+            use_redis=True,
+            threads_per_node=1,
+            log_dir=tmp_path,
+        )
 
 
 def test_plan_of_colocated_nodes_alone_is_complete(tmp_path):
-    plan = ClusterPlan(model="m", num_prefill=0, num_decode=0, host="127.0.0.1", port=8000, redis_url=None,
-                       use_redis=True, threads_per_node=1, log_dir=tmp_path, num_colocated=2)
+    plan = ClusterPlan(
+        model="m",
+        num_prefill=0,
+        num_decode=0,
+        host="127.0.0.1",
+        port=8000,
+        redis_url=None,
+        use_redis=True,
+        threads_per_node=1,
+        log_dir=tmp_path,
+        num_colocated=2,
+    )
     assert plan.num_nodes == 2 and plan.describe() == "2 colocated"
 
 
 def test_plan_url_reaches_a_wildcard_bind_over_loopback(tmp_path):
-    plan = ClusterPlan(model="m", num_prefill=1, num_decode=1, host="0.0.0.0", port=8123, redis_url=None,
-                       use_redis=True, threads_per_node=1, log_dir=tmp_path)
+    plan = ClusterPlan(
+        model="m",
+        num_prefill=1,
+        num_decode=1,
+        host="0.0.0.0",
+        port=8123,
+        redis_url=None,
+        use_redis=True,
+        threads_per_node=1,
+        log_dir=tmp_path,
+    )
     assert plan.url == "http://127.0.0.1:8123"
 
 
@@ -184,7 +236,9 @@ def test_forty_concurrent_requests_match_hf_and_use_both_nodes_of_each_role(up, 
 
 @pytest.mark.slow
 def test_decode_node_started_later_takes_requests_within_two_seconds(up, model, tmp_path_factory):
-    node = NodeProcess("decode", str(model), tmp_path_factory.mktemp("joined"), up.redis_url(), NODE_ARGS.split())
+    node = NodeProcess(
+        "decode", str(model), tmp_path_factory.mktemp("joined"), up.redis_url(), NODE_ARGS.split()
+    )
     up.joined = node  # the drain test stops it
     node.wait_ready()
     joined_at = node.ready_file.stat().st_mtime  # it registered in Redis just before writing this
@@ -241,7 +295,9 @@ def test_killed_decode_node_leaves_the_pool_within_two_heartbeat_ttls_and_traffi
 def test_sigterm_to_the_launcher_stops_every_child_and_frees_every_port(up, model):
     ready = [json.loads(p.read_text()) for p in up.log_dir.glob("*.ready.json")]
     ports = [up.port, int(up.redis_url().rsplit(":", 1)[1].split("/")[0])]
-    ports += [int(addr.rsplit(":", 1)[1]) for r in ready for addr in (r["control_addr"], r["kv_addr"]) if addr]
+    ports += [
+        int(addr.rsplit(":", 1)[1]) for r in ready for addr in (r["control_addr"], r["kv_addr"]) if addr
+    ]
     launcher = psutil.Process(up.proc.pid)
     assert len(launcher.children()) == 6  # redis, 4 nodes, router
     children = launcher.children(recursive=True)  # with theirs (e.g. multiprocessing's resource tracker)
@@ -256,7 +312,9 @@ def test_sigterm_to_the_launcher_stops_every_child_and_frees_every_port(up, mode
 
 
 @pytest.mark.slow
-def test_colocated_nodes_serve_concurrent_requests_equal_to_hf_on_both_nodes_without_kv(model, tmp_path, capsys):
+def test_colocated_nodes_serve_concurrent_requests_equal_to_hf_on_both_nodes_without_kv(
+    model, tmp_path, capsys
+):
     from pdserve_cli.main import main
     from router.tokenizer import Tokenizer
 
@@ -268,7 +326,9 @@ def test_colocated_nodes_serve_concurrent_requests_equal_to_hf_on_both_nodes_wit
         assert health.status_code == 200
         assert health.json() == {"status": "ok", "num_prefill": 0, "num_decode": 0, "num_colocated": 2}
         tokenizer = Tokenizer(model)
-        prompts = [f"Colocated {i}: {FILLER}" for i in range(16)]  # >= 64 tokens: a P/D cluster would transfer
+        prompts = [
+            f"Colocated {i}: {FILLER}" for i in range(16)
+        ]  # >= 64 tokens: a P/D cluster would transfer
         results = complete_all(launcher.url, prompts, max_tokens=6)
         for prompt, result in zip(prompts, results, strict=True):
             ids = tokenizer.encode(prompt)

@@ -65,7 +65,9 @@ def test_fp32_checkpoint_loads_into_bf16_rounded_once():
     qkv = torch.cat([stored[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"])
     assert layer.self_attn.qkv_proj.weight.dtype == torch.bfloat16
     assert torch.equal(layer.self_attn.qkv_proj.weight, qkv.to(torch.bfloat16))
-    assert torch.equal(layer.self_attn.q_norm.weight, stored["model.layers.0.self_attn.q_norm.weight"].bfloat16())
+    assert torch.equal(
+        layer.self_attn.q_norm.weight, stored["model.layers.0.self_attn.q_norm.weight"].bfloat16()
+    )
 
 
 def test_checkpoint_missing_a_tensor_fails_naming_it(tmp_path):
@@ -92,9 +94,13 @@ def test_gpt2_checkpoint_in_openai_naming_with_mask_buffers_loads(tmp_path):
     src = make_tiny_model("gpt2")
     dst = tmp_path / "openai-names"
     shutil.copytree(src, dst)
-    tensors = {name.removeprefix("transformer."): t for name, t in load_file(f"{src}/model.safetensors").items()}
+    tensors = {
+        name.removeprefix("transformer."): t for name, t in load_file(f"{src}/model.safetensors").items()
+    }
     tensors.pop("lm_head.weight", None)
     for i in range(2):
         tensors[f"h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 8, 8))
     save_file(tensors, f"{dst}/model.safetensors", metadata={"format": "pt"})
-    assert torch.equal(paged_logits(str(dst), TOKENS, chunks=[20]), paged_logits(str(src), TOKENS, chunks=[20]))
+    assert torch.equal(
+        paged_logits(str(dst), TOKENS, chunks=[20]), paged_logits(str(src), TOKENS, chunks=[20])
+    )

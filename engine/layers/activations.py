@@ -20,5 +20,6 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     try:
         return ACTIVATIONS[name]
     except KeyError:
-        raise ValueError(f"activation {name!r} is not supported; supported: {', '.join(sorted(ACTIVATIONS))}") \
-            from None
+        raise ValueError(
+            f"activation {name!r} is not supported; supported: {', '.join(sorted(ACTIVATIONS))}"
+        ) from None

@@ -30,15 +30,22 @@ class AttentionSpec:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
 
 
 class SelfAttention(nn.Module):
     """``q_norm`` / ``k_norm`` act on [T, heads, head_dim] before the rotation (Qwen3 per head,
     OLMo 2 over all heads)."""
 
-    def __init__(self, spec: AttentionSpec, rope: RotaryEmbedding | None, q_norm: nn.Module | None = None,
-                 k_norm: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        rope: RotaryEmbedding | None,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.spec = spec
         self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
@@ -47,8 +54,9 @@ class SelfAttention(nn.Module):
         self.rope = rope
         self.q_norm, self.k_norm = q_norm, k_norm
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
         # x: [T, hidden]
         q, k, v = split_heads(self.qkv_proj(x), self.spec)  # [T, H|KVH|KVH, D]
         if self.q_norm is not None and self.k_norm is not None:
@@ -65,8 +73,15 @@ def split_heads(qkv: torch.Tensor, spec: AttentionSpec) -> tuple[torch.Tensor, t
     return heads.split([spec.num_heads, spec.num_kv_heads, spec.num_kv_heads], dim=1)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-           spec: AttentionSpec) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: KVCache,
+    meta: AttentionMetadata,
+    spec: AttentionSpec,
+) -> torch.Tensor:
     # q: [T, H, D]; k, v: [T, KVH, D] -> [T, H, D]
-    return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, spec.scale,
-                           spec.sliding_window, spec.softcap)
+    return paged_attention(
+        q, k, v, kv_cache[0], kv_cache[1], meta, spec.scale, spec.sliding_window, spec.softcap
+    )

@@ -64,7 +64,7 @@ class Experts(nn.Module):
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
-            pairs = order[start:start + count]  # [n]
+            pairs = order[start : start + count]  # [n]
             start += count
             tokens = pairs // top_k
             gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)  # [n, I] each

@@ -35,7 +35,9 @@ def _base_inv_freq(dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
-def rotary_frequencies(dim: int, rope: dict, max_positions: int, max_position_embeddings: int) -> RotaryFrequencies:
+def rotary_frequencies(
+    dim: int, rope: dict, max_positions: int, max_position_embeddings: int
+) -> RotaryFrequencies:
     """Frequencies of a rotary dimension ``dim`` for the variant ``rope["rope_type"]``."""
     kind, theta = rope.get("rope_type", "default"), float(rope["rope_theta"])
     plain = _base_inv_freq(dim, theta)
@@ -47,16 +49,19 @@ def rotary_frequencies(dim: int, rope: dict, max_positions: int, max_position_em
         return RotaryFrequencies(_llama3_scale(plain, rope), None, None, 1.0)
     if kind == "dynamic":
         if max_positions > max_position_embeddings:
-            raise ValueError(f"rope_type 'dynamic': a context of {max_positions} tokens exceeds "
-                             f"max_position_embeddings={max_position_embeddings}, past which HF re-derives the "
-                             "frequencies per sequence length; pass max_model_len <= max_position_embeddings")
+            raise ValueError(
+                f"rope_type 'dynamic': a context of {max_positions} tokens exceeds "
+                f"max_position_embeddings={max_position_embeddings}, past which HF re-derives the "
+                "frequencies per sequence length; pass max_model_len <= max_position_embeddings"
+            )
         return RotaryFrequencies(plain, None, None, 1.0)
     if kind == "yarn":
         return _yarn(dim, theta, rope, max_position_embeddings)
     if kind == "longrope":
         return _longrope(dim, theta, rope, max_position_embeddings)
-    raise ValueError(f"rope_type {kind!r} is not supported "
-                     "(supported: default, linear, llama3, dynamic, yarn, longrope)")
+    raise ValueError(
+        f"rope_type {kind!r} is not supported (supported: default, linear, llama3, dynamic, yarn, longrope)"
+    )
 
 
 def _llama3_scale(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
@@ -82,8 +87,11 @@ def _yarn(dim: int, theta: float, rope: dict, max_position_embeddings: int) -> R
     attention_factor = rope.get("attention_factor")
     if attention_factor is None:
         mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+        attention_factor = (
+            _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+            if mscale and mscale_all_dim
+            else _yarn_mscale(factor)
+        )
 
     def correction_dim(num_rotations: float) -> float:
         return dim * math.log(old_len / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
@@ -107,8 +115,8 @@ def _longrope(dim: int, theta: float, rope: dict, max_position_embeddings: int) 
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    short = 1.0 / (torch.tensor(rope["short_factor"], dtype=torch.float32) * theta ** exponents)
-    long = 1.0 / (torch.tensor(rope["long_factor"], dtype=torch.float32) * theta ** exponents)
+    short = 1.0 / (torch.tensor(rope["short_factor"], dtype=torch.float32) * theta**exponents)
+    long = 1.0 / (torch.tensor(rope["long_factor"], dtype=torch.float32) * theta**exponents)
     return RotaryFrequencies(short, long, old_len, float(attention_factor))
 
 
@@ -134,7 +142,7 @@ class RotaryEmbedding(torch.nn.Module):
         sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         if self.rotary_dim == x.shape[-1]:
             return x * cos + _rotate_half(x) * sin
-        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         return torch.cat([rot * cos + _rotate_half(rot) * sin, rest], dim=-1)
 
 

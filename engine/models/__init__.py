@@ -35,4 +35,6 @@ def model_class(cfg: ModelConfig) -> type:
         return MODEL_REGISTRY[cfg.architecture]
     except KeyError:
         supported = ", ".join(sorted(MODEL_REGISTRY))
-        raise ValueError(f"model architecture {cfg.architecture!r} is not supported; supported: {supported}") from None
+        raise ValueError(
+            f"model architecture {cfg.architecture!r} is not supported; supported: {supported}"
+        ) from None

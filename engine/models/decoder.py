@@ -21,14 +21,20 @@ from engine.layers.rotary import RotaryEmbedding
 
 
 class PreNormLayer(nn.Module):
-    def __init__(self, self_attn: nn.Module, mlp: nn.Module, input_layernorm: nn.Module,
-                 post_attention_layernorm: nn.Module) -> None:
+    def __init__(
+        self,
+        self_attn: nn.Module,
+        mlp: nn.Module,
+        input_layernorm: nn.Module,
+        post_attention_layernorm: nn.Module,
+    ) -> None:
         super().__init__()
         self.input_layernorm, self.self_attn = input_layernorm, self_attn
         self.post_attention_layernorm, self.mlp = post_attention_layernorm, mlp
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -40,9 +46,12 @@ class SandwichLayer(nn.Module):
         self.input_layernorm, self.post_attention_layernorm = norms[0], norms[1]
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norms[2], norms[3]
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, kv_cache, meta))
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(
+            self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        )
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -51,21 +60,28 @@ class ParallelLayer(nn.Module):
         super().__init__()
         self.input_layernorm, self.self_attn, self.mlp = input_layernorm, self_attn, mlp
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
         h = self.input_layernorm(x)
         return x + self.self_attn(h, positions, kv_cache, meta) + self.mlp(h)
 
 
 class PostNormLayer(nn.Module):
-    def __init__(self, self_attn: nn.Module, mlp: nn.Module, post_attention_layernorm: nn.Module,
-                 post_feedforward_layernorm: nn.Module) -> None:
+    def __init__(
+        self,
+        self_attn: nn.Module,
+        mlp: nn.Module,
+        post_attention_layernorm: nn.Module,
+        post_feedforward_layernorm: nn.Module,
+    ) -> None:
         super().__init__()
         self.self_attn, self.post_attention_layernorm = self_attn, post_attention_layernorm
         self.mlp, self.post_feedforward_layernorm = mlp, post_feedforward_layernorm
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(x, positions, kv_cache, meta))
         return x + self.post_feedforward_layernorm(self.mlp(x))
 
@@ -84,8 +100,14 @@ class CausalLM(nn.Module):
     """Token ids -> final hidden states -> logits. ``embed_scale``: Gemma multiplies the embeddings
     by sqrt(hidden_size); ``logit_softcap``: Gemma 2 bends the logits to cap * tanh(logits / cap)."""
 
-    def __init__(self, cfg: ModelConfig, layers: list[nn.Module], norm: nn.Module,
-                 embed_scale: float | None = None, logit_softcap: float | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: list[nn.Module],
+        norm: nn.Module,
+        embed_scale: float | None = None,
+        logit_softcap: float | None = None,
+    ) -> None:
         super().__init__()
         self.config = cfg
         self.model = DecoderStack(cfg, layers, norm)
@@ -100,8 +122,13 @@ class CausalLM(nn.Module):
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         return x
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden states [T, hidden]
         x = self.embed(input_ids)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
@@ -124,6 +151,12 @@ def rotary(cfg: ModelConfig, max_positions: int) -> RotaryEmbedding:
 
 def attention_spec(cfg: ModelConfig, layer: int, **variant) -> AttentionSpec:
     """Layer ``layer``'s attention: the model's shape and window, plus the family's ``variant`` fields."""
-    fields = dict(hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                  head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window(layer))
+    fields = dict(
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        scale=cfg.head_dim**-0.5,
+        sliding_window=cfg.sliding_window(layer),
+    )
     return AttentionSpec(**{**fields, **variant})

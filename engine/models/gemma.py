@@ -16,9 +16,15 @@ def gemma_norm(cfg: ModelConfig) -> RMSNorm:
 class GemmaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         hf, rope = cfg.hf, rotary(cfg, max_positions)
-        layers = [PreNormLayer(SelfAttention(attention_spec(cfg, i, qkv_bias=hf.attention_bias, o_bias=hf.attention_bias),
-                                             rope),
-                               GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act),
-                               gemma_norm(cfg), gemma_norm(cfg))
-                  for i in range(cfg.num_layers)]
-        super().__init__(cfg, layers, gemma_norm(cfg), embed_scale=cfg.hidden_size ** 0.5)
+        layers = [
+            PreNormLayer(
+                SelfAttention(
+                    attention_spec(cfg, i, qkv_bias=hf.attention_bias, o_bias=hf.attention_bias), rope
+                ),
+                GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act),
+                gemma_norm(cfg),
+                gemma_norm(cfg),
+            )
+            for i in range(cfg.num_layers)
+        ]
+        super().__init__(cfg, layers, gemma_norm(cfg), embed_scale=cfg.hidden_size**0.5)

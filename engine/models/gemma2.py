@@ -14,8 +14,14 @@ from engine.models.gemma import gemma_norm
 
 def gemma2_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> SandwichLayer:
     hf = cfg.hf
-    spec = attention_spec(cfg, layer, qkv_bias=hf.attention_bias, o_bias=hf.attention_bias, scale=hf.query_pre_attn_scalar ** -0.5,
-                          softcap=hf.attn_logit_softcapping)
+    spec = attention_spec(
+        cfg,
+        layer,
+        qkv_bias=hf.attention_bias,
+        o_bias=hf.attention_bias,
+        scale=hf.query_pre_attn_scalar**-0.5,
+        softcap=hf.attn_logit_softcapping,
+    )
     mlp = GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_activation)
     return SandwichLayer(SelfAttention(spec, rope), mlp, [gemma_norm(cfg) for _ in range(4)])
 
@@ -24,5 +30,10 @@ class Gemma2ForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         rope = rotary(cfg, max_positions)
         layers = [gemma2_layer(cfg, i, rope) for i in range(cfg.num_layers)]
-        super().__init__(cfg, layers, gemma_norm(cfg), embed_scale=cfg.hidden_size ** 0.5,
-                         logit_softcap=cfg.hf.final_logit_softcapping)
+        super().__init__(
+            cfg,
+            layers,
+            gemma_norm(cfg),
+            embed_scale=cfg.hidden_size**0.5,
+            logit_softcap=cfg.hf.final_logit_softcapping,
+        )

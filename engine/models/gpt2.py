@@ -40,8 +40,11 @@ class GPT2Attention(nn.Module):
 class GPT2MLP(nn.Module):
     def __init__(self, hidden_size: int, inner_size: int, act: str) -> None:
         super().__init__()
-        self.c_fc, self.c_proj, self.act = Conv1D(hidden_size, inner_size), Conv1D(inner_size, hidden_size), \
-            activation(act)
+        self.c_fc, self.c_proj, self.act = (
+            Conv1D(hidden_size, inner_size),
+            Conv1D(inner_size, hidden_size),
+            activation(act),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(x)))
@@ -51,10 +54,12 @@ class GPT2Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         hf, width = cfg.hf, cfg.hidden_size
-        scale = cfg.head_dim ** -0.5 if hf.scale_attn_weights else 1.0
+        scale = cfg.head_dim**-0.5 if hf.scale_attn_weights else 1.0
         if hf.scale_attn_by_inverse_layer_idx:
             scale /= layer + 1
-        spec = AttentionSpec(width, cfg.num_heads, cfg.num_heads, cfg.head_dim, scale, qkv_bias=True, o_bias=True)
+        spec = AttentionSpec(
+            width, cfg.num_heads, cfg.num_heads, cfg.head_dim, scale, qkv_bias=True, o_bias=True
+        )
         self.ln_1, self.attn = nn.LayerNorm(width, eps=hf.layer_norm_epsilon), GPT2Attention(spec)
         self.ln_2 = nn.LayerNorm(width, eps=hf.layer_norm_epsilon)
         self.mlp = GPT2MLP(width, hf.n_inner or 4 * width, hf.activation_function)
@@ -77,16 +82,23 @@ class GPT2LMHeadModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         if max_positions > cfg.max_position_embeddings:
-            raise ValueError(f"GPT-2 has {cfg.max_position_embeddings} learned positions; "
-                             f"max_model_len {max_positions} exceeds them")
+            raise ValueError(
+                f"GPT-2 has {cfg.max_position_embeddings} learned positions; "
+                f"max_model_len {max_positions} exceeds them"
+            )
         self.config = cfg
         self.transformer = GPT2Model(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden states [T, hidden]
         x = self.transformer.wte(input_ids) + self.transformer.wpe(positions)
         for block, kv_cache in zip(self.transformer.h, kv_caches, strict=True):

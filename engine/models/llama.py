@@ -16,7 +16,9 @@ def llama_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> PreNormL
     qkv_bias = cfg.architecture == "Qwen2ForCausalLM" or attention_bias
     attn = SelfAttention(attention_spec(cfg, layer, qkv_bias=qkv_bias, o_bias=attention_bias), rope)
     mlp = GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act, bias=getattr(hf, "mlp_bias", False))
-    return PreNormLayer(attn, mlp, RMSNorm(cfg.hidden_size, hf.rms_norm_eps), RMSNorm(cfg.hidden_size, hf.rms_norm_eps))
+    return PreNormLayer(
+        attn, mlp, RMSNorm(cfg.hidden_size, hf.rms_norm_eps), RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
+    )
 
 
 class LlamaForCausalLM(CausalLM):

@@ -18,7 +18,9 @@ class MixtralSparseBlock(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         hf = cfg.hf
-        self.gate = TopKRouter(cfg.hidden_size, hf.num_local_experts, hf.num_experts_per_tok, renormalize=True)
+        self.gate = TopKRouter(
+            cfg.hidden_size, hf.num_local_experts, hf.num_experts_per_tok, renormalize=True
+        )
         self.experts = Experts(hf.num_local_experts, cfg.hidden_size, hf.intermediate_size, hf.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -28,9 +30,15 @@ class MixtralSparseBlock(nn.Module):
 class MixtralForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         rope, eps = rotary(cfg, max_positions), cfg.hf.rms_norm_eps
-        layers = [PreNormLayer(SelfAttention(attention_spec(cfg, i), rope), MixtralSparseBlock(cfg),
-                               RMSNorm(cfg.hidden_size, eps), RMSNorm(cfg.hidden_size, eps))
-                  for i in range(cfg.num_layers)]
+        layers = [
+            PreNormLayer(
+                SelfAttention(attention_spec(cfg, i), rope),
+                MixtralSparseBlock(cfg),
+                RMSNorm(cfg.hidden_size, eps),
+                RMSNorm(cfg.hidden_size, eps),
+            )
+            for i in range(cfg.num_layers)
+        ]
         super().__init__(cfg, layers, RMSNorm(cfg.hidden_size, eps))
 
     @staticmethod

@@ -14,8 +14,12 @@ from engine.models.decoder import CausalLM, PostNormLayer, attention_spec, rotar
 def olmo2_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> PostNormLayer:
     hf, eps = cfg.hf, cfg.hf.rms_norm_eps
     spec = attention_spec(cfg, layer, qkv_bias=hf.attention_bias, o_bias=hf.attention_bias)
-    attn = SelfAttention(spec, rope, q_norm=FlatHeadsRMSNorm(cfg.num_heads * cfg.head_dim, eps),
-                         k_norm=FlatHeadsRMSNorm(cfg.num_kv_heads * cfg.head_dim, eps))
+    attn = SelfAttention(
+        spec,
+        rope,
+        q_norm=FlatHeadsRMSNorm(cfg.num_heads * cfg.head_dim, eps),
+        k_norm=FlatHeadsRMSNorm(cfg.num_kv_heads * cfg.head_dim, eps),
+    )
     mlp = GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act)
     return PostNormLayer(attn, mlp, RMSNorm(cfg.hidden_size, eps), RMSNorm(cfg.hidden_size, eps))
 

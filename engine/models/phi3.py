@@ -15,8 +15,13 @@ class Phi3ForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         hf, rope = cfg.hf, rotary(cfg, max_positions)
         eps = hf.rms_norm_eps
-        layers = [PreNormLayer(SelfAttention(attention_spec(cfg, i), rope),
-                               GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act),
-                               RMSNorm(cfg.hidden_size, eps), RMSNorm(cfg.hidden_size, eps))
-                  for i in range(cfg.num_layers)]
+        layers = [
+            PreNormLayer(
+                SelfAttention(attention_spec(cfg, i), rope),
+                GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act),
+                RMSNorm(cfg.hidden_size, eps),
+                RMSNorm(cfg.hidden_size, eps),
+            )
+            for i in range(cfg.num_layers)
+        ]
         super().__init__(cfg, layers, RMSNorm(cfg.hidden_size, eps))

@@ -33,10 +33,16 @@ class Qwen2MoeSparseBlock(nn.Module):
 
 def qwen2_moe_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> PreNormLayer:
     hf = cfg.hf
-    sparse = layer not in hf.mlp_only_layers and hf.num_experts > 0 and (layer + 1) % hf.decoder_sparse_step == 0
-    mlp = Qwen2MoeSparseBlock(cfg) if sparse else GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act)
+    sparse = (
+        layer not in hf.mlp_only_layers and hf.num_experts > 0 and (layer + 1) % hf.decoder_sparse_step == 0
+    )
+    mlp = (
+        Qwen2MoeSparseBlock(cfg) if sparse else GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act)
+    )
     attn = SelfAttention(attention_spec(cfg, layer, qkv_bias=hf.qkv_bias), rope)
-    return PreNormLayer(attn, mlp, RMSNorm(cfg.hidden_size, hf.rms_norm_eps), RMSNorm(cfg.hidden_size, hf.rms_norm_eps))
+    return PreNormLayer(
+        attn, mlp, RMSNorm(cfg.hidden_size, hf.rms_norm_eps), RMSNorm(cfg.hidden_size, hf.rms_norm_eps)
+    )
 
 
 class Qwen2MoeForCausalLM(CausalLM):

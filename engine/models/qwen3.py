@@ -13,15 +13,23 @@ from engine.models.decoder import CausalLM, PreNormLayer, attention_spec, rotary
 def qwen3_attention(cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> SelfAttention:
     hf = cfg.hf
     spec = attention_spec(cfg, layer, qkv_bias=hf.attention_bias, o_bias=hf.attention_bias)
-    return SelfAttention(spec, rope, q_norm=RMSNorm(cfg.head_dim, hf.rms_norm_eps),
-                         k_norm=RMSNorm(cfg.head_dim, hf.rms_norm_eps))
+    return SelfAttention(
+        spec,
+        rope,
+        q_norm=RMSNorm(cfg.head_dim, hf.rms_norm_eps),
+        k_norm=RMSNorm(cfg.head_dim, hf.rms_norm_eps),
+    )
 
 
 def qwen3_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> PreNormLayer:
     hf = cfg.hf
     mlp = GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act)
-    return PreNormLayer(qwen3_attention(cfg, layer, rope), mlp, RMSNorm(cfg.hidden_size, hf.rms_norm_eps),
-                        RMSNorm(cfg.hidden_size, hf.rms_norm_eps))
+    return PreNormLayer(
+        qwen3_attention(cfg, layer, rope),
+        mlp,
+        RMSNorm(cfg.hidden_size, hf.rms_norm_eps),
+        RMSNorm(cfg.hidden_size, hf.rms_norm_eps),
+    )
 
 
 class Qwen3ForCausalLM(CausalLM):

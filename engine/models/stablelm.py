@@ -22,8 +22,12 @@ def stablelm_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> PreNo
     mlp = GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act)
     if hf.use_parallel_residual:
         return ParallelLayer(attn, mlp, LayerNorm(cfg.hidden_size, eps=hf.layer_norm_eps))
-    return PreNormLayer(attn, mlp, LayerNorm(cfg.hidden_size, eps=hf.layer_norm_eps),
-                        LayerNorm(cfg.hidden_size, eps=hf.layer_norm_eps))
+    return PreNormLayer(
+        attn,
+        mlp,
+        LayerNorm(cfg.hidden_size, eps=hf.layer_norm_eps),
+        LayerNorm(cfg.hidden_size, eps=hf.layer_norm_eps),
+    )
 
 
 class StableLmForCausalLM(CausalLM):
@@ -35,4 +39,5 @@ class StableLmForCausalLM(CausalLM):
     @staticmethod
     def checkpoint_name(name: str) -> str:
         return name.replace(".self_attn.q_layernorm.", ".self_attn.q_norm.").replace(
-            ".self_attn.k_layernorm.", ".self_attn.k_norm.")
+            ".self_attn.k_layernorm.", ".self_attn.k_norm."
+        )
