@@ -14,6 +14,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.kv_layout import KV_LAYOUT_NAME, KVCacheSpec
+from engine.pool_reservations import PoolReservations
 from kv_transfer.messages import KVFingerprint
 
 
@@ -29,12 +30,12 @@ def _receive(spec: KVCacheSpec, ready: mp.Queue, stop) -> None:
         torch.zeros((spec.num_blocks, *spec.block_shape), dtype=torch.float32) for _ in range(spec.num_layers)
     ]
     values = [torch.zeros_like(k) for k in keys]
-    blocks = BlockManager(spec.num_blocks, spec.block_size, enable_prefix_caching=False)
-    receiver = KVReceiver("tcp://127.0.0.1:0", _fingerprint(spec), blocks, keys, values)
+    pool = PoolReservations(BlockManager(spec.num_blocks, spec.block_size, enable_prefix_caching=False))
+    receiver = KVReceiver("tcp://127.0.0.1:0", _fingerprint(spec), pool, keys, values)
     ready.put(receiver.address)
     while not stop.is_set():
         for got in receiver.poll(0.05).completed:
-            blocks.free(got.seq)  # done at once: room for the next transfer
+            pool.finish(got.request_id)  # done at once: room for the next transfer
     receiver.close()
 
 
