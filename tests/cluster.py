@@ -162,6 +162,7 @@ class Client:
         self.pull.bind("tcp://127.0.0.1:0")
         self.reply_addr = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self.dealers: dict[str, zmq.Socket] = {}
+        self._via_prefill: set[str] = set()  # request ids whose first token comes from a prefill node
 
     def _dealer(self, addr: str) -> zmq.Socket:
         if addr not in self.dealers:
@@ -181,6 +182,8 @@ class Client:
         ttl_s: float = 60.0,
     ) -> None:
         decode_addr = decode["kv_addr"] if decode else None
+        if decode is not None:
+            self._via_prefill.add(request_id)
         now = time.time()
         msg = GenerateRequest(
             request_id, tuple(token_ids), params, self.reply_addr, decode_addr, now + ttl_s, now
@@ -213,8 +216,15 @@ class Client:
         self._dealer(node["control_addr"]).send(encode(AbortRequest(request_id, "test")))
 
     def collect(self, request_ids: list[str], timeout_s: float = 60.0) -> dict[str, dict]:
-        """Until every request finished or failed: tokens, finish reason, chunk arrival times."""
-        results = {rid: {"tokens": [], "finish": None, "chunks": [], "failed": None} for rid in request_ids}
+        """Until every request finished or failed: tokens, finish reason, chunk arrival times.
+
+        The prefill node's first token and the decode node's chunks come on separate connections,
+        so the decode node's may overtake it: as the router does, the first token goes first, and a
+        request sent through a prefill node is done only once that token arrived too."""
+        results = {
+            rid: {"tokens": [], "finish": None, "chunks": [], "failed": None, "first": None}
+            for rid in request_ids
+        }
         pending = set(request_ids)
         deadline = time.monotonic() + timeout_s
         while pending and time.monotonic() < deadline:
@@ -228,10 +238,16 @@ class Client:
                 r["failed"] = msg
                 pending.discard(msg.request_id)
             elif isinstance(msg, TokenChunk):
-                r["tokens"] += list(msg.token_ids)
                 r["chunks"].append((time.time(), msg))
+                if msg.is_first and msg.request_id in self._via_prefill:
+                    r["first"] = list(msg.token_ids)
+                    r["tokens"] = r["first"] + r["tokens"]
+                else:
+                    r["tokens"] += list(msg.token_ids)
                 if msg.finish_reason is not None:
                     r["finish"] = msg.finish_reason
+                waits_for_first = msg.request_id in self._via_prefill and r["first"] is None
+                if r["finish"] is not None and not waits_for_first:
                     pending.discard(msg.request_id)
         assert not pending, f"requests did not finish in {timeout_s}s: {sorted(pending)}"
         return results
