@@ -15,7 +15,6 @@ import os
 import signal
 import threading
 import time
-from collections import OrderedDict
 
 import zmq
 
@@ -24,7 +23,7 @@ from engine.sampling_params import SamplingParams
 from node.log import EventLog
 from node.options import NodeOptions
 from protocol import registry
-from protocol.channel import ListenChannel, PushChannel
+from protocol.channel import ListenChannel, PushChannels
 from protocol.codec import ProtocolError
 from protocol.messages import GenerateRequest, Message, NodeStatus, RequestFailed, StatusQuery, decode_frames
 
@@ -38,7 +37,7 @@ class NodeRuntime:
         self.control = ListenChannel(opts.control_addr, decoder=decode_frames)
         port = self.control.address.rsplit(":", 1)[1]
         self.control_addr = f"tcp://{opts.advertise_host}:{port}"  # what others connect to
-        self._replies: OrderedDict[str, PushChannel] = OrderedDict()
+        self._replies = PushChannels(MAX_REPLY_CHANNELS)
         self.draining = threading.Event()
         self.stopped = threading.Event()
         self._status: registry.NodeInfo | None = None
@@ -144,8 +143,7 @@ class NodeRuntime:
             except Exception as exc:
                 self.log("withdraw_failed", error=repr(exc))
         self.control.close()
-        for channel in self._replies.values():
-            channel.close()
+        self._replies.close()
         self.log("node_stopped")
 
     # ----------------------------------------------------------------- messages
@@ -217,12 +215,5 @@ class NodeRuntime:
 
     def reply(self, reply_addr: str, msg: Message) -> None:
         """Send to a router's reply address; never blocks, logs what it had to drop."""
-        channel = self._replies.get(reply_addr)
-        if channel is None:
-            channel = PushChannel(reply_addr)
-            self._replies[reply_addr] = channel
-            while len(self._replies) > MAX_REPLY_CHANNELS:
-                self._replies.popitem(last=False)[1].close()
-        self._replies.move_to_end(reply_addr)
-        if not channel.send(msg):
+        if not self._replies.send(reply_addr, msg):
             self.log("reply_dropped", request_id=getattr(msg, "request_id", None), reply_addr=reply_addr)

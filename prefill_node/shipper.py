@@ -8,7 +8,6 @@ Queues are bounded; a full queue refuses the shipment and the request fails clea
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import queue
 import threading
@@ -20,7 +19,7 @@ import torch
 from kv_transfer.errors import KVRejected, KVTimeout, KVTransferError
 from kv_transfer.messages import CacheRef, KVFingerprint, TokenLogprobs
 from kv_transfer.sender import KVSender, SenderConfig, TransferStats
-from protocol.channel import PushChannel
+from protocol.channel import PushChannels
 from protocol.messages import TokenChunk
 
 _MAX_REPLY_CHANNELS = 16  # routers one worker talks back to at once (LRU beyond)
@@ -183,32 +182,25 @@ class Shipper:
 
     def _work(self, addr: str, peer: _Peer) -> None:
         sender = KVSender(addr, self.fingerprint, self.config, cache_ref=self.cache_ref)
-        replies: collections.OrderedDict[str, PushChannel] = collections.OrderedDict()  # this thread's own
+        replies = PushChannels(_MAX_REPLY_CHANNELS)  # this thread's own
         try:
             while (job := self._next_job(addr, peer)) is not None:
                 self.outcomes.put(self._ship(sender, job, replies))
                 peer.busy = False
         finally:
             sender.close()
-            for channel in replies.values():
-                channel.close()
+            replies.close()
 
-    def _granted(self, job: Shipment, replies: collections.OrderedDict[str, PushChannel]) -> None:
+    def _granted(self, job: Shipment, replies: PushChannels) -> None:
         """Blocks are held on the decode node: the first token goes to the router now."""
         if job.first is not None:
-            channel = replies.pop(job.first.reply_addr, None) or PushChannel(job.first.reply_addr)
-            replies[job.first.reply_addr] = channel  # most recent last
-            while len(replies) > _MAX_REPLY_CHANNELS:
-                replies.popitem(last=False)[1].close()
-            if channel.send(job.first.chunk):
+            if replies.send(job.first.reply_addr, job.first.chunk):
                 self._log("first_token_sent", job.request_id, cached_tokens=job.num_cached_tokens)
             else:
                 self._log("reply_dropped", job.request_id, reply_addr=job.first.reply_addr)
         self.outcomes.put(Granted(job.request_id))
 
-    def _ship(
-        self, sender: KVSender, job: Shipment, replies: collections.OrderedDict[str, PushChannel]
-    ) -> Outcome:
+    def _ship(self, sender: KVSender, job: Shipment, replies: PushChannels) -> Outcome:
         granted = []
 
         def on_granted() -> None:

@@ -15,6 +15,7 @@ zero-copy (``copy=False``): the caller must not modify a buffer after handing it
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -165,3 +166,25 @@ class PushChannel(_Channel):
             return True
         except zmq.Again:
             return False
+
+
+class PushChannels:
+    """PushChannels to routers' reply addresses, opened on first use and kept for the most recent
+    ``max_channels`` addresses (LRU). Not thread-safe: one per thread that replies."""
+
+    def __init__(self, max_channels: int) -> None:
+        self._max_channels = max_channels
+        self._channels: OrderedDict[str, PushChannel] = OrderedDict()  # reply address -> channel
+
+    def send(self, address: str, msg: Message) -> bool:
+        """True when queued; False when the queue to that router is full (never waits)."""
+        channel = self._channels.pop(address, None) or PushChannel(address)
+        self._channels[address] = channel  # most recent last
+        while len(self._channels) > self._max_channels:
+            self._channels.popitem(last=False)[1].close()
+        return channel.send(msg)
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
