@@ -1,7 +1,7 @@
 """pdserve's one-process LLM core: models, paged KV cache, block manager, scheduler, sampler.
 
 ``from engine import LLM, SamplingParams`` works as in vLLM. The names load lazily so that
-torch-free modules (``engine.sampling_params``, ``engine.block_hash``, ``engine.kv_layout``)
+torch-free modules (``protocol.sampling_params``, ``engine.block_hash``, ``engine.kv_layout``)
 can be imported by the router without pulling in torch.
 """
 
@@ -11,7 +11,7 @@ import importlib
 
 _EXPORTS = {
     "LLM": "engine.llm",
-    "SamplingParams": "engine.sampling_params",
+    "SamplingParams": "protocol.sampling_params",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
 }

@@ -16,9 +16,9 @@ from engine.model_runner import KVCacheFactory, ModelRunner
 from engine.models import model_class
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampler import Sampler, SamplerInput
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from protocol.sampling_params import SamplingParams
 
 
 class QueueFullError(RuntimeError):

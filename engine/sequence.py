@@ -6,7 +6,7 @@ import dataclasses
 import enum
 import itertools
 
-from engine.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -19,7 +19,8 @@ from protocol.codec import (  # noqa: F401  (re-exported: the KV protocol's user
     ProtocolError,
     encode,
 )
-from protocol.messages import TokenLogprobs
+from protocol.messages import RequestMeta, TokenLogprobs
+from protocol.sampling_params import SamplingParams
 
 
 class WireFormat(enum.StrEnum):
@@ -84,10 +85,10 @@ class KVReserve(Message):
     fingerprint: KVFingerprint  # the sender's cache, checked against the receiver's
     ttl_s: float  # how long the reservation may wait for a grant
     wire_format: WireFormat = WireFormat.NATIVE  # how chunks will be encoded
-    sampling_params: dict[str, Any] | None = None  # engine SamplingParams.to_dict(), for the decode side
+    sampling_params: SamplingParams | None = None  # how the decode side samples the rest
     ring_ref: RingRef | None = None  # the sender's staging ring in shared memory, offered to same-host peers
     host_id: str | None = None  # kv_transfer.staging.host_id() of the sender, to tell same-host peers
-    request_meta: dict[str, Any] | None = None  # opaque to kv_transfer: the decode node's per-request data
+    request_meta: RequestMeta | None = None  # opaque to kv_transfer: where the decode node's tokens go
     cache_ref: CacheRef | None = None  # the sender's shared KV cache, for a one-copy same-host transfer
 
 

@@ -32,14 +32,15 @@ from node.streams import (
     wire_logprob,
 )
 from prefill_node.shipper import FirstToken, Granted, Outcome, Shipment, Shipper
-from protocol.messages import AbortRequest, GenerateRequest
+from protocol.messages import AbortRequest, GenerateRequest, RequestMeta
+from protocol.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass(slots=True)
 class _Pending:
     stream: Stream
     decode_addr: str
-    params: dict  # SamplingParams.to_dict() for the decode node
+    params: SamplingParams  # for the decode node
     deadline: float  # the request's wall-clock deadline, passed on to the decode node
 
 
@@ -164,7 +165,7 @@ class PrefillNode:
         stream = Stream(
             rid, msg.reply_addr, len(msg.token_ids), local_deadline(msg.deadline, self.opts.request_ttl_s)
         )
-        self.pending[rid] = _Pending(stream, msg.decode_addr, params.to_dict(), msg.deadline)
+        self.pending[rid] = _Pending(stream, msg.decode_addr, params, msg.deadline)
         self.log("request_added", rid, prompt_tokens=len(msg.token_ids), decode_addr=msg.decode_addr)
 
     def _prefilled(self, out) -> None:
@@ -183,7 +184,7 @@ class PrefillNode:
         started = seq.first_scheduled_time if seq is not None and seq.first_scheduled_time else stream.started
         stream.timings["prefill_queue"] = round(started - stream.started, 6)
         stream.timings["prefill_compute"] = round(now - started, 6)
-        ends_here = completion.finish_reason == "stop" or pending.params.get("max_tokens") == 1
+        ends_here = completion.finish_reason == "stop" or pending.params.max_tokens == 1
         first = dataclasses.replace(completion, finish_reason=completion.finish_reason if ends_here else None)
         if ends_here:
             self.runtime.reply(stream.reply_addr, next_chunk(stream, first, self.opts.node_id, is_first=True))
@@ -202,12 +203,7 @@ class PrefillNode:
             completion.token_ids[0],
             out.num_cached_tokens,
             pending.params,
-            {
-                "reply_addr": stream.reply_addr,
-                "deadline": pending.deadline,
-                "timings": stream.timings,
-                "shipped_at": time.time(),
-            },
+            RequestMeta(stream.reply_addr, pending.deadline, time.time(), dict(stream.timings)),
             wire_logprob(completion.logprobs[0]) if completion.logprobs else None,
             FirstToken(stream.reply_addr, first_chunk),
         )

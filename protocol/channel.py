@@ -109,7 +109,8 @@ class ListenChannel(_Channel):
         self._send([peer, codec.encode(msg), *frames])
 
     def recv(self, timeout_s: float) -> Inbound | None:
-        """Next message, None on timeout; ProtocolError (with ``.peer``) when malformed."""
+        """Next message, None on timeout; ProtocolError (with ``.peer`` and the raw ``.header``)
+        when malformed."""
         parts = self._recv_parts(timeout_s)
         if parts is None:
             return None
@@ -118,6 +119,7 @@ class ListenChannel(_Channel):
             return self._decode(peer, parts[1:])
         except ProtocolError as exc:
             exc.peer = peer  # type: ignore[attr-defined]
+            exc.header = parts[1].bytes if len(parts) > 1 else b""  # type: ignore[attr-defined]
             raise
 
 

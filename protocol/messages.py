@@ -15,7 +15,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+import msgpack
+
 from protocol import codec
+from protocol.sampling_params import SamplingParams
 
 Message = codec.Message
 ProtocolError = codec.ProtocolError
@@ -32,13 +35,24 @@ class TokenLogprobs:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class RequestMeta:
+    """What a decode node needs of a prefilled request besides its prompt and KV; it rides in
+    ``kv_transfer.messages.KVReserve``, which does not look inside."""
+
+    reply_addr: str  # the router's PUSH address for this request's tokens
+    deadline: float  # wall clock by which the request must be over (GenerateRequest.deadline)
+    shipped_at: float  # the prefill node's wall clock when the transfer began (transfer time)
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)  # prefill stages, seconds
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class GenerateRequest(Message):
     """Router → node: run this prompt."""
 
     TAG: ClassVar[str] = "generate"
     request_id: str  # unique across the cluster
     token_ids: tuple[int, ...]  # the prompt
-    sampling_params: dict[str, Any]  # engine.sampling_params.SamplingParams.to_dict(), n == 1
+    sampling_params: SamplingParams  # n == 1; stop strings stay with the router
     reply_addr: str  # the router's ZeroMQ PULL address for TokenChunk / RequestFailed
     decode_addr: str | None  # prefill node: KV address of the decode node; None: generate locally
     # Wall clock (time.time()) by which the request must be over, set once by the router and carried
@@ -123,6 +137,20 @@ def encode(msg: Message) -> bytes:
 def decode(header: bytes | memoryview) -> Message:
     """Strictly parse a router/node message; raises ProtocolError on anything else."""
     return codec.decode_with(header, _TAG_TO_TYPE)
+
+
+def reply_address_of(header: bytes) -> tuple[str, str] | None:
+    """(request_id, reply_addr) of a GenerateRequest that failed to decode, when its header still
+    names them: the node can then end that request on the router at once instead of leaving it to
+    its deadline. None for anything else."""
+    try:
+        version, tag, fields = msgpack.unpackb(header, raw=False)
+        rid, addr = fields["request_id"], fields["reply_addr"]
+    except Exception:  # noqa: BLE001  (best effort over bytes that already failed to decode)
+        return None
+    if tag != GenerateRequest.TAG or not (isinstance(rid, str) and isinstance(addr, str) and rid and addr):
+        return None
+    return rid, addr
 
 
 def decode_frames(header: memoryview, frames, max_frame_bytes: int) -> Message:

@@ -20,8 +20,8 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from engine.sampling_params import SamplingParams
 from protocol import messages as pm
+from protocol.sampling_params import SamplingParams
 from router.admission import Role, Ticket
 from router.config import RouterConfig
 from router.errors import APIError
@@ -83,7 +83,7 @@ async def run_sample(
     """The sample's chunks, in order, the last with a finish_reason (or RESTART, then the chunks
     of a replay, when ``replay_after_tokens``); APIError on failure."""
     config = backend.config
-    node_params = dataclasses.replace(sample.params, stop=()).to_dict()
+    node_params = dataclasses.replace(sample.params, stop=())
     excluded: set[str] = set()
     last_error = "no attempt made"
     for attempt in range(config.max_attempts):

@@ -55,7 +55,7 @@ def test_completion_goes_prefill_then_decode_with_exact_usage(default_model_dir,
     (prefill, decode), done = _run(go())
     request = prefill.received[0]
     assert request.decode_addr == decode.info.kv_addr and decode.received == []
-    assert request.sampling_params["n"] == 1 and request.sampling_params["temperature"] == 0
+    assert request.sampling_params.n == 1 and request.sampling_params.temperature == 0
     assert list(request.token_ids) == tokenizer.encode(LONG_PROMPT)
     assert done.choices[0].text == TEXT and done.choices[0].finish_reason == "length"
     usage = done.usage
@@ -128,8 +128,8 @@ def test_n_samples_are_split_with_distinct_ids_and_seeds(default_model_dir, toke
     (prefill, _), done = _run(go())
     requests = sorted(prefill.received, key=lambda r: r.request_id)
     assert [r.request_id.rsplit("-", 1)[1] for r in requests] == ["0", "1", "2"]
-    assert [r.sampling_params["seed"] for r in requests] == [7, 8, 9]
-    assert all(r.sampling_params["n"] == 1 for r in requests)
+    assert [r.sampling_params.seed for r in requests] == [7, 8, 9]
+    assert all(r.sampling_params.n == 1 for r in requests)
     assert [c.index for c in done.choices] == [0, 1, 2]
     assert done.usage.prompt_tokens == len(requests[0].token_ids) and done.usage.completion_tokens == 9
 

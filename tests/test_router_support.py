@@ -187,9 +187,9 @@ class FakeNode:
 
     def _chunk(self, req: pm.GenerateRequest, index: int, is_first: bool) -> pm.TokenChunk:
         token = self.tokens[index % len(self.tokens)]
-        finish = "length" if index + 1 >= req.sampling_params["max_tokens"] else None
+        finish = "length" if index + 1 >= req.sampling_params.max_tokens else None
         logprobs = ()
-        if req.sampling_params.get("logprobs") is not None:
+        if req.sampling_params.logprobs is not None:
             top = tuple(self.tokens[(index + k) % len(self.tokens)] for k in range(1, 3))
             logprobs = (pm.TokenLogprobs(token, -0.5, (token, *top), (-0.5, -1.5, -2.5)),)
         return pm.TokenChunk(
@@ -223,7 +223,7 @@ class FakeNode:
             await self._send(req.reply_addr, first)
 
     async def decode_rest(self, req: pm.GenerateRequest) -> None:
-        for index in range(1, req.sampling_params["max_tokens"]):
+        for index in range(1, req.sampling_params.max_tokens):
             await asyncio.sleep(self.token_delay_s)
             if self.fail_after is not None and index >= self.fail_after:
                 if self.fail_once:
