@@ -79,7 +79,7 @@ class DecodeNode:
             self.engine,
             self.runtime.control_addr,
             self.kv_addr,
-            dataclasses.asdict(self.fingerprint),
+            self.fingerprint,
             self.runtime.draining.is_set(),
             self.receiver.num_incoming + self.receiver.num_queued,
         )

@@ -11,11 +11,12 @@ import uuid
 from engine.config import SUPPORTED_DTYPES, EngineConfig
 from protocol.addresses import advertised_host
 from protocol.model_digest import model_digest
+from protocol.registry import Role
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class NodeOptions:
-    role: str  # "prefill", "decode" or "colocated" (a decode node that prefills all it takes)
+    role: Role
     host: str  # bind address
     port: int  # control socket port (0: any free port)
     kv_port: int  # decode nodes: KV receiver port (0: any free port)
@@ -29,8 +30,7 @@ class NodeOptions:
     model_id: str  # the model's content digest (protocol.model_digest): part of the KV fingerprint
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode", "colocated"):
-            raise ValueError(f"role must be 'prefill', 'decode' or 'colocated', got {self.role!r}")
+        object.__setattr__(self, "role", Role(self.role))  # ValueError names a role that is none
         if not 0 < self.heartbeat_interval_s < self.heartbeat_ttl_s:
             raise ValueError("heartbeat interval must be positive and shorter than the ttl")
         if min(self.request_ttl_s, self.drain_timeout_s) <= 0:
@@ -83,7 +83,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def options_from_args(role: str, args: argparse.Namespace) -> tuple[NodeOptions, EngineConfig]:
+def options_from_args(role: Role, args: argparse.Namespace) -> tuple[NodeOptions, EngineConfig]:
     advertise = advertised_host(args.host, args.advertise_host)
     node = NodeOptions(
         role=role,

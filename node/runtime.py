@@ -175,7 +175,7 @@ class NodeRuntime:
                 break
             wait = 0.0
             if isinstance(inbound.msg, StatusQuery):
-                info = dataclasses.asdict(self._status) if self._status else {}
+                info = self._status
                 if inbound.msg.reply_addr is None:
                     self._safe_send(inbound.peer, NodeStatus(inbound.msg.nonce, info))
                 else:

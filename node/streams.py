@@ -9,6 +9,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput
 from engine.sequence import TokenLogprob
 from node.options import NodeOptions
+from protocol.fingerprint import KVFingerprint
 from protocol.messages import TokenChunk, TokenLogprobs
 from protocol.registry import NodeInfo
 
@@ -99,7 +100,7 @@ def node_status(
     engine: LLMEngine,
     control_addr: str,
     kv_addr: str | None,
-    fingerprint: dict,
+    fingerprint: KVFingerprint,
     draining: bool,
     extra_queued: int = 0,
     prefill_tokens_per_s: float | None = None,

@@ -93,7 +93,7 @@ class PrefillNode:
             self.engine,
             self.runtime.control_addr,
             None,
-            dataclasses.asdict(self.fingerprint),
+            self.fingerprint,
             self.runtime.draining.is_set(),
             prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
         )

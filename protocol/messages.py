@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from protocol import codec
+from protocol.registry import NodeInfo
 from protocol.sampling_params import SamplingParams
 
 Message = codec.Message
@@ -116,7 +117,7 @@ class NodeStatus(Message):
 
     TAG: ClassVar[str] = "status"
     nonce: int
-    info: dict[str, Any]  # dataclasses.asdict(NodeInfo)
+    info: NodeInfo | None  # None while the node has no record yet
 
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (

@@ -18,8 +18,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protocol.model_digest import model_digest, weight_files
+from protocol.registry import Role
 from router import jobs, metrics, policy, serving
-from router.admission import Admission, Role
+from router.admission import Admission, Stage
 from router.config import RouterConfig
 from router.errors import APIError
 from router.generation import Backend
@@ -85,7 +86,7 @@ def create_app(
             metrics.RouterMetrics(),
         )
         admission = Admission(
-            {Role.PREFILL: config.max_inflight_prefill, Role.DECODE: config.max_inflight_decode}
+            {Stage.PREFILL: config.max_inflight_prefill, Stage.DECODE: config.max_inflight_decode}
         )
         name = config.served_model_name or pathlib.Path(config.model).name
         app.state.router = RouterState(config, name, tokenizer, admission, backend)
@@ -202,14 +203,16 @@ def _add_routes(app: FastAPI) -> None:
     async def health(request: Request) -> JSONResponse:
         nodes = _state(request).backend.registry.snapshot()
         live = [n for n in nodes if not n.draining]
-        decode_keys = {policy.fingerprint_key(n) for n in live if n.role == "decode"}
-        num_pairs = sum(1 for n in live if n.role == "prefill" and policy.fingerprint_key(n) in decode_keys)
-        num_colocated = sum(n.role == "colocated" for n in live)  # a whole pipeline each
+        decode_keys = {policy.fingerprint_key(n) for n in live if n.role is Role.DECODE}
+        num_pairs = sum(
+            1 for n in live if n.role is Role.PREFILL and policy.fingerprint_key(n) in decode_keys
+        )
+        num_colocated = sum(n.role is Role.COLOCATED for n in live)  # a whole pipeline each
         serving = num_pairs > 0 or num_colocated > 0
         body = {
             "status": "ok" if serving else "unavailable",
-            "num_prefill": sum(n.role == "prefill" for n in live),
-            "num_decode": sum(n.role == "decode" for n in live),
+            "num_prefill": sum(n.role is Role.PREFILL for n in live),
+            "num_decode": sum(n.role is Role.DECODE for n in live),
             "num_colocated": num_colocated,
         }
         return JSONResponse(body, 200 if serving else 503)

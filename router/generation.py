@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 
 from protocol import messages as pm
 from protocol.sampling_params import SamplingParams
-from router.admission import Role, Ticket
+from router.admission import Stage, Ticket
 from router.config import RouterConfig
 from router.errors import APIError
 from router.metrics import RouterMetrics
@@ -183,7 +183,7 @@ async def _relay(
         assert isinstance(msg, pm.TokenChunk)
         if num_tokens == 0:
             first_token_time = time.time()
-            ticket.release(Role.PREFILL)
+            ticket.release(Stage.PREFILL)
             backend.policy.remember_prefix(route)
             backend.metrics.ttft.observe(first_token_time - sample.arrival_time)
         num_tokens += len(msg.token_ids)

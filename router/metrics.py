@@ -9,7 +9,7 @@ import bisect
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from protocol.registry import NodeInfo
+from protocol.registry import NodeInfo, Role
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -158,7 +158,7 @@ def _node_gauges(nodes: Sequence[NodeInfo]) -> list[str]:
     lines: list[str] = []
     for name, help_, value in _NODE_GAUGES:
         lines += _gauge(name, help_, (((("node_id", n.node_id), ("role", n.role)), value(n)) for n in nodes))
-    prefills = [n for n in nodes if n.role == "prefill"]
+    prefills = [n for n in nodes if n.role is Role.PREFILL]
     lines += _gauge(
         "pdserve_node_prefill_tokens_per_second",
         "Prompt tokens a prefill node computes per second of engine step, as it measured them recently.",

@@ -97,8 +97,8 @@ class NodeClient:
 
     def _deliver(self, msg: pm.Message, reply_path: bool) -> None:
         if isinstance(msg, pm.NodeStatus):
-            if reply_path and "node_id" in msg.info:
-                self.reply_path_ok.add(str(msg.info["node_id"]))
+            if reply_path and msg.info is not None:
+                self.reply_path_ok.add(msg.info.node_id)
             waiter = self._status_waiters.pop(msg.nonce, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg)

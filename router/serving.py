@@ -27,7 +27,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router import responses as rs
-from router.admission import Admission, Role, Ticket
+from router.admission import Admission, Stage, Ticket
 from router.errors import APIError
 from router.generation import RESTART, Backend, Sample, run_sample
 from router.jobs import Job, Prompt
@@ -94,14 +94,14 @@ class JobRun:
     def start(self) -> None:
         """Admit every sample (or raise 429 taking nothing) and start them."""
         num = len(self.choices)
-        self._admission.admit(Role.DECODE, num)
+        self._admission.admit(Stage.DECODE, num)
         try:
-            self._admission.admit(Role.PREFILL, num)
+            self._admission.admit(Stage.PREFILL, num)
         except APIError:
-            self._admission.release(Role.DECODE, num)
+            self._admission.release(Stage.DECODE, num)
             raise
         for choice in self.choices:
-            ticket = Ticket(self._admission, (Role.DECODE, Role.PREFILL))
+            ticket = Ticket(self._admission, (Stage.DECODE, Stage.PREFILL))
             self._tasks.append(asyncio.create_task(self._drive(choice, ticket)))
 
     def cancel(self) -> None:

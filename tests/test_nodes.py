@@ -137,7 +137,7 @@ def test_nodes_register_in_redis_with_their_stats(pair, redis_server):
     assert nodes[prefill["node_id"]].role == "prefill"
     d = nodes[decode["node_id"]]
     assert d.role == "decode" and d.kv_addr == decode["kv_addr"] and d.num_blocks_total == 128
-    assert d.fingerprint["block_size"] == 8 and d.fingerprint == nodes[prefill["node_id"]].fingerprint
+    assert d.fingerprint.block_size == 8 and d.fingerprint == nodes[prefill["node_id"]].fingerprint
     assert time.time() - d.heartbeat_time < 2.0
 
 

@@ -4,6 +4,7 @@ is refused by the decoder naming its field (never a crash, never a half-built re
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import msgpack
 import pytest
@@ -12,7 +13,8 @@ from kv_transfer import messages as km
 from kv_transfer.messages import KVFingerprint, KVReserve
 from protocol import messages as pm
 from protocol.codec import PROTOCOL_VERSION, ProtocolError
-from protocol.messages import GenerateRequest, RequestMeta
+from protocol.messages import GenerateRequest, NodeStatus, RequestMeta
+from protocol.registry import NodeInfo, Role
 from protocol.sampling_params import SamplingParams
 
 EVERY_FIELD_SET = SamplingParams(
@@ -100,3 +102,52 @@ def test_request_meta_needs_its_reply_address():
     with pytest.raises(ProtocolError) as info:
         km.decode(msgpack.packb([version, tag, fields]))
     assert info.value.field == "reply_addr"
+
+
+def _node(role: Role) -> NodeInfo:
+    return NodeInfo(
+        node_id=f"{role}-1",
+        role=role,
+        control_addr="tcp://10.0.0.2:5001",
+        kv_addr="tcp://10.0.0.2:5002" if role is Role.DECODE else None,
+        fingerprint=FP,
+        max_model_len=512,
+        num_blocks_total=64,
+        num_blocks_free=60,
+        num_blocks_cached=12,
+        num_running=1,
+        num_queued=3,
+        num_queued_prefill_tokens=90,
+        prefill_tokens_per_s=1234.5,
+        integrity_error="free list has a duplicate" if role is Role.PREFILL else None,
+        heartbeat_time=100.25,
+    )
+
+
+@pytest.mark.parametrize("role", list(Role))
+def test_node_records_round_trip_through_redis_and_the_wire_typed(role):
+    info = _node(role)
+    from_redis = NodeInfo.from_redis({k.encode(): v.encode() for k, v in info.to_redis().items()})
+    from_wire = pm.decode(pm.encode(NodeStatus(7, info))).info
+    for decoded in (from_redis, from_wire):
+        assert decoded == info
+        assert type(decoded.role) is Role and type(decoded.fingerprint) is KVFingerprint
+
+
+def test_node_status_before_a_record_exists_is_none():
+    assert pm.decode(pm.encode(NodeStatus(1, None))).info is None
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"role": json.dumps("router")}, {"fingerprint": json.dumps({"model_id": "x"})}, {"fingerprint": "null"}],
+)
+def test_unreadable_redis_records_raise_and_are_skipped(change):
+    record = {**_node(Role.DECODE).to_redis(), **change}
+    with pytest.raises((TypeError, ValueError)):
+        NodeInfo.from_redis(record)
+
+
+def test_roles_name_what_they_decode():
+    assert [r for r in Role if r.decodes] == [Role.DECODE, Role.COLOCATED]
+    assert Role("prefill") is Role.PREFILL and json.dumps(Role.PREFILL) == '"prefill"'

@@ -15,23 +15,16 @@ import zmq
 import zmq.asyncio
 
 from protocol import messages as pm
+from protocol.fingerprint import KVFingerprint
 from protocol.model_digest import model_digest
-from protocol.registry import NodeInfo
+from protocol.registry import NodeInfo, Role
 from router.app import create_app
 from router.config import RouterConfig
 from router.node_client import NodeClient
 from router.registry_client import NodeRegistry
 from router.tokenizer import Tokenizer
 
-FINGERPRINT = {
-    "model_id": "tiny",
-    "dtype": "float32",
-    "block_size": 4,
-    "layout": "test",
-    "num_layers": 2,
-    "num_kv_heads": 2,
-    "head_dim": 16,
-}
+FINGERPRINT = KVFingerprint("tiny", "float32", 4, "test", 2, 2, 16)
 
 
 def node_info(node_id: str, role: str, **fields) -> NodeInfo:
@@ -48,7 +41,7 @@ def node_info(node_id: str, role: str, **fields) -> NodeInfo:
         num_queued_prefill_tokens=0,
         heartbeat_time=0.0,
     )
-    return NodeInfo(node_id=node_id, role=role, **{**defaults, **fields})
+    return NodeInfo(node_id=node_id, role=Role(role), **{**defaults, **fields})
 
 
 class FixedRegistry(NodeRegistry):
@@ -154,7 +147,7 @@ class FakeNode:
                 identity, header = await router.recv_multipart()
                 msg = pm.decode(header)
                 if isinstance(msg, pm.StatusQuery):
-                    reply = pm.NodeStatus(msg.nonce, dataclasses.asdict(self.info))
+                    reply = pm.NodeStatus(msg.nonce, self.info)
                     if msg.reply_addr is None:
                         await router.send_multipart([identity, pm.encode(reply)])
                     else:
@@ -250,7 +243,9 @@ async def fake_cluster(model_dir, nodes: Sequence[FakeNode], **config) -> AsyncI
     """Fake nodes plus the real router (static registry, uvicorn on a free port), in this loop."""
     digest = model_digest(model_dir)  # the router refuses nodes of another model
     for n in nodes:
-        n.info = dataclasses.replace(n.info, fingerprint={**n.info.fingerprint, "model_id": digest})
+        n.info = dataclasses.replace(
+            n.info, fingerprint=dataclasses.replace(n.info.fingerprint, model_id=digest)
+        )
     node_tasks = [asyncio.create_task(n.serve()) for n in nodes]
     port = free_port()
     by_role = {
