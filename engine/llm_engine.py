@@ -49,7 +49,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+        return len(self.seqs) == self.params.n and all(s.status.done for s in self.seqs)
 
 
 class LLMEngine:
@@ -76,11 +76,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_config, config, self.kv_spec, kv_cache_factory)
         self.sampler = Sampler()
         self.tokenizer = tokenizer
-        self.requests: dict[str, Request] = {}
-        # Prefill-only requests (prefill nodes): after the first token their blocks stay held
-        # here, KV intact, until the transfer to a decode node ends and release_held() is called.
-        self.prefill_only: set[str] = set()
-        self.held: dict[str, Sequence] = {}
+        self.requests: dict[str, Request] = {}  # not yet done; held ones are the scheduler's (held)
         self._stops: dict[
             int, _StopState
         ] = {}  # seq_id -> stop-string matching of sequences with stop strings
@@ -131,15 +127,15 @@ class LLMEngine:
         arrival_time: float | None = None,
         prefill_only: bool = False,
     ) -> None:
-        """Queue a request. ``prefill_only``: stop after the first token and hold the KV blocks."""
-        if request_id in self.requests or request_id in self.held:
+        """Queue a request. ``prefill_only``: stop after the first token and hold the KV blocks
+        (HELD_FOR_TRANSFER) until ``release_held``."""
+        if request_id in self.requests or request_id in self.scheduler.held:
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
         if prefill_only:
             if params.n != 1:
                 raise ValueError("n: prefill-only requests take n == 1")
             max_tokens = 1
-            self.prefill_only.add(request_id)
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         seq = Sequence(
@@ -149,6 +145,7 @@ class LLMEngine:
             params,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             max_tokens=max_tokens,
+            hold_kv=prefill_only,
         )
         self.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [seq])
         self.scheduler.add(seq)
@@ -160,7 +157,7 @@ class LLMEngine:
         transfer): blocks for its prompt, prefix-cache hits included, status WAITING_FOR_KV. None
         while there is no room (the same rules as local admission: ``max_num_seqs``, free blocks
         above the watermark); ValueError when it can never be admitted."""
-        if request_id in self.requests or request_id in self.held:
+        if request_id in self.requests or request_id in self.scheduler.held:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.n != 1:
             raise ValueError("n: requests prefilled elsewhere take n == 1")
@@ -199,20 +196,22 @@ class LLMEngine:
         """Anything to compute at the next step (requests waiting for their KV are not)."""
         return self.scheduler.has_work()
 
+    def held_sequence(self, request_id: str) -> Sequence | None:
+        """The prefill-only request's sequence while it is HELD_FOR_TRANSFER (blocks, prompt)."""
+        return self.scheduler.held.get(request_id)
+
     def release_held(self, request_id: str) -> bool:
-        """Free the blocks a finished prefill-only request kept (they stay as prefix cache)."""
-        seq = self.held.pop(request_id, None)
-        if seq is None:
-            return False
-        self.block_manager.free(seq)
-        return True
+        """The held request's transfer ended (or will not start): free its blocks, which stay as
+        prefix cache. False when it was not held."""
+        return self.scheduler.release(request_id)
 
     def abort_request(self, request_id: str) -> bool:
-        self.release_held(request_id)
-        self.prefill_only.discard(request_id)
+        """Stop a request and free its blocks; True when there was one. A held request's blocks go
+        too: the caller must know no transfer is reading them."""
+        released = self.release_held(request_id)
         request = self.requests.pop(request_id, None)
         if request is None:
-            return False
+            return released
         for seq in request.seqs:
             if not seq.is_finished:
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
@@ -225,7 +224,7 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """Assert the block pool's invariants, ref counts against every sequence holding blocks."""
         sched = self.scheduler
-        holders = [*sched.running, *sched.receiving, *self.held.values()]
+        holders = [*sched.running, *sched.receiving, *sched.held.values()]
         self.block_manager.check_integrity(holders)
 
     def step(self) -> list[RequestOutput]:
@@ -314,11 +313,7 @@ class LLMEngine:
         return state.matcher.stopped
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        hold = seq.request_id in self.prefill_only and status is not SequenceStatus.FINISHED_ABORTED
-        self.scheduler.finish(seq, status, free_blocks=not hold)
-        if hold:
-            self.held[seq.request_id] = seq
-        self.prefill_only.discard(seq.request_id)
+        self.scheduler.finish(seq, status)  # a prefill-only sequence stays HELD_FOR_TRANSFER
         self.sampler.forget(seq)
         self._stops.pop(seq.seq_id, None)
 
@@ -334,14 +329,14 @@ class LLMEngine:
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         text = ""
-        if self.tokenizer is not None and seq.is_finished:  # decoded once, at the end
+        if self.tokenizer is not None and seq.status.done:  # decoded once, at the end
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
             if seq.stop_text is not None:
                 cut = text.find(seq.stop_text)
                 text = text[:cut] if cut >= 0 else text
-        finish = seq.status.value if seq.is_finished else None
+        finish = seq.finish_reason
         stop_reason = seq.stop_text
-        if stop_reason is None and seq.status is SequenceStatus.FINISHED_STOPPED:
+        if stop_reason is None and seq.finish_status is SequenceStatus.FINISHED_STOPPED:
             stop_reason = seq.token_ids[-1]
         return CompletionOutput(
             seq.index,

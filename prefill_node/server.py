@@ -1,9 +1,13 @@
 """The prefill node: batched, chunked prefill with prefix caching; ships KV; reports the first token.
 
-control socket ──GenerateRequest──► engine (prefill-only: stops after the first token,
-                                    blocks held) ──► first token to the router at once
-                                                └──► Shipper thread ──KV──► decode node
-Shipper outcome ──► release the blocks (they stay as evictable prefix cache)
+control socket ──GenerateRequest──► engine (prefill-only: stops after the first token, its
+                                    sequence HELD_FOR_TRANSFER) ──► Shipper thread ──KV──► decode node
+                                    first token to the router once the decode node granted blocks
+Shipper outcome ──► engine.release_held (the blocks stay as evictable prefix cache)
+
+A request's state is the engine's (its scheduler's WAITING / RUNNING / HELD_FOR_TRANSFER); this
+node keeps only where its reply goes (``pending``). Held blocks are released only through the
+shipper's outcome while a transfer may read them, so an abort or a timeout meanwhile waits for it.
 """
 
 from __future__ import annotations
@@ -63,10 +67,7 @@ class PrefillNode:
             cache_ref=self.cache.ref if self.cache is not None else None,
             log=self.log,
         )
-        self.pending: dict[str, _Pending] = {}  # computing or shipping
-        # Requests whose KV a shipper thread may be reading: their blocks stay held until the
-        # outcome arrives, even when the request was aborted or timed out meanwhile.
-        self.shipping: set[str] = set()
+        self.pending: dict[str, _Pending] = {}  # computing or shipping: where the reply goes
         self.prefill_rate = PrefillRate()  # for the registry: autoscalers divide the backlog by it
 
     def _shared_cache(self, spec):
@@ -103,7 +104,7 @@ class PrefillNode:
         try:
             self.runtime.run(
                 self._iterate,
-                lambda: bool(self.pending or self.shipping),
+                lambda: bool(self.pending or self.engine.scheduler.held),
                 lambda: self.runtime.set_status(self.status()),
             )
         finally:
@@ -179,7 +180,7 @@ class PrefillNode:
             return
         stream, completion = pending.stream, out.outputs[0]
         stream.num_cached_tokens = out.num_cached_tokens
-        seq = self.engine.held.get(rid)
+        seq = self.engine.held_sequence(rid)
         now = time.monotonic()
         started = seq.first_scheduled_time if seq is not None and seq.first_scheduled_time else stream.started
         stream.timings["prefill_queue"] = round(started - stream.started, 6)
@@ -207,9 +208,8 @@ class PrefillNode:
             wire_logprob(completion.logprobs[0]) if completion.logprobs else None,
             FirstToken(stream.reply_addr, first_chunk),
         )
-        if self.shipper.submit(shipment):
-            self.shipping.add(rid)
-        else:
+        if not self.shipper.submit(shipment):
+            self.engine.release_held(rid)  # no transfer reads them
             self._fail(rid, "overloaded", "too many KV transfers queued for that decode node")
 
     def _settle(self, outcome: Granted | Outcome) -> None:
@@ -219,7 +219,6 @@ class PrefillNode:
         if isinstance(outcome, Granted):
             return
         rid = outcome.request_id
-        self.shipping.discard(rid)
         if not self.engine.release_held(rid):  # KV is on the decode node now, or the request failed
             self.log("release_without_held_blocks", rid)  # would mean a block accounting bug
         pending = self.pending.pop(rid, None)
@@ -257,8 +256,8 @@ class PrefillNode:
             )
 
     def _drop(self, rid: str) -> None:
-        """Stop work on a request; held blocks a shipper may be reading wait for its outcome."""
-        if rid in self.shipping:
+        """Stop work on a request; held blocks (a shipper may be reading them) wait for its outcome."""
+        if self.engine.held_sequence(rid) is not None:
             self.shipper.cancel(rid)
         else:
             self.engine.abort_request(rid)
