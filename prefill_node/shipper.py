@@ -144,10 +144,6 @@ class Shipper:
     def num_peers(self) -> int:
         return len(self._peers)
 
-    @property
-    def num_pending(self) -> int:
-        return sum(p.queue.qsize() for p in list(self._peers.values()))
-
     def close(self, timeout_s: float = 5.0) -> None:
         with self._lock:
             peers, self._peers = list(self._peers.values()), {}

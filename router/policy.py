@@ -60,10 +60,6 @@ class PrefixMap:
             num += 1
         return num
 
-    def forget_node(self, node_id: str) -> None:
-        for node_ids in self._hash_to_node_ids.values():
-            node_ids.discard(node_id)
-
 
 @dataclasses.dataclass(slots=True)
 class _Sent:
