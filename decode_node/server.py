@@ -138,8 +138,13 @@ class DecodeNode:
         if self.runtime.admit(self.engine, msg) is None:
             return
         deadline = local_deadline(msg.deadline, self.opts.request_ttl_s)
-        self.streams[rid] = Stream(rid, msg.reply_addr, len(msg.token_ids), deadline)
-        self.log("request_added", rid, prompt_tokens=len(msg.token_ids), local_prefill=True)
+        resumed = len(msg.output_token_ids)
+        self.streams[rid] = Stream(
+            rid, msg.reply_addr, len(msg.token_ids), deadline, num_sent=resumed, num_resumed=resumed
+        )
+        self.log(
+            "request_added", rid, prompt_tokens=len(msg.token_ids), local_prefill=True, resumed_tokens=resumed
+        )
 
     def _adopt(self, received: ReceivedKV) -> None:
         rid, meta = received.request_id, received.request_meta

@@ -126,12 +126,18 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         prefill_only: bool = False,
+        resume_output_ids: tuple[int, ...] = (),
     ) -> None:
         """Queue a request. ``prefill_only``: stop after the first token and hold the KV blocks
-        (HELD_FOR_TRANSFER) until ``release_held``."""
+        (HELD_FOR_TRANSFER) until ``release_held``. ``resume_output_ids``: output another engine
+        already generated (a migrated request); it is recomputed with the prompt, as after a
+        preemption, and generation goes on from there (outputs and logprobs then cover only the
+        tokens generated here after it)."""
         if request_id in self.requests or request_id in self.scheduler.held:
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
+        if resume_output_ids:
+            self._check_resume(resume_output_ids, params, max_tokens, prefill_only)
         if prefill_only:
             if params.n != 1:
                 raise ValueError("n: prefill-only requests take n == 1")
@@ -140,7 +146,7 @@ class LLMEngine:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         seq = Sequence(
             request_id,
-            list(prompt_token_ids),
+            [*prompt_token_ids, *resume_output_ids],
             len(prompt_token_ids),
             params,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
@@ -149,6 +155,19 @@ class LLMEngine:
         )
         self.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [seq])
         self.scheduler.add(seq)
+
+    def _check_resume(
+        self, output_ids: tuple[int, ...], params: SamplingParams, max_tokens: int, prefill_only: bool
+    ) -> None:
+        vocab = self.model_config.vocab_size
+        if prefill_only or params.n != 1:
+            raise ValueError("output_token_ids: only a single sample decoded here can resume")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in output_ids):
+            raise ValueError(f"output_token_ids: token ids must be integers in [0, {vocab})")
+        if len(output_ids) >= max_tokens:
+            raise ValueError(
+                f"output_token_ids: {len(output_ids)} tokens leave nothing of max_tokens {max_tokens}"
+            )
 
     def reserve_remote(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -215,7 +215,13 @@ class NodeRuntime:
             return None
         try:
             params = dataclasses.replace(msg.sampling_params, stop=())
-            engine.add_request(msg.request_id, list(msg.token_ids), params, prefill_only=prefill_only)
+            engine.add_request(
+                msg.request_id,
+                list(msg.token_ids),
+                params,
+                prefill_only=prefill_only,
+                resume_output_ids=msg.output_token_ids,
+            )
         except QueueFullError as exc:
             self.reply_failed(msg.reply_addr, msg.request_id, "overloaded", str(exc), True)
             return None

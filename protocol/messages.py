@@ -60,6 +60,10 @@ class GenerateRequest(Message):
     # on to the decode node: its whole life stays within the router's TTL (hosts need NTP-close clocks).
     deadline: float
     arrival_time: float = 0.0  # router's wall clock at arrival, for queue-time metrics
+    # A migrated request: output tokens already streamed by a node that died. The (decode) node
+    # computes prompt + these and continues from there: positions, penalties, seeded draws and
+    # max_tokens go on as if uninterrupted; it sends only the tokens after them.
+    output_token_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -100,6 +100,9 @@ class RouterMetrics:
         )
         self.generation_tokens = Counter("pdserve_generation_tokens_total", "Generated tokens.")
         self.retries = Counter("pdserve_retries_total", "Sub-requests retried on another node pair.")
+        self.migrations = Counter(
+            "pdserve_migrations_total", "Samples resumed on another decode node after tokens were sent."
+        )
         self.kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes moved, as nodes report them.")
         self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Arrival to first token.")
         self.tpot = Histogram("pdserve_time_per_output_token_seconds", "Mean time per token after the first.")
@@ -115,6 +118,7 @@ class RouterMetrics:
             self.cached_tokens,
             self.generation_tokens,
             self.retries,
+            self.migrations,
             self.kv_bytes,
             self.ttft,
             self.tpot,

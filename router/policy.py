@@ -117,8 +117,10 @@ class RoutingPolicy:
         prompt_ids: Sequence[int],
         max_tokens: int,
         exclude: frozenset[str] = frozenset(),
+        disaggregate: bool = True,
     ) -> Route | None:
-        """The best pair for this prompt, or None when no decode node can take it."""
+        """The best pair for this prompt, or None when no decode node can take it. ``disaggregate``
+        False: the decode node alone (a migrated request, which resumes mid-output)."""
         usable = [
             n
             for n in nodes
@@ -146,7 +148,11 @@ class RoutingPolicy:
         num_blocks = math.ceil((len(prompt_ids) + max_tokens) / size)
         num_cached = self.decode_prefixes.num_cached_blocks(block_hashes, decode.node_id) * size
         prefill = None
-        if decode.role is not Role.COLOCATED and len(prompt_ids) - num_cached >= self.disagg_threshold:
+        if (
+            disaggregate
+            and decode.role is not Role.COLOCATED
+            and len(prompt_ids) - num_cached >= self.disagg_threshold
+        ):
             prefill = self._choose_prefill(usable, decode, block_hashes)
         return Route(decode, prefill, block_hashes, num_blocks)
 

@@ -7,10 +7,11 @@ differ). Choice ``index`` = prompt index * n + i, as in OpenAI's API. Usage coun
 prompt once and every sample's output tokens.
 
 A streamed answer only starts (status 200) once the first delta arrived: a request that fails
-before any token gets a plain error status, never a 200 with an empty body. Later failures end
-the stream with an ``{"error": ...}`` event and ``[DONE]``. A non-streamed sample whose node dies
-or stalls after its first token is replayed from scratch on another pair (the client saw
-nothing yet); every retry and replay comes out of the one budget of ``run_sample``.
+before any token gets a plain error status, never a 200 with an empty body. A sample whose decode
+node dies or stalls after tokens resumes on another node (``run_sample``'s migration), streamed or
+not, and its deltas simply go on; failures it cannot survive end the stream with an
+``{"error": ...}`` event and ``[DONE]``. With migration off, a non-streamed sample is replayed from
+scratch instead (the client saw nothing yet).
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -149,3 +151,48 @@ def test_an_aborted_prefill_only_request_is_never_held():
     engine.step()  # one chunk of the prompt computed
     assert engine.abort_request("a")
     assert engine.held_sequence("a") is None and engine.block_manager.num_free_blocks == 16
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        SamplingParams(
+            temperature=0.9, top_k=50, seed=11, max_tokens=24, ignore_eos=True, frequency_penalty=0.5
+        ),
+    ],
+    ids=["greedy", "seeded-with-penalty"],
+)
+def test_a_resumed_request_continues_exactly_where_another_engine_stopped(params):
+    """Migration's engine half: prompt + the output so far, recomputed, go on as if uninterrupted."""
+    path = str(make_tiny_model("llama"))
+    prompt = list(range(3, 40))
+
+    def run(engine, resume=()):
+        engine.add_request(
+            "r", prompt, dataclasses.replace(params, logprobs=0), resume_output_ids=tuple(resume)
+        )
+        while True:
+            for out in engine.step():
+                if out.finished:
+                    return out.outputs[0]
+
+    whole = run(LLMEngine(EngineConfig(model=path, num_kv_blocks=32, block_size=8)))
+    resumed = run(LLMEngine(EngineConfig(model=path, num_kv_blocks=32, block_size=8)), whole.token_ids[:9])
+    assert resumed.token_ids == whole.token_ids  # the resumed 9, then the same 15 after them
+    assert [lp.token_id for lp in resumed.logprobs] == whole.token_ids[9:]  # logprobs of new tokens only
+    for lp, want in zip(resumed.logprobs, whole.logprobs[9:], strict=True):
+        assert abs(lp.logprob - want.logprob) < 1e-4
+
+
+def test_resume_output_ids_are_checked():
+    path = str(make_tiny_model("llama"))
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=32, block_size=8))
+    with pytest.raises(ValueError, match="output_token_ids"):
+        engine.add_request("a", [5, 6], SamplingParams(max_tokens=3), resume_output_ids=(1, 2, 3))
+    with pytest.raises(ValueError, match="output_token_ids"):
+        engine.add_request(
+            "b", [5, 6], SamplingParams(max_tokens=9), prefill_only=True, resume_output_ids=(1,)
+        )
+    with pytest.raises(ValueError, match="output_token_ids"):
+        engine.add_request("c", [5, 6], SamplingParams(max_tokens=9), resume_output_ids=(10**9,))

@@ -202,7 +202,8 @@ class FakeNode:
         if self.fail_with is not None:
             await self._send(req.reply_addr, dataclasses.replace(self.fail_with, request_id=req.request_id))
             return
-        first = self._chunk(req, 0, is_first=True)
+        start = len(req.output_token_ids)  # a migrated request resumes after what was streamed
+        first = self._chunk(req, start, is_first=start == 0)
         if not self.late_first_token:
             await self._send(req.reply_addr, first)
         if first.finish_reason is None:
@@ -216,7 +217,7 @@ class FakeNode:
             await self._send(req.reply_addr, first)
 
     async def decode_rest(self, req: pm.GenerateRequest) -> None:
-        for index in range(1, req.sampling_params.max_tokens):
+        for index in range(len(req.output_token_ids) + 1, req.sampling_params.max_tokens):
             await asyncio.sleep(self.token_delay_s)
             if self.fail_after is not None and index >= self.fail_after:
                 if self.fail_once:
