@@ -28,6 +28,7 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
     prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, offsets into the prefill rows
     prefill_context_lens: torch.Tensor  # [num_prefills] int32, new tokens included
+    backend: str | None = None  # kernels' backend: None picks by device, "triton" or "torch" forces one
 
 
 def paged_attention(
@@ -42,7 +43,7 @@ def paged_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     # query: [T, H, D]; key, value: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D]
-    kernels.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+    kernels.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping, backend=meta.backend)
     num_decodes = meta.num_decode_tokens
     if num_decodes == query.shape[0]:
         return kernels.paged_decode_attention(
@@ -54,6 +55,7 @@ def paged_attention(
             scale,
             sliding_window,
             softcap,
+            backend=meta.backend,
         )
     prefill_out = kernels.paged_prefill_attention(
         query[num_decodes:],
@@ -65,6 +67,7 @@ def paged_attention(
         scale,
         sliding_window,
         softcap,
+        backend=meta.backend,
     )
     if num_decodes == 0:
         return prefill_out
@@ -77,5 +80,6 @@ def paged_attention(
         scale,
         sliding_window,
         softcap,
+        backend=meta.backend,
     )
     return torch.cat([decode_out, prefill_out])

@@ -11,6 +11,7 @@ import transformers
 from engine.device import check_device_name
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -105,9 +106,17 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     device: str = "auto"  # auto, cpu, cuda or cuda:N (engine.device)
     debug_checks: bool = False  # the full block-pool integrity check before every step (slow)
+    # auto: Triton kernels on CUDA tensors, the CPU path on CPU; triton: the Triton kernels always
+    # (on CPU tensors through Triton's interpreter: slow, how CPU CI runs the GPU code); torch: the
+    # pure-torch kernels
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         check_device_name(self.device)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         for name in (

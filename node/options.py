@@ -8,7 +8,7 @@ import os
 import socket
 import uuid
 
-from engine.config import SUPPORTED_DTYPES, EngineConfig
+from engine.config import ATTENTION_BACKENDS, SUPPORTED_DTYPES, EngineConfig
 from protocol.addresses import advertised_host
 from protocol.model_digest import model_digest
 from protocol.registry import Role
@@ -81,6 +81,12 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--debug-checks", action="store_true", help="check the block pool's integrity every step"
     )
+    engine.add_argument(
+        "--attention-backend",
+        default=_ENGINE.attention_backend,
+        choices=ATTENTION_BACKENDS,
+        help="auto: Triton on CUDA, the CPU kernels on CPU; triton on CPU runs Triton's interpreter",
+    )
 
 
 def options_from_args(role: Role, args: argparse.Namespace) -> tuple[NodeOptions, EngineConfig]:
@@ -113,5 +119,6 @@ def options_from_args(role: Role, args: argparse.Namespace) -> tuple[NodeOptions
         num_threads=args.threads,
         device=args.device,
         debug_checks=args.debug_checks,
+        attention_backend=args.attention_backend,
     )
     return node, engine
