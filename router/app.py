@@ -208,12 +208,15 @@ def _add_routes(app: FastAPI) -> None:
             1 for n in live if n.role is Role.PREFILL and policy.fingerprint_key(n) in decode_keys
         )
         num_colocated = sum(n.role is Role.COLOCATED for n in live)  # a whole pipeline each
-        serving = num_pairs > 0 or num_colocated > 0
+        # A decode node alone serves every request too (it prefills them itself): the router is up
+        # while any node can decode; without a prefill pair it says so.
+        serving = any(n.role.decodes for n in live)
         body = {
-            "status": "ok" if serving else "unavailable",
+            "status": ("ok" if num_pairs or num_colocated else "decode_only") if serving else "unavailable",
             "num_prefill": sum(n.role is Role.PREFILL for n in live),
             "num_decode": sum(n.role is Role.DECODE for n in live),
             "num_colocated": num_colocated,
+            "num_pairs": num_pairs,
         }
         return JSONResponse(body, 200 if serving else 503)
 
