@@ -11,6 +11,7 @@ import transformers
 from engine.device import check_device_name
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)  # auto: bfloat16 on CUDA, float32 on the CPU
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
 
@@ -93,7 +94,7 @@ class EngineConfig:
     """Engine knobs; each maps one to one onto a CLI flag of the node commands."""
 
     model: str  # Hugging Face model folder
-    dtype: str = "float32"  # weights, activations and KV cache
+    dtype: str = "auto"  # weights, activations and KV cache; auto follows the device (DTYPE_CHOICES)
     block_size: int = 16  # tokens per KV block
     kv_cache_memory_mb: int = 512  # KV pool budget; ignored when num_kv_blocks is given
     num_kv_blocks: int | None = None  # exact pool size (tests use tiny pools)
@@ -117,8 +118,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         for name in (
             "block_size",
             "kv_cache_memory_mb",

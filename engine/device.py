@@ -60,3 +60,11 @@ def resolve_attention_backend(name: str, device: torch.device) -> str | None:
             "attention backend triton on the CPU: Triton's interpreter (slow; for testing the GPU path)"
         )
     return name
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """The dtype for ``--dtype``: ``auto`` follows the device (bfloat16 on CUDA, float32 on the CPU,
+    where bfloat16 matmuls are slower and HF-exactness is checked in fp32)."""
+    if name != "auto":
+        return name
+    return "bfloat16" if device.type == "cuda" else "float32"

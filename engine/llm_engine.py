@@ -10,7 +10,7 @@ import torch
 from detok import IncrementalDetokenizer, StopStringMatcher
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
-from engine.device import resolve_device
+from engine.device import resolve_device, resolve_dtype
 from engine.kv_layout import KVCacheSpec
 from engine.model_runner import KVCacheFactory, ModelRunner
 from engine.models import model_class
@@ -56,8 +56,8 @@ class LLMEngine:
     def __init__(
         self, config: EngineConfig, tokenizer=None, kv_cache_factory: KVCacheFactory | None = None
     ) -> None:
-        self.config = config
         self.device = resolve_device(config.device)  # before any allocation: a bad device fails first
+        self.config = config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, self.device))
         self.model_config = ModelConfig.from_path(config.model)
         model_class(self.model_config)  # unsupported architectures fail before any allocation
         if config.num_threads:

@@ -8,7 +8,7 @@ import os
 import socket
 import uuid
 
-from engine.config import ATTENTION_BACKENDS, SUPPORTED_DTYPES, EngineConfig
+from engine.config import ATTENTION_BACKENDS, DTYPE_CHOICES, EngineConfig
 from protocol.addresses import advertised_host
 from protocol.model_digest import model_digest
 from protocol.registry import Role
@@ -65,7 +65,9 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         "--ready-file", default=None, help="write the node's addresses here (JSON) once serving"
     )
     engine = parser.add_argument_group("engine")  # defaults: engine.config.EngineConfig's, the one source
-    engine.add_argument("--dtype", default=_ENGINE.dtype, choices=SUPPORTED_DTYPES)
+    engine.add_argument(
+        "--dtype", default=_ENGINE.dtype, choices=DTYPE_CHOICES, help="auto: bfloat16 on CUDA, float32 on CPU"
+    )
     engine.add_argument("--device", default=_ENGINE.device, help="auto, cpu, cuda or cuda:N (default: auto)")
     engine.add_argument("--block-size", type=int, default=_ENGINE.block_size)
     engine.add_argument("--kv-cache-memory-mb", type=int, default=_ENGINE.kv_cache_memory_mb)
