@@ -46,7 +46,7 @@ class GuidedDecoding:
 
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | str) -> GuidedDecoding:
-        text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+        text = schema if isinstance(schema, str) else json.dumps(schema)  # key order: property order
         return cls(GuidedKind.JSON, text)
 
     @classmethod
