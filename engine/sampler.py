@@ -38,10 +38,10 @@ class Sampler:
         want_logprobs = any(i.seq.params.logprobs is not None for i in inputs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # the model's, unruled
         ruled = [r for r, i in enumerate(inputs) if i.seq.params.has_logits_rules]
-        if ruled:  # only then a copy: a batch without rules samples from the runner's logits as they are
+        if ruled:  # edits those rows in place: the runner's logits serve this one step only
             assert self.rules is not None, "a request with logits rules reached an engine without them"
-            logits = logits.clone()
-            self.rules.apply(logits, ruled, [inputs[r].seq for r in ruled])
+            with torch.inference_mode():  # the runner's logits are inference tensors
+                self.rules.apply(logits, ruled, [inputs[r].seq for r in ruled])
         plain = [
             i.seq.params.greedy and not i.seq.params.has_penalties and not i.banned_token_ids for i in inputs
         ]

@@ -11,6 +11,7 @@ import re
 import shutil
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -70,21 +71,19 @@ def llm(model_dir) -> LLM:
 
 
 class _GrammarMask(transformers.LogitsProcessor):
-    """The oracle's grammar: llguidance's own matcher and bitmask, applied to HF's scores."""
+    """The oracle's grammar: an llguidance matcher of its own and its bitmask, on HF's scores."""
 
-    def __init__(self, model_dir: pathlib.Path, spec: GuidedDecoding, num_prompt: int) -> None:
-        from engine.guided import GrammarCompiler
-
-        self.matcher = GrammarCompiler.from_folder(model_dir, 49152, (EOS,)).matcher(spec)
+    def __init__(self, llm: LLM, spec: GuidedDecoding, num_prompt: int) -> None:
+        self.matcher = llm.engine.sampler.rules.compiler.matcher(spec)  # a fresh copy: its own state
         self.num_prompt = num_prompt
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         new = input_ids[0, self.num_prompt :].tolist()
         if new:
             assert self.matcher.consume_token(new[-1])
-        bits = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
-        allowed = ((bits.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).flatten().bool()
-        return scores.masked_fill(~allowed[: scores.shape[-1]], float("-inf"))
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        allowed = torch.from_numpy(bits[: scores.shape[-1]].astype(bool))
+        return scores.masked_fill(~allowed, float("-inf"))
 
 
 def _hf_generate(
@@ -127,7 +126,7 @@ def test_mixed_batch_plain_rows_equal_hf_and_guided_rows_equal_hf_with_the_gramm
             assert got == hf_greedy(str(model_dir), prompt, 12)
         else:
             spec = GUIDED[i // 2]
-            assert got == _hf_generate(model_dir, prompt, 24, [_GrammarMask(model_dir, spec, len(prompt))])
+            assert got == _hf_generate(model_dir, prompt, 24, [_GrammarMask(llm, spec, len(prompt))])
     texts = {GUIDED[i // 2].kind.value: outs[i].outputs[0] for i in range(1, 8, 2)}
     assert texts["choice"].text in GUIDED[2].choices and texts["choice"].finish_reason == "stop"
     if texts["json"].finish_reason == "stop":
