@@ -87,15 +87,40 @@ def batches(num_seqs: int, max_tokens: int) -> dict[str, list[SamplingParams]]:
     }
 
 
-def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, float]:
-    """(all rows' output tok/s, plain rows' output tok/s) of one batch."""
+class SamplerClock:
+    """Wraps the engine's Sampler.sample (rules and masks included) to time it per step."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self._sample = sampler.sample
+        sampler.sample = self
+
+    def __call__(self, logits, inputs):
+        start = time.perf_counter()
+        try:
+            return self._sample(logits, inputs)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+
+def run(llm: LLM, clock: SamplerClock, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
+    """One batch: all rows' and plain rows' output tok/s, sampler ms per step and share of the wall."""
+    seconds, calls = clock.seconds, clock.calls
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - start
     counts = [len(o.outputs[0].token_ids) for o in outs]
     assert all(c == params[0].max_tokens for c in counts), f"an output ended early: {counts}"
     plain = sum(c for c, p in zip(counts, params, strict=True) if p.guided_decoding is None)
-    return sum(counts) / wall, plain / wall
+    sampler_s = clock.seconds - seconds
+    return {
+        "tok_s": sum(counts) / wall,
+        "plain_tok_s": plain / wall,
+        "sampler_ms_per_step": sampler_s / (clock.calls - calls) * 1e3,
+        "sampler_share": sampler_s / wall,
+    }
 
 
 def sampler_overhead(vocab: int, num_seqs: int, repeats: int = 200) -> tuple[float, float]:
@@ -136,22 +161,31 @@ def main() -> None:
         torch.randint(10, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.num_seqs)
     ]
     configs = batches(args.num_seqs, args.max_tokens)
-    run(llm, prompts, configs["json"])  # warm-up: compiles the grammars (cached from here on)
-    results: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
+    clock = SamplerClock(llm.engine.sampler)
+    run(llm, clock, prompts, configs["json"])  # warm-up: compiles the grammars (cached from here on)
+    results: dict[str, list[dict]] = {name: [] for name in configs}
     for _ in range(args.repeats):
         for name, params in configs.items():
-            results[name].append(run(llm, prompts, params))
-    base = statistics.median(r[0] for r in results["plain"])
+            results[name].append(run(llm, clock, prompts, params))
     print(f"model {args.model}, {args.num_seqs} seqs x {args.max_tokens} tokens, {args.threads} threads")
-    print(f"{'batch':<20}{'tok/s':>10}{'vs plain':>10}{'plain rows tok/s/row':>24}")
+    print(
+        f"{'batch':<20}{'tok/s':>9}{'vs plain':>10}{'plain rows tok/s/row':>22}{'sampler ms/step':>17}{'share':>7}"
+    )
     table = {}
     for name, rows in results.items():
-        total = statistics.median(r[0] for r in rows)
+        row = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
         num_plain = sum(p.guided_decoding is None for p in configs[name])
-        per_row = statistics.median(r[1] for r in rows) / num_plain if num_plain else None
-        table[name] = {"tok_s": total, "ratio": total / base, "plain_row_tok_s": per_row}
-        cell = f"{per_row:>24.2f}" if per_row is not None else f"{'-':>24}"
-        print(f"{name:<20}{total:>10.1f}{total / base:>10.3f}{cell}")
+        plain_tok_s = row.pop("plain_tok_s")
+        row["plain_row_tok_s"] = plain_tok_s / num_plain if num_plain else None
+        table[name] = row
+    base = table["plain"]["tok_s"]
+    for name, row in table.items():
+        row["ratio"] = row["tok_s"] / base
+        per_row = f"{row['plain_row_tok_s']:>22.2f}" if row["plain_row_tok_s"] is not None else f"{'-':>22}"
+        print(
+            f"{name:<20}{row['tok_s']:>9.1f}{row['ratio']:>10.3f}{per_row}"
+            f"{row['sampler_ms_per_step']:>17.2f}{row['sampler_share']:>7.1%}"
+        )
     sampled, argmax = sampler_overhead(vocab, args.num_seqs)
     print(
         f"sampler on {args.num_seqs} plain greedy rows: {sampled:.1f} us per step, bare argmax {argmax:.1f} us"

@@ -21,7 +21,13 @@ from tests.structured_cases import CHOICE_CASES, REGEX_CASES, json_schema_cases
 from tests.test_router_cluster import RouterProcess
 
 pytestmark = pytest.mark.slow
-MAX_TOKENS = {"json": 150, "regex": 60, "choice": 20}
+MAX_TOKENS = {"json": 150, "regex": 60, "choice": 20, "plain": 24}
+PLAIN_QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colours.",
+    "Why is the sea salty?",
+    "Say hello.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +66,18 @@ def _chat(router, model: str, question: str, stream: bool, **kwargs) -> tuple[st
         model=model, messages=messages, temperature=0.0, stream=stream, **kwargs
     )
     if not stream:
-        return reply.choices[0].message.content, reply.choices[0].finish_reason
-    text, finish = "", None
+        choice = reply.choices[0]
+        if kwargs.get("logprobs"):
+            assert len(choice.logprobs.content) == reply.usage.completion_tokens
+            assert all(len(entry.top_logprobs) == 2 for entry in choice.logprobs.content)
+        return choice.message.content, choice.finish_reason
+    text, finish, num_logprobs = "", None, 0
     for chunk in reply:
         for choice in chunk.choices:
             text += choice.delta.content or ""
             finish = choice.finish_reason or finish
+            num_logprobs += len(choice.logprobs.content) if choice.logprobs else 0
+    assert (num_logprobs > 0) == bool(kwargs.get("logprobs"))
     return text, finish
 
 
@@ -100,6 +112,8 @@ def _offline(default_model_dir, requests) -> list[tuple[str, str]]:
 
 
 def _check(kind: str, fields: dict, text: str) -> None:
+    if kind == "plain":
+        return
     if kind == "json":
         jsonschema.validate(json.loads(text), fields["response_format"]["json_schema"]["schema"])
     elif kind == "regex":
@@ -132,13 +146,19 @@ def test_json_schema_regex_and_choice_replies_validate_and_equal_offline_on_both
             )
             for job in jobs
         }
-        answers = {job: future.result() for job, future in futures.items()}
+        concurrent.futures.wait(futures.values())
     offline = _offline(default_model_dir, requests)
-    for (i, path, stream), (text, finish) in answers.items():
+    failures = []  # every request's problem, not only the first one's
+    for (i, path, stream), future in futures.items():
         kind, _, fields, _ = requests[i]
-        assert finish == "stop", (kind, path, stream, text)
-        _check(kind, fields, text)
-        assert (text, finish) == offline[i], (kind, path, stream)
+        try:
+            text, finish = future.result()
+            assert finish == "stop" or kind == "plain", f"finish {finish}: {text!r}"
+            _check(kind, fields, text)
+            assert (text, finish) == offline[i], f"{text!r} {finish} differs from offline {offline[i]}"
+        except Exception as exc:
+            failures.append(f"request {i} ({kind}, {path}, stream={stream}): {type(exc).__name__}: {exc}")
+    assert not failures, "\n".join(failures)
     assert nodes["prefill"].events("kv_shipped") and nodes["decode"].events("kv_adopted")
     _assert_no_block_held(nodes)
 
