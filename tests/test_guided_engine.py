@@ -147,7 +147,7 @@ def test_guided_output_survives_prefill_on_one_engine_and_decode_on_another(llm,
     prefill.add_request("g", prompt, params, prefill_only=True)
     while prefill.has_unfinished_requests():
         prefill.step()
-    outs = _move_kv(prefill, decode, prefill.held["g"], "g")
+    outs = _move_kv(prefill, decode, prefill.held_sequence("g"), "g")
     prefill.release_held("g")
     while decode.has_unfinished_requests():
         outs += decode.step()
@@ -259,3 +259,19 @@ def test_guided_decoding_needs_a_tokenizer_json(tmp_path):
     bare = LLM(str(make_tiny_model("llama")), num_kv_blocks=16, block_size=8)
     with pytest.raises(ValueError, match="tokenizer.json"):
         bare.generate([[1, 5]], SamplingParams(guided_decoding=GuidedDecoding.regex("a+")))
+
+
+def test_a_migrated_guided_request_resumes_inside_its_grammar(llm, model_dir):
+    """Resumed with the tokens another decode node already produced, the matcher replays them."""
+    prompt = [1, 90, 91, 92]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=30, guided_decoding=GuidedDecoding.json_schema(PERSON)
+    )
+    whole = llm.generate([prompt], params)[0].outputs[0].token_ids
+    assert len(whole) > 6
+    engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=16, block_size=8))
+    engine.add_request("m", prompt, params, resume_output_ids=tuple(whole[:5]))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].outputs[0].token_ids == whole  # the resumed tokens, then what this engine added
