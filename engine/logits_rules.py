@@ -15,10 +15,12 @@ import dataclasses
 import pathlib
 
 import llguidance
+import numpy as np
 import torch
 
 from engine.guided import GrammarCompiler
 from engine.sequence import Sequence
+from protocol.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass(slots=True)
@@ -39,6 +41,7 @@ class LogitsRules:
         self._vocab_size = vocab_size
         self._eos_token_ids = eos_token_ids
         self._compiler: GrammarCompiler | None = None
+        self._executor: llguidance.LLExecutor | None = None  # computes a batch's masks in parallel
         self._tokenizer = None  # tokenizers.Tokenizer, for bad_words
         self._states: dict[int, _SeqRules] = {}  # seq_id -> rules of a live sequence
 
@@ -56,19 +59,18 @@ class LogitsRules:
             raise ValueError(f"{what} needs the model's tokenizer.json")
         return folder
 
-    def check(self, seq_params) -> None:
+    def check(self, params: SamplingParams) -> None:
         """ValueError naming the field when a request's rules cannot be applied here."""
         vocab = self._vocab_size
-        ids = [b.token_id for b in seq_params.logit_bias]
-        if any(t >= vocab for t in ids):
+        if any(b.token_id >= vocab for b in params.logit_bias):
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
-        if seq_params.allowed_token_ids is not None and any(t >= vocab for t in seq_params.allowed_token_ids):
+        if params.allowed_token_ids is not None and any(t >= vocab for t in params.allowed_token_ids):
             raise ValueError(f"allowed_token_ids: token ids must be in [0, {vocab})")
-        if seq_params.bad_words:
-            self._bad_word_ids(seq_params.bad_words)
-        if seq_params.guided_decoding is not None:
+        if params.bad_words:
+            self._bad_word_ids(params.bad_words)
+        if params.guided_decoding is not None:
             try:
-                self.compiler.check(seq_params.guided_decoding)
+                self.compiler.check(params.guided_decoding)
             except ValueError as exc:
                 raise ValueError(f"guided_decoding: {exc}") from None
 
@@ -79,25 +81,23 @@ class LogitsRules:
         """Edit ``logits`` in place on ``rows`` (one per sequence in ``seqs``)."""
         # logits: [S, V] float32; rows index into S
         states = [self._state(seq) for seq in seqs]
-        guided = [(r, s) for r, s in zip(rows, states, strict=True) if s.matcher is not None]
-        allowed = self._grammar_masks(guided, seqs, rows) if guided else {}
+        originals = {}  # row -> its logits before rules that may leave no token at all
         for row, seq, state in zip(rows, seqs, states, strict=True):
-            x = logits[row]  # [V], a view: the edits land in logits
-            mask = allowed.get(row)
-            can_empty = state.allowed is not None or bool(state.bad_words)
-            original = x.clone() if can_empty else None
-            if state.bias_ids is not None:
-                x.index_add_(0, state.bias_ids, state.bias_values)
-            if state.allowed is not None:
-                x.masked_fill_(~state.allowed, float("-inf"))
-            banned = _banned_by_bad_words(state.bad_words, seq.output_token_ids)
-            if banned:
-                x[banned] = float("-inf")
-            if mask is not None:
-                x.masked_fill_(~mask, float("-inf"))
-            if original is not None and not bool(x.isfinite().any()):
+            if state.allowed is not None or state.bad_words:
+                originals[row] = logits[row].clone()
+            _apply_token_rules(logits[row], seq, state)
+        guided = [(r, q, s) for r, q, s in zip(rows, seqs, states, strict=True) if s.matcher is not None]
+        disallowed = {}
+        if guided:
+            index = torch.tensor([row for row, _, _ in guided], dtype=torch.int64)
+            masks = self._grammar_masks(guided)  # [G, V]
+            logits[index] = logits[index].masked_fill_(masks, float("-inf"))  # one gather, one scatter
+            disallowed = {row: masks[i] for i, (row, _, _) in enumerate(guided)}
+        for row, original in originals.items():
+            if not bool(logits[row].isfinite().any()):
                 # allowed_token_ids and bad_words left no token (the grammar's) to sample: drop them
-                x.copy_(original if mask is None else original.masked_fill_(~mask, float("-inf")))
+                mask = disallowed.get(row)
+                logits[row] = original if mask is None else original.masked_fill_(mask, float("-inf"))
 
     def _state(self, seq: Sequence) -> _SeqRules:
         state = self._states.get(seq.seq_id)
@@ -118,22 +118,23 @@ class LogitsRules:
         bad_words = self._bad_word_ids(params.bad_words) if params.bad_words else ()
         return _SeqRules(matcher, 0, bad_words, bias_ids, bias_values, allowed)
 
-    def _grammar_masks(
-        self, guided: list[tuple[int, _SeqRules]], seqs: list[Sequence], rows: list[int]
-    ) -> dict[int, torch.Tensor]:
-        """Each guided row's allowed tokens, after feeding its matcher the tokens it lacks."""
-        seq_of_row = dict(zip(rows, seqs, strict=True))
+    def _grammar_masks(self, guided: list[tuple[int, Sequence, _SeqRules]]) -> torch.Tensor:
+        """[G, V] bool, True where a guided row's grammar refuses the token, after feeding each
+        matcher the output tokens it has not seen."""
         words = (self._vocab_size + 31) // 32
-        bitmask = torch.empty(len(guided), words, dtype=torch.int32)  # [G, W] one bit per token
-        for i, (row, state) in enumerate(guided):
-            new = seq_of_row[row].output_token_ids[state.num_consumed :]
+        bitmask = np.empty((len(guided), words), dtype=np.int32)  # [G, W], bit k of word w: token 32w+k
+        for _, seq, state in guided:
+            new = seq.output_token_ids[state.num_consumed :]
             if new:
                 state.matcher.consume_tokens(new)  # on a refused token it stays in error: EOS only
                 state.num_consumed += len(new)
-            state.matcher.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), words * 4)
-        bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # [G, W, 32]
-        allowed = bits.view(len(guided), words * 32)[:, : self._vocab_size].bool()  # [G, V]
-        return {row: allowed[i] for i, (row, _) in enumerate(guided)}
+        if self._executor is None:  # the masks in parallel, on the engine's threads
+            self._executor = llguidance.LLExecutor(num_threads=torch.get_num_threads())
+        matchers = [(state.matcher, i) for i, (_, _, state) in enumerate(guided)]
+        self._executor.unsafe_compute_mask_ptr(matchers, bitmask.ctypes.data, words * 4, len(guided))
+        # little-endian words: byte 4w + k // 8, bit k % 8; numpy unpacks ~10x faster than torch shifts
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little")[:, : self._vocab_size]
+        return torch.from_numpy(bits == 0)
 
     def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each bad word's tokens, alone and after a space (as a word inside text), as vLLM does."""
@@ -149,6 +150,18 @@ class LogitsRules:
                 if ids and ids not in out:
                     out.append(ids)
         return tuple(out)
+
+
+def _apply_token_rules(x: torch.Tensor, seq: Sequence, state: _SeqRules) -> None:
+    """logit_bias, allowed_token_ids and bad_words on one row, in place."""
+    # x: [V] a view into the batch's logits
+    if state.bias_ids is not None:
+        x.index_add_(0, state.bias_ids, state.bias_values)
+    if state.allowed is not None:
+        x.masked_fill_(~state.allowed, float("-inf"))
+    banned = _banned_by_bad_words(state.bad_words, seq.output_token_ids)
+    if banned:
+        x[banned] = float("-inf")
 
 
 def _banned_by_bad_words(bad_words: tuple[tuple[int, ...], ...], output: list[int]) -> list[int]:
