@@ -12,6 +12,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.kv_layout import KVCacheSpec
+from engine.logits_rules import LogitsRules
 from engine.model_runner import KVCacheFactory, ModelRunner
 from engine.models import model_class
 from engine.outputs import CompletionOutput, RequestOutput
@@ -74,7 +75,8 @@ class LLMEngine:
             config.enable_chunked_prefill,
         )
         self.runner = ModelRunner(self.model_config, config, self.kv_spec, kv_cache_factory)
-        self.sampler = Sampler()
+        m = self.model_config
+        self.sampler = Sampler(LogitsRules(config.model, m.vocab_size, tuple(m.eos_token_ids)))
         self.tokenizer = tokenizer
         self.requests: dict[str, Request] = {}  # not yet done; held ones are the scheduler's (held)
         self._stops: dict[
@@ -117,6 +119,8 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer")
+        if params.has_logits_rules:
+            self.sampler.rules.check(params)
         return max_tokens
 
     def add_request(

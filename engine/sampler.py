@@ -1,4 +1,5 @@
-"""Turns logits into next tokens: penalties, temperature, top-k / top-p / min-p, seeds, logprobs."""
+"""Turns logits into next tokens: logits rules (logit_bias, allowed tokens, bad words, grammars),
+penalties, temperature, top-k / top-p / min-p, seeds, logprobs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import struct
 import torch
 import xxhash
 
+from engine.logits_rules import LogitsRules
 from engine.sequence import Sequence, TokenLogprob
 from protocol.sampling_params import SamplingParams
 
@@ -19,8 +21,14 @@ class SamplerInput:
 
 
 class Sampler:
+    def __init__(self, rules: LogitsRules | None = None) -> None:
+        self.rules = rules  # None: requests with logits rules are refused (LLMEngine.validate)
+
     def forget(self, seq: Sequence) -> None:
-        """Nothing is kept per sequence: a seeded draw depends only on (seed, sample, position)."""
+        """Drop a finished sequence's rules state. A seeded draw keeps nothing: it depends only on
+        (seed, sample, position)."""
+        if self.rules is not None:
+            self.rules.forget(seq)
 
     def sample(
         self, logits: torch.Tensor, inputs: list[SamplerInput]
@@ -28,13 +36,20 @@ class Sampler:
         # logits: [S, vocab] float32, one row per input
         assert logits.shape[0] == len(inputs) and logits.dtype == torch.float32
         want_logprobs = any(i.seq.params.logprobs is not None for i in inputs)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        if all(
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # the model's, unruled
+        ruled = [r for r, i in enumerate(inputs) if i.seq.params.has_logits_rules]
+        if ruled:  # edits those rows in place: the runner's logits serve this one step only
+            assert self.rules is not None, "a request with logits rules reached an engine without them"
+            with torch.inference_mode():  # the runner's logits are inference tensors
+                self.rules.apply(logits, ruled, [inputs[r].seq for r in ruled])
+        plain = [
             i.seq.params.greedy and not i.seq.params.has_penalties and not i.banned_token_ids for i in inputs
-        ):
-            token_ids = logits.max(dim=-1).indices.tolist()  # first max, like argmax; ~1.5x faster on CPU
-        else:
-            token_ids = [self._sample_row(logits[r], inp) for r, inp in enumerate(inputs)]
+        ]
+        # first max, like argmax; ~1.5x faster on CPU. Plain greedy rows never go row by row.
+        argmax = logits.max(dim=-1).indices.tolist() if any(plain) else None
+        token_ids = [
+            argmax[r] if plain[r] else self._sample_row(logits[r], inp) for r, inp in enumerate(inputs)
+        ]
         results = []
         for r, (inp, token_id) in enumerate(zip(inputs, token_ids, strict=True)):
             n = inp.seq.params.logprobs

@@ -5,11 +5,72 @@ the engine samples by them (``from engine import SamplingParams`` names this cla
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated
+import enum
+import json
+from collections.abc import Mapping
+from typing import Annotated, Any
 
 from protocol.codec import SIGNED
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI: each bias in [-100, 100]
+
+
+class GuidedKind(enum.Enum):
+    JSON = "json"  # text: a JSON Schema, as JSON text
+    REGEX = "regex"  # text: a regular expression the whole output matches
+    CHOICE = "choice"  # choices: the output is exactly one of them
+    GRAMMAR = "grammar"  # text: an EBNF (GBNF) or Lark grammar
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GuidedDecoding:
+    """A constraint on the whole output (engine.guided compiles it into a token mask per step)."""
+
+    kind: GuidedKind
+    text: str = ""  # the schema, regex or grammar; empty for CHOICE
+    choices: tuple[str, ...] = ()  # CHOICE only: the allowed outputs
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choices, list):
+            object.__setattr__(self, "choices", tuple(self.choices))
+        if self.kind is GuidedKind.CHOICE:
+            if not self.choices or not all(isinstance(c, str) and c for c in self.choices):
+                raise ValueError("guided_choice must be a non-empty list of non-empty strings")
+            if self.text:
+                raise ValueError("guided_decoding: a choice takes choices, not text")
+        elif not isinstance(self.text, str) or not self.text:
+            raise ValueError(f"guided_decoding: {self.kind.value} needs non-empty text")
+        elif self.choices:
+            raise ValueError(f"guided_decoding: {self.kind.value} takes text, not choices")
+
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, Any] | str) -> GuidedDecoding:
+        text = schema if isinstance(schema, str) else json.dumps(schema)  # key order: property order
+        return cls(GuidedKind.JSON, text)
+
+    @classmethod
+    def json_object(cls) -> GuidedDecoding:
+        """Any JSON object (OpenAI's ``{"type": "json_object"}``)."""
+        return cls.json_schema({"type": "object"})
+
+    @classmethod
+    def regex(cls, pattern: str) -> GuidedDecoding:
+        return cls(GuidedKind.REGEX, pattern)
+
+    @classmethod
+    def choice(cls, choices: list[str] | tuple[str, ...]) -> GuidedDecoding:
+        return cls(GuidedKind.CHOICE, choices=tuple(choices))
+
+    @classmethod
+    def grammar(cls, text: str) -> GuidedDecoding:
+        return cls(GuidedKind.GRAMMAR, text)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LogitBias:
+    token_id: int  # the token whose logit moves
+    bias: float  # added to its logit before sampling, in [-100, 100]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -29,6 +90,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end generation
     ignore_eos: bool = False  # keep going past the model's end-of-sequence token
     logprobs: int | None = None  # number of top alternatives to return per token (0 = chosen only)
+    logit_bias: tuple[LogitBias, ...] = ()  # OpenAI; a {token_id: bias} mapping is accepted too
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM: sample only among these; None: all
+    bad_words: tuple[str, ...] = ()  # vLLM: words the output may not contain (as tokens)
+    guided_decoding: GuidedDecoding | None = None  # the output follows a schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -45,7 +110,19 @@ class SamplingParams:
         set_(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
         if self.top_k is not None and self.top_k in (0, -1):
             set_(self, "top_k", None)
+        if isinstance(self.logit_bias, Mapping):
+            set_(
+                self,
+                "logit_bias",
+                tuple(LogitBias(int(t), float(b)) for t, b in sorted(self.logit_bias.items())),
+            )
+        else:
+            set_(self, "logit_bias", tuple(self.logit_bias or ()))
+        if self.allowed_token_ids is not None:
+            set_(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        set_(self, "bad_words", tuple(self.bad_words or ()))
         self._validate()
+        self._validate_rules()
 
     def _validate(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -76,6 +153,38 @@ class SamplingParams:
             or not -(1 << 63) <= self.seed < 1 << 63
         ):
             raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed!r}")
+
+    def _validate_rules(self) -> None:
+        ids = [b.token_id for b in self.logit_bias]
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+            raise ValueError("logit_bias: keys must be token ids (integers >= 0)")
+        if len(set(ids)) != len(ids):
+            raise ValueError("logit_bias: a token id appears twice")
+        if not all(-MAX_LOGIT_BIAS <= b.bias <= MAX_LOGIT_BIAS for b in self.logit_bias):
+            raise ValueError(f"logit_bias: biases must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not allowed or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in allowed)
+        ):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids (integers >= 0)")
+        if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must be non-empty strings")
+        if self.guided_decoding is not None:
+            if self.ignore_eos:
+                raise ValueError(
+                    "ignore_eos cannot be combined with guided decoding (the grammar ends the output)"
+                )
+            if self.min_tokens:
+                raise ValueError(
+                    "min_tokens cannot be combined with guided decoding (the grammar ends the output)"
+                )
+
+    @property
+    def has_logits_rules(self) -> bool:
+        """Anything that edits the logits row before sampling (engine.logits_rules)."""
+        return bool(
+            self.logit_bias or self.allowed_token_ids is not None or self.bad_words or self.guided_decoding
+        )
 
     @property
     def greedy(self) -> bool:

@@ -13,6 +13,7 @@ import re
 from protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 from router.errors import APIError, bad_request
 from router.openai_schema import ChatBody, CompletionBody, _SamplingFields
+from router.structured import Structured, ToolCallPlan, check_token_rules, structured
 from router.tokenizer import ChatTemplateError, Tokenizer
 
 
@@ -35,6 +36,7 @@ class Job:
     logprobs: int | None  # top alternatives per token; None: no logprobs
     echo: bool  # completions: the prompt text before the output
     tokens_as_ids: bool  # logprob tokens as "token_id:N"
+    tool_plan: ToolCallPlan | None = None  # chat with tools: the reply becomes tool_calls
 
     def params_for(self, prompt: Prompt, max_model_len: int) -> SamplingParams:
         room = max_model_len - len(prompt.token_ids)
@@ -46,7 +48,9 @@ class Job:
 _FIELD_RE = re.compile(r"^(?:stop strings|(\w+))")
 
 
-def _sampling_params(body: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling_params(
+    body: _SamplingFields, max_tokens: int | None, logprobs: int | None, rules: Structured
+) -> SamplingParams:
     def given(value: float | None, default: float) -> float:
         return default if value is None else value
 
@@ -67,6 +71,10 @@ def _sampling_params(body: _SamplingFields, max_tokens: int | None, logprobs: in
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            logit_bias=rules.logit_bias,
+            allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
+            bad_words=tuple(body.bad_words or ()),
+            guided_decoding=rules.guided,
         )
     except ValueError as exc:
         match = _FIELD_RE.match(str(exc))
@@ -74,13 +82,14 @@ def _sampling_params(body: _SamplingFields, max_tokens: int | None, logprobs: in
         raise bad_request(str(exc), param) from None
 
 
-def _check_common(body: _SamplingFields, max_n: int) -> None:
+def _check_common(body: _SamplingFields, max_n: int, tokenizer: Tokenizer) -> Structured:
+    """Checks both endpoints share; the body's constraints (router.structured)."""
     if body.n > max_n:
         raise bad_request(f"n must be <= {max_n}, got {body.n}", "n")
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     if body.seed is not None and body.seed < 0:
         raise bad_request(f"seed must be >= 0, got {body.seed}", "seed")
+    check_token_rules(body, tokenizer.vocab_size)
+    return structured(body, tokenizer)
 
 
 def _check_fits(prompts: tuple[Prompt, ...], max_tokens: int | None, max_model_len: int, param: str) -> None:
@@ -107,14 +116,14 @@ def _check_token_ids(prompts: list[list[int]], vocab_size: int) -> None:
 
 
 def completion_job(body: CompletionBody, tokenizer: Tokenizer, max_model_len: int, max_n: int) -> Job:
-    _check_common(body, max_n)
+    rules = _check_common(body, max_n, tokenizer)
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of must equal n (best-of sampling is not supported)", "best_of")
     if body.echo and body.logprobs is not None:
         raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
-    params = _sampling_params(body, body.max_tokens, body.logprobs)
+    params = _sampling_params(body, body.max_tokens, body.logprobs, rules)
     raw = body.prompt
     if isinstance(raw, str):
         raw = [raw]
@@ -141,7 +150,7 @@ def completion_job(body: CompletionBody, tokenizer: Tokenizer, max_model_len: in
 
 
 def chat_job(body: ChatBody, tokenizer: Tokenizer, max_model_len: int, max_n: int) -> Job:
-    _check_common(body, max_n)
+    rules = _check_common(body, max_n, tokenizer)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
@@ -151,13 +160,14 @@ def chat_job(body: ChatBody, tokenizer: Tokenizer, max_model_len: int, max_n: in
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     try:
-        params = _sampling_params(body, max_tokens, logprobs)
+        params = _sampling_params(body, max_tokens, logprobs, rules)
     except APIError as exc:
         if exc.param == "max_tokens" and body.max_completion_tokens is not None:
             exc.param = "max_completion_tokens"
         raise
     try:
-        ids = tokenizer.encode_chat([m.for_template() for m in body.messages])
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        ids = tokenizer.encode_chat([m.for_template() for m in body.messages], tools=tools)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
     prompts = (Prompt(tuple(ids), None),)
@@ -172,6 +182,7 @@ def chat_job(body: ChatBody, tokenizer: Tokenizer, max_model_len: int, max_n: in
         logprobs,
         False,
         body.return_tokens_as_token_ids,
+        rules.tool_plan,
     )
 
 

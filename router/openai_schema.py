@@ -21,6 +21,20 @@ class StreamOptions(pydantic.BaseModel):
     include_usage: bool = False  # one last chunk with usage and no choices
 
 
+class JsonSchemaFormat(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str | None = None  # OpenAI requires it; unused
+    description: str | None = None
+    schema_: dict[str, Any] | None = pydantic.Field(default=None, alias="schema")  # the JSON Schema
+    strict: bool | None = None  # accepted: the output always follows the schema
+
+
+class ResponseFormat(pydantic.BaseModel):
+    model_config = _CONFIG
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None  # for type json_schema
+
+
 class _SamplingFields(pydantic.BaseModel):
     """Fields both endpoints share."""
 
@@ -43,7 +57,14 @@ class _SamplingFields(pydantic.BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, unused
     return_tokens_as_token_ids: bool = False  # vLLM extension: logprob tokens as "token_id:N"
-    logit_bias: dict[str, float] | None = None  # accepted only when empty
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM extension: sample only among these
+    bad_words: list[str] | None = None  # vLLM extension: words the output may not contain
+    response_format: ResponseFormat | None = None  # text, json_object or json_schema
+    guided_json: dict[str, Any] | str | None = None  # vLLM extension: a JSON Schema
+    guided_regex: str | None = None  # vLLM extension: the output matches this regex
+    guided_choice: list[str] | None = None  # vLLM extension: the output is one of these
+    guided_grammar: str | None = None  # vLLM extension: an EBNF (GBNF) or Lark grammar
 
 
 class CompletionBody(_SamplingFields):
@@ -75,12 +96,40 @@ class ChatMessage(pydantic.BaseModel):
         return message
 
 
+class FunctionDef(pydantic.BaseModel):
+    model_config = _CONFIG
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # the arguments' JSON Schema; None: any object
+    strict: bool | None = None  # accepted: calls always follow the schema
+
+
+class Tool(pydantic.BaseModel):
+    model_config = _CONFIG
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(pydantic.BaseModel):
+    model_config = _CONFIG
+    name: str
+
+
+class NamedToolChoice(pydantic.BaseModel):
+    model_config = _CONFIG
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatBody(_SamplingFields):
     messages: list[ChatMessage] = pydantic.Field(min_length=1)
     max_tokens: int | None = None  # deprecated OpenAI name of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # router.structured
+    parallel_tool_calls: bool | None = None  # accepted: "required" may return several calls
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
@@ -105,4 +154,9 @@ _FIELD_NAMES = frozenset(
     | set(ChatMessage.model_fields)
     | set(TextPart.model_fields)
     | set(StreamOptions.model_fields)
+    | set(ResponseFormat.model_fields)
+    | {"schema"}
+    | set(JsonSchemaFormat.model_fields)
+    | set(Tool.model_fields)
+    | set(FunctionDef.model_fields)
 )

@@ -98,13 +98,19 @@ def completion_choice(index: int, text: str, logprobs: dict | None, finish_reaso
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
+def chat_choice(
+    index: int, text: str, logprobs: dict | None, finish_reason: str | None, tool_calls: list | None = None
+) -> dict:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:  # the reply was constrained to calls (router.structured): no content beside them
+        message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
+        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def tool_call_deltas(tool_calls: list[dict]) -> list[dict]:
+    """Streamed tool calls, each whole in one delta entry (OpenAI's shape, with its index)."""
+    return [{"index": i, **call} for i, call in enumerate(tool_calls)]
 
 
 def chat_chunk_choice(index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:

@@ -33,6 +33,7 @@ from router.errors import APIError
 from router.generation import RESTART, Backend, Sample, run_sample
 from router.jobs import Job, Prompt
 from router.sample_state import SampleDelta, SampleState
+from router.structured import tool_calls
 from router.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -188,16 +189,29 @@ class JobRun:
         if choice.prefix:
             choice.text_offset = len(choice.prefix)
         choice.prefix = ""
+        if self.job.tool_plan is not None:
+            text = ""  # the calls go out whole, once the reply is complete
         if not text and not delta.logprobs and delta.finish_reason is None:
             return None
         logprobs = self._logprobs(choice, delta.logprobs)
         if self.job.chat:
-            body = rs.chat_chunk_choice(
-                choice.index, {"content": text} if text else {}, logprobs, delta.finish_reason
-            )
+            content, finish = {"content": text} if text else {}, delta.finish_reason
+            if self.job.tool_plan is not None:
+                calls = self._tool_calls(choice, finish)
+                if calls:
+                    content, finish = {"tool_calls": rs.tool_call_deltas(calls)}, "tool_calls"
+                elif finish is not None:
+                    content = {"content": choice.state.text}  # cut short (length): the text as it is
+            body = rs.chat_chunk_choice(choice.index, content, logprobs, finish)
             return rs.sse(rs.envelope(self.id, "chat.completion.chunk", self.created, self.model, [body]))
         body = rs.completion_choice(choice.index, text, logprobs, delta.finish_reason)
         return rs.sse(rs.envelope(self.id, "text_completion", self.created, self.model, [body]))
+
+    def _tool_calls(self, choice: _Choice, finish_reason: str | None) -> list | None:
+        """A finished tools-constrained reply as tool calls (None while running or cut short)."""
+        if self.job.tool_plan is None or finish_reason != "stop":
+            return None
+        return tool_calls(self.job.tool_plan, choice.state.text)
 
     def role_chunks(self) -> list[str]:
         """Chat streams open each choice with the assistant role."""
@@ -231,8 +245,11 @@ class JobRun:
                     if self.job.chat
                     else self.formatter.completion(c.logprobs, len(c.prefix))[0]
                 )
-            make = rs.chat_choice if self.job.chat else rs.completion_choice
-            choices.append(make(c.index, text, logprobs, c.state.finish_reason))
+            if self.job.chat:
+                calls = self._tool_calls(c, c.state.finish_reason)
+                choices.append(rs.chat_choice(c.index, text, logprobs, c.state.finish_reason, calls))
+            else:
+                choices.append(rs.completion_choice(c.index, text, logprobs, c.state.finish_reason))
         object_ = "chat.completion" if self.job.chat else "text_completion"
         return rs.envelope(self.id, object_, self.created, self.model, choices, self.usage())
 

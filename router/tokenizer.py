@@ -8,6 +8,7 @@ template from ``chat_template.jinja`` or ``tokenizer_config.json``, rendered the
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import pathlib
 from typing import Any
@@ -16,6 +17,8 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 import tokenizers
+
+from engine.guided import GrammarCompiler
 
 
 class ChatTemplateError(ValueError):
@@ -58,6 +61,7 @@ class Tokenizer:
 
     def __init__(self, folder: str | pathlib.Path) -> None:
         folder = pathlib.Path(folder)
+        self.folder = folder
         if not (folder / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{folder} has no tokenizer.json")
         self._tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -84,6 +88,12 @@ class Tokenizer:
             source = next((t["template"] for t in source if t.get("name") == "default"), None)
         self._chat_template = _compile_template(source) if source else None
 
+    @functools.cached_property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles guided-decoding specs for this vocabulary, as the nodes do (router.structured)."""
+        eos = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        return GrammarCompiler.from_folder(self.folder, self.vocab_size, (eos or 0,))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -94,7 +104,12 @@ class Tokenizer:
         """One token on its own (a partial UTF-8 character shows as U+FFFD), for logprobs."""
         return self._tok.decode([token_id], skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         """The conversation as prompt text; tokenize it with add_special_tokens=False."""
         if self._chat_template is None:
             raise ChatTemplateError("the model has no chat template; use /v1/completions")
@@ -102,6 +117,7 @@ class Tokenizer:
             return self._chat_template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
@@ -110,8 +126,14 @@ class Tokenizer:
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt, tools)
+        return self.encode(text, add_special_tokens=False)
 
 
 def _compile_template(source: str) -> jinja2.Template:

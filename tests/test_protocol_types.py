@@ -15,7 +15,7 @@ from protocol import messages as pm
 from protocol.codec import PROTOCOL_VERSION, ProtocolError
 from protocol.messages import GenerateRequest, NodeStatus, RequestMeta
 from protocol.registry import NodeInfo, Role
-from protocol.sampling_params import SamplingParams
+from protocol.sampling_params import GuidedDecoding, LogitBias, SamplingParams
 
 EVERY_FIELD_SET = SamplingParams(
     n=1,
@@ -33,7 +33,12 @@ EVERY_FIELD_SET = SamplingParams(
     stop_token_ids=(2, 7),
     ignore_eos=True,
     logprobs=5,
+    logit_bias=(LogitBias(5, -100.0), LogitBias(9, 2.5)),
+    allowed_token_ids=(1, 5, 9),
+    bad_words=("foo", "bar baz"),
 )
+# guided decoding excludes ignore_eos and min_tokens, so it rides in a set of its own
+GUIDED = SamplingParams(temperature=0, guided_decoding=GuidedDecoding.json_schema({"type": "object"}))
 FP = KVFingerprint("sha256:abc", "float32", 16, "nbhd-v1", 4, 2, 16)
 
 
@@ -41,7 +46,16 @@ def _generate(params: SamplingParams) -> GenerateRequest:
     return GenerateRequest("r1", (1, 2, 3), params, "tcp://127.0.0.1:5", None, 1e9, 5.0)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(), EVERY_FIELD_SET, SamplingParams(temperature=0, seed=7)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(),
+        EVERY_FIELD_SET,
+        SamplingParams(temperature=0, seed=7),
+        GUIDED,
+        SamplingParams(guided_decoding=GuidedDecoding.choice(["yes", "no"])),
+    ],
+)
 def test_sampling_params_round_trip_as_a_typed_value(params):
     decoded = pm.decode(pm.encode(_generate(params)))
     assert decoded.sampling_params == params
@@ -53,7 +67,8 @@ def test_every_sampling_field_is_exercised():
     unchanged = [
         f.name
         for f in dataclasses.fields(SamplingParams)
-        if getattr(EVERY_FIELD_SET, f.name) == getattr(defaults, f.name) and f.name != "n"
+        if all(getattr(p, f.name) == getattr(defaults, f.name) for p in (EVERY_FIELD_SET, GUIDED))
+        and f.name != "n"
     ]
     assert unchanged == []
 
@@ -78,6 +93,9 @@ def _raw_generate(sampling: dict) -> bytes:
         {"seed": 1 << 63},  # past a signed 64-bit integer
         {"max_tokens": -5},  # negative counts are refused as everywhere in the protocol
         {"beam_width": 4},  # a field the class does not have
+        {"logit_bias": [{"token_id": 1, "bias": 500.0}]},  # outside [-100, 100]
+        {"guided_decoding": {"kind": "xml", "text": "<a/>"}},  # an unknown constraint kind
+        {"guided_decoding": {"kind": "choice", "text": "", "choices": []}},  # a choice of nothing
     ],
 )
 def test_bad_sampling_params_on_the_wire_are_protocol_errors(sampling):
