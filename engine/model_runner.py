@@ -9,7 +9,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
-from engine.device import resolve_attention_backend
+from engine.device import resolve_attention_backend, resolve_dtype
 from engine.kv_layout import KVCacheSpec
 from engine.models import model_class
 from engine.scheduler import SchedulerOutput
@@ -41,8 +41,8 @@ class ModelRunner:
         memory, for the one-copy transfer); plain zeroed tensors by default."""
         self.model_config = model_config
         self.kv_spec = kv_spec
-        self.dtype = TORCH_DTYPES[engine_config.dtype]
         device = torch.device("cpu")  # engine.device: the only one the runner builds tensors on yet
+        self.dtype = TORCH_DTYPES[resolve_dtype(engine_config.dtype, device)]
         self.attention_backend = resolve_attention_backend(engine_config.attention_backend, device)
         max_positions = engine_config.max_model_len or model_config.max_position_embeddings
         self.model = model_class(model_config)(model_config, max_positions).to(self.dtype).eval()
