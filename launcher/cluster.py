@@ -171,7 +171,7 @@ class LocalCluster:
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.plan.start_timeout_s
-        while not self.healthy():
+        while not self._all_in_pool():
             self._fail_if_exited([self.router, *self.nodes])
             if time.monotonic() > deadline:
                 raise LaunchError(
@@ -179,6 +179,21 @@ class LocalCluster:
                     f"the end of its log:\n{self.router.log_tail()}"
                 )
             time.sleep(0.1)
+
+    def _all_in_pool(self) -> bool:
+        """Healthy, with every planned node in the router's pool (a decode node alone already
+        makes the router healthy, and the first requests would all skip the prefill nodes)."""
+        try:
+            with urllib.request.urlopen(self.plan.url + "/health", timeout=1) as response:
+                body = json.loads(response.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+        p = self.plan
+        return (
+            body.get("num_prefill", 0) >= p.num_prefill
+            and body.get("num_decode", 0) >= p.num_decode
+            and body.get("num_colocated", 0) >= p.num_colocated
+        )
 
     def healthy(self) -> bool:
         try:

@@ -96,12 +96,15 @@ class RouterProcess:
         )
 
     def wait_healthy(self, timeout_s: float = 60.0) -> None:
+        """Until the router serves through a prefill/decode pair ("ok"; a decode node alone makes
+        it healthy too, as "decode_only")."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"router exited:\n{self.log_path.read_text()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                health = httpx.get(self.url + "/health", timeout=1)
+                if health.status_code == 200 and health.json()["status"] == "ok":
                     return
             except httpx.HTTPError:
                 pass

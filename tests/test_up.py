@@ -324,7 +324,13 @@ def test_colocated_nodes_serve_concurrent_requests_equal_to_hf_on_both_nodes_wit
         assert "pdserve is up: 2 colocated node(s)" in launcher.output()
         health = httpx.get(launcher.url + "/health")
         assert health.status_code == 200
-        assert health.json() == {"status": "ok", "num_prefill": 0, "num_decode": 0, "num_colocated": 2}
+        assert health.json() == {
+            "status": "ok",
+            "num_prefill": 0,
+            "num_decode": 0,
+            "num_colocated": 2,
+            "num_pairs": 0,
+        }
         tokenizer = Tokenizer(model)
         prompts = [
             f"Colocated {i}: {FILLER}" for i in range(16)
