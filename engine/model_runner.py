@@ -53,8 +53,14 @@ class ModelRunner:
             self.kv_caches = [(self._empty_cache(), self._empty_cache()) for _ in range(kv_spec.num_layers)]
 
     def _empty_cache(self) -> torch.Tensor:
+        # numpy's zeros come from calloc: for a large pool the OS maps zero pages and commits each
+        # page when a block is first written, so a pool sized from free memory costs only what is
+        # used (torch.zeros would write every byte at start-up). bf16 rides as int16 bits.
         s = self.kv_spec
-        return torch.zeros(s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim, dtype=self.dtype)
+        shape = (s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+        if self.dtype == torch.bfloat16:
+            return torch.from_numpy(np.zeros(shape, np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(np.zeros(shape, np.float16 if self.dtype == torch.float16 else np.float32))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
