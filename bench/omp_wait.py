@@ -3,9 +3,10 @@ OpenMP wait settings; each setting runs in a fresh child process, rounds alterna
 
     .venv/bin/python bench/omp_wait.py [--rounds 2] [--spincounts unset,1000,passive]
 
-A setting is a GOMP_SPINCOUNT value, ``unset`` (libgomp's default) or ``passive``
-(OMP_WAIT_POLICY=PASSIVE). Every child runs with PDSERVE_OMP_DEFAULTS=0, so the engine's own
-default (engine/cpu_env.py) never replaces the setting under test.
+A setting is a GOMP_SPINCOUNT value, ``unset`` (libgomp's default: GOMP_SPINCOUNT=300000, its
+documented spin count when OMP_WAIT_POLICY is unset) or ``passive`` (OMP_WAIT_POLICY=PASSIVE).
+Every child sets one of the two variables, so the engine's own default (engine/cpu_env.py, which
+applies only where neither is set) never replaces the setting under test.
 
 Why: OpenMP's worker threads spin while they wait; when another process holds one of two cores,
 the spinning thread steals the time the working one needs.
@@ -35,11 +36,10 @@ print(8 * 32 / (time.time() - start))
 
 def run(spincount: str, busy: bool) -> float:
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    env["PDSERVE_OMP_DEFAULTS"] = "0"  # the setting under test, not the engine's default
     if spincount == "passive":
         env["OMP_WAIT_POLICY"] = "PASSIVE"
-    elif spincount != "unset":
-        env["GOMP_SPINCOUNT"] = spincount
+    else:
+        env["GOMP_SPINCOUNT"] = "300000" if spincount == "unset" else spincount
     neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     try:
         out = subprocess.run(
