@@ -56,12 +56,16 @@ def tiny_bench_model() -> pathlib.Path:
     return path
 
 
+# prompt and output length ranges: mix (this bench's), mix16 (a new user's: 16-256 in, 16-128 out),
+# mix32 (engine-speed issue's against vLLM: 32-512 in, 16-160 out)
+MIXES = {"mix": (16, 512, 8, 256), "mix16": (16, 256, 16, 128), "mix32": (32, 512, 16, 160)}
+
+
 def workload(kind: str, n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
     g = torch.Generator().manual_seed(seed)
     if kind == "fixed":
         return [(torch.randint(10, vocab, (128,), generator=g).tolist(), 128) for _ in range(n)]
-    # mix: 16-512 in, 8-256 out; mix16: the user mix, 16-256 in, 16-128 out
-    lo_in, hi_in, lo_out, hi_out = (16, 512, 8, 256) if kind == "mix" else (16, 256, 16, 128)
+    lo_in, hi_in, lo_out, hi_out = MIXES[kind]
     lens = torch.randint(lo_in, hi_in + 1, (n,), generator=g).tolist()
     outs = torch.randint(lo_out, hi_out + 1, (n,), generator=g).tolist()
     return [
@@ -149,7 +153,7 @@ def run_hf(path: pathlib.Path, reqs, batch: int) -> tuple[float, int]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny", help="'tiny', 'default' or a model folder")
-    ap.add_argument("--workload", choices=["fixed", "mix", "mix16", "both"], default="both")
+    ap.add_argument("--workload", choices=["fixed", *MIXES, "both"], default="both")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--hf-batch-sizes", default="8,32,64")
     ap.add_argument("--max-num-seqs", type=int, default=64)
