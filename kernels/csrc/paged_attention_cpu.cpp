@@ -59,15 +59,17 @@ struct Scratch {
       : q(nq * d), scores(nq * kKeyChunk), acc(nq * d), row_max(nq), row_sum(nq) {}
 };
 
-template <typename T>
+// kD: head_dim fixed at compile time (the common 64 / 128 / 256: loops unroll fully), 0: runtime.
+template <typename T, int kD>
 void run_item(const Problem &p, const Item &it, const T *query, const T *kc, const T *vc, T *out,
               Scratch &sc) {
-  const int64_t G = p.num_heads / p.num_kv_heads, D = p.head_dim, bs = p.block_size;
+  const int64_t G = p.num_heads / p.num_kv_heads, D = kD > 0 ? kD : p.head_dim, bs = p.block_size;
   const int64_t rows = it.row1 - it.row0, nq = rows * G;
   const int64_t q_begin = p.starts[it.seq];
   const int64_t q_len = p.starts[it.seq + 1] - q_begin;
   const int64_t first_pos = p.lens[it.seq] - q_len + it.row0;  // position of the tile's first row
   const int32_t *table = p.tables + it.seq * p.max_blocks;
+  const int64_t token_stride = p.num_kv_heads * D;  // from one token's K (or V) row to the next
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   for (int64_t j = 0; j < rows; ++j)
@@ -85,20 +87,24 @@ void run_item(const Problem &p, const Item &it, const T *query, const T *kc, con
   const int64_t key_hi = last_pos + 1;
   for (int64_t c0 = key_lo; c0 < key_hi; c0 += kKeyChunk) {
     const int64_t c1 = std::min(key_hi, c0 + kKeyChunk);
-    for (int64_t t = c0; t < c1; ++t) {  // scores: each K row once for all nq query rows
-      const T *k = kc + ((table[t / bs] * bs + t % bs) * p.num_kv_heads + it.kv_head) * D;
-      for (int64_t j = 0; j < rows; ++j) {
-        const int64_t pos = first_pos + j;
-        const bool visible = t <= pos && (p.window <= 0 || t > pos - p.window);
-        for (int64_t g = 0; g < G; ++g) {
-          float s = neg_inf;
-          if (visible) {
-            s = dot(sc.q.data() + (j * G + g) * D, k, D);
-            if (p.softcap > 0.f) s = p.softcap * std::tanh(s / p.softcap);
+    // scores: each K row once for all nq query rows; one block-table lookup per block run
+    for (int64_t t = c0; t < c1;) {
+      const int64_t block = t / bs, offset = t - block * bs, run = std::min(c1 - t, bs - offset);
+      const T *k = kc + ((table[block] * bs + offset) * p.num_kv_heads + it.kv_head) * D;
+      for (int64_t i = 0; i < run; ++i, ++t, k += token_stride)
+        for (int64_t j = 0; j < rows; ++j) {
+          const int64_t pos = first_pos + j;
+          const bool visible = t <= pos && (p.window <= 0 || t > pos - p.window);
+          float *s = sc.scores.data() + j * G * kKeyChunk + (t - c0);
+          for (int64_t g = 0; g < G; ++g, s += kKeyChunk) {
+            float v = neg_inf;
+            if (visible) {
+              v = dot(sc.q.data() + (j * G + g) * D, k, D);
+              if (p.softcap > 0.f) v = p.softcap * std::tanh(v / p.softcap);
+            }
+            *s = v;
           }
-          sc.scores[(j * G + g) * kKeyChunk + (t - c0)] = s;
         }
-      }
     }
     for (int64_t r = 0; r < nq; ++r) {  // online softmax: rescale what came before, weigh this chunk
       float *s = sc.scores.data() + r * kKeyChunk;
@@ -118,12 +124,14 @@ void run_item(const Problem &p, const Item &it, const T *query, const T *kc, con
         for (int64_t d = 0; d < D; ++d) a[d] *= correction;
       }
     }
-    for (int64_t t = c0; t < c1; ++t) {  // values: each V row once for all nq query rows
-      const T *v = vc + ((table[t / bs] * bs + t % bs) * p.num_kv_heads + it.kv_head) * D;
-      for (int64_t r = 0; r < nq; ++r) {
-        const float w = sc.row_max[r] == neg_inf ? 0.f : sc.scores[r * kKeyChunk + (t - c0)];
-        if (w != 0.f) axpy(w, v, sc.acc.data() + r * D, D);
-      }
+    for (int64_t t = c0; t < c1;) {  // values: each V row once for all nq query rows
+      const int64_t block = t / bs, offset = t - block * bs, run = std::min(c1 - t, bs - offset);
+      const T *v = vc + ((table[block] * bs + offset) * p.num_kv_heads + it.kv_head) * D;
+      for (int64_t i = 0; i < run; ++i, ++t, v += token_stride)
+        for (int64_t r = 0; r < nq; ++r) {
+          const float w = sc.row_max[r] == neg_inf ? 0.f : sc.scores[r * kKeyChunk + (t - c0)];
+          if (w != 0.f) axpy(w, v, sc.acc.data() + r * D, D);
+        }
     }
   }
   for (int64_t j = 0; j < rows; ++j)
@@ -133,6 +141,18 @@ void run_item(const Problem &p, const Item &it, const T *query, const T *kc, con
       T *dst = out + ((q_begin + it.row0 + j) * p.num_heads + it.kv_head * G + g) * D;
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(sc.acc[r * D + d] * inv);
     }
+}
+
+template <typename T, int kD>
+void run_all(const Problem &p, const std::vector<Item> &items, const T *q, const T *kc, const T *vc, T *o) {
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(num_items, 1));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch scratch(kQueryTile * (p.num_heads / p.num_kv_heads), p.head_dim);
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1))
+      run_item<T, kD>(p, items[i], q, kc, vc, o, scratch);
+  });
 }
 
 std::vector<Item> work_items(const Problem &p, int64_t num_seqs) {
@@ -187,19 +207,17 @@ at::Tensor paged_attention(const at::Tensor &query, const at::Tensor &key_cache,
   }
   auto out = at::empty({query.size(0), p.num_heads, p.head_dim}, query.options());
   const std::vector<Item> items = work_items(p, num_seqs);
-  const int64_t num_items = static_cast<int64_t>(items.size());
-  std::atomic<int64_t> next{0};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_cpu", [&] {
     const scalar_t *q = query.data_ptr<scalar_t>();
     const scalar_t *kc = key_cache.data_ptr<scalar_t>();
     const scalar_t *vc = value_cache.data_ptr<scalar_t>();
     scalar_t *o = out.data_ptr<scalar_t>();
-    const int64_t workers = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(num_items, 1));
-    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-      Scratch scratch(kQueryTile * (p.num_heads / p.num_kv_heads), p.head_dim);
-      for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1))
-        run_item(p, items[i], q, kc, vc, o, scratch);
-    });
+    switch (p.head_dim) {
+      case 64: return run_all<scalar_t, 64>(p, items, q, kc, vc, o);
+      case 128: return run_all<scalar_t, 128>(p, items, q, kc, vc, o);
+      case 256: return run_all<scalar_t, 256>(p, items, q, kc, vc, o);
+      default: return run_all<scalar_t, 0>(p, items, q, kc, vc, o);
+    }
   });
   return out;
 }
