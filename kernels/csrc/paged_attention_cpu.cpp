@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -41,6 +42,27 @@ struct Problem {
   const int32_t *tables, *starts, *lens;
 };
 
+// exp(x) for the softmax in plain arithmetic, so that loops of it vectorise (std::exp does not
+// without -ffast-math): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7
+// (relative error < 1e-8, under fp32 rounding), times 2^n built in the exponent bits.
+// Below -87 (and for -inf, the masked scores) the result is exactly 0.
+inline float softmax_exp(float x) {
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 in two parts: exact n * hi
+  float e = 1.f / 5040.f;
+  e = e * r + 1.f / 720.f;
+  e = e * r + 1.f / 120.f;
+  e = e * r + 1.f / 24.f;
+  e = e * r + 1.f / 6.f;
+  e = e * r + 0.5f;
+  e = e * r + 1.f;
+  e = e * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(x < -87.f ? 0.f : n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.f ? 0.f : e * scale;
+}
+
 template <typename T>
 inline float dot(const float *q, const T *k, int64_t n) {
   float s = 0.f;
@@ -54,10 +76,60 @@ inline void axpy(float a, const T *v, float *acc, int64_t n) {
 }
 
 struct Scratch {
-  std::vector<float> q, scores, acc, row_max, row_sum;
+  std::vector<float> q, scores, acc, row_max, row_sum, keys_t;
   Scratch(int64_t nq, int64_t d)
-      : q(nq * d), scores(nq * kKeyChunk), acc(nq * d), row_max(nq), row_sum(nq) {}
+      : q(nq * d), scores(nq * kKeyChunk), acc(nq * d), row_max(nq), row_sum(nq), keys_t(d * kKeyChunk) {}
 };
+
+// From this many query rows in an item (prefill tiles), scores are computed against the chunk's
+// keys transposed to [D, keys]: the products then vectorise across keys, with no horizontal sum
+// per (row, key); the transpose costs one pass over the chunk, which few rows would not repay.
+constexpr int64_t kTransposedRows = 8;
+
+template <typename T, int kD>
+void transposed_scores(const Problem &p, Scratch &sc, const int32_t *table, const T *kc, int64_t kv_head,
+                       int64_t rows, int64_t G, int64_t first_pos, int64_t c0, int64_t c1) {
+  const int64_t D = kD > 0 ? kD : p.head_dim, n = c1 - c0, bs = p.block_size, token_stride = p.num_kv_heads * D;
+  const int64_t nq = rows * G;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float *kt = sc.keys_t.data();  // [D, kKeyChunk]; columns past n hold stale values, never kept
+  for (int64_t t = c0; t < c1;) {
+    const int64_t block = t / bs, offset = t - block * bs, run = std::min(c1 - t, bs - offset);
+    const T *k = kc + ((table[block] * bs + offset) * p.num_kv_heads + kv_head) * D;
+    for (int64_t i = 0; i < run; ++i, ++t, k += token_stride)
+      for (int64_t d = 0; d < D; ++d) kt[d * kKeyChunk + (t - c0)] = static_cast<float>(k[d]);
+  }
+  // A register tile of 4 query rows x 16 keys: each kt load feeds 4 multiply-adds.
+  constexpr int64_t R = 4, W = 16;
+  for (int64_t r0 = 0; r0 < nq; r0 += R) {
+    const int64_t nr = std::min(R, nq - r0);
+    for (int64_t t0 = 0; t0 < n; t0 += W) {
+      float acc[R][W] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const float *col = kt + d * kKeyChunk + t0;
+        for (int64_t r = 0; r < R; ++r) {
+          const float qd = r < nr ? sc.q[(r0 + r) * D + d] : 0.f;
+          for (int64_t i = 0; i < W; ++i) acc[r][i] += qd * col[i];
+        }
+      }
+      const int64_t w = std::min(W, n - t0);
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t i = 0; i < w; ++i) sc.scores[(r0 + r) * kKeyChunk + t0 + i] = acc[r][i];
+    }
+  }
+  for (int64_t j = 0; j < rows; ++j) {  // causal and window mask, soft-capping
+    const int64_t pos = first_pos + j;
+    const int64_t lo = std::max<int64_t>(c0, p.window > 0 ? pos - p.window + 1 : c0) - c0;
+    const int64_t hi = std::min<int64_t>(c1, pos + 1) - c0;  // visible keys: [lo, hi) of the chunk
+    for (int64_t g = 0; g < G; ++g) {
+      float *s = sc.scores.data() + (j * G + g) * kKeyChunk;
+      for (int64_t t = 0; t < n; ++t) {
+        if (t < lo || t >= hi) s[t] = neg_inf;
+        else if (p.softcap > 0.f) s[t] = p.softcap * std::tanh(s[t] / p.softcap);
+      }
+    }
+  }
+}
 
 // kD: head_dim fixed at compile time (the common 64 / 128 / 256: loops unroll fully), 0: runtime.
 template <typename T, int kD>
@@ -87,6 +159,9 @@ void run_item(const Problem &p, const Item &it, const T *query, const T *kc, con
   const int64_t key_hi = last_pos + 1;
   for (int64_t c0 = key_lo; c0 < key_hi; c0 += kKeyChunk) {
     const int64_t c1 = std::min(key_hi, c0 + kKeyChunk);
+    if (nq >= kTransposedRows) {
+      transposed_scores<T, kD>(p, sc, table, kc, it.kv_head, rows, G, first_pos, c0, c1);
+    } else {
     // scores: each K row once for all nq query rows; one block-table lookup per block run
     for (int64_t t = c0; t < c1;) {
       const int64_t block = t / bs, offset = t - block * bs, run = std::min(c1 - t, bs - offset);
@@ -106,15 +181,16 @@ void run_item(const Problem &p, const Item &it, const T *query, const T *kc, con
           }
         }
     }
+    }
     for (int64_t r = 0; r < nq; ++r) {  // online softmax: rescale what came before, weigh this chunk
       float *s = sc.scores.data() + r * kKeyChunk;
       float m = sc.row_max[r];
       for (int64_t t = 0; t < c1 - c0; ++t) m = std::max(m, s[t]);
       if (m == neg_inf) continue;  // nothing visible yet for this row (window, causal edge)
-      const float correction = std::exp(sc.row_max[r] - m);
+      const float correction = softmax_exp(sc.row_max[r] - m);
       float total = 0.f;
       for (int64_t t = 0; t < c1 - c0; ++t) {
-        s[t] = std::exp(s[t] - m);
+        s[t] = softmax_exp(s[t] - m);
         total += s[t];
       }
       sc.row_sum[r] = sc.row_sum[r] * correction + total;
