@@ -35,10 +35,10 @@ import engine  # noqa: E402,F401 - first, so the engine's OpenMP default applies
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from engine import SamplingParams  # noqa: E402
 from engine.config import EngineConfig, ModelConfig  # noqa: E402
 from engine.kv_layout import KVCacheSpec  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
 

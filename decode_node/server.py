@@ -12,13 +12,11 @@ One loop, one thread (the engine and the KV receiver share the block manager):
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 from engine.config import EngineConfig
 from engine.kv_layout import KV_LAYOUT_NAME
 from engine.llm_engine import LLMEngine, RemoteReservation
-from engine.sampling_params import SamplingParams
 from kv_transfer.messages import KVFingerprint
 from kv_transfer.receiver import KVReceiver, ReceivedKV
 from node.log import EventLog
@@ -26,6 +24,7 @@ from node.options import NodeOptions
 from node.runtime import NodeRuntime
 from node.streams import Stream, engine_logprob, local_deadline, next_chunk, node_status
 from protocol.messages import AbortRequest, GenerateRequest
+from protocol.sampling_params import SamplingParams
 
 ABORT_MEMORY_S = 120.0  # how long an abort for a not-yet-arrived request is remembered
 # Longest sleep of an idle loop: any message wakes it at once; this bounds how late deadlines
@@ -44,11 +43,10 @@ class EngineReservations:
     def num_blocks(self) -> int:
         return self._engine.block_manager.num_blocks
 
-    def reserve(self, request_id: str, token_ids, sampling_params: dict | None) -> RemoteReservation | None:
-        try:
-            params = SamplingParams.from_dict(sampling_params or {})
-        except TypeError as exc:
-            raise ValueError(f"sampling_params: {exc}") from None
+    def reserve(
+        self, request_id: str, token_ids, sampling_params: SamplingParams | None
+    ) -> RemoteReservation | None:
+        params = sampling_params or SamplingParams()
         # Stop strings stay with the router, as for local requests.
         return self._engine.reserve_remote(request_id, list(token_ids), dataclasses.replace(params, stop=()))
 
@@ -81,7 +79,7 @@ class DecodeNode:
             self.engine,
             self.runtime.control_addr,
             self.kv_addr,
-            dataclasses.asdict(self.fingerprint),
+            self.fingerprint,
             self.runtime.draining.is_set(),
             self.receiver.num_incoming + self.receiver.num_queued,
         )
@@ -114,10 +112,10 @@ class DecodeNode:
             self._adopt(received)
         for failure in result.failed:
             self.log("kv_failed", failure.request_id, error=repr(failure.error))
-            reply_addr = (failure.request_meta or {}).get("reply_addr")
-            if reply_addr and failure.request_id not in self.aborted:
+            meta = failure.request_meta
+            if meta is not None and failure.request_id not in self.aborted:
                 self.runtime.reply_failed(
-                    reply_addr, failure.request_id, "kv_transfer", str(failure.error), retryable=False
+                    meta.reply_addr, failure.request_id, "kv_transfer", str(failure.error), retryable=False
                 )
         if self.engine.has_work():
             for out in self.engine.step():
@@ -140,27 +138,31 @@ class DecodeNode:
         if self.runtime.admit(self.engine, msg) is None:
             return
         deadline = local_deadline(msg.deadline, self.opts.request_ttl_s)
-        self.streams[rid] = Stream(rid, msg.reply_addr, len(msg.token_ids), deadline)
-        self.log("request_added", rid, prompt_tokens=len(msg.token_ids), local_prefill=True)
+        resumed = len(msg.output_token_ids)
+        self.streams[rid] = Stream(
+            rid, msg.reply_addr, len(msg.token_ids), deadline, num_sent=resumed, num_resumed=resumed
+        )
+        self.log(
+            "request_added", rid, prompt_tokens=len(msg.token_ids), local_prefill=True, resumed_tokens=resumed
+        )
 
     def _adopt(self, received: ReceivedKV) -> None:
-        rid, meta = received.request_id, received.request_meta or {}
-        if rid in self.aborted or "reply_addr" not in meta:
+        rid, meta = received.request_id, received.request_meta
+        if rid in self.aborted or meta is None:
             self.engine.abort_request(rid)
             self.log("kv_dropped", rid, reason="aborted" if rid in self.aborted else "no reply address")
             return
         num_prompt_tokens = len(self.engine.requests[rid].prompt_token_ids)
         stream = Stream(
             rid,
-            meta["reply_addr"],
+            meta.reply_addr,
             num_prompt_tokens,
-            local_deadline(float(meta.get("deadline", math.inf)), self.opts.request_ttl_s),
+            local_deadline(meta.deadline, self.opts.request_ttl_s),
             num_sent=1,
             num_cached_tokens=received.prefill_cached_tokens,
         )
-        stream.timings = dict(meta.get("timings") or {})
-        if "shipped_at" in meta:  # wall clocks of one host (or NTP-close hosts)
-            stream.timings["transfer"] = round(max(0.0, time.time() - float(meta["shipped_at"])), 6)
+        stream.timings = dict(meta.timings)  # wall clocks of one host (or NTP-close hosts):
+        stream.timings["transfer"] = round(max(0.0, time.time() - meta.shipped_at), 6)
         stream.timings["kv_bytes"] = received.bytes_received
         stream.adopted_at = time.monotonic()
         self.streams[rid] = stream

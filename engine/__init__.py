@@ -1,7 +1,7 @@
 """pdserve's one-process LLM core: models, paged KV cache, block manager, scheduler, sampler.
 
 ``from engine import LLM, SamplingParams`` works as in vLLM. The names load lazily so that
-torch-free modules (``engine.sampling_params``, ``engine.block_hash``, ``engine.kv_layout``)
+torch-free modules (``protocol.sampling_params``, ``engine.block_hash``, ``engine.kv_layout``)
 can be imported by the router without pulling in torch. Importing it sets the OpenMP wait
 policy default (engine/cpu_env.py) while torch is not loaded yet.
 """
@@ -16,7 +16,7 @@ apply_openmp_defaults()  # before anything here imports torch (libgomp reads it 
 
 _EXPORTS = {
     "LLM": "engine.llm",
-    "SamplingParams": "engine.sampling_params",
+    "SamplingParams": "protocol.sampling_params",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
 }

@@ -33,6 +33,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, decodes first
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32, offsets into all rows
     context_lens: torch.Tensor  # [num_seqs] int32, new tokens included
+    backend: str | None = None  # kernels' backend: None picks by device, "triton" or "torch" forces one
 
 
 def paged_attention(
@@ -47,8 +48,8 @@ def paged_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     # query: [T, H, D]; key, value: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D]
-    kernels.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
-    if kernels.native_cpu(query):  # one call for decodes and prefill chunks alike
+    kernels.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping, backend=meta.backend)
+    if kernels.native_cpu(query, meta.backend):  # one call for decodes and prefill chunks alike
         return kernels.paged_varlen_attention(
             query,
             key_cache,
@@ -71,6 +72,7 @@ def paged_attention(
             scale,
             sliding_window,
             softcap,
+            backend=meta.backend,
         )
     prefill_out = kernels.paged_prefill_attention(
         query[num_decodes:],
@@ -82,6 +84,7 @@ def paged_attention(
         scale,
         sliding_window,
         softcap,
+        backend=meta.backend,
     )
     if num_decodes == 0:
         return prefill_out
@@ -94,5 +97,6 @@ def paged_attention(
         scale,
         sliding_window,
         softcap,
+        backend=meta.backend,
     )
     return torch.cat([decode_out, prefill_out])

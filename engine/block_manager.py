@@ -57,10 +57,6 @@ class BlockManager:
         return len(self.free_block_ids)
 
     @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
-
-    @property
     def num_cached_free_blocks(self) -> int:
         """Free blocks that still serve prefix hits until evicted."""
         return sum(1 for i in self.free_block_ids if self.blocks[i].block_hash is not None)

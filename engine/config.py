@@ -11,6 +11,8 @@ import transformers
 from engine.device import check_device_name
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)  # auto: bfloat16 on CUDA, float32 on the CPU
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -92,7 +94,7 @@ class EngineConfig:
     """Engine knobs; each maps one to one onto a CLI flag of the node commands."""
 
     model: str  # Hugging Face model folder
-    dtype: str = "float32"  # weights, activations and KV cache
+    dtype: str = "auto"  # weights, activations and KV cache; auto follows the device (DTYPE_CHOICES)
     block_size: int = 16  # tokens per KV block
     kv_cache_memory_mb: int | None = None  # KV pool budget; None: a share of available memory
     kv_cache_memory_fraction: float = 0.25  # that share, when neither the budget nor num_kv_blocks is given
@@ -106,11 +108,19 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None: the CPUs this process may use
     device: str = "auto"  # auto, cpu, cuda or cuda:N (engine.device)
     debug_checks: bool = False  # the full block-pool integrity check before every step (slow)
+    # auto: Triton kernels on CUDA tensors, the CPU path on CPU; triton: the Triton kernels always
+    # (on CPU tensors through Triton's interpreter: slow, how CPU CI runs the GPU code); torch: the
+    # pure-torch kernels
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         check_device_name(self.device)
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         for name in (
             "block_size",
             "max_num_batched_tokens",

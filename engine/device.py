@@ -8,7 +8,9 @@ says so; asking for ``cuda`` explicitly is a clear error rather than a silent CP
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -39,3 +41,30 @@ def resolve_device(name: str) -> torch.device:
     if not torch.cuda.is_available():
         raise ValueError(f"device {name}: torch sees no CUDA device (torch.cuda.is_available() is false)")
     raise ValueError(f"device {name}: the engine's CUDA path is not built yet; use --device cpu")
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str | None:
+    """The kernels' ``backend`` argument for ``--attention-backend``: None lets them pick by device
+    (Triton on CUDA tensors, the CPU path on CPU ones). ``triton`` on the CPU runs Triton's
+    interpreter, which must be switched on before triton is first imported in the process."""
+    if name == "auto":
+        return None
+    if name == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        if "triton" in sys.modules:
+            raise ValueError(
+                "attention_backend triton on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                "before the process starts (triton is already imported here)"
+            )
+        os.environ["TRITON_INTERPRET"] = "1"
+        log.warning(
+            "attention backend triton on the CPU: Triton's interpreter (slow; for testing the GPU path)"
+        )
+    return name
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """The dtype for ``--dtype``: ``auto`` follows the device (bfloat16 on CUDA, float32 on the CPU,
+    where bfloat16 matmuls are slower and HF-exactness is checked in fp32)."""
+    if name != "auto":
+        return name
+    return "bfloat16" if device.type == "cuda" else "float32"

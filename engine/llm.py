@@ -9,7 +9,7 @@ from collections.abc import Sequence as Seq
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

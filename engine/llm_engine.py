@@ -12,16 +12,16 @@ from detok import IncrementalDetokenizer, StopStringMatcher
 from engine import cpu_env
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
-from engine.device import resolve_device
+from engine.device import resolve_device, resolve_dtype
 from engine.kv_layout import KVCacheSpec
 from engine.model_runner import KVCacheFactory, ModelRunner
 from engine.models import model_class
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampler import Sampler, SamplerInput
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from engine.sizing import announce, size_engine
+from protocol.sampling_params import SamplingParams
 
 
 class QueueFullError(RuntimeError):
@@ -52,15 +52,15 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+        return len(self.seqs) == self.params.n and all(s.status.done for s in self.seqs)
 
 
 class LLMEngine:
     def __init__(
         self, config: EngineConfig, tokenizer=None, kv_cache_factory: KVCacheFactory | None = None
     ) -> None:
-        self.config = config
         self.device = resolve_device(config.device)  # before any allocation: a bad device fails first
+        self.config = config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, self.device))
         self.model_config = ModelConfig.from_path(config.model)
         model_class(self.model_config)  # unsupported architectures fail before any allocation
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -78,14 +78,11 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model_config, config, self.kv_spec, kv_cache_factory)
         self.sampler = Sampler()
-        attention = "C++ CPU kernel" if kernels.native_cpu(self.runner.kv_caches[0][0]) else "torch/Triton"
+        native = kernels.native_cpu(self.runner.kv_caches[0][0], self.runner.attention_backend)
+        attention = "C++ CPU kernel" if native else "torch/Triton"
         announce(self.sizing.describe(config, f"; attention: {attention}; {cpu_env.describe()}"))
         self.tokenizer = tokenizer
-        self.requests: dict[str, Request] = {}
-        # Prefill-only requests (prefill nodes): after the first token their blocks stay held
-        # here, KV intact, until the transfer to a decode node ends and release_held() is called.
-        self.prefill_only: set[str] = set()
-        self.held: dict[str, Sequence] = {}
+        self.requests: dict[str, Request] = {}  # not yet done; held ones are the scheduler's (held)
         self._stops: dict[
             int, _StopState
         ] = {}  # seq_id -> stop-string matching of sequences with stop strings
@@ -134,28 +131,48 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         prefill_only: bool = False,
+        resume_output_ids: tuple[int, ...] = (),
     ) -> None:
-        """Queue a request. ``prefill_only``: stop after the first token and hold the KV blocks."""
-        if request_id in self.requests or request_id in self.held:
+        """Queue a request. ``prefill_only``: stop after the first token and hold the KV blocks
+        (HELD_FOR_TRANSFER) until ``release_held``. ``resume_output_ids``: output another engine
+        already generated (a migrated request); it is recomputed with the prompt, as after a
+        preemption, and generation goes on from there (outputs and logprobs then cover only the
+        tokens generated here after it)."""
+        if request_id in self.requests or request_id in self.scheduler.held:
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
+        if resume_output_ids:
+            self._check_resume(resume_output_ids, params, max_tokens, prefill_only)
         if prefill_only:
             if params.n != 1:
                 raise ValueError("n: prefill-only requests take n == 1")
             max_tokens = 1
-            self.prefill_only.add(request_id)
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         seq = Sequence(
             request_id,
-            list(prompt_token_ids),
+            [*prompt_token_ids, *resume_output_ids],
             len(prompt_token_ids),
             params,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             max_tokens=max_tokens,
+            hold_kv=prefill_only,
         )
         self.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [seq])
         self.scheduler.add(seq)
+
+    def _check_resume(
+        self, output_ids: tuple[int, ...], params: SamplingParams, max_tokens: int, prefill_only: bool
+    ) -> None:
+        vocab = self.model_config.vocab_size
+        if prefill_only or params.n != 1:
+            raise ValueError("output_token_ids: only a single sample decoded here can resume")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in output_ids):
+            raise ValueError(f"output_token_ids: token ids must be integers in [0, {vocab})")
+        if len(output_ids) >= max_tokens:
+            raise ValueError(
+                f"output_token_ids: {len(output_ids)} tokens leave nothing of max_tokens {max_tokens}"
+            )
 
     def reserve_remote(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -164,7 +181,7 @@ class LLMEngine:
         transfer): blocks for its prompt, prefix-cache hits included, status WAITING_FOR_KV. None
         while there is no room (the same rules as local admission: ``max_num_seqs``, free blocks
         above the watermark); ValueError when it can never be admitted."""
-        if request_id in self.requests or request_id in self.held:
+        if request_id in self.requests or request_id in self.scheduler.held:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.n != 1:
             raise ValueError("n: requests prefilled elsewhere take n == 1")
@@ -203,20 +220,22 @@ class LLMEngine:
         """Anything to compute at the next step (requests waiting for their KV are not)."""
         return self.scheduler.has_work()
 
+    def held_sequence(self, request_id: str) -> Sequence | None:
+        """The prefill-only request's sequence while it is HELD_FOR_TRANSFER (blocks, prompt)."""
+        return self.scheduler.held.get(request_id)
+
     def release_held(self, request_id: str) -> bool:
-        """Free the blocks a finished prefill-only request kept (they stay as prefix cache)."""
-        seq = self.held.pop(request_id, None)
-        if seq is None:
-            return False
-        self.block_manager.free(seq)
-        return True
+        """The held request's transfer ended (or will not start): free its blocks, which stay as
+        prefix cache. False when it was not held."""
+        return self.scheduler.release(request_id)
 
     def abort_request(self, request_id: str) -> bool:
-        self.release_held(request_id)
-        self.prefill_only.discard(request_id)
+        """Stop a request and free its blocks; True when there was one. A held request's blocks go
+        too: the caller must know no transfer is reading them."""
+        released = self.release_held(request_id)
         request = self.requests.pop(request_id, None)
         if request is None:
-            return False
+            return released
         for seq in request.seqs:
             if not seq.is_finished:
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
@@ -229,7 +248,7 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """Assert the block pool's invariants, ref counts against every sequence holding blocks."""
         sched = self.scheduler
-        holders = [*sched.running, *sched.receiving, *self.held.values()]
+        holders = [*sched.running, *sched.receiving, *sched.held.values()]
         self.block_manager.check_integrity(holders)
 
     def step(self) -> list[RequestOutput]:
@@ -318,11 +337,7 @@ class LLMEngine:
         return state.matcher.stopped
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        hold = seq.request_id in self.prefill_only and status is not SequenceStatus.FINISHED_ABORTED
-        self.scheduler.finish(seq, status, free_blocks=not hold)
-        if hold:
-            self.held[seq.request_id] = seq
-        self.prefill_only.discard(seq.request_id)
+        self.scheduler.finish(seq, status)  # a prefill-only sequence stays HELD_FOR_TRANSFER
         self.sampler.forget(seq)
         self._stops.pop(seq.seq_id, None)
 
@@ -338,14 +353,14 @@ class LLMEngine:
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         text = ""
-        if self.tokenizer is not None and seq.is_finished:  # decoded once, at the end
+        if self.tokenizer is not None and seq.status.done:  # decoded once, at the end
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
             if seq.stop_text is not None:
                 cut = text.find(seq.stop_text)
                 text = text[:cut] if cut >= 0 else text
-        finish = seq.status.value if seq.is_finished else None
+        finish = seq.finish_reason
         stop_reason = seq.stop_text
-        if stop_reason is None and seq.status is SequenceStatus.FINISHED_STOPPED:
+        if stop_reason is None and seq.finish_status is SequenceStatus.FINISHED_STOPPED:
             stop_reason = seq.token_ids[-1]
         return CompletionOutput(
             seq.index,

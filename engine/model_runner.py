@@ -11,6 +11,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
+from engine.device import resolve_attention_backend
 from engine.kv_layout import KVCacheSpec
 from engine.models import model_class
 from engine.scheduler import SchedulerOutput
@@ -43,6 +44,8 @@ class ModelRunner:
         self.model_config = model_config
         self.kv_spec = kv_spec
         self.dtype = TORCH_DTYPES[engine_config.dtype]
+        device = torch.device("cpu")  # engine.device: the only one the runner builds tensors on yet
+        self.attention_backend = resolve_attention_backend(engine_config.attention_backend, device)
         max_positions = engine_config.max_model_len or model_config.max_position_embeddings
         self.model = model_class(model_config)(model_config, max_positions).to(self.dtype).eval()
         load_weights(self.model, model_config.path)
@@ -115,6 +118,7 @@ class ModelRunner:
             block_tables=torch.from_numpy(tables),
             query_start_loc=torch.from_numpy(q_start.astype(np.int32)),
             context_lens=torch.from_numpy(ends.astype(np.int32)),
+            backend=self.attention_backend,
         )
         return ModelInput(
             torch.from_numpy(input_ids),

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from engine.block_manager import BlockManager
 from engine.llm_engine import RemoteReservation
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from protocol.sampling_params import SamplingParams
 
 
 class PoolReservations:
@@ -27,9 +27,7 @@ class PoolReservations:
         return self.block_manager.num_blocks
 
     def reserve(self, request_id, token_ids, sampling_params):
-        seq = Sequence(
-            request_id, list(token_ids), len(token_ids), SamplingParams.from_dict(sampling_params or {})
-        )
+        seq = Sequence(request_id, list(token_ids), len(token_ids), sampling_params or SamplingParams())
         if not self.scheduler.reserve(seq):
             return None
         self.seqs[request_id] = seq

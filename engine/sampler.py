@@ -8,8 +8,8 @@ import struct
 import torch
 import xxhash
 
-from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, TokenLogprob
+from protocol.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

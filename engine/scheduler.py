@@ -12,7 +12,14 @@ prefix hit simply starts with tokens already computed. Order of service:
 
 A decode node's requests whose prompt KV comes from a prefill node are ``receiving``
 (WAITING_FOR_KV): they hold their blocks and count toward ``max_num_seqs`` like running ones,
-and join ``running`` once their KV has landed (``kv_arrived``).
+and join ``running`` once their KV has landed (``kv_arrived``). A prefill node's prompt-only
+sequences end ``held`` (HELD_FOR_TRANSFER): out of the batch, blocks kept for the KV transfer,
+until ``release``.
+
+    WAITING ──schedule──► RUNNING ──finish──► FINISHED_*     (blocks freed)
+       ▲                   │   └──finish(hold)──► HELD_FOR_TRANSFER ──release──► FINISHED_*
+       └────preempt────────┘
+    reserve ──► WAITING_FOR_KV ──kv_arrived──► RUNNING       (decode node, KV from a peer)
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.receiving: list[Sequence] = []  # WAITING_FOR_KV: blocks held, KV arriving from a peer
+        self.held: dict[str, Sequence] = {}  # request id -> HELD_FOR_TRANSFER sequence (prefill nodes)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -144,6 +152,9 @@ class Scheduler:
             s.num_computed_tokens + n.num_new_tokens <= s.num_tokens for n in out.scheduled for s in (n.seq,)
         ), "more new tokens than the sequence has"
         assert not any(seq.block_table for seq in self.waiting), "a waiting sequence holds blocks"
+        assert all(s.status is SequenceStatus.HELD_FOR_TRANSFER for s in self.held.values()), (
+            "a held sequence in another state"
+        )
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSeq], copies: list[BlockCopy]) -> int:
         bm = self.block_manager
@@ -176,8 +187,9 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, status: SequenceStatus, free_blocks: bool = True) -> None:
-        """End a sequence wherever it is and (unless told to keep them) free its blocks at once."""
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End a sequence wherever it is. A ``hold_kv`` sequence that was not aborted keeps its
+        blocks, HELD_FOR_TRANSFER, until ``release``; any other frees them at once."""
         assert status.finished
         if seq in self.running:
             self.running.remove(seq)
@@ -185,6 +197,20 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq in self.receiving:
             self.receiving.remove(seq)
-        if free_blocks:
-            self.block_manager.free(seq)
+        seq.finish_status = status
+        if seq.hold_kv and status is not SequenceStatus.FINISHED_ABORTED:
+            assert seq.request_id not in self.held, f"{seq.request_id} held twice"
+            seq.status = SequenceStatus.HELD_FOR_TRANSFER
+            self.held[seq.request_id] = seq
+            return
+        self.block_manager.free(seq)
         seq.status = status
+
+    def release(self, request_id: str) -> bool:
+        """The held sequence's transfer ended: free its blocks (they stay as prefix cache)."""
+        seq = self.held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.block_manager.free(seq)
+        seq.status = seq.finish_status
+        return True

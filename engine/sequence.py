@@ -6,13 +6,14 @@ import dataclasses
 import enum
 import itertools
 
-from engine.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued; may hold prefix blocks from an earlier (preempted) run
     WAITING_FOR_KV = "waiting_for_kv"  # decode node: blocks granted, KV still arriving
     RUNNING = "running"  # scheduled every iteration until it finishes
+    HELD_FOR_TRANSFER = "held_for_transfer"  # prefill node: first token out, KV kept for the transfer
     FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
     FINISHED_LENGTH = "length"  # max_tokens or the model's context reached
     FINISHED_ABORTED = "abort"  # cancelled by the client or a failure
@@ -24,6 +25,11 @@ class SequenceStatus(enum.Enum):
             SequenceStatus.FINISHED_LENGTH,
             SequenceStatus.FINISHED_ABORTED,
         )
+
+    @property
+    def done(self) -> bool:
+        """Nothing more to compute: finished, or held for a transfer (its output is final)."""
+        return self.finished or self is SequenceStatus.HELD_FOR_TRANSFER
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -57,6 +63,8 @@ class Sequence:
     num_preemptions: int = 0  # times its KV was dropped and recomputed
     stop_text: str | None = None  # the stop string that ended it, if any
     first_scheduled_time: float | None = None  # time.monotonic() when it first got compute (queue time)
+    hold_kv: bool = False  # prefill-only: when it ends, keep its blocks (HELD_FOR_TRANSFER) for a transfer
+    finish_status: SequenceStatus | None = None  # how it ended (a held sequence's, once released)
 
     @property
     def num_tokens(self) -> int:
@@ -77,3 +85,8 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason once it ended ("stop", "length", "abort"), held or not."""
+        return self.finish_status.value if self.finish_status is not None else None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from protocol import codec
 from protocol.codec import (  # noqa: F401  (re-exported: the KV protocol's users name them here)
@@ -19,7 +19,9 @@ from protocol.codec import (  # noqa: F401  (re-exported: the KV protocol's user
     ProtocolError,
     encode,
 )
-from protocol.messages import TokenLogprobs
+from protocol.fingerprint import KVFingerprint
+from protocol.messages import RequestMeta, TokenLogprobs
+from protocol.sampling_params import SamplingParams
 
 
 class WireFormat(enum.StrEnum):
@@ -46,34 +48,6 @@ class RingRef:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class KVFingerprint:
-    """What must match for one node's KV blocks to be meaningful in another's cache."""
-
-    model_id: str  # the weights' content digest (protocol.model_digest)
-    dtype: str  # cache dtype, e.g. "float32"
-    block_size: int  # tokens per block
-    layout: str  # engine.kv_layout.KV_LAYOUT_NAME
-    num_layers: int  # transformer layers
-    num_kv_heads: int  # key/value heads
-    head_dim: int  # channels per head
-    block_hash: str = "xxh3_64-chained-u32le-v1"  # engine.block_hash.BLOCK_HASH_NAME: how prefixes are named
-
-    @classmethod
-    def from_spec(cls, model_id: str, spec: Any, layout: str) -> KVFingerprint:
-        """From an ``engine.kv_layout.KVCacheSpec`` (num_blocks is local and not part of it)."""
-        return cls(
-            model_id, spec.dtype, spec.block_size, layout, spec.num_layers, spec.num_kv_heads, spec.head_dim
-        )
-
-    def first_difference(self, other: KVFingerprint) -> str | None:
-        """Name of the first field that differs, or None when compatible."""
-        for field in dataclasses.fields(self):
-            if getattr(self, field.name) != getattr(other, field.name):
-                return field.name
-        return None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class KVReserve(Message):
     """Prefill → decode: please hold blocks for this prompt's KV."""
 
@@ -84,10 +58,10 @@ class KVReserve(Message):
     fingerprint: KVFingerprint  # the sender's cache, checked against the receiver's
     ttl_s: float  # how long the reservation may wait for a grant
     wire_format: WireFormat = WireFormat.NATIVE  # how chunks will be encoded
-    sampling_params: dict[str, Any] | None = None  # engine SamplingParams.to_dict(), for the decode side
+    sampling_params: SamplingParams | None = None  # how the decode side samples the rest
     ring_ref: RingRef | None = None  # the sender's staging ring in shared memory, offered to same-host peers
     host_id: str | None = None  # kv_transfer.staging.host_id() of the sender, to tell same-host peers
-    request_meta: dict[str, Any] | None = None  # opaque to kv_transfer: the decode node's per-request data
+    request_meta: RequestMeta | None = None  # opaque to kv_transfer: where the decode node's tokens go
     cache_ref: CacheRef | None = None  # the sender's shared KV cache, for a one-copy same-host transfer
 
 

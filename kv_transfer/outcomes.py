@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from kv_transfer.errors import KVTransferError
-from kv_transfer.messages import TokenLogprobs
+from kv_transfer.messages import RequestMeta, TokenLogprobs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -17,7 +17,7 @@ class ReceivedKV:
     num_held_blocks: int  # blocks reused from this node's prefix cache (not sent)
     bytes_received: int  # chunk payload bytes
     prefill_cached_tokens: int  # usage: prompt tokens the prefill node took from its cache
-    request_meta: dict | None = None  # KVReserve.request_meta, passed through untouched
+    request_meta: RequestMeta | None = None  # KVReserve.request_meta, passed through untouched
     first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asked for logprobs
 
 
@@ -25,7 +25,7 @@ class ReceivedKV:
 class TransferFailure:
     request_id: str
     error: KVTransferError  # KVTimeout, KVAborted (peer abort, bad frame)
-    request_meta: dict | None = None  # KVReserve.request_meta, so the node can tell whoever waits
+    request_meta: RequestMeta | None = None  # KVReserve.request_meta, so the node can tell whoever waits
 
 
 @dataclasses.dataclass(slots=True)

@@ -8,7 +8,9 @@ node's ``LLMEngine`` is the implementation (``reserve_remote`` / ``abort_request
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
+
+from protocol.sampling_params import SamplingParams
 
 
 class Reservation(Protocol):
@@ -23,7 +25,7 @@ class BlockReservations(Protocol):
         ...
 
     def reserve(
-        self, request_id: str, token_ids: Sequence[int], sampling_params: dict[str, Any] | None
+        self, request_id: str, token_ids: Sequence[int], sampling_params: SamplingParams | None
     ) -> Reservation | None:
         """Blocks for the prompt's KV, or None while there is no room (the receiver queues it).
         Raises ValueError when the request can never be admitted."""

@@ -44,6 +44,8 @@ from kv_transfer.messages import (
 )
 from kv_transfer.staging import StagingRing, host_id, peer_is_local
 from protocol.channel import PeerChannel, PeerUnavailable
+from protocol.messages import RequestMeta
+from protocol.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -110,8 +112,8 @@ class KVSender:
         self,
         request_id: str,
         token_ids: Sequence[int],
-        sampling_params: dict | None = None,
-        request_meta: dict | None = None,
+        sampling_params: SamplingParams | None = None,
+        request_meta: RequestMeta | None = None,
     ) -> OutgoingTransfer:
         """Ask for blocks and wait for the grant. Raises KVRejected or KVTimeout."""
         fp = self.fingerprint
@@ -221,8 +223,8 @@ class KVSender:
         block_table: Sequence[int],
         first_token: int,
         num_cached_tokens: int = 0,
-        sampling_params: dict | None = None,
-        request_meta: dict | None = None,
+        sampling_params: SamplingParams | None = None,
+        request_meta: RequestMeta | None = None,
         first_logprobs: TokenLogprobs | None = None,
         on_granted: Callable[[], None] | None = None,
     ) -> TransferStats:

@@ -8,14 +8,15 @@ import os
 import socket
 import uuid
 
-from engine.config import SUPPORTED_DTYPES, EngineConfig
+from engine.config import ATTENTION_BACKENDS, DTYPE_CHOICES, EngineConfig
 from protocol.addresses import advertised_host
 from protocol.model_digest import model_digest
+from protocol.registry import Role
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class NodeOptions:
-    role: str  # "prefill", "decode" or "colocated" (a decode node that prefills all it takes)
+    role: Role
     host: str  # bind address
     port: int  # control socket port (0: any free port)
     kv_port: int  # decode nodes: KV receiver port (0: any free port)
@@ -29,8 +30,7 @@ class NodeOptions:
     model_id: str  # the model's content digest (protocol.model_digest): part of the KV fingerprint
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode", "colocated"):
-            raise ValueError(f"role must be 'prefill', 'decode' or 'colocated', got {self.role!r}")
+        object.__setattr__(self, "role", Role(self.role))  # ValueError names a role that is none
         if not 0 < self.heartbeat_interval_s < self.heartbeat_ttl_s:
             raise ValueError("heartbeat interval must be positive and shorter than the ttl")
         if min(self.request_ttl_s, self.drain_timeout_s) <= 0:
@@ -65,7 +65,9 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         "--ready-file", default=None, help="write the node's addresses here (JSON) once serving"
     )
     engine = parser.add_argument_group("engine")  # defaults: engine.config.EngineConfig's, the one source
-    engine.add_argument("--dtype", default=_ENGINE.dtype, choices=SUPPORTED_DTYPES)
+    engine.add_argument(
+        "--dtype", default=_ENGINE.dtype, choices=DTYPE_CHOICES, help="auto: bfloat16 on CUDA, float32 on CPU"
+    )
     engine.add_argument("--device", default=_ENGINE.device, help="auto, cpu, cuda or cuda:N (default: auto)")
     engine.add_argument("--block-size", type=int, default=_ENGINE.block_size)
     engine.add_argument("--kv-cache-memory-mb", type=int, default=_ENGINE.kv_cache_memory_mb)
@@ -87,9 +89,15 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--debug-checks", action="store_true", help="check the block pool's integrity every step"
     )
+    engine.add_argument(
+        "--attention-backend",
+        default=_ENGINE.attention_backend,
+        choices=ATTENTION_BACKENDS,
+        help="auto: Triton on CUDA, the CPU kernels on CPU; triton on CPU runs Triton's interpreter",
+    )
 
 
-def options_from_args(role: str, args: argparse.Namespace) -> tuple[NodeOptions, EngineConfig]:
+def options_from_args(role: Role, args: argparse.Namespace) -> tuple[NodeOptions, EngineConfig]:
     advertise = advertised_host(args.host, args.advertise_host)
     node = NodeOptions(
         role=role,
@@ -120,5 +128,6 @@ def options_from_args(role: str, args: argparse.Namespace) -> tuple[NodeOptions,
         num_threads=args.threads,
         device=args.device,
         debug_checks=args.debug_checks,
+        attention_backend=args.attention_backend,
     )
     return node, engine

@@ -19,13 +19,21 @@ import time
 import zmq
 
 from engine.llm_engine import LLMEngine, QueueFullError
-from engine.sampling_params import SamplingParams
 from node.log import EventLog
 from node.options import NodeOptions
 from protocol import registry
 from protocol.channel import ListenChannel, PushChannels
 from protocol.codec import ProtocolError
-from protocol.messages import GenerateRequest, Message, NodeStatus, RequestFailed, StatusQuery, decode_frames
+from protocol.messages import (
+    GenerateRequest,
+    Message,
+    NodeStatus,
+    RequestFailed,
+    StatusQuery,
+    decode_frames,
+    reply_address_of,
+)
+from protocol.sampling_params import SamplingParams
 
 MAX_REPLY_CHANNELS = 64  # routers a node talks back to at once (LRU beyond)
 
@@ -159,12 +167,15 @@ class NodeRuntime:
                 self.log("bad_message", error=str(exc))
                 peer = getattr(exc, "peer", b"")
                 self._safe_send(peer, RequestFailed("", self.opts.node_id, "bad_message", str(exc), False))
+                named = reply_address_of(getattr(exc, "header", b""))
+                if named is not None:  # a request the router waits on: end it now, naming the field
+                    self.reply_failed(named[1], named[0], "bad_request", str(exc), False)
                 continue
             if inbound is None:
                 break
             wait = 0.0
             if isinstance(inbound.msg, StatusQuery):
-                info = dataclasses.asdict(self._status) if self._status else {}
+                info = self._status
                 if inbound.msg.reply_addr is None:
                     self._safe_send(inbound.peer, NodeStatus(inbound.msg.nonce, info))
                 else:
@@ -203,8 +214,14 @@ class NodeRuntime:
             self.reply_failed(msg.reply_addr, msg.request_id, "draining", "node is draining", True)
             return None
         try:
-            params = dataclasses.replace(SamplingParams.from_dict(msg.sampling_params), stop=())
-            engine.add_request(msg.request_id, list(msg.token_ids), params, prefill_only=prefill_only)
+            params = dataclasses.replace(msg.sampling_params, stop=())
+            engine.add_request(
+                msg.request_id,
+                list(msg.token_ids),
+                params,
+                prefill_only=prefill_only,
+                resume_output_ids=msg.output_token_ids,
+            )
         except QueueFullError as exc:
             self.reply_failed(msg.reply_addr, msg.request_id, "overloaded", str(exc), True)
             return None

@@ -9,6 +9,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput
 from engine.sequence import TokenLogprob
 from node.options import NodeOptions
+from protocol.fingerprint import KVFingerprint
 from protocol.messages import TokenChunk, TokenLogprobs
 from protocol.registry import NodeInfo
 
@@ -20,6 +21,7 @@ class Stream:
     num_prompt_tokens: int
     deadline: float  # time.monotonic() past which the node drops the request
     num_sent: int = 0  # output tokens already sent to the router (by this node or the prefill node)
+    num_resumed: int = 0  # of those, the ones a migrated request came with (no logprobs here)
     num_cached_tokens: int = 0  # usage: prompt tokens from a prefix cache
     timings: dict = dataclasses.field(default_factory=dict)  # seconds per stage, sent with the last chunk
     started: float = dataclasses.field(default_factory=time.monotonic)  # arrival on this node
@@ -39,7 +41,7 @@ def next_chunk(
     new = out.token_ids[stream.num_sent :]
     if not new and out.finish_reason is None:
         return None
-    logprobs = tuple(wire_logprob(lp) for lp in (out.logprobs or [])[stream.num_sent :])
+    logprobs = tuple(wire_logprob(lp) for lp in (out.logprobs or [])[stream.num_sent - stream.num_resumed :])
     stream.num_sent = len(out.token_ids)
     timings = dict(stream.timings) if out.finish_reason is not None else None
     return TokenChunk(
@@ -99,7 +101,7 @@ def node_status(
     engine: LLMEngine,
     control_addr: str,
     kv_addr: str | None,
-    fingerprint: dict,
+    fingerprint: KVFingerprint,
     draining: bool,
     extra_queued: int = 0,
     prefill_tokens_per_s: float | None = None,

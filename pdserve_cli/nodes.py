@@ -27,10 +27,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _runner(role: str):
     def run(args: argparse.Namespace) -> int:
         from node.options import options_from_args
+        from protocol.registry import Role
 
         colocated = getattr(args, "colocated", False)
-        opts, engine_config = options_from_args("colocated" if colocated else role, args)
-        if role == "prefill":
+        opts, engine_config = options_from_args(Role.COLOCATED if colocated else Role(role), args)
+        if opts.role is Role.PREFILL:
             from prefill_node.server import PrefillNode
 
             return PrefillNode(opts, engine_config).serve(args.ready_file)

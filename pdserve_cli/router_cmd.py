@@ -16,6 +16,7 @@ TUNABLES = (
     "chunk_timeout_s",
     "request_ttl_s",
     "max_attempts",
+    "max_migrations",
     "poll_interval_s",
     "node_expiry_s",
 )
@@ -80,6 +81,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_false",
         help="route by load alone, ignoring which node caches a prompt's prefix",
     )
+    parser.add_argument(
+        "--no-migration",
+        dest="migrate",
+        action="store_false",
+        help="a stream whose decode node dies mid-output ends with an error event instead of "
+        "resuming on another node",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(run=run_router)
 
@@ -109,6 +117,7 @@ def run_router(args: argparse.Namespace) -> int:
             advertise_host=args.advertise_host,
             api_key=args.api_key,
             prefix_routing=args.prefix_routing,
+            migrate=args.migrate,
             **{name: getattr(args, name) for name in DEFAULTS},
         )
     except ValueError as exc:

@@ -82,7 +82,7 @@ def measure_engine(engine, grid: Grid, say: Callable[[str], None] = print) -> En
 
 
 def _params(max_tokens: int):
-    from engine.sampling_params import SamplingParams
+    from protocol.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 

@@ -1,9 +1,13 @@
 """The prefill node: batched, chunked prefill with prefix caching; ships KV; reports the first token.
 
-control socket ──GenerateRequest──► engine (prefill-only: stops after the first token,
-                                    blocks held) ──► first token to the router at once
-                                                └──► Shipper thread ──KV──► decode node
-Shipper outcome ──► release the blocks (they stay as evictable prefix cache)
+control socket ──GenerateRequest──► engine (prefill-only: stops after the first token, its
+                                    sequence HELD_FOR_TRANSFER) ──► Shipper thread ──KV──► decode node
+                                    first token to the router once the decode node granted blocks
+Shipper outcome ──► engine.release_held (the blocks stay as evictable prefix cache)
+
+A request's state is the engine's (its scheduler's WAITING / RUNNING / HELD_FOR_TRANSFER); this
+node keeps only where its reply goes (``pending``). Held blocks are released only through the
+shipper's outcome while a transfer may read them, so an abort or a timeout meanwhile waits for it.
 """
 
 from __future__ import annotations
@@ -32,14 +36,15 @@ from node.streams import (
     wire_logprob,
 )
 from prefill_node.shipper import FirstToken, Granted, Outcome, Shipment, Shipper
-from protocol.messages import AbortRequest, GenerateRequest
+from protocol.messages import AbortRequest, GenerateRequest, RequestMeta
+from protocol.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass(slots=True)
 class _Pending:
     stream: Stream
     decode_addr: str
-    params: dict  # SamplingParams.to_dict() for the decode node
+    params: SamplingParams  # for the decode node
     deadline: float  # the request's wall-clock deadline, passed on to the decode node
 
 
@@ -62,10 +67,7 @@ class PrefillNode:
             cache_ref=self.cache.ref if self.cache is not None else None,
             log=self.log,
         )
-        self.pending: dict[str, _Pending] = {}  # computing or shipping
-        # Requests whose KV a shipper thread may be reading: their blocks stay held until the
-        # outcome arrives, even when the request was aborted or timed out meanwhile.
-        self.shipping: set[str] = set()
+        self.pending: dict[str, _Pending] = {}  # computing or shipping: where the reply goes
         self.prefill_rate = PrefillRate()  # for the registry: autoscalers divide the backlog by it
 
     def _shared_cache(self, spec):
@@ -92,7 +94,7 @@ class PrefillNode:
             self.engine,
             self.runtime.control_addr,
             None,
-            dataclasses.asdict(self.fingerprint),
+            self.fingerprint,
             self.runtime.draining.is_set(),
             prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
         )
@@ -102,7 +104,7 @@ class PrefillNode:
         try:
             self.runtime.run(
                 self._iterate,
-                lambda: bool(self.pending or self.shipping),
+                lambda: bool(self.pending or self.engine.scheduler.held),
                 lambda: self.runtime.set_status(self.status()),
             )
         finally:
@@ -164,7 +166,7 @@ class PrefillNode:
         stream = Stream(
             rid, msg.reply_addr, len(msg.token_ids), local_deadline(msg.deadline, self.opts.request_ttl_s)
         )
-        self.pending[rid] = _Pending(stream, msg.decode_addr, params.to_dict(), msg.deadline)
+        self.pending[rid] = _Pending(stream, msg.decode_addr, params, msg.deadline)
         self.log("request_added", rid, prompt_tokens=len(msg.token_ids), decode_addr=msg.decode_addr)
 
     def _prefilled(self, out) -> None:
@@ -178,12 +180,12 @@ class PrefillNode:
             return
         stream, completion = pending.stream, out.outputs[0]
         stream.num_cached_tokens = out.num_cached_tokens
-        seq = self.engine.held.get(rid)
+        seq = self.engine.held_sequence(rid)
         now = time.monotonic()
         started = seq.first_scheduled_time if seq is not None and seq.first_scheduled_time else stream.started
         stream.timings["prefill_queue"] = round(started - stream.started, 6)
         stream.timings["prefill_compute"] = round(now - started, 6)
-        ends_here = completion.finish_reason == "stop" or pending.params.get("max_tokens") == 1
+        ends_here = completion.finish_reason == "stop" or pending.params.max_tokens == 1
         first = dataclasses.replace(completion, finish_reason=completion.finish_reason if ends_here else None)
         if ends_here:
             self.runtime.reply(stream.reply_addr, next_chunk(stream, first, self.opts.node_id, is_first=True))
@@ -202,18 +204,12 @@ class PrefillNode:
             completion.token_ids[0],
             out.num_cached_tokens,
             pending.params,
-            {
-                "reply_addr": stream.reply_addr,
-                "deadline": pending.deadline,
-                "timings": stream.timings,
-                "shipped_at": time.time(),
-            },
+            RequestMeta(stream.reply_addr, pending.deadline, time.time(), dict(stream.timings)),
             wire_logprob(completion.logprobs[0]) if completion.logprobs else None,
             FirstToken(stream.reply_addr, first_chunk),
         )
-        if self.shipper.submit(shipment):
-            self.shipping.add(rid)
-        else:
+        if not self.shipper.submit(shipment):
+            self.engine.release_held(rid)  # no transfer reads them
             self._fail(rid, "overloaded", "too many KV transfers queued for that decode node")
 
     def _settle(self, outcome: Granted | Outcome) -> None:
@@ -223,7 +219,6 @@ class PrefillNode:
         if isinstance(outcome, Granted):
             return
         rid = outcome.request_id
-        self.shipping.discard(rid)
         if not self.engine.release_held(rid):  # KV is on the decode node now, or the request failed
             self.log("release_without_held_blocks", rid)  # would mean a block accounting bug
         pending = self.pending.pop(rid, None)
@@ -261,8 +256,8 @@ class PrefillNode:
             )
 
     def _drop(self, rid: str) -> None:
-        """Stop work on a request; held blocks a shipper may be reading wait for its outcome."""
-        if rid in self.shipping:
+        """Stop work on a request; held blocks (a shipper may be reading them) wait for its outcome."""
+        if self.engine.held_sequence(rid) is not None:
             self.shipper.cancel(rid)
         else:
             self.engine.abort_request(rid)

@@ -20,7 +20,8 @@ from kv_transfer.errors import KVRejected, KVTimeout, KVTransferError
 from kv_transfer.messages import CacheRef, KVFingerprint, TokenLogprobs
 from kv_transfer.sender import KVSender, SenderConfig, TransferStats
 from protocol.channel import PushChannels
-from protocol.messages import TokenChunk
+from protocol.messages import RequestMeta, TokenChunk
+from protocol.sampling_params import SamplingParams
 
 _MAX_REPLY_CHANNELS = 16  # routers one worker talks back to at once (LRU beyond)
 
@@ -41,8 +42,8 @@ class Shipment:
     block_table: tuple[int, ...]  # this node's blocks holding the prompt's KV (held until the outcome)
     first_token: int  # sampled here
     num_cached_tokens: int  # usage: prompt tokens from this node's prefix cache
-    sampling_params: dict  # for the decode node's sequence
-    request_meta: dict  # opaque to kv_transfer: reply address, ttl, timings
+    sampling_params: SamplingParams  # for the decode node's sequence
+    request_meta: RequestMeta  # opaque to kv_transfer: reply address, deadline, timings
     first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asked for logprobs
     first: FirstToken | None = None  # sent to the router at the grant; None: the caller reports it
 
@@ -142,10 +143,6 @@ class Shipper:
     @property
     def num_peers(self) -> int:
         return len(self._peers)
-
-    @property
-    def num_pending(self) -> int:
-        return sum(p.queue.qsize() for p in list(self._peers.values()))
 
     def close(self, timeout_s: float = 5.0) -> None:
         with self._lock:

@@ -1,15 +1,18 @@
-"""The one place that touches ZeroMQ sockets on the nodes (KV transfer and control); torch-free.
+"""The one place that touches ZeroMQ sockets (KV transfer, node control, router); torch-free.
 
-    prefill node  DEALER ──connect──►  ROUTER  decode node (bind; tcp:// or ipc://)
-    router        DEALER ──connect──►  ROUTER  node control socket (protocol.messages)
-    node          PUSH   ──connect──►  PULL    router's reply address (protocol.messages)
+    prefill node  DEALER ──connect──►  ROUTER  decode node (bind; tcp:// or ipc://)  PeerChannel → ListenChannel
+    router        DEALER ──connect──►  ROUTER  node control socket                   AsyncDealerChannel → ListenChannel
+    node          PUSH   ──connect──►  PULL    router's reply address                PushChannel → AsyncPullChannel
 
-Receiving channels take the decoder of their message family (``kv_transfer.messages.decode``,
-``protocol.codec.decode_frames``): both are the wire shape of ``protocol.codec``.
+Two flavours: the nodes' channels are synchronous (their loops poll with timeouts), the router's
+are asyncio (``Async*``). Receiving channels take the decoder of their message family
+(``kv_transfer.messages.decode``, ``protocol.messages.decode_frames``): both are the wire shape of
+``protocol.codec``, so every receive returns a typed message or raises ProtocolError.
 
-Every receive takes a timeout (no call blocks forever) and every send has a send timeout,
-so a dead or stuck peer shows up as a deadline, never as a hang. Data frames go out
-zero-copy (``copy=False``): the caller must not modify a buffer after handing it over.
+Every synchronous receive takes a timeout (no call blocks forever) and every send has a send
+timeout or does not wait at all, so a dead or stuck peer shows up as a deadline, never as a hang.
+Data frames go out zero-copy (``copy=False``): the caller must not modify a buffer after handing
+it over.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from protocol import codec
 from protocol.codec import Message, ProtocolError
@@ -109,7 +114,8 @@ class ListenChannel(_Channel):
         self._send([peer, codec.encode(msg), *frames])
 
     def recv(self, timeout_s: float) -> Inbound | None:
-        """Next message, None on timeout; ProtocolError (with ``.peer``) when malformed."""
+        """Next message, None on timeout; ProtocolError (with ``.peer`` and the raw ``.header``)
+        when malformed."""
         parts = self._recv_parts(timeout_s)
         if parts is None:
             return None
@@ -118,6 +124,7 @@ class ListenChannel(_Channel):
             return self._decode(peer, parts[1:])
         except ProtocolError as exc:
             exc.peer = peer  # type: ignore[attr-defined]
+            exc.header = parts[1].bytes if len(parts) > 1 else b""  # type: ignore[attr-defined]
             raise
 
 
@@ -188,3 +195,87 @@ class PushChannels:
         for channel in self._channels.values():
             channel.close()
         self._channels.clear()
+
+
+# --------------------------------------------------------------------------- asyncio flavour
+def _limit_message_size(socket: zmq.Socket, max_frame_bytes: int) -> None:
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, max(max_frame_bytes, codec.MAX_HEADER_BYTES))
+
+
+class AsyncDealerChannel:
+    """The router's DEALER to one node's control socket. Sends never wait: a node that is not
+    connected (yet, or any more) refuses them (``try_send`` is False; the caller decides how long
+    to retry), because an awaited send to a dead peer queues forever and cancelling it can leave
+    the sends behind it stuck. A socket monitor reports the connection going up and down
+    (``next_link_event``): a node whose process died shows up as a dropped TCP connection at once."""
+
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        address: str,
+        *,
+        decoder: Decoder,
+        max_frame_bytes: int = codec.DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        self.address = address
+        self._decoder = decoder
+        self._max_frame_bytes = max_frame_bytes
+        self._socket = context.socket(zmq.DEALER)
+        _limit_message_size(self._socket, max_frame_bytes)
+        self._socket.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not connected
+        self._socket.connect(address)
+        self._sender = zmq.Socket.shadow(self._socket.underlying)  # synchronous, for NOBLOCK sends
+        self._monitor = self._socket.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        )
+
+    def try_send(self, msg: Message) -> bool:
+        """Queue ``msg`` for the node; False when it is not connected."""
+        try:
+            self._sender.send(codec.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    async def recv(self) -> Message:
+        """The node's next message; ProtocolError when it is malformed."""
+        parts = await self._socket.recv_multipart(copy=False)
+        return self._decoder(parts[0].buffer, [p.buffer for p in parts[1:]], self._max_frame_bytes)
+
+    async def next_link_event(self) -> bool:
+        """Waits for the connection to come up (True) or drop (False)."""
+        event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+        return event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+
+    def close(self) -> None:
+        self._socket.disable_monitor()
+        self._socket.close(linger=0)
+        self._monitor.close(linger=0)
+
+
+class AsyncPullChannel:
+    """The router's PULL socket, bound where the nodes push their replies."""
+
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        bind_addr: str,
+        *,
+        decoder: Decoder,
+        max_frame_bytes: int = codec.DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        self._decoder = decoder
+        self._max_frame_bytes = max_frame_bytes
+        self._socket = context.socket(zmq.PULL)
+        _limit_message_size(self._socket, max_frame_bytes)
+        self._socket.bind(bind_addr)
+        self.port = int(self._socket.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+
+    async def recv(self) -> Message:
+        """The next reply from any node; ProtocolError when it is malformed."""
+        parts = await self._socket.recv_multipart(copy=False)
+        return self._decoder(parts[0].buffer, [p.buffer for p in parts[1:]], self._max_frame_bytes)
+
+    def close(self) -> None:
+        self._socket.close(linger=0)

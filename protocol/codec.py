@@ -26,6 +26,7 @@ import msgpack
 PROTOCOL_VERSION = 2  # 2: staging rings are memfds named by RingRef, KVDone carries first_logprobs
 MAX_HEADER_BYTES = 8 << 20  # a 1M-token prompt's token ids and hashes fit
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
+SIGNED = "signed"  # ``Annotated[int, SIGNED]``: a field that may be negative (plain ints may not)
 
 
 class ProtocolError(ValueError):
@@ -99,7 +100,7 @@ def _check_frames(msg: Message, frames: Sequence[memoryview], max_frame_bytes: i
 
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    return typing.get_type_hints(cls, include_extras=True)
 
 
 def _build(cls: type, fields: Any) -> Any:
@@ -117,12 +118,21 @@ def _build(cls: type, fields: Any) -> Any:
                 raise ProtocolError(f"{cls.__name__}.{name} is missing", name)
             continue
         values[name] = _coerce(hints[name], fields[name], f"{cls.__name__}.{name}", name)
-    return cls(**values)
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as exc:  # a typed field's own validation (e.g. SamplingParams)
+        raise ProtocolError(f"{cls.__name__}: {exc}", "fields") from None
 
 
 def _coerce(hint: Any, value: Any, where: str, name: str) -> Any:
     """``value`` as type ``hint``, or ProtocolError."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Annotated:
+        if args[0] is int and SIGNED in hint.__metadata__:
+            if isinstance(value, int) and not isinstance(value, bool) and -(1 << 63) <= value < 1 << 63:
+                return value
+            raise ProtocolError(f"{where} must be a signed 64-bit integer", name)
+        return _coerce(args[0], value, where, name)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -146,7 +156,7 @@ def _coerce(hint: Any, value: Any, where: str, name: str) -> Any:
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is int and isinstance(value, int) and not isinstance(value, bool):
-        if not 0 <= value < 1 << 64:  # every integer in the protocol is a count, id, index or hash
+        if not 0 <= value < 1 << 64:  # every plain integer in the protocol is a count, id, index or hash
             raise ProtocolError(f"{where} must be a non-negative 64-bit integer", name)
         return value
     if hint in (str, float, bool) and type(value) is hint:

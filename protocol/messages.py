@@ -15,7 +15,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+import msgpack
+
 from protocol import codec
+from protocol.registry import NodeInfo
+from protocol.sampling_params import SamplingParams
 
 Message = codec.Message
 ProtocolError = codec.ProtocolError
@@ -32,19 +36,34 @@ class TokenLogprobs:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class RequestMeta:
+    """What a decode node needs of a prefilled request besides its prompt and KV; it rides in
+    ``kv_transfer.messages.KVReserve``, which does not look inside."""
+
+    reply_addr: str  # the router's PUSH address for this request's tokens
+    deadline: float  # wall clock by which the request must be over (GenerateRequest.deadline)
+    shipped_at: float  # the prefill node's wall clock when the transfer began (transfer time)
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)  # prefill stages, seconds
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class GenerateRequest(Message):
     """Router → node: run this prompt."""
 
     TAG: ClassVar[str] = "generate"
     request_id: str  # unique across the cluster
     token_ids: tuple[int, ...]  # the prompt
-    sampling_params: dict[str, Any]  # engine.sampling_params.SamplingParams.to_dict(), n == 1
+    sampling_params: SamplingParams  # n == 1; stop strings stay with the router
     reply_addr: str  # the router's ZeroMQ PULL address for TokenChunk / RequestFailed
     decode_addr: str | None  # prefill node: KV address of the decode node; None: generate locally
     # Wall clock (time.time()) by which the request must be over, set once by the router and carried
     # on to the decode node: its whole life stays within the router's TTL (hosts need NTP-close clocks).
     deadline: float
     arrival_time: float = 0.0  # router's wall clock at arrival, for queue-time metrics
+    # A migrated request: output tokens already streamed by a node that died. The (decode) node
+    # computes prompt + these and continues from there: positions, penalties, seeded draws and
+    # max_tokens go on as if uninterrupted; it sends only the tokens after them.
+    output_token_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -102,7 +121,7 @@ class NodeStatus(Message):
 
     TAG: ClassVar[str] = "status"
     nonce: int
-    info: dict[str, Any]  # dataclasses.asdict(NodeInfo)
+    info: NodeInfo | None  # None while the node has no record yet
 
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (
@@ -123,6 +142,20 @@ def encode(msg: Message) -> bytes:
 def decode(header: bytes | memoryview) -> Message:
     """Strictly parse a router/node message; raises ProtocolError on anything else."""
     return codec.decode_with(header, _TAG_TO_TYPE)
+
+
+def reply_address_of(header: bytes) -> tuple[str, str] | None:
+    """(request_id, reply_addr) of a GenerateRequest that failed to decode, when its header still
+    names them: the node can then end that request on the router at once instead of leaving it to
+    its deadline. None for anything else."""
+    try:
+        version, tag, fields = msgpack.unpackb(header, raw=False)
+        rid, addr = fields["request_id"], fields["reply_addr"]
+    except Exception:  # noqa: BLE001  (best effort over bytes that already failed to decode)
+        return None
+    if tag != GenerateRequest.TAG or not (isinstance(rid, str) and isinstance(addr, str) and rid and addr):
+        return None
+    return rid, addr
 
 
 def decode_frames(header: memoryview, frames, max_frame_bytes: int) -> Message:

@@ -9,20 +9,33 @@ Torch-free: the router reads these records.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import time
-from typing import Any
+
+from protocol.fingerprint import KVFingerprint
 
 KEY_PREFIX = "pdserve:node:"
+
+
+class Role(enum.StrEnum):
+    PREFILL = "prefill"  # computes prompts and ships their KV to a decode node
+    DECODE = "decode"  # decodes prompts whose KV it received, and prefills short ones itself
+    COLOCATED = "colocated"  # prefills and decodes everything it takes; the router never sends it KV
+
+    @property
+    def decodes(self) -> bool:
+        """A request's decode (and a local prefill) can go to it."""
+        return self is not Role.PREFILL
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class NodeInfo:
     node_id: str  # unique per process, e.g. "decode-<host>-<pid>-<random>"
-    role: str  # "prefill", "decode" or "colocated" (prefills and decodes; the router never sends it KV)
+    role: Role
     control_addr: str  # ZeroMQ address for GenerateRequest / AbortRequest
     kv_addr: str | None  # decode nodes: address of the KV receiver; None on prefill nodes
-    fingerprint: dict[str, Any]  # kv_transfer KVFingerprint fields; only equal ones are paired
+    fingerprint: KVFingerprint  # only nodes with equal ones are paired
     max_model_len: int  # longest prompt + output the node accepts
     num_blocks_total: int  # KV blocks in the pool
     num_blocks_free: int  # blocks no request holds (cached ones included)
@@ -38,13 +51,21 @@ class NodeInfo:
     heartbeat_time: float = 0.0  # wall clock of this record
 
     def to_redis(self) -> dict[str, str]:
-        return {f.name: json.dumps(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        record = dataclasses.asdict(self)  # the fingerprint as a map; the role as its string
+        return {name: json.dumps(value) for name, value in record.items()}
 
     @classmethod
     def from_redis(cls, raw: dict[bytes | str, bytes | str]) -> NodeInfo:
+        """A record written by ``to_redis``; fields this version does not know are ignored, and a
+        record it cannot read raises TypeError or ValueError."""
         fields = {(k.decode() if isinstance(k, bytes) else k): json.loads(v) for k, v in raw.items()}
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in fields.items() if k in names})
+        known = {k: v for k, v in fields.items() if k in names}
+        if not isinstance(known.get("fingerprint"), dict):
+            raise ValueError("record has no fingerprint")
+        known["fingerprint"] = KVFingerprint(**known["fingerprint"])
+        known["role"] = Role(known.get("role"))
+        return cls(**known)
 
 
 def publish(client, info: NodeInfo, ttl_s: float) -> None:

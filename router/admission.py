@@ -1,4 +1,4 @@
-"""Admission control: a bound on sub-requests in flight per role; beyond it, 429 at once.
+"""Admission control: a bound on sub-requests in flight per stage; beyond it, 429 at once.
 
 The router itself never queues: a request is either admitted (and the nodes queue it) or shed
 with ``Retry-After``, so router memory stays bounded under any load. Prefill slots count
@@ -13,22 +13,25 @@ import enum
 from router.errors import APIError
 
 
-class Role(enum.StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
+class Stage(enum.StrEnum):
+    """The two stages a sub-request holds a slot for (not node roles: a decode node's local
+    prefill holds a prefill slot too)."""
+
+    PREFILL = "prefill"  # until the first token
+    DECODE = "decode"  # until the last
 
 
 @dataclasses.dataclass(slots=True)
 class Admission:
-    max_inflight: dict[Role, int]  # limit per role
+    max_inflight: dict[Stage, int]  # limit per stage
     retry_after_s: int = 1  # what shed clients are told
-    num_inflight: dict[Role, int] = dataclasses.field(default_factory=lambda: {r: 0 for r in Role})
-    num_rejected: dict[Role, int] = dataclasses.field(default_factory=lambda: {r: 0 for r in Role})
+    num_inflight: dict[Stage, int] = dataclasses.field(default_factory=lambda: {r: 0 for r in Stage})
+    num_rejected: dict[Stage, int] = dataclasses.field(default_factory=lambda: {r: 0 for r in Stage})
 
-    def can_admit(self, role: Role, num: int = 1) -> bool:
+    def can_admit(self, role: Stage, num: int = 1) -> bool:
         return self.num_inflight[role] + num <= self.max_inflight[role]
 
-    def admit(self, role: Role, num: int = 1) -> None:
+    def admit(self, role: Stage, num: int = 1) -> None:
         """Take ``num`` slots of ``role`` or raise a 429 (taking none)."""
         if not self.can_admit(role, num):
             self.num_rejected[role] += 1
@@ -42,7 +45,7 @@ class Admission:
             )
         self.num_inflight[role] += num
 
-    def release(self, role: Role, num: int = 1) -> None:
+    def release(self, role: Stage, num: int = 1) -> None:
         assert self.num_inflight[role] >= num, f"releasing {num} {role} slots, {self.num_inflight[role]} held"
         self.num_inflight[role] -= num
 
@@ -50,11 +53,11 @@ class Admission:
 class Ticket:
     """Slots one sub-request holds; each role is released once, whichever path ends it."""
 
-    def __init__(self, admission: Admission, roles: tuple[Role, ...]) -> None:
+    def __init__(self, admission: Admission, roles: tuple[Stage, ...]) -> None:
         self._admission = admission
         self._held = set(roles)  # taken by the caller through admit()
 
-    def release(self, role: Role) -> None:
+    def release(self, role: Stage) -> None:
         if role in self._held:
             self._held.discard(role)
             self._admission.release(role)

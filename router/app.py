@@ -18,8 +18,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protocol.model_digest import model_digest, weight_files
+from protocol.registry import Role
 from router import jobs, metrics, policy, serving
-from router.admission import Admission, Role
+from router.admission import Admission, Stage
 from router.config import RouterConfig
 from router.errors import APIError
 from router.generation import Backend
@@ -85,7 +86,7 @@ def create_app(
             metrics.RouterMetrics(),
         )
         admission = Admission(
-            {Role.PREFILL: config.max_inflight_prefill, Role.DECODE: config.max_inflight_decode}
+            {Stage.PREFILL: config.max_inflight_prefill, Stage.DECODE: config.max_inflight_decode}
         )
         name = config.served_model_name or pathlib.Path(config.model).name
         app.state.router = RouterState(config, name, tokenizer, admission, backend)
@@ -202,15 +203,20 @@ def _add_routes(app: FastAPI) -> None:
     async def health(request: Request) -> JSONResponse:
         nodes = _state(request).backend.registry.snapshot()
         live = [n for n in nodes if not n.draining]
-        decode_keys = {policy.fingerprint_key(n) for n in live if n.role == "decode"}
-        num_pairs = sum(1 for n in live if n.role == "prefill" and policy.fingerprint_key(n) in decode_keys)
-        num_colocated = sum(n.role == "colocated" for n in live)  # a whole pipeline each
-        serving = num_pairs > 0 or num_colocated > 0
+        decode_keys = {policy.fingerprint_key(n) for n in live if n.role is Role.DECODE}
+        num_pairs = sum(
+            1 for n in live if n.role is Role.PREFILL and policy.fingerprint_key(n) in decode_keys
+        )
+        num_colocated = sum(n.role is Role.COLOCATED for n in live)  # a whole pipeline each
+        # A decode node alone serves every request too (it prefills them itself): the router is up
+        # while any node can decode; without a prefill pair it says so.
+        serving = any(n.role.decodes for n in live)
         body = {
-            "status": "ok" if serving else "unavailable",
-            "num_prefill": sum(n.role == "prefill" for n in live),
-            "num_decode": sum(n.role == "decode" for n in live),
+            "status": ("ok" if num_pairs or num_colocated else "decode_only") if serving else "unavailable",
+            "num_prefill": sum(n.role is Role.PREFILL for n in live),
+            "num_decode": sum(n.role is Role.DECODE for n in live),
             "num_colocated": num_colocated,
+            "num_pairs": num_pairs,
         }
         return JSONResponse(body, 200 if serving else 503)
 

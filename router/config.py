@@ -29,6 +29,8 @@ class RouterConfig:
     chunk_timeout_s: float = 60.0  # no chunk for this long: abort the request (retry before any token)
     request_ttl_s: float = 600.0  # nodes drop a request this long after receipt
     max_attempts: int = 3  # tries of a sample in all (retries before tokens, replays of non-streamed ones)
+    migrate: bool = True  # a sample whose decode node dies mid-output resumes on another node
+    max_migrations: int = 2  # migrations per sample, on top of max_attempts
     poll_interval_s: float = 0.5  # registry refresh period (Redis scan or StatusQuery round)
     node_expiry_s: float = 3.0  # a node not heard from for this long is dropped
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
@@ -38,7 +40,7 @@ class RouterConfig:
             raise ValueError("give --redis URL or at least one --decode ADDR")
         if self.redis_url is not None and (self.prefill_addrs or self.decode_addrs):
             raise ValueError("--redis and static --prefill/--decode lists are exclusive")
-        for name in ("disagg_threshold", "max_body_bytes"):
+        for name in ("disagg_threshold", "max_body_bytes", "max_migrations"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         for name in ("max_inflight_prefill", "max_inflight_decode", "max_n", "max_attempts"):

@@ -3,26 +3,32 @@
     attempt k:  choose (P, D) ─► GenerateRequest to P (decode_addr = D.kv_addr) or to D alone
                 ◄─ TokenChunk(is_first) from P, then TokenChunks from D until finish_reason
 
-This is the router's one retry loop: ``max_attempts`` tries in all, request ids
-``{id}``, ``{id}.r1``, ``{id}.r2``... Before the first token, a retryable RequestFailed, a timeout
-or a node leaving sends the sample to another pair (the node to blame excluded). After tokens, a
-non-streamed sample (the client has seen nothing) is replayed from scratch on a live pair
-— the caller gets ``RESTART`` and drops what it had — while a streamed one fails with an error:
-replaying it could change text the client already has. Whenever an attempt ends without a
-finish_reason (error, stop string, client gone) both its nodes get an AbortRequest.
+This is the router's one retry loop, with request ids ``{id}``, ``{id}.r1``, ``{id}.r2``...
+Before an attempt's first token, a retryable RequestFailed, a timeout or a node leaving sends the
+sample to another pair (the node to blame excluded), ``max_attempts`` tries in all. After tokens,
+when the decode node dies or stalls, the sample *migrates* (up to ``max_migrations`` times): a
+decode node elsewhere gets the prompt plus every token already relayed
+(``GenerateRequest.output_token_ids``), recomputes their KV and goes on, so the client's stream
+continues with no gap and no repeated token; positions, penalties and seeded draws (a function of
+seed, sample and position) go on as if uninterrupted, so a greedy or seeded continuation equals
+the undisturbed output. With migration off (``--no-migration``), a non-streamed sample is
+replayed from scratch (the caller gets ``RESTART`` and drops what it had) and a streamed one
+fails with an error event. Whenever an attempt ends without a finish_reason (error, stop string,
+client gone) both its nodes get an AbortRequest.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
 
-from engine.sampling_params import SamplingParams
 from protocol import messages as pm
-from router.admission import Role, Ticket
+from protocol.sampling_params import SamplingParams
+from router.admission import Stage, Ticket
 from router.config import RouterConfig
 from router.errors import APIError
 from router.metrics import RouterMetrics
@@ -77,34 +83,61 @@ def _node_error(failed: pm.RequestFailed, after_tokens: bool) -> APIError:
 RESTART = object()  # run_sample: what came so far is void, the sample starts again elsewhere
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _MidOutput:
+    node_id: str  # the decode node that failed after tokens were relayed
+    error: APIError  # what the client gets if the sample cannot migrate
+
+
+def _choose(backend: Backend, sample: Sample, relayed: list[int], excluded: set[str]) -> Route | None:
+    return backend.policy.choose(
+        backend.registry.snapshot(),
+        (*sample.prompt_ids, *relayed),
+        (sample.params.max_tokens or 1) - len(relayed),
+        frozenset(excluded),
+        disaggregate=not relayed,  # a migrated sample resumes on a decode node alone
+    )
+
+
 async def run_sample(
     backend: Backend, sample: Sample, ticket: Ticket, replay_after_tokens: bool = False
 ) -> AsyncIterator[pm.TokenChunk | object]:
     """The sample's chunks, in order, the last with a finish_reason (or RESTART, then the chunks
-    of a replay, when ``replay_after_tokens``); APIError on failure."""
+    of a replay, when ``replay_after_tokens`` and migration is off); APIError on failure."""
     config = backend.config
-    node_params = dataclasses.replace(sample.params, stop=()).to_dict()
+    node_params = dataclasses.replace(sample.params, stop=())
     excluded: set[str] = set()
+    relayed: list[int] = []  # output token ids the caller has, over every attempt
+    num_retries = num_migrations = 0
     last_error = "no attempt made"
-    for attempt in range(config.max_attempts):
-        route = backend.policy.choose(
-            backend.registry.snapshot(), sample.prompt_ids, sample.params.max_tokens or 1, frozenset(excluded)
-        )
+    failed_mid_output: APIError | None = None  # why the sample is migrating
+    for attempt in itertools.count():
+        route = _choose(backend, sample, relayed, excluded)
+        if route is None and failed_mid_output is not None:
+            # No other node: the one that failed may serve its own migration if it still lives.
+            excluded.discard(failed_mid_output.node_id)
+            route = _choose(backend, sample, relayed, excluded)
         if route is None:
+            if failed_mid_output is not None:
+                raise failed_mid_output.error
             raise APIError(503, f"no usable decode node ({last_error})", None, "no_nodes", 1)
         request_id = sample.request_id if attempt == 0 else f"{sample.request_id}.r{attempt}"
         queue = backend.nodes.open(request_id)
         finished = False
         try:
-            await _send(backend, route, request_id, sample, node_params)
-            async for chunk in _relay(backend, route, queue, sample, ticket):
+            await _send(backend, route, request_id, sample, node_params, tuple(relayed))
+            async for chunk in _relay(backend, route, queue, sample, ticket, resumed=bool(relayed)):
                 finished = chunk.finish_reason is not None
+                relayed.extend(chunk.token_ids)
                 yield chunk
             return
         except _Retry as retry:
+            num_retries += 1
             excluded.add(retry.node_id)
             last_error = str(retry)
             backend.metrics.retries.inc()
+            if num_retries >= config.max_attempts:
+                break
             log.warning(
                 "sample %s: attempt %d failed before its first token (%s); trying another pair",
                 sample.request_id,
@@ -112,11 +145,26 @@ async def run_sample(
                 retry,
             )
         except APIError as exc:  # after tokens: the decode node died or stalled
-            if not replay_after_tokens or exc.status not in (502, 504) or attempt + 1 == config.max_attempts:
+            if exc.status not in (502, 504):
                 raise
-            last_error = (
-                exc.message
-            )  # a dead decode node leaves the registry; a live one may serve the replay
+            last_error = exc.message
+            if config.migrate and num_migrations < config.max_migrations:
+                excluded.add(route.decode.node_id)
+                failed_mid_output = _MidOutput(route.decode.node_id, exc)
+                num_migrations += 1
+                backend.metrics.migrations.inc()
+                log.warning(
+                    "sample %s: attempt %d failed after %d tokens (%s); resuming it on another node",
+                    sample.request_id,
+                    attempt + 1,
+                    len(relayed),
+                    exc.message,
+                )
+                continue
+            if config.migrate or not replay_after_tokens or num_retries + 1 >= config.max_attempts:
+                raise
+            num_retries += 1
+            relayed.clear()  # a dead decode node leaves the registry; a live one may serve the replay
             backend.metrics.retries.inc()
             log.warning(
                 "sample %s: attempt %d failed after tokens (%s); replaying it from scratch",
@@ -133,7 +181,14 @@ async def run_sample(
     raise APIError(503, f"gave up after {config.max_attempts} attempts: {last_error}", None, "unavailable", 1)
 
 
-async def _send(backend: Backend, route: Route, request_id: str, sample: Sample, params: dict) -> None:
+async def _send(
+    backend: Backend,
+    route: Route,
+    request_id: str,
+    sample: Sample,
+    params: SamplingParams,
+    resume: tuple[int, ...],
+) -> None:
     target = route.prefill or route.decode
     request = pm.GenerateRequest(
         request_id,
@@ -143,9 +198,12 @@ async def _send(backend: Backend, route: Route, request_id: str, sample: Sample,
         route.decode.kv_addr if route.prefill else None,
         sample.arrival_time + backend.config.request_ttl_s,
         sample.arrival_time,
+        resume,
     )
     now = time.time()
-    backend.policy.record(request_id, route, len(sample.prompt_ids), now)  # before any await: others see it
+    backend.policy.record(
+        request_id, route, len(sample.prompt_ids) + len(resume), now
+    )  # seen by others at once
     try:
         await backend.nodes.send(target.control_addr, request)
     except NodeUnavailable as exc:
@@ -154,8 +212,14 @@ async def _send(backend: Backend, route: Route, request_id: str, sample: Sample,
 
 
 async def _relay(
-    backend: Backend, route: Route, queue: asyncio.Queue[pm.Message], sample: Sample, ticket: Ticket
+    backend: Backend,
+    route: Route,
+    queue: asyncio.Queue[pm.Message],
+    sample: Sample,
+    ticket: Ticket,
+    resumed: bool = False,
 ) -> AsyncIterator[pm.TokenChunk]:
+    """One attempt's chunks; ``resumed``: a migrated sample's (its TTFT was counted already)."""
     num_tokens = 0
     first_token_time = 0.0
     # Prefill and decode node push on separate sockets: the decode node's first chunk may
@@ -183,15 +247,16 @@ async def _relay(
         assert isinstance(msg, pm.TokenChunk)
         if num_tokens == 0:
             first_token_time = time.time()
-            ticket.release(Role.PREFILL)
+            ticket.release(Stage.PREFILL)
             backend.policy.remember_prefix(route)
-            backend.metrics.ttft.observe(first_token_time - sample.arrival_time)
+            if not resumed:
+                backend.metrics.ttft.observe(first_token_time - sample.arrival_time)
         num_tokens += len(msg.token_ids)
         _observe_timings(backend.metrics, msg.timings)
         if msg.finish_reason is not None:
             now = time.time()
             backend.metrics.e2e.observe(now - sample.arrival_time)
-            if num_tokens > 1:
+            if num_tokens > 1 and not resumed:
                 backend.metrics.tpot.observe((now - first_token_time) / (num_tokens - 1))
         yield msg
         if msg.finish_reason is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 from router.errors import APIError, bad_request
 from router.openai_schema import ChatBody, CompletionBody, _SamplingFields
 from router.tokenizer import ChatTemplateError, Tokenizer

@@ -9,7 +9,7 @@ import bisect
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from protocol.registry import NodeInfo
+from protocol.registry import NodeInfo, Role
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -100,6 +100,9 @@ class RouterMetrics:
         )
         self.generation_tokens = Counter("pdserve_generation_tokens_total", "Generated tokens.")
         self.retries = Counter("pdserve_retries_total", "Sub-requests retried on another node pair.")
+        self.migrations = Counter(
+            "pdserve_migrations_total", "Samples resumed on another decode node after tokens were sent."
+        )
         self.kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes moved, as nodes report them.")
         self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Arrival to first token.")
         self.tpot = Histogram("pdserve_time_per_output_token_seconds", "Mean time per token after the first.")
@@ -115,6 +118,7 @@ class RouterMetrics:
             self.cached_tokens,
             self.generation_tokens,
             self.retries,
+            self.migrations,
             self.kv_bytes,
             self.ttft,
             self.tpot,
@@ -158,7 +162,7 @@ def _node_gauges(nodes: Sequence[NodeInfo]) -> list[str]:
     lines: list[str] = []
     for name, help_, value in _NODE_GAUGES:
         lines += _gauge(name, help_, (((("node_id", n.node_id), ("role", n.role)), value(n)) for n in nodes))
-    prefills = [n for n in nodes if n.role == "prefill"]
+    prefills = [n for n in nodes if n.role is Role.PREFILL]
     lines += _gauge(
         "pdserve_node_prefill_tokens_per_second",
         "Prompt tokens a prefill node computes per second of engine step, as it measured them recently.",

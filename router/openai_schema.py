@@ -2,7 +2,7 @@
 
 Types are checked strictly (no "5" for 5, no 1 for true) and unknown fields are ignored, as
 vLLM does. A body that fails here becomes a 400 naming the field (see ``validation_error``);
-range checks live in ``engine.sampling_params.SamplingParams`` and ``router.jobs``.
+range checks live in ``protocol.sampling_params.SamplingParams`` and ``router.jobs``.
 """
 
 from __future__ import annotations

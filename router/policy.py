@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import math
 from collections.abc import Sequence
 
 from engine.block_hash import hash_full_blocks
-from protocol.registry import NodeInfo
-
-DECODING_ROLES = ("decode", "colocated")  # roles a request's decode (and local prefill) can go to
+from protocol.fingerprint import KVFingerprint
+from protocol.registry import NodeInfo, Role
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -61,10 +59,6 @@ class PrefixMap:
                 break
             num += 1
         return num
-
-    def forget_node(self, node_id: str) -> None:
-        for node_ids in self._hash_to_node_ids.values():
-            node_ids.discard(node_id)
 
 
 @dataclasses.dataclass(slots=True)
@@ -102,8 +96,9 @@ class Outstanding:
         return sum(s.num_prefill_tokens for s in self._since_heartbeat(node))
 
 
-def fingerprint_key(node: NodeInfo) -> str:
-    return json.dumps(node.fingerprint, sort_keys=True)
+def fingerprint_key(node: NodeInfo) -> KVFingerprint:
+    """Nodes pair only when these are equal."""
+    return node.fingerprint
 
 
 class RoutingPolicy:
@@ -122,14 +117,16 @@ class RoutingPolicy:
         prompt_ids: Sequence[int],
         max_tokens: int,
         exclude: frozenset[str] = frozenset(),
+        disaggregate: bool = True,
     ) -> Route | None:
-        """The best pair for this prompt, or None when no decode node can take it."""
+        """The best pair for this prompt, or None when no decode node can take it. ``disaggregate``
+        False: the decode node alone (a migrated request, which resumes mid-output)."""
         usable = [
             n
             for n in nodes
             if not n.draining and n.node_id not in exclude and n.max_model_len >= len(prompt_ids) + max_tokens
         ]
-        decodes = [n for n in usable if n.role in DECODING_ROLES]
+        decodes = [n for n in usable if n.role.decodes]
         if not decodes:
             return None
         hashes_by_size: dict[int, tuple[int, ...]] = {}
@@ -151,7 +148,11 @@ class RoutingPolicy:
         num_blocks = math.ceil((len(prompt_ids) + max_tokens) / size)
         num_cached = self.decode_prefixes.num_cached_blocks(block_hashes, decode.node_id) * size
         prefill = None
-        if decode.role != "colocated" and len(prompt_ids) - num_cached >= self.disagg_threshold:
+        if (
+            disaggregate
+            and decode.role is not Role.COLOCATED
+            and len(prompt_ids) - num_cached >= self.disagg_threshold
+        ):
             prefill = self._choose_prefill(usable, decode, block_hashes)
         return Route(decode, prefill, block_hashes, num_blocks)
 
@@ -159,7 +160,7 @@ class RoutingPolicy:
         self, usable: Sequence[NodeInfo], decode: NodeInfo, block_hashes: tuple[int, ...]
     ) -> NodeInfo | None:
         key = fingerprint_key(decode)
-        prefills = [n for n in usable if n.role == "prefill" and fingerprint_key(n) == key]
+        prefills = [n for n in usable if n.role is Role.PREFILL and fingerprint_key(n) == key]
         size = _block_size(decode)
 
         def prefill_key(node: NodeInfo) -> tuple[int, int, str]:
@@ -194,4 +195,4 @@ class RoutingPolicy:
 
 
 def _block_size(node: NodeInfo) -> int:
-    return int(node.fingerprint.get("block_size", 16))
+    return node.fingerprint.block_size

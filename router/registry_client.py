@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from protocol.registry import NodeInfo, list_nodes
+from protocol.registry import NodeInfo, Role, list_nodes
 from router.node_client import NodeClient
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class NodeRegistry:
         return sorted(live, key=lambda n: n.node_id)
 
     def _same_model(self, node: NodeInfo) -> bool:
-        model = node.fingerprint.get("model_id")
+        model = node.fingerprint.model_id
         if self.expected_model is None or model == self.expected_model:
             return True
         if node.node_id not in self._refused:
@@ -65,6 +65,30 @@ class NodeRegistry:
             )
         return False
 
+    def _log_unpaired(self, node: NodeInfo) -> None:
+        """A new node whose KV fingerprint no node of the other kind shares takes no transfers:
+        say which field differs (block size, dtype, hash algorithm...) instead of staying silent."""
+        if node.role is Role.COLOCATED:
+            return
+        others = [
+            n
+            for n in self._by_id.values()
+            if n.role is not Role.COLOCATED and (n.role is Role.PREFILL) != (node.role is Role.PREFILL)
+        ]
+        if not others or any(n.fingerprint == node.fingerprint for n in others):
+            return
+        field = node.fingerprint.first_difference(others[0].fingerprint)
+        log.error(
+            "node %s (%s) pairs with no %s node: its KV fingerprint differs in %s (%r, %s has %r)",
+            node.node_id,
+            node.role,
+            others[0].role,
+            field,
+            getattr(node.fingerprint, field),
+            others[0].node_id,
+            getattr(others[0].fingerprint, field),
+        )
+
     def reply_verified(self, node: NodeInfo) -> bool:
         return node.node_id in self._nodes.reply_path_ok
 
@@ -77,6 +101,9 @@ class NodeRegistry:
         was ``complete``: it lists every live node)."""
         seen = [n for n in seen if self._same_model(n)]
         for node in seen:
+            if node.node_id not in self._by_id:
+                self._by_id[node.node_id] = node
+                self._log_unpaired(node)
             self._by_id[node.node_id] = node
             self._last_seen[node.node_id] = now
         for node_id, last in list(self._last_seen.items()):
@@ -171,7 +198,7 @@ class StaticRegistry(NodeRegistry):
         node_expiry_s: float,
     ) -> None:
         super().__init__(nodes, poll_interval_s, node_expiry_s)
-        self._roles = {**{a: "prefill" for a in prefill_addrs}, **{a: "decode" for a in decode_addrs}}
+        self._roles = {**{a: Role.PREFILL for a in prefill_addrs}, **{a: Role.DECODE for a in decode_addrs}}
 
     async def poll_once(self) -> list[NodeInfo]:
         results = await asyncio.gather(*(self._query(addr) for addr in self._roles))
@@ -182,14 +209,11 @@ class StaticRegistry(NodeRegistry):
         status = await self._nodes.query_status(addr, timeout_s=max(self._poll_interval_s, 0.5))
         if status is None:
             return None
-        names = {f.name for f in dataclasses.fields(NodeInfo)}
-        try:
-            info = NodeInfo(**{k: v for k, v in status.info.items() if k in names})
-        except TypeError as exc:
-            log.warning("node at %s sent an unreadable status: %s", addr, exc)
+        info = status.info
+        if info is None:  # the node is still starting
             return None
         listed = self._roles[addr]
-        if info.role != listed and not (listed == "decode" and info.role == "colocated"):  # both roles in one
+        if info.role != listed and not (listed is Role.DECODE and info.role.decodes):  # both roles in one
             log.warning("node at %s is a %s node, listed as %s", addr, info.role, self._roles[addr])
             return None
         # The status covers every request sent before the query went out (see policy.Outstanding).

@@ -7,10 +7,11 @@ differ). Choice ``index`` = prompt index * n + i, as in OpenAI's API. Usage coun
 prompt once and every sample's output tokens.
 
 A streamed answer only starts (status 200) once the first delta arrived: a request that fails
-before any token gets a plain error status, never a 200 with an empty body. Later failures end
-the stream with an ``{"error": ...}`` event and ``[DONE]``. A non-streamed sample whose node dies
-or stalls after its first token is replayed from scratch on another pair (the client saw
-nothing yet); every retry and replay comes out of the one budget of ``run_sample``.
+before any token gets a plain error status, never a 200 with an empty body. A sample whose decode
+node dies or stalls after tokens resumes on another node (``run_sample``'s migration), streamed or
+not, and its deltas simply go on; failures it cannot survive end the stream with an
+``{"error": ...}`` event and ``[DONE]``. With migration off, a non-streamed sample is replayed from
+scratch instead (the client saw nothing yet).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router import responses as rs
-from router.admission import Admission, Role, Ticket
+from router.admission import Admission, Stage, Ticket
 from router.errors import APIError
 from router.generation import RESTART, Backend, Sample, run_sample
 from router.jobs import Job, Prompt
@@ -94,14 +95,14 @@ class JobRun:
     def start(self) -> None:
         """Admit every sample (or raise 429 taking nothing) and start them."""
         num = len(self.choices)
-        self._admission.admit(Role.DECODE, num)
+        self._admission.admit(Stage.DECODE, num)
         try:
-            self._admission.admit(Role.PREFILL, num)
+            self._admission.admit(Stage.PREFILL, num)
         except APIError:
-            self._admission.release(Role.DECODE, num)
+            self._admission.release(Stage.DECODE, num)
             raise
         for choice in self.choices:
-            ticket = Ticket(self._admission, (Role.DECODE, Role.PREFILL))
+            ticket = Ticket(self._admission, (Stage.DECODE, Stage.PREFILL))
             self._tasks.append(asyncio.create_task(self._drive(choice, ticket)))
 
     def cancel(self) -> None:

@@ -84,10 +84,6 @@ class Tokenizer:
             source = next((t["template"] for t in source if t.get("name") == "default"), None)
         self._chat_template = _compile_template(source) if source else None
 
-    @property
-    def has_chat_template(self) -> bool:
-        return self._chat_template is not None
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -200,7 +201,7 @@ class Client:
             if sock.poll(100):
                 msg = decode(sock.recv())
                 if isinstance(msg, NodeStatus) and msg.nonce == nonce:
-                    return msg.info
+                    return dataclasses.asdict(msg.info) if msg.info is not None else {}
         raise TimeoutError(f"no status from {node['control_addr']}")
 
     def wait_idle(self, node: dict, timeout_s: float = 10.0) -> dict:

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from engine.block_hash import hash_full_blocks
 from engine.block_manager import BlockCopy, BlockManager
-from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from protocol.sampling_params import SamplingParams
 
 
 def _seq(tokens: list[int]) -> Sequence:

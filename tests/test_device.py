@@ -52,3 +52,16 @@ def test_node_status_names_its_device(tmp_path, default_model_dir):
     finally:
         client.close()
         node.close()
+
+
+def test_the_default_dtype_follows_the_device():
+    from engine.device import resolve_dtype
+
+    assert EngineConfig(model="m").dtype == "auto"
+    assert resolve_dtype("auto", torch.device("cpu")) == "float32"
+    assert resolve_dtype("auto", torch.device("cuda", 0)) == "bfloat16"
+    assert resolve_dtype("float16", torch.device("cpu")) == "float16"  # --dtype overrides
+    llm = LLM(model=str(make_tiny_model("llama")), num_kv_blocks=16)
+    assert llm.engine.config.dtype == "float32" and llm.engine.kv_spec.dtype == "float32"
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(model="m", dtype="float64")

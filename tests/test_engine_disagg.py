@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
 import kernels
 from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 from tests.engine_helpers import hf_greedy
 from tests.tiny_models import make_tiny_model
 
@@ -42,9 +45,9 @@ def test_prefill_only_then_decode_elsewhere_matches_hf():
         prefill.add_request(rid, prompt, params, prefill_only=True)
     while prefill.has_unfinished_requests():
         prefill.step()
-    assert set(prefill.held) == {"a", "b"}
+    assert set(prefill.scheduler.held) == {"a", "b"}
     for rid in prompts:
-        _move_kv(prefill, decode, prefill.held[rid], rid)
+        _move_kv(prefill, decode, prefill.scheduler.held[rid], rid)
         assert prefill.release_held(rid)
     assert prefill.block_manager.num_free_blocks == 32
     results = {}
@@ -63,7 +66,7 @@ def test_first_token_that_ends_the_request_finishes_at_adoption():
     decode = LLMEngine(EngineConfig(model=path, num_kv_blocks=16, block_size=8))
     prefill.add_request("x", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1), prefill_only=True)
     prefill.step()
-    outs = _move_kv(prefill, decode, prefill.held["x"], "x")
+    outs = _move_kv(prefill, decode, prefill.scheduler.held["x"], "x")
     assert outs and outs[0].finished and outs[0].outputs[0].finish_reason == "length"
     assert decode.block_manager.num_free_blocks == 16
     prefill.abort_request("x")  # abort releases held blocks too
@@ -109,12 +112,87 @@ def test_remote_reservation_reuses_cached_prefix_blocks_and_decodes_equal_to_hf(
     decode = LLMEngine(EngineConfig(model=path, num_kv_blocks=32, block_size=8))
     outs = {}
     for rid in prompts:
-        reservation = decode.reserve_remote(rid, prompts[rid], prefill.held[rid].params)
+        reservation = decode.reserve_remote(rid, prompts[rid], prefill.scheduler.held[rid].params)
         assert reservation.num_held_blocks == (0 if rid == "first" else 3)
         decode.abort_request(rid)
-        _move_kv(prefill, decode, prefill.held[rid], rid)
+        _move_kv(prefill, decode, prefill.scheduler.held[rid], rid)
         while decode.has_work():
             for out in decode.step():
                 if out.finished:
                     outs[out.request_id] = out.outputs[0].token_ids
     assert outs == {rid: hf_greedy(path, p, 6) for rid, p in prompts.items()}
+
+
+def test_a_prefill_only_request_is_held_for_transfer_by_the_scheduler_until_released():
+    path = str(make_tiny_model("llama"))
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=16, block_size=8, debug_checks=True))
+    engine.add_request(
+        "h", list(range(3, 23)), SamplingParams(temperature=0.0, max_tokens=9), prefill_only=True
+    )
+    (out,) = engine.step()
+    assert out.finished and out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 1
+    seq = engine.held_sequence("h")
+    assert seq.status is SequenceStatus.HELD_FOR_TRANSFER and not seq.is_finished
+    assert not engine.has_unfinished_requests() and engine.scheduler.num_seqs == 0  # out of the batch
+    assert engine.block_manager.num_free_blocks == 16 - 3  # 21 tokens' KV kept for the transfer
+    engine.check_integrity()  # held blocks are accounted to their holder
+    with pytest.raises(ValueError, match="already in use"):  # its id stays taken while held
+        engine.add_request("h", [1, 2], SamplingParams(max_tokens=2))
+    assert engine.release_held("h") and not engine.release_held("h")
+    assert seq.status is SequenceStatus.FINISHED_LENGTH and engine.held_sequence("h") is None
+    assert engine.block_manager.num_free_blocks == 16
+    engine.check_integrity()
+
+
+def test_an_aborted_prefill_only_request_is_never_held():
+    path = str(make_tiny_model("llama"))
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=16, block_size=4, max_num_batched_tokens=8))
+    engine.add_request("a", list(range(3, 30)), SamplingParams(temperature=0.0), prefill_only=True)
+    engine.step()  # one chunk of the prompt computed
+    assert engine.abort_request("a")
+    assert engine.held_sequence("a") is None and engine.block_manager.num_free_blocks == 16
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        SamplingParams(
+            temperature=0.9, top_k=50, seed=11, max_tokens=24, ignore_eos=True, frequency_penalty=0.5
+        ),
+    ],
+    ids=["greedy", "seeded-with-penalty"],
+)
+def test_a_resumed_request_continues_exactly_where_another_engine_stopped(params):
+    """Migration's engine half: prompt + the output so far, recomputed, go on as if uninterrupted."""
+    path = str(make_tiny_model("llama"))
+    prompt = list(range(3, 40))
+
+    def run(engine, resume=()):
+        engine.add_request(
+            "r", prompt, dataclasses.replace(params, logprobs=0), resume_output_ids=tuple(resume)
+        )
+        while True:
+            for out in engine.step():
+                if out.finished:
+                    return out.outputs[0]
+
+    whole = run(LLMEngine(EngineConfig(model=path, num_kv_blocks=32, block_size=8)))
+    resumed = run(LLMEngine(EngineConfig(model=path, num_kv_blocks=32, block_size=8)), whole.token_ids[:9])
+    assert resumed.token_ids == whole.token_ids  # the resumed 9, then the same 15 after them
+    assert [lp.token_id for lp in resumed.logprobs] == whole.token_ids[9:]  # logprobs of new tokens only
+    for lp, want in zip(resumed.logprobs, whole.logprobs[9:], strict=True):
+        assert abs(lp.logprob - want.logprob) < 1e-4
+
+
+def test_resume_output_ids_are_checked():
+    path = str(make_tiny_model("llama"))
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=32, block_size=8))
+    with pytest.raises(ValueError, match="output_token_ids"):
+        engine.add_request("a", [5, 6], SamplingParams(max_tokens=3), resume_output_ids=(1, 2, 3))
+    with pytest.raises(ValueError, match="output_token_ids"):
+        engine.add_request(
+            "b", [5, 6], SamplingParams(max_tokens=9), prefill_only=True, resume_output_ids=(1,)
+        )
+    with pytest.raises(ValueError, match="output_token_ids"):
+        engine.add_request("c", [5, 6], SamplingParams(max_tokens=9), resume_output_ids=(10**9,))

@@ -30,27 +30,36 @@ def _block_bytes(model: ModelConfig, block_size: int = 16) -> int:
 
 def test_num_kv_blocks_is_exact(model):
     sizing = size_engine(
-        EngineConfig(model=model.path, num_kv_blocks=7), model, 4096, cpus=2, available_bytes=GIB
+        EngineConfig(model=model.path, dtype="float32", num_kv_blocks=7),
+        model,
+        4096,
+        cpus=2,
+        available_bytes=GIB,
     )
     assert sizing.num_kv_blocks == 7 and sizing.kv_source == "num_kv_blocks"
 
 
 def test_kv_cache_memory_mb_is_exact(model):
     sizing = size_engine(
-        EngineConfig(model=model.path, kv_cache_memory_mb=3), model, 4096, available_bytes=GIB
+        EngineConfig(model=model.path, dtype="float32", kv_cache_memory_mb=3),
+        model,
+        4096,
+        available_bytes=GIB,
     )
     assert sizing.num_kv_blocks == (3 << 20) // _block_bytes(model)
 
 
 def test_default_pool_is_the_fraction_of_available_memory(model):
-    config = EngineConfig(model=model.path, kv_cache_memory_fraction=0.5, max_num_seqs=1 << 16)
+    config = EngineConfig(
+        model=model.path, dtype="float32", kv_cache_memory_fraction=0.5, max_num_seqs=1 << 16
+    )
     sizing = size_engine(config, model, 4096, available_bytes=GIB // 8)
     assert sizing.num_kv_blocks == (GIB // 16) // _block_bytes(model)
     assert sizing.kv_source == "50% of 0.1 GiB available"
 
 
 def test_default_pool_never_exceeds_what_max_num_seqs_full_sequences_fill(model):
-    config = EngineConfig(model=model.path, max_num_seqs=4)
+    config = EngineConfig(model=model.path, dtype="float32", max_num_seqs=4)
     sizing = size_engine(config, model, max_model_len=100, available_bytes=64 * GIB)
     assert sizing.num_kv_blocks == 4 * 7  # ceil(100 / 16) blocks each
     assert sizing.kv_source.startswith("max_num_seqs x max_model_len")
@@ -58,10 +67,13 @@ def test_default_pool_never_exceeds_what_max_num_seqs_full_sequences_fill(model)
 
 def test_threads_default_to_usable_cpus_and_explicit_wins(model):
     assert (
-        size_engine(EngineConfig(model=model.path), model, 64, cpus=3, available_bytes=GIB).num_threads == 3
+        size_engine(
+            EngineConfig(model=model.path, dtype="float32"), model, 64, cpus=3, available_bytes=GIB
+        ).num_threads
+        == 3
     )
     explicit = size_engine(
-        EngineConfig(model=model.path, num_threads=1), model, 64, cpus=3, available_bytes=GIB
+        EngineConfig(model=model.path, dtype="float32", num_threads=1), model, 64, cpus=3, available_bytes=GIB
     )
     assert explicit.num_threads == 1 and explicit.threads_source == "num_threads"
 

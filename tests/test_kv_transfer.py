@@ -22,12 +22,12 @@ from kv_transfer_peer import (
 )
 
 from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from kv_transfer.errors import KVRejected, KVTimeout
 from kv_transfer.messages import WireFormat
 from kv_transfer.receiver import KVReceiver, PollResult, ReceiverConfig
 from kv_transfer.sender import KVSender, SenderConfig
+from protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(30)
 NUM_BLOCKS = 16

@@ -25,10 +25,13 @@ from kv_transfer.messages import (
     RingRef,
     WireFormat,
 )
+from protocol.sampling_params import SamplingParams
 
 FP = KVFingerprint("smollm2-135m", "float32", 16, "nbhd-v1", 30, 3, 64)
 EXAMPLES = [
-    KVReserve("r1", (1, 2, 3), (2**64 - 1,), FP, 2.5, WireFormat.INT8, {"temperature": 0.0, "stop": ("x",)}),
+    KVReserve(
+        "r1", (1, 2, 3), (2**64 - 1,), FP, 2.5, WireFormat.INT8, SamplingParams(temperature=0.0, stop=("x",))
+    ),
     KVReserve("r2", (5,), (), FP, 1.0),
     KVGrant("r1", 2, (7, 3, 9), 1 << 26),
     KVGrant("r1", 0, (1,), 4096, shm=True),

@@ -3,12 +3,13 @@ different for another checkpoint of the same shape; the router refuses nodes of 
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 from protocol.model_digest import model_digest
 from router.node_client import NodeClient
 from router.registry_client import NodeRegistry
-from tests.test_router_support import node_info
+from tests.test_router_support import FINGERPRINT, node_info
 from tests.tiny_models import make_tiny_model
 
 
@@ -33,8 +34,10 @@ def test_the_router_refuses_nodes_that_serve_another_model():
         nodes = NodeClient()
         registry = NodeRegistry(nodes, poll_interval_s=0.1, node_expiry_s=10.0)
         registry.expected_model = "sha256:aaaa"
-        same = node_info("d1", "decode", fingerprint={"model_id": "sha256:aaaa", "block_size": 4})
-        other = node_info("d2", "decode", fingerprint={"model_id": "sha256:bbbb", "block_size": 4})
+        same = node_info("d1", "decode", fingerprint=dataclasses.replace(FINGERPRINT, model_id="sha256:aaaa"))
+        other = node_info(
+            "d2", "decode", fingerprint=dataclasses.replace(FINGERPRINT, model_id="sha256:bbbb")
+        )
         nodes.reply_path_ok.update({"d1", "d2"})
         registry.update([same, other], now=1.0)
         names = [n.node_id for n in registry.snapshot()]
@@ -42,3 +45,23 @@ def test_the_router_refuses_nodes_that_serve_another_model():
         return names
 
     assert asyncio.run(go()) == ["d1"]
+
+
+def test_a_node_whose_fingerprint_pairs_with_none_is_logged_naming_the_field(caplog):
+    import asyncio
+
+    async def go():
+        nodes = NodeClient()
+        registry = NodeRegistry(nodes, poll_interval_s=0.1, node_expiry_s=10.0)
+        decode = node_info("d1", "decode")
+        prefill = node_info("p1", "prefill", fingerprint=dataclasses.replace(FINGERPRINT, block_size=32))
+        twin = node_info("p2", "prefill")
+        with caplog.at_level("ERROR", logger="router.registry_client"):
+            registry.update([decode], now=1.0)
+            registry.update([decode, prefill, twin], now=2.0)
+            registry.update([decode, prefill, twin], now=3.0)  # once per node, not per poll
+        await nodes.close()
+
+    asyncio.run(go())
+    lines = [r.getMessage() for r in caplog.records if "pairs with no" in r.getMessage()]
+    assert len(lines) == 1 and "p1" in lines[0] and "block_size (32, d1 has 4)" in lines[0]

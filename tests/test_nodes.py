@@ -137,7 +137,7 @@ def test_nodes_register_in_redis_with_their_stats(pair, redis_server):
     assert nodes[prefill["node_id"]].role == "prefill"
     d = nodes[decode["node_id"]]
     assert d.role == "decode" and d.kv_addr == decode["kv_addr"] and d.num_blocks_total == 128
-    assert d.fingerprint["block_size"] == 8 and d.fingerprint == nodes[prefill["node_id"]].fingerprint
+    assert d.fingerprint.block_size == 8 and d.fingerprint == nodes[prefill["node_id"]].fingerprint
     assert time.time() - d.heartbeat_time < 2.0
 
 
@@ -180,7 +180,8 @@ def test_kv_that_never_arrives_is_reported_to_the_router_and_its_blocks_freed(pa
     from engine.kv_layout import KV_LAYOUT_NAME
     from kv_transfer.messages import KVFingerprint
     from kv_transfer.sender import KVSender, SenderConfig
-    from protocol.messages import RequestFailed
+    from protocol.messages import RequestFailed, RequestMeta
+    from protocol.sampling_params import SamplingParams
 
     _, _, prefill, decode = pair
     fp = KVFingerprint(**client.status(decode)["fingerprint"])
@@ -190,8 +191,8 @@ def test_kv_that_never_arrives_is_reported_to_the_router_and_its_blocks_freed(pa
         tx = sender.reserve(
             "silent",
             list(range(200, 227)),
-            {"max_tokens": 4},
-            {"reply_addr": client.reply_addr, "deadline": time.time() + 30},
+            SamplingParams(max_tokens=4),
+            RequestMeta(client.reply_addr, time.time() + 30, time.time()),
         )
         assert tx.num_send_blocks == 4
         failed = client.collect(["silent"], timeout_s=15)["silent"]["failed"]

@@ -169,6 +169,7 @@ def test_models_health_and_metrics(tokenizer, default_model_dir):
     unhealthy, healthy, models, metrics = asyncio.run(go())
     assert unhealthy.status_code == 503
     assert healthy.status_code == 200 and healthy.json()["num_decode"] == 1
+    assert healthy.json()["status"] == "ok" and healthy.json()["num_pairs"] == 1
     card = models.json()["data"][0]
     assert card["id"] == default_model_dir.name and card["max_model_len"] == 512
     assert metrics.headers["content-type"].startswith("text/plain; version=0.0.4")
@@ -191,3 +192,15 @@ def test_router_app_never_imports_torch(default_model_dir):
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_cluster_of_decode_nodes_alone_is_healthy_and_says_so(tokenizer, default_model_dir):
+    async def go():
+        async with running_app(config_for(default_model_dir), tokenizer) as h:
+            h.registry.records = [node_info("d0", "decode")]
+            await asyncio.sleep(0.15)
+            return await h.client.get("/health")
+
+    health = asyncio.run(go())
+    assert health.status_code == 200  # it serves: the decode node prefills every prompt itself
+    assert health.json()["status"] == "decode_only" and health.json()["num_pairs"] == 0

@@ -4,6 +4,7 @@ streaming, n > 1, stop strings, logprobs, usage, failover, timeouts, disconnects
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import httpx
@@ -55,7 +56,7 @@ def test_completion_goes_prefill_then_decode_with_exact_usage(default_model_dir,
     (prefill, decode), done = _run(go())
     request = prefill.received[0]
     assert request.decode_addr == decode.info.kv_addr and decode.received == []
-    assert request.sampling_params["n"] == 1 and request.sampling_params["temperature"] == 0
+    assert request.sampling_params.n == 1 and request.sampling_params.temperature == 0
     assert list(request.token_ids) == tokenizer.encode(LONG_PROMPT)
     assert done.choices[0].text == TEXT and done.choices[0].finish_reason == "length"
     usage = done.usage
@@ -128,8 +129,8 @@ def test_n_samples_are_split_with_distinct_ids_and_seeds(default_model_dir, toke
     (prefill, _), done = _run(go())
     requests = sorted(prefill.received, key=lambda r: r.request_id)
     assert [r.request_id.rsplit("-", 1)[1] for r in requests] == ["0", "1", "2"]
-    assert [r.sampling_params["seed"] for r in requests] == [7, 8, 9]
-    assert all(r.sampling_params["n"] == 1 for r in requests)
+    assert [r.sampling_params.seed for r in requests] == [7, 8, 9]
+    assert all(r.sampling_params.n == 1 for r in requests)
     assert [c.index for c in done.choices] == [0, 1, 2]
     assert done.usage.prompt_tokens == len(requests[0].token_ids) and done.usage.completion_tokens == 9
 
@@ -355,3 +356,80 @@ def test_retries_and_replays_share_one_budget_of_max_attempts(default_model_dir,
     assert reply.status_code == 502
     ids = sorted({r.request_id.rsplit("-", 1)[-1] for r in prefill.received + decode.received})
     assert ids == ["0", "0.r1", "0.r2"]  # three tries in all (the replays may prefill on the decode node)
+
+
+def _streamed_token_ids(lines: list[str]) -> list[int]:
+    ids = []
+    for line in lines:
+        if line.startswith("data: {") and '"choices"' in line:
+            for choice in json.loads(line[6:])["choices"]:
+                ids += [
+                    int(t.removeprefix("token_id:")) for t in (choice["logprobs"] or {}).get("tokens", [])
+                ]
+    return ids
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_sample_whose_decode_node_fails_mid_output_resumes_elsewhere_with_no_gap(
+    default_model_dir, tokens, stream
+):
+    async def go():
+        prefill, bad = _pair(tokens)
+        bad.fail_after, bad.fail_once = 4, True
+        good = FakeNode("d1", "decode", tokens)
+        good.info = dataclasses.replace(good.info, num_blocks_free=1)  # routed to d0 first
+        async with (
+            fake_cluster(default_model_dir, [prefill, bad, good]) as cluster,
+            httpx.AsyncClient() as http,
+        ):
+            body = {
+                "prompt": LONG_PROMPT,
+                "max_tokens": len(tokens),
+                "stream": stream,
+                "logprobs": 0,
+                "return_tokens_as_token_ids": True,
+                "stream_options": {"include_usage": True} if stream else None,
+            }
+            if stream:
+                async with http.stream("POST", cluster.base_url + "/v1/completions", json=body) as reply:
+                    lines = [line async for line in reply.aiter_lines() if line.startswith("data: ")]
+                usage = json.loads(lines[-2][6:])["usage"]
+                ids = _streamed_token_ids(lines)
+            else:
+                reply = await http.post(cluster.base_url + "/v1/completions", json=body)
+                usage = reply.json()["usage"]
+                ids = [
+                    int(t.removeprefix("token_id:")) for t in reply.json()["choices"][0]["logprobs"]["tokens"]
+                ]
+            metrics = (await http.get(cluster.base_url + "/metrics")).text
+        return prefill, bad, good, reply, ids, usage, metrics
+
+    prefill, bad, good, reply, ids, usage, metrics = _run(go())
+    assert reply.status_code == 200
+    assert ids == tokens  # every token once, in order: none lost, none repeated
+    assert usage["completion_tokens"] == len(tokens)
+    (resumed,) = good.received  # the migrated attempt went to the healthy decode node alone
+    assert resumed.request_id.endswith(".r1") and resumed.decode_addr is None
+    assert list(resumed.output_token_ids) == tokens[:4]  # the first token (prefill) + 3 from d0
+    assert "pdserve_migrations_total 1" in metrics
+
+
+def test_with_migration_off_a_stream_fails_and_a_whole_answer_replays_from_scratch(default_model_dir, tokens):
+    async def go():
+        nodes = _pair(tokens)
+        nodes[1].fail_after, nodes[1].fail_once = 3, True
+        async with (
+            fake_cluster(default_model_dir, nodes, migrate=False) as cluster,
+            httpx.AsyncClient() as http,
+        ):
+            body = {"prompt": LONG_PROMPT, "max_tokens": len(tokens), "stream": True}
+            async with http.stream("POST", cluster.base_url + "/v1/completions", json=body) as reply:
+                lines = [line async for line in reply.aiter_lines() if line.startswith("data: ")]
+            nodes[1].fail_after, nodes[1].fail_once = 3, True
+            whole = await http.post(cluster.base_url + "/v1/completions", json={**body, "stream": False})
+        return nodes, lines, whole
+
+    (prefill, decode), lines, whole = _run(go())
+    assert json.loads(lines[-2][6:])["error"]["code"] == "internal"
+    assert whole.status_code == 200 and whole.json()["choices"][0]["text"] == TEXT
+    assert all(not r.output_token_ids for r in prefill.received + decode.received)

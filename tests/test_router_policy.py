@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.block_hash import hash_full_blocks
-from router.admission import Admission, Role, Ticket
+from router.admission import Admission, Stage, Ticket
 from router.errors import APIError
 from router.policy import PrefixMap, RoutingPolicy
 from tests.test_router_support import FINGERPRINT, node_info
@@ -105,7 +107,7 @@ def test_conversation_stays_on_its_prefill_node_while_that_pays():
 
 
 def test_only_nodes_with_the_decode_fingerprint_prefill():
-    other = {**FINGERPRINT, "block_size": 8}
+    other = dataclasses.replace(FINGERPRINT, block_size=8)
     nodes = [node_info("d0", "decode"), node_info("p0", "prefill", fingerprint=other)]
     assert RoutingPolicy(0).choose(nodes, PROMPT, 8).prefill is None
 
@@ -163,28 +165,26 @@ def test_prefix_map_matches_leading_blocks_only_and_evicts_oldest():
     assert prefixes.num_cached_blocks([9, 2, 3], "a") == 0
     prefixes.record([4], "b")
     assert prefixes.num_cached_blocks([1, 2], "a") == 0  # block 1 evicted
-    prefixes.forget_node("b")
-    assert prefixes.num_cached_blocks([4], "b") == 0
 
 
 def test_admission_sheds_beyond_the_limit_with_retry_after():
-    admission = Admission({Role.PREFILL: 2, Role.DECODE: 3})
-    admission.admit(Role.DECODE, 2)
+    admission = Admission({Stage.PREFILL: 2, Stage.DECODE: 3})
+    admission.admit(Stage.DECODE, 2)
     with pytest.raises(APIError) as raised:
-        admission.admit(Role.DECODE, 2)
+        admission.admit(Stage.DECODE, 2)
     assert raised.value.status == 429 and raised.value.headers()["Retry-After"] == "1"
-    assert admission.num_inflight[Role.DECODE] == 2 and admission.num_rejected[Role.DECODE] == 1
-    admission.release(Role.DECODE, 2)
-    admission.admit(Role.DECODE, 3)
+    assert admission.num_inflight[Stage.DECODE] == 2 and admission.num_rejected[Stage.DECODE] == 1
+    admission.release(Stage.DECODE, 2)
+    admission.admit(Stage.DECODE, 3)
 
 
 def test_ticket_releases_each_role_once():
-    admission = Admission({Role.PREFILL: 1, Role.DECODE: 1})
-    admission.admit(Role.PREFILL)
-    admission.admit(Role.DECODE)
-    ticket = Ticket(admission, (Role.PREFILL, Role.DECODE))
-    ticket.release(Role.PREFILL)
-    ticket.release(Role.PREFILL)
+    admission = Admission({Stage.PREFILL: 1, Stage.DECODE: 1})
+    admission.admit(Stage.PREFILL)
+    admission.admit(Stage.DECODE)
+    ticket = Ticket(admission, (Stage.PREFILL, Stage.DECODE))
+    ticket.release(Stage.PREFILL)
+    ticket.release(Stage.PREFILL)
     ticket.release_all()
     ticket.release_all()
-    assert admission.num_inflight == {Role.PREFILL: 0, Role.DECODE: 0}
+    assert admission.num_inflight == {Stage.PREFILL: 0, Stage.DECODE: 0}

@@ -15,23 +15,16 @@ import zmq
 import zmq.asyncio
 
 from protocol import messages as pm
+from protocol.fingerprint import KVFingerprint
 from protocol.model_digest import model_digest
-from protocol.registry import NodeInfo
+from protocol.registry import NodeInfo, Role
 from router.app import create_app
 from router.config import RouterConfig
 from router.node_client import NodeClient
 from router.registry_client import NodeRegistry
 from router.tokenizer import Tokenizer
 
-FINGERPRINT = {
-    "model_id": "tiny",
-    "dtype": "float32",
-    "block_size": 4,
-    "layout": "test",
-    "num_layers": 2,
-    "num_kv_heads": 2,
-    "head_dim": 16,
-}
+FINGERPRINT = KVFingerprint("tiny", "float32", 4, "test", 2, 2, 16)
 
 
 def node_info(node_id: str, role: str, **fields) -> NodeInfo:
@@ -48,7 +41,7 @@ def node_info(node_id: str, role: str, **fields) -> NodeInfo:
         num_queued_prefill_tokens=0,
         heartbeat_time=0.0,
     )
-    return NodeInfo(node_id=node_id, role=role, **{**defaults, **fields})
+    return NodeInfo(node_id=node_id, role=Role(role), **{**defaults, **fields})
 
 
 class FixedRegistry(NodeRegistry):
@@ -154,7 +147,7 @@ class FakeNode:
                 identity, header = await router.recv_multipart()
                 msg = pm.decode(header)
                 if isinstance(msg, pm.StatusQuery):
-                    reply = pm.NodeStatus(msg.nonce, dataclasses.asdict(self.info))
+                    reply = pm.NodeStatus(msg.nonce, self.info)
                     if msg.reply_addr is None:
                         await router.send_multipart([identity, pm.encode(reply)])
                     else:
@@ -187,9 +180,9 @@ class FakeNode:
 
     def _chunk(self, req: pm.GenerateRequest, index: int, is_first: bool) -> pm.TokenChunk:
         token = self.tokens[index % len(self.tokens)]
-        finish = "length" if index + 1 >= req.sampling_params["max_tokens"] else None
+        finish = "length" if index + 1 >= req.sampling_params.max_tokens else None
         logprobs = ()
-        if req.sampling_params.get("logprobs") is not None:
+        if req.sampling_params.logprobs is not None:
             top = tuple(self.tokens[(index + k) % len(self.tokens)] for k in range(1, 3))
             logprobs = (pm.TokenLogprobs(token, -0.5, (token, *top), (-0.5, -1.5, -2.5)),)
         return pm.TokenChunk(
@@ -209,7 +202,8 @@ class FakeNode:
         if self.fail_with is not None:
             await self._send(req.reply_addr, dataclasses.replace(self.fail_with, request_id=req.request_id))
             return
-        first = self._chunk(req, 0, is_first=True)
+        start = len(req.output_token_ids)  # a migrated request resumes after what was streamed
+        first = self._chunk(req, start, is_first=start == 0)
         if not self.late_first_token:
             await self._send(req.reply_addr, first)
         if first.finish_reason is None:
@@ -223,7 +217,7 @@ class FakeNode:
             await self._send(req.reply_addr, first)
 
     async def decode_rest(self, req: pm.GenerateRequest) -> None:
-        for index in range(1, req.sampling_params["max_tokens"]):
+        for index in range(len(req.output_token_ids) + 1, req.sampling_params.max_tokens):
             await asyncio.sleep(self.token_delay_s)
             if self.fail_after is not None and index >= self.fail_after:
                 if self.fail_once:
@@ -250,7 +244,9 @@ async def fake_cluster(model_dir, nodes: Sequence[FakeNode], **config) -> AsyncI
     """Fake nodes plus the real router (static registry, uvicorn on a free port), in this loop."""
     digest = model_digest(model_dir)  # the router refuses nodes of another model
     for n in nodes:
-        n.info = dataclasses.replace(n.info, fingerprint={**n.info.fingerprint, "model_id": digest})
+        n.info = dataclasses.replace(
+            n.info, fingerprint=dataclasses.replace(n.info.fingerprint, model_id=digest)
+        )
     node_tasks = [asyncio.create_task(n.serve()) for n in nodes]
     port = free_port()
     by_role = {

@@ -6,15 +6,16 @@ import dataclasses
 
 from pdserve_cli.main import build_parser, main
 from pdserve_cli.status import render
-from protocol.registry import NodeInfo, publish
+from protocol.fingerprint import KVFingerprint
+from protocol.registry import NodeInfo, Role, publish
 from tests.cluster import RedisServer, free_port
 
 PREFILL = NodeInfo(
     node_id="prefill-a",
-    role="prefill",
+    role=Role.PREFILL,
     control_addr="tcp://10.0.0.2:5001",
     kv_addr=None,
-    fingerprint={},
+    fingerprint=KVFingerprint("sha256:aa", "float32", 16, "nbhd-v1", 2, 2, 16),
     max_model_len=512,
     num_blocks_total=64,
     num_blocks_free=60,
@@ -27,7 +28,7 @@ PREFILL = NodeInfo(
 DECODE = dataclasses.replace(
     PREFILL,
     node_id="decode-b",
-    role="decode",
+    role=Role.DECODE,
     control_addr="tcp://10.0.0.3:5002",
     kv_addr="tcp://10.0.0.3:5003",
     num_blocks_free=8,

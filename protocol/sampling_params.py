@@ -1,8 +1,13 @@
-"""Per-request sampling parameters, validated on construction. Torch-free (the router uses it)."""
+"""Per-request sampling parameters, validated on construction. Torch-free: the router builds them,
+they cross the wire as they are (protocol.codec builds and so re-validates them on decode), and
+the engine samples by them (``from engine import SamplingParams`` names this class)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Annotated
+
+from protocol.codec import SIGNED
 
 MAX_LOGPROBS = 20
 
@@ -14,7 +19,7 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass in (0, 1]
     top_k: int | None = None  # keep the k most likely tokens; None (or 0 / -1) keeps all
     min_p: float = 0.0  # drop tokens below min_p * p(most likely token)
-    seed: int | None = None  # per-request RNG seed: same seed, same output
+    seed: Annotated[int, SIGNED] | None = None  # per-request RNG seed: same seed, same output
     presence_penalty: float = 0.0  # OpenAI: subtract once per token seen in the output
     frequency_penalty: float = 0.0  # OpenAI: subtract per occurrence in the output
     repetition_penalty: float = 1.0  # CTRL-style, over prompt and output tokens
@@ -65,8 +70,12 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
+            or not -(1 << 63) <= self.seed < 1 << 63
+        ):
+            raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
@@ -75,15 +84,3 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-
-    def to_dict(self) -> dict:
-        """Plain dict for msgpack (tuples become lists on the wire)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> SamplingParams:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
-        if unknown:
-            raise ValueError(f"unknown sampling fields: {sorted(unknown)}")
-        return cls(**data)

@@ -1,0 +1,38 @@
+"""What must match for one node's KV blocks to mean the same in another node's cache. Nodes
+publish it in their registry record (protocol.registry.NodeInfo) and a prefill node sends it with
+every reservation (kv_transfer.messages.KVReserve); the router pairs only nodes with equal ones and
+a decode node refuses a reservation whose fingerprint differs from its own, naming the field.
+Torch-free."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVFingerprint:
+    """What must match for one node's KV blocks to be meaningful in another's cache."""
+
+    model_id: str  # the weights' content digest (protocol.model_digest)
+    dtype: str  # cache dtype, e.g. "float32"
+    block_size: int  # tokens per block
+    layout: str  # engine.kv_layout.KV_LAYOUT_NAME
+    num_layers: int  # transformer layers
+    num_kv_heads: int  # key/value heads
+    head_dim: int  # channels per head
+    block_hash: str = "xxh3_64-chained-u32le-v1"  # engine.block_hash.BLOCK_HASH_NAME: how prefixes are named
+
+    @classmethod
+    def from_spec(cls, model_id: str, spec: Any, layout: str) -> KVFingerprint:
+        """From an ``engine.kv_layout.KVCacheSpec`` (num_blocks is local and not part of it)."""
+        return cls(
+            model_id, spec.dtype, spec.block_size, layout, spec.num_layers, spec.num_kv_heads, spec.head_dim
+        )
+
+    def first_difference(self, other: KVFingerprint) -> str | None:
+        """Name of the first field that differs, or None when compatible."""
+        for field in dataclasses.fields(self):
+            if getattr(self, field.name) != getattr(other, field.name):
+                return field.name
+        return None

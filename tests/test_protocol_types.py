@@ -1,0 +1,153 @@
+"""The typed values that cross process boundaries: each survives the wire exactly, and a bad one
+is refused by the decoder naming its field (never a crash, never a half-built request)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import msgpack
+import pytest
+
+from kv_transfer import messages as km
+from kv_transfer.messages import KVFingerprint, KVReserve
+from protocol import messages as pm
+from protocol.codec import PROTOCOL_VERSION, ProtocolError
+from protocol.messages import GenerateRequest, NodeStatus, RequestMeta
+from protocol.registry import NodeInfo, Role
+from protocol.sampling_params import SamplingParams
+
+EVERY_FIELD_SET = SamplingParams(
+    n=1,
+    temperature=0.7,
+    top_p=0.9,
+    top_k=40,
+    min_p=0.05,
+    seed=-(1 << 63),  # seeds are the protocol's one signed integer
+    presence_penalty=0.5,
+    frequency_penalty=-0.25,
+    repetition_penalty=1.1,
+    max_tokens=77,
+    min_tokens=3,
+    stop=("\n\n", "END"),
+    stop_token_ids=(2, 7),
+    ignore_eos=True,
+    logprobs=5,
+)
+FP = KVFingerprint("sha256:abc", "float32", 16, "nbhd-v1", 4, 2, 16)
+
+
+def _generate(params: SamplingParams) -> GenerateRequest:
+    return GenerateRequest("r1", (1, 2, 3), params, "tcp://127.0.0.1:5", None, 1e9, 5.0)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), EVERY_FIELD_SET, SamplingParams(temperature=0, seed=7)])
+def test_sampling_params_round_trip_as_a_typed_value(params):
+    decoded = pm.decode(pm.encode(_generate(params)))
+    assert decoded.sampling_params == params
+    assert type(decoded.sampling_params) is SamplingParams
+
+
+def test_every_sampling_field_is_exercised():
+    defaults = SamplingParams()
+    unchanged = [
+        f.name
+        for f in dataclasses.fields(SamplingParams)
+        if getattr(EVERY_FIELD_SET, f.name) == getattr(defaults, f.name) and f.name != "n"
+    ]
+    assert unchanged == []
+
+
+def _raw_generate(sampling: dict) -> bytes:
+    fields = {
+        "request_id": "r1",
+        "token_ids": [1, 2],
+        "sampling_params": sampling,
+        "reply_addr": "tcp://127.0.0.1:5",
+        "decode_addr": None,
+        "deadline": 1e9,
+    }
+    return msgpack.packb([PROTOCOL_VERSION, GenerateRequest.TAG, fields])
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": -1.0},  # the class's own range check runs on decode
+        {"top_p": "high"},  # a wrong type
+        {"seed": 1 << 63},  # past a signed 64-bit integer
+        {"max_tokens": -5},  # negative counts are refused as everywhere in the protocol
+        {"beam_width": 4},  # a field the class does not have
+    ],
+)
+def test_bad_sampling_params_on_the_wire_are_protocol_errors(sampling):
+    with pytest.raises(ProtocolError):
+        pm.decode(_raw_generate(sampling))
+
+
+def test_request_meta_rides_in_kv_reserve_and_round_trips():
+    meta = RequestMeta(
+        "tcp://10.0.0.2:7000", 1.7e9, 1.7e9 - 0.5, {"prefill_queue": 0.01, "prefill_compute": 0.2}
+    )
+    msg = KVReserve("r1", (1, 2, 3), (), FP, 5.0, sampling_params=EVERY_FIELD_SET, request_meta=meta)
+    decoded = km.decode(km.encode(msg))
+    assert decoded == msg
+    assert type(decoded.request_meta) is RequestMeta and type(decoded.sampling_params) is SamplingParams
+
+
+def test_request_meta_needs_its_reply_address():
+    header = km.encode(KVReserve("r1", (1,), (), FP, 5.0, request_meta=RequestMeta("tcp://x:1", 1.0, 1.0)))
+    version, tag, fields = msgpack.unpackb(header)
+    del fields["request_meta"]["reply_addr"]
+    with pytest.raises(ProtocolError) as info:
+        km.decode(msgpack.packb([version, tag, fields]))
+    assert info.value.field == "reply_addr"
+
+
+def _node(role: Role) -> NodeInfo:
+    return NodeInfo(
+        node_id=f"{role}-1",
+        role=role,
+        control_addr="tcp://10.0.0.2:5001",
+        kv_addr="tcp://10.0.0.2:5002" if role is Role.DECODE else None,
+        fingerprint=FP,
+        max_model_len=512,
+        num_blocks_total=64,
+        num_blocks_free=60,
+        num_blocks_cached=12,
+        num_running=1,
+        num_queued=3,
+        num_queued_prefill_tokens=90,
+        prefill_tokens_per_s=1234.5,
+        integrity_error="free list has a duplicate" if role is Role.PREFILL else None,
+        heartbeat_time=100.25,
+    )
+
+
+@pytest.mark.parametrize("role", list(Role))
+def test_node_records_round_trip_through_redis_and_the_wire_typed(role):
+    info = _node(role)
+    from_redis = NodeInfo.from_redis({k.encode(): v.encode() for k, v in info.to_redis().items()})
+    from_wire = pm.decode(pm.encode(NodeStatus(7, info))).info
+    for decoded in (from_redis, from_wire):
+        assert decoded == info
+        assert type(decoded.role) is Role and type(decoded.fingerprint) is KVFingerprint
+
+
+def test_node_status_before_a_record_exists_is_none():
+    assert pm.decode(pm.encode(NodeStatus(1, None))).info is None
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"role": json.dumps("router")}, {"fingerprint": json.dumps({"model_id": "x"})}, {"fingerprint": "null"}],
+)
+def test_unreadable_redis_records_raise_and_are_skipped(change):
+    record = {**_node(Role.DECODE).to_redis(), **change}
+    with pytest.raises((TypeError, ValueError)):
+        NodeInfo.from_redis(record)
+
+
+def test_roles_name_what_they_decode():
+    assert [r for r in Role if r.decodes] == [Role.DECODE, Role.COLOCATED]
+    assert Role("prefill") is Role.PREFILL and json.dumps(Role.PREFILL) == '"prefill"'
