@@ -69,7 +69,11 @@ def decode_batch(path: pathlib.Path, batch: int, context: int) -> tuple[ModelRun
     num_blocks = batch * per_seq + 1
     spec = KVCacheSpec(cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, "float32")
     config = EngineConfig(
-        model=str(path), block_size=BLOCK_SIZE, num_kv_blocks=num_blocks, max_model_len=context
+        model=str(path),
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=num_blocks,
+        max_model_len=context,
     )
     runner = ModelRunner(cfg, config, spec)
     for key_cache, value_cache in runner.kv_caches:

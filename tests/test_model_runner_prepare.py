@@ -21,7 +21,9 @@ def test_prepare_lays_out_a_decode_and_a_chunk_after_a_cached_prefix():
     path = make_tiny_model("llama")
     cfg = ModelConfig.from_path(path)
     spec = KVCacheSpec(cfg.num_layers, 8, 4, cfg.num_kv_heads, cfg.head_dim, "float32")
-    runner = ModelRunner(cfg, EngineConfig(model=str(path), block_size=4, num_kv_blocks=8), spec)
+    runner = ModelRunner(
+        cfg, EngineConfig(model=str(path), dtype="float32", block_size=4, num_kv_blocks=8), spec
+    )
     decode = _seq("d", [5, 6, 7, 8, 9, 10], computed=5, table=[6, 1])  # one new token at position 5
     chunk = _seq("p", list(range(20, 31)), computed=4, table=[3, 0, 7])  # positions 4..8 of 11 tokens
     inp = runner.prepare(SchedulerOutput([ScheduledSeq(decode, 1), ScheduledSeq(chunk, 5)], [], []))
