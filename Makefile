@@ -22,7 +22,7 @@ TEST_PATH := $(abspath $(VENV))/bin:$(PATH)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test lint run model compose-test
+.PHONY: setup test test-torch-attention lint run model native compose-test
 
 setup: $(STAMP)
 	@scripts/ensure-redis.sh $(VENV)
@@ -43,11 +43,23 @@ lint: setup
 model: setup
 	$(VENV)/bin/pdserve model fetch
 
+# The CPU attention kernel (kernels/cpu_ext.py), built before the tests so that no node process
+# started by a test spends its start-up deadline compiling it; a no-op once built for this source,
+# torch and CPU (a few seconds: import and load).
+native: setup
+	$(PY) -c 'from kernels import cpu_ext; import sys; sys.exit(cpu_ext.load() is None)'
+
 # pytest exits 5 when it collected no test: that is a failure too, said plainly.
-test: lint model
+test: lint model native
 	@status=0; PATH="$(TEST_PATH)" $(PY) -m pytest -q $(PYTEST_ARGS) || status=$$?; \
 	if [ $$status -eq 5 ]; then echo "make test: pytest ran no test" >&2; fi; \
 	exit $$status
+
+# The HF-exact engine suite on the pure-torch CPU attention path (the default runs the C++
+# kernel of kernels/cpu_ext.py), so both paths stay equal to transformers.
+TORCH_ATTENTION_TESTS := tests/test_engine_hf_exact.py tests/test_engine_paths.py tests/test_model_families.py
+test-torch-attention: model native
+	PATH="$(TEST_PATH)" PDSERVE_NATIVE_CPU=0 $(PY) -m pytest -q $(PYTEST_ARGS) $(TORCH_ATTENTION_TESTS)
 
 # A local cluster with the defaults (router on :8000, 1 prefill + 1 decode node, a private
 # redis-server); Ctrl-C stops it. More: make run UP_ARGS="--prefill 2 --decode 2".

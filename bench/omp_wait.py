@@ -1,7 +1,12 @@
 """Offline decode throughput with 2 torch threads, alone and beside one CPU-bound process, under
 OpenMP wait settings; each setting runs in a fresh child process, rounds alternate.
 
-    .venv/bin/python bench/omp_wait.py [--rounds 2] [--spincounts unset,1000]
+    .venv/bin/python bench/omp_wait.py [--rounds 2] [--spincounts unset,1000,passive]
+
+A setting is a GOMP_SPINCOUNT value, ``unset`` (libgomp's default: GOMP_SPINCOUNT=300000, its
+documented spin count when OMP_WAIT_POLICY is unset) or ``passive`` (OMP_WAIT_POLICY=PASSIVE).
+Every child sets one of the two variables, so the engine's own default (engine/cpu_env.py, which
+applies only where neither is set) never replaces the setting under test.
 
 Why: OpenMP's worker threads spin while they wait; when another process holds one of two cores,
 the spinning thread steals the time the working one needs.
@@ -30,9 +35,11 @@ print(8 * 32 / (time.time() - start))
 
 
 def run(spincount: str, busy: bool) -> float:
-    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
-    if spincount != "unset":
-        env["GOMP_SPINCOUNT"] = spincount
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    if spincount == "passive":
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    else:
+        env["GOMP_SPINCOUNT"] = "300000" if spincount == "unset" else spincount
     neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     try:
         out = subprocess.run(
@@ -52,7 +59,7 @@ def run(spincount: str, busy: bool) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--spincounts", default="unset,1000")
+    parser.add_argument("--spincounts", default="unset,1000,passive")
     args = parser.parse_args()
     settings = [(s, busy) for s in args.spincounts.split(",") for busy in (False, True)]
     results: dict[tuple[str, bool], list[float]] = {k: [] for k in settings}

@@ -5,6 +5,9 @@ and runs in a child process on the same prompts, one after the other with pdserv
 both see the same machine state as nearly as a shared machine allows.
 
     python bench/vllm_compare.py --vllm-python /path/to/vllm-venv/bin/python --workload fixed
+    python bench/vllm_compare.py --vllm-python /work/vllm-venv/bin/python --model default --workload mix32 --num-prompts 48
+
+pdserve runs with its defaults except ``max_num_seqs`` and the thread count, which both sides share.
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+import engine  # noqa: E402,F401 - before torch, so the engine's OpenMP default applies
+
+# isort: split
 import torch  # noqa: E402
 
-from bench.offline_throughput import tiny_bench_model, workload  # noqa: E402
+from bench.offline_throughput import MIXES, tiny_bench_model, workload  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 VLLM_WORKER = r"""
@@ -75,8 +81,8 @@ def run_vllm(python: str, model: pathlib.Path, reqs, max_num_seqs: int, threads:
     return result["tokens"] / result["seconds"]
 
 
-def run_pdserve(model: pathlib.Path, reqs, max_num_seqs: int) -> float:
-    llm = LLM(str(model), max_num_seqs=max_num_seqs, kv_cache_memory_mb=1024)
+def run_pdserve(model: pathlib.Path, reqs, max_num_seqs: int, threads: int) -> float:
+    llm = LLM(str(model), max_num_seqs=max_num_seqs, num_threads=threads)
     llm.generate([[11, 12, 13]], SamplingParams(temperature=0.0, max_tokens=4))
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in reqs]
     start = time.perf_counter()
@@ -88,21 +94,32 @@ def run_pdserve(model: pathlib.Path, reqs, max_num_seqs: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--vllm-python", required=True)
-    ap.add_argument("--workload", choices=["fixed", "mix"], default="fixed")
+    ap.add_argument("--model", default="tiny", help="'tiny', 'default' or a model folder")
+    ap.add_argument("--workload", choices=["fixed", *MIXES], default="fixed")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = tiny_bench_model()
-    reqs = workload(args.workload, args.num_prompts, 49152)
-    ours = run_pdserve(model, reqs, args.max_num_seqs)
+    if args.model == "tiny":
+        model = tiny_bench_model()
+    elif args.model == "default":
+        from engine.model_fetch import fetch_default_model
+
+        model = fetch_default_model(progress=False)
+    else:
+        model = pathlib.Path(args.model)
+    reqs = workload(
+        args.workload, args.num_prompts, json.loads((model / "config.json").read_text())["vocab_size"]
+    )
+    ours = run_pdserve(model, reqs, args.max_num_seqs, args.threads)
     print(f"[{args.workload}] pdserve: {ours:.1f} tok/s", flush=True)
     theirs = run_vllm(args.vllm_python, model, reqs, args.max_num_seqs, args.threads)
     print(f"[{args.workload}] vLLM CPU: {theirs:.1f} tok/s; ratio {ours / theirs:.2f}x", flush=True)
     print(
         json.dumps(
             {
+                "model": args.model,
                 "workload": args.workload,
                 "pdserve_tok_s": round(ours, 1),
                 "vllm_tok_s": round(theirs, 1),

@@ -2,12 +2,17 @@
 
 ``from engine import LLM, SamplingParams`` works as in vLLM. The names load lazily so that
 torch-free modules (``protocol.sampling_params``, ``engine.block_hash``, ``engine.kv_layout``)
-can be imported by the router without pulling in torch.
+can be imported by the router without pulling in torch. Importing it sets the OpenMP wait
+policy default (engine/cpu_env.py) while torch is not loaded yet.
 """
 
 from __future__ import annotations
 
 import importlib
+
+from engine.cpu_env import apply_openmp_defaults
+
+apply_openmp_defaults()  # before anything here imports torch (libgomp reads it once, at load)
 
 _EXPORTS = {
     "LLM": "engine.llm",

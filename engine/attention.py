@@ -6,8 +6,9 @@ first and prefill rows (chunks of prompts, possibly after a cached prefix) follo
     query rows: [ d0 d1 d2 | p0 p0 p0 p0 p1 p1 ]
                   decodes     prefills (varlen, causal)
 
-Decodes go to ``kernels.paged_decode_attention``; prefills to ``kernels.paged_prefill_attention``.
-Both read the cache through block tables, after this step's K/V were written into their slots.
+Decodes go to ``kernels.paged_decode_attention``; prefills to ``kernels.paged_prefill_attention``;
+on CPU with the native kernel (kernels/cpu_ext.py), all rows go to one varlen call. Every path
+reads the cache through block tables, after this step's K/V were written into their slots.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
     prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, offsets into the prefill rows
     prefill_context_lens: torch.Tensor  # [num_prefills] int32, new tokens included
+    # The whole batch at once (decodes are sequences of one row), for the varlen CPU kernel:
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, decodes first
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, offsets into all rows
+    context_lens: torch.Tensor  # [num_seqs] int32, new tokens included
     backend: str | None = None  # kernels' backend: None picks by device, "triton" or "torch" forces one
 
 
@@ -44,6 +49,18 @@ def paged_attention(
 ) -> torch.Tensor:
     # query: [T, H, D]; key, value: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D]
     kernels.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping, backend=meta.backend)
+    if kernels.native_cpu(query, meta.backend):  # one call for decodes and prefill chunks alike
+        return kernels.paged_varlen_attention(
+            query,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.context_lens,
+            scale,
+            sliding_window,
+            softcap,
+        )
     num_decodes = meta.num_decode_tokens
     if num_decodes == query.shape[0]:
         return kernels.paged_decode_attention(

@@ -96,7 +96,8 @@ class EngineConfig:
     model: str  # Hugging Face model folder
     dtype: str = "auto"  # weights, activations and KV cache; auto follows the device (DTYPE_CHOICES)
     block_size: int = 16  # tokens per KV block
-    kv_cache_memory_mb: int = 512  # KV pool budget; ignored when num_kv_blocks is given
+    kv_cache_memory_mb: int | None = None  # KV pool budget; None: a share of available memory
+    kv_cache_memory_fraction: float = 0.25  # that share, when neither the budget nor num_kv_blocks is given
     num_kv_blocks: int | None = None  # exact pool size (tests use tiny pools)
     max_num_batched_tokens: int = 2048  # token budget of one forward pass
     max_num_seqs: int = 64  # sequences in one forward pass
@@ -104,7 +105,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True  # split long prompts over several iterations
     max_waiting: int = 1024  # bound on queued requests; add_request raises past it
-    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    num_threads: int | None = None  # torch intra-op threads; None: the CPUs this process may use
     device: str = "auto"  # auto, cpu, cuda or cuda:N (engine.device)
     debug_checks: bool = False  # the full block-pool integrity check before every step (slow)
     # auto: Triton kernels on CUDA tensors, the CPU path on CPU; triton: the Triton kernels always
@@ -122,15 +123,19 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         for name in (
             "block_size",
-            "kv_cache_memory_mb",
             "max_num_batched_tokens",
             "max_num_seqs",
             "max_waiting",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
-            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        for name in ("num_kv_blocks", "kv_cache_memory_mb", "num_threads"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.kv_cache_memory_fraction <= 0.9:
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 0.9], got {self.kv_cache_memory_fraction}"
+            )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if (

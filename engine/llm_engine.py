@@ -7,7 +7,9 @@ import time
 
 import torch
 
+import kernels
 from detok import IncrementalDetokenizer, StopStringMatcher
+from engine import cpu_env
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.device import resolve_device, resolve_dtype
@@ -19,6 +21,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampler import Sampler, SamplerInput
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from engine.sizing import announce, size_engine
 from protocol.sampling_params import SamplingParams
 
 
@@ -61,9 +64,9 @@ class LLMEngine:
         self.config = config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, self.device))
         self.model_config = ModelConfig.from_path(config.model)
         model_class(self.model_config)  # unsupported architectures fail before any allocation
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.sizing = size_engine(config, self.model_config, self.max_model_len)
+        torch.set_num_threads(self.sizing.num_threads)
         self.kv_spec = self._kv_spec()
         self.block_manager = BlockManager(
             self.kv_spec.num_blocks, config.block_size, config.enable_prefix_caching
@@ -77,6 +80,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_config, config, self.kv_spec, kv_cache_factory)
         m = self.model_config
         self.sampler = Sampler(LogitsRules(config.model, m.vocab_size, tuple(m.eos_token_ids)))
+        native = kernels.native_cpu(self.runner.kv_caches[0][0], self.runner.attention_backend)
+        attention = "C++ CPU kernel" if native else "torch/Triton"
+        announce(self.sizing.describe(config, f"; attention: {attention}; {cpu_env.describe()}"))
         self.tokenizer = tokenizer
         self.requests: dict[str, Request] = {}  # not yet done; held ones are the scheduler's (held)
         self._stops: dict[
@@ -85,10 +91,9 @@ class LLMEngine:
 
     def _kv_spec(self) -> KVCacheSpec:
         m, c = self.model_config, self.config
-        num_blocks = c.num_kv_blocks or KVCacheSpec.num_blocks_for_budget(
-            c.kv_cache_memory_mb << 20, m.num_layers, c.block_size, m.num_kv_heads, m.head_dim, c.dtype
+        return KVCacheSpec(
+            m.num_layers, self.sizing.num_kv_blocks, c.block_size, m.num_kv_heads, m.head_dim, c.dtype
         )
-        return KVCacheSpec(m.num_layers, num_blocks, c.block_size, m.num_kv_heads, m.head_dim, c.dtype)
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:

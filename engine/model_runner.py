@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
@@ -54,8 +56,14 @@ class ModelRunner:
             self.kv_caches = [(self._empty_cache(), self._empty_cache()) for _ in range(kv_spec.num_layers)]
 
     def _empty_cache(self) -> torch.Tensor:
+        # numpy's zeros come from calloc: for a large pool the OS maps zero pages and commits each
+        # page when a block is first written, so a pool sized from free memory costs only what is
+        # used (torch.zeros would write every byte at start-up). bf16 rides as int16 bits.
         s = self.kv_spec
-        return torch.zeros(s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim, dtype=self.dtype)
+        shape = (s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+        if self.dtype == torch.bfloat16:
+            return torch.from_numpy(np.zeros(shape, np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(np.zeros(shape, np.float16 if self.dtype == torch.float16 else np.float32))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
@@ -69,54 +77,62 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inp.logits_rows]), inp.sampled_seqs
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
+        """The batch's flat inputs, built with numpy per sequence (no Python work per token).
+
+        Rows go in schedule order (decodes first, then prefill chunks); sequence i owns rows
+        q_start[i]:q_start[i+1], positions computed[i] .. computed[i] + n_new[i] - 1.
+        """
         bs = self.kv_spec.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_rows: list[int] = []
-        sampled: list[Sequence] = []
-        decode_tables, decode_lens, prefill_tables, prefill_lens, q_starts = [], [], [], [], [0]
-        num_decodes = 0
-        for item in sched.scheduled:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_new_tokens
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            if item.num_new_tokens == 1:
-                num_decodes += 1
-                decode_tables.append(table)
-                decode_lens.append(end)
-            else:
-                prefill_tables.append(table)
-                prefill_lens.append(end)
-                q_starts.append(q_starts[-1] + item.num_new_tokens)
-            if end == seq.num_tokens:
-                logits_rows.append(len(input_ids) - 1)
-                sampled.append(seq)
+        items = sched.scheduled
+        n = len(items)
+        computed = np.fromiter((it.seq.num_computed_tokens for it in items), np.int64, n)  # [S]
+        num_new = np.fromiter((it.num_new_tokens for it in items), np.int64, n)  # [S]
+        ends = computed + num_new  # [S] context lengths, new tokens included
+        q_start = np.zeros(n + 1, np.int64)
+        np.cumsum(num_new, out=q_start[1:])
+        num_tokens = int(q_start[-1])
+        row_seq = np.repeat(np.arange(n), num_new)  # [T] the sequence of every row
+        positions = np.arange(num_tokens) - q_start[row_seq] + computed[row_seq]  # [T]
+        tables = _pad_tables([it.seq.block_table for it in items])  # [S, max_blocks] int32
+        slots = tables[row_seq, positions // bs].astype(np.int64) * bs + positions % bs  # [T]
+        input_ids = np.fromiter(
+            itertools.chain.from_iterable(
+                it.seq.token_ids[c : c + k]
+                for it, c, k in zip(items, computed.tolist(), num_new.tolist(), strict=True)
+            ),
+            np.int64,
+            num_tokens,
+        )
+        sampled_mask = ends == np.fromiter((it.seq.num_tokens for it in items), np.int64, n)  # [S]
+        num_decodes = int(np.count_nonzero(num_new == 1))
+        assert num_new[:num_decodes].max(initial=1) == 1, "decode rows must come first"
+        dec, pre = slice(0, num_decodes), slice(num_decodes, n)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            slot_mapping=torch.from_numpy(slots),
             num_decode_tokens=num_decodes,
-            decode_block_tables=_pad_tables(decode_tables),
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32),
-            prefill_block_tables=_pad_tables(prefill_tables),
-            prefill_query_start_loc=torch.tensor(q_starts, dtype=torch.int32),
-            prefill_context_lens=torch.tensor(prefill_lens, dtype=torch.int32),
+            decode_block_tables=torch.from_numpy(tables[dec]),
+            decode_context_lens=torch.from_numpy(ends[dec].astype(np.int32)),
+            prefill_block_tables=torch.from_numpy(tables[pre]),
+            prefill_query_start_loc=torch.from_numpy((q_start[num_decodes:] - num_decodes).astype(np.int32)),
+            prefill_context_lens=torch.from_numpy(ends[pre].astype(np.int32)),
+            block_tables=torch.from_numpy(tables),
+            query_start_loc=torch.from_numpy(q_start.astype(np.int32)),
+            context_lens=torch.from_numpy(ends.astype(np.int32)),
             backend=self.attention_backend,
         )
         return ModelInput(
-            torch.tensor(input_ids, dtype=torch.int64),
-            torch.tensor(positions, dtype=torch.int64),
+            torch.from_numpy(input_ids),
+            torch.from_numpy(positions),
             meta,
-            torch.tensor(logits_rows, dtype=torch.int64),
-            sampled,
+            torch.from_numpy(q_start[1:][sampled_mask] - 1),
+            [it.seq for it, due in zip(items, sampled_mask.tolist(), strict=True) if due],
         )
 
 
-def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
-    # -> [num_seqs, max_blocks] int32; padding points at block 0 and is masked by context_lens
+def _pad_tables(tables: list[list[int]]) -> np.ndarray:
+    # -> [num_seqs, max_blocks] int32; padding points at block 0 and is masked by context lengths
     width = max((len(t) for t in tables), default=0)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).reshape(
-        len(tables), width
-    )
+    out = np.zeros((len(tables), width), np.int32)
+    for row, table in zip(out, tables, strict=True):
+        row[: len(table)] = table
+    return out

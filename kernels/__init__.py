@@ -4,13 +4,15 @@ Triton kernels run on CUDA tensors, the pure-torch paths on CPU; ``backend="trit
 ``backend="torch"`` forces one (Triton on CPU tensors needs ``TRITON_INTERPRET=1`` set
 before triton is first imported in the process: see ``tests/test_kernels_interpreter.py``). The cache layout is defined once in ``engine/kv_layout.py``.
 Each Triton kernel's module also holds a simple pure-torch ``*_ref`` used by the tests.
+On CPU the attention calls take the C++ extension of ``kernels/cpu_ext.py`` when it is built
+(the default; ``PDSERVE_NATIVE_CPU=0`` or no compiler: the torch path).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import cpu_native, torch_fast
+from kernels import cpu_ext, torch_fast
 
 
 def _use_triton(tensor: torch.Tensor, backend: str | None) -> bool:
@@ -19,6 +21,36 @@ def _use_triton(tensor: torch.Tensor, backend: str | None) -> bool:
     if backend is None:
         return tensor.is_cuda
     return backend == "triton"
+
+
+def native_cpu(tensor: torch.Tensor, backend: str | None = None) -> bool:
+    """Whether attention on ``tensor`` runs the C++ CPU kernel (backend None, CPU, extension built)."""
+    return backend is None and tensor.device.type == "cpu" and cpu_ext.enabled()
+
+
+def paged_varlen_attention(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    query_start_loc,
+    context_lens,
+    scale,
+    sliding_window=None,
+    softcap=None,
+):
+    """Decodes and prefill chunks of a whole batch in one call (CPU kernel only; see native_cpu)."""
+    return cpu_ext.paged_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        scale,
+        sliding_window,
+        softcap,
+    )
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend=None) -> None:
@@ -59,6 +91,18 @@ def paged_prefill_attention(
             sliding_window,
             softcap,
         )
+    if native_cpu(query, backend):
+        return cpu_ext.paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_start_loc,
+            context_lens,
+            scale,
+            sliding_window,
+            softcap,
+        )
     return torch_fast.paged_prefill_attention(
         query,
         key_cache,
@@ -83,22 +127,18 @@ def paged_decode_attention(
     softcap=None,
     backend=None,
 ):
-    """Attention of one query token per sequence over its paged context.
-
-    On CPU (backend None) the experimental C kernel of kernels/cpu_native.py runs when enabled
-    with PDSERVE_NATIVE_CPU=1 (fp32); otherwise, and with ``backend="torch"``, the torch path."""
+    """Attention of one query token per sequence over its paged context."""
     if _use_triton(query, backend):
         from kernels.paged_decode import paged_decode_attention_triton
 
         return paged_decode_attention_triton(
             query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window, softcap
         )
-    if backend is None and softcap is None:  # the C kernel has no soft-capping
-        out = cpu_native.paged_decode_attention(
-            query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window
+    if native_cpu(query, backend):
+        starts = torch.arange(query.shape[0] + 1, dtype=torch.int32)
+        return cpu_ext.paged_attention(
+            query, key_cache, value_cache, block_tables, starts, context_lens, scale, sliding_window, softcap
         )
-        if out is not None:
-            return out
     return torch_fast.paged_decode_attention(
         query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window, softcap
     )

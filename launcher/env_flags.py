@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 PREFIX = "PDSERVE_"
 # Read from the environment by the code itself, not command-line flags: the model cache directory
-# (engine.model_fetch) and the opt-in C decode kernel (kernels.cpu_native).
+# (engine.model_fetch) and the switch of the CPU attention kernel (kernels.cpu_ext).
 NOT_FLAGS = frozenset({"PDSERVE_CACHE", "PDSERVE_NATIVE_CPU"})
 TRUE, FALSE = frozenset({"1", "true", "yes"}), frozenset({"0", "false", "no"})
 

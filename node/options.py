@@ -71,6 +71,12 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--device", default=_ENGINE.device, help="auto, cpu, cuda or cuda:N (default: auto)")
     engine.add_argument("--block-size", type=int, default=_ENGINE.block_size)
     engine.add_argument("--kv-cache-memory-mb", type=int, default=_ENGINE.kv_cache_memory_mb)
+    engine.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        default=_ENGINE.kv_cache_memory_fraction,
+        help="share of available memory the KV pool takes when neither of the two above is given",
+    )
     engine.add_argument("--num-kv-blocks", type=int, default=_ENGINE.num_kv_blocks)
     engine.add_argument("--max-num-batched-tokens", type=int, default=_ENGINE.max_num_batched_tokens)
     engine.add_argument("--max-num-seqs", type=int, default=_ENGINE.max_num_seqs)
@@ -112,6 +118,7 @@ def options_from_args(role: Role, args: argparse.Namespace) -> tuple[NodeOptions
         dtype=args.dtype,
         block_size=args.block_size,
         kv_cache_memory_mb=args.kv_cache_memory_mb,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         num_kv_blocks=args.num_kv_blocks,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,

@@ -16,6 +16,7 @@ import io
 import sys
 from collections.abc import Sequence
 
+import engine  # noqa: F401 - sets the OpenMP wait default (engine/cpu_env.py) before any handler loads torch
 from pdserve_cli import bench, generate, model, nodes, plan, router_cmd, status, up
 
 COMMAND_MODULES = (model, generate, nodes, router_cmd, up, status, bench, plan)

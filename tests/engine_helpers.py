@@ -50,7 +50,7 @@ def paged_logits(path: str, tokens: list[int], chunks: list[int], block_size: in
     cfg = ModelConfig.from_path(path)
     num_blocks = 2 * (len(tokens) // block_size + 2)
     spec = KVCacheSpec(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, "float32")
-    runner = ModelRunner(cfg, EngineConfig(model=str(path), block_size=block_size), spec)
+    runner = ModelRunner(cfg, EngineConfig(model=str(path), dtype="float32", block_size=block_size), spec)
     bm = BlockManager(num_blocks, block_size)
     bm.free_block_ids.move_to_end(0)  # a non-identity layout: block ids out of order
     seq = Sequence("teacher", list(tokens), len(tokens), SamplingParams())

@@ -92,7 +92,9 @@ def test_moe_router_logits_expert_choice_and_block_output_match_hf(kind):
     path = str(make_tiny_model(kind))
     cfg = ModelConfig.from_path(path)
     spec = KVCacheSpec(cfg.num_layers, 4, 4, cfg.num_kv_heads, cfg.head_dim, "float32")
-    ours = ModelRunner(cfg, EngineConfig(model=path), spec).model.model.layers[1].mlp  # the sparse layer
+    ours = (
+        ModelRunner(cfg, EngineConfig(model=path, dtype="float32"), spec).model.model.layers[1].mlp
+    )  # the sparse layer
     theirs = hf_model(path).model.layers[1].mlp
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(6))  # 32 picks of 8 or 4 experts
     with torch.no_grad():

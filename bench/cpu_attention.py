@@ -1,0 +1,91 @@
+"""The C++ CPU paged-attention kernel against the torch path, side by side, on one thread.
+
+    .venv/bin/python bench/cpu_attention.py [--rounds 7]
+
+The default model's attention shape (9 query heads, 3 KV heads, head_dim 64, fp32, blocks of 16
+shuffled across the pool). Rounds alternate the two paths; each figure is the median over rounds
+of the CPU time the call used (``time.process_time``: on a shared machine, time spent descheduled
+does not count, which wall time would). One thread, so the call's CPU time is its cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from kernels import cpu_ext, torch_fast  # noqa: E402
+from kernels.testing import query_start_loc, random_paged_kv  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+DECODES = [(1, 256), (1, 4096), (8, 1024), (32, 256), (32, 1024)]  # (batch, context)
+PREFILLS = [([512], [512]), ([128] * 4, [128] * 4), ([64, 64], [1024, 600])]  # (query lens, context lens)
+
+
+def cpu_ms(fn, rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        start = time.process_time()
+        fn()
+        times.append(time.process_time() - start)
+    return statistics.median(times) * 1e3
+
+
+def compare(name: str, native, torch_path, rounds: int) -> None:
+    native(), torch_path()  # warm-up
+    a, b = [], []
+    for _ in range(rounds):  # alternate, so both see the same machine
+        a.append(cpu_ms(native, 1))
+        b.append(cpu_ms(torch_path, 1))
+    ours, theirs = statistics.median(a), statistics.median(b)
+    print(f"| {name} | {ours:.2f} | {theirs:.2f} | {theirs / ours:.2f}x |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    assert cpu_ext.load() is not None, "the extension did not build"
+    print("| case | C++ kernel ms | torch path ms | speed-up |")
+    print("|---|---|---|---|")
+    for batch, context in DECODES:
+        kv = random_paged_kv([context] * batch, BLOCK, KV_HEADS, HEAD_DIM, seed=1)
+        q = torch.randn(batch, HEADS, HEAD_DIM)
+        qsl = query_start_loc([1] * batch)
+        caches = (kv.key_cache, kv.value_cache, kv.block_tables)
+        compare(
+            f"decode, batch {batch} x context {context}",
+            functools.partial(cpu_ext.paged_attention, q, *caches, qsl, kv.context_lens, 0.125),
+            functools.partial(torch_fast.paged_decode_attention, q, *caches, kv.context_lens, 0.125),
+            args.rounds,
+        )
+    for query_lens, context_lens in PREFILLS:
+        kv = random_paged_kv(context_lens, BLOCK, KV_HEADS, HEAD_DIM, seed=1)
+        q = torch.randn(sum(query_lens), HEADS, HEAD_DIM)
+        args_ = (
+            q,
+            kv.key_cache,
+            kv.value_cache,
+            kv.block_tables,
+            query_start_loc(query_lens),
+            kv.context_lens,
+            0.125,
+        )
+        compare(
+            f"prefill, queries {query_lens} over contexts {context_lens}",
+            functools.partial(cpu_ext.paged_attention, *args_),
+            functools.partial(torch_fast.paged_prefill_attention, *args_),
+            args.rounds,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The CPU paged-attention kernel (kernels/csrc/paged_attention_cpu.cpp) as a torch C++ extension.
+
+It reads the paged cache in place and runs in torch's own thread pool (at::parallel_for), so it
+shares the cores with the matmuls instead of fighting them. Built once per machine with
+``torch.utils.cpp_extension`` into the cache directory, keyed by the source, the build flags, the
+torch version and the CPU's flags (``-march=native``); later processes load the built library
+without invoking the compiler. On by default; ``PDSERVE_NATIVE_CPU=0`` turns it off, and where no
+C++ compiler exists (or the build fails) the torch path runs, after one warning line.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = pathlib.Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+NAME = "pdserve_paged_attention_cpu"
+# Reassociation lets the dot products vectorize. Never -ffast-math / -Ofast: a shared object built
+# with them may turn on flush-to-zero for the whole process when loaded.
+CFLAGS = (
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+)
+
+
+def enabled() -> bool:
+    """The kernel is wanted (PDSERVE_NATIVE_CPU is not 0) and loads; builds it on first call."""
+    return os.environ.get("PDSERVE_NATIVE_CPU", "1") != "0" and load() is not None
+
+
+def cache_dir() -> pathlib.Path:
+    base = os.environ.get("PDSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pdserve")
+    return pathlib.Path(base) / "native"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), os.uname().machine)
+    except OSError:
+        return os.uname().machine
+
+
+def build_key() -> str:
+    parts = [
+        SOURCE.read_bytes(),
+        " ".join(CFLAGS).encode(),
+        torch.__version__.encode(),
+        _cpu_flags().encode(),
+    ]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+@functools.cache
+def load() -> pathlib.Path | None:
+    """Build (once per key) and load the extension; its library path, or None after a warning."""
+    build_dir = cache_dir() / f"{NAME}-{build_key()}"
+    lib = build_dir / f"{NAME}.so"
+    try:
+        if lib.is_file():
+            torch.ops.load_library(str(lib))
+            return lib
+        compiler = os.environ.get("CXX", "c++")
+        if shutil.which(compiler) is None:
+            log.warning("CPU paged attention: no C++ compiler (%s); using the torch path", compiler)
+            return None
+        build_dir.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        from torch.utils import cpp_extension
+
+        # Locks build_dir while it builds, so node processes starting together build it once.
+        cpp_extension.load(
+            name=NAME,
+            sources=[str(SOURCE)],
+            extra_cflags=list(CFLAGS),
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+        log.info("CPU paged attention: built %s in %.1f s", lib, time.perf_counter() - start)
+        return lib
+    except Exception as e:  # noqa: BLE001 - any build or load failure means the torch path
+        log.warning(
+            "CPU paged attention unavailable (%s); using the torch path", str(e).splitlines()[0][:200]
+        )
+        return None
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Varlen causal attention of every sequence's new rows over its paged context, in one call.
+
+    query: [T, H, D]; caches: [num_blocks, block_size, KVH, D] (nbhd-v1); block_tables: [S, MAXB]
+    int32; query_start_loc: [S + 1] int32 (sequence s owns rows start[s]:start[s+1], its last
+    positions); context_lens: [S] int32, new tokens included (their K/V already written).
+    Decodes are sequences of one row. Builds the kernel on first use; raises where it cannot.
+    """
+    if load() is None:
+        raise RuntimeError("the CPU paged-attention extension could not be built or loaded")
+    return torch.ops.pdserve_cpu.paged_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        scale,
+        sliding_window or 0,
+        softcap or 0.0,
+    )

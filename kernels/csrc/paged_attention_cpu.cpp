@@ -1,0 +1,309 @@
+// Paged attention on CPU that reads K/V blocks in place: decodes and prefill chunks (over any
+// cached context) of many sequences in one call, in torch's own thread pool (at::parallel_for).
+//
+// Sequence s owns query rows query_start_loc[s] .. query_start_loc[s+1]-1, which are its last
+// positions: row j sits at position context_lens[s] - q_len + j and sees the keys at positions
+// p - window < k <= p (no lower bound without a window). Token t of a sequence lives in block
+// block_tables[s][t / bs] at offset t % bs of the nbhd-v1 cache ([num_blocks, bs, KVH, D]):
+//
+//   k(t) = key_cache + ((block_tables[s][t / bs] * bs + t % bs) * KVH + h) * D
+//
+// One work item is (sequence, KV head, a tile of up to kQueryTile query rows); the G = H / KVH
+// query heads of the group share every K/V row it reads. Keys go by in chunks of kKeyChunk with an
+// online softmax (running max and sum per query row), so no padded copy and no [Q, T] score
+// matrix is ever built. Items are handed out from an atomic counter, largest first: prefill tiles
+// differ in cost by orders of magnitude, and at::parallel_for's static split would leave a thread idle.
+// Accumulation is fp32 whatever the cache dtype.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kQueryTile = 16;  // query rows of one sequence per work item
+constexpr int64_t kKeyChunk = 128;  // keys per online-softmax step
+
+struct Item {
+  int64_t seq, kv_head, row0, row1;  // rows are offsets in the sequence's own query rows
+  int64_t cost;                      // rows x keys visited, for largest-first ordering
+};
+
+struct Problem {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, window;
+  float scale, softcap;
+  int64_t q_stride0, q_stride1;
+  const int32_t *tables, *starts, *lens;
+};
+
+// exp(x) for the softmax in plain arithmetic, so that loops of it vectorise (std::exp does not
+// without -ffast-math): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7
+// (relative error < 1e-8, under fp32 rounding), times 2^n built in the exponent bits.
+// Below -87 (and for -inf, the masked scores) the result is exactly 0.
+inline float softmax_exp(float x) {
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 in two parts: exact n * hi
+  float e = 1.f / 5040.f;
+  e = e * r + 1.f / 720.f;
+  e = e * r + 1.f / 120.f;
+  e = e * r + 1.f / 24.f;
+  e = e * r + 1.f / 6.f;
+  e = e * r + 0.5f;
+  e = e * r + 1.f;
+  e = e * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(x < -87.f ? 0.f : n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.f ? 0.f : e * scale;
+}
+
+template <typename T>
+inline float dot(const float *q, const T *k, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += q[i] * static_cast<float>(k[i]);
+  return s;
+}
+
+template <typename T>
+inline void axpy(float a, const T *v, float *acc, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += a * static_cast<float>(v[i]);
+}
+
+struct Scratch {
+  std::vector<float> q, scores, acc, row_max, row_sum, keys_t;
+  Scratch(int64_t nq, int64_t d)
+      : q(nq * d), scores(nq * kKeyChunk), acc(nq * d), row_max(nq), row_sum(nq), keys_t(d * kKeyChunk) {}
+};
+
+// From this many query rows in an item (prefill tiles), scores are computed against the chunk's
+// keys transposed to [D, keys]: the products then vectorise across keys, with no horizontal sum
+// per (row, key); the transpose costs one pass over the chunk, which few rows would not repay.
+constexpr int64_t kTransposedRows = 8;
+
+template <typename T, int kD>
+void transposed_scores(const Problem &p, Scratch &sc, const int32_t *table, const T *kc, int64_t kv_head,
+                       int64_t rows, int64_t G, int64_t first_pos, int64_t c0, int64_t c1) {
+  const int64_t D = kD > 0 ? kD : p.head_dim, n = c1 - c0, bs = p.block_size, token_stride = p.num_kv_heads * D;
+  const int64_t nq = rows * G;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float *kt = sc.keys_t.data();  // [D, kKeyChunk]; columns past n hold stale values, never kept
+  for (int64_t t = c0; t < c1;) {
+    const int64_t block = t / bs, offset = t - block * bs, run = std::min(c1 - t, bs - offset);
+    const T *k = kc + ((table[block] * bs + offset) * p.num_kv_heads + kv_head) * D;
+    for (int64_t i = 0; i < run; ++i, ++t, k += token_stride)
+      for (int64_t d = 0; d < D; ++d) kt[d * kKeyChunk + (t - c0)] = static_cast<float>(k[d]);
+  }
+  // A register tile of 4 query rows x 16 keys: each kt load feeds 4 multiply-adds.
+  constexpr int64_t R = 4, W = 16;
+  for (int64_t r0 = 0; r0 < nq; r0 += R) {
+    const int64_t nr = std::min(R, nq - r0);
+    for (int64_t t0 = 0; t0 < n; t0 += W) {
+      float acc[R][W] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const float *col = kt + d * kKeyChunk + t0;
+        for (int64_t r = 0; r < R; ++r) {
+          const float qd = r < nr ? sc.q[(r0 + r) * D + d] : 0.f;
+          for (int64_t i = 0; i < W; ++i) acc[r][i] += qd * col[i];
+        }
+      }
+      const int64_t w = std::min(W, n - t0);
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t i = 0; i < w; ++i) sc.scores[(r0 + r) * kKeyChunk + t0 + i] = acc[r][i];
+    }
+  }
+  for (int64_t j = 0; j < rows; ++j) {  // causal and window mask, soft-capping
+    const int64_t pos = first_pos + j;
+    const int64_t lo = std::max<int64_t>(c0, p.window > 0 ? pos - p.window + 1 : c0) - c0;
+    const int64_t hi = std::min<int64_t>(c1, pos + 1) - c0;  // visible keys: [lo, hi) of the chunk
+    for (int64_t g = 0; g < G; ++g) {
+      float *s = sc.scores.data() + (j * G + g) * kKeyChunk;
+      for (int64_t t = 0; t < n; ++t) {
+        if (t < lo || t >= hi) s[t] = neg_inf;
+        else if (p.softcap > 0.f) s[t] = p.softcap * std::tanh(s[t] / p.softcap);
+      }
+    }
+  }
+}
+
+// kD: head_dim fixed at compile time (the common 64 / 128 / 256: loops unroll fully), 0: runtime.
+template <typename T, int kD>
+void run_item(const Problem &p, const Item &it, const T *query, const T *kc, const T *vc, T *out,
+              Scratch &sc) {
+  const int64_t G = p.num_heads / p.num_kv_heads, D = kD > 0 ? kD : p.head_dim, bs = p.block_size;
+  const int64_t rows = it.row1 - it.row0, nq = rows * G;
+  const int64_t q_begin = p.starts[it.seq];
+  const int64_t q_len = p.starts[it.seq + 1] - q_begin;
+  const int64_t first_pos = p.lens[it.seq] - q_len + it.row0;  // position of the tile's first row
+  const int32_t *table = p.tables + it.seq * p.max_blocks;
+  const int64_t token_stride = p.num_kv_heads * D;  // from one token's K (or V) row to the next
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t g = 0; g < G; ++g) {
+      const T *src = query + (q_begin + it.row0 + j) * p.q_stride0 + (it.kv_head * G + g) * p.q_stride1;
+      float *dst = sc.q.data() + (j * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * p.scale;
+    }
+  std::fill(sc.acc.begin(), sc.acc.begin() + nq * D, 0.f);
+  std::fill(sc.row_max.begin(), sc.row_max.begin() + nq, neg_inf);
+  std::fill(sc.row_sum.begin(), sc.row_sum.begin() + nq, 0.f);
+
+  const int64_t last_pos = first_pos + rows - 1;
+  const int64_t key_lo = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
+  const int64_t key_hi = last_pos + 1;
+  for (int64_t c0 = key_lo; c0 < key_hi; c0 += kKeyChunk) {
+    const int64_t c1 = std::min(key_hi, c0 + kKeyChunk);
+    if (nq >= kTransposedRows) {
+      transposed_scores<T, kD>(p, sc, table, kc, it.kv_head, rows, G, first_pos, c0, c1);
+    } else {
+    // scores: each K row once for all nq query rows; one block-table lookup per block run
+    for (int64_t t = c0; t < c1;) {
+      const int64_t block = t / bs, offset = t - block * bs, run = std::min(c1 - t, bs - offset);
+      const T *k = kc + ((table[block] * bs + offset) * p.num_kv_heads + it.kv_head) * D;
+      for (int64_t i = 0; i < run; ++i, ++t, k += token_stride)
+        for (int64_t j = 0; j < rows; ++j) {
+          const int64_t pos = first_pos + j;
+          const bool visible = t <= pos && (p.window <= 0 || t > pos - p.window);
+          float *s = sc.scores.data() + j * G * kKeyChunk + (t - c0);
+          for (int64_t g = 0; g < G; ++g, s += kKeyChunk) {
+            float v = neg_inf;
+            if (visible) {
+              v = dot(sc.q.data() + (j * G + g) * D, k, D);
+              if (p.softcap > 0.f) v = p.softcap * std::tanh(v / p.softcap);
+            }
+            *s = v;
+          }
+        }
+    }
+    }
+    for (int64_t r = 0; r < nq; ++r) {  // online softmax: rescale what came before, weigh this chunk
+      float *s = sc.scores.data() + r * kKeyChunk;
+      float m = sc.row_max[r];
+      for (int64_t t = 0; t < c1 - c0; ++t) m = std::max(m, s[t]);
+      if (m == neg_inf) continue;  // nothing visible yet for this row (window, causal edge)
+      const float correction = softmax_exp(sc.row_max[r] - m);
+      float total = 0.f;
+      for (int64_t t = 0; t < c1 - c0; ++t) {
+        s[t] = softmax_exp(s[t] - m);
+        total += s[t];
+      }
+      sc.row_sum[r] = sc.row_sum[r] * correction + total;
+      sc.row_max[r] = m;
+      if (correction != 1.f) {
+        float *a = sc.acc.data() + r * D;
+        for (int64_t d = 0; d < D; ++d) a[d] *= correction;
+      }
+    }
+    for (int64_t t = c0; t < c1;) {  // values: each V row once for all nq query rows
+      const int64_t block = t / bs, offset = t - block * bs, run = std::min(c1 - t, bs - offset);
+      const T *v = vc + ((table[block] * bs + offset) * p.num_kv_heads + it.kv_head) * D;
+      for (int64_t i = 0; i < run; ++i, ++t, v += token_stride)
+        for (int64_t r = 0; r < nq; ++r) {
+          const float w = sc.row_max[r] == neg_inf ? 0.f : sc.scores[r * kKeyChunk + (t - c0)];
+          if (w != 0.f) axpy(w, v, sc.acc.data() + r * D, D);
+        }
+    }
+  }
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = j * G + g;
+      const float inv = 1.f / sc.row_sum[r];  // > 0: every row sees at least its own key
+      T *dst = out + ((q_begin + it.row0 + j) * p.num_heads + it.kv_head * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(sc.acc[r * D + d] * inv);
+    }
+}
+
+template <typename T, int kD>
+void run_all(const Problem &p, const std::vector<Item> &items, const T *q, const T *kc, const T *vc, T *o) {
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(num_items, 1));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch scratch(kQueryTile * (p.num_heads / p.num_kv_heads), p.head_dim);
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1))
+      run_item<T, kD>(p, items[i], q, kc, vc, o, scratch);
+  });
+}
+
+std::vector<Item> work_items(const Problem &p, int64_t num_seqs) {
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = p.starts[s + 1] - p.starts[s];
+    for (int64_t r0 = 0; r0 < q_len; r0 += kQueryTile) {
+      const int64_t r1 = std::min(q_len, r0 + kQueryTile);
+      const int64_t last = p.lens[s] - q_len + r1;  // keys up to the tile's last row
+      const int64_t keys = p.window > 0 ? std::min(last, p.window + r1 - r0) : last;
+      for (int64_t h = 0; h < p.num_kv_heads; ++h) items.push_back({s, h, r0, r1, (r1 - r0) * keys});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item &a, const Item &b) { return a.cost > b.cost; });
+  return items;
+}
+
+at::Tensor paged_attention(const at::Tensor &query, const at::Tensor &key_cache, const at::Tensor &value_cache,
+                           const at::Tensor &block_tables, const at::Tensor &query_start_loc,
+                           const at::Tensor &context_lens, double scale, int64_t window, double softcap) {
+  // query: [T, H, D] (rows may be strided); caches: [NB, BS, KVH, D] contiguous;
+  // block_tables: [S, MAXB] int32; query_start_loc: [S + 1] int32; context_lens: [S] int32
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [T, H, D] with contiguous D");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim] (nbhd-v1)");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ in shape");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
+              "query and caches must share one dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
+                  context_lens.scalar_type() == at::kInt,
+              "block_tables, query_start_loc and context_lens must be int32");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous(), "block_tables must be [S, MAXB] contiguous");
+  const int64_t num_seqs = context_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs,
+              "one block table and one context length per sequence");
+  TORCH_CHECK(query.size(2) == key_cache.size(3) && query.size(1) % key_cache.size(2) == 0,
+              "head_dim must match and num_heads be a multiple of num_kv_heads");
+  auto starts = query_start_loc.contiguous();
+  auto lens = context_lens.contiguous();
+  const Problem p{query.size(1), key_cache.size(2), query.size(2), key_cache.size(1), block_tables.size(1), window,
+                  static_cast<float>(scale), static_cast<float>(softcap), query.stride(0), query.stride(1),
+                  block_tables.data_ptr<int32_t>(), starts.data_ptr<int32_t>(), lens.data_ptr<int32_t>()};
+  TORCH_CHECK(p.starts[0] == 0 && p.starts[num_seqs] == query.size(0), "query_start_loc must span the query rows");
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = p.starts[s + 1] - p.starts[s];
+    TORCH_CHECK(q_len >= 0 && q_len <= p.lens[s], "sequence ", s, ": more query rows than context");
+    TORCH_CHECK(p.lens[s] <= p.max_blocks * p.block_size, "sequence ", s, ": context longer than its block table");
+    for (int64_t b = 0; b < (p.lens[s] + p.block_size - 1) / p.block_size; ++b) {
+      const int32_t id = p.tables[s * p.max_blocks + b];
+      TORCH_CHECK(id >= 0 && id < key_cache.size(0), "sequence ", s, ": block id ", id, " outside the cache");
+    }
+  }
+  auto out = at::empty({query.size(0), p.num_heads, p.head_dim}, query.options());
+  const std::vector<Item> items = work_items(p, num_seqs);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_cpu", [&] {
+    const scalar_t *q = query.data_ptr<scalar_t>();
+    const scalar_t *kc = key_cache.data_ptr<scalar_t>();
+    const scalar_t *vc = value_cache.data_ptr<scalar_t>();
+    scalar_t *o = out.data_ptr<scalar_t>();
+    switch (p.head_dim) {
+      case 64: return run_all<scalar_t, 64>(p, items, q, kc, vc, o);
+      case 128: return run_all<scalar_t, 128>(p, items, q, kc, vc, o);
+      case 256: return run_all<scalar_t, 256>(p, items, q, kc, vc, o);
+      default: return run_all<scalar_t, 0>(p, items, q, kc, vc, o);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve_cpu, m) {
+  m.def(
+      "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+      "Tensor query_start_loc, Tensor context_lens, float scale, int window, float softcap) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
