@@ -1,0 +1,145 @@
+"""Faults caused for real on a node or Redis under a steady mixed load (streamed and not, logprobs
+on and off, prompts that go through a prefill node and ones that prefill on the decode node).
+
+After each: every request ended within its deadline, complete and equal to Hugging Face or with a
+clear error (a stream only after it had sent a token: before, the router retries it); the surviving
+nodes kept serving; every node's used KV blocks went back to 0 (read through /metrics); a restarted
+node rejoins and takes traffic. ``@pytest.mark.chaos`` cases run in ``make chaos`` only."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import os
+import signal
+import time
+
+import pytest
+
+from tests.chaos.harness import (
+    Cluster,
+    Expected,
+    LoadGenerator,
+    Spec,
+    check_outcomes,
+    make_specs,
+    prompts,
+    request_once,
+    write_report_row,
+)
+
+pytestmark = pytest.mark.slow
+STEADY_S = 1.5  # load before the fault
+AFTER_S = 4.0  # load after it: retries, and the survivors serving new requests
+
+
+def _new_node_takes_traffic(cluster: Cluster, node, expected: Expected, seed: int) -> None:
+    """Rounds of concurrent distinct long prompts (ties between idle nodes go by node id, so one at
+    a time could all go to the old one) until the new node shows it took some."""
+    event = "request_added" if node.role == "prefill" else "kv_adopted"
+    deadline = time.monotonic() + 30
+    for attempt in itertools.count():
+        specs = [
+            Spec(p + (7,) * 100, 8, stream=False, logprobs=True) for p in prompts(seed * 1000 + attempt, 8)
+        ]
+        with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
+            outcomes = list(
+                pool.map(lambda s: request_once(cluster.router.url, cluster.model.name, s), specs)
+            )
+        for outcome in outcomes:
+            assert outcome.kind == "complete", outcome
+            expected.check(outcome)
+        if node.events(event) or node.events("request_added"):
+            return
+        assert time.monotonic() < deadline, f"the restarted {node.role} node took no request"
+
+
+def run_fault(
+    cluster: Cluster,
+    expected: Expected,
+    *,
+    fault: str,
+    where: str,
+    inject,
+    recover=None,
+    allowed: frozenset = frozenset({"sse_error"}),
+    seed: int = 0,
+    long_output: bool = True,
+    concurrency: int = 8,
+) -> dict:
+    """Load, ``inject()``, more load, ``recover()``; then the checks every fault ends with."""
+    specs = make_specs(seed, long_output=long_output)
+    for spec in specs:
+        expected.tokens(spec)  # the oracle runs before the clock does
+    with LoadGenerator(cluster.router.url, cluster.model.name, specs, concurrency, seed) as load:
+        time.sleep(STEADY_S)
+        fault_at = time.monotonic()
+        inject()
+        time.sleep(AFTER_S)
+        if recover is not None:
+            recover()
+            time.sleep(1.0)
+        outcomes = load.stop()
+    counts = check_outcomes(outcomes, expected, set(allowed))
+    late = [o for o in outcomes if o.started > fault_at + 3.0 and o.kind != "complete"]
+    assert not late, f"requests sent after the fault was noticed failed: {late[:3]}"
+    used = cluster.wait_idle()
+    assert used and not any(used.values()), f"blocks still held: {used}"
+    row = {
+        "fault": fault,
+        "where": where,
+        "requests": len(outcomes),
+        "in_flight": load.in_flight_at(fault_at),
+        "outcomes": counts,
+        "blocks_leaked": sum(used.values()),
+    }
+    write_report_row(row)
+    return row
+
+
+def _kill_and_replace(cluster: Cluster, role: str, expected: Expected, seed: int, **kw) -> None:
+    victim = cluster.live(role)[0]
+    run_fault(cluster, expected, inject=victim.kill, seed=seed, **kw)
+    new = cluster.replace(victim)
+    cluster.wait_members(2, 2)
+    _new_node_takes_traffic(cluster, new, expected, seed)
+
+
+def test_kill_9_of_a_decode_node_mid_decode(cluster, expected):
+    _kill_and_replace(cluster, "decode", expected, 1, fault="kill -9 decode", where="mid-decode")
+
+
+@pytest.mark.chaos
+def test_kill_9_of_a_prefill_node_under_load(cluster, expected):
+    _kill_and_replace(
+        cluster, "prefill", expected, 2, fault="kill -9 prefill", where="prefill, reservation, transfer"
+    )
+
+
+def test_sigstop_of_a_prefill_node_then_sigcont(cluster, expected):
+    victim = cluster.live("prefill")[0]
+    run_fault(
+        cluster,
+        expected,
+        fault="SIGSTOP prefill (then SIGCONT)",
+        where="prefill, before the reservation",
+        inject=lambda: os.kill(victim.proc.pid, signal.SIGSTOP),
+        recover=lambda: os.kill(victim.proc.pid, signal.SIGCONT),
+        seed=3,
+    )
+    cluster.wait_members(2, 2)
+
+
+@pytest.mark.chaos
+def test_sigstop_of_a_decode_node_then_sigcont(cluster, expected):
+    victim = cluster.live("decode")[0]
+    run_fault(
+        cluster,
+        expected,
+        fault="SIGSTOP decode (then SIGCONT)",
+        where="reservation grant, mid-decode",
+        inject=lambda: os.kill(victim.proc.pid, signal.SIGSTOP),
+        recover=lambda: os.kill(victim.proc.pid, signal.SIGCONT),
+        seed=4,
+    )
+    cluster.wait_members(2, 2)
