@@ -394,3 +394,27 @@ def main_thread_frozen(pid: int):
         yield
     finally:
         libc.ptrace(detach, pid, None, None)
+
+
+def restart_redis(redis: RedisServer, tmp: pathlib.Path, timeout_s: float = 10.0) -> None:
+    """A fresh, empty redis-server on the port the dead one had (the nodes and router reconnect)."""
+    import shutil
+
+    import redis as redis_py
+
+    redis.proc = subprocess.Popen(
+        [shutil.which("redis-server"), "--port", str(redis.port), "--bind", "127.0.0.1", "--save", ""]
+        + ["--appendonly", "no", "--dir", str(tmp)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    client = redis_py.Redis(port=redis.port, socket_timeout=2)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.ping()
+            return
+        except redis_py.RedisError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
