@@ -27,7 +27,8 @@ import httpx
 
 from tests.cluster import ROOT, NodeProcess, RedisServer, free_port
 
-HEARTBEAT = ["--heartbeat-interval", "0.2", "--heartbeat-ttl", "1.5"]
+STALL_TIMEOUT_S = 1.5  # a node whose loop made no progress for this long leaves the registry
+HEARTBEAT = ["--heartbeat-interval", "0.2", "--heartbeat-ttl", "1.5", "--stall-timeout", str(STALL_TIMEOUT_S)]
 NODE_ARGS = ["--num-kv-blocks", "256", *HEARTBEAT]
 CHUNK_TIMEOUT_S = 6.0  # the router's no-output deadline in these tests
 # A request's whole life in the router: its attempts, each waiting at most a chunk timeout per reply.

@@ -9,6 +9,7 @@ node rejoins and takes traffic. ``@pytest.mark.chaos`` cases run in ``make chaos
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import os
 import signal
@@ -17,11 +18,13 @@ import time
 import pytest
 
 from tests.chaos.harness import (
+    STALL_TIMEOUT_S,
     Cluster,
     Expected,
     LoadGenerator,
     Spec,
     check_outcomes,
+    main_thread_frozen,
     make_specs,
     prompts,
     request_once,
@@ -149,3 +152,41 @@ def test_sigstop_of_a_decode_node_then_sigcont(cluster, expected):
         seed=4,
     )
     cluster.wait_members(2, 2)
+
+
+def _stuck_loop(cluster: Cluster, expected: Expected, role: str, seed: int) -> None:
+    """Freeze only the node's main thread (its engine loop): heartbeat and ZeroMQ threads run on,
+    so only a heartbeat tied to the loop's progress lets the router see it."""
+    victim = cluster.live(role)[0]
+    num_prefill, num_decode = len(cluster.live("prefill")), len(cluster.live("decode"))
+    left_after: list[float] = []
+    stack = contextlib.ExitStack()
+
+    def inject() -> None:
+        stack.enter_context(main_thread_frozen(victim.proc.pid))
+        frozen_at = time.monotonic()
+        gone = (num_prefill - (role == "prefill"), num_decode - (role == "decode"))
+        cluster.wait_members(*gone, timeout_s=STALL_TIMEOUT_S + 5)
+        left_after.append(time.monotonic() - frozen_at)
+
+    run_fault(
+        cluster,
+        expected,
+        fault=f"engine loop of a {role} node stuck (its main thread ptrace-stopped)",
+        where="prefill compute" if role == "prefill" else "mid-decode",
+        inject=inject,
+        recover=stack.close,
+        seed=seed,
+    )
+    # The record expires STALL_TIMEOUT_S after the loop's last progress (+ the router's poll).
+    assert left_after[0] < STALL_TIMEOUT_S + 1.0, left_after
+    cluster.wait_members(num_prefill, num_decode)
+
+
+def test_a_decode_node_whose_engine_loop_is_stuck_leaves_the_pool(cluster, expected):
+    _stuck_loop(cluster, expected, "decode", 5)
+
+
+@pytest.mark.chaos
+def test_a_prefill_node_whose_engine_loop_is_stuck_leaves_the_pool(cluster, expected):
+    _stuck_loop(cluster, expected, "prefill", 6)
