@@ -312,7 +312,7 @@ def make_specs(seed: int, num: int = 16, long_output: bool = False) -> list[Spec
     rng = random.Random(seed)
     out = []
     for i, prompt in enumerate(prompts(seed, num)):
-        max_tokens = rng.choice([120, 200]) if long_output and i % 2 == 0 else rng.choice([4, 16, 40])
+        max_tokens = rng.choice([64, 128]) if long_output and i % 2 == 0 else rng.choice([4, 16, 40])
         out.append(Spec(prompt, max_tokens, stream=i % 2 == 0, logprobs=(i // 2) % 2 == 0))
     return out
 

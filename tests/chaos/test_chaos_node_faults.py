@@ -33,7 +33,7 @@ from tests.chaos.harness import (
 
 pytestmark = pytest.mark.slow
 STEADY_S = 1.5  # load before the fault
-AFTER_S = 4.0  # load after it: retries, and the survivors serving new requests
+AFTER_S = 3.5  # load after it: retries, and the survivors serving new requests
 
 
 def _new_node_takes_traffic(cluster: Cluster, node, expected: Expected, seed: int) -> None:
@@ -125,6 +125,7 @@ def test_kill_9_of_a_prefill_node_under_load(cluster, expected):
     )
 
 
+@pytest.mark.chaos
 def test_sigstop_of_a_prefill_node_then_sigcont(cluster, expected):
     victim = cluster.live("prefill")[0]
     run_fault(
@@ -190,3 +191,31 @@ def test_a_decode_node_whose_engine_loop_is_stuck_leaves_the_pool(cluster, expec
 @pytest.mark.chaos
 def test_a_prefill_node_whose_engine_loop_is_stuck_leaves_the_pool(cluster, expected):
     _stuck_loop(cluster, expected, "prefill", 6)
+
+
+def _sigterm(cluster: Cluster, expected: Expected, role: str, seed: int) -> None:
+    """Scale-down: SIGTERM under load loses no request (only complete outcomes are allowed)."""
+    victim = cluster.live(role)[0]
+    run_fault(
+        cluster,
+        expected,
+        fault=f"SIGTERM {role} (scale-down)",
+        where="every stage: queued, prefill, transfer, decode",
+        inject=lambda: victim.proc.send_signal(signal.SIGTERM),
+        allowed=frozenset(),
+        seed=seed,
+    )
+    assert victim.proc.wait(30) == 0
+    new = cluster.replace(victim)
+    cluster.wait_members(2, 2)
+    _new_node_takes_traffic(cluster, new, expected, seed)
+
+
+@pytest.mark.chaos
+def test_sigterm_of_a_decode_node_under_load_loses_no_request(cluster, expected):
+    _sigterm(cluster, expected, "decode", 7)
+
+
+@pytest.mark.chaos
+def test_sigterm_of_a_prefill_node_under_load_loses_no_request(cluster, expected):
+    _sigterm(cluster, expected, "prefill", 8)
