@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.chaos.harness import Cluster, Expected
+from tests.chaos.harness import Cluster, Expected, Router
 from tests.test_router_cluster import tiny_model_with_tokenizer
+
+ADMITTED = 12  # the tight router's --max-inflight-decode
 
 
 @pytest.fixture(scope="module")
@@ -25,3 +27,27 @@ def cluster(tmp_path_factory, model):
         yield c
     finally:
         c.close()
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory, model):
+    """1 prefill + 1 decode node with two routers: the default one and one admitting ADMITTED."""
+    tmp = tmp_path_factory.mktemp("small")
+    cluster = Cluster(tmp, model, roles=("prefill", "decode"))
+    tight = Router(
+        model,
+        cluster.redis.url,
+        tmp,
+        "--max-inflight-decode",
+        str(ADMITTED),
+        "--max-inflight-prefill",
+        str(ADMITTED // 2),
+        "--disagg-threshold",
+        "32",
+    )
+    try:
+        tight.wait_healthy()
+        yield cluster, tight
+    finally:
+        tight.close()
+        cluster.close()

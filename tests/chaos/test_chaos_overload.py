@@ -16,34 +16,11 @@ import httpx
 import psutil
 import pytest
 
-from tests.chaos.harness import Cluster, Router, Spec, prompts, write_report_row
+from tests.chaos.conftest import ADMITTED
+from tests.chaos.harness import Spec, prompts, write_report_row
 
 pytestmark = pytest.mark.slow
-ADMITTED = 12  # the tight router's --max-inflight-decode
 _GAUGE = r'^{name}\{{node_id="[^"]+",role="\w+"\}} (\d+)$'
-
-
-@pytest.fixture(scope="module")
-def small(tmp_path_factory, model):
-    tmp = tmp_path_factory.mktemp("overload")
-    cluster = Cluster(tmp, model, roles=("prefill", "decode"))
-    tight = Router(
-        model,
-        cluster.redis.url,
-        tmp,
-        "--max-inflight-decode",
-        str(ADMITTED),
-        "--max-inflight-prefill",
-        str(ADMITTED // 2),
-        "--disagg-threshold",
-        "32",
-    )
-    try:
-        tight.wait_healthy()
-        yield cluster, tight
-    finally:
-        tight.close()
-        cluster.close()
 
 
 def _rss_mb(pids: list[int]) -> dict[int, float]:

@@ -1,0 +1,114 @@
+"""Security defaults, checked on real processes: an API key on /v1 only (401 in OpenAI's shape,
+health and metrics open), a Redis that needs a password, every socket bound to loopback outside
+compose, and a compose file that publishes the router alone."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+import time
+
+import httpx
+import psutil
+import pytest
+import redis
+import yaml
+
+from tests.chaos.harness import Router, Spec, request_once
+from tests.cluster import ROOT, NodeProcess, free_port
+
+pytestmark = pytest.mark.slow
+PASSWORD = "s3cret-pw"
+KEY = "sk-test-0123456789"
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory, model):
+    """Redis with requirepass, 1 prefill + 1 decode node and a router with --api-key."""
+    tmp = tmp_path_factory.mktemp("security")
+    port = free_port()
+    cmd = [shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    server = subprocess.Popen([*cmd, "--requirepass", PASSWORD, "--dir", str(tmp)], stdout=subprocess.DEVNULL)
+    url = f"redis://:{PASSWORD}@127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            redis.Redis.from_url(url, socket_timeout=1).ping()
+            break
+        except redis.RedisError:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+    nodes = [
+        NodeProcess(role, str(model), tmp, url, ["--num-kv-blocks", "128"]) for role in ("prefill", "decode")
+    ]
+    router = Router(model, url, tmp, "--api-key", KEY, "--disagg-threshold", "8")
+    try:
+        for node in nodes:
+            node.wait_ready()
+        router.wait_healthy()
+        yield router, nodes, port
+    finally:
+        router.close()
+        for node in nodes:
+            node.close()
+        server.terminate()
+        server.wait(5)
+
+
+def test_redis_refuses_clients_without_the_password(guarded):
+    _, _, port = guarded
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=port, socket_timeout=1).ping()
+
+
+def test_with_the_key_and_a_password_protected_redis_requests_complete(guarded, model, expected):
+    router, _, _ = guarded
+    spec = Spec(tuple(range(400, 440)), 6, stream=False, logprobs=True)
+    body = {"model": model.name, "prompt": list(spec.prompt), "max_tokens": 6, "temperature": 0}
+    body |= {"ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True}
+    reply = httpx.post(router.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert reply.status_code == 200, reply.text
+    tokens = [int(t.removeprefix("token_id:")) for t in reply.json()["choices"][0]["logprobs"]["tokens"]]
+    assert tokens == expected.tokens(spec)
+
+
+@pytest.mark.parametrize("auth", [None, "Bearer wrong", f"Bearer {KEY}x", KEY, "Bearer é"])
+def test_without_the_right_key_v1_is_401_in_openai_shape(guarded, model, auth):
+    router, _, _ = guarded
+    headers = {} if auth is None else {"Authorization": auth.encode()}
+    outcome = httpx.post(router.url + "/v1/completions", json={"prompt": "x"}, headers=headers)
+    assert outcome.status_code == 401 and outcome.headers["www-authenticate"] == "Bearer"
+    assert outcome.json() == {
+        "error": {
+            "message": "missing or wrong API key",
+            "type": "authentication_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+    }
+    assert httpx.get(router.url + "/v1/models", headers=headers).status_code == 401
+    assert request_once(router.url, model.name, Spec((5,) * 8, 2, True, False)).status == 401
+
+
+def test_health_and_metrics_need_no_key(guarded):
+    router, _, _ = guarded
+    assert httpx.get(router.url + "/health").status_code == 200
+    assert "pdserve_node_kv_blocks_used" in httpx.get(router.url + "/metrics").text
+
+
+def test_every_listening_socket_is_on_loopback_by_default(guarded):
+    router, nodes, _ = guarded
+    for proc in [router.proc, *(n.proc for n in nodes)]:
+        listening = [
+            c.laddr
+            for c in psutil.Process(proc.pid).net_connections("inet")
+            if c.status == psutil.CONN_LISTEN
+        ]
+        assert listening and all(addr.ip == "127.0.0.1" for addr in listening), listening
+
+
+def test_compose_publishes_the_router_alone():
+    services = yaml.safe_load(pathlib.Path(ROOT, "docker-compose.yml").read_text())["services"]
+    published = {name for name, service in services.items() if service.get("ports")}
+    assert published == {"router"}
