@@ -5,13 +5,21 @@ slow-loris clients). Required: no 5xx, no process down, and normal requests serv
 from __future__ import annotations
 
 import json
+import random
+import re
 import socket
 import time
 
 import httpx
+import msgpack
 import pytest
+import zmq
 
+from kv_transfer import messages as kvm
+from protocol import messages as pm
+from protocol.codec import PROTOCOL_VERSION
 from tests.chaos.harness import Spec, request_once, write_report_row
+from tests.cluster import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -146,6 +154,108 @@ def test_after_all_the_abuse_every_process_is_up_and_idle(small, expected):
             "requests": len(CASES) + 1,
             "in_flight": 1,
             "outcomes": {"4xx or 200": len(CASES) + 1, "5xx": 0},
+            "blocks_leaked": 0,
+        }
+    )
+
+
+# --------------------------------------------------------------------------- bad ZeroMQ frames
+def _bad_frames(seed: int) -> list[list[bytes]]:
+    """Random bytes, truncated multipart, wrong tags, oversized headers, stale versions, wrong types."""
+    rng = random.Random(seed)
+    frames: list[list[bytes]] = [
+        [rng.randbytes(rng.randrange(0, 200)) for _ in range(rng.randrange(1, 4))] for _ in range(40)
+    ]
+    chunk = kvm.KVChunk("nobody", 0, 0, 1, (1, 2))
+    frames += [
+        [b""],
+        [kvm.encode(chunk)],  # two checksums, no data frame
+        [kvm.encode(chunk), b"x" * 64],  # one of two
+        [kvm.encode(chunk)[: len(kvm.encode(chunk)) // 2]],  # a header cut in half
+        [msgpack.packb([PROTOCOL_VERSION, "no_such_tag", {}])],
+        [msgpack.packb([PROTOCOL_VERSION, 17, {}])],
+        [msgpack.packb([PROTOCOL_VERSION - 1, "abort_request", {"request_id": "x", "reason": "y"}])],
+        [msgpack.packb([PROTOCOL_VERSION + 1, "abort", {"request_id": "x", "reason": "y"}])],
+        [msgpack.packb([PROTOCOL_VERSION, "generate", {"request_id": 5}])],
+        [msgpack.packb([PROTOCOL_VERSION, "generate", {"request_id": "g", "token_ids": ["a"]}])],
+        [msgpack.packb([PROTOCOL_VERSION, "status_query", {"nonce": -1}])],
+        [msgpack.packb([PROTOCOL_VERSION, "tokens", {"request_id": "t", "x": 1}])],
+        [msgpack.packb({"a": [1] * 10}), b"extra"],
+        [b"\xc1" * 32],  # a msgpack byte that is never valid
+        [msgpack.packb([PROTOCOL_VERSION, "abort", {"request_id": "x" * (9 << 20), "reason": ""}])],  # > 8 MB
+    ]
+    return frames
+
+
+def _valid_for_unknown_requests(dead_reply: str) -> list[list[bytes]]:
+    return [
+        [pm.encode(pm.AbortRequest("never-seen", "test"))],
+        [kvm.encode(kvm.KVChunk("never-seen", 0, 0, 1, (1, 2))), b"k" * 64, b"v" * 64],
+        [kvm.encode(kvm.KVDone("never-seen", 5, 8, 0))],
+        [kvm.encode(kvm.KVAck("never-seen"))],
+        [kvm.encode(kvm.Abort("never-seen", "test"))],
+        [pm.encode(pm.TokenChunk("never-seen", "n", (1, 2), (), None, 3, 0))],
+        [pm.encode(pm.RequestFailed("never-seen", "n", "x", "y", True))],
+        # A real request whose router is gone: computed, its replies dropped, its blocks freed.
+        [
+            pm.encode(
+                pm.GenerateRequest("orphan", (5,) * 40, {"max_tokens": 4}, dead_reply, None, time.time() + 30)
+            )
+        ],
+    ]
+
+
+def _zmq_ports(small) -> list[tuple[str, str, int]]:
+    """(what, address, socket type to talk to it with) for every ZeroMQ port of every process."""
+    cluster, _ = small
+    reply = re.search(r"nodes push replies to (tcp://\S+)", cluster.router.log()).group(1)
+    ports = [("router reply port", reply, zmq.PUSH)]
+    for node in cluster.nodes:
+        ports.append((f"{node.role} control port", node.addrs["control_addr"], zmq.DEALER))
+        if node.addrs.get("kv_addr"):
+            ports.append((f"{node.role} KV port", node.addrs["kv_addr"], zmq.DEALER))
+    return ports
+
+
+def test_bad_frames_on_every_zeromq_port_are_rejected_and_logged_and_nothing_leaks(small, expected):
+    cluster, _ = small
+    context = zmq.Context()
+    dead_reply = f"tcp://127.0.0.1:{free_port()}"
+    sent = 0
+    try:
+        for what, address, kind in _zmq_ports(small):
+            socket_ = context.socket(kind)
+            socket_.setsockopt(zmq.LINGER, 0)
+            socket_.setsockopt(zmq.SNDTIMEO, 5000)
+            socket_.connect(address)
+            for parts in _bad_frames(hash(what) & 0xFFFF) + _valid_for_unknown_requests(dead_reply):
+                socket_.send_multipart(parts)
+                sent += 1
+            time.sleep(0.5)
+            socket_.close()
+    finally:
+        context.destroy(linger=0)
+    time.sleep(1.0)
+    for node in cluster.nodes:
+        assert node.proc.poll() is None, node.log()[-3000:]
+        assert node.events("bad_message"), node.role
+    decode = next(n for n in cluster.nodes if n.role == "decode")
+    assert any(e.get("port") == "kv" for e in decode.events("bad_message"))
+    assert cluster.router.proc.poll() is None
+    assert "dropped a malformed node message" in cluster.router.log()
+    spec = Spec(tuple(range(700, 800)), 8, stream=True, logprobs=True)  # both node kinds serve on
+    outcome = request_once(cluster.router.url, cluster.model.name, spec)
+    assert outcome.kind == "complete", outcome
+    expected.check(outcome)
+    used = cluster.wait_idle()
+    assert used and not any(used.values()), used
+    write_report_row(
+        {
+            "fault": f"{sent} bad or unknown-request ZeroMQ messages",
+            "where": "every ZeroMQ port: node control, decode KV, router reply",
+            "requests": sent,
+            "in_flight": 0,
+            "outcomes": {"rejected and logged": sent, "crashed processes": 0},
             "blocks_leaked": 0,
         }
     )
