@@ -5,9 +5,12 @@ slow-loris clients). Required: no 5xx, no process down, and normal requests serv
 from __future__ import annotations
 
 import json
+import pathlib
 import random
 import re
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -259,3 +262,28 @@ def test_bad_frames_on_every_zeromq_port_are_rejected_and_logged_and_nothing_lea
             "blocks_leaked": 0,
         }
     )
+
+
+@pytest.mark.chaos
+def test_schemathesis_over_the_openapi_schema_finds_no_server_error(small, tmp_path):
+    """Schema-driven bodies (valid and not) for every operation of the real router's schema."""
+    cluster, _ = small
+    cmd = [
+        str(pathlib.Path(sys.executable).with_name("schemathesis")),
+        "run",
+        cluster.router.url + "/openapi.json",
+        "--checks",
+        "not_a_server_error",
+        "--phases",
+        "fuzzing",
+        "--max-examples",
+        "12",
+        "--seed",
+        "15",
+        "--request-timeout",
+        "60",
+        "--no-color",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert all(p.poll() is None for p in [cluster.router.proc, *(n.proc for n in cluster.nodes)])
