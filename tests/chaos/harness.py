@@ -95,14 +95,47 @@ class Router:
         self._log.close()
 
 
+class PasswordRedis:
+    """redis-server that needs a password (requirepass); ``url`` carries it."""
+
+    def __init__(self, tmp: pathlib.Path, password: str) -> None:
+        import shutil
+
+        import redis as redis_py
+
+        self.port = free_port()
+        self.url = f"redis://:{password}@127.0.0.1:{self.port}/0"
+        cmd = [shutil.which("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        cmd += ["--appendonly", "no", "--dir", str(tmp), "--requirepass", password]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.client = redis_py.Redis.from_url(self.url, socket_timeout=2)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self.client.ping()
+                return
+            except redis_py.RedisError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(5)
+
+
 class Cluster:
     """Redis, 2 prefill and 2 decode nodes, a router; nodes and Redis can be killed and replaced."""
 
     def __init__(
-        self, tmp: pathlib.Path, model: pathlib.Path, roles=("prefill", "prefill", "decode", "decode")
+        self,
+        tmp: pathlib.Path,
+        model: pathlib.Path,
+        roles=("prefill", "prefill", "decode", "decode"),
+        redis_password: str | None = None,
     ):
         self.tmp, self.model = tmp, model
-        self.redis = RedisServer(tmp)
+        self.redis = PasswordRedis(tmp, redis_password) if redis_password else RedisServer(tmp)
         self.nodes: list[NodeProcess] = [self._node(role) for role in roles]
         self.router = Router(model, self.redis.url, tmp, *ROUTER_ARGS)
         for node in self.nodes:

@@ -81,7 +81,7 @@ CASES: dict[str, tuple[str, bytes]] = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_body_gets_a_client_error(small, name):
-    cluster, _ = small
+    cluster, _, _ = small
     path, raw = CASES[name]
     reply = httpx.post(
         cluster.router.url + path, content=raw, headers={"content-type": "application/json"}, timeout=60
@@ -93,7 +93,7 @@ def test_bad_body_gets_a_client_error(small, name):
 
 
 def test_a_10_mb_body_without_a_length_header_is_refused_too(small):
-    cluster, _ = small
+    cluster, _, _ = small
 
     def chunks():
         yield b'{"prompt": "'
@@ -107,7 +107,7 @@ def test_a_10_mb_body_without_a_length_header_is_refused_too(small):
 
 
 def test_slow_loris_clients_do_not_stop_the_router_serving(small, expected):
-    cluster, _ = small
+    cluster, _, _ = small
     host, port = "127.0.0.1", cluster.router.port
     loris = []
     for _ in range(100):
@@ -143,7 +143,7 @@ def test_slow_loris_clients_do_not_stop_the_router_serving(small, expected):
 
 
 def test_after_all_the_abuse_every_process_is_up_and_idle(small, expected):
-    cluster, tight = small
+    cluster, tight, _ = small
     assert all(p.poll() is None for p in [cluster.router.proc, tight.proc, *(n.proc for n in cluster.nodes)])
     spec = Spec(tuple(range(500, 600)), 8, stream=False, logprobs=True)
     outcome = request_once(cluster.router.url, cluster.model.name, spec)
@@ -210,7 +210,7 @@ def _valid_for_unknown_requests(dead_reply: str) -> list[list[bytes]]:
 
 def _zmq_ports(small) -> list[tuple[str, str, int]]:
     """(what, address, socket type to talk to it with) for every ZeroMQ port of every process."""
-    cluster, _ = small
+    cluster, _, _ = small
     reply = re.search(r"nodes push replies to (tcp://\S+)", cluster.router.log()).group(1)
     ports = [("router reply port", reply, zmq.PUSH)]
     for node in cluster.nodes:
@@ -221,7 +221,7 @@ def _zmq_ports(small) -> list[tuple[str, str, int]]:
 
 
 def test_bad_frames_on_every_zeromq_port_are_rejected_and_logged_and_nothing_leaks(small, expected):
-    cluster, _ = small
+    cluster, _, _ = small
     context = zmq.Context()
     dead_reply = f"tcp://127.0.0.1:{free_port()}"
     sent = 0
@@ -267,7 +267,7 @@ def test_bad_frames_on_every_zeromq_port_are_rejected_and_logged_and_nothing_lea
 @pytest.mark.chaos
 def test_schemathesis_over_the_openapi_schema_finds_no_server_error(small, tmp_path):
     """Schema-driven bodies (valid and not) for every operation of the real router's schema."""
-    cluster, _ = small
+    cluster, _, _ = small
     cmd = [
         str(pathlib.Path(sys.executable).with_name("schemathesis")),
         "run",

@@ -49,7 +49,7 @@ async def _burst(url: str, model_name: str, specs: list[Spec]) -> list[tuple[Spe
 
 
 def test_ten_times_more_requests_than_admitted_get_429_at_once_and_the_rest_complete(small, expected):
-    cluster, tight = small
+    cluster, tight, _ = small
     rng = random.Random(21)
     distinct = [Spec(p, rng.choice([8, 24]), False, True) for p in prompts(21, ADMITTED)]
     specs = distinct * 10
@@ -127,7 +127,7 @@ async def _storm(url: str, model_name: str, num: int, seed: int) -> int:
 
 
 def test_a_disconnect_storm_leaves_every_node_idle_within_seconds(small):
-    cluster, tight = small
+    cluster, tight, _ = small
     router = cluster.router
     num = asyncio.run(_storm(router.url, cluster.model.name, 150, 31))
     dropped_at = time.monotonic()

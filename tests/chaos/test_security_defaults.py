@@ -5,9 +5,6 @@ compose, and a compose file that publishes the router alone."""
 from __future__ import annotations
 
 import pathlib
-import shutil
-import subprocess
-import time
 
 import httpx
 import psutil
@@ -15,45 +12,18 @@ import pytest
 import redis
 import yaml
 
-from tests.chaos.harness import Router, Spec, request_once
-from tests.cluster import ROOT, NodeProcess, free_port
+from tests.chaos.conftest import API_KEY
+from tests.chaos.harness import Spec, request_once
+from tests.cluster import ROOT
 
 pytestmark = pytest.mark.slow
-PASSWORD = "s3cret-pw"
-KEY = "sk-test-0123456789"
 
 
-@pytest.fixture(scope="module")
-def guarded(tmp_path_factory, model):
-    """Redis with requirepass, 1 prefill + 1 decode node and a router with --api-key."""
-    tmp = tmp_path_factory.mktemp("security")
-    port = free_port()
-    cmd = [shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-    server = subprocess.Popen([*cmd, "--requirepass", PASSWORD, "--dir", str(tmp)], stdout=subprocess.DEVNULL)
-    url = f"redis://:{PASSWORD}@127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            redis.Redis.from_url(url, socket_timeout=1).ping()
-            break
-        except redis.RedisError:
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-    nodes = [
-        NodeProcess(role, str(model), tmp, url, ["--num-kv-blocks", "128"]) for role in ("prefill", "decode")
-    ]
-    router = Router(model, url, tmp, "--api-key", KEY, "--disagg-threshold", "8")
-    try:
-        for node in nodes:
-            node.wait_ready()
-        router.wait_healthy()
-        yield router, nodes, port
-    finally:
-        router.close()
-        for node in nodes:
-            node.close()
-        server.terminate()
-        server.wait(5)
+@pytest.fixture
+def guarded(small):
+    """The small cluster's router that wants API_KEY, its nodes, its Redis's port."""
+    cluster, _, router = small
+    return router, cluster.nodes, cluster.redis.port
 
 
 def test_redis_refuses_clients_without_the_password(guarded):
@@ -67,13 +37,15 @@ def test_with_the_key_and_a_password_protected_redis_requests_complete(guarded, 
     spec = Spec(tuple(range(400, 440)), 6, stream=False, logprobs=True)
     body = {"model": model.name, "prompt": list(spec.prompt), "max_tokens": 6, "temperature": 0}
     body |= {"ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True}
-    reply = httpx.post(router.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    reply = httpx.post(
+        router.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}
+    )
     assert reply.status_code == 200, reply.text
     tokens = [int(t.removeprefix("token_id:")) for t in reply.json()["choices"][0]["logprobs"]["tokens"]]
     assert tokens == expected.tokens(spec)
 
 
-@pytest.mark.parametrize("auth", [None, "Bearer wrong", f"Bearer {KEY}x", KEY, "Bearer é"])
+@pytest.mark.parametrize("auth", [None, "Bearer wrong", f"Bearer {API_KEY}x", API_KEY, "Bearer é"])
 def test_without_the_right_key_v1_is_401_in_openai_shape(guarded, model, auth):
     router, _, _ = guarded
     headers = {} if auth is None else {"Authorization": auth.encode()}
