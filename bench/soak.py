@@ -23,6 +23,7 @@ import json
 import pathlib
 import random
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -50,6 +51,7 @@ def _start_cluster(args) -> tuple[subprocess.Popen, str]:
     ]
     if args.model:
         cmd += ["--model", args.model]
+    cmd += shlex.split(args.up_args)
     up = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -125,6 +127,17 @@ def _processes(up: subprocess.Popen) -> dict[str, psutil.Process]:
     return out
 
 
+def _rss_parts_mb(pid: int) -> dict[str, float]:
+    """RssAnon / RssFile / RssShmem: a KV pool's pages count once touched, and a decode node's
+    RSS also counts the pages of a same-host prefill node's shared cache it has copied from."""
+    parts = {}
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile", "RssShmem"):
+            parts[key] = int(value.split()[0]) / 1024
+    return parts
+
+
 def _sample(url: str, procs: dict[str, psutil.Process], record: list, since: float) -> dict:
     now = time.monotonic()
     window = [r for r in record if r[0] >= since]
@@ -132,10 +145,12 @@ def _sample(url: str, procs: dict[str, psutil.Process], record: list, since: flo
     used = {}
     with contextlib.suppress(httpx.HTTPError):
         used = {n: int(v) for n, v in _USED.findall(httpx.get(url + "/metrics", timeout=5).text)}
-    sample = {"t": now, "rss_mb": {}, "fds": {}, "used_blocks": sum(used.values()), "completed": len(window)}
+    sample = {"t": now, "rss_mb": {}, "rss_parts_mb": {}, "fds": {}, "used_blocks": sum(used.values())}
+    sample["completed"] = len(window)
     for name, proc in procs.items():
-        with contextlib.suppress(psutil.Error):
+        with contextlib.suppress(psutil.Error, OSError):
             sample["rss_mb"][name] = proc.memory_info().rss / 2**20
+            sample["rss_parts_mb"][name] = _rss_parts_mb(proc.pid)
             sample["fds"][name] = proc.num_fds()
     sample["p50_s"] = statistics.median(latencies) if latencies else None
     sample["p99_s"] = latencies[int(0.99 * (len(latencies) - 1))] if latencies else None
@@ -221,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibrate-s", type=float, default=60.0)
     parser.add_argument("--sample-s", type=float, default=5.0)
     parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument(
+        "--up-args",
+        default="",
+        help='more `pdserve up` flags, e.g. "--node-args=--kv-cache-memory-mb=64"',
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results" / "soak")
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Fixtures of the chaos suite: one cluster per module (faults replace what they break)."""
+"""Fixtures of the chaos suite: a 2P+2D cluster and a small 1P+1D one, each started once per session."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def expected(model):
     return Expected(model)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # faults replace what they break: the next case finds it whole
 def cluster(tmp_path_factory, model):
     c = Cluster(tmp_path_factory.mktemp("chaos"), model)
     try:

@@ -31,6 +31,7 @@ def corrupting(tmp_path_factory, model):
         cluster.close()
 
 
+@pytest.mark.chaos
 def test_corrupted_kv_is_caught_replayed_and_the_nodes_stay_healthy(corrupting, expected):
     cluster = corrupting
     row = run_fault(

@@ -33,7 +33,7 @@ def test_kill_9_of_redis_the_router_serves_on_and_follows_it_again(cluster, expe
         where="registry, under load",
         inject=cluster.redis.proc.kill,
         recover=recover,
-        seed=11,
+        seed=1,  # the seed of the other default cases: one oracle run
     )
     deadline = time.monotonic() + 10
     while _registered(cluster) < 4:  # the nodes publish again at their next heartbeat
