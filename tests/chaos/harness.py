@@ -216,7 +216,8 @@ class Outcome:
     tokens: list[int] = dataclasses.field(default_factory=list)  # when logprobs were asked for
     text: str = ""
     finish_reason: str | None = None
-    num_completion_tokens: int | None = None  # usage (non-streamed)
+    num_completion_tokens: int | None = None  # usage
+    num_prompt_tokens: int | None = None  # usage
     error: dict | None = None  # the JSON error body or the SSE error event
     connection_error: str | None = None
     first_token_at: float | None = None  # streamed: when the first token event came
@@ -251,6 +252,8 @@ def request_once(url: str, model_name: str, spec: Spec, timeout_s: float = REQUE
     }
     if spec.logprobs:
         body |= {"logprobs": 1, "return_tokens_as_token_ids": True}
+    if spec.stream:
+        body["stream_options"] = {"include_usage": True}
     out = Outcome(spec, time.monotonic())
     try:
         if spec.stream:
@@ -264,6 +267,7 @@ def request_once(url: str, model_name: str, spec: Spec, timeout_s: float = REQUE
                 out.text, out.finish_reason = choice["text"], choice["finish_reason"]
                 out.tokens = _token_ids(choice.get("logprobs"))
                 out.num_completion_tokens = data["usage"]["completion_tokens"]
+                out.num_prompt_tokens = data["usage"]["prompt_tokens"]
             else:
                 out.error = data.get("error")
     except (httpx.TransportError, json.JSONDecodeError) as exc:
@@ -288,6 +292,11 @@ def _stream(url: str, body: dict, out: Outcome, timeout_s: float) -> None:
             event = json.loads(line[6:])
             if "error" in event:
                 out.error = event["error"]
+                continue
+            if event.get("usage"):
+                out.num_prompt_tokens = event["usage"]["prompt_tokens"]
+                out.num_completion_tokens = event["usage"]["completion_tokens"]
+            if not event["choices"]:
                 continue
             choice = event["choices"][0]
             if choice["text"] or choice.get("logprobs"):
@@ -376,8 +385,9 @@ class Expected:
             assert outcome.tokens == want, outcome
         else:
             assert outcome.text == self.tokenizer.decode(want), outcome
-        if outcome.num_completion_tokens is not None:
-            assert outcome.num_completion_tokens == outcome.spec.max_tokens, outcome
+        # Usage counts the prompt once and each output token once (a migrated stream too).
+        assert outcome.num_completion_tokens == outcome.spec.max_tokens, outcome
+        assert outcome.num_prompt_tokens == len(outcome.spec.prompt), outcome
 
 
 def check_outcomes(outcomes: list[Outcome], expected: Expected, allowed: set[str]) -> dict[str, int]:

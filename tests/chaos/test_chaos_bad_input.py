@@ -21,6 +21,7 @@ import zmq
 from kv_transfer import messages as kvm
 from protocol import messages as pm
 from protocol.codec import PROTOCOL_VERSION
+from protocol.sampling_params import SamplingParams
 from tests.chaos.harness import Spec, request_once, write_report_row
 from tests.cluster import free_port
 
@@ -191,6 +192,7 @@ def _bad_frames(seed: int) -> list[list[bytes]]:
 
 
 def _valid_for_unknown_requests(dead_reply: str) -> list[list[bytes]]:
+    orphan_params = SamplingParams(temperature=0.0, max_tokens=4)
     return [
         [pm.encode(pm.AbortRequest("never-seen", "test"))],
         [kvm.encode(kvm.KVChunk("never-seen", 0, 0, 1, (1, 2))), b"k" * 64, b"v" * 64],
@@ -202,7 +204,7 @@ def _valid_for_unknown_requests(dead_reply: str) -> list[list[bytes]]:
         # A real request whose router is gone: computed, its replies dropped, its blocks freed.
         [
             pm.encode(
-                pm.GenerateRequest("orphan", (5,) * 40, {"max_tokens": 4}, dead_reply, None, time.time() + 30)
+                pm.GenerateRequest("orphan", (5,) * 40, orphan_params, dead_reply, None, time.time() + 30)
             )
         ],
     ]
