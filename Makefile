@@ -22,7 +22,7 @@ TEST_PATH := $(abspath $(VENV))/bin:$(PATH)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test test-torch-attention lint run model native compose-test
+.PHONY: setup test test-torch-attention lint run model native compose-test chaos chaos-report soak
 
 setup: $(STAMP)
 	@scripts/ensure-redis.sh $(VENV)
@@ -73,3 +73,18 @@ run: model
 # reachable (see the README): make compose-test COMPOSE_TEST_ARGS="--build --build-network host"
 compose-test: setup
 	PATH="$(TEST_PATH)" $(PY) -m scripts.compose_test $(COMPOSE_TEST_ARGS)
+
+# Every chaos, overload and bad-input case (the default `make test` runs a representative subset):
+# real processes, a real Redis, faults caused for real. About 10-15 minutes on 2 cores.
+chaos: model
+	PATH="$(TEST_PATH)" $(PY) -m pytest -q tests/chaos -m "chaos or not chaos" $(PYTEST_ARGS)
+
+# The same run, its table written into docs/reliability.md.
+chaos-report: model
+	PATH="$(TEST_PATH)" $(PY) -m scripts.chaos_report $(PYTEST_ARGS)
+
+# bench/soak.py: a cluster under ~80% of its measured capacity for SOAK_MINUTES (30 by default),
+# RSS, used blocks, open fds and latency recorded over time into a PNG; fails on growth.
+SOAK_MINUTES ?= 30
+soak: model
+	PATH="$(TEST_PATH)" $(PY) -m bench.soak --minutes $(SOAK_MINUTES) $(SOAK_ARGS)

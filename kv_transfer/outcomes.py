@@ -32,6 +32,9 @@ class TransferFailure:
 class PollResult:
     completed: list[ReceivedKV] = dataclasses.field(default_factory=list)
     failed: list[TransferFailure] = dataclasses.field(default_factory=list)
+    # Messages refused with an Error reply (malformed, unexpected, unknown request): for the node's
+    # log. They end no transfer, so they do not end a poll either.
+    refused: list[str] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.completed or self.failed)

@@ -383,6 +383,8 @@ class KVReceiver:
         self._result.failed.append(TransferFailure(request_id, error, meta))
 
     def _reply(self, peer: bytes, msg: Message) -> None:
+        if isinstance(msg, Error):
+            self._result.refused.append(f"{msg.code}: {msg.message}"[:500])
         try:
             self._channel.send(peer, msg)
         except PeerUnavailable:

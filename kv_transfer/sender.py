@@ -15,6 +15,8 @@ interleave several requests from one thread.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -46,6 +48,17 @@ from kv_transfer.staging import StagingRing, host_id, peer_is_local
 from protocol.channel import PeerChannel, PeerUnavailable
 from protocol.messages import RequestMeta
 from protocol.sampling_params import SamplingParams
+
+# Fault injection for the chaos tests, off unless set: every Nth transfer of this process goes out
+# with one checksum bit flipped, as if a byte had changed on the way; the receiver must catch it.
+_CORRUPT_EVERY = int(os.environ.get("PDSERVE_FAULT_CORRUPT_KV_EVERY") or 0)
+_transfer_count = itertools.count(1)
+
+
+def _as_corrupted(checksums: tuple[int, ...]) -> tuple[int, ...]:
+    if not _CORRUPT_EVERY or next(_transfer_count) % _CORRUPT_EVERY or not checksums:
+        return checksums
+    return (checksums[0] ^ 1, *checksums[1:])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -241,6 +254,7 @@ class KVSender:
                     for layer in range(len(key_caches))
                 )
                 tx.bytes_sent = len(src) * 2 * sum(k[0].numel() * k.element_size() for k in key_caches)
+                sums = _as_corrupted(sums)
                 return self.finish(tx, first_token, num_cached_tokens, src, sums, first_logprobs)
             for layer in range(len(key_caches)):
                 self.send_layer(tx, layer, key_caches[layer], value_caches[layer], block_table)
@@ -278,6 +292,8 @@ class KVSender:
         )
         views = [tensors.as_frame(f) for f in frames]
         checksums = tuple(tensors.checksum(v) for v in views)
+        if layer == 0 and block_start == 0:
+            checksums = _as_corrupted(checksums)
         if tx.shm:
             self._send_or_fail(
                 tx.request_id, KVChunk(tx.request_id, layer, block_start, len(ids), checksums, offset)

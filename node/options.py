@@ -24,6 +24,9 @@ class NodeOptions:
     redis_url: str | None  # register in Redis; None: static mode (router is given the address)
     heartbeat_interval_s: float  # how often the Redis record is refreshed
     heartbeat_ttl_s: float  # how long the record outlives a silent node
+    # A loop that made no progress for this long is stuck: its record expires then, whatever the
+    # heartbeat thread does. Longer than the slowest engine step (a full prefill token budget).
+    stall_timeout_s: float
     request_ttl_s: float  # longest a request may live on this node without finishing
     drain_timeout_s: float  # SIGTERM: longest wait for in-flight work before exiting
     node_id: str  # unique per process
@@ -35,6 +38,8 @@ class NodeOptions:
             raise ValueError("heartbeat interval must be positive and shorter than the ttl")
         if min(self.request_ttl_s, self.drain_timeout_s) <= 0:
             raise ValueError("request_ttl_s and drain_timeout_s must be positive")
+        if self.stall_timeout_s < self.heartbeat_interval_s:
+            raise ValueError("stall timeout must be at least the heartbeat interval")
 
     @property
     def control_addr(self) -> str:
@@ -58,6 +63,13 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis", default=os.environ.get("PDSERVE_REDIS"), help="Redis URL for the registry")
     parser.add_argument("--heartbeat-interval", type=float, default=0.5)
     parser.add_argument("--heartbeat-ttl", type=float, default=3.0)
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=10.0,
+        help="seconds without progress of the engine loop after which the node's record expires "
+        "(it leaves the pool until the loop moves again); above the longest engine step",
+    )
     parser.add_argument("--request-ttl", type=float, default=600.0)
     parser.add_argument("--drain-timeout", type=float, default=30.0)
     parser.add_argument("--node-id", default=None)
@@ -108,6 +120,7 @@ def options_from_args(role: Role, args: argparse.Namespace) -> tuple[NodeOptions
         redis_url=args.redis,
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_ttl_s=args.heartbeat_ttl,
+        stall_timeout_s=args.stall_timeout,
         request_ttl_s=args.request_ttl,
         drain_timeout_s=args.drain_timeout,
         node_id=args.node_id or f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",

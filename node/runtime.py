@@ -4,7 +4,10 @@
     node   PUSH   ──TokenChunk / RequestFailed──────────────────► router's reply address
 
 The node's own loop calls ``poll_control`` and ``reply``; heartbeats run on a thread that
-publishes the latest ``NodeInfo`` the loop handed to ``set_status``.
+publishes the latest ``NodeInfo`` the loop handed to ``set_status``. A heartbeat vouches for the
+loop, not for the thread: each record's TTL ends at most ``stall_timeout_s`` after the loop last
+went round, so a node stuck in a step (a hung kernel, a deadlock) leaves the pool then although
+its heartbeat thread runs on, and comes back when the loop moves again.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class NodeRuntime:
         self.stopped = threading.Event()
         self._status: registry.NodeInfo | None = None
         self._status_at = 0.0  # time.monotonic() of the last refresh
+        self._loop_at = time.monotonic()  # when the node loop last went round
         self._redis = None
         self._heartbeat: threading.Thread | None = None
         self.integrity_error: str | None = None  # set when an invariant check failed in the loop
@@ -57,6 +61,7 @@ class NodeRuntime:
     # ----------------------------------------------------------------- lifecycle
     def start(self, status: registry.NodeInfo, ready_file: str | None) -> None:
         self._status = status
+        self._loop_at = time.monotonic()
         signal.signal(signal.SIGTERM, lambda *_: self.draining.set())
         signal.signal(signal.SIGINT, lambda *_: self.draining.set())
         if self.opts.redis_url:
@@ -95,6 +100,7 @@ class NodeRuntime:
         drain timeout passes. ``on_drain()`` runs once when draining starts."""
         drain_deadline: float | None = None
         while True:
+            self._loop_at = time.monotonic()
             if self.draining.is_set():
                 if drain_deadline is None:
                     drain_deadline = time.monotonic() + self.opts.drain_timeout_s
@@ -135,11 +141,29 @@ class NodeRuntime:
         self._status = status
 
     def _beat(self) -> None:
+        stalled = False
         while not self.stopped.wait(self.opts.heartbeat_interval_s) and self.integrity_error is None:
+            ttl_s = self.beat_ttl_s(time.monotonic())
+            if ttl_s is None:
+                if not stalled:
+                    self.log("loop_stalled", seconds=round(time.monotonic() - self._loop_at, 3))
+                stalled = True
+                continue  # the last record expires on its own
+            if stalled:
+                self.log("loop_resumed")
+                stalled = False
             try:
-                registry.publish(self._redis, self._status, self.opts.heartbeat_ttl_s)
+                registry.publish(self._redis, self._status, ttl_s)
             except Exception as exc:  # Redis down: keep serving, retry next beat
                 self.log("heartbeat_failed", error=repr(exc))
+
+    def beat_ttl_s(self, now: float) -> float | None:
+        """The TTL of a record published ``now``: the heartbeat TTL, cut so that it ends
+        ``stall_timeout_s`` after the loop last went round; None once that has passed."""
+        left_s = self._loop_at + self.opts.stall_timeout_s - now
+        if left_s <= 0.001:
+            return None
+        return min(self.opts.heartbeat_ttl_s, left_s)
 
     def close(self) -> None:
         self.stopped.set()

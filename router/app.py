@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import logging
 import pathlib
 import time
@@ -132,15 +133,42 @@ class _Guard:
         self._config = config
 
     def _refuse(self, scope) -> APIError | None:
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
         config = self._config
         if config.api_key is not None and scope["path"].startswith("/v1"):
-            if headers.get("authorization", "") != f"Bearer {config.api_key}":
+            # Constant time: how long the check takes says nothing of how much of the key matched.
+            given, wanted = headers.get("authorization", b""), f"Bearer {config.api_key}".encode()
+            if not hmac.compare_digest(given, wanted):
                 return APIError(401, "missing or wrong API key", None, "invalid_api_key")
-        length = headers.get("content-length", "")
+        length = headers.get("content-length", b"").decode("latin-1")
         if length.isdigit() and int(length) > config.max_body_bytes:
             return APIError(413, f"request body over {config.max_body_bytes} bytes", None, "body_too_large")
         return None
+
+    async def _read_capped(self, receive):
+        """A body sent without Content-Length (chunked), read up to the limit: a receive that
+        replays it, or the 413 once it passes the limit (the rest is never read)."""
+        limit, parts, num = self._config.max_body_bytes, [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return receive, APIError(400, "the client went away mid-body")
+            num += len(message.get("body", b""))
+            if num > limit:
+                return receive, APIError(413, f"request body over {limit} bytes", None, "body_too_large")
+            parts.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(parts), "more_body": False}
+            return await receive()
+
+        return replay, None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -155,6 +183,8 @@ class _Guard:
             await send(message)
 
         error = self._refuse(scope)
+        if error is None and _has_body_without_length(scope):
+            receive, error = await self._read_capped(receive)
         if error is not None:
             await JSONResponse(error.body(), error.status, headers=error.headers())(
                 scope, receive, send_and_note
@@ -165,6 +195,11 @@ class _Guard:
             state = getattr(scope["app"].state, "router", None)
             if state is not None:
                 state.backend.metrics.requests.inc(endpoint=scope["path"], outcome=str(status))
+
+
+def _has_body_without_length(scope) -> bool:
+    names = {k.lower() for k, _ in scope["headers"]}
+    return scope["method"] in ("POST", "PUT", "PATCH") and b"content-length" not in names
 
 
 def _add_routes(app: FastAPI) -> None:

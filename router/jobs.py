@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Any
 
 from protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 from router.errors import APIError, bad_request
@@ -82,8 +83,25 @@ def _sampling_params(
         raise bad_request(str(exc), param) from None
 
 
+def _check_unicode(value: Any, param: str) -> None:
+    """JSON may escape lone surrogates (\\ud800) that no UTF-8 text holds: the tokenizer cannot take them."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request("text holds a lone surrogate: not valid Unicode", param) from None
+    elif isinstance(value, dict):
+        for item in value.values():
+            _check_unicode(item, param)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_unicode(item, param)
+
+
 def _check_common(body: _SamplingFields, max_n: int, tokenizer: Tokenizer) -> Structured:
     """Checks both endpoints share; the body's constraints (router.structured)."""
+    for name, value in body.model_dump().items():
+        _check_unicode(value, name)
     if body.n > max_n:
         raise bad_request(f"n must be <= {max_n}, got {body.n}", "n")
     if body.seed is not None and body.seed < 0:

@@ -6,6 +6,12 @@ poll is the whole truth: a node whose key expired (TTL) or was withdrawn (drain)
 once. Otherwise (a static node that did not answer, Redis unreachable) a node not heard from
 for ``node_expiry_s`` is dropped. The node client's sockets follow.
 
+While Redis is unreachable the router keeps the membership it last saw and asks those nodes for
+their status directly (as in static mode), so a node that dies or hangs meanwhile still drops
+out. For ``node_expiry_s`` after Redis answers again its polls count as partial: a restarted,
+empty Redis holds no record until each node's next heartbeat, and live nodes must not drop out
+in between.
+
 A node takes requests only once its status came back through the router's reply address, the
 path its tokens will take (static polls ask for that; Redis-found nodes are probed once): a router
 advertising an address the node cannot reach stays unhealthy instead of timing out every request.
@@ -39,6 +45,7 @@ class NodeRegistry:
         self._probe_failures: dict[str, int] = {}  # node id -> probes that got no answer
         self.expected_model: str | None = None  # the router's model digest: nodes of another are refused
         self._refused: set[str] = set()  # node ids already logged as refused
+        self._partial_until = 0.0  # router clock until which polls may miss live nodes (outage)
         self.ready = asyncio.Event()  # set after the first poll
 
     def snapshot(self) -> list[NodeInfo]:
@@ -155,16 +162,47 @@ class NodeRegistry:
 
     async def _run(self) -> None:
         while True:
-            complete = self.COMPLETE_POLLS
-            try:
-                seen = await self.poll_once()
-            except Exception as exc:  # a registry outage must not kill the router; nodes expire instead
-                log.warning("registry poll failed: %s", exc)
-                seen, complete = [], False
+            seen, complete = await self._poll()
             self.update(seen, time.monotonic(), complete)
             self._probe_reply_paths()
             self.ready.set()
             await asyncio.sleep(self._poll_interval_s)
+
+    async def _poll(self) -> tuple[list[NodeInfo], bool]:
+        """This round's records and whether they list every live node."""
+        now = time.monotonic()
+        try:
+            seen = await self.poll_once()
+        except Exception as exc:  # a registry outage must not kill the router: ask the nodes instead
+            if now >= self._partial_until:
+                log.warning("registry poll failed (%s): serving the %d known nodes", exc, len(self._by_id))
+            self._partial_until = now + self._expiry_s
+            return await self.ask_nodes(list(self._by_id.values())), False
+        if now >= self._partial_until:
+            return seen, self.COMPLETE_POLLS
+        listed = {n.node_id for n in seen}
+        missing = [n for n in self._by_id.values() if n.node_id not in listed]
+        return seen + await self.ask_nodes(missing), False
+
+    async def ask_nodes(self, nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
+        """The status of each of ``nodes`` that answers through the reply path in time."""
+        results = await asyncio.gather(*(self.ask(n.control_addr, n.role) for n in nodes))
+        return [info for info in results if info is not None]
+
+    async def ask(self, addr: str, role: Role) -> NodeInfo | None:
+        """The status of the node at ``addr``, asked over its control socket; None: no (usable) answer."""
+        asked_at = time.time()
+        status = await self._nodes.query_status(addr, timeout_s=max(self._poll_interval_s, 0.5))
+        if status is None:
+            return None
+        info = status.info
+        if info is None:  # the node is still starting
+            return None
+        if info.role != role and not (role is Role.DECODE and info.role.decodes):  # both roles in one
+            log.warning("node at %s is a %s node, listed as %s", addr, info.role, role)
+            return None
+        # The status covers every request sent before the query went out (see policy.Outstanding).
+        return dataclasses.replace(info, heartbeat_time=asked_at)
 
 
 class RedisRegistry(NodeRegistry):
@@ -201,20 +239,5 @@ class StaticRegistry(NodeRegistry):
         self._roles = {**{a: Role.PREFILL for a in prefill_addrs}, **{a: Role.DECODE for a in decode_addrs}}
 
     async def poll_once(self) -> list[NodeInfo]:
-        results = await asyncio.gather(*(self._query(addr) for addr in self._roles))
+        results = await asyncio.gather(*(self.ask(addr, role) for addr, role in self._roles.items()))
         return [info for info in results if info is not None]
-
-    async def _query(self, addr: str) -> NodeInfo | None:
-        asked_at = time.time()
-        status = await self._nodes.query_status(addr, timeout_s=max(self._poll_interval_s, 0.5))
-        if status is None:
-            return None
-        info = status.info
-        if info is None:  # the node is still starting
-            return None
-        listed = self._roles[addr]
-        if info.role != listed and not (listed is Role.DECODE and info.role.decodes):  # both roles in one
-            log.warning("node at %s is a %s node, listed as %s", addr, info.role, self._roles[addr])
-            return None
-        # The status covers every request sent before the query went out (see policy.Outstanding).
-        return dataclasses.replace(info, heartbeat_time=asked_at)

@@ -55,6 +55,7 @@ def test_a_node_whose_invariant_fails_leaves_a_record_that_says_so(tmp_path):
         redis_url=redis.url,
         heartbeat_interval_s=0.1,
         heartbeat_ttl_s=5.0,
+        stall_timeout_s=10.0,
         request_ttl_s=60.0,
         drain_timeout_s=1.0,
         node_id="prefill-broken",
