@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgpack
 import pytest
@@ -24,7 +25,10 @@ def test_dealer_refuses_sends_until_connected_and_reports_the_link_dropping():
         assert not dealer.try_send(pm.AbortRequest("r", "test"))  # never queued for a missing peer
         node = ListenChannel(f"tcp://127.0.0.1:{port}", decoder=pm.decode_frames)
         assert await asyncio.wait_for(dealer.next_link_event(), 10) is True
-        assert dealer.try_send(pm.StatusQuery(5))
+        deadline = time.monotonic() + 5  # the pipe attaches just after the handshake event
+        while not dealer.try_send(pm.StatusQuery(5)):
+            assert time.monotonic() < deadline, "connected, yet sends are refused"
+            await asyncio.sleep(0.01)
         inbound = await asyncio.to_thread(node.recv, 5.0)
         assert inbound.msg == pm.StatusQuery(5)
         node.send(inbound.peer, pm.NodeStatus(5, None))
