@@ -64,7 +64,7 @@ test-torch-attention: model native
 # A local cluster with the defaults (router on :8000, 1 prefill + 1 decode node, a private
 # redis-server); Ctrl-C stops it. More: make run UP_ARGS="--prefill 2 --decode 2".
 # `python -m` from the repository root: every package is importable whatever pyproject lists.
-run: model
+run: model native
 	$(PY) -m pdserve_cli up $(UP_ARGS)
 
 # The real docker-compose.yml under a real Docker engine: scaling under load and a killed decode
