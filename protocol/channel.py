@@ -198,12 +198,28 @@ class PushChannels:
 
 
 # --------------------------------------------------------------------------- asyncio flavour
-def _limit_message_size(socket: zmq.Socket, max_frame_bytes: int) -> None:
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.MAXMSGSIZE, max(max_frame_bytes, codec.MAX_HEADER_BYTES))
+class _AsyncChannel:
+    """An asyncio socket that receives typed messages of one family."""
+
+    def __init__(
+        self, context: zmq.asyncio.Context, socket_type: int, decoder: Decoder, max_frame_bytes: int
+    ) -> None:
+        self._decoder = decoder
+        self._max_frame_bytes = max_frame_bytes
+        self._socket = context.socket(socket_type)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, max(max_frame_bytes, codec.MAX_HEADER_BYTES))
+
+    async def recv(self) -> Message:
+        """The next message; ProtocolError when it is malformed."""
+        parts = await self._socket.recv_multipart(copy=False)
+        return self._decoder(parts[0].buffer, [p.buffer for p in parts[1:]], self._max_frame_bytes)
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
 
 
-class AsyncDealerChannel:
+class AsyncDealerChannel(_AsyncChannel):
     """The router's DEALER to one node's control socket. Sends never wait: a node that is not
     connected (yet, or any more) refuses them (``try_send`` is False; the caller decides how long
     to retry), because an awaited send to a dead peer queues forever and cancelling it can leave
@@ -218,11 +234,8 @@ class AsyncDealerChannel:
         decoder: Decoder,
         max_frame_bytes: int = codec.DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
+        super().__init__(context, zmq.DEALER, decoder, max_frame_bytes)
         self.address = address
-        self._decoder = decoder
-        self._max_frame_bytes = max_frame_bytes
-        self._socket = context.socket(zmq.DEALER)
-        _limit_message_size(self._socket, max_frame_bytes)
         self._socket.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not connected
         self._socket.connect(address)
         self._sender = zmq.Socket.shadow(self._socket.underlying)  # synchronous, for NOBLOCK sends
@@ -238,11 +251,6 @@ class AsyncDealerChannel:
             return False
         return True
 
-    async def recv(self) -> Message:
-        """The node's next message; ProtocolError when it is malformed."""
-        parts = await self._socket.recv_multipart(copy=False)
-        return self._decoder(parts[0].buffer, [p.buffer for p in parts[1:]], self._max_frame_bytes)
-
     async def next_link_event(self) -> bool:
         """Waits for the connection to come up (True) or drop (False)."""
         event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
@@ -250,11 +258,11 @@ class AsyncDealerChannel:
 
     def close(self) -> None:
         self._socket.disable_monitor()
-        self._socket.close(linger=0)
+        super().close()
         self._monitor.close(linger=0)
 
 
-class AsyncPullChannel:
+class AsyncPullChannel(_AsyncChannel):
     """The router's PULL socket, bound where the nodes push their replies."""
 
     def __init__(
@@ -265,17 +273,6 @@ class AsyncPullChannel:
         decoder: Decoder,
         max_frame_bytes: int = codec.DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
-        self._decoder = decoder
-        self._max_frame_bytes = max_frame_bytes
-        self._socket = context.socket(zmq.PULL)
-        _limit_message_size(self._socket, max_frame_bytes)
+        super().__init__(context, zmq.PULL, decoder, max_frame_bytes)
         self._socket.bind(bind_addr)
         self.port = int(self._socket.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
-
-    async def recv(self) -> Message:
-        """The next reply from any node; ProtocolError when it is malformed."""
-        parts = await self._socket.recv_multipart(copy=False)
-        return self._decoder(parts[0].buffer, [p.buffer for p in parts[1:]], self._max_frame_bytes)
-
-    def close(self) -> None:
-        self._socket.close(linger=0)
