@@ -92,7 +92,8 @@ def create_app(
         name = config.served_model_name or pathlib.Path(config.model).name
         app.state.router = RouterState(config, name, tokenizer, admission, backend)
         with contextlib.suppress(TimeoutError):  # answer health checks early either way
-            await asyncio.wait_for(node_registry.ready.wait(), 2 * config.poll_interval_s + 1)
+            async with asyncio.timeout(2 * config.poll_interval_s + 1):
+                await node_registry.ready.wait()
         yield
         await node_registry.stop()
         await node_client.close()

@@ -281,7 +281,10 @@ async def _next_reply(
                 )
             raise _Retry(waiting_on[0].node_id, f"no reply from {waiting_on[0].node_id} in time")
         try:
-            return await asyncio.wait_for(queue.get(), min(remaining, _LIVENESS_CHECK_S))
+            # Not asyncio.wait_for: on Python 3.11 it swallows a cancellation that lands as the
+            # reply does, and a sample whose client left would then run (and hold its blocks) to the end.
+            async with asyncio.timeout(min(remaining, _LIVENESS_CHECK_S)):
+                return await queue.get()
         except TimeoutError:
             pass
         gone = next((n for n in waiting_on if not backend.registry.is_alive(n.node_id)), None)

@@ -148,6 +148,11 @@ _NODE_GAUGES = (
         lambda n: n.num_blocks_cached,
     ),
     ("pdserve_node_kv_blocks_total", "KV blocks in the pool.", lambda n: n.num_blocks_total),
+    (
+        "pdserve_node_status_timestamp_seconds",
+        "Wall-clock time the node computed the status these node gauges show (they lag by a heartbeat).",
+        lambda n: n.heartbeat_time,
+    ),
     ("pdserve_node_running_requests", "Requests in the running batch.", lambda n: n.num_running),
     ("pdserve_node_queued_requests", "Requests waiting on the node.", lambda n: n.num_queued),
     (

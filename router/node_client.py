@@ -177,7 +177,8 @@ class NodeClient:
         self._status_waiters[nonce] = waiter
         try:
             await self.send(addr, pm.StatusQuery(nonce, self.reply_addr))
-            return await asyncio.wait_for(waiter, timeout_s)
+            async with asyncio.timeout(timeout_s):  # not wait_for: it can swallow a cancellation
+                return await waiter
         except (TimeoutError, NodeUnavailable):
             return None
         finally:

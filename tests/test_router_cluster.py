@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import pathlib
 import re
@@ -121,9 +122,10 @@ class RouterProcess:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, default_model_dir):
     tmp = tmp_path_factory.mktemp("router-cluster")
-    model = tiny_model_with_tokenizer(default_model_dir)
+    # 2048 positions: a request can decode for long enough that only an abort ends it early.
+    model = tiny_model_with_tokenizer(default_model_dir, max_position_embeddings=2048)
     redis = RedisServer(tmp)
-    extra = ["--num-kv-blocks", "128", "--heartbeat-interval", "0.2", "--heartbeat-ttl", "2"]
+    extra = ["--num-kv-blocks", "160", "--heartbeat-interval", "0.2", "--heartbeat-ttl", "2"]
     nodes = [NodeProcess(role, str(model), tmp, redis.url, extra) for role in ("prefill", "decode")]
     router = RouterProcess(model, redis.url, tmp, "--disagg-threshold", "8")
     try:
@@ -237,39 +239,55 @@ def test_repeated_prompt_reports_cached_tokens(cluster):
     assert second.usage.prompt_tokens_details.cached_tokens >= 16
 
 
-def _used_blocks(router) -> dict[str, int]:
+def _used_blocks(router, computed_after: float = 0.0) -> dict[str, int]:
+    """KV blocks in use per node, from /metrics; a node whose status there was computed before
+    ``computed_after`` (the registry lags by a heartbeat) is left out."""
     text = httpx.get(router.url + "/metrics").text
-    return {
-        m.group(1): int(m.group(2))
-        for m in re.finditer(r'pdserve_node_kv_blocks_used\{node_id="([^"]+)",role="\w+"\} (\d+)', text)
+    labels = r'\{node_id="([^"]+)",role="\w+"\} '
+    used = {m[1]: int(m[2]) for m in re.finditer("pdserve_node_kv_blocks_used" + labels + r"(\d+)", text)}
+    at = {
+        m[1]: float(m[2])
+        for m in re.finditer("pdserve_node_status_timestamp_seconds" + labels + r"(\S+)", text)
     }
+    return {node: num for node, num in used.items() if at.get(node, 0.0) > computed_after}
 
 
 def test_client_disconnect_frees_the_blocks(cluster):
-    model, router, _ = cluster
+    model, router, nodes = cluster
+    ids = []
 
     async def stream_then_leave():
         async with httpx.AsyncClient(timeout=60) as http:
             body = {
                 "model": model.name,
                 "prompt": LONG_PROMPT,
-                "max_tokens": 400,
+                "max_tokens": 2000,  # seconds of decoding: the abort must be what ends it
                 "stream": True,
                 "ignore_eos": True,
             }
             async with http.stream("POST", router.url + "/v1/completions", json=body) as reply:
-                num = 0
                 async for line in reply.aiter_lines():
-                    num += line.startswith("data: ")
-                    if num == 3:
+                    if line.startswith("data: "):
+                        ids.append(json.loads(line[6:])["id"])
+                    if len(ids) == 3:
                         break
 
-    nodes = cluster[2]
     asyncio.run(stream_then_leave())
-    # The registry record that /metrics reads lags by a heartbeat, which a loaded machine stretches.
+    left_at = time.time()
+    # Only a status both nodes computed after the client left can show the blocks freed; the
+    # registry lags by a heartbeat, which a loaded machine stretches.
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(_used_blocks(router).values()):
+    used = _used_blocks(router, computed_after=left_at)
+    while time.monotonic() < deadline and (len(used) < 2 or any(used.values())):
         time.sleep(0.1)
-    used = _used_blocks(router)
-    logs = {n.role: n.log()[-2000:] for n in nodes}
-    assert used and not any(used.values()), (used, logs)
+        used = _used_blocks(router, computed_after=left_at)
+    decode_log = next(n for n in nodes if n.role == "decode").log()
+    node_request = f'"request_id": "{ids[0]}-0"'
+    events = [json.loads(line)["event"] for line in decode_log.splitlines() if node_request in line]
+    if len(used) < 2 or any(used.values()) or "request_aborted" not in events:
+        # pytest shortens a long assertion message: the logs go to stdout whole.
+        print(f"client left at {left_at}\n--- router log ---\n{router.log_path.read_text()[-6000:]}")
+        for node in nodes:
+            print(f"--- {node.role} log ---\n{node.log()[-6000:]}")
+    assert len(used) == 2 and not any(used.values()), used
+    assert "request_aborted" in events and "request_finished" not in events, events
