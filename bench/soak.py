@@ -176,7 +176,7 @@ async def _soak(url: str, model: str, rate: float, seconds: float, procs, sample
     return samples, record
 
 
-def _growth(samples: list[dict]) -> list[str]:
+def _growth(samples: list[dict], max_latency_growth: float = 2.0) -> list[str]:
     """What grew from the second quarter of the run to the last."""
     quarter = max(1, len(samples) // 4)
     early, late = samples[quarter : 2 * quarter], samples[-quarter:]
@@ -192,7 +192,7 @@ def _growth(samples: list[dict]) -> list[str]:
             problems.append(f"{name}: open fds {fa} -> {fb}")
     p50a = [s["p50_s"] for s in early if s["p50_s"] is not None]
     p50b = [s["p50_s"] for s in late if s["p50_s"] is not None]
-    if p50a and p50b and statistics.median(p50b) > 2 * statistics.median(p50a):
+    if p50a and p50b and statistics.median(p50b) > max_latency_growth * statistics.median(p50a):
         problems.append(f"p50 latency {statistics.median(p50a):.2f} -> {statistics.median(p50b):.2f} s")
     errors = sum(s["errors"] for s in samples)
     if errors:
@@ -241,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help='more `pdserve up` flags, e.g. "--node-args=--kv-cache-memory-mb=64"',
     )
+    parser.add_argument(
+        "--max-latency-growth", type=float, default=2.0, help="fail when p50 latency grows more than this"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results" / "soak")
     args = parser.parse_args(argv)
@@ -265,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         up.send_signal(signal.SIGINT)
         with contextlib.suppress(subprocess.TimeoutExpired):
             up.wait(60)
-    problems = _growth(samples) if len(samples) >= 4 else ["too few samples: run longer"]
+    problems = (
+        _growth(samples, args.max_latency_growth) if len(samples) >= 4 else ["too few samples: run longer"]
+    )
     if final["used_blocks"]:
         problems.append(f"{final['used_blocks']} KV blocks still held 30 s after the load stopped")
     summary = {

@@ -111,7 +111,7 @@ class DecodeNode:
         for received in result.completed:
             self._adopt(received)
         for problem in result.refused:
-            self.log("bad_message", port="kv", error=problem)
+            self.log.throttled("bad_message", port="kv", error=problem)
         for failure in result.failed:
             self.log("kv_failed", failure.request_id, error=repr(failure.error))
             meta = failure.request_meta

@@ -188,7 +188,7 @@ class NodeRuntime:
             try:
                 inbound = self.control.recv(wait)
             except ProtocolError as exc:
-                self.log("bad_message", error=str(exc))
+                self.log.throttled("bad_message", error=str(exc))
                 peer = getattr(exc, "peer", b"")
                 self._safe_send(peer, RequestFailed("", self.opts.node_id, "bad_message", str(exc), False))
                 named = reply_address_of(getattr(exc, "header", b""))

@@ -109,12 +109,25 @@ def run_fault(
 
 
 _RUNNING_RE = re.compile(r'^pdserve_node_running_requests\{node_id="([^"]+)",role="\w+"\} (\d+)$', re.M)
+_STATUS_AT_RE = re.compile(
+    r'^pdserve_node_status_timestamp_seconds\{node_id="([^"]+)",role="\w+"\} (\S+)$', re.M
+)
 
 
-def _busiest(cluster: Cluster, role: str):
-    """The live node of ``role`` running the most requests now (its /metrics gauge)."""
-    running = dict(_RUNNING_RE.findall(httpx.get(cluster.router.url + "/metrics", timeout=5).text))
-    return max(cluster.live(role), key=lambda n: int(running.get(n.addrs["node_id"], 0)))
+def _busiest(cluster: Cluster, role: str, timeout_s: float = 15.0):
+    """The live node of ``role`` running the most requests now, by its /metrics gauge. It waits
+    (up to ``timeout_s``) for one whose status, at most a second old, shows a request running:
+    a status lags by a heartbeat, and a fault meant to land mid-decode must find decoding."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(cluster.router.url + "/metrics", timeout=5).text
+        running = {node: int(num) for node, num in _RUNNING_RE.findall(text)}
+        fresh = {node for node, at in _STATUS_AT_RE.findall(text) if time.time() - float(at) < 1.0}
+        busiest = max(cluster.live(role), key=lambda n: running.get(n.addrs["node_id"], 0))
+        node_id = busiest.addrs["node_id"]
+        if (running.get(node_id, 0) > 0 and node_id in fresh) or time.monotonic() > deadline:
+            return busiest
+        time.sleep(0.05)
 
 
 def _kill_and_replace(cluster: Cluster, role: str, expected: Expected, seed: int, **kw) -> None:
