@@ -85,6 +85,8 @@ class DecodeNode:
         )
 
     def serve(self, ready_file: str | None = None) -> int:
+        if self.engine.sampler.rules is not None:  # the first guided request need not build it
+            self.engine.sampler.rules.warm_up_in_background()
         self.runtime.start(self.status(), ready_file)
         try:
             self.runtime.run(self._iterate, self._busy, self._start_draining)

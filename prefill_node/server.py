@@ -100,6 +100,8 @@ class PrefillNode:
         )
 
     def serve(self, ready_file: str | None = None) -> int:
+        if self.engine.sampler.rules is not None:  # the first guided request need not build it
+            self.engine.sampler.rules.warm_up_in_background()
         self.runtime.start(self.status(), ready_file)
         try:
             self.runtime.run(

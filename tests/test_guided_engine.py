@@ -275,3 +275,20 @@ def test_a_migrated_guided_request_resumes_inside_its_grammar(llm, model_dir):
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert outs[-1].outputs[0].token_ids == whole  # the resumed tokens, then what this engine added
+
+
+def test_warm_up_builds_the_grammar_tokenizer_once_ahead_of_the_first_guided_request(model_dir, tmp_path):
+    from engine.logits_rules import LogitsRules
+
+    rules = LogitsRules(str(model_dir), 49152, (EOS,))
+    assert rules._compiler is None  # built lazily: an engine that never sees a grammar skips it
+    rules.warm_up_in_background().join(60)
+    built = rules._compiler
+    assert built is not None and rules.compiler is built
+    matcher = built.matcher(GuidedDecoding.choice(("yes", "no")))
+    assert not matcher.is_error()
+    # A folder without tokenizer.json: nothing to warm up, and no error until a request needs it.
+    bare = LogitsRules(str(tmp_path), 49152, (EOS,))
+    bare.warm_up()
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        bare.compiler  # noqa: B018
