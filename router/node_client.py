@@ -28,6 +28,9 @@ from protocol.channel import AsyncDealerChannel, AsyncPullChannel
 
 log = logging.getLogger(__name__)
 _SEND_RETRY_S = 0.01  # while a node's connection is being set up
+# Malformed node messages (a peer can send them at any rate) are logged at most this many times
+# per window; the first line of a later window says how many were left out.
+_BAD_LOG_BURST, _BAD_LOG_WINDOW_S = 20, 10.0
 
 
 class NodeUnavailable(ConnectionError):
@@ -60,6 +63,7 @@ class NodeClient:
         self._status_waiters: dict[int, asyncio.Future[pm.NodeStatus]] = {}  # nonce -> waiter
         self._nonces = itertools.count(1)
         self._pull_task: asyncio.Task | None = None
+        self._bad_log = [0.0, 0, 0]  # [window start, lines logged, lines left out]
 
     def start(self) -> None:
         self._pull_task = asyncio.create_task(self._read(self._pull, reply_path=True))
@@ -119,9 +123,21 @@ class NodeClient:
             try:
                 msg = await channel.recv()
             except pm.ProtocolError as exc:
-                log.warning("dropped a malformed node message: %s", exc)
+                self._log_malformed(exc)
                 continue
             self._deliver(msg, reply_path)
+
+    def _log_malformed(self, exc: pm.ProtocolError) -> None:
+        window, now = self._bad_log, time.monotonic()
+        if now - window[0] >= _BAD_LOG_WINDOW_S:
+            if window[2]:
+                log.warning("left out %d more malformed node messages", window[2])
+            window[:] = [now, 0, 0]
+        if window[1] >= _BAD_LOG_BURST:
+            window[2] += 1
+            return
+        window[1] += 1
+        log.warning("dropped a malformed node message: %s", exc)
 
     # ------------------------------------------------------------------ sending
     def _channel(self, addr: str) -> AsyncDealerChannel:

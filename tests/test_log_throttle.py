@@ -1,12 +1,17 @@
-"""The node's structured log: whole JSON lines, and floods of peer-caused events throttled."""
+"""Floods of peer-caused log lines (bad frames) are throttled: on the nodes' structured log and
+on the router's."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import logging
 import time
 
 from node.log import EventLog
+from protocol.messages import ProtocolError
+from router import node_client
 
 
 def _records(stream: io.StringIO) -> list[dict]:
@@ -30,3 +35,22 @@ def test_a_flood_of_bad_frames_costs_a_burst_of_lines_and_then_a_count():
     log.throttled("bad_message", error="after the window")
     last = _records(stream)[-1]
     assert last["error"] == "after the window" and last["left_out_before"] == 995
+
+
+def test_the_router_logs_a_burst_of_malformed_node_messages_and_then_a_count(caplog, monkeypatch):
+    monkeypatch.setattr(node_client, "_BAD_LOG_WINDOW_S", 0.2)
+    client = node_client.NodeClient()
+    try:
+        with caplog.at_level(logging.WARNING, logger="router.node_client"):
+            for i in range(500):
+                client._log_malformed(ProtocolError(f"frame {i}"))
+            time.sleep(0.25)
+            client._log_malformed(ProtocolError("after the window"))
+    finally:
+        asyncio.run(client.close())
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[:20] == [f"dropped a malformed node message: frame {i}" for i in range(20)]
+    assert lines[20:] == [
+        "left out 480 more malformed node messages",
+        "dropped a malformed node message: after the window",
+    ]
