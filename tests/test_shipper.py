@@ -73,7 +73,10 @@ def test_cancellations_are_kept_only_for_queued_shipments():
     addr = f"tcp://127.0.0.1:{free_port()}"
     try:
         assert shipper.submit(_shipment("running", addr)) and shipper.submit(_shipment("queued", addr))
-        time.sleep(0.1)  # "running" is being sent (waiting for its grant)
+        deadline = time.monotonic() + 5  # until a worker took "running" (it waits for its grant)
+        while "running" in shipper._queued and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert shipper._queued == {"queued"}
         shipper.cancel("running")  # too late to skip: runs to its deadline
         shipper.cancel("queued")
         shipper.cancel("unknown")
