@@ -34,3 +34,11 @@ def attach(pid: int, fd: int, num_bytes: int) -> mmap.mmap:
         return mmap.mmap(peer_fd, size, prot=mmap.PROT_READ)
     finally:
         os.close(peer_fd)
+
+
+def identity(pid: int, fd: int) -> tuple[int, int]:
+    """(device, inode) of the file a peer's descriptor names now; OSError when it cannot be seen.
+    A (pid, fd) pair alone does not name one memfd for ever: a process that closes one and makes
+    another often gets the same descriptor number back."""
+    st = os.stat(f"/proc/{pid}/fd/{fd}")
+    return st.st_dev, st.st_ino

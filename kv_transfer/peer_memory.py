@@ -12,11 +12,15 @@ from collections import OrderedDict
 
 import numpy as np
 import torch
+import xxhash
 
-from kv_transfer import shared_cache, staging
+from kv_transfer import memfd, shared_cache, staging
 from kv_transfer.messages import KVFingerprint, KVReserve
 
 MAX_MAPPINGS = 64  # per kind: sender rings and sender caches kept mapped
+# The direct copy hashes what it copied one tile at a time, while the tile is still in the CPU's
+# cache, instead of reading the whole layer back from memory afterwards.
+TILE_BYTES = 256 * 1024
 
 
 class PeerMemory:
@@ -24,8 +28,10 @@ class PeerMemory:
         self.fingerprint = fingerprint
         self.enabled = enabled
         self.host_id = staging.host_id()
-        self._rings: OrderedDict[tuple[int, int, int], mmap.mmap] = OrderedDict()  # sender rings
-        self._caches: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()  # sender caches
+        # Keyed by (pid, fd, size, the memfd's device and inode): a sender that closes its ring
+        # and makes a new one may get the same descriptor back, and the old mapping is stale.
+        self._rings: OrderedDict[tuple, mmap.mmap] = OrderedDict()  # sender rings
+        self._caches: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # sender caches
 
     def _same_host(self, msg: KVReserve) -> bool:
         return self.enabled and msg.host_id == self.host_id
@@ -34,10 +40,14 @@ class PeerMemory:
         """The sender's whole KV cache [L, 2, NB, bs, kvh, d], read-only, for the one-copy path."""
         if msg.cache_ref is None or not self._same_host(msg):
             return None
-        key = (msg.cache_ref.pid, msg.cache_ref.fd, msg.cache_ref.num_blocks)
+        ref = msg.cache_ref
+        try:
+            key = (ref.pid, ref.fd, ref.num_blocks, *memfd.identity(ref.pid, ref.fd))
+        except OSError:
+            return None  # another PID namespace or user, or the sender is gone: chunks it is
         if key not in self._caches:
             try:
-                self._caches[key] = shared_cache.attach(msg.cache_ref, self.fingerprint)
+                self._caches[key] = shared_cache.attach(ref, self.fingerprint)
             except (OSError, ValueError):
                 return None  # another PID namespace or user: chunks it is
             _bound(self._caches)
@@ -49,7 +59,10 @@ class PeerMemory:
         ref = msg.ring_ref
         if ref is None or not self._same_host(msg):
             return None
-        key = (ref.pid, ref.fd, ref.num_bytes)
+        try:
+            key = (ref.pid, ref.fd, ref.num_bytes, *memfd.identity(ref.pid, ref.fd))
+        except OSError:
+            return None  # fall back to frames on the socket
         if key not in self._rings:
             try:
                 self._rings[key] = staging.attach(ref)
@@ -78,7 +91,8 @@ def copy_direct(
     layer_checksums: tuple[int, ...],
 ) -> str | None:
     """Copy blocks ``src_ids`` of a mapped sender cache into ``dst_ids`` of ours, layer by layer,
-    checking each layer's checksum; returns the problem, or None.
+    checking each layer's checksum (``shared_cache.layer_checksum`` of what landed, computed
+    tile by tile as it lands); returns the problem, or None.
 
     src: [L, 2, NB_sender, bs, kvh, d]; key_caches / value_caches: per layer [NB, bs, kvh, d].
     """
@@ -86,14 +100,20 @@ def copy_direct(
         return f"direct transfer names {len(src_ids)} source blocks for {len(dst_ids)} granted"
     if len(layer_checksums) != len(key_caches):
         return "direct transfer without a checksum per layer"
-    dst_list = dst_ids.tolist()
-    pairs = shared_cache.paired_runs(src_ids, dst_list)  # usually few: blocks come in runs
+    pairs = shared_cache.paired_runs(src_ids, dst_ids.tolist())  # usually few: blocks come in runs
+    block_bytes = key_caches[0][0].numel() * key_caches[0].element_size()
+    tile = max(1, TILE_BYTES // block_bytes)  # blocks per tile
     for layer, expected in enumerate(layer_checksums):
+        digest = xxhash.xxh3_64()  # K blocks then V blocks in grant order, as the sender hashed them
         for kind, cache in enumerate((key_caches[layer], value_caches[layer])):
             rows = cache.view(cache.shape[0], -1).view(torch.uint8).numpy()  # [NB, block bytes]
             src_rows = src[layer, kind].reshape(src.shape[2], -1).view(torch.uint8).numpy()
-            for s, d, n in pairs:  # numpy's copy is ~2-3x torch's single-threaded copy_ here
-                np.copyto(rows[d : d + n], src_rows[s : s + n])
-        if shared_cache.layer_checksum(key_caches[layer], value_caches[layer], dst_list) != expected:
+            for s, d, n in pairs:
+                for i in range(0, n, tile):
+                    m = min(tile, n - i)
+                    landed = rows[d + i : d + i + m]
+                    np.copyto(landed, src_rows[s + i : s + i + m])  # ~2-3x torch's copy_ here
+                    digest.update(memoryview(landed).cast("B"))  # while the tile is still in cache
+        if digest.intdigest() != expected:
             return f"checksum mismatch in layer {layer} (direct)"
     return None

@@ -145,3 +145,52 @@ def test_layer_checksum_depends_on_the_bytes_not_on_where_the_blocks_sit():
     assert shared_cache.layer_checksum(k, v, src) == shared_cache.layer_checksum(k2, v2, dst)
     v2[5, 0, 0, 0] += 1
     assert shared_cache.layer_checksum(k, v, src) != shared_cache.layer_checksum(k2, v2, dst)
+
+
+@pytest.mark.parametrize("tile_bytes", [1, 3 * 4 * 2 * 8 * 4, 1 << 20])  # a block, 3 blocks, all
+def test_copy_direct_lands_the_bytes_and_checks_them_tile_by_tile(monkeypatch, tile_bytes):
+    from kv_transfer import peer_memory
+
+    monkeypatch.setattr(peer_memory, "TILE_BYTES", tile_bytes)
+    gen = torch.Generator().manual_seed(7)
+    src = torch.randn(3, 2, 12, 4, 2, 8, generator=gen)  # [L, 2, NB, bs, kvh, d]
+    src_ids = [1, 2, 3, 4, 5, 9, 10, 0]  # runs of 5, 2 and 1 blocks
+    dst_ids = [6, 7, 8, 9, 10, 2, 3, 0]  # paired differently: runs of 5, 2, 1
+    sums = tuple(shared_cache.layer_checksum(src[i, 0], src[i, 1], src_ids) for i in range(3))
+    keys = [torch.zeros(11, 4, 2, 8) for _ in range(3)]
+    values = [torch.zeros(11, 4, 2, 8) for _ in range(3)]
+    ids = torch.tensor(dst_ids)
+    assert peer_memory.copy_direct(src, src_ids, keys, values, ids, sums) is None
+    for layer in range(3):
+        assert torch.equal(keys[layer][dst_ids], src[layer, 0][src_ids])
+        assert torch.equal(values[layer][dst_ids], src[layer, 1][src_ids])
+    src[2, 1, 10, 3, 1, 7] += 1.0  # the sender's bytes changed after it hashed them
+    problem = peer_memory.copy_direct(src, src_ids, keys, values, ids, sums)
+    assert problem == "checksum mismatch in layer 2 (direct)"
+
+
+def test_a_new_ring_on_a_reused_descriptor_is_mapped_afresh():
+    """A sender that closes its staging ring and makes another often gets the same descriptor
+    number back: the receiver must map the new ring, not read the old one's pages."""
+    from kv_transfer import staging
+    from kv_transfer.messages import KVReserve
+    from kv_transfer.peer_memory import PeerMemory
+
+    peer = PeerMemory(make_fingerprint(), enabled=True)
+
+    def reserve(ring):
+        return KVReserve("r", (1,), (), make_fingerprint(), 5.0, ring_ref=ring.ref, host_id=peer.host_id)
+
+    old = staging.StagingRing(1 << 16, shared=True)
+    old.buffer[:4] = torch.tensor([1, 1, 1, 1], dtype=torch.uint8)
+    assert bytes(peer.map_ring(reserve(old))[:4]) == b"\x01\x01\x01\x01"
+    old_fd = old.ref.fd
+    old.close()
+    new = staging.StagingRing(1 << 16, shared=True)
+    try:
+        assert new.ref.fd == old_fd  # the case that went wrong: same pid, fd and size
+        new.buffer[:4] = torch.tensor([2, 2, 2, 2], dtype=torch.uint8)
+        assert bytes(peer.map_ring(reserve(new))[:4]) == b"\x02\x02\x02\x02"
+    finally:
+        new.close()
+        peer.close()
