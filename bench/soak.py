@@ -62,6 +62,7 @@ def _start_cluster(args) -> tuple[subprocess.Popen, str]:
         if up.poll() is not None:
             raise SystemExit(f"pdserve up exited with {up.returncode}; see {args.out / 'logs'}")
         time.sleep(0.5)
+    up.terminate()
     raise SystemExit("the cluster did not become healthy in 5 minutes")
 
 
@@ -249,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     up, url = _start_cluster(args)
+    stop_problem = None
     try:
         model = _model_name(url)
         capacity = asyncio.run(_capacity(url, model, args.concurrency, args.calibrate_s, args.seed))
@@ -265,12 +267,19 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.5)
         final = _sample(url, procs, [], 0)
     finally:
-        up.send_signal(signal.SIGINT)
-        with contextlib.suppress(subprocess.TimeoutExpired):
+        # SIGTERM, not SIGINT: a shell that starts a job in the background has it ignore SIGINT.
+        up.send_signal(signal.SIGTERM)
+        try:
             up.wait(60)
+        except subprocess.TimeoutExpired:
+            stop_problem = "pdserve up did not stop within 60 s of SIGTERM"
+            up.kill()  # its nodes die with it (PR_SET_PDEATHSIG)
+            up.wait(10)
     problems = (
         _growth(samples, args.max_latency_growth) if len(samples) >= 4 else ["too few samples: run longer"]
     )
+    if stop_problem:
+        problems.append(stop_problem)
     if final["used_blocks"]:
         problems.append(f"{final['used_blocks']} KV blocks still held 30 s after the load stopped")
     summary = {
