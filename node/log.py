@@ -7,6 +7,8 @@ import sys
 import threading
 import time
 
+from protocol.throttle import Throttle
+
 # Events a peer can cause at any rate (bad frames) are logged at most BURST times per window;
 # the first line of a later window says how many were left out.
 THROTTLE_BURST = 20
@@ -24,9 +26,7 @@ class EventLog:
         self.node_id = node_id
         self.stream = stream or sys.stderr
         self._lock = threading.Lock()  # the node loop and shipper threads log alike: whole lines
-        self._burst, self._window_s = throttle_burst, throttle_window_s
-        # (event, port) -> [window start, lines written, lines left out]
-        self._windows: dict[tuple[str, object], list] = {}
+        self._throttle = Throttle(throttle_burst, throttle_window_s)
 
     def __call__(self, event: str, request_id: str | None = None, **fields) -> None:
         record = {"ts": round(time.time(), 6), "node": self.node_id, "event": event}
@@ -41,16 +41,9 @@ class EventLog:
     def throttled(self, event: str, request_id: str | None = None, **fields) -> None:
         """As a call, for events that outside input can cause at any rate: a flood of them
         costs a few lines per window and port, not one line each."""
-        now, key = time.monotonic(), (event, fields.get("port"))
-        with self._lock:
-            window = self._windows.get(key)
-            if window is None or now - window[0] >= self._window_s:
-                left_out = window[2] if window is not None else 0
-                window = self._windows[key] = [now, 0, 0]
-                if left_out:
-                    fields["left_out_before"] = left_out
-            if window[1] >= self._burst:
-                window[2] += 1
-                return
-            window[1] += 1
+        admitted, left_out = self._throttle.admit((event, fields.get("port")))
+        if not admitted:
+            return
+        if left_out:
+            fields["left_out_before"] = left_out
         self(event, request_id, **fields)

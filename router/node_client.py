@@ -25,6 +25,7 @@ import zmq.asyncio
 from protocol import messages as pm
 from protocol.addresses import advertised_host, zmq_host
 from protocol.channel import AsyncDealerChannel, AsyncPullChannel
+from protocol.throttle import Throttle
 
 log = logging.getLogger(__name__)
 _SEND_RETRY_S = 0.01  # while a node's connection is being set up
@@ -63,7 +64,7 @@ class NodeClient:
         self._status_waiters: dict[int, asyncio.Future[pm.NodeStatus]] = {}  # nonce -> waiter
         self._nonces = itertools.count(1)
         self._pull_task: asyncio.Task | None = None
-        self._bad_log = [0.0, 0, 0]  # [window start, lines logged, lines left out]
+        self._bad_log = Throttle(_BAD_LOG_BURST, _BAD_LOG_WINDOW_S)  # malformed node messages
 
     def start(self) -> None:
         self._pull_task = asyncio.create_task(self._read(self._pull, reply_path=True))
@@ -128,16 +129,11 @@ class NodeClient:
             self._deliver(msg, reply_path)
 
     def _log_malformed(self, exc: pm.ProtocolError) -> None:
-        window, now = self._bad_log, time.monotonic()
-        if now - window[0] >= _BAD_LOG_WINDOW_S:
-            if window[2]:
-                log.warning("left out %d more malformed node messages", window[2])
-            window[:] = [now, 0, 0]
-        if window[1] >= _BAD_LOG_BURST:
-            window[2] += 1
-            return
-        window[1] += 1
-        log.warning("dropped a malformed node message: %s", exc)
+        admitted, left_out = self._bad_log.admit()
+        if left_out:
+            log.warning("left out %d more malformed node messages", left_out)
+        if admitted:
+            log.warning("dropped a malformed node message: %s", exc)
 
     # ------------------------------------------------------------------ sending
     def _channel(self, addr: str) -> AsyncDealerChannel:
