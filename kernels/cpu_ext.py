@@ -33,7 +33,13 @@ CFLAGS = (
     "-fassociative-math",
     "-fno-signed-zeros",
     "-fno-trapping-math",
+    # at::parallel_for is a header template that runs in parallel only where _OPENMP is defined:
+    # without -fopenmp the kernel ran on one thread whatever torch's thread count. Linked with
+    # -fopenmp, the library needs libgomp.so.1, which resolves to the copy torch already loaded
+    # (same soname), so there is one OpenMP pool in the process.
+    "-fopenmp",
 )
+LDFLAGS = ("-fopenmp",)
 
 
 def enabled() -> bool:
@@ -57,7 +63,7 @@ def _cpu_flags() -> str:
 def build_key() -> str:
     parts = [
         SOURCE.read_bytes(),
-        " ".join(CFLAGS).encode(),
+        " ".join(CFLAGS + LDFLAGS).encode(),
         torch.__version__.encode(),
         _cpu_flags().encode(),
     ]
@@ -86,6 +92,7 @@ def load() -> pathlib.Path | None:
             name=NAME,
             sources=[str(SOURCE)],
             extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=False,

@@ -83,6 +83,18 @@ def test_result_does_not_depend_on_thread_count():
     assert torch.equal(one, two)
 
 
+def test_the_kernel_runs_on_all_of_torchs_threads():
+    # at::parallel_for compiled without -fopenmp runs serially: the kernel once did, whatever
+    # torch's thread count (and ran no faster on 2 threads than on 1)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            assert torch.ops.pdserve_cpu.parallel_width() == threads
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_block_id_outside_the_cache_is_a_clear_error():
     q, kv, qsl = _varlen(2, [1], [5], 2, 1, 8, 4)
     tables = kv.block_tables.clone()

@@ -298,12 +298,25 @@ at::Tensor paged_attention(const at::Tensor &query, const at::Tensor &key_cache,
   return out;
 }
 
+// How many threads one at::parallel_for of this library really runs on: torch's thread count when
+// the library is built with OpenMP, 1 when the header template compiled to its serial fallback.
+int64_t parallel_width() {
+  std::atomic<int64_t> widest{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    const int64_t id = at::get_thread_num() + 1;
+    for (int64_t seen = widest.load(); seen < id && !widest.compare_exchange_weak(seen, id);) {
+    }
+  });
+  return widest.load();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor query_start_loc, Tensor context_lens, float scale, int window, float softcap) -> Tensor");
+  m.def("parallel_width() -> int", &parallel_width);
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
