@@ -55,11 +55,11 @@ test: lint model native
 	if [ $$status -eq 5 ]; then echo "make test: pytest ran no test" >&2; fi; \
 	exit $$status
 
-# The HF-exact engine suite on the pure-torch CPU attention path (the default runs the C++
+# The HF-exact engine suite on the pure-torch CPU path: torch attention and F.linear (the default runs the C++
 # kernel of kernels/cpu_ext.py), so both paths stay equal to transformers.
 TORCH_ATTENTION_TESTS := tests/test_engine_hf_exact.py tests/test_engine_paths.py tests/test_model_families.py
 test-torch-attention: model native
-	PATH="$(TEST_PATH)" PDSERVE_NATIVE_CPU=0 $(PY) -m pytest -q $(PYTEST_ARGS) $(TORCH_ATTENTION_TESTS)
+	PATH="$(TEST_PATH)" PDSERVE_NATIVE_CPU=0 PDSERVE_PACKED_LINEAR=0 $(PY) -m pytest -q $(PYTEST_ARGS) $(TORCH_ATTENTION_TESTS)
 
 # A local cluster with the defaults (router on :8000, 1 prefill + 1 decode node, a private
 # redis-server); Ctrl-C stops it. More: make run UP_ARGS="--prefill 2 --decode 2".

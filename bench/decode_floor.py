@@ -43,7 +43,7 @@ from engine.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
 
 BLOCK_SIZE = 16
-MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise"}
 ATTENTION_OPS = {
     "pdserve_cpu::paged_attention",
     "aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -131,7 +131,7 @@ def floor_table(args) -> None:
     for batch in (int(x) for x in args.batches.split(",")):
         for context in (int(x) for x in args.contexts.split(",")):
             runner, sched = decode_batch(path, batch, context)
-            weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+            weight_bytes = runner.weight_bytes
             kv_bytes = batch * context * kv_token_bytes
             step = step_seconds(runner, sched, args.repeats)
             floor = (weight_bytes + kv_bytes) / bandwidth

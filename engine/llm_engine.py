@@ -82,7 +82,12 @@ class LLMEngine:
         self.sampler = Sampler(LogitsRules(config.model, m.vocab_size, tuple(m.eos_token_ids)))
         native = kernels.native_cpu(self.runner.kv_caches[0][0], self.runner.attention_backend)
         attention = "C++ CPU kernel" if native else "torch/Triton"
-        announce(self.sizing.describe(config, f"; attention: {attention}; {cpu_env.describe()}"))
+        linear = "oneDNN, packed weights" if self.runner.packed_linear else "F.linear"
+        announce(
+            self.sizing.describe(
+                config, f"; attention: {attention}; linear layers: {linear}; {cpu_env.describe()}"
+            )
+        )
         self.tokenizer = tokenizer
         self.requests: dict[str, Request] = {}  # not yet done; held ones are the scheduler's (held)
         self._stops: dict[

@@ -17,6 +17,7 @@ from engine.models import model_class
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.weights import load_weights
+from kernels import cpu_linear
 
 KVCacheFactory = Callable[[KVCacheSpec], list[tuple[torch.Tensor, torch.Tensor]]]
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -49,6 +50,9 @@ class ModelRunner:
         max_positions = engine_config.max_model_len or model_config.max_position_embeddings
         self.model = model_class(model_config)(model_config, max_positions).to(self.dtype).eval()
         load_weights(self.model, model_config.path)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # oneDNN matmuls on weights packed once (kernels/cpu_linear.py); F.linear where it can't
+        self.packed_linear = cpu_linear.enabled(self.dtype) and cpu_linear.pack_linears(self.model) > 0
         if kv_cache_factory is not None:
             self.kv_caches = kv_cache_factory(kv_spec)
             assert len(self.kv_caches) == kv_spec.num_layers and self.kv_caches[0][0].dtype == self.dtype

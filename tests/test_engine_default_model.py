@@ -25,7 +25,14 @@ def chat_prompt(default_model_dir) -> list[int]:
 def test_default_model_teacher_forced_logits_match_hf(default_model_dir, chat_prompt):
     path = str(default_model_dir)
     ours = paged_logits(path, chat_prompt, chunks=[20, len(chat_prompt) - 20], block_size=16)
-    assert (ours - hf_logits(path, chat_prompt)).abs().max().item() < 1e-4
+    hf32 = hf_logits(path, chat_prompt)
+    with torch.no_grad():
+        exact = hf_model(path).double()(torch.tensor([chat_prompt])).logits[0]  # fp64: the truth
+    # Within fp32 rounding: no further from the fp64 logits than twice HF's own fp32 run is (which
+    # is ~9e-5 on logits up to ~38 here: 30 layers of matmuls summed in another order differ so).
+    hf_error = (hf32.double() - exact).abs().max().item()
+    assert (ours.double() - exact).abs().max().item() < 2 * hf_error + 1e-5
+    assert (ours - hf32).abs().max().item() < 3e-4
 
 
 def test_default_model_chat_greedy_matches_hf_and_stops_at_eos(default_model_dir, chat_prompt):
