@@ -22,7 +22,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = pathlib.Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+CSRC = pathlib.Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "dense_cpu.cpp")  # one library, op namespace pdserve_cpu
+HEADERS = (CSRC / "cpu_math.h",)
 NAME = "pdserve_paged_attention_cpu"
 # Reassociation lets the dot products vectorize. Never -ffast-math / -Ofast: a shared object built
 # with them may turn on flush-to-zero for the whole process when loaded.
@@ -62,7 +64,7 @@ def _cpu_flags() -> str:
 
 def build_key() -> str:
     parts = [
-        SOURCE.read_bytes(),
+        *(path.read_bytes() for path in SOURCES + HEADERS),
         " ".join(CFLAGS + LDFLAGS).encode(),
         torch.__version__.encode(),
         _cpu_flags().encode(),
@@ -90,7 +92,7 @@ def load() -> pathlib.Path | None:
         # Locks build_dir while it builds, so node processes starting together build it once.
         cpp_extension.load(
             name=NAME,
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in SOURCES],
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(build_dir),
@@ -137,3 +139,29 @@ def paged_attention(
         sliding_window or 0,
         softcap or 0.0,
     )
+
+
+# The dense per-layer ops (kernels/csrc/dense_cpu.cpp). The layers call them on CPU tensors
+# when ``enabled()``; each replaces several torch ops that each pass over the whole activation.
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    """[rows, dim] -> [rows, dim]: Llama's w * dtype(x / rms(x)), or Gemma's dtype(x / rms(x) * (1 + w))."""
+    return torch.ops.pdserve_cpu.rms_norm(x, weight, eps, unit_offset)
+
+
+def add_rms_norm_(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
+) -> torch.Tensor:
+    """residual += x in place (contiguous [rows, dim]), then rms_norm(residual)."""
+    return torch.ops.pdserve_cpu.add_rms_norm_(x, residual, weight, eps, unit_offset)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[rows, 2I] -> [rows, I]: silu(gate) * up, gate being the first I columns."""
+    return torch.ops.pdserve_cpu.silu_mul(gate_up)
+
+
+def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In place on [T, heads, D]: x * cos + rotate_half(x) * sin, rows of cos/sin ([P, D] fp32) by position."""
+    torch.ops.pdserve_cpu.rotary_(x, positions, cos, sin)

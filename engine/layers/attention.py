@@ -61,7 +61,10 @@ class SelfAttention(nn.Module):
         q, k, v = split_heads(self.qkv_proj(x), self.spec)  # [T, H|KVH|KVH, D]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope is not None:
+        if self.rope is not None and self.rope.can_rotate_in_place(q) and self.rope.can_rotate_in_place(k):
+            self.rope.rotate_(positions, q)  # the CPU kernel, in place (q, k: views of fresh tensors)
+            self.rope.rotate_(positions, k)
+        elif self.rope is not None:
             q, k = self.rope(positions, torch.cat([q, k], dim=1)).split([q.shape[1], k.shape[1]], dim=1)
         out = attend(q, k, v, kv_cache, meta, self.spec)  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))

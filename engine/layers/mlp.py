@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from engine.layers.activations import activation
+from kernels import cpu_ext
 
 
 class GatedMLP(nn.Module):
@@ -16,8 +17,11 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = activation(act)
+        self.is_silu = act in ("silu", "swish")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]
+        if self.is_silu and x.device.type == "cpu" and cpu_ext.enabled():
+            return self.down_proj(cpu_ext.silu_mul(self.gate_up_proj(x)))  # one pass, no [T, I] temporaries
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
         return self.down_proj(self.act(gate) * up)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import cpu_ext
+
 LayerNorm = nn.LayerNorm  # GPT-2 and StableLM: mean and variance, weight and bias
 
 
@@ -23,11 +25,23 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and cpu_ext.enabled():  # one pass (kernels/csrc/dense_cpu.cpp)
+            flat = x.reshape(-1, x.shape[-1])  # a view where it can be (2-D, or packed heads)
+            flat = flat if flat.stride(-1) == 1 else flat.contiguous()
+            return cpu_ext.rms_norm(flat, self.weight, self.eps, self.unit_offset).view(x.shape)
         dtype = x.dtype
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
             return (normed * (1.0 + self.weight.float())).to(dtype)
         return self.weight * normed.to(dtype)
+
+    def add_and_norm_(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual += x`` (in place), then this norm of the sum: the pre-norm layer's
+        "x = x + attn(...); mlp(norm(x))" with one pass over memory where the CPU kernel runs."""
+        if x.device.type == "cpu" and x.dim() == 2 and residual.is_contiguous() and cpu_ext.enabled():
+            return cpu_ext.add_rms_norm_(x, residual, self.weight, self.eps, self.unit_offset)
+        residual.add_(x)
+        return self(residual)
 
 
 class FlatHeadsRMSNorm(RMSNorm):

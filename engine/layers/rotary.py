@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from kernels import cpu_ext
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RotaryFrequencies:
@@ -135,6 +137,21 @@ class RotaryEmbedding(torch.nn.Module):
         self.rotary_dim = rotary_dim
         self.register_buffer("cos", emb.cos() * f.attention_factor, persistent=False)
         self.register_buffer("sin", emb.sin() * f.attention_factor, persistent=False)
+
+    def can_rotate_in_place(self, x: torch.Tensor) -> bool:
+        """Whether ``rotate_`` takes ``x``: whole-head rotation of [T, heads, D] with heads packed,
+        on CPU where the kernel runs (kernels/csrc/dense_cpu.cpp)."""
+        return (
+            self.rotary_dim == x.shape[-1]
+            and x.device.type == "cpu"
+            and x.stride(-1) == 1
+            and x.stride(-2) == x.shape[-1]
+            and cpu_ext.enabled()
+        )
+
+    def rotate_(self, positions: torch.Tensor, x: torch.Tensor) -> None:
+        """``forward``'s rotation, in place, in one pass (see can_rotate_in_place)."""
+        cpu_ext.rotary_(x, positions, self.cos, self.sin)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # positions: [T]; x: [T, heads, D] (query and key heads side by side, rotated in one go)

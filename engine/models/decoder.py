@@ -17,6 +17,7 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.layers.attention import AttentionSpec, KVCache
+from engine.layers.norms import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
 
@@ -35,8 +36,15 @@ class PreNormLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # x, the stack's own activation, takes the attention's residual in place
+        attn = self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        norm = self.post_attention_layernorm
+        if isinstance(norm, RMSNorm):
+            h = norm.add_and_norm_(attn, x)  # x += attn; h = norm(x), in one pass on CPU
+        else:
+            x = x + attn
+            h = norm(x)
+        return x + self.mlp(h)
 
 
 class SandwichLayer(nn.Module):

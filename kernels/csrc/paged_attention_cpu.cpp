@@ -25,7 +25,11 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_math.h"
+
 namespace {
+
+using pdserve::softmax_exp;
 
 constexpr int64_t kQueryTile = 16;  // query rows of one sequence per work item
 constexpr int64_t kKeyChunk = 128;  // keys per online-softmax step
@@ -41,27 +45,6 @@ struct Problem {
   int64_t q_stride0, q_stride1;
   const int32_t *tables, *starts, *lens;
 };
-
-// exp(x) for the softmax in plain arithmetic, so that loops of it vectorise (std::exp does not
-// without -ffast-math): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7
-// (relative error < 1e-8, under fp32 rounding), times 2^n built in the exponent bits.
-// Below -87 (and for -inf, the masked scores) the result is exactly 0.
-inline float softmax_exp(float x) {
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 in two parts: exact n * hi
-  float e = 1.f / 5040.f;
-  e = e * r + 1.f / 720.f;
-  e = e * r + 1.f / 120.f;
-  e = e * r + 1.f / 24.f;
-  e = e * r + 1.f / 6.f;
-  e = e * r + 0.5f;
-  e = e * r + 1.f;
-  e = e * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(x < -87.f ? 0.f : n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.f ? 0.f : e * scale;
-}
 
 template <typename T>
 inline float dot(const float *q, const T *k, int64_t n) {

@@ -1,0 +1,185 @@
+// The per-layer elementwise work of a decoder layer on CPU, one pass over memory each, in torch's
+// own thread pool (at::parallel_for over token rows). Unfused, each is 3-7 torch ops that each read
+// and write the whole activation; on the 30-layer default model they were a sixth of a prefill step.
+//
+//   rms_norm(x, w, eps, unit_offset)    Llama: w * dtype(x / rms(x));  Gemma: dtype(x / rms(x) * (1 + w))
+//   add_rms_norm_(x, residual, w, ...)  residual += x (rounded to dtype, as torch's add), then rms_norm
+//                                       of the sum: the pre-norm layer's "x + attn; norm(x)" in one pass
+//   silu_mul(gate_up)                   [T, 2I] -> [T, I]: silu(gate) * up, gate the first I columns
+//   rotary_(x, positions, cos, sin)     in place on [T, heads, D]: x * cos + rotate_half(x) * sin,
+//                                       HF's rotate-half convention, cos/sin rows picked by position
+//
+// Arithmetic is fp32 whatever the dtype, rounded where the torch expression it replaces rounds.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "cpu_math.h"
+
+namespace {
+
+// Rows per parallel chunk: at least kParallelElems elements, so that a decode step's few rows run
+// on the calling thread; waking a sleeping pool thread (OMP_WAIT_POLICY=PASSIVE) costs tens of us.
+constexpr int64_t kParallelElems = 1 << 15;
+inline int64_t row_grain(int64_t elems_per_row) {
+  return std::max<int64_t>(1, kParallelElems / std::max<int64_t>(1, elems_per_row));
+}
+
+template <typename T>
+inline T round_to(float v) {
+  return static_cast<T>(v);
+}
+
+template <typename T>
+void rms_norm_rows(const T *x, const T *w, T *out, int64_t rows, int64_t dim, int64_t stride, float eps,
+                   bool unit_offset) {
+  at::parallel_for(0, rows, row_grain(dim), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T *xr = x + r * stride;
+      T *o = out + r * dim;
+      float ss = 0.f;
+      for (int64_t i = 0; i < dim; ++i) {
+        const float v = static_cast<float>(xr[i]);
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+      if (unit_offset) {
+        for (int64_t i = 0; i < dim; ++i)
+          o[i] = round_to<T>(static_cast<float>(xr[i]) * inv * (1.f + static_cast<float>(w[i])));
+      } else {
+        for (int64_t i = 0; i < dim; ++i)
+          o[i] = round_to<T>(static_cast<float>(w[i]) * static_cast<float>(round_to<T>(static_cast<float>(xr[i]) * inv)));
+      }
+    }
+  });
+}
+
+void check_norm_args(const at::Tensor &x, const at::Tensor &weight) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, dim] with contiguous rows");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
+              "weight must be [dim] contiguous");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "x and weight must share one dtype");
+}
+
+at::Tensor rms_norm(const at::Tensor &x, const at::Tensor &weight, double eps, bool unit_offset) {
+  check_norm_args(x, weight);
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_cpu", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            x.size(0), x.size(1), x.stride(0), static_cast<float>(eps), unit_offset);
+  });
+  return out;
+}
+
+at::Tensor add_rms_norm_(const at::Tensor &x, at::Tensor &residual, const at::Tensor &weight, double eps,
+                         bool unit_offset) {
+  check_norm_args(x, weight);
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "residual must be contiguous, of x's shape and dtype");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm_cpu", [&] {
+    scalar_t *res = residual.data_ptr<scalar_t>();
+    const scalar_t *xs = x.data_ptr<scalar_t>();
+    const scalar_t *w = weight.data_ptr<scalar_t>();
+    scalar_t *o = out.data_ptr<scalar_t>();
+    const int64_t dim = x.size(1), stride = x.stride(0);
+    const float feps = static_cast<float>(eps);
+    at::parallel_for(0, x.size(0), row_grain(2 * dim), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        scalar_t *rr = res + r * dim;
+        const scalar_t *xr = xs + r * stride;
+        for (int64_t i = 0; i < dim; ++i)
+          rr[i] = round_to<scalar_t>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
+      }
+      rms_norm_rows<scalar_t>(res + r0 * dim, w, o + r0 * dim, r1 - r0, dim, dim, feps, unit_offset);
+    });
+  });
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor &gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up must be [rows, 2 * I] with contiguous rows");
+  const int64_t n = gate_up.size(1) / 2;
+  auto out = at::empty({gate_up.size(0), n}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul_cpu", [&] {
+    const scalar_t *in = gate_up.data_ptr<scalar_t>();
+    scalar_t *o = out.data_ptr<scalar_t>();
+    const int64_t stride = gate_up.stride(0);
+    at::parallel_for(0, gate_up.size(0), row_grain(3 * n), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t *g = in + r * stride, *u = g + n;
+        scalar_t *orow = o + r * n;
+        for (int64_t i = 0; i < n; ++i) {
+          const float gv = static_cast<float>(g[i]);
+          // torch rounds silu's result to the dtype before the product; so do we
+          const float act = static_cast<float>(round_to<scalar_t>(pdserve::silu(gv)));
+          orow[i] = round_to<scalar_t>(act * static_cast<float>(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+void rotary_(at::Tensor &x, const at::Tensor &positions, const at::Tensor &cos, const at::Tensor &sin) {
+  // x: [T, heads, D] (rows may be strided, heads and D contiguous); cos, sin: [P, D] fp32 contiguous
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x must be [T, heads, D], heads packed");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == x.size(2) && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.sizes() == sin.sizes() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "cos and sin must be [positions, D] fp32 contiguous");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == x.size(0) && positions.scalar_type() == at::kLong,
+              "positions must be [T] int64");
+  TORCH_CHECK(x.size(2) % 2 == 0, "head_dim must be even");
+  auto pos = positions.contiguous();
+  const int64_t *p = pos.data_ptr<int64_t>();
+  const int64_t max_pos = cos.size(0);
+  for (int64_t t = 0; t < x.size(0); ++t)
+    TORCH_CHECK(p[t] >= 0 && p[t] < max_pos, "position ", p[t], " outside the rotary table");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary_cpu", [&] {
+    scalar_t *base = x.data_ptr<scalar_t>();
+    const float *cs = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
+    const int64_t heads = x.size(1), d = x.size(2), half = d / 2, stride = x.stride(0);
+    at::parallel_for(0, x.size(0), row_grain(heads * d), [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        // HF rounds cos and sin to the dtype first, then computes x*cos + rotate_half(x)*sin in it
+        const float *c = cs + p[t] * d, *s = sn + p[t] * d;
+        for (int64_t h = 0; h < heads; ++h) {
+          scalar_t *v = base + t * stride + h * d;
+          for (int64_t i = 0; i < half; ++i) {
+            const float a = static_cast<float>(v[i]), b = static_cast<float>(v[i + half]);
+            const float c0 = static_cast<float>(round_to<scalar_t>(c[i]));
+            const float s0 = static_cast<float>(round_to<scalar_t>(s[i]));
+            const float c1 = static_cast<float>(round_to<scalar_t>(c[i + half]));
+            const float s1 = static_cast<float>(round_to<scalar_t>(s[i + half]));
+            const float lo = static_cast<float>(round_to<scalar_t>(a * c0)) +
+                             static_cast<float>(round_to<scalar_t>(-b * s0));
+            const float hi = static_cast<float>(round_to<scalar_t>(b * c1)) +
+                             static_cast<float>(round_to<scalar_t>(a * s1));
+            v[i] = round_to<scalar_t>(lo);
+            v[i + half] = round_to<scalar_t>(hi);
+          }
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor");
+  m.def("add_rms_norm_(Tensor x, Tensor(a!) residual, Tensor weight, float eps, bool unit_offset) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rotary_", &rotary_);
+}
