@@ -53,6 +53,21 @@ def test_decode_dispatch_matches_decode_reference(block_size):
     torch.testing.assert_close(kernels.paged_decode_attention(*args), paged_decode_attention_ref(*args))
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (6, 3), (9, 3), (10, 2), (16, 2), (16, 1)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (100, None), (None, 3.0)])
+def test_register_decode_path_matches_reference(num_heads, num_kv_heads, head_dim, window, softcap):
+    # fp32 decode rows with head_dim 64 / 128 and groups of up to 8 heads take the register-held
+    # path (16 / 1 heads: the general one); contexts past one key chunk (128), block sizes off 16,
+    # and prefill rows in the same call, which keep the general path
+    query_lens = [1, 1, 1, 5, 1]
+    context_lens = [1, 129, 1000, 40, 257]
+    q, kv, qsl = _varlen(11, query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16)
+    args = (q, kv.key_cache, kv.value_cache, kv.block_tables, qsl, kv.context_lens, 0.1, window, softcap)
+    out = cpu_ext.paged_attention(*args)
+    torch.testing.assert_close(out, paged_prefill_attention_ref(*args), atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_dtypes_match_reference(dtype):
     q, kv, qsl = _varlen(4, [1, 9, 30], [12, 9, 70], 6, 2, 64, 16, dtype)

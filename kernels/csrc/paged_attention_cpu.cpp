@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_math.h"
@@ -202,15 +203,156 @@ void run_item(const Problem &p, const Item &it, const T *query, const T *kc, con
     }
 }
 
+// ---- decode rows in fp32: one query row per item, the group's kG heads held in registers ----
+//
+// The general item above keeps its accumulators in scratch memory and runs for any rows, dtype and
+// mask. A decode row sees every key of its window, so this one needs no mask: the group's query
+// heads and output accumulators live in vector registers (kG x kD / 16 of each), each K row is
+// loaded once for the kG dot products and each V row once for the kG updates.
+typedef float vf16 __attribute__((vector_size(64)));
+
+inline vf16 load_vf16(const float *p) {
+  vf16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store_vf16(float *p, vf16 v) { std::memcpy(p, &v, sizeof v); }
+
+inline float hsum(vf16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+// The next block's rows of one KV head, asked for ahead of use: a sequence's blocks lie anywhere in
+// the pool and a head's rows are strided (one token's heads side by side), which the hardware
+// prefetcher does not follow from one block to the next.
+inline void prefetch_rows(const float *cache, int32_t block, const Problem &p, int64_t kv_head, int64_t d) {
+  const float *row = cache + (static_cast<int64_t>(block) * p.block_size * p.num_kv_heads + kv_head) * d;
+  for (int64_t i = 0; i < p.block_size; ++i, row += p.num_kv_heads * d)
+    for (int64_t b = 0; b < d; b += 16) __builtin_prefetch(row + b);
+}
+
+template <int kD, int kG>
+void decode_item(const Problem &p, const Item &it, const float *query, const float *kc, const float *vc,
+                 float *out, float *scores /* [kG][kKeyChunk] */) {
+  constexpr int NV = kD / 16;
+  const int64_t bs = p.block_size, token_stride = p.num_kv_heads * kD;
+  const int64_t row = p.starts[it.seq], pos = p.lens[it.seq] - 1;
+  const int32_t *table = p.tables + it.seq * p.max_blocks;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  vf16 q[kG][NV], acc[kG][NV];
+  float row_max[kG], row_sum[kG];
+  for (int g = 0; g < kG; ++g) {
+    const float *src = query + row * p.q_stride0 + (it.kv_head * kG + g) * p.q_stride1;
+    for (int v = 0; v < NV; ++v) {
+      q[g][v] = load_vf16(src + 16 * v) * p.scale;
+      acc[g][v] = vf16{} ;
+    }
+    row_max[g] = neg_inf;
+    row_sum[g] = 0.f;
+  }
+  const int64_t key_lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
+  for (int64_t c0 = key_lo; c0 <= pos; c0 += kKeyChunk) {
+    const int64_t c1 = std::min(pos + 1, c0 + kKeyChunk), n = c1 - c0;
+    for (int64_t t = c0; t < c1;) {  // scores, one block run at a time
+      const int64_t block = t / bs, offset = t - block * bs, run = std::min(c1 - t, bs - offset);
+      const float *k = kc + ((table[block] * bs + offset) * p.num_kv_heads + it.kv_head) * kD;
+      if (t + run <= pos) prefetch_rows(kc, table[block + 1], p, it.kv_head, kD);
+      prefetch_rows(vc, table[block], p, it.kv_head, kD);  // for the values pass after this chunk
+      for (int64_t i = 0; i < run; ++i, ++t, k += token_stride) {
+        vf16 kv[NV];
+        for (int v = 0; v < NV; ++v) kv[v] = load_vf16(k + 16 * v);
+        for (int g = 0; g < kG; ++g) {
+          vf16 d = q[g][0] * kv[0];
+          for (int v = 1; v < NV; ++v) d += q[g][v] * kv[v];
+          float sc = hsum(d);
+          if (p.softcap > 0.f) sc = p.softcap * std::tanh(sc / p.softcap);
+          scores[g * kKeyChunk + (t - c0)] = sc;
+        }
+      }
+    }
+    for (int g = 0; g < kG; ++g) {  // online softmax over the chunk
+      float *s = scores + g * kKeyChunk;
+      float m = row_max[g];
+      for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+      const float correction = softmax_exp(row_max[g] - m);
+      float total = 0.f;
+      for (int64_t t = 0; t < n; ++t) {
+        s[t] = softmax_exp(s[t] - m);
+        total += s[t];
+      }
+      row_sum[g] = row_sum[g] * correction + total;
+      row_max[g] = m;
+      for (int v = 0; v < NV; ++v) acc[g][v] *= correction;
+    }
+    for (int64_t t = c0; t < c1;) {  // values
+      const int64_t block = t / bs, offset = t - block * bs, run = std::min(c1 - t, bs - offset);
+      const float *vrow = vc + ((table[block] * bs + offset) * p.num_kv_heads + it.kv_head) * kD;
+      for (int64_t i = 0; i < run; ++i, ++t, vrow += token_stride) {
+        vf16 vv[NV];
+        for (int v = 0; v < NV; ++v) vv[v] = load_vf16(vrow + 16 * v);
+        for (int g = 0; g < kG; ++g) {
+          const float w = scores[g * kKeyChunk + (t - c0)];
+          for (int v = 0; v < NV; ++v) acc[g][v] += w * vv[v];
+        }
+      }
+    }
+  }
+  for (int g = 0; g < kG; ++g) {
+    const float inv = 1.f / row_sum[g];  // > 0: the row sees its own key
+    float *dst = out + (row * p.num_heads + it.kv_head * kG + g) * kD;
+    for (int v = 0; v < NV; ++v) store_vf16(dst + 16 * v, acc[g][v] * inv);
+  }
+}
+
+using DecodeFn = void (*)(const Problem &, const Item &, const float *, const float *, const float *, float *,
+                          float *);
+
+template <int kD>
+DecodeFn decode_fn_for(int64_t G) {
+  switch (G) {
+    case 1: return &decode_item<kD, 1>;
+    case 2: return &decode_item<kD, 2>;
+    case 3: return &decode_item<kD, 3>;
+    case 4: return &decode_item<kD, 4>;
+    case 5: return &decode_item<kD, 5>;
+    case 6: return &decode_item<kD, 6>;
+    case 7: return &decode_item<kD, 7>;
+    case 8: return &decode_item<kD, 8>;
+    default: return nullptr;
+  }
+}
+
+// The register-held decode for this problem's shape, or nullptr (other dtypes, head sizes, groups).
+template <typename T, int kD>
+DecodeFn decode_fn(const Problem &p) {
+  if constexpr (std::is_same_v<T, float> && (kD == 64 || kD == 128)) {
+    return decode_fn_for<kD>(p.num_heads / p.num_kv_heads);
+  } else {
+    return nullptr;
+  }
+}
+
 template <typename T, int kD>
 void run_all(const Problem &p, const std::vector<Item> &items, const T *q, const T *kc, const T *vc, T *o) {
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(num_items, 1));
+  const DecodeFn decode = decode_fn<T, kD>(p);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch scratch(kQueryTile * (p.num_heads / p.num_kv_heads), p.head_dim);
-    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1))
-      run_item<T, kD>(p, items[i], q, kc, vc, o, scratch);
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+      const Item &it = items[i];
+      if constexpr (std::is_same_v<T, float>) {
+        if (decode != nullptr && it.row1 - it.row0 == 1 && p.starts[it.seq + 1] - p.starts[it.seq] == 1) {
+          decode(p, it, q, kc, vc, o, scratch.scores.data());
+          continue;
+        }
+      }
+      run_item<T, kD>(p, it, q, kc, vc, o, scratch);
+    }
   });
 }
 
