@@ -32,12 +32,13 @@ def _varlen(
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (6, 2), (9, 3), (8, 1)])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("softcap", [None, 2.0])
-def test_varlen_matches_prefill_reference_on_mixed_rows(num_heads, num_kv_heads, window, softcap):
+@pytest.mark.parametrize("head_dim", [32, 64])  # 64: the register-blocked P.V of prefill tiles
+def test_varlen_matches_prefill_reference_on_mixed_rows(num_heads, num_kv_heads, window, softcap, head_dim):
     # decodes (1 row), whole prompts, chunks after a cached prefix; one-token context; lengths off
-    # the block size; shuffled block tables (random_paged_kv)
-    query_lens = [1, 1, 16, 3, 40, 33]
-    context_lens = [1, 17, 16, 20, 40, 100]
-    q, kv, qsl = _varlen(3, query_lens, context_lens, num_heads, num_kv_heads, 32, 8)
+    # the block size; shuffled block tables (random_paged_kv); a prompt past one key chunk (128)
+    query_lens = [1, 1, 16, 3, 40, 33, 150]
+    context_lens = [1, 17, 16, 20, 40, 100, 200]
+    q, kv, qsl = _varlen(3, query_lens, context_lens, num_heads, num_kv_heads, head_dim, 8)
     args = (q, kv.key_cache, kv.value_cache, kv.block_tables, qsl, kv.context_lens, 0.2, window, softcap)
     out = cpu_ext.paged_attention(*args)
     torch.testing.assert_close(out, paged_prefill_attention_ref(*args), atol=2e-6, rtol=1e-5)

@@ -60,9 +60,10 @@ inline void axpy(float a, const T *v, float *acc, int64_t n) {
 }
 
 struct Scratch {
-  std::vector<float> q, scores, acc, row_max, row_sum, keys_t;
+  std::vector<float> q, scores, acc, row_max, row_sum, keys_t, values;
   Scratch(int64_t nq, int64_t d)
-      : q(nq * d), scores(nq * kKeyChunk), acc(nq * d), row_max(nq), row_sum(nq), keys_t(d * kKeyChunk) {}
+      : q(nq * d), scores(nq * kKeyChunk), acc(nq * d), row_max(nq), row_sum(nq), keys_t(d * kKeyChunk),
+        values(kKeyChunk * d) {}
 };
 
 // From this many query rows in an item (prefill tiles), scores are computed against the chunk's
@@ -113,6 +114,62 @@ void transposed_scores(const Problem &p, Scratch &sc, const int32_t *table, cons
       }
     }
   }
+}
+
+typedef float vf16 __attribute__((vector_size(64)));
+
+inline vf16 load_vf16(const float *p) {
+  vf16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store_vf16(float *p, vf16 v) { std::memcpy(p, &v, sizeof v); }
+
+inline float hsum(vf16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+// P.V of a prefill tile's chunk as a small GEMM: the chunk's V rows are copied once into a
+// contiguous [keys, D] buffer, then for every 4 query rows the 4 x D accumulators stay in vector
+// registers across all the chunk's keys (each V row loaded once per 4 rows, 4 x D/16 FMAs on it).
+// Masked keys weigh exactly 0 (the softmax wrote them so), which adds nothing.
+template <typename T, int kD>
+void blocked_values(const Problem &p, Scratch &sc, const int32_t *table, const T *vc, int64_t kv_head, int64_t nq,
+                    int64_t c0, int64_t c1) {
+  constexpr int NV = kD / 16, R = 4;
+  const int64_t n = c1 - c0, bs = p.block_size, token_stride = p.num_kv_heads * kD;
+  float *vbuf = sc.values.data();
+  for (int64_t t = c0; t < c1;) {
+    const int64_t block = t / bs, offset = t - block * bs, run = std::min(c1 - t, bs - offset);
+    const T *v = vc + ((table[block] * bs + offset) * p.num_kv_heads + kv_head) * kD;
+    for (int64_t i = 0; i < run; ++i, ++t, v += token_stride)
+      for (int64_t d = 0; d < kD; ++d) vbuf[(t - c0) * kD + d] = static_cast<float>(v[d]);
+  }
+  int64_t r0 = 0;
+  for (; r0 + R <= nq; r0 += R) {
+    vf16 a[R][NV];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) a[r][v] = load_vf16(sc.acc.data() + (r0 + r) * kD + 16 * v);
+    const float *w0 = sc.scores.data() + r0 * kKeyChunk;
+    for (int64_t t = 0; t < n; ++t) {
+      vf16 vv[NV];
+      for (int v = 0; v < NV; ++v) vv[v] = load_vf16(vbuf + t * kD + 16 * v);
+      for (int r = 0; r < R; ++r) {
+        const float w = w0[r * kKeyChunk + t];
+        for (int v = 0; v < NV; ++v) a[r][v] += w * vv[v];
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) store_vf16(sc.acc.data() + (r0 + r) * kD + 16 * v, a[r][v]);
+  }
+  for (; r0 < nq; ++r0)  // the last nq % 4 rows
+    for (int64_t t = 0; t < n; ++t) {
+      const float w = sc.scores[r0 * kKeyChunk + t];
+      if (w != 0.f) axpy(w, vbuf + t * kD, sc.acc.data() + r0 * kD, kD);
+    }
 }
 
 // kD: head_dim fixed at compile time (the common 64 / 128 / 256: loops unroll fully), 0: runtime.
@@ -170,7 +227,10 @@ void run_item(const Problem &p, const Item &it, const T *query, const T *kc, con
       float *s = sc.scores.data() + r * kKeyChunk;
       float m = sc.row_max[r];
       for (int64_t t = 0; t < c1 - c0; ++t) m = std::max(m, s[t]);
-      if (m == neg_inf) continue;  // nothing visible yet for this row (window, causal edge)
+      if (m == neg_inf) {  // nothing visible yet for this row (window, causal edge): weighs nothing
+        std::fill(s, s + (c1 - c0), 0.f);
+        continue;
+      }
       const float correction = softmax_exp(sc.row_max[r] - m);
       float total = 0.f;
       for (int64_t t = 0; t < c1 - c0; ++t) {
@@ -184,12 +244,18 @@ void run_item(const Problem &p, const Item &it, const T *query, const T *kc, con
         for (int64_t d = 0; d < D; ++d) a[d] *= correction;
       }
     }
+    if constexpr (kD == 64 || kD == 128) {
+      if (nq >= kTransposedRows) {
+        blocked_values<T, kD>(p, sc, table, vc, it.kv_head, nq, c0, c1);
+        continue;
+      }
+    }
     for (int64_t t = c0; t < c1;) {  // values: each V row once for all nq query rows
       const int64_t block = t / bs, offset = t - block * bs, run = std::min(c1 - t, bs - offset);
       const T *v = vc + ((table[block] * bs + offset) * p.num_kv_heads + it.kv_head) * D;
       for (int64_t i = 0; i < run; ++i, ++t, v += token_stride)
         for (int64_t r = 0; r < nq; ++r) {
-          const float w = sc.row_max[r] == neg_inf ? 0.f : sc.scores[r * kKeyChunk + (t - c0)];
+          const float w = sc.scores[r * kKeyChunk + (t - c0)];  // 0 where masked
           if (w != 0.f) axpy(w, v, sc.acc.data() + r * D, D);
         }
     }
@@ -209,22 +275,6 @@ void run_item(const Problem &p, const Item &it, const T *query, const T *kc, con
 // mask. A decode row sees every key of its window, so this one needs no mask: the group's query
 // heads and output accumulators live in vector registers (kG x kD / 16 of each), each K row is
 // loaded once for the kG dot products and each V row once for the kG updates.
-typedef float vf16 __attribute__((vector_size(64)));
-
-inline vf16 load_vf16(const float *p) {
-  vf16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store_vf16(float *p, vf16 v) { std::memcpy(p, &v, sizeof v); }
-
-inline float hsum(vf16 v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
-}
-
 // The next block's rows of one KV head, asked for ahead of use: a sequence's blocks lie anywhere in
 // the pool and a head's rows are strided (one token's heads side by side), which the hardware
 // prefetcher does not follow from one block to the next.
