@@ -12,12 +12,14 @@ from detok import IncrementalDetokenizer, StopStringMatcher
 from engine import cpu_env
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
+from engine.cpu_share import CpuShare
 from engine.device import resolve_device, resolve_dtype
 from engine.kv_layout import KVCacheSpec
 from engine.logits_rules import LogitsRules
 from engine.model_runner import KVCacheFactory, ModelRunner
 from engine.models import model_class
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.resources import usable_cpus
 from engine.sampler import Sampler, SamplerInput
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprob
@@ -67,6 +69,10 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.sizing = size_engine(config, self.model_config, self.max_model_len)
         torch.set_num_threads(self.sizing.num_threads)
+        # the automatic count gives way to other processes' load (engine/cpu_share.py)
+        self.cpu_share = CpuShare(
+            self.sizing.num_threads, usable_cpus(), torch.set_num_threads, enabled=config.num_threads is None
+        )
         self.kv_spec = self._kv_spec()
         self.block_manager = BlockManager(
             self.kv_spec.num_blocks, config.block_size, config.enable_prefix_caching
@@ -83,9 +89,12 @@ class LLMEngine:
         native = kernels.native_cpu(self.runner.kv_caches[0][0], self.runner.attention_backend)
         attention = "C++ CPU kernel" if native else "torch/Triton"
         linear = "oneDNN, packed weights" if self.runner.packed_linear else "F.linear"
+        adapts = (
+            "; fewer torch threads while other processes load these CPUs" if self.cpu_share.active else ""
+        )
         announce(
             self.sizing.describe(
-                config, f"; attention: {attention}; linear layers: {linear}; {cpu_env.describe()}"
+                config, f"{adapts}; attention: {attention}; linear layers: {linear}; {cpu_env.describe()}"
             )
         )
         self.tokenizer = tokenizer
@@ -266,6 +275,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
+        self.cpu_share.tick()
         logits, sampled = self.runner.execute(sched)
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens

@@ -103,19 +103,24 @@ def _child(code: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_importing_the_engine_first_sets_passive_waiting():
-    code = "import engine, os, torch; print(os.environ.get('OMP_WAIT_POLICY'))"
-    assert _child(code).stdout.strip() == "PASSIVE"
+def test_importing_the_engine_first_sets_a_short_spin():
+    code = (
+        "import engine, os, torch; print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))"
+    )
+    assert _child(code).stdout.strip() == "10000 None"
 
 
 def test_an_explicit_openmp_setting_is_left_alone():
-    code = "import engine, os; print(os.environ.get('OMP_WAIT_POLICY'), os.environ['GOMP_SPINCOUNT'])"
+    code = "import engine, os; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
     assert _child(code, GOMP_SPINCOUNT="1000").stdout.strip() == "None 1000"
+    assert _child(code, OMP_WAIT_POLICY="PASSIVE").stdout.strip() == "PASSIVE None"
 
 
 def test_after_torch_loaded_the_engine_sets_nothing():
-    code = "import torch, engine, os; print(os.environ.get('OMP_WAIT_POLICY'))"
-    assert _child(code).stdout.strip() == "None"
+    code = (
+        "import torch, engine, os; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
+    )
+    assert _child(code).stdout.strip() == "None None"
 
 
 def test_engine_start_prints_its_chosen_sizes_once():
@@ -126,4 +131,6 @@ def test_engine_start_prints_its_chosen_sizes_once():
     lines = [line for line in _child(code).stderr.splitlines() if line.startswith("engine: ")]
     assert len(lines) == 1
     assert "torch threads (usable CPUs)" in lines[0] and "blocks x 16 tokens" in lines[0]
-    assert "OMP_WAIT_POLICY=PASSIVE (engine default)" in lines[0]
+    assert "GOMP_SPINCOUNT=10000 (engine default)" in lines[0]
+    if resources.usable_cpus() > 1 and len(os.sched_getaffinity(0)) == resources.usable_cpus():
+        assert "fewer torch threads while other processes load these CPUs" in lines[0]
