@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/decode_floor.py floor [--batches 1,8,32] [--contexts 256,1024,4096]
     .venv/bin/python bench/decode_floor.py profile --batch 32 --context 1024
+    .venv/bin/python bench/decode_floor.py prefill --prompts 256x8     # one prefill step, profiled
 
 A decode step must read every weight once and each sequence's whole KV context once, so
 
@@ -92,6 +93,31 @@ def decode_batch(path: pathlib.Path, batch: int, context: int) -> tuple[ModelRun
     return runner, SchedulerOutput(items, [], [])
 
 
+def prefill_batch(path: pathlib.Path, lens: list[int]) -> tuple[ModelRunner, SchedulerOutput]:
+    """A runner with one step that prefills fresh prompts of ``lens`` tokens, blocks shuffled."""
+    cfg = ModelConfig.from_path(path)
+    num_blocks = sum(-(-n // BLOCK_SIZE) for n in lens) + 1
+    spec = KVCacheSpec(cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, "float32")
+    config = EngineConfig(
+        model=str(path),
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=num_blocks,
+        max_model_len=max(lens),
+    )
+    runner = ModelRunner(cfg, config, spec)
+    rng = random.Random(0)
+    blocks = list(range(num_blocks))
+    rng.shuffle(blocks)
+    items, used = [], 0
+    for i, n in enumerate(lens):
+        seq = Sequence(f"p{i}", [rng.randrange(100, cfg.vocab_size) for _ in range(n)], n, SamplingParams())
+        k = -(-n // BLOCK_SIZE)
+        seq.block_table, used = blocks[used : used + k], used + k
+        items.append(ScheduledSeq(seq, n))
+    return runner, SchedulerOutput(items, [], [])
+
+
 def step_seconds(runner: ModelRunner, sched: SchedulerOutput, repeats: int) -> float:
     runner.execute(sched)  # warm-up
     best = float("inf")
@@ -144,8 +170,14 @@ def floor_table(args) -> None:
 
 
 def profile_step(args) -> None:
-    runner, sched = decode_batch(model_path(args.model), args.batch, args.context)
-    step_seconds(runner, sched, 2)
+    if args.command == "prefill":
+        count, _, times = args.prompts.partition("x")
+        runner, sched = prefill_batch(model_path(args.model), [int(count)] * int(times or 1))
+        label = f"prefill step, {times or 1} prompts of {count} tokens"
+    else:
+        runner, sched = decode_batch(model_path(args.model), args.batch, args.context)
+        label = f"decode step, batch {args.batch}, context {args.context}"
+    print(f"{label}: {step_seconds(runner, sched, 3) * 1e3:.1f} ms (best of 3, not profiled)")
     for _ in range(2):  # the profiler's first session pays its own start-up: the second counts
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             start = time.perf_counter()
@@ -155,9 +187,7 @@ def profile_step(args) -> None:
     events = prof.key_averages()
     matmul = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / 1e6 / args.steps
     attention = sum(e.self_cpu_time_total for e in events if e.key in ATTENTION_OPS) / 1e6 / args.steps
-    print(
-        f"decode step, batch {args.batch}, context {args.context}: {wall * 1e3:.1f} ms (profiled, mean of {args.steps})"
-    )
+    print(f"{label}: {wall * 1e3:.1f} ms (profiled, mean of {args.steps})")
     print(f"  matmul    {matmul * 1e3:7.1f} ms  {matmul / wall:6.1%}")
     print(f"  attention {attention * 1e3:7.1f} ms  {attention / wall:6.1%}")
     other = wall - matmul - attention
@@ -177,7 +207,11 @@ def main() -> None:
     prof.add_argument("--context", type=int, default=1024)
     prof.add_argument("--rows", type=int, default=12)
     prof.add_argument("--steps", type=int, default=3)
-    for p in (floor, prof):
+    pre = sub.add_parser("prefill")
+    pre.add_argument("--prompts", default="256x8", help="LENxCOUNT fresh prompts in one step")
+    pre.add_argument("--rows", type=int, default=12)
+    pre.add_argument("--steps", type=int, default=1)
+    for p in (floor, prof, pre):
         p.add_argument("--model", default="default", help="'default' or a model folder")
         p.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
