@@ -105,8 +105,8 @@ def studies() -> dict[str, list[Point]]:
             Point("1 colocated, 1 thread, mix", colocated, MIX, (0.5,), threads=1),
         ],
         "vllm": [
-            Point("pdserve 1P+1D mix", pd, MIX, (0.5, 1.0)),
-            Point("vLLM server (2 cores) mix", colocated, MIX, (0.5, 1.0), vllm=True),
+            Point("pdserve 1P+1D mix", pd, MIX, (0.5, 1.0, 2.0, 4.0)),
+            Point("vLLM server (2 cores) mix", colocated, MIX, (0.5, 1.0, 2.0, 4.0), vllm=True),
         ],
     }
 
