@@ -63,20 +63,24 @@ def model_path(arg: str) -> pathlib.Path:
     return pathlib.Path(arg)
 
 
-def decode_batch(path: pathlib.Path, batch: int, context: int) -> tuple[ModelRunner, SchedulerOutput]:
-    """A runner whose cache holds ``batch`` sequences of ``context - 1`` tokens, each due one more."""
+def _runner(path: pathlib.Path, num_blocks: int, max_len: int) -> tuple[ModelConfig, ModelRunner]:
     cfg = ModelConfig.from_path(path)
-    per_seq = -(-context // BLOCK_SIZE)
-    num_blocks = batch * per_seq + 1
     spec = KVCacheSpec(cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, "float32")
     config = EngineConfig(
         model=str(path),
         dtype="float32",
         block_size=BLOCK_SIZE,
         num_kv_blocks=num_blocks,
-        max_model_len=context,
+        max_model_len=max_len,
     )
-    runner = ModelRunner(cfg, config, spec)
+    return cfg, ModelRunner(cfg, config, spec)
+
+
+def decode_batch(path: pathlib.Path, batch: int, context: int) -> tuple[ModelRunner, SchedulerOutput]:
+    """A runner whose cache holds ``batch`` sequences of ``context - 1`` tokens, each due one more."""
+    per_seq = -(-context // BLOCK_SIZE)
+    num_blocks = batch * per_seq + 1
+    cfg, runner = _runner(path, num_blocks, context)
     for key_cache, value_cache in runner.kv_caches:
         key_cache.normal_()
         value_cache.normal_()
@@ -95,17 +99,8 @@ def decode_batch(path: pathlib.Path, batch: int, context: int) -> tuple[ModelRun
 
 def prefill_batch(path: pathlib.Path, lens: list[int]) -> tuple[ModelRunner, SchedulerOutput]:
     """A runner with one step that prefills fresh prompts of ``lens`` tokens, blocks shuffled."""
-    cfg = ModelConfig.from_path(path)
     num_blocks = sum(-(-n // BLOCK_SIZE) for n in lens) + 1
-    spec = KVCacheSpec(cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, "float32")
-    config = EngineConfig(
-        model=str(path),
-        dtype="float32",
-        block_size=BLOCK_SIZE,
-        num_kv_blocks=num_blocks,
-        max_model_len=max(lens),
-    )
-    runner = ModelRunner(cfg, config, spec)
+    cfg, runner = _runner(path, num_blocks, max(lens))
     rng = random.Random(0)
     blocks = list(range(num_blocks))
     rng.shuffle(blocks)
