@@ -32,6 +32,23 @@ namespace {
 
 using pdserve::softmax_exp;
 
+// GCC vector types: AVX-512 registers here, split into narrower ones where -march has none.
+typedef float vf16 __attribute__((vector_size(64)));
+
+inline vf16 load_vf16(const float *p) {
+  vf16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store_vf16(float *p, vf16 v) { std::memcpy(p, &v, sizeof v); }
+
+inline float hsum(vf16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
 constexpr int64_t kQueryTile = 16;  // query rows of one sequence per work item
 constexpr int64_t kKeyChunk = 128;  // keys per online-softmax step
 
@@ -84,9 +101,34 @@ void transposed_scores(const Problem &p, Scratch &sc, const int32_t *table, cons
     for (int64_t i = 0; i < run; ++i, ++t, k += token_stride)
       for (int64_t d = 0; d < D; ++d) kt[d * kKeyChunk + (t - c0)] = static_cast<float>(k[d]);
   }
-  // A register tile of 4 query rows x 16 keys: each kt load feeds 4 multiply-adds.
+  // A register tile of 8 query rows x 32 keys (16 vector accumulators): each d loads two vectors
+  // of keys and feeds them 16 multiply-adds. Rows past the last multiple of 8 take the 4 x 16 tile.
+  int64_t full = 0;
+  for (; full + 8 <= nq; full += 8) {
+    for (int64_t t0 = 0; t0 < n; t0 += 32) {
+      vf16 acc[8][2] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const vf16 k0 = load_vf16(kt + d * kKeyChunk + t0), k1 = load_vf16(kt + d * kKeyChunk + t0 + 16);
+        for (int r = 0; r < 8; ++r) {
+          const float qd = sc.q[(full + r) * D + d];
+          acc[r][0] += qd * k0;
+          acc[r][1] += qd * k1;
+        }
+      }
+      const int64_t w = std::min<int64_t>(32, n - t0);
+      for (int r = 0; r < 8; ++r) {
+        float *dst = sc.scores.data() + (full + r) * kKeyChunk + t0;
+        if (w == 32) {
+          store_vf16(dst, acc[r][0]);
+          store_vf16(dst + 16, acc[r][1]);
+        } else {
+          for (int64_t i = 0; i < w; ++i) dst[i] = i < 16 ? acc[r][0][i] : acc[r][1][i - 16];
+        }
+      }
+    }
+  }
   constexpr int64_t R = 4, W = 16;
-  for (int64_t r0 = 0; r0 < nq; r0 += R) {
+  for (int64_t r0 = full; r0 < nq; r0 += R) {
     const int64_t nr = std::min(R, nq - r0);
     for (int64_t t0 = 0; t0 < n; t0 += W) {
       float acc[R][W] = {};
@@ -116,21 +158,6 @@ void transposed_scores(const Problem &p, Scratch &sc, const int32_t *table, cons
   }
 }
 
-typedef float vf16 __attribute__((vector_size(64)));
-
-inline vf16 load_vf16(const float *p) {
-  vf16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store_vf16(float *p, vf16 v) { std::memcpy(p, &v, sizeof v); }
-
-inline float hsum(vf16 v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
-}
 
 // P.V of a prefill tile's chunk as a small GEMM: the chunk's V rows are copied once into a
 // contiguous [keys, D] buffer, then for every 4 query rows the 4 x D accumulators stay in vector
@@ -275,6 +302,7 @@ void run_item(const Problem &p, const Item &it, const T *query, const T *kc, con
 // mask. A decode row sees every key of its window, so this one needs no mask: the group's query
 // heads and output accumulators live in vector registers (kG x kD / 16 of each), each K row is
 // loaded once for the kG dot products and each V row once for the kG updates.
+
 // The next block's rows of one KV head, asked for ahead of use: a sequence's blocks lie anywhere in
 // the pool and a head's rows are strided (one token's heads side by side), which the hardware
 // prefetcher does not follow from one block to the next.
