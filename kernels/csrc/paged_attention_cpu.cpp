@@ -312,9 +312,18 @@ inline void prefetch_rows(const float *cache, int32_t block, const Problem &p, i
     for (int64_t b = 0; b < d; b += 16) __builtin_prefetch(row + b);
 }
 
+// A whole block (every head's rows: one contiguous run of block_size x KVH x D values).
+inline void prefetch_block(const float *cache, int32_t block, const Problem &p, int64_t d) {
+  const float *start = cache + static_cast<int64_t>(block) * p.block_size * p.num_kv_heads * d;
+  for (int64_t b = 0; b < p.block_size * p.num_kv_heads * d; b += 16) __builtin_prefetch(start + b);
+}
+
+// whole_blocks: this call is the first head of a sequence whose other heads follow on this thread;
+// it prefetches whole blocks (all heads' rows, contiguous), so that the later heads find their rows
+// in cache and DRAM streams each block in one run rather than in strided thirds.
 template <int kD, int kG>
 void decode_item(const Problem &p, const Item &it, const float *query, const float *kc, const float *vc,
-                 float *out, float *scores /* [kG][kKeyChunk] */) {
+                 float *out, float *scores /* [kG][kKeyChunk] */, bool whole_blocks) {
   constexpr int NV = kD / 16;
   const int64_t bs = p.block_size, token_stride = p.num_kv_heads * kD;
   const int64_t row = p.starts[it.seq], pos = p.lens[it.seq] - 1;
@@ -337,8 +346,13 @@ void decode_item(const Problem &p, const Item &it, const float *query, const flo
     for (int64_t t = c0; t < c1;) {  // scores, one block run at a time
       const int64_t block = t / bs, offset = t - block * bs, run = std::min(c1 - t, bs - offset);
       const float *k = kc + ((table[block] * bs + offset) * p.num_kv_heads + it.kv_head) * kD;
-      if (t + run <= pos) prefetch_rows(kc, table[block + 1], p, it.kv_head, kD);
-      prefetch_rows(vc, table[block], p, it.kv_head, kD);  // for the values pass after this chunk
+      if (whole_blocks) {  // two blocks ahead: one block's compute is shorter than a DRAM round trip
+        if (t + run + bs <= pos) prefetch_block(kc, table[block + 2], p, kD);
+        prefetch_block(vc, table[block], p, kD);  // for the values pass after this chunk
+      } else {
+        if (t + run <= pos) prefetch_rows(kc, table[block + 1], p, it.kv_head, kD);
+        prefetch_rows(vc, table[block], p, it.kv_head, kD);
+      }
       for (int64_t i = 0; i < run; ++i, ++t, k += token_stride) {
         vf16 kv[NV];
         for (int v = 0; v < NV; ++v) kv[v] = load_vf16(k + 16 * v);
@@ -386,7 +400,7 @@ void decode_item(const Problem &p, const Item &it, const float *query, const flo
 }
 
 using DecodeFn = void (*)(const Problem &, const Item &, const float *, const float *, const float *, float *,
-                          float *);
+                          float *, bool);
 
 template <int kD>
 DecodeFn decode_fn_for(int64_t G) {
@@ -424,8 +438,13 @@ void run_all(const Problem &p, const std::vector<Item> &items, const T *q, const
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
       const Item &it = items[i];
       if constexpr (std::is_same_v<T, float>) {
+        if (it.kv_head < 0) {  // a whole decode sequence (work_items made these only for this path)
+          for (int64_t h = 0; h < p.num_kv_heads; ++h)
+            decode(p, Item{it.seq, h, 0, 1, 0}, q, kc, vc, o, scratch.scores.data(), h == 0);
+          continue;
+        }
         if (decode != nullptr && it.row1 - it.row0 == 1 && p.starts[it.seq + 1] - p.starts[it.seq] == 1) {
-          decode(p, it, q, kc, vc, o, scratch.scores.data());
+          decode(p, it, q, kc, vc, o, scratch.scores.data(), false);
           continue;
         }
       }
@@ -434,10 +453,17 @@ void run_all(const Problem &p, const std::vector<Item> &items, const T *q, const
   });
 }
 
-std::vector<Item> work_items(const Problem &p, int64_t num_seqs) {
+// whole_decodes: a decode sequence is one item of all its KV heads (kv_head -1), for the register
+// decode path only; with enough of them there is work for every thread without splitting by head.
+std::vector<Item> work_items(const Problem &p, int64_t num_seqs, bool whole_decodes) {
   std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = p.starts[s + 1] - p.starts[s];
+    if (whole_decodes && q_len == 1) {
+      const int64_t keys = p.window > 0 ? std::min<int64_t>(p.lens[s], p.window) : p.lens[s];
+      items.push_back({s, -1, 0, 1, keys * p.num_kv_heads});
+      continue;
+    }
     for (int64_t r0 = 0; r0 < q_len; r0 += kQueryTile) {
       const int64_t r1 = std::min(q_len, r0 + kQueryTile);
       const int64_t last = p.lens[s] - q_len + r1;  // keys up to the tile's last row
@@ -485,7 +511,13 @@ at::Tensor paged_attention(const at::Tensor &query, const at::Tensor &key_cache,
     }
   }
   auto out = at::empty({query.size(0), p.num_heads, p.head_dim}, query.options());
-  const std::vector<Item> items = work_items(p, num_seqs);
+  int64_t num_decodes = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) num_decodes += p.starts[s + 1] - p.starts[s] == 1;
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const bool register_decode = query.scalar_type() == at::kFloat && (p.head_dim == 64 || p.head_dim == 128) &&
+                               group <= 8;
+  const std::vector<Item> items =
+      work_items(p, num_seqs, register_decode && num_decodes >= 2 * at::get_num_threads());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_cpu", [&] {
     const scalar_t *q = query.data_ptr<scalar_t>();
     const scalar_t *kc = key_cache.data_ptr<scalar_t>();
