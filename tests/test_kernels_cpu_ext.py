@@ -55,10 +55,10 @@ def test_decode_dispatch_matches_decode_reference(block_size):
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (6, 3), (9, 3), (10, 2), (16, 2), (16, 1)])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (100, None), (None, 3.0)])
 def test_register_decode_path_matches_reference(num_heads, num_kv_heads, head_dim, window, softcap):
-    # fp32 decode rows with head_dim 64 / 128 and groups of up to 8 heads take the register-held
+    # fp32 decode rows with head_dim 32 / 64 / 128 and groups of up to 8 heads take the register-held
     # path (16 / 1 heads: the general one); contexts past one key chunk (128), block sizes off 16,
     # and prefill rows in the same call, which keep the general path
     query_lens = [1, 1, 1, 5, 1]

@@ -199,7 +199,7 @@ void blocked_values(const Problem &p, Scratch &sc, const int32_t *table, const T
     }
 }
 
-// kD: head_dim fixed at compile time (the common 64 / 128 / 256: loops unroll fully), 0: runtime.
+// kD: head_dim fixed at compile time (the common 32 / 64 / 128 / 256: loops unroll fully), 0: runtime.
 template <typename T, int kD>
 void run_item(const Problem &p, const Item &it, const T *query, const T *kc, const T *vc, T *out,
               Scratch &sc) {
@@ -271,7 +271,7 @@ void run_item(const Problem &p, const Item &it, const T *query, const T *kc, con
         for (int64_t d = 0; d < D; ++d) a[d] *= correction;
       }
     }
-    if constexpr (kD == 64 || kD == 128) {
+    if constexpr (kD == 32 || kD == 64 || kD == 128) {
       if (nq >= kTransposedRows) {
         blocked_values<T, kD>(p, sc, table, vc, it.kv_head, nq, c0, c1);
         continue;
@@ -420,7 +420,7 @@ DecodeFn decode_fn_for(int64_t G) {
 // The register-held decode for this problem's shape, or nullptr (other dtypes, head sizes, groups).
 template <typename T, int kD>
 DecodeFn decode_fn(const Problem &p) {
-  if constexpr (std::is_same_v<T, float> && (kD == 64 || kD == 128)) {
+  if constexpr (std::is_same_v<T, float> && (kD == 32 || kD == 64 || kD == 128)) {
     return decode_fn_for<kD>(p.num_heads / p.num_kv_heads);
   } else {
     return nullptr;
@@ -514,7 +514,7 @@ at::Tensor paged_attention(const at::Tensor &query, const at::Tensor &key_cache,
   int64_t num_decodes = 0;
   for (int64_t s = 0; s < num_seqs; ++s) num_decodes += p.starts[s + 1] - p.starts[s] == 1;
   const int64_t group = p.num_heads / p.num_kv_heads;
-  const bool register_decode = query.scalar_type() == at::kFloat && (p.head_dim == 64 || p.head_dim == 128) &&
+  const bool register_decode = query.scalar_type() == at::kFloat && (p.head_dim == 32 || p.head_dim == 64 || p.head_dim == 128) &&
                                group <= 8;
   const std::vector<Item> items =
       work_items(p, num_seqs, register_decode && num_decodes >= 2 * at::get_num_threads());
@@ -524,6 +524,7 @@ at::Tensor paged_attention(const at::Tensor &query, const at::Tensor &key_cache,
     const scalar_t *vc = value_cache.data_ptr<scalar_t>();
     scalar_t *o = out.data_ptr<scalar_t>();
     switch (p.head_dim) {
+      case 32: return run_all<scalar_t, 32>(p, items, q, kc, vc, o);
       case 64: return run_all<scalar_t, 64>(p, items, q, kc, vc, o);
       case 128: return run_all<scalar_t, 128>(p, items, q, kc, vc, o);
       case 256: return run_all<scalar_t, 256>(p, items, q, kc, vc, o);
