@@ -427,32 +427,6 @@ DecodeFn decode_fn(const Problem &p) {
   }
 }
 
-template <typename T, int kD>
-void run_all(const Problem &p, const std::vector<Item> &items, const T *q, const T *kc, const T *vc, T *o) {
-  const int64_t num_items = static_cast<int64_t>(items.size());
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(num_items, 1));
-  const DecodeFn decode = decode_fn<T, kD>(p);
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch scratch(kQueryTile * (p.num_heads / p.num_kv_heads), p.head_dim);
-    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
-      const Item &it = items[i];
-      if constexpr (std::is_same_v<T, float>) {
-        if (it.kv_head < 0) {  // a whole decode sequence (work_items made these only for this path)
-          for (int64_t h = 0; h < p.num_kv_heads; ++h)
-            decode(p, Item{it.seq, h, 0, 1, 0}, q, kc, vc, o, scratch.scores.data(), h == 0);
-          continue;
-        }
-        if (decode != nullptr && it.row1 - it.row0 == 1 && p.starts[it.seq + 1] - p.starts[it.seq] == 1) {
-          decode(p, it, q, kc, vc, o, scratch.scores.data(), false);
-          continue;
-        }
-      }
-      run_item<T, kD>(p, it, q, kc, vc, o, scratch);
-    }
-  });
-}
-
 // whole_decodes: a decode sequence is one item of all its KV heads (kv_head -1), for the register
 // decode path only; with enough of them there is work for every thread without splitting by head.
 std::vector<Item> work_items(const Problem &p, int64_t num_seqs, bool whole_decodes) {
@@ -473,6 +447,36 @@ std::vector<Item> work_items(const Problem &p, int64_t num_seqs, bool whole_deco
   }
   std::stable_sort(items.begin(), items.end(), [](const Item &a, const Item &b) { return a.cost > b.cost; });
   return items;
+}
+
+template <typename T, int kD>
+void run_all(const Problem &p, int64_t num_seqs, const T *q, const T *kc, const T *vc, T *o) {
+  const DecodeFn decode = decode_fn<T, kD>(p);
+  int64_t num_decodes = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) num_decodes += p.starts[s + 1] - p.starts[s] == 1;
+  const std::vector<Item> items =
+      work_items(p, num_seqs, decode != nullptr && num_decodes >= 2 * at::get_num_threads());
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(num_items, 1));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch scratch(kQueryTile * (p.num_heads / p.num_kv_heads), p.head_dim);
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+      const Item &it = items[i];
+      if constexpr (std::is_same_v<T, float>) {
+        if (it.kv_head < 0) {  // a whole decode sequence (work_items made these only for this path)
+          for (int64_t h = 0; h < p.num_kv_heads; ++h)
+            decode(p, Item{it.seq, h, 0, 1, 0}, q, kc, vc, o, scratch.scores.data(), h == 0);
+          continue;
+        }
+        if (decode != nullptr && it.row1 - it.row0 == 1 && p.starts[it.seq + 1] - p.starts[it.seq] == 1) {
+          decode(p, it, q, kc, vc, o, scratch.scores.data(), false);
+          continue;
+        }
+      }
+      run_item<T, kD>(p, it, q, kc, vc, o, scratch);
+    }
+  });
 }
 
 at::Tensor paged_attention(const at::Tensor &query, const at::Tensor &key_cache, const at::Tensor &value_cache,
@@ -511,24 +515,17 @@ at::Tensor paged_attention(const at::Tensor &query, const at::Tensor &key_cache,
     }
   }
   auto out = at::empty({query.size(0), p.num_heads, p.head_dim}, query.options());
-  int64_t num_decodes = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) num_decodes += p.starts[s + 1] - p.starts[s] == 1;
-  const int64_t group = p.num_heads / p.num_kv_heads;
-  const bool register_decode = query.scalar_type() == at::kFloat && (p.head_dim == 32 || p.head_dim == 64 || p.head_dim == 128) &&
-                               group <= 8;
-  const std::vector<Item> items =
-      work_items(p, num_seqs, register_decode && num_decodes >= 2 * at::get_num_threads());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_cpu", [&] {
     const scalar_t *q = query.data_ptr<scalar_t>();
     const scalar_t *kc = key_cache.data_ptr<scalar_t>();
     const scalar_t *vc = value_cache.data_ptr<scalar_t>();
     scalar_t *o = out.data_ptr<scalar_t>();
     switch (p.head_dim) {
-      case 32: return run_all<scalar_t, 32>(p, items, q, kc, vc, o);
-      case 64: return run_all<scalar_t, 64>(p, items, q, kc, vc, o);
-      case 128: return run_all<scalar_t, 128>(p, items, q, kc, vc, o);
-      case 256: return run_all<scalar_t, 256>(p, items, q, kc, vc, o);
-      default: return run_all<scalar_t, 0>(p, items, q, kc, vc, o);
+      case 32: return run_all<scalar_t, 32>(p, num_seqs, q, kc, vc, o);
+      case 64: return run_all<scalar_t, 64>(p, num_seqs, q, kc, vc, o);
+      case 128: return run_all<scalar_t, 128>(p, num_seqs, q, kc, vc, o);
+      case 256: return run_all<scalar_t, 256>(p, num_seqs, q, kc, vc, o);
+      default: return run_all<scalar_t, 0>(p, num_seqs, q, kc, vc, o);
     }
   });
   return out;
