@@ -157,6 +157,16 @@ def run_transport(
         proc.join(10)
 
 
+# name -> (address, wire format, shm, direct) given a scratch folder
+TRANSPORTS = {
+    "tcp": lambda folder: ("tcp://127.0.0.1:0", WireFormat.NATIVE, False, False),
+    "ipc": lambda folder: (f"ipc://{folder}/kv.sock", WireFormat.NATIVE, False, False),
+    "shm": lambda folder: ("tcp://127.0.0.1:0", WireFormat.NATIVE, True, False),
+    "direct": lambda folder: ("tcp://127.0.0.1:0", WireFormat.NATIVE, False, True),
+    "tcp_int8": lambda folder: ("tcp://127.0.0.1:0", WireFormat.INT8, False, False),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
@@ -164,16 +174,21 @@ def main() -> None:
     parser.add_argument(
         "--skip-prefill", action="store_true", help="no HF prefill timing (ttft_overhead_pct null)"
     )
+    parser.add_argument(
+        "--transports",
+        nargs="+",
+        default=list(TRANSPORTS),
+        choices=list(TRANSPORTS),
+        help="tcp is always run: its payload sizes the memcpy baseline",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     folder = tempfile.mkdtemp(prefix="kvb")
     results: dict[str, dict[int, tuple[float, int]]] = {}
     try:
-        results["tcp"] = run_transport("tcp://127.0.0.1:0", args.tokens, args.repeats)
-        results["ipc"] = run_transport(f"ipc://{folder}/kv.sock", args.tokens, args.repeats)
-        results["shm"] = run_transport("tcp://127.0.0.1:0", args.tokens, args.repeats, shm=True)
-        results["direct"] = run_transport("tcp://127.0.0.1:0", args.tokens, args.repeats, direct=True)
-        results["tcp_int8"] = run_transport("tcp://127.0.0.1:0", args.tokens, args.repeats, WireFormat.INT8)
+        for name in ["tcp", *(t for t in TRANSPORTS if t in args.transports and t != "tcp")]:
+            address, wire, shm, direct = TRANSPORTS[name](folder)
+            results[name] = run_transport(address, args.tokens, args.repeats, wire, shm, direct)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     kv_bytes = {n: results["tcp"][n][1] for n in args.tokens}  # native payload bytes per prompt
@@ -187,11 +202,13 @@ def main() -> None:
             f"{n:>8} {kv_bytes[n] / 1e6:>8.1f} {memcpy[n]:>12.2f} " + " ".join(f"{r:>14.2f}" for r in rates)
         )
     big = max(args.tokens)
-    gbps = {k: kv_bytes[big] / results[k][big][0] / 1e9 for k in ("tcp", "ipc", "shm", "direct")}
+    gbps = {
+        k: kv_bytes[big] / results[k][big][0] / 1e9 for k in ("tcp", "ipc", "shm", "direct") if k in results
+    }
     overhead = None
     if not args.skip_prefill:
         prefill = prefill_seconds(1024)
-        transfer = min(results[k][1024][0] for k in ("tcp", "ipc", "shm", "direct"))
+        transfer = min(results[k][1024][0] for k in ("tcp", "ipc", "shm", "direct") if k in results)
         overhead = 100 * transfer / prefill
         print(
             f"1k-token prefill {prefill * 1e3:.0f} ms (HF transformers, random weights); "
@@ -200,10 +217,7 @@ def main() -> None:
     summary = {
         "tokens": big,
         "memcpy_gbps": round(memcpy[big], 3),
-        "tcp_gbps": round(gbps["tcp"], 3),
-        "ipc_gbps": round(gbps["ipc"], 3),
-        "shm_gbps": round(gbps["shm"], 3),
-        "direct_gbps": round(gbps["direct"], 3),
+        **{f"{k}_gbps": round(v, 3) for k, v in gbps.items()},
         "ratio_best": round(max(gbps.values()) / memcpy[big], 3),
         "ttft_overhead_pct": None if overhead is None else round(overhead, 2),
     }

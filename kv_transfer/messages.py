@@ -63,6 +63,9 @@ class KVReserve(Message):
     host_id: str | None = None  # kv_transfer.staging.host_id() of the sender, to tell same-host peers
     request_meta: RequestMeta | None = None  # opaque to kv_transfer: where the decode node's tokens go
     cache_ref: CacheRef | None = None  # the sender's shared KV cache, for a one-copy same-host transfer
+    # With cache_ref: the sender's cache block of every prompt block, in prompt order, so that a
+    # receiver that maps the cache copies at the grant while the sender computes the checksums.
+    cache_block_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -88,23 +88,21 @@ def copy_direct(
     key_caches,
     value_caches,
     dst_ids: torch.Tensor,
-    layer_checksums: tuple[int, ...],
-) -> str | None:
-    """Copy blocks ``src_ids`` of a mapped sender cache into ``dst_ids`` of ours, layer by layer,
-    checking each layer's checksum (``shared_cache.layer_checksum`` of what landed, computed
-    tile by tile as it lands); returns the problem, or None.
+) -> list[int] | str:
+    """Copy blocks ``src_ids`` of a mapped sender cache into ``dst_ids`` of ours, layer by layer;
+    returns each layer's ``shared_cache.layer_checksum`` of what landed, computed tile by tile as
+    it lands, or the problem. The caller compares the checksums with the sender's.
 
     src: [L, 2, NB_sender, bs, kvh, d]; key_caches / value_caches: per layer [NB, bs, kvh, d].
     """
     if len(src_ids) != len(dst_ids) or any(not 0 <= b < src.shape[2] for b in src_ids):
         return f"direct transfer names {len(src_ids)} source blocks for {len(dst_ids)} granted"
-    if len(layer_checksums) != len(key_caches):
-        return "direct transfer without a checksum per layer"
     pairs = shared_cache.paired_runs(src_ids, dst_ids.tolist())  # usually few: blocks come in runs
     block_bytes = key_caches[0][0].numel() * key_caches[0].element_size()
     tile = max(1, TILE_BYTES // block_bytes)  # blocks per tile
-    for layer, expected in enumerate(layer_checksums):
-        digest = xxhash.xxh3_64()  # K blocks then V blocks in grant order, as the sender hashed them
+    sums = []
+    for layer in range(len(key_caches)):
+        digest = xxhash.xxh3_64()  # K blocks then V blocks in grant order, as the sender hashes them
         for kind, cache in enumerate((key_caches[layer], value_caches[layer])):
             rows = cache.view(cache.shape[0], -1).view(torch.uint8).numpy()  # [NB, block bytes]
             src_rows = src[layer, kind].reshape(src.shape[2], -1).view(torch.uint8).numpy()
@@ -114,6 +112,15 @@ def copy_direct(
                     landed = rows[d + i : d + i + m]
                     np.copyto(landed, src_rows[s + i : s + i + m])  # ~2-3x torch's copy_ here
                     digest.update(memoryview(landed).cast("B"))  # while the tile is still in cache
-        if digest.intdigest() != expected:
+        sums.append(digest.intdigest())
+    return sums
+
+
+def checksum_problem(landed: list[int], expected: tuple[int, ...]) -> str | None:
+    """Where the receiver's per-layer checksums of a direct copy differ from the sender's."""
+    if len(expected) != len(landed):
+        return "direct transfer without a checksum per layer"
+    for layer, (got, want) in enumerate(zip(landed, expected, strict=True)):
+        if got != want:
             return f"checksum mismatch in layer {layer} (direct)"
     return None

@@ -127,8 +127,11 @@ class KVSender:
         token_ids: Sequence[int],
         sampling_params: SamplingParams | None = None,
         request_meta: RequestMeta | None = None,
+        block_table: Sequence[int] = (),
     ) -> OutgoingTransfer:
-        """Ask for blocks and wait for the grant. Raises KVRejected or KVTimeout."""
+        """Ask for blocks and wait for the grant. Raises KVRejected or KVTimeout.
+        ``block_table``, this node's blocks of the prompt, lets a receiver that maps our cache
+        start copying at the grant (see ``transfer``)."""
         fp = self.fingerprint
         msg = KVReserve(
             request_id,
@@ -142,6 +145,7 @@ class KVSender:
             host_id(),
             request_meta,
             self.cache_ref,
+            tuple(block_table) if self.cache_ref is not None else (),
         )
         self._inbox[request_id] = deque()
         started = time.monotonic()
@@ -243,11 +247,13 @@ class KVSender:
     ) -> TransferStats:
         """Reserve, send every layer, finish. Raises KVTransferError (peer told to abort).
         ``on_granted`` runs once the receiver holds the blocks, before any KV is sent."""
-        tx = self.reserve(request_id, token_ids, sampling_params, request_meta)
+        tx = self.reserve(request_id, token_ids, sampling_params, request_meta, block_table)
         if on_granted is not None:
             on_granted()
         try:
-            if tx.direct:  # the receiver copies from our shared cache: name the blocks, no chunks
+            if tx.direct:
+                # The receiver copies from our shared cache, starting at the grant: no chunks. We
+                # hash the same blocks meanwhile, on our own core, and name them in KVDone.
                 src = tuple(block_table[tx.num_held_blocks :])
                 sums = tuple(
                     shared_cache.layer_checksum(key_caches[layer], value_caches[layer], list(src))

@@ -6,6 +6,7 @@ import concurrent.futures
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -92,6 +93,49 @@ def test_a_corrupted_source_block_fails_the_checksum_and_frees_the_grant():
     receiver.close()
 
 
+def _poll_until_granted(receiver, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while receiver.num_incoming == 0:
+        assert time.monotonic() < deadline, "no grant"
+        receiver.poll(0.02)
+
+
+@pytest.mark.parametrize("changed", [False, True])
+def test_a_direct_copy_starts_at_the_grant_and_the_senders_checksums_decide(changed):
+    """With its block table in the reserve, the receiver copies while the sender hashes; KVDone's
+    checksums still judge what landed: bytes that change after the receiver copied them fail."""
+    receiver = make_receiver("tcp://127.0.0.1:0")  # an empty pool: the grant is blocks 0, 1, 2
+    cache = _shared_cache(seed=8)
+    tokens = list(range(40, 40 + 2 * BLOCK_SIZE + 3))
+    _, src_seq = prefill_side(tokens, NUM_BLOCKS, skip=5)
+    keys = [k for k, _ in cache.layer_caches()]
+    values = [v for _, v in cache.layer_caches()]
+    ids = list(src_seq.block_table)
+    original = [k[ids].clone() for k in keys]
+    sender = KVSender(receiver.address, make_fingerprint(), SenderConfig(), cache_ref=cache.ref)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(sender.reserve, "early", tokens, None, None, ids)
+        _poll_until_granted(receiver)
+        tx = future.result(timeout=5)
+        assert tx.direct
+        for layer in range(NUM_LAYERS):  # landed before KVDone
+            assert torch.equal(receiver.key_caches[layer][: len(ids)], original[layer])
+        if changed:
+            keys[2][ids[1]].mul_(-1.0)  # after the receiver copied it, before the sender hashes
+        sums = tuple(shared_cache.layer_checksum(keys[i], values[i], ids) for i in range(NUM_LAYERS))
+        future = pool.submit(sender.finish, tx, 5, 0, tuple(ids), sums)
+        events = poll_until(receiver, lambda r: bool(r.completed or r.failed))
+        if changed:
+            assert "checksum mismatch in layer 2" in str(events.failed[0].error)
+            with pytest.raises(Exception, match="checksum"):
+                future.result(timeout=5)
+            assert receiver.reservations.block_manager.num_free_blocks == NUM_BLOCKS
+        else:
+            assert events.completed[0].request_id == "early" and future.result(timeout=5).direct
+    sender.close()
+    receiver.close()
+
+
 def test_a_cache_ref_that_cannot_be_opened_falls_back_to_chunks():
     receiver = make_receiver("tcp://127.0.0.1:0")
     tokens = list(range(10, 10 + BLOCK_SIZE + 1))
@@ -160,13 +204,16 @@ def test_copy_direct_lands_the_bytes_and_checks_them_tile_by_tile(monkeypatch, t
     keys = [torch.zeros(11, 4, 2, 8) for _ in range(3)]
     values = [torch.zeros(11, 4, 2, 8) for _ in range(3)]
     ids = torch.tensor(dst_ids)
-    assert peer_memory.copy_direct(src, src_ids, keys, values, ids, sums) is None
+    landed = peer_memory.copy_direct(src, src_ids, keys, values, ids)
+    assert peer_memory.checksum_problem(landed, sums) is None
     for layer in range(3):
         assert torch.equal(keys[layer][dst_ids], src[layer, 0][src_ids])
         assert torch.equal(values[layer][dst_ids], src[layer, 1][src_ids])
     src[2, 1, 10, 3, 1, 7] += 1.0  # the sender's bytes changed after it hashed them
-    problem = peer_memory.copy_direct(src, src_ids, keys, values, ids, sums)
-    assert problem == "checksum mismatch in layer 2 (direct)"
+    landed = peer_memory.copy_direct(src, src_ids, keys, values, ids)
+    assert peer_memory.checksum_problem(landed, sums) == "checksum mismatch in layer 2 (direct)"
+    assert peer_memory.checksum_problem(landed, sums[:2]) == "direct transfer without a checksum per layer"
+    assert "source blocks" in peer_memory.copy_direct(src, [*src_ids[:-1], 12], keys, values, ids)
 
 
 def test_a_new_ring_on_a_reused_descriptor_is_mapped_afresh():
