@@ -36,6 +36,7 @@ from scripts.compose_traffic import CLEAN, Load, Outcome, Result, mixed_specs
 NODE_SERVICES = ("prefill", "decode")
 # Set in compose's environment; the compose file must pass them through to every node.
 HOST_ENV = {"PDSERVE_KV_CACHE_MEMORY_MB": "384", "PDSERVE_DTYPE": "float32"}
+NATIVE_LINE = "attention: C++ CPU kernel"  # engine.llm_engine's start-up line, native path on
 
 
 @dataclasses.dataclass(slots=True)
@@ -121,6 +122,10 @@ def phase_mixed(h: Harness) -> None:
             for c in h.project.containers(s)
         )
     }
+    # The image carries a compiler, so every node runs the C++ CPU kernels (its start-up line says).
+    native = [
+        NATIVE_LINE in h.project.logs_since(c, 0) for s in NODE_SERVICES for c in h.project.containers(s)
+    ]
     phase = h.record(
         "1P+2D mixed",
         results,
@@ -128,6 +133,7 @@ def phase_mixed(h: Harness) -> None:
         all_ok=all_clean_ok(results),
         every_decode_served=len(decode_counts) == 2 and min(decode_counts.values()) > 0,
         host_env_reaches_nodes=passed == HOST_ENV,
+        nodes_run_cpu_kernels=len(native) == 3 and all(native),
     )
     phase.notes.append(
         "decode "

@@ -129,6 +129,17 @@ def test_dockerfile_copies_every_python_package_of_the_repository():
     assert packages <= copied, f"not in the image: {sorted(packages - copied)}"
 
 
+def test_the_image_builds_the_cpu_kernels_with_a_compiler_of_its_own():
+    """Without a compiler in the image every node ran the torch attention and dense path."""
+    apt = re.search(
+        r"^RUN apt-get update && apt-get install -y --no-install-recommends (.*) \\$", DOCKERFILE, re.M
+    )
+    assert apt and {"g++", "ninja-build"} <= set(apt.group(1).split())
+    build = DOCKERFILE.index("cpu_ext.load() is None")  # fails the image build where it fails
+    assert DOCKERFILE.index("COPY kernels kernels") < build
+    assert DOCKERFILE.index("PDSERVE_CACHE=/models") < build  # built where nodes look for it
+
+
 def test_dockerfile_installs_dependencies_before_it_copies_the_code():
     deps = DOCKERFILE.index("pip install -r /tmp/requirements.txt")
     assert DOCKERFILE.index("COPY pyproject.toml") < deps < DOCKERFILE.index("COPY engine engine")
