@@ -106,6 +106,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True  # split long prompts over several iterations
     max_waiting: int = 1024  # bound on queued requests; add_request raises past it
     num_threads: int | None = None  # torch intra-op threads; None: the CPUs this process may use
+    # With num_threads None: at most this many (a launcher's share of the cores); the count still
+    # drops while other processes load this process's CPUs (engine.cpu_share).
+    max_threads: int | None = None
     device: str = "auto"  # auto, cpu, cuda or cuda:N (engine.device)
     debug_checks: bool = False  # the full block-pool integrity check before every step (slow)
     # auto: Triton kernels on CUDA tensors, the CPU path on CPU; triton: the Triton kernels always
@@ -129,7 +132,7 @@ class EngineConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("num_kv_blocks", "kv_cache_memory_mb", "num_threads"):
+        for name in ("num_kv_blocks", "kv_cache_memory_mb", "num_threads", "max_threads"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.kv_cache_memory_fraction <= 0.9:

@@ -52,6 +52,8 @@ def size_engine(
         threads, threads_source = config.num_threads, "num_threads"
     else:
         threads, threads_source = cpus or resources.usable_cpus(), "usable CPUs"
+        if config.max_threads is not None and config.max_threads < threads:
+            threads, threads_source = config.max_threads, f"max_threads, of {threads} usable CPUs"
     probe = KVCacheSpec(
         model.num_layers, 1, config.block_size, model.num_kv_heads, model.head_dim, config.dtype
     )

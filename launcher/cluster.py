@@ -93,6 +93,9 @@ class LocalCluster:
             raise LaunchError(str(exc)) from None
 
     def _start_node(self, role: str, index: int) -> Child:
+        return self._spawn(f"{role}-{index}", self.node_argv(role, index), self.plan.threads_per_node)
+
+    def node_argv(self, role: str, index: int) -> list[str]:
         name = f"{role}-{index}"
         command = ["decode", "--colocated"] if role == "colocated" else [role]
         argv = [
@@ -106,13 +109,13 @@ class LocalCluster:
             "127.0.0.1",
             "--ready-file",
             str(self._ready_path(name)),
-            "--threads",
+            "--threads" if self.plan.fixed_threads else "--max-threads",
             str(self.plan.threads_per_node),
             *self.plan.node_args,
         ]
         if self.redis_url:
             argv += ["--redis", self.redis_url]
-        return self._spawn(name, argv, self.plan.threads_per_node)
+        return argv
 
     def _ready_path(self, name: str) -> pathlib.Path:
         return self.plan.log_dir / f"{name}.ready.json"

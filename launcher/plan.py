@@ -24,6 +24,10 @@ class ClusterPlan:
         str, ...
     ] = ()  # extra flags for the router (--disagg-threshold N, --no-prefix-routing)
     start_timeout_s: float = 120.0  # longest wait for any one stage of start-up
+    # True (--threads given): every node runs exactly threads_per_node. False: that is each node's
+    # ceiling (--max-threads), and a node of more than one thread takes fewer while other processes
+    # (the router, a client, another node) load its CPUs.
+    fixed_threads: bool = False
     stop_timeout_s: float = 20.0  # SIGTERM, then this long, then SIGKILL
 
     def __post_init__(self) -> None:

@@ -99,6 +99,12 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         "--threads", type=int, default=_ENGINE.num_threads, help="torch threads for this process"
     )
     engine.add_argument(
+        "--max-threads",
+        type=int,
+        default=_ENGINE.max_threads,
+        help="without --threads: at most this many torch threads, fewer while other processes load the CPUs",
+    )
+    engine.add_argument(
         "--debug-checks", action="store_true", help="check the block pool's integrity every step"
     )
     engine.add_argument(
@@ -139,6 +145,7 @@ def options_from_args(role: Role, args: argparse.Namespace) -> tuple[NodeOptions
         enable_prefix_caching=not args.no_prefix_caching,
         max_waiting=args.max_waiting,
         num_threads=args.threads,
+        max_threads=args.max_threads,
         device=args.device,
         debug_checks=args.debug_checks,
         attention_backend=args.attention_backend,

@@ -136,7 +136,13 @@ def _plan(args: argparse.Namespace):
     num_nodes = num_prefill + num_decode + args.colocated
     cores = usable_cores()
     threads = args.threads or threads_per_node(cores, num_nodes)
-    how = "set by --threads" if args.threads else f"{cores} cores / {num_nodes} nodes"
+    how = (
+        "set by --threads"
+        if args.threads
+        else f"{cores} cores / {num_nodes} nodes; fewer while other processes load a node's CPUs"
+        if threads > 1
+        else f"{cores} cores / {num_nodes} nodes"
+    )
     _say(f"threads: {threads} torch thread(s) per node ({how})")
     log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -149,6 +155,7 @@ def _plan(args: argparse.Namespace):
         redis_url=args.redis,
         use_redis=not args.no_redis,
         threads_per_node=threads,
+        fixed_threads=bool(args.threads),
         log_dir=log_dir,
         node_args=tuple(shlex.split(args.node_args)),
         start_timeout_s=args.start_timeout,

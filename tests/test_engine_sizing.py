@@ -78,13 +78,24 @@ def test_threads_default_to_usable_cpus_and_explicit_wins(model):
     assert explicit.num_threads == 1 and explicit.threads_source == "num_threads"
 
 
+def test_max_threads_caps_the_automatic_count_only(model):
+    def sized(**kw):
+        config = EngineConfig(model=model.path, dtype="float32", **kw)
+        return size_engine(config, model, 64, cpus=4, available_bytes=GIB)
+
+    capped = sized(max_threads=2)
+    assert capped.num_threads == 2 and capped.threads_source == "max_threads, of 4 usable CPUs"
+    assert sized(max_threads=8).num_threads == 4  # a ceiling, never more than the CPUs
+    assert sized(max_threads=2, num_threads=3).num_threads == 3  # explicit wins
+
+
 @pytest.mark.parametrize("fraction", [0.0, -0.1, 0.95])
 def test_fraction_outside_range_is_refused(fraction):
     with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
         EngineConfig(model="m", kv_cache_memory_fraction=fraction)
 
 
-@pytest.mark.parametrize("name", ["kv_cache_memory_mb", "num_threads", "num_kv_blocks"])
+@pytest.mark.parametrize("name", ["kv_cache_memory_mb", "num_threads", "max_threads", "num_kv_blocks"])
 def test_non_positive_sizes_are_refused(name):
     with pytest.raises(ValueError, match=name):
         EngineConfig(model="m", **{name: 0})

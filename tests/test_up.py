@@ -27,7 +27,11 @@ import torch
 import transformers
 
 from launcher.children import Child, stop_all
+from launcher.cluster import LocalCluster
 from launcher.plan import ClusterPlan, threads_per_node
+from node.options import options_from_args
+from pdserve_cli.main import build_parser
+from protocol.registry import Role
 from tests.cluster import ROOT, NodeProcess, free_port
 from tests.engine_helpers import hf_greedy
 from tests.tiny_models import TINY
@@ -172,6 +176,30 @@ def test_plan_of_colocated_nodes_alone_is_complete(tmp_path):
         num_colocated=2,
     )
     assert plan.num_nodes == 2 and plan.describe() == "2 colocated"
+
+
+@pytest.mark.parametrize(("fixed", "flag"), [(False, "--max-threads"), (True, "--threads")])
+def test_a_nodes_share_of_the_cores_is_its_ceiling_unless_threads_were_set(model, tmp_path, fixed, flag):
+    """Without --threads a node's share is a ceiling it gives way under (engine.cpu_share)."""
+    plan = ClusterPlan(
+        model=str(model),
+        num_prefill=0,
+        num_decode=0,
+        host="127.0.0.1",
+        port=8000,
+        redis_url=None,
+        use_redis=False,
+        threads_per_node=2,
+        log_dir=tmp_path,
+        num_colocated=1,
+        fixed_threads=fixed,
+    )
+    argv = LocalCluster(plan).node_argv("colocated", 0)
+    assert argv[argv.index(flag) + 1] == "2"
+    assert ("--threads" in argv) is fixed and ("--max-threads" in argv) is not fixed
+    args = build_parser().parse_args(argv[argv.index("decode") :])
+    _, engine = options_from_args(Role.COLOCATED, args)
+    assert (engine.num_threads, engine.max_threads) == ((2, None) if fixed else (None, 2))
 
 
 def test_plan_url_reaches_a_wildcard_bind_over_loopback(tmp_path):
