@@ -165,3 +165,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """In place on [T, heads, D]: x * cos + rotate_half(x) * sin, rows of cos/sin ([P, D] fp32) by position."""
     torch.ops.pdserve_cpu.rotary_(x, positions, cos, sin)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """[rows, n] fp32 (unit column stride) -> [rows] int64, exactly torch.argmax(x, dim=-1): the
+    first maximum, a NaN counting as the maximum. One vectorised pass a row, rows in parallel."""
+    return torch.ops.pdserve_cpu.argmax_rows(x)

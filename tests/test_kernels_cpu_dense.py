@@ -118,3 +118,33 @@ def test_rotary_refuses_what_it_cannot_rotate():
     assert not rope.can_rotate_in_place(torch.zeros(2, 3, 128)[..., ::2])  # D not contiguous
     with pytest.raises(RuntimeError, match="outside the rotary table"):
         rope.rotate_(torch.tensor([0, 64]), torch.zeros(2, 3, 64))
+
+
+@pytest.mark.parametrize("n", [1, 7, 16, 17, 33, 1000, 49152])
+def test_argmax_rows_is_torchs_argmax_ties_nans_and_infinities_too(n):
+    gen = torch.Generator().manual_seed(n)
+    cases = {
+        "random": torch.randn(5, n, generator=gen),
+        "ties": torch.randint(0, 3, (5, n), generator=gen).float(),  # many equal maxima: the first wins
+        "all -inf": torch.full((2, n), float("-inf")),
+        "signed zeros": torch.zeros(3, n).index_fill_(1, torch.arange(0, n, 2), -0.0),
+    }
+    if n > 2:
+        nans = torch.randn(4, n, generator=gen)
+        nans[0, n // 2] = nans[1, n - 1] = nans[2, 1] = nans[2, n - 2] = float("nan")  # a NaN beats any value
+        nans[3, n // 3] = float("inf")
+        cases["nans and inf"] = nans
+    for name, x in cases.items():
+        assert torch.equal(cpu_ext.argmax_rows(x), x.argmax(dim=-1)), name
+    wide = torch.randn(6, n + 5, generator=gen)[:, 2 : 2 + n]  # rows with a stride of their own
+    assert torch.equal(cpu_ext.argmax_rows(wide), wide.argmax(dim=-1))
+    assert cpu_ext.argmax_rows(torch.randn(0, n)).shape == (0,)
+
+
+def test_argmax_rows_refuses_what_it_cannot_read():
+    with pytest.raises(RuntimeError, match="fp32"):
+        cpu_ext.argmax_rows(torch.randn(3, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="unit column stride"):
+        cpu_ext.argmax_rows(torch.randn(8, 3).t())
+    with pytest.raises(RuntimeError, match="n > 0"):
+        cpu_ext.argmax_rows(torch.randn(3, 0))

@@ -8,6 +8,8 @@
 //   silu_mul(gate_up)                   [T, 2I] -> [T, I]: silu(gate) * up, gate the first I columns
 //   rotary_(x, positions, cos, sin)     in place on [T, heads, D]: x * cos + rotate_half(x) * sin,
 //                                       HF's rotate-half convention, cos/sin rows picked by position
+//   argmax_rows(x)                      [rows, n] fp32 -> [rows] int64: torch.argmax(x, -1), the first
+//                                       maximum, a NaN counting as the maximum; the greedy sampler's
 //
 // Arithmetic is fp32 whatever the dtype, rounded where the torch expression it replaces rounds.
 #include <ATen/ATen.h>
@@ -16,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "cpu_math.h"
 
@@ -168,6 +171,65 @@ void rotary_(at::Tensor &x, const at::Tensor &positions, const at::Tensor &cos, 
   });
 }
 
+// First index of the row's maximum, as torch.argmax: per lane the first strict maximum of its
+// column of 16, then the lanes' best value, the smallest index among equals. A NaN wins (torch's
+// rule): a row with one is scanned again for its first NaN.
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+int64_t argmax_row(const float *x, int64_t n) {
+  int64_t i = 0, best = 0;
+  float best_value = -INFINITY;
+  bool nan = false;
+  if (n >= 16) {
+    vf16 vmax, v;
+    std::memcpy(&vmax, x, sizeof vmax);
+    vi16 vidx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, cur = vidx, vnan = vmax != vmax;
+    for (i = 16; i + 16 <= n; i += 16) {
+      cur += 16;
+      std::memcpy(&v, x + i, sizeof v);
+      const vi16 gt = v > vmax;
+      vmax = gt ? v : vmax;
+      vidx = gt ? cur : vidx;
+      vnan |= v != v;
+    }
+    best_value = vmax[0];
+    best = vidx[0];
+    for (int l = 0; l < 16; ++l) {
+      nan |= vnan[l] != 0;
+      if (vmax[l] > best_value || (vmax[l] == best_value && vidx[l] < best)) {
+        best_value = vmax[l];
+        best = vidx[l];
+      }
+    }
+  }
+  for (; i < n; ++i) {  // the tail (or a row under 16): later indices, so only a strict maximum wins
+    nan |= x[i] != x[i];
+    if (x[i] > best_value || (i == 0 && n < 16)) {
+      best_value = x[i];
+      best = i;
+    }
+  }
+  if (nan) {
+    for (int64_t j = 0; j < n; ++j)
+      if (x[j] != x[j]) return j;
+  }
+  return best;
+}
+
+at::Tensor argmax_rows(const at::Tensor &x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "x must be [rows, n] fp32 with n > 0 and unit column stride");
+  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  const float *base = x.data_ptr<float>();
+  int64_t *o = out.data_ptr<int64_t>();
+  const int64_t n = x.size(1), stride = x.stride(0);
+  at::parallel_for(0, x.size(0), row_grain(n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) o[r] = argmax_row(base + r * stride, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
@@ -175,6 +237,7 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("add_rms_norm_(Tensor x, Tensor(a!) residual, Tensor weight, float eps, bool unit_offset) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
@@ -182,4 +245,5 @@ TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("silu_mul", &silu_mul);
   m.impl("rotary_", &rotary_);
+  m.impl("argmax_rows", &argmax_rows);
 }
