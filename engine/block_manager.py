@@ -45,6 +45,9 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
+        # One past the highest block id ever handed out. Fresh blocks come in ascending order
+        # before any block is reused (LRU), so blocks [0, high_water) are the ones ever written.
+        self.high_water = 0
 
     # ----------------------------------------------------------------- accounting
     @property
@@ -182,6 +185,7 @@ class BlockManager:
 
     def _allocate_fresh(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)
+        self.high_water = max(self.high_water, block_id + 1)
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evict its prefix-cache entry
             if self.hash_to_block_id.get(block.block_hash) == block_id:

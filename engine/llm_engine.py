@@ -15,6 +15,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cpu_share import CpuShare
 from engine.device import resolve_device, resolve_dtype
 from engine.kv_layout import KVCacheSpec
+from engine.kv_prefault import KVPrefault
 from engine.logits_rules import LogitsRules
 from engine.model_runner import KVCacheFactory, ModelRunner
 from engine.models import model_class
@@ -84,6 +85,10 @@ class LLMEngine:
             config.enable_chunked_prefill,
         )
         self.runner = ModelRunner(self.model_config, config, self.kv_spec, kv_cache_factory)
+        # Two steps' worth of blocks: a step's prompt tokens, and a new block for each sequence.
+        ahead = 2 * (config.max_num_batched_tokens // config.block_size + config.max_num_seqs)
+        caches = [cache for layer in self.runner.kv_caches for cache in layer]
+        self.kv_prefault = KVPrefault(caches, self.kv_spec.num_blocks, ahead)
         m = self.model_config
         self.sampler = Sampler(LogitsRules(config.model, m.vocab_size, tuple(m.eos_token_ids)))
         native = kernels.native_cpu(self.runner.kv_caches[0][0], self.runner.attention_backend)
@@ -276,6 +281,7 @@ class LLMEngine:
         if not sched.scheduled:
             return []
         self.cpu_share.tick()
+        self.kv_prefault.advance(self.block_manager.high_water)  # commits the pages it will write
         logits, sampled = self.runner.execute(sched)
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens

@@ -1,0 +1,97 @@
+"""The CPU KV pool's pages are committed in bulk ahead of the blocks the engine hands out
+(engine/kv_prefault.py), without changing a byte of the pool."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.kv_prefault import PAGE, KVPrefault, populate
+from tests.engine_helpers import hf_greedy
+from tests.tiny_models import make_tiny_model
+
+LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
+LIBC.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+
+NUM_BLOCKS, BLOCK_SHAPE = 64, (16, 4, 64)  # 16 KB blocks: four pages each
+
+
+def _fresh_caches(n: int) -> tuple[list[torch.Tensor], list[mmap.mmap]]:
+    """Anonymous mappings nothing has touched yet: no page is resident."""
+    maps = [mmap.mmap(-1, NUM_BLOCKS * 16 * 4 * 64 * 4) for _ in range(n)]
+    caches = [torch.frombuffer(m, dtype=torch.float32).view(NUM_BLOCKS, *BLOCK_SHAPE) for m in maps]
+    return caches, maps
+
+
+def _resident_blocks(cache: torch.Tensor) -> list[bool]:
+    """Per block: are all its pages in memory (mincore)?"""
+    block_bytes = cache.stride(0) * cache.element_size()
+    pages = cache.shape[0] * block_bytes // PAGE
+    vec = ctypes.create_string_buffer(pages)
+    assert LIBC.mincore(cache.data_ptr(), pages * PAGE, vec) == 0, ctypes.get_errno()
+    per_block = block_bytes // PAGE
+    return [all(vec.raw[b * per_block + i] & 1 for i in range(per_block)) for b in range(cache.shape[0])]
+
+
+@pytest.fixture
+def fresh():
+    caches, maps = _fresh_caches(2)
+    yield caches
+    del caches
+    for m in maps:
+        m.close()
+
+
+def test_populate_commits_exactly_the_blocks_asked_for_and_changes_no_byte(fresh):
+    key, value = fresh
+    key[3].fill_(1.5)  # written before: its bytes must survive the prefault
+    assert _resident_blocks(key) == [b == 3 for b in range(NUM_BLOCKS)]
+    assert populate(fresh, 8, 20) == 0
+    for cache in fresh:
+        assert _resident_blocks(cache) == [
+            8 <= b < 20 or (cache is key and b == 3) for b in range(NUM_BLOCKS)
+        ]
+    assert torch.all(key[3] == 1.5) and torch.all(key[8:20] == 0) and torch.all(value[8:20] == 0)
+
+
+def test_the_prefault_stays_ahead_of_the_high_water_mark_in_steps_not_every_call(fresh):
+    prefault = KVPrefault(fresh, NUM_BLOCKS, ahead=8)
+    assert prefault.active and prefault.committed == 0
+    prefault.advance(1)  # the first block handed out: commit 8 past it
+    assert prefault.committed == 9 and _resident_blocks(fresh[1])[:10] == [True] * 9 + [False]
+    prefault.advance(4)  # still more than ahead / 2 committed past it: nothing to do
+    assert prefault.committed == 9
+    prefault.advance(6)
+    assert prefault.committed == 14
+    prefault.advance(60)  # never past the pool
+    assert prefault.committed == NUM_BLOCKS and all(_resident_blocks(fresh[0]))
+
+
+def test_it_can_be_turned_off(fresh, monkeypatch):
+    monkeypatch.setenv("PDSERVE_KV_PREFAULT", "0")
+    prefault = KVPrefault(fresh, NUM_BLOCKS, ahead=8)
+    prefault.advance(5)
+    assert not prefault.active and prefault.committed == 0 and not any(_resident_blocks(fresh[0]))
+
+
+def test_the_engine_commits_ahead_of_what_it_writes_and_stays_exact():
+    tiny_llama = str(make_tiny_model("llama"))
+    prompts = [[5 + i, 17, 33 + i, 2] * (3 + 5 * i) for i in range(6)]  # 12-112 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for setting in ("1", "0"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("PDSERVE_KV_PREFAULT", setting)
+            llm = LLM(tiny_llama, num_kv_blocks=512, max_num_seqs=4, max_num_batched_tokens=64, num_threads=1)
+            outputs[setting] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            engine = llm.engine
+            high, prefault = engine.block_manager.high_water, engine.kv_prefault
+        if setting == "1":
+            assert prefault.active and 0 < high <= prefault.committed <= high + prefault.ahead
+        else:
+            assert not prefault.active and prefault.committed == 0
+    assert outputs["1"] == outputs["0"] == [hf_greedy(tiny_llama, p, 12) for p in prompts]
