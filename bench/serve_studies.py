@@ -106,6 +106,7 @@ def studies() -> dict[str, list[Point]]:
         ],
         "vllm": [
             Point("pdserve 1P+1D mix", pd, MIX, (0.5, 1.0, 2.0, 4.0)),
+            Point("pdserve 1 colocated (2 threads) mix", colocated, MIX, (0.5, 1.0, 2.0, 4.0)),
             Point("vLLM server (2 cores) mix", colocated, MIX, (0.5, 1.0, 2.0, 4.0), vllm=True),
         ],
     }
