@@ -220,6 +220,7 @@ class LLMEngine:
         if not self.scheduler.reserve(seq):
             return None
         self.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [seq])
+        self.kv_prefault.advance(self.block_manager.high_water)  # the KV lands before any step
         num_held = seq.num_computed_tokens // self.block_manager.block_size
         return RemoteReservation(num_held, tuple(seq.block_table[num_held:]))
 

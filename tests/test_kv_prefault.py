@@ -95,3 +95,18 @@ def test_the_engine_commits_ahead_of_what_it_writes_and_stays_exact():
         else:
             assert not prefault.active and prefault.committed == 0
     assert outputs["1"] == outputs["0"] == [hf_greedy(tiny_llama, p, 12) for p in prompts]
+
+
+def test_blocks_reserved_for_incoming_kv_are_committed_before_it_lands():
+    """A decode node's receiver copies a transfer into its reserved blocks between steps."""
+    llm = LLM(
+        str(make_tiny_model("llama")),
+        num_kv_blocks=256,
+        max_num_seqs=1,
+        max_num_batched_tokens=16,  # commits 4 blocks ahead
+        num_threads=1,
+    )
+    engine, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=4)
+    assert engine.kv_prefault.ahead == 4 and engine.kv_prefault.committed == 0
+    assert engine.reserve_remote("far", [i % 250 for i in range(500)], params) is not None  # 32 blocks
+    assert engine.block_manager.high_water == 32 and 32 <= engine.kv_prefault.committed <= 36
