@@ -141,6 +141,22 @@ def complete_all(url: str, prompts: list[str], max_tokens: int) -> list[dict]:
         return list(pool.map(lambda p: complete(url, p, max_tokens), prompts))
 
 
+def plan_of(tmp_path: pathlib.Path, **fields) -> ClusterPlan:
+    """A ClusterPlan of one prefill and one decode node unless ``fields`` say otherwise."""
+    defaults = dict(
+        model="m",
+        num_prefill=1,
+        num_decode=1,
+        host="127.0.0.1",
+        port=8000,
+        redis_url=None,
+        use_redis=True,
+        threads_per_node=1,
+        log_dir=tmp_path,
+    )
+    return ClusterPlan(**{**defaults, **fields})
+
+
 def test_threads_split_the_cores_evenly_with_at_least_one_per_node():
     assert [threads_per_node(16, n) for n in (1, 2, 3, 4, 16, 40)] == [16, 8, 5, 4, 1, 1]
     assert threads_per_node(2, 4) == 1
@@ -149,49 +165,25 @@ def test_threads_split_the_cores_evenly_with_at_least_one_per_node():
 @pytest.mark.parametrize(("num_prefill", "num_decode"), [(0, 1), (1, 0)])
 def test_plan_refuses_a_cluster_without_both_roles(tmp_path, num_prefill, num_decode):
     with pytest.raises(ValueError, match="at least one prefill and one decode node .* or a colocated one"):
-        ClusterPlan(
-            model="m",
-            num_prefill=num_prefill,
-            num_decode=num_decode,
-            host="127.0.0.1",
-            port=8000,
-            redis_url=None,
-            use_redis=True,
-            threads_per_node=1,
-            log_dir=tmp_path,
-        )
+        plan_of(tmp_path, num_prefill=num_prefill, num_decode=num_decode)
 
 
 def test_plan_of_colocated_nodes_alone_is_complete(tmp_path):
-    plan = ClusterPlan(
-        model="m",
-        num_prefill=0,
-        num_decode=0,
-        host="127.0.0.1",
-        port=8000,
-        redis_url=None,
-        use_redis=True,
-        threads_per_node=1,
-        log_dir=tmp_path,
-        num_colocated=2,
-    )
+    plan = plan_of(tmp_path, num_prefill=0, num_decode=0, num_colocated=2)
     assert plan.num_nodes == 2 and plan.describe() == "2 colocated"
 
 
 @pytest.mark.parametrize(("fixed", "flag"), [(False, "--max-threads"), (True, "--threads")])
 def test_a_nodes_share_of_the_cores_is_its_ceiling_unless_threads_were_set(model, tmp_path, fixed, flag):
     """Without --threads a node's share is a ceiling it gives way under (engine.cpu_share)."""
-    plan = ClusterPlan(
+    plan = plan_of(
+        tmp_path,
         model=str(model),
         num_prefill=0,
         num_decode=0,
-        host="127.0.0.1",
-        port=8000,
-        redis_url=None,
+        num_colocated=1,
         use_redis=False,
         threads_per_node=2,
-        log_dir=tmp_path,
-        num_colocated=1,
         fixed_threads=fixed,
     )
     argv = LocalCluster(plan).node_argv("colocated", 0)
@@ -203,17 +195,7 @@ def test_a_nodes_share_of_the_cores_is_its_ceiling_unless_threads_were_set(model
 
 
 def test_plan_url_reaches_a_wildcard_bind_over_loopback(tmp_path):
-    plan = ClusterPlan(
-        model="m",
-        num_prefill=1,
-        num_decode=1,
-        host="0.0.0.0",
-        port=8123,
-        redis_url=None,
-        use_redis=True,
-        threads_per_node=1,
-        log_dir=tmp_path,
-    )
+    plan = plan_of(tmp_path, host="0.0.0.0", port=8123)
     assert plan.url == "http://127.0.0.1:8123"
 
 
