@@ -46,7 +46,7 @@ class NodeRegistry:
         self.expected_model: str | None = None  # the router's model digest: nodes of another are refused
         self._refused: set[str] = set()  # node ids already logged as refused
         self._partial_until = 0.0  # router clock until which polls may miss live nodes (outage)
-        self.ready = asyncio.Event()  # set after the first poll
+        self.ready = asyncio.Event()  # set after the first poll and its reply-path probes
 
     def snapshot(self) -> list[NodeInfo]:
         """The usable nodes: registered, answering through the reply path, connection not dropped."""
@@ -165,7 +165,12 @@ class NodeRegistry:
             seen, complete = await self._poll()
             self.update(seen, time.monotonic(), complete)
             self._probe_reply_paths()
-            self.ready.set()
+            if not self.ready.is_set():
+                # Ready once the first poll's nodes have answered through the reply path (or their
+                # probes timed out): a router that has just started serves them from its first
+                # request, instead of answering 503 until the probes come back.
+                await asyncio.gather(*list(self._probes.values()), return_exceptions=True)
+                self.ready.set()
             await asyncio.sleep(self._poll_interval_s)
 
     async def _poll(self) -> tuple[list[NodeInfo], bool]:

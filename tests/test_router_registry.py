@@ -33,3 +33,42 @@ def test_a_complete_poll_drops_a_vanished_node_at_once():
 def test_an_incomplete_poll_keeps_a_silent_node_until_its_expiry():
     first, second = _run(complete=False)
     assert first == ["d1", "p1"] and second == ["d1", "p1"]
+
+
+class _SlowReplyPath(NodeClient):
+    """Statuses come back through the reply path after ``delay_s``, as from a busy node."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    async def query_status(self, addr: str, timeout_s: float):
+        await asyncio.sleep(self.delay_s)
+        self.reply_path_ok.add(addr.removeprefix("inproc://"))  # what a status arriving there does
+        return object()
+
+
+class _Listed(NodeRegistry):
+    def __init__(self, nodes: NodeClient, listed) -> None:
+        super().__init__(nodes, poll_interval_s=0.05, node_expiry_s=10.0)
+        self.listed = listed
+
+    async def poll_once(self):
+        return self.listed
+
+
+def test_a_new_router_is_ready_only_once_its_first_nodes_answered_through_the_reply_path():
+    """Else a router that has just (re)started answers 503 "no usable decode node" to requests
+    that arrive before its probes come back, though every node is up."""
+
+    async def go():
+        nodes = _SlowReplyPath(delay_s=0.3)
+        registry = _Listed(nodes, [node_info("p1", "prefill"), node_info("d1", "decode")])
+        registry.start()
+        await asyncio.wait_for(registry.ready.wait(), timeout=5)
+        usable = [n.node_id for n in registry.snapshot()]
+        await registry.stop()
+        await nodes.close()
+        return usable
+
+    assert asyncio.run(go()) == ["d1", "p1"]
