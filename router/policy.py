@@ -142,7 +142,15 @@ class RoutingPolicy:
             free = node.num_blocks_free - self.outstanding.num_blocks(node) + cached
             return (-free, node.num_running, node.node_id)
 
-        decode = min(decodes, key=decode_key)
+        def colocated_key(node: NodeInfo) -> tuple:
+            # It prefills the prompt itself, so the prompt waits for the node's queue of prompt
+            # tokens, less the ones its cache spares; then free blocks, as for a decode node.
+            cached = self.decode_prefixes.num_cached_blocks(hashes(node), node.node_id) * _block_size(node)
+            queued = node.num_queued_prefill_tokens + self.outstanding.num_prefill_tokens(node)
+            return (queued - cached, *decode_key(node))
+
+        colocated = all(n.role is Role.COLOCATED for n in decodes)
+        decode = min(decodes, key=colocated_key if colocated else decode_key)
         block_hashes = hashes(decode)
         size = _block_size(decode)
         num_blocks = math.ceil((len(prompt_ids) + max_tokens) / size)

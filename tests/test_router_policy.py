@@ -135,19 +135,32 @@ def test_colocated_node_prefills_even_a_long_prompt_itself_and_never_prefills_fo
     assert to_decode.decode.node_id == "d0" and to_decode.prefill.node_id == "p0"
 
 
-def test_colocated_nodes_alone_serve_with_load_spread_by_free_blocks():
+def test_colocated_nodes_alone_serve_by_queued_prompt_tokens_then_free_blocks():
     nodes = [
         node_info("c0", "colocated", num_blocks_free=50),
         node_info("c1", "colocated", num_blocks_free=80),
     ]
     policy = RoutingPolicy(disagg_threshold=0)
     first = policy.choose(nodes, PROMPT, 8)
-    assert first.decode.node_id == "c1" and first.prefill is None
-    policy.record("r1", first, len(PROMPT), now=10.0)  # 12 blocks outstanding on c1: 68 left
+    assert first.decode.node_id == "c1" and first.prefill is None  # no queue anywhere: most free
+    policy.record("r1", first, len(PROMPT), now=10.0)  # 40 prompt tokens queued on c1 since its heartbeat
+    second = policy.choose(nodes, PROMPT, 8)
+    assert second.decode.node_id == "c0"
+    policy.record("r2", second, len(PROMPT), now=10.0)  # 40 each: free blocks decide again
     assert policy.choose(nodes, PROMPT, 8).decode.node_id == "c1"
-    for k in range(2, 4):  # two more: 80 - 36 = 44 < 50
-        policy.record(f"r{k}", policy.choose(nodes, PROMPT, 8), len(PROMPT), now=10.0)
-    assert policy.choose(nodes, PROMPT, 8).decode.node_id == "c0"
+
+
+def test_a_colocated_nodes_cache_counts_as_prompt_tokens_it_need_not_queue():
+    """A cached prefix saves the node that many prompt tokens of work, and no more: a prompt goes
+    to the node holding its prefix unless that node's queue is longer by more than the prefix."""
+    for queued_on_c0, expected in ((39, "c0"), (41, "c1")):
+        nodes = [
+            node_info("c0", "colocated", num_queued_prefill_tokens=queued_on_c0),
+            node_info("c1", "colocated", num_blocks_free=200),
+        ]
+        policy = RoutingPolicy(disagg_threshold=0)
+        policy.remember_prefix(policy.choose(nodes, PROMPT, 8, exclude=frozenset({"c1"})))  # c0 caches 40
+        assert policy.choose(nodes, PROMPT, 8).decode.node_id == expected
 
 
 def test_without_prefix_routing_a_cached_prompt_is_routed_by_load_alone():
