@@ -7,6 +7,7 @@ socket. Mappings are read-only, cached per sender, and bounded in number.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 from collections import OrderedDict
 
@@ -124,3 +125,32 @@ def checksum_problem(landed: list[int], expected: tuple[int, ...]) -> str | None
         if got != want:
             return f"checksum mismatch in layer {layer} (direct)"
     return None
+
+
+@dataclasses.dataclass(slots=True)
+class DirectCopy:
+    """One direct grant's copy out of a mapped sender cache: made at the grant when the reserve's
+    block table fits it, while the sender computes the checksums on its own core; judged at KVDone
+    against the sender's checksums (and made then, of the blocks KVDone names, if not before or
+    if those differ)."""
+
+    src: torch.Tensor  # the sender's mapped cache [L, 2, NB, ...]
+    copied: tuple[tuple[int, ...], list[int]] | None = None  # (sender blocks, per-layer checksums)
+
+    def at_grant(self, table: tuple[int, ...], num_held: int, key_caches, value_caches, dst_ids) -> None:
+        if len(table) != num_held + len(dst_ids):
+            return
+        src_ids = table[num_held:]
+        sums = copy_direct(self.src, list(src_ids), key_caches, value_caches, dst_ids)
+        if not isinstance(sums, str):  # a problem is reported at KVDone, by the copy made there
+            self.copied = (src_ids, sums)
+
+    def at_done(
+        self, src_ids: tuple[int, ...], checksums: tuple[int, ...], key_caches, value_caches, dst_ids
+    ) -> str | None:
+        """The problem with what landed, or None."""
+        if self.copied is not None and self.copied[0] == src_ids:
+            sums = self.copied[1]
+        else:
+            sums = copy_direct(self.src, list(src_ids), key_caches, value_caches, dst_ids)
+        return sums if isinstance(sums, str) else checksum_problem(sums, checksums)

@@ -46,7 +46,7 @@ from kv_transfer.messages import (
     decode,
 )
 from kv_transfer.outcomes import PollResult, ReceivedKV, TransferFailure
-from kv_transfer.peer_memory import PeerMemory, checksum_problem, copy_direct
+from kv_transfer.peer_memory import DirectCopy, PeerMemory
 from kv_transfer.reservations import BlockReservations
 from protocol.channel import Inbound, ListenChannel, PeerUnavailable
 
@@ -78,9 +78,7 @@ class _Incoming:
     landed: bytearray  # [num_layers * num_send_blocks], 1 where that layer of that block landed
     deadline: float  # time.monotonic() by which the next message must come
     ring: memoryview | None  # the sender's shared staging ring, when chunks come through it
-    direct_src: torch.Tensor | None = None  # the sender's mapped cache [L, 2, NB, ...] (one-copy path)
-    # A direct copy made at the grant: (the sender blocks copied, each layer's checksum of them).
-    early_copy: tuple[tuple[int, ...], list[int]] | None = None
+    direct: DirectCopy | None = None  # the one-copy path: the sender's cache is mapped here
     bytes_received: int = 0
 
 
@@ -242,7 +240,7 @@ class KVReceiver:
             bytearray(self.fingerprint.num_layers * len(send_ids)),
             time.monotonic() + self.config.chunk_timeout_s,
             ring,
-            direct_src,
+            None if direct_src is None else DirectCopy(direct_src),
         )
         grant = KVGrant(
             msg.request_id,
@@ -253,24 +251,13 @@ class KVReceiver:
             direct_src is not None,
         )
         self._reply(peer, grant)
-        if direct_src is not None:
-            self._copy_at_grant(self._incoming[msg.request_id])
+        state = self._incoming[msg.request_id]
+        if state.direct is not None:  # copy now, while the sender hashes; KVDone only compares
+            state.direct.at_grant(
+                msg.cache_block_ids, num_held, self.key_caches, self.value_caches, state.block_ids
+            )
+            state.deadline = time.monotonic() + self.config.chunk_timeout_s
         return True
-
-    def _copy_at_grant(self, state: _Incoming) -> None:
-        """Copy a direct grant's blocks now, while the sender computes their checksums on its own
-        core; KVDone then only compares. Without a block table that fits the grant in the reserve,
-        the copy waits for the blocks KVDone names."""
-        table = state.reserve.cache_block_ids
-        if len(table) != state.num_held_blocks + len(state.block_ids):
-            return
-        src_ids = table[state.num_held_blocks :]
-        sums = copy_direct(
-            state.direct_src, list(src_ids), self.key_caches, self.value_caches, state.block_ids
-        )
-        if not isinstance(sums, str):  # a problem is reported at KVDone, by the copy made there
-            state.early_copy = (src_ids, sums)
-        state.deadline = time.monotonic() + self.config.chunk_timeout_s
 
     def _on_chunk(self, peer: bytes, msg: Message, frames: list[memoryview]) -> None:
         assert isinstance(msg, KVChunk)
@@ -316,15 +303,14 @@ class KVReceiver:
         if state is None or state.peer != peer:
             self._reply(peer, Error(msg.request_id, "unknown_request", "no transfer in progress for this id"))
             return
-        if state.direct_src is not None:
-            src_ids = tuple(msg.src_block_ids)
-            if state.early_copy is not None and state.early_copy[0] == src_ids:
-                sums = state.early_copy[1]
-            else:  # no copy at the grant, or KVDone names other blocks: copy what it names
-                sums = copy_direct(
-                    state.direct_src, list(src_ids), self.key_caches, self.value_caches, state.block_ids
-                )
-            problem = sums if isinstance(sums, str) else checksum_problem(sums, msg.layer_checksums)
+        if state.direct is not None:
+            problem = state.direct.at_done(
+                tuple(msg.src_block_ids),
+                msg.layer_checksums,
+                self.key_caches,
+                self.value_caches,
+                state.block_ids,
+            )
             if problem is not None:
                 self._fail(msg.request_id, KVAborted(msg.request_id, problem))
                 return
