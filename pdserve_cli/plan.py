@@ -10,6 +10,7 @@ import pathlib
 import sys
 
 from pdserve_cli.bench import add_workload_args, workload_spec
+from router.config import LOCAL_PREFILL_MARGIN_S  # a plain dataclass module: cheap to import
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -67,6 +68,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument("--ttft-slo-ms", type=float, default=3000.0)
         p.add_argument("--tpot-slo-ms", type=float, default=300.0)
         p.add_argument("--disagg-threshold", type=int, default=64, help="as the router's flag")
+        p.add_argument(
+            "--local-prefill-margin-s",
+            type=float,
+            default=LOCAL_PREFILL_MARGIN_S,
+            help="as the router's flag",
+        )
         p.add_argument("--json", type=pathlib.Path, default=None, help="write the predictions here")
         if name == "simulate":
             p.add_argument("--prefill", type=int, default=1, metavar="N")
@@ -175,7 +182,13 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     try:
         profile, workload, rates, slo = _inputs(args)
-        cluster = Cluster(args.prefill, args.decode, args.colocated, args.disagg_threshold)
+        cluster = Cluster(
+            args.prefill,
+            args.decode,
+            args.colocated,
+            args.disagg_threshold,
+            local_prefill_margin_s=args.local_prefill_margin_s,
+        )
         results = []
         for k, rate in enumerate(rates):  # run k: seed + k, as `pdserve bench serve` sweeps
             requests = sim_requests(workload.build(args.seed + k), rate, args.burstiness, args.seed + k)
@@ -208,7 +221,7 @@ def run_recommend(args: argparse.Namespace) -> int:
             profile,
             requests,
             slo,
-            shapes(args.max_nodes, args.disagg_threshold, not args.no_colocated),
+            shapes(args.max_nodes, args.disagg_threshold, not args.no_colocated, args.local_prefill_margin_s),
             args.min_slo_fraction,
         )
     except ValueError as exc:

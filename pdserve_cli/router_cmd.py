@@ -10,6 +10,7 @@ from router.config import RouterConfig  # a plain dataclass module: cheap to imp
 # The tuning knobs' flags and defaults come from RouterConfig itself: one source.
 TUNABLES = (
     "disagg_threshold",
+    "local_prefill_margin_s",
     "max_inflight_prefill",
     "max_inflight_decode",
     "max_n",

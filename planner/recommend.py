@@ -9,6 +9,7 @@ from bench_serve.metrics import Slo, Summary
 from planner.predict import predict, slo_fraction
 from planner.profile import Profile
 from planner.simulate import Cluster, SimRequest
+from router.config import LOCAL_PREFILL_MARGIN_S
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -21,10 +22,15 @@ class Candidate:
         return self.slo_fraction >= min_fraction
 
 
-def shapes(max_nodes: int, disagg_threshold: int = 64, colocated: bool = True) -> list[Cluster]:
+def shapes(
+    max_nodes: int,
+    disagg_threshold: int = 64,
+    colocated: bool = True,
+    local_prefill_margin_s: float = LOCAL_PREFILL_MARGIN_S,
+) -> list[Cluster]:
     """Every P+D split with one or more of each, and (optionally) every colocated count, up to max_nodes."""
     found = [
-        Cluster(p, d, 0, disagg_threshold)
+        Cluster(p, d, 0, disagg_threshold, local_prefill_margin_s=local_prefill_margin_s)
         for total in range(2, max_nodes + 1)
         for p in range(1, total)
         for d in (total - p,)

@@ -1,11 +1,14 @@
 """A discrete-event model of a pdserve cluster: where a workload's requests wait, and for how long.
 
     arrival ─► route: the decode node with the fewest outstanding KV blocks, and
-               ├─ prompt >= disagg_threshold, a plain decode node and a prefill node exists:
+               ├─ prompt >= disagg_threshold, a plain decode node and a prefill node exists, and
+               │  the prompt would not wait local_prefill_margin_s longer behind the shortest
+               │  prefill queue than behind the decode node's own local prompts:
                │    prefill node queue (FIFO, batches up to the token budget, prefill_s(batch tokens))
                │      ─► first token ─► transfer_s(prompt KV) ─► the decode node's waiting queue
-               └─ otherwise (short prompt, colocated node, no prefill node): the decode node's waiting
-                    queue, prefilled there in a step beside the running batch (first token at its end)
+               └─ otherwise (short prompt, colocated node, no prefill node, or the prefill pool
+                    backed up): the decode node's waiting queue, prefilled there in a step beside
+                    the running batch (first token at its end)
     decode node: one step at a time: admit waiting requests up to max_num_seqs (local prefills up to
                  the token budget), step time = decode_step_s(running, their context) + prefill_s(local
                  prompt tokens); every running request gains one token at the step's end.
@@ -26,6 +29,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from planner.profile import Profile
+from router.config import LOCAL_PREFILL_MARGIN_S  # a plain dataclass module: no torch
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -35,6 +39,7 @@ class Cluster:
     num_colocated: int = 0  # nodes that prefill and decode all they take
     disagg_threshold: int = 64  # prompts shorter than this prefill on their decode node
     block_size: int = 16  # KV block size, for the router's outstanding-block count
+    local_prefill_margin_s: float = LOCAL_PREFILL_MARGIN_S  # as the router's; < 0: off
 
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode, self.num_colocated, self.disagg_threshold) < 0:
@@ -177,7 +182,15 @@ class _DecodeNode:
         self.waiting: collections.deque[_Live] = collections.deque()  # KV arrived, or to prefill here
         self.running: list[_Live] = []
         self.num_outstanding_blocks = 0  # blocks of requests routed here and not finished (the router's key)
+        self.num_prefilling_tokens = 0  # local prompt tokens in the step under way
         self.busy = False
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """Prompt tokens to prefill here, in the step under way or waiting (as nodes report them)."""
+        return self.num_prefilling_tokens + sum(
+            live.request.prompt_len for live in self.waiting if live.local
+        )
 
     def submit(self, live: _Live) -> None:
         """A request to prefill here, or one whose KV just arrived."""
@@ -192,6 +205,7 @@ class _DecodeNode:
         if not self.running and not prefills:
             return
         num_prefill_tokens = sum(live.request.prompt_len for live in prefills)
+        self.num_prefilling_tokens = num_prefill_tokens
         step_s = self.profile.decode(
             len(self.running), sum(live.num_context for live in self.running)
         ) + self.profile.prefill_s(num_prefill_tokens)
@@ -220,6 +234,7 @@ class _DecodeNode:
 
     def _done(self, decoding: list[_Live], prefills: list[_Live]) -> None:
         self.busy = False
+        self.num_prefilling_tokens = 0
         for live in decoding:
             live.token_times.append(self.clock.now)
             live.num_context += 1
@@ -271,8 +286,17 @@ def simulate(profile: Profile, cluster: Cluster, requests: Sequence[SimRequest])
         live.local = node.colocated or not prefills or live.request.prompt_len < cluster.disagg_threshold
         if live.local:
             node.submit(live)
+            return
+        prefill = min(prefills, key=lambda n: (n.num_queued_tokens, len(n.queue), n.name))
+        n = live.request.prompt_len
+        wait_longer_s = profile.prefill_s(prefill.num_queued_tokens + n) - profile.prefill_s(
+            node.num_queued_tokens + n
+        )
+        if 0 <= cluster.local_prefill_margin_s < wait_longer_s:
+            live.local = True  # the prefill pool is backed up
+            node.submit(live)
         else:
-            min(prefills, key=lambda n: (n.num_queued_tokens, len(n.queue), n.name)).submit(live)
+            prefill.submit(live)
 
     for index, request in enumerate(requests):
         num_blocks = math.ceil((request.prompt_len + request.output_len) / cluster.block_size)

@@ -83,7 +83,11 @@ def create_app(
             config,
             node_client,
             node_registry,
-            policy.RoutingPolicy(config.disagg_threshold, prefix_routing=config.prefix_routing),
+            policy.RoutingPolicy(
+                config.disagg_threshold,
+                prefix_routing=config.prefix_routing,
+                local_prefill_margin_s=config.local_prefill_margin_s,
+            ),
             metrics.RouterMetrics(),
         )
         admission = Admission(

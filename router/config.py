@@ -7,6 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 
+# A decode node prefills a long prompt itself when it would wait this much longer behind the
+# shortest prefill queue than behind the decode node's own (router/policy.py). Half a second of
+# queueing: measured against off, 0.25 s and 1 s on two cores (bench/README.md, "Prefill on the
+# decode node when the prefill pool is backed up").
+LOCAL_PREFILL_MARGIN_S = 0.5
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RouterConfig:
@@ -22,6 +28,7 @@ class RouterConfig:
     #                                    machine's hostname when ``host`` is every interface
     api_key: str | None = None  # when set, every /v1 request needs "Authorization: Bearer <key>"
     disagg_threshold: int = 64  # prompts with fewer uncached tokens prefill on the decode node
+    local_prefill_margin_s: float = LOCAL_PREFILL_MARGIN_S  # < 0: long prompts always go to a prefill node
     prefix_routing: bool = True  # route by the prefixes nodes cache; False: by load alone
     max_inflight_prefill: int = 256  # sub-requests in their prefill stage; beyond: 429
     max_inflight_decode: int = 1024  # sub-requests in flight in all; beyond: 429

@@ -209,6 +209,7 @@ async def _send(
     except NodeUnavailable as exc:
         raise _Retry(target.node_id, str(exc)) from None
     backend.metrics.queue.observe(now - sample.arrival_time)
+    backend.metrics.routes.inc(prefill=route.placement)
 
 
 async def _relay(

@@ -104,6 +104,10 @@ class RouterMetrics:
             "pdserve_migrations_total", "Samples resumed on another decode node after tokens were sent."
         )
         self.kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes moved, as nodes report them.")
+        self.routes = Counter(
+            "pdserve_routes_total",
+            "Sub-requests sent to nodes, by where the prompt is prefilled and why (router.policy.Route).",
+        )
         self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Arrival to first token.")
         self.tpot = Histogram("pdserve_time_per_output_token_seconds", "Mean time per token after the first.")
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Arrival to last token, per sample.")
@@ -120,6 +124,7 @@ class RouterMetrics:
             self.retries,
             self.migrations,
             self.kv_bytes,
+            self.routes,
             self.ttft,
             self.tpot,
             self.e2e,

@@ -10,7 +10,12 @@ hash of recent prompts, the nodes they went to. Turns of a conversation share a 
 conversation stays on the same pair for as long as its cached tokens outweigh the load gap.
 
 Conditional disaggregation: when fewer than ``disagg_threshold`` prompt tokens are left after
-the decode node's cached prefix, the decode node prefills itself (no KV transfer).
+the decode node's cached prefix, the decode node prefills itself (no KV transfer). It also does
+when the prefill pool is backed up: when the prompt would wait ``local_prefill_margin_s`` longer
+behind the shortest prefill queue than behind the decode node's own queue of prompts, both at the
+prefill node's measured speed. The margin is how much longer a prompt may wait for the prefill
+pool before the decode node's running requests pay for prefilling it in their steps; below 0,
+never.
 
 Colocated nodes (role ``colocated``) prefill and decode every request they take themselves: they
 compete with decode nodes for requests, never get KV sent to them, and never prefill for others.
@@ -35,6 +40,10 @@ class Route:
     prefill: NodeInfo | None  # prefills and ships the KV to decode; None: no disaggregation
     block_hashes: tuple[int, ...]  # the prompt's full-block hashes at the pair's block size
     num_blocks: int  # blocks the prompt and its output may take on the decode node
+    # Where the prompt is prefilled and why: "prefill_node", or on the decode node: "colocated",
+    # "resumed" (a migrated sample), "short" (below the threshold, cache hits spared), "no_prefill_node",
+    # "backed_up" (the prefill pool's queue is longer by more than the margin).
+    placement: str = "prefill_node"
 
 
 class PrefixMap:
@@ -103,9 +112,14 @@ def fingerprint_key(node: NodeInfo) -> KVFingerprint:
 
 class RoutingPolicy:
     def __init__(
-        self, disagg_threshold: int, prefix_capacity: int = 1 << 16, prefix_routing: bool = True
+        self,
+        disagg_threshold: int,
+        prefix_capacity: int = 1 << 16,
+        prefix_routing: bool = True,
+        local_prefill_margin_s: float = -1.0,  # the router passes its config's (on by default)
     ) -> None:
         self.disagg_threshold = disagg_threshold  # fewer uncached prompt tokens: prefill on decode
+        self.local_prefill_margin_s = local_prefill_margin_s  # see the module's docstring; < 0: off
         self.prefix_routing = prefix_routing  # False: never record prefixes, so routing sees no cache
         self.prefill_prefixes = PrefixMap(prefix_capacity)
         self.decode_prefixes = PrefixMap(prefix_capacity)
@@ -145,9 +159,7 @@ class RoutingPolicy:
         def colocated_key(node: NodeInfo) -> tuple:
             # It prefills the prompt itself, so the prompt waits for the node's queue of prompt
             # tokens, less the ones its cache spares; then free blocks, as for a decode node.
-            cached = self.decode_prefixes.num_cached_blocks(hashes(node), node.node_id) * _block_size(node)
-            queued = node.num_queued_prefill_tokens + self.outstanding.num_prefill_tokens(node)
-            return (queued - cached, *decode_key(node))
+            return (self._prompt_queue(node, self.decode_prefixes, hashes(node), 0), *decode_key(node))
 
         colocated = all(n.role is Role.COLOCATED for n in decodes)
         decode = min(decodes, key=colocated_key if colocated else decode_key)
@@ -155,26 +167,51 @@ class RoutingPolicy:
         size = _block_size(decode)
         num_blocks = math.ceil((len(prompt_ids) + max_tokens) / size)
         num_cached = self.decode_prefixes.num_cached_blocks(block_hashes, decode.node_id) * size
-        prefill = None
-        if (
-            disaggregate
-            and decode.role is not Role.COLOCATED
-            and len(prompt_ids) - num_cached >= self.disagg_threshold
-        ):
-            prefill = self._choose_prefill(usable, decode, block_hashes)
-        return Route(decode, prefill, block_hashes, num_blocks)
+        prefill, placement = None, "prefill_node"
+        if decode.role is Role.COLOCATED:
+            placement = "colocated"
+        elif not disaggregate:
+            placement = "resumed"
+        elif len(prompt_ids) - num_cached < self.disagg_threshold:
+            placement = "short"
+        elif (prefill := self._choose_prefill(usable, decode, block_hashes)) is None:
+            placement = "no_prefill_node"
+        elif self._backed_up(prefill, decode, block_hashes, len(prompt_ids)):
+            prefill, placement = None, "backed_up"  # the decode node prefills it
+        return Route(decode, prefill, block_hashes, num_blocks, placement)
+
+    def _backed_up(
+        self, prefill: NodeInfo, decode: NodeInfo, block_hashes: tuple[int, ...], num_prompt_tokens: int
+    ) -> bool:
+        """The prompt would wait more than the margin longer for ``prefill`` than for ``decode``."""
+        speed = prefill.prefill_tokens_per_s
+        if self.local_prefill_margin_s < 0 or not speed:
+            return False  # off, or no speed measured yet to turn tokens into seconds
+        remote = self._prompt_queue(prefill, self.prefill_prefixes, block_hashes, num_prompt_tokens)
+        local = self._prompt_queue(decode, self.decode_prefixes, block_hashes, num_prompt_tokens)
+        return (remote - local) / speed > self.local_prefill_margin_s
+
+    def _prompt_queue(
+        self, node: NodeInfo, prefixes: PrefixMap, block_hashes: tuple[int, ...], num_prompt_tokens: int
+    ) -> int:
+        """Prompt tokens ``node`` has queued (its last report plus what was sent since), with
+        ``num_prompt_tokens`` more on top, less the prompt tokens its cache would spare."""
+        cached = prefixes.num_cached_blocks(block_hashes, node.node_id) * _block_size(node)
+        queued = node.num_queued_prefill_tokens + self.outstanding.num_prefill_tokens(node)
+        return queued + num_prompt_tokens - cached
 
     def _choose_prefill(
         self, usable: Sequence[NodeInfo], decode: NodeInfo, block_hashes: tuple[int, ...]
     ) -> NodeInfo | None:
         key = fingerprint_key(decode)
         prefills = [n for n in usable if n.role is Role.PREFILL and fingerprint_key(n) == key]
-        size = _block_size(decode)
 
         def prefill_key(node: NodeInfo) -> tuple[int, int, str]:
-            cached = self.prefill_prefixes.num_cached_blocks(block_hashes, node.node_id) * size
-            queued = node.num_queued_prefill_tokens + self.outstanding.num_prefill_tokens(node)
-            return (queued - cached, node.num_queued, node.node_id)
+            return (
+                self._prompt_queue(node, self.prefill_prefixes, block_hashes, 0),
+                node.num_queued,
+                node.node_id,
+            )
 
         return min(prefills, key=prefill_key, default=None)
 

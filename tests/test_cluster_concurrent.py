@@ -1,6 +1,7 @@
 """Real clients against a real cluster, many requests at once: 1 prefill + 1 decode node, redis-server,
-and two routers on the same nodes, one that disaggregates (the default threshold) and one that
-never does (every request prefills on the decode node). Each answer is checked against Hugging
+and three routers on the same nodes: one that disaggregates (the default threshold), one that
+never does (every request prefills on the decode node), and one that lets the decode node
+prefill whenever the prefill node has the longer queue (a margin of 0 s). Each answer is checked against Hugging
 Face on the same weights: text, token ids, logprob values, and the exact number of cached tokens."""
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import concurrent.futures
 import functools
 import json
 import random
+import re
+import time
 
 import httpx
 import pytest
@@ -33,6 +36,7 @@ def cluster(tmp_path_factory, default_model_dir):
     routers = {
         "pd": RouterProcess(model, redis.url, tmp),
         "decode_only": RouterProcess(model, redis.url, tmp, "--disagg-threshold", "100000"),
+        "no_margin": RouterProcess(model, redis.url, tmp, "--local-prefill-margin-s", "0"),
     }
     try:
         for node in nodes.values():
@@ -135,6 +139,40 @@ def _cached(router, model, prompt: list[int]) -> int:
 def _full_blocks(num_tokens: int) -> int:
     """Tokens a prefix hit can cover: whole blocks, never the last prompt token (it must run)."""
     return (num_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_burst_behind_the_prefill_node_is_shared_with_the_decode_node_and_still_equals_hf(cluster, stream):
+    model, routers, nodes = cluster
+    router = routers["no_margin"]
+    (warm,) = _prompts(20 + stream, [120])
+    assert _completion_logprobs(router, model, warm, stream)[0] == _hf_expected(str(model), tuple(warm))[0]
+    time.sleep(
+        1.5
+    )  # a heartbeat (0.2 s) carries the prefill node's measured speed; the router polls at 0.5 s
+
+    def local_prefills() -> int:
+        return sum(1 for e in nodes["decode"].events("request_finished") if e.get("local_prefill"))
+
+    def routed(placement: str) -> int:
+        metrics = httpx.get(router.url + "/metrics", timeout=10).text
+        found = re.search(rf'^pdserve_routes_total{{prefill="{placement}"}} (\d+)', metrics, re.M)
+        return int(found.group(1)) if found else 0
+
+    before, backed_up, remote = local_prefills(), routed("backed_up"), routed("prefill_node")
+    prompts = _prompts(30 + stream, [300, 280, 320, 260, 310, 290, 270, 330])
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: _completion_logprobs(router, model, p, stream), prompts))
+    for prompt, (ids, values) in zip(prompts, got, strict=True):
+        want_ids, want_values = _hf_expected(str(model), tuple(prompt))
+        assert ids == want_ids, len(prompt)
+        assert values == pytest.approx(want_values, abs=2e-3), len(prompt)
+    # Sent at once, each prompt goes to whichever queue is shorter, the ones sent before it counted:
+    # some to each node.
+    num_local = local_prefills() - before
+    assert 1 <= num_local <= len(prompts) - 1
+    assert routed("backed_up") - backed_up == num_local  # the router counts why
+    assert routed("prefill_node") - remote == len(prompts) - num_local
 
 
 def test_a_repeated_prompt_is_a_counted_prefix_hit_on_the_decode_node(cluster):

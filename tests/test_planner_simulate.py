@@ -64,6 +64,19 @@ def test_local_prefill_lengthens_the_running_batch_step():
     assert outs[1].decode_wait_s == pytest.approx(0.005)
 
 
+def test_a_backed_up_prefill_pool_sends_long_prompts_to_the_decode_nodes_own_queue():
+    requests = [SimRequest(0.0, 300, 2) for _ in range(4)]  # 0.3 s of prefill each, all at once
+    # Each goes where it waits less, unless the prefill node is less than 0.2 s worse: 1st: 0.3
+    # against 0.3 s; 2nd: 0.6 against 0.3; 3rd: 0.6 against 0.6 (the 2nd is prefilling locally);
+    # 4th: 0.9 against 0.6.
+    outs = simulate(PROFILE, Cluster(1, 1, local_prefill_margin_s=0.2), requests)
+    assert [o.prefill_node for o in outs] == ["prefill-0", None, "prefill-0", None]
+    assert outs[1].ttft_s == pytest.approx(0.3)  # beside nothing: a step of 300 prompt tokens
+    outs = simulate(PROFILE, Cluster(1, 1, local_prefill_margin_s=-1.0), requests)
+    assert [o.prefill_node for o in outs] == ["prefill-0"] * 4
+    assert [o.ttft_s for o in outs] == pytest.approx([0.3, 1.2, 1.2, 1.2])  # 0.3 s, then one batch of 3
+
+
 def test_a_saturated_decode_node_queue_grows_with_every_arrival():
     one_seq = Profile(**{**{f: getattr(PROFILE, f) for f in PROFILE.__slots__}, "max_num_seqs": 1})
     requests = [SimRequest(0.05 * k, 20, 11) for k in range(8)]  # 0.1 s of decode each, one every 0.05 s

@@ -106,6 +106,61 @@ def test_conversation_stays_on_its_prefill_node_while_that_pays():
     assert policy.choose(busier, PROMPT + tuple(range(100, 140)), 8).prefill.node_id == turn1.prefill.node_id
 
 
+def test_a_backed_up_prefill_pool_sends_the_prompt_to_the_decode_nodes_own_queue():
+    # 40 prompt tokens at 100 tok/s; the margin is 1 s of waiting.
+    policy = RoutingPolicy(0, local_prefill_margin_s=1.0)
+
+    def route(prefill_queue: int, decode_queue: int, speed: float | None = 100.0):
+        nodes = [
+            node_info("d0", "decode", num_queued_prefill_tokens=decode_queue),
+            node_info("p0", "prefill", num_queued_prefill_tokens=prefill_queue, prefill_tokens_per_s=speed),
+        ]
+        return policy.choose(nodes, PROMPT, 8).prefill
+
+    assert route(100, 0).node_id == "p0"  # 1.0 s longer behind p0: not more than the margin
+    assert route(101, 0) is None  # 1.01 s longer: the decode node prefills it
+    nodes = [
+        node_info("d0", "decode"),
+        node_info("p0", "prefill", num_queued_prefill_tokens=101, prefill_tokens_per_s=100.0),
+    ]
+    assert policy.choose(nodes, PROMPT, 8).placement == "backed_up"
+    assert policy.choose(nodes[:1], PROMPT, 8).placement == "no_prefill_node"
+    assert policy.choose(nodes, PROMPT, 8, disaggregate=False).placement == "resumed"
+    assert RoutingPolicy(41).choose(nodes, PROMPT, 8).placement == "short"
+    assert RoutingPolicy(40).choose(nodes, PROMPT, 8).placement == "prefill_node"
+    assert route(140, 40).node_id == "p0"  # the decode node's own queue counts against it
+    assert route(141, 40) is None
+    assert route(10_000, 0, speed=None).node_id == "p0"  # no measured speed: no guess
+    assert (
+        RoutingPolicy(0)
+        .choose(  # the margin's default is off
+            [
+                node_info("d0", "decode"),
+                node_info("p0", "prefill", num_queued_prefill_tokens=10_000, prefill_tokens_per_s=100.0),
+            ],
+            PROMPT,
+            8,
+        )
+        .prefill.node_id
+        == "p0"
+    )
+
+
+def test_prompts_sent_since_the_heartbeat_count_in_both_queues():
+    policy = RoutingPolicy(0, local_prefill_margin_s=1.0)
+    nodes = [
+        node_info("d0", "decode"),
+        node_info("p0", "prefill", num_queued_prefill_tokens=80, prefill_tokens_per_s=100.0),
+    ]
+    first = policy.choose(nodes, PROMPT, 8)
+    assert first.prefill.node_id == "p0"  # 0.8 s longer
+    policy.record("r1", first, len(PROMPT), now=1.0)  # p0 has 40 more, not in its report yet
+    second = policy.choose(nodes, tuple(range(100, 140)), 8)
+    assert second.prefill is None  # 1.2 s longer now
+    policy.record("r2", second, 40, now=1.0)  # and now the decode node has 40 queued itself
+    assert policy.choose(nodes, tuple(range(200, 240)), 8).prefill.node_id == "p0"  # 0.8 s again
+
+
 def test_only_nodes_with_the_decode_fingerprint_prefill():
     other = dataclasses.replace(FINGERPRINT, block_size=8)
     nodes = [node_info("d0", "decode"), node_info("p0", "prefill", fingerprint=other)]
@@ -131,6 +186,7 @@ def test_colocated_node_prefills_even_a_long_prompt_itself_and_never_prefills_fo
     ]
     to_colocated = RoutingPolicy(disagg_threshold=0).choose(nodes, PROMPT, 8)
     assert to_colocated.decode.node_id == "c0" and to_colocated.prefill is None
+    assert to_colocated.placement == "colocated"
     to_decode = RoutingPolicy(disagg_threshold=0).choose(nodes, PROMPT, 8, exclude=frozenset({"c0"}))
     assert to_decode.decode.node_id == "d0" and to_decode.prefill.node_id == "p0"
 
