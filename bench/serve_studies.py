@@ -5,6 +5,8 @@
     .venv/bin/python bench/serve_studies.py ratio        # P:D 1:1, 1:2, 2:1
     .venv/bin/python bench/serve_studies.py prefix       # prefix caching / prefix-aware routing on and off
     .venv/bin/python bench/serve_studies.py vllm --vllm-python /work/vllm-venv/bin/python   # 1P+1D vs vLLM, 2 cores
+    .venv/bin/python bench/serve_studies.py load --vllm-python /work/vllm-venv/bin/python --rounds 3
+        # the same servers (and 1P+1D without local prefill) at 2, 4 and 8 req/s, 48 requests a rate
 
 Every point starts a fresh cluster (default model, cores split evenly between its nodes), runs the
 workload at each rate (run k uses seed + k, fresh prompts), and stops the cluster. Where a profile
@@ -21,14 +23,14 @@ import dataclasses
 import json
 import os
 import pathlib
-import signal
-import socket
 import subprocess
 import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from serve_servers import Up, VllmServer  # noqa: E402
 
 from bench_serve.metrics import Slo  # noqa: E402
 from bench_serve.spec import WorkloadKind, WorkloadSpec  # noqa: E402
@@ -46,6 +48,8 @@ MIX = {
     "max_input_len": 512,
     "max_output_len": 128,
 }
+MIX_48 = {**MIX, "num_requests": 48}
+LOAD_RATES = (2.0, 4.0, 8.0)
 PREFILL_HEAVY = {"kind": "fixed", "num_requests": 16, "input_len": 512, "output_len": 16}
 SHARED_PREFIX = {
     "kind": "shared-prefix",
@@ -104,6 +108,18 @@ def studies() -> dict[str, list[Point]]:
             Point("1 colocated, 2 threads, mix", colocated, MIX, (0.5,)),
             Point("1 colocated, 1 thread, mix", colocated, MIX, (0.5,), threads=1),
         ],
+        "load": [  # the vllm study's servers, 48 requests a rate, at rates that load them
+            Point("pdserve 1P+1D mix", pd, MIX_48, LOAD_RATES),
+            Point(
+                "pdserve 1P+1D, no local prefill, mix",
+                pd,
+                MIX_48,
+                LOAD_RATES,
+                router_args="--local-prefill-margin-s=-1",
+            ),
+            Point("pdserve 1 colocated (2 threads) mix", colocated, MIX_48, LOAD_RATES),
+            Point("vLLM server (2 cores) mix", colocated, MIX_48, LOAD_RATES, vllm=True),
+        ],
         "vllm": [
             Point("pdserve 1P+1D mix", pd, MIX, (0.5, 1.0, 2.0, 4.0)),
             Point("pdserve 1 colocated (2 threads) mix", colocated, MIX, (0.5, 1.0, 2.0, 4.0)),
@@ -125,135 +141,14 @@ def workload_spec(workload: dict) -> WorkloadSpec:
     return WorkloadSpec(WorkloadKind(workload["kind"]), PromptStyle.TOKEN_IDS, **fields)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def up_flags(cluster: Cluster) -> list[str]:
-    return [
-        "--prefill",
-        str(cluster.num_prefill),
-        "--decode",
-        str(cluster.num_decode),
-        "--colocated",
-        str(cluster.num_colocated),
-    ]
-
-
-class Up:
-    """`pdserve up` in the background, until stop()."""
-
-    def __init__(self, point: Point, log_dir: pathlib.Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.out_path = log_dir / "up.out"
-        self._out = open(self.out_path, "w")
-        cmd = [
-            sys.executable,
-            "-m",
-            "pdserve_cli",
-            "up",
-            "--port",
-            str(self.port),
-            "--log-dir",
-            str(log_dir),
-            *up_flags(point.cluster),
-            f"--node-args={point.node_args}",
-            f"--router-args={point.router_args}",
-        ]
-        if point.threads:
-            cmd += ["--threads", str(point.threads)]
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdout=self._out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-
-    def wait_up(self, timeout_s: float = 240.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while "pdserve is up" not in self.out_path.read_text():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"pdserve up failed:\n{self.out_path.read_text()[-3000:]}")
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._out.close()
-
-
-class VllmServer(Up):
-    """vLLM's OpenAI server (CPU build, its own venv) on the default model, every core, until stop()."""
-
-    def __init__(self, vllm_python: str, log_dir: pathlib.Path) -> None:
-        from engine.model_fetch import fetch_default_model
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.out_path = log_dir / "vllm.out"
-        self._out = open(self.out_path, "w")
-        cmd = [
-            vllm_python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(fetch_default_model()),
-            "--dtype",
-            "float32",
-            "--port",
-            str(self.port),
-            "--host",
-            "127.0.0.1",
-        ]
-        cores = usable_cores()
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "VLLM_CPU_KVCACHE_SPACE": "2"}
-        env.pop("PYTHONPATH", None)
-        self.proc = subprocess.Popen(
-            cmd, cwd="/tmp", stdout=self._out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-
-    def wait_up(self, timeout_s: float = 300.0) -> None:
-        import urllib.request
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM's server failed:\n{self.out_path.read_text()[-3000:]}")
-            time.sleep(1.0)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # its engine runs in child processes of its own
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._out.close()
-
-
 def measure(point: Point, out_dir: pathlib.Path, slo: Slo, vllm_python: str | None = None) -> list[dict]:
     """One summary per rate, as `pdserve bench serve` wrote it."""
     if point.vllm and not vllm_python:
         raise SystemExit("the vllm study needs --vllm-python PATH (a venv with vLLM's CPU build)")
-    up = VllmServer(vllm_python, out_dir / "logs") if point.vllm else Up(point, out_dir / "logs")
+    if point.vllm:
+        up = VllmServer(vllm_python, out_dir / "logs")
+    else:
+        up = Up(point.cluster, out_dir / "logs", point.node_args, point.router_args, point.threads)
     try:
         up.wait_up()
         result = out_dir / "bench.json"
@@ -355,6 +250,12 @@ def main() -> None:
     parser.add_argument("--busy-neighbours", type=int, default=0, help="--calibrate: plan calibrate's flag")
     parser.add_argument("--ttft-slo-ms", type=float, default=3000.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=300.0)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the study's points this many times, in turn (noisy machines)",
+    )
     args = parser.parse_args()
     slo = Slo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
     profiles = {t: Profile.load(p) for t, p in ((1, args.profile_1t), (2, args.profile_2t)) if p is not None}
@@ -362,7 +263,14 @@ def main() -> None:
     if args.calibrate:
         profiles[1] = calibrate(out_dir / "profile-before.json", args.busy_neighbours)
     lines, results = [HEADER], []
-    for i, point in enumerate(studies()[args.study]):
+    points = studies()[args.study]
+    if args.rounds > 1:
+        points = [
+            dataclasses.replace(p, label=f"{p.label} (round {k + 1})")
+            for k in range(args.rounds)
+            for p in points
+        ]
+    for i, point in enumerate(points):
         started = time.monotonic()
         measured = measure(point, out_dir / f"point{i}", slo, args.vllm_python)
         after = (

@@ -1,0 +1,148 @@
+"""The servers the serving studies measure: `pdserve up` in a given shape, and vLLM's OpenAI server
+(its CPU build, from a venv of its own) on the default model. Each runs in the background until stop()."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from launcher.plan import usable_cores
+from planner.simulate import Cluster
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def up_flags(cluster: Cluster) -> list[str]:
+    return [
+        "--prefill",
+        str(cluster.num_prefill),
+        "--decode",
+        str(cluster.num_decode),
+        "--colocated",
+        str(cluster.num_colocated),
+    ]
+
+
+class Up:
+    """`pdserve up` in the background, until stop()."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        log_dir: pathlib.Path,
+        node_args: str = "",
+        router_args: str = "",
+        threads: int | None = None,  # torch threads per node; None: pdserve up's even split
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.out_path = log_dir / "up.out"
+        self._out = open(self.out_path, "w")
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve_cli",
+            "up",
+            "--port",
+            str(self.port),
+            "--log-dir",
+            str(log_dir),
+            *up_flags(cluster),
+            f"--node-args={node_args}",
+            f"--router-args={router_args}",
+        ]
+        if threads:
+            cmd += ["--threads", str(threads)]
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+
+    def wait_up(self, timeout_s: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while "pdserve is up" not in self.out_path.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"pdserve up failed:\n{self.out_path.read_text()[-3000:]}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._out.close()
+
+
+class VllmServer(Up):
+    """vLLM's OpenAI server (CPU build, its own venv) on the default model, every core, until stop()."""
+
+    def __init__(self, vllm_python: str, log_dir: pathlib.Path) -> None:
+        from engine.model_fetch import fetch_default_model
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.out_path = log_dir / "vllm.out"
+        self._out = open(self.out_path, "w")
+        cmd = [
+            vllm_python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(fetch_default_model()),
+            "--dtype",
+            "float32",
+            "--port",
+            str(self.port),
+            "--host",
+            "127.0.0.1",
+        ]
+        cores = usable_cores()
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        env.pop("PYTHONPATH", None)
+        self.proc = subprocess.Popen(
+            cmd, cwd="/tmp", stdout=self._out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def wait_up(self, timeout_s: float = 300.0) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM's server failed:\n{self.out_path.read_text()[-3000:]}")
+            time.sleep(1.0)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # its engine runs in child processes of its own
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._out.close()
