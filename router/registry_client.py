@@ -211,7 +211,13 @@ class NodeRegistry:
 
 
 class RedisRegistry(NodeRegistry):
-    """Node records from Redis; keys expire with their TTL, records older than the expiry are ignored."""
+    """Node records from Redis; keys expire with their TTL, and a record whose heartbeat has not
+    changed for the expiry is ignored (a node that hangs while its key lives on).
+
+    Staleness is judged by the router's own monotonic clock, from when it saw each record's
+    ``heartbeat_time`` change, never by comparing that wall-clock stamp with the router's wall
+    clock: the nodes' clocks may be skewed from the router's (other machines) or stepped (NTP), and
+    a live node must not drop out, with its streams, for that."""
 
     COMPLETE_POLLS = True
 
@@ -222,11 +228,22 @@ class RedisRegistry(NodeRegistry):
         import redis
 
         self._client = redis.Redis.from_url(redis_url, socket_timeout=max(1.0, poll_interval_s))
+        self._beats: dict[
+            str, tuple[float, float]
+        ] = {}  # node id -> (its heartbeat_time, router clock it changed)
 
     async def poll_once(self) -> list[NodeInfo]:
-        records = await asyncio.to_thread(list_nodes, self._client)
-        oldest = time.time() - self._expiry_s
-        return [n for n in records if n.heartbeat_time >= oldest]
+        return self.fresh(await asyncio.to_thread(list_nodes, self._client), time.monotonic())
+
+    def fresh(self, records: Sequence[NodeInfo], now: float) -> list[NodeInfo]:
+        """The records whose heartbeat changed within the expiry, ``now`` on the router's clock (a
+        record seen for the first time counts as changed now)."""
+        beats = {}
+        for node in records:
+            stamp, changed_at = self._beats.get(node.node_id, (None, now))
+            beats[node.node_id] = (node.heartbeat_time, changed_at if stamp == node.heartbeat_time else now)
+        self._beats = beats  # nodes whose keys are gone are forgotten
+        return [n for n in records if now - beats[n.node_id][1] <= self._expiry_s]
 
 
 class StaticRegistry(NodeRegistry):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
+import types
 
 from router.node_client import NodeClient
 from router.registry_client import NodeRegistry
@@ -72,3 +75,47 @@ def test_a_new_router_is_ready_only_once_its_first_nodes_answered_through_the_re
         return usable
 
     assert asyncio.run(go()) == ["d1", "p1"]
+
+
+def _redis_registry(url: str, expiry_s: float):
+    from router.registry_client import RedisRegistry
+
+    return RedisRegistry(url, NodeClient(), poll_interval_s=0.1, node_expiry_s=expiry_s)
+
+
+def test_a_redis_record_is_fresh_while_its_heartbeat_changes_whatever_the_clocks_say(tmp_path):
+    from tests.cluster import RedisServer
+
+    redis = RedisServer(tmp_path)
+    try:
+        registry = _redis_registry(redis.url, expiry_s=3.0)
+        behind = node_info("d1", "decode", heartbeat_time=time.time() - 3600.0)  # its clock is an hour slow
+        ahead = node_info("p1", "prefill", heartbeat_time=time.time() + 43.0)  # or was just stepped forward
+        assert registry.fresh([behind, ahead], now=10.0) == [behind, ahead]  # first seen: fresh
+        later = [dataclasses.replace(n, heartbeat_time=n.heartbeat_time + 1.0) for n in (behind, ahead)]
+        assert registry.fresh(later, now=12.0) == later  # both beat again
+        assert registry.fresh(later, now=14.9) == later  # no new beat, but within 3 s of the last
+        assert registry.fresh(later, now=15.1) == []  # a hung node whose key lives on: gone
+        assert registry.fresh([behind], now=15.2) == [behind]  # it beats again: back at once
+    finally:
+        redis.stop()
+
+
+def test_a_node_with_a_skewed_clock_stays_in_the_pool_through_real_redis_polls(tmp_path, monkeypatch):
+    from protocol import registry as records
+    from tests.cluster import RedisServer
+
+    redis = RedisServer(tmp_path)
+    try:
+        registry = _redis_registry(redis.url, expiry_s=0.5)
+        # The node's records are stamped by a wall clock an hour slow; the router's is right.
+        monkeypatch.setattr(records, "time", types.SimpleNamespace(time=lambda: time.time() - 3600.0))
+        node = node_info("d1", "decode")
+        for _ in range(4):  # beating every 0.2 s, within the expiry
+            records.publish(redis.client, node, ttl_s=30.0)
+            assert [n.node_id for n in asyncio.run(registry.poll_once())] == ["d1"]
+            time.sleep(0.2)
+        time.sleep(0.6)  # it stops beating; its key lives for 30 s
+        assert asyncio.run(registry.poll_once()) == []
+    finally:
+        redis.stop()
