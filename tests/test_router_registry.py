@@ -77,18 +77,28 @@ def test_a_new_router_is_ready_only_once_its_first_nodes_answered_through_the_re
     assert asyncio.run(go()) == ["d1", "p1"]
 
 
-def _redis_registry(url: str, expiry_s: float):
+def _with_redis_registry(tmp_path, expiry_s: float, check) -> None:
+    """``check(registry)`` against a RedisRegistry on a real redis-server; closes both after."""
     from router.registry_client import RedisRegistry
-
-    return RedisRegistry(url, NodeClient(), poll_interval_s=0.1, node_expiry_s=expiry_s)
-
-
-def test_a_redis_record_is_fresh_while_its_heartbeat_changes_whatever_the_clocks_say(tmp_path):
     from tests.cluster import RedisServer
 
     redis = RedisServer(tmp_path)
+
+    async def go():
+        nodes = NodeClient()
+        try:
+            await check(RedisRegistry(redis.url, nodes, poll_interval_s=0.1, node_expiry_s=expiry_s), redis)
+        finally:
+            await nodes.close()
+
     try:
-        registry = _redis_registry(redis.url, expiry_s=3.0)
+        asyncio.run(go())
+    finally:
+        redis.stop()
+
+
+def test_a_redis_record_is_fresh_while_its_heartbeat_changes_whatever_the_clocks_say(tmp_path):
+    async def check(registry, _redis):
         behind = node_info("d1", "decode", heartbeat_time=time.time() - 3600.0)  # its clock is an hour slow
         ahead = node_info("p1", "prefill", heartbeat_time=time.time() + 43.0)  # or was just stepped forward
         assert registry.fresh([behind, ahead], now=10.0) == [behind, ahead]  # first seen: fresh
@@ -97,25 +107,23 @@ def test_a_redis_record_is_fresh_while_its_heartbeat_changes_whatever_the_clocks
         assert registry.fresh(later, now=14.9) == later  # no new beat, but within 3 s of the last
         assert registry.fresh(later, now=15.1) == []  # a hung node whose key lives on: gone
         assert registry.fresh([behind], now=15.2) == [behind]  # it beats again: back at once
-    finally:
-        redis.stop()
+
+    _with_redis_registry(tmp_path, 3.0, check)
 
 
 def test_a_node_with_a_skewed_clock_stays_in_the_pool_through_real_redis_polls(tmp_path, monkeypatch):
     from protocol import registry as records
-    from tests.cluster import RedisServer
 
-    redis = RedisServer(tmp_path)
-    try:
-        registry = _redis_registry(redis.url, expiry_s=0.5)
-        # The node's records are stamped by a wall clock an hour slow; the router's is right.
-        monkeypatch.setattr(records, "time", types.SimpleNamespace(time=lambda: time.time() - 3600.0))
+    # The node's records are stamped by a wall clock an hour slow; the router's is right.
+    monkeypatch.setattr(records, "time", types.SimpleNamespace(time=lambda: time.time() - 3600.0))
+
+    async def check(registry, redis):
         node = node_info("d1", "decode")
         for _ in range(4):  # beating every 0.2 s, within the expiry
             records.publish(redis.client, node, ttl_s=30.0)
-            assert [n.node_id for n in asyncio.run(registry.poll_once())] == ["d1"]
-            time.sleep(0.2)
-        time.sleep(0.6)  # it stops beating; its key lives for 30 s
-        assert asyncio.run(registry.poll_once()) == []
-    finally:
-        redis.stop()
+            assert [n.node_id for n in await registry.poll_once()] == ["d1"]
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(0.6)  # it stops beating; its key lives for 30 s
+        assert await registry.poll_once() == []
+
+    _with_redis_registry(tmp_path, 0.5, check)
