@@ -116,8 +116,9 @@ _STATUS_AT_RE = re.compile(
 
 def _busiest(cluster: Cluster, role: str, timeout_s: float = 15.0):
     """The live node of ``role`` running the most requests now, by its /metrics gauge. It waits
-    (up to ``timeout_s``) for one whose status, at most a second old, shows a request running:
-    a status lags by a heartbeat, and a fault meant to land mid-decode must find decoding."""
+    (up to ``timeout_s``) for one whose status, at most a second old, shows two requests running:
+    a status lags by a heartbeat, and a fault meant to land mid-decode must find decoding (with
+    one, that request may finish in the lag: a loaded full-suite run killed a node holding none)."""
     deadline = time.monotonic() + timeout_s
     while True:
         text = httpx.get(cluster.router.url + "/metrics", timeout=5).text
@@ -125,7 +126,7 @@ def _busiest(cluster: Cluster, role: str, timeout_s: float = 15.0):
         fresh = {node for node, at in _STATUS_AT_RE.findall(text) if time.time() - float(at) < 1.0}
         busiest = max(cluster.live(role), key=lambda n: running.get(n.addrs["node_id"], 0))
         node_id = busiest.addrs["node_id"]
-        if (running.get(node_id, 0) > 0 and node_id in fresh) or time.monotonic() > deadline:
+        if (running.get(node_id, 0) >= 2 and node_id in fresh) or time.monotonic() > deadline:
             return busiest
         time.sleep(0.05)
 
