@@ -63,12 +63,12 @@ def model_path(arg: str) -> pathlib.Path:
     return pathlib.Path(arg)
 
 
-def _runner(path: pathlib.Path, num_blocks: int, max_len: int) -> tuple[ModelConfig, ModelRunner]:
+def _runner(path: pathlib.Path, num_blocks: int, max_len: int, dtype: str) -> tuple[ModelConfig, ModelRunner]:
     cfg = ModelConfig.from_path(path)
-    spec = KVCacheSpec(cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, "float32")
+    spec = KVCacheSpec(cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype)
     config = EngineConfig(
         model=str(path),
-        dtype="float32",
+        dtype=dtype,
         block_size=BLOCK_SIZE,
         num_kv_blocks=num_blocks,
         max_model_len=max_len,
@@ -76,11 +76,13 @@ def _runner(path: pathlib.Path, num_blocks: int, max_len: int) -> tuple[ModelCon
     return cfg, ModelRunner(cfg, config, spec)
 
 
-def decode_batch(path: pathlib.Path, batch: int, context: int) -> tuple[ModelRunner, SchedulerOutput]:
+def decode_batch(
+    path: pathlib.Path, batch: int, context: int, dtype: str = "float32"
+) -> tuple[ModelRunner, SchedulerOutput]:
     """A runner whose cache holds ``batch`` sequences of ``context - 1`` tokens, each due one more."""
     per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * per_seq + 1
-    cfg, runner = _runner(path, num_blocks, context)
+    cfg, runner = _runner(path, num_blocks, context, dtype)
     for key_cache, value_cache in runner.kv_caches:
         key_cache.normal_()
         value_cache.normal_()
@@ -97,10 +99,12 @@ def decode_batch(path: pathlib.Path, batch: int, context: int) -> tuple[ModelRun
     return runner, SchedulerOutput(items, [], [])
 
 
-def prefill_batch(path: pathlib.Path, lens: list[int]) -> tuple[ModelRunner, SchedulerOutput]:
+def prefill_batch(
+    path: pathlib.Path, lens: list[int], dtype: str = "float32"
+) -> tuple[ModelRunner, SchedulerOutput]:
     """A runner with one step that prefills fresh prompts of ``lens`` tokens, blocks shuffled."""
     num_blocks = sum(-(-n // BLOCK_SIZE) for n in lens) + 1
-    cfg, runner = _runner(path, num_blocks, max(lens))
+    cfg, runner = _runner(path, num_blocks, max(lens), dtype)
     rng = random.Random(0)
     blocks = list(range(num_blocks))
     rng.shuffle(blocks)
@@ -142,7 +146,9 @@ def _timed(fn) -> float:
 def floor_table(args) -> None:
     path = model_path(args.model)
     cfg = ModelConfig.from_path(path)
-    kv_token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    kv_token_bytes = (
+        2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (4 if args.dtype == "float32" else 2)
+    )
     bandwidth, bandwidth_np = copy_bandwidth()
     print(
         f"copy bandwidth: torch copy_ {bandwidth / 1e9:.1f} GB/s, numpy copyto {bandwidth_np / 1e9:.1f} GB/s"
@@ -151,7 +157,7 @@ def floor_table(args) -> None:
     print("|---|---|---|---|---|---|---|")
     for batch in (int(x) for x in args.batches.split(",")):
         for context in (int(x) for x in args.contexts.split(",")):
-            runner, sched = decode_batch(path, batch, context)
+            runner, sched = decode_batch(path, batch, context, args.dtype)
             weight_bytes = runner.weight_bytes
             kv_bytes = batch * context * kv_token_bytes
             step = step_seconds(runner, sched, args.repeats)
@@ -167,10 +173,10 @@ def floor_table(args) -> None:
 def profile_step(args) -> None:
     if args.command == "prefill":
         count, _, times = args.prompts.partition("x")
-        runner, sched = prefill_batch(model_path(args.model), [int(count)] * int(times or 1))
+        runner, sched = prefill_batch(model_path(args.model), [int(count)] * int(times or 1), args.dtype)
         label = f"prefill step, {times or 1} prompts of {count} tokens"
     else:
-        runner, sched = decode_batch(model_path(args.model), args.batch, args.context)
+        runner, sched = decode_batch(model_path(args.model), args.batch, args.context, args.dtype)
         label = f"decode step, batch {args.batch}, context {args.context}"
     print(f"{label}: {step_seconds(runner, sched, 3) * 1e3:.1f} ms (best of 3, not profiled)")
     for _ in range(2):  # the profiler's first session pays its own start-up: the second counts
@@ -209,6 +215,7 @@ def main() -> None:
     for p in (floor, prof, pre):
         p.add_argument("--model", default="default", help="'default' or a model folder")
         p.add_argument("--threads", type=int, default=2)
+        p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     floor_table(args) if args.command == "floor" else profile_step(args)

@@ -36,7 +36,7 @@ def main():
     spec = json.load(open(sys.argv[1]))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    llm = LLM(model=spec["model"], skip_tokenizer_init=True, gpu_memory_utilization=0.5, dtype="float32",
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, gpu_memory_utilization=0.5, dtype=spec["dtype"],
               max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"], seed=0)
     prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in spec["reqs"]]
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True, detokenize=False)
@@ -52,12 +52,18 @@ if __name__ == "__main__":
 """
 
 
-def run_vllm(python: str, model: pathlib.Path, reqs, max_num_seqs: int, threads: int) -> float:
+def run_vllm(python: str, model: pathlib.Path, reqs, max_num_seqs: int, threads: int, dtype: str) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         spec = pathlib.Path(tmp, "spec.json")
         spec.write_text(
             json.dumps(
-                {"model": str(model), "reqs": reqs, "max_num_seqs": max_num_seqs, "max_model_len": 1024}
+                {
+                    "model": str(model),
+                    "reqs": reqs,
+                    "max_num_seqs": max_num_seqs,
+                    "max_model_len": 1024,
+                    "dtype": dtype,
+                }
             )
         )
         worker = pathlib.Path(tmp, "worker.py")
@@ -81,8 +87,8 @@ def run_vllm(python: str, model: pathlib.Path, reqs, max_num_seqs: int, threads:
     return result["tokens"] / result["seconds"]
 
 
-def run_pdserve(model: pathlib.Path, reqs, max_num_seqs: int, threads: int) -> float:
-    llm = LLM(str(model), max_num_seqs=max_num_seqs, num_threads=threads)
+def run_pdserve(model: pathlib.Path, reqs, max_num_seqs: int, threads: int, dtype: str) -> float:
+    llm = LLM(str(model), max_num_seqs=max_num_seqs, num_threads=threads, dtype=dtype)
     llm.generate([[11, 12, 13]], SamplingParams(temperature=0.0, max_tokens=4))
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in reqs]
     start = time.perf_counter()
@@ -99,6 +105,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both engines")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.model == "tiny":
@@ -112,15 +119,16 @@ def main() -> None:
     reqs = workload(
         args.workload, args.num_prompts, json.loads((model / "config.json").read_text())["vocab_size"]
     )
-    ours = run_pdserve(model, reqs, args.max_num_seqs, args.threads)
+    ours = run_pdserve(model, reqs, args.max_num_seqs, args.threads, args.dtype)
     print(f"[{args.workload}] pdserve: {ours:.1f} tok/s", flush=True)
-    theirs = run_vllm(args.vllm_python, model, reqs, args.max_num_seqs, args.threads)
+    theirs = run_vllm(args.vllm_python, model, reqs, args.max_num_seqs, args.threads, args.dtype)
     print(f"[{args.workload}] vLLM CPU: {theirs:.1f} tok/s; ratio {ours / theirs:.2f}x", flush=True)
     print(
         json.dumps(
             {
                 "model": args.model,
                 "workload": args.workload,
+                "dtype": args.dtype,
                 "pdserve_tok_s": round(ours, 1),
                 "vllm_tok_s": round(theirs, 1),
                 "ratio": round(ours / theirs, 2),

@@ -64,7 +64,18 @@ def resolve_attention_backend(name: str, device: torch.device) -> str | None:
 
 def resolve_dtype(name: str, device: torch.device) -> str:
     """The dtype for ``--dtype``: ``auto`` follows the device (bfloat16 on CUDA, float32 on the CPU,
-    where bfloat16 matmuls are slower and HF-exactness is checked in fp32)."""
+    where output is checked token for token against HF in fp32)."""
     if name != "auto":
         return name
     return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def describe_dtype(dtype: torch.dtype, device: torch.device) -> str:
+    """The start-up line's dtype, with a hint where an fp32 CPU engine leaves bf16 hardware idle:
+    with AVX512-BF16, oneDNN's bf16 matmuls run about twice as fast (bench/README.md, "bfloat16")."""
+    import torch
+
+    name = str(dtype).removeprefix("torch.")
+    if device.type == "cpu" and dtype == torch.float32 and torch.cpu._is_avx512_bf16_supported():
+        return f"dtype {name} (this CPU has AVX512-BF16: --dtype bfloat16 runs about 2x faster)"
+    return f"dtype {name}"

@@ -13,7 +13,7 @@ from engine import cpu_env
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu_share import CpuShare
-from engine.device import resolve_device, resolve_dtype
+from engine.device import describe_dtype, resolve_device, resolve_dtype
 from engine.kv_layout import KVCacheSpec
 from engine.kv_prefault import KVPrefault
 from engine.logits_rules import LogitsRules
@@ -99,7 +99,9 @@ class LLMEngine:
         )
         announce(
             self.sizing.describe(
-                config, f"{adapts}; attention: {attention}; linear layers: {linear}; {cpu_env.describe()}"
+                config,
+                f"{adapts}; {describe_dtype(self.runner.dtype, self.device)}; attention: {attention}; "
+                f"linear layers: {linear}; {cpu_env.describe()}",
             )
         )
         self.tokenizer = tokenizer

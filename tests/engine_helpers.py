@@ -17,12 +17,12 @@ from protocol.sampling_params import SamplingParams
 
 
 @functools.cache
-def hf_model(path: str) -> transformers.PreTrainedModel:
+def hf_model(path: str, dtype: torch.dtype = torch.float32) -> transformers.PreTrainedModel:
     # Soft-capped attention (Gemma 2) exists only in HF's eager path.
     config = transformers.AutoConfig.from_pretrained(path)
     eager = getattr(config, "attn_logit_softcapping", None) is not None
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager" if eager else None
+        path, dtype=dtype, attn_implementation="eager" if eager else None
     ).eval()
     model.generation_config.eos_token_id = None  # fixed-length runs: like ignore_eos, EOS may be emitted
     return model
@@ -39,18 +39,20 @@ def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def hf_logits(path: str, tokens: list[int]) -> torch.Tensor:
+def hf_logits(path: str, tokens: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     with torch.no_grad():
-        return hf_model(str(path))(torch.tensor([tokens])).logits[0].float()  # [T, vocab]
+        return hf_model(str(path), dtype)(torch.tensor([tokens])).logits[0].float()  # [T, vocab]
 
 
-def paged_logits(path: str, tokens: list[int], chunks: list[int], block_size: int = 4) -> torch.Tensor:
+def paged_logits(
+    path: str, tokens: list[int], chunks: list[int], block_size: int = 4, dtype: str = "float32"
+) -> torch.Tensor:
     """Logits at every position, computing ``tokens`` in consecutive chunks through the paged cache."""
     assert sum(chunks) == len(tokens)
     cfg = ModelConfig.from_path(path)
     num_blocks = 2 * (len(tokens) // block_size + 2)
-    spec = KVCacheSpec(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, "float32")
-    runner = ModelRunner(cfg, EngineConfig(model=str(path), dtype="float32", block_size=block_size), spec)
+    spec = KVCacheSpec(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    runner = ModelRunner(cfg, EngineConfig(model=str(path), dtype=dtype, block_size=block_size), spec)
     bm = BlockManager(num_blocks, block_size)
     bm.free_block_ids.move_to_end(0)  # a non-identity layout: block ids out of order
     seq = Sequence("teacher", list(tokens), len(tokens), SamplingParams())
@@ -62,4 +64,4 @@ def paged_logits(path: str, tokens: list[int], chunks: list[int], block_size: in
             hidden = runner.model(inp.input_ids, inp.positions, runner.kv_caches, inp.meta)
             rows.append(runner.model.compute_logits(hidden))
         seq.num_computed_tokens += n
-    return torch.cat(rows)
+    return torch.cat(rows).float()

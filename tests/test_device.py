@@ -65,3 +65,13 @@ def test_the_default_dtype_follows_the_device():
     assert llm.engine.config.dtype == "float32" and llm.engine.kv_spec.dtype == "float32"
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(model="m", dtype="float64")
+
+
+def test_the_start_up_line_names_the_dtype_and_offers_bf16_where_the_cpu_has_it():
+    from engine.device import describe_dtype
+
+    cpu = torch.device("cpu")
+    fp32 = describe_dtype(torch.float32, cpu)
+    assert fp32.startswith("dtype float32")
+    assert ("--dtype bfloat16" in fp32) == torch.cpu._is_avx512_bf16_supported()
+    assert describe_dtype(torch.bfloat16, cpu) == "dtype bfloat16"

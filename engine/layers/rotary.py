@@ -138,6 +138,14 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", emb.cos() * f.attention_factor, persistent=False)
         self.register_buffer("sin", emb.sin() * f.attention_factor, persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # Module.to(bfloat16) would round the tables too. They stay fp32, as HF keeps them, and
+        # follow only the device: forward rounds them to x's dtype, and the kernel reads fp32.
+        cos, sin = self.cos, self.sin
+        super()._apply(fn, recurse)
+        self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
+        return self
+
     def can_rotate_in_place(self, x: torch.Tensor) -> bool:
         """Whether ``rotate_`` takes ``x``: whole-head rotation of [T, heads, D] with heads packed,
         on CPU where the kernel runs (kernels/csrc/dense_cpu.cpp)."""

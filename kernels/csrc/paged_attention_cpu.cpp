@@ -43,10 +43,49 @@ inline vf16 load_vf16(const float *p) {
 
 inline void store_vf16(float *p, vf16 v) { std::memcpy(p, &v, sizeof v); }
 
+// bf16 is the top half of an fp32: 16 of them widen to floats with one zero-extend and a shift.
+typedef uint16_t vu16x16 __attribute__((vector_size(32)));
+typedef uint32_t vu32x16 __attribute__((vector_size(64)));
+
+inline vf16 load_vf16(const c10::BFloat16 *p) {
+  vu16x16 half;
+  std::memcpy(&half, p, sizeof half);
+  const vu32x16 wide = __builtin_convertvector(half, vu32x16) << 16;
+  vf16 v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+
+// Rounds to nearest even, as torch's own bf16 conversion does (only the output row takes this).
+inline void store_vf16(c10::BFloat16 *p, vf16 v) {
+  for (int i = 0; i < 16; ++i) p[i] = static_cast<c10::BFloat16>(v[i]);
+}
+
 inline float hsum(vf16 v) {
   float s = 0.f;
   for (int i = 0; i < 16; ++i) s += v[i];
   return s;
+}
+
+// The horizontal sums of 16 vectors at once, lane i of the result = hsum(x[i]): each level adds
+// the two halves of every vector while packing two vectors into one (16 -> 8 -> 4 -> 2 -> 1), so
+// 16 dot products cost 15 shuffle pairs and adds instead of 16 serial lane-by-lane sums.
+inline vf16 hsum16(const vf16 *x) {
+  vf16 y[8], z[4], w[2];
+  for (int i = 0; i < 8; ++i)
+    y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                   31);
+  for (int i = 0; i < 4; ++i)
+    z[i] = __builtin_shufflevector(y[2 * i], y[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(y[2 * i], y[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                   31);
+  for (int i = 0; i < 2; ++i)
+    w[i] = __builtin_shufflevector(z[2 * i], z[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(z[2 * i], z[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                   31);
+  return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 constexpr int64_t kQueryTile = 16;  // query rows of one sequence per work item
@@ -296,43 +335,49 @@ void run_item(const Problem &p, const Item &it, const T *query, const T *kc, con
     }
 }
 
-// ---- decode rows in fp32: one query row per item, the group's kG heads held in registers ----
+// ---- decode rows in fp32 or bf16: one query row per item, the group's kG heads held in registers ----
 //
 // The general item above keeps its accumulators in scratch memory and runs for any rows, dtype and
 // mask. A decode row sees every key of its window, so this one needs no mask: the group's query
 // heads and output accumulators live in vector registers (kG x kD / 16 of each), each K row is
-// loaded once for the kG dot products and each V row once for the kG updates.
+// loaded once for the kG dot products and each V row once for the kG updates. A bf16 cache is
+// widened to fp32 as it is loaded; the arithmetic is the same fp32 either way.
 
 // The next block's rows of one KV head, asked for ahead of use: a sequence's blocks lie anywhere in
 // the pool and a head's rows are strided (one token's heads side by side), which the hardware
 // prefetcher does not follow from one block to the next.
-inline void prefetch_rows(const float *cache, int32_t block, const Problem &p, int64_t kv_head, int64_t d) {
-  const float *row = cache + (static_cast<int64_t>(block) * p.block_size * p.num_kv_heads + kv_head) * d;
+template <typename T>
+inline void prefetch_rows(const T *cache, int32_t block, const Problem &p, int64_t kv_head, int64_t d) {
+  constexpr int64_t line = 64 / sizeof(T);  // values in one cache line
+  const T *row = cache + (static_cast<int64_t>(block) * p.block_size * p.num_kv_heads + kv_head) * d;
   for (int64_t i = 0; i < p.block_size; ++i, row += p.num_kv_heads * d)
-    for (int64_t b = 0; b < d; b += 16) __builtin_prefetch(row + b);
+    for (int64_t b = 0; b < d; b += line) __builtin_prefetch(row + b);
 }
 
 // A whole block (every head's rows: one contiguous run of block_size x KVH x D values).
-inline void prefetch_block(const float *cache, int32_t block, const Problem &p, int64_t d) {
-  const float *start = cache + static_cast<int64_t>(block) * p.block_size * p.num_kv_heads * d;
-  for (int64_t b = 0; b < p.block_size * p.num_kv_heads * d; b += 16) __builtin_prefetch(start + b);
+template <typename T>
+inline void prefetch_block(const T *cache, int32_t block, const Problem &p, int64_t d) {
+  constexpr int64_t line = 64 / sizeof(T);
+  const T *start = cache + static_cast<int64_t>(block) * p.block_size * p.num_kv_heads * d;
+  for (int64_t b = 0; b < p.block_size * p.num_kv_heads * d; b += line) __builtin_prefetch(start + b);
 }
 
 // whole_blocks: this call is the first head of a sequence whose other heads follow on this thread;
 // it prefetches whole blocks (all heads' rows, contiguous), so that the later heads find their rows
 // in cache and DRAM streams each block in one run rather than in strided thirds.
-template <int kD, int kG>
-void decode_item(const Problem &p, const Item &it, const float *query, const float *kc, const float *vc,
-                 float *out, float *scores /* [kG][kKeyChunk] */, bool whole_blocks) {
+template <typename T, int kD, int kG>
+void decode_item(const Problem &p, const Item &it, const T *query, const T *kc, const T *vc, T *out,
+                 float *scores /* [kG][kKeyChunk] */, bool whole_blocks) {
   constexpr int NV = kD / 16;
   const int64_t bs = p.block_size, token_stride = p.num_kv_heads * kD;
   const int64_t row = p.starts[it.seq], pos = p.lens[it.seq] - 1;
   const int32_t *table = p.tables + it.seq * p.max_blocks;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   vf16 q[kG][NV], acc[kG][NV];
+  vf16 partial[kG][16] = {};  // each key's products, one vector a (head, key), before hsum16
   float row_max[kG], row_sum[kG];
   for (int g = 0; g < kG; ++g) {
-    const float *src = query + row * p.q_stride0 + (it.kv_head * kG + g) * p.q_stride1;
+    const T *src = query + row * p.q_stride0 + (it.kv_head * kG + g) * p.q_stride1;
     for (int v = 0; v < NV; ++v) {
       q[g][v] = load_vf16(src + 16 * v) * p.scale;
       acc[g][v] = vf16{} ;
@@ -345,7 +390,7 @@ void decode_item(const Problem &p, const Item &it, const float *query, const flo
     const int64_t c1 = std::min(pos + 1, c0 + kKeyChunk), n = c1 - c0;
     for (int64_t t = c0; t < c1;) {  // scores, one block run at a time
       const int64_t block = t / bs, offset = t - block * bs, run = std::min(c1 - t, bs - offset);
-      const float *k = kc + ((table[block] * bs + offset) * p.num_kv_heads + it.kv_head) * kD;
+      const T *k = kc + ((table[block] * bs + offset) * p.num_kv_heads + it.kv_head) * kD;
       if (whole_blocks) {  // two blocks ahead: one block's compute is shorter than a DRAM round trip
         if (t + run + bs <= pos) prefetch_block(kc, table[block + 2], p, kD);
         prefetch_block(vc, table[block], p, kD);  // for the values pass after this chunk
@@ -356,15 +401,28 @@ void decode_item(const Problem &p, const Item &it, const float *query, const flo
       for (int64_t i = 0; i < run; ++i, ++t, k += token_stride) {
         vf16 kv[NV];
         for (int v = 0; v < NV; ++v) kv[v] = load_vf16(k + 16 * v);
+        const int64_t lane = (t - c0) & 15;  // keys go by 16 at a time into one vector of scores
         for (int g = 0; g < kG; ++g) {
           vf16 d = q[g][0] * kv[0];
           for (int v = 1; v < NV; ++v) d += q[g][v] * kv[v];
-          float sc = hsum(d);
-          if (p.softcap > 0.f) sc = p.softcap * std::tanh(sc / p.softcap);
-          scores[g * kKeyChunk + (t - c0)] = sc;
+          partial[g][lane] = d;
+        }
+        if (lane == 15 || t + 1 == c1) {  // a full 16, or the chunk's last keys
+          float *dst = scores + (t - c0 - lane);
+          for (int g = 0; g < kG; ++g, dst += kKeyChunk) {
+            const vf16 sums = hsum16(partial[g]);
+            if (lane == 15) store_vf16(dst, sums);
+            else for (int64_t j = 0; j <= lane; ++j) dst[j] = sums[j];
+          }
         }
       }
     }
+    if (p.softcap > 0.f)
+      for (int g = 0; g < kG; ++g)
+        for (int64_t t = 0; t < n; ++t) {
+          float &sc = scores[g * kKeyChunk + t];
+          sc = p.softcap * std::tanh(sc / p.softcap);
+        }
     for (int g = 0; g < kG; ++g) {  // online softmax over the chunk
       float *s = scores + g * kKeyChunk;
       float m = row_max[g];
@@ -381,7 +439,7 @@ void decode_item(const Problem &p, const Item &it, const float *query, const flo
     }
     for (int64_t t = c0; t < c1;) {  // values
       const int64_t block = t / bs, offset = t - block * bs, run = std::min(c1 - t, bs - offset);
-      const float *vrow = vc + ((table[block] * bs + offset) * p.num_kv_heads + it.kv_head) * kD;
+      const T *vrow = vc + ((table[block] * bs + offset) * p.num_kv_heads + it.kv_head) * kD;
       for (int64_t i = 0; i < run; ++i, ++t, vrow += token_stride) {
         vf16 vv[NV];
         for (int v = 0; v < NV; ++v) vv[v] = load_vf16(vrow + 16 * v);
@@ -394,34 +452,37 @@ void decode_item(const Problem &p, const Item &it, const float *query, const flo
   }
   for (int g = 0; g < kG; ++g) {
     const float inv = 1.f / row_sum[g];  // > 0: the row sees its own key
-    float *dst = out + (row * p.num_heads + it.kv_head * kG + g) * kD;
+    T *dst = out + (row * p.num_heads + it.kv_head * kG + g) * kD;
     for (int v = 0; v < NV; ++v) store_vf16(dst + 16 * v, acc[g][v] * inv);
   }
 }
 
-using DecodeFn = void (*)(const Problem &, const Item &, const float *, const float *, const float *, float *,
-                          float *, bool);
+template <typename T>
+using DecodeFn = void (*)(const Problem &, const Item &, const T *, const T *, const T *, T *, float *, bool);
 
-template <int kD>
-DecodeFn decode_fn_for(int64_t G) {
+template <typename T>
+constexpr bool kRegisterDecode = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+template <typename T, int kD>
+DecodeFn<T> decode_fn_for(int64_t G) {
   switch (G) {
-    case 1: return &decode_item<kD, 1>;
-    case 2: return &decode_item<kD, 2>;
-    case 3: return &decode_item<kD, 3>;
-    case 4: return &decode_item<kD, 4>;
-    case 5: return &decode_item<kD, 5>;
-    case 6: return &decode_item<kD, 6>;
-    case 7: return &decode_item<kD, 7>;
-    case 8: return &decode_item<kD, 8>;
+    case 1: return &decode_item<T, kD, 1>;
+    case 2: return &decode_item<T, kD, 2>;
+    case 3: return &decode_item<T, kD, 3>;
+    case 4: return &decode_item<T, kD, 4>;
+    case 5: return &decode_item<T, kD, 5>;
+    case 6: return &decode_item<T, kD, 6>;
+    case 7: return &decode_item<T, kD, 7>;
+    case 8: return &decode_item<T, kD, 8>;
     default: return nullptr;
   }
 }
 
-// The register-held decode for this problem's shape, or nullptr (other dtypes, head sizes, groups).
+// The register-held decode for this problem's shape, or nullptr (fp16, other head sizes, groups).
 template <typename T, int kD>
-DecodeFn decode_fn(const Problem &p) {
-  if constexpr (std::is_same_v<T, float> && (kD == 32 || kD == 64 || kD == 128)) {
-    return decode_fn_for<kD>(p.num_heads / p.num_kv_heads);
+DecodeFn<T> decode_fn(const Problem &p) {
+  if constexpr (kRegisterDecode<T> && (kD == 32 || kD == 64 || kD == 128)) {
+    return decode_fn_for<T, kD>(p.num_heads / p.num_kv_heads);
   } else {
     return nullptr;
   }
@@ -451,7 +512,7 @@ std::vector<Item> work_items(const Problem &p, int64_t num_seqs, bool whole_deco
 
 template <typename T, int kD>
 void run_all(const Problem &p, int64_t num_seqs, const T *q, const T *kc, const T *vc, T *o) {
-  const DecodeFn decode = decode_fn<T, kD>(p);
+  const DecodeFn<T> decode = decode_fn<T, kD>(p);
   int64_t num_decodes = 0;
   for (int64_t s = 0; s < num_seqs; ++s) num_decodes += p.starts[s + 1] - p.starts[s] == 1;
   const std::vector<Item> items =
@@ -463,7 +524,7 @@ void run_all(const Problem &p, int64_t num_seqs, const T *q, const T *kc, const 
     Scratch scratch(kQueryTile * (p.num_heads / p.num_kv_heads), p.head_dim);
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
       const Item &it = items[i];
-      if constexpr (std::is_same_v<T, float>) {
+      if constexpr (kRegisterDecode<T>) {
         if (it.kv_head < 0) {  // a whole decode sequence (work_items made these only for this path)
           for (int64_t h = 0; h < p.num_kv_heads; ++h)
             decode(p, Item{it.seq, h, 0, 1, 0}, q, kc, vc, o, scratch.scores.data(), h == 0);
