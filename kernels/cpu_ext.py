@@ -23,7 +23,11 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = pathlib.Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "dense_cpu.cpp")  # one library, op namespace pdserve_cpu
+SOURCES = (  # one library, op namespace pdserve_cpu
+    CSRC / "paged_attention_cpu.cpp",
+    CSRC / "dense_cpu.cpp",
+    CSRC / "kv_copy_cpu.cpp",
+)
 HEADERS = (CSRC / "cpu_math.h",)
 NAME = "pdserve_paged_attention_cpu"
 # Reassociation lets the dot products vectorize. Never -ffast-math / -Ofast: a shared object built
@@ -165,6 +169,35 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """In place on [T, heads, D]: x * cos + rotate_half(x) * sin, rows of cos/sin ([P, D] fp32) by position."""
     torch.ops.pdserve_cpu.rotary_(x, positions, cos, sin)
+
+
+def copy_blocks_xxh3(
+    src_k: torch.Tensor,
+    src_v: torch.Tensor,
+    dst_k: torch.Tensor | None,
+    dst_v: torch.Tensor | None,
+    src_ids: torch.Tensor,
+    dst_ids: torch.Tensor | None,
+) -> int:
+    """Blocks ``src_ids`` of src_k and src_v ([blocks, block_bytes] uint8) into blocks ``dst_ids``
+    of dst_k and dst_v (None: checksum only), in one pass; returns xxhash's xxh3_64 intdigest of
+    the K blocks then the V blocks in ``src_ids`` order. Needs block_bytes a multiple of 64 and
+    the stream over 240 bytes (``xxh3_streams``). Runs without the GIL."""
+    empty = src_k.new_empty((0, 0))
+    digest = torch.ops.pdserve_cpu.copy_blocks_xxh3(
+        src_k,
+        src_v,
+        empty if dst_k is None else dst_k,
+        empty if dst_v is None else dst_v,
+        src_ids,
+        src_ids.new_empty(0) if dst_ids is None else dst_ids,
+    )
+    return digest & 0xFFFF_FFFF_FFFF_FFFF  # the op returns it as a signed int64
+
+
+def xxh3_streams(block_bytes: int, num_blocks: int) -> bool:
+    """Whether copy_blocks_xxh3 takes a layer of ``num_blocks`` blocks of ``block_bytes`` each."""
+    return block_bytes % 64 == 0 and 2 * num_blocks * block_bytes > 240
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kernels import cpu_ext
 from kv_transfer import memfd, shared_cache, staging
 from kv_transfer.messages import KVFingerprint, KVReserve
 
@@ -98,8 +99,10 @@ def copy_direct(
     """
     if len(src_ids) != len(dst_ids) or any(not 0 <= b < src.shape[2] for b in src_ids):
         return f"direct transfer names {len(src_ids)} source blocks for {len(dst_ids)} granted"
-    pairs = shared_cache.paired_runs(src_ids, dst_ids.tolist())  # usually few: blocks come in runs
     block_bytes = key_caches[0][0].numel() * key_caches[0].element_size()
+    if cpu_ext.enabled() and cpu_ext.xxh3_streams(block_bytes, len(src_ids)):
+        return _copy_direct_fused(src, src_ids, key_caches, value_caches, dst_ids)
+    pairs = shared_cache.paired_runs(src_ids, dst_ids.tolist())  # usually few: blocks come in runs
     tile = max(1, TILE_BYTES // block_bytes)  # blocks per tile
     sums = []
     for layer in range(len(key_caches)):
@@ -114,6 +117,21 @@ def copy_direct(
                     np.copyto(landed, src_rows[s + i : s + i + m])  # ~2-3x torch's copy_ here
                     digest.update(memoryview(landed).cast("B"))  # while the tile is still in cache
         sums.append(digest.intdigest())
+    return sums
+
+
+def _copy_direct_fused(src: torch.Tensor, src_ids: list[int], key_caches, value_caches, dst_ids) -> list[int]:
+    """copy_direct in one pass a layer: the C++ kernel loads each 64 bytes once, stores them and
+    folds them into the XXH3 state (kernels/csrc/kv_copy_cpu.cpp); the same digests as xxhash's."""
+    ids = torch.tensor(src_ids, dtype=torch.int64)
+    dst = dst_ids.to(torch.int64).contiguous()
+    sums = []
+    for layer in range(len(key_caches)):
+        k_src, v_src = (src[layer, kind].reshape(src.shape[2], -1).view(torch.uint8) for kind in (0, 1))
+        k_dst, v_dst = (
+            c.view(c.shape[0], -1).view(torch.uint8) for c in (key_caches[layer], value_caches[layer])
+        )
+        sums.append(cpu_ext.copy_blocks_xxh3(k_src, v_src, k_dst, v_dst, ids, dst))
     return sums
 
 

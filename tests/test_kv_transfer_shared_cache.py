@@ -191,11 +191,21 @@ def test_layer_checksum_depends_on_the_bytes_not_on_where_the_blocks_sit():
     assert shared_cache.layer_checksum(k, v, src) != shared_cache.layer_checksum(k2, v2, dst)
 
 
-@pytest.mark.parametrize("tile_bytes", [1, 3 * 4 * 2 * 8 * 4, 1 << 20])  # a block, 3 blocks, all
-def test_copy_direct_lands_the_bytes_and_checks_them_tile_by_tile(monkeypatch, tile_bytes):
+@pytest.mark.parametrize(
+    ("native", "tile_bytes"),
+    [(True, 0), (False, 1), (False, 3 * 4 * 2 * 8 * 4), (False, 1 << 20)],  # torch path: a block, 3, all
+)
+def test_copy_direct_lands_the_bytes_and_checks_them_tile_by_tile(monkeypatch, native, tile_bytes):
+    from kernels import cpu_ext
     from kv_transfer import peer_memory
 
-    monkeypatch.setattr(peer_memory, "TILE_BYTES", tile_bytes)
+    fused_calls = []
+    if native:  # the C++ copy-and-hash: counted, so that the test knows it ran
+        real = cpu_ext.copy_blocks_xxh3
+        monkeypatch.setattr(cpu_ext, "copy_blocks_xxh3", lambda *a: fused_calls.append(1) or real(*a))
+    else:
+        monkeypatch.setenv("PDSERVE_NATIVE_CPU", "0")
+        monkeypatch.setattr(peer_memory, "TILE_BYTES", tile_bytes)
     gen = torch.Generator().manual_seed(7)
     src = torch.randn(3, 2, 12, 4, 2, 8, generator=gen)  # [L, 2, NB, bs, kvh, d]
     src_ids = [1, 2, 3, 4, 5, 9, 10, 0]  # runs of 5, 2 and 1 blocks
@@ -214,6 +224,7 @@ def test_copy_direct_lands_the_bytes_and_checks_them_tile_by_tile(monkeypatch, t
     assert peer_memory.checksum_problem(landed, sums) == "checksum mismatch in layer 2 (direct)"
     assert peer_memory.checksum_problem(landed, sums[:2]) == "direct transfer without a checksum per layer"
     assert "source blocks" in peer_memory.copy_direct(src, [*src_ids[:-1], 12], keys, values, ids)
+    assert len(fused_calls) == (6 if native else 0)  # a call a layer, two copies
 
 
 def test_a_new_ring_on_a_reused_descriptor_is_mapped_afresh():
