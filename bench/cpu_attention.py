@@ -1,8 +1,8 @@
 """The C++ CPU paged-attention kernel against the torch path, side by side, on one thread.
 
-    .venv/bin/python bench/cpu_attention.py [--rounds 7]
+    .venv/bin/python bench/cpu_attention.py [--rounds 7] [--dtype bfloat16]
 
-The default model's attention shape (9 query heads, 3 KV heads, head_dim 64, fp32, blocks of 16
+The default model's attention shape (9 query heads, 3 KV heads, head_dim 64, fp32 unless --dtype, blocks of 16
 shuffled across the pool). Rounds alternate the two paths; each figure is the median over rounds
 of the CPU time the call used (``time.process_time``: on a shared machine, time spent descheduled
 does not count, which wall time would). One thread, so the call's CPU time is its cost.
@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import pathlib
 import statistics
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+# PDSERVE_REPO: measure another checkout's kernel with this script (before / after a change).
+sys.path.insert(0, os.environ.get("PDSERVE_REPO") or str(pathlib.Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
@@ -51,14 +53,16 @@ def compare(name: str, native, torch_path, rounds: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="query and cache")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(1)
     assert cpu_ext.load() is not None, "the extension did not build"
     print("| case | C++ kernel ms | torch path ms | speed-up |")
     print("|---|---|---|---|")
     for batch, context in DECODES:
-        kv = random_paged_kv([context] * batch, BLOCK, KV_HEADS, HEAD_DIM, seed=1)
-        q = torch.randn(batch, HEADS, HEAD_DIM)
+        kv = random_paged_kv([context] * batch, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype, seed=1)
+        q = torch.randn(batch, HEADS, HEAD_DIM).to(dtype)
         qsl = query_start_loc([1] * batch)
         caches = (kv.key_cache, kv.value_cache, kv.block_tables)
         compare(
@@ -68,8 +72,8 @@ def main() -> None:
             args.rounds,
         )
     for query_lens, context_lens in PREFILLS:
-        kv = random_paged_kv(context_lens, BLOCK, KV_HEADS, HEAD_DIM, seed=1)
-        q = torch.randn(sum(query_lens), HEADS, HEAD_DIM)
+        kv = random_paged_kv(context_lens, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype, seed=1)
+        q = torch.randn(sum(query_lens), HEADS, HEAD_DIM).to(dtype)
         args_ = (
             q,
             kv.key_cache,
