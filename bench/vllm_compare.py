@@ -42,17 +42,21 @@ def main():
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True, detokenize=False)
               for _, o in spec["reqs"]]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    seconds = []
+    for _ in range(spec["passes"]):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds.append(time.perf_counter() - start)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print("RESULT " + json.dumps({"seconds": elapsed, "tokens": tokens}), flush=True)
+    print("RESULT " + json.dumps({"seconds": seconds, "tokens": tokens}), flush=True)
 if __name__ == "__main__":
     main()
 """
 
 
-def run_vllm(python: str, model: pathlib.Path, reqs, max_num_seqs: int, threads: int, dtype: str) -> float:
+def run_vllm(
+    python: str, model: pathlib.Path, reqs, max_num_seqs: int, threads: int, dtype: str, passes: int
+) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
         spec = pathlib.Path(tmp, "spec.json")
         spec.write_text(
@@ -63,6 +67,7 @@ def run_vllm(python: str, model: pathlib.Path, reqs, max_num_seqs: int, threads:
                     "max_num_seqs": max_num_seqs,
                     "max_model_len": 1024,
                     "dtype": dtype,
+                    "passes": passes,
                 }
             )
         )
@@ -84,17 +89,21 @@ def run_vllm(python: str, model: pathlib.Path, reqs, max_num_seqs: int, threads:
         raise RuntimeError(f"vLLM run failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     result = json.loads(line[len("RESULT ") :])
     assert result["tokens"] == sum(o for _, o in reqs)
-    return result["tokens"] / result["seconds"]
+    return [result["tokens"] / s for s in result["seconds"]]
 
 
-def run_pdserve(model: pathlib.Path, reqs, max_num_seqs: int, threads: int, dtype: str) -> float:
+def run_pdserve(
+    model: pathlib.Path, reqs, max_num_seqs: int, threads: int, dtype: str, passes: int
+) -> list[float]:
     llm = LLM(str(model), max_num_seqs=max_num_seqs, num_threads=threads, dtype=dtype)
     llm.generate([[11, 12, 13]], SamplingParams(temperature=0.0, max_tokens=4))
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in reqs]
-    start = time.perf_counter()
-    outs = llm.generate([p for p, _ in reqs], params)
-    elapsed = time.perf_counter() - start
-    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+    rates = []
+    for _ in range(passes):
+        start = time.perf_counter()
+        outs = llm.generate([p for p, _ in reqs], params)
+        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
+    return rates
 
 
 def main() -> None:
@@ -106,6 +115,12 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both engines")
+    ap.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="timed runs of the whole workload in one engine; from the second on, memory is warm",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.model == "tiny":
@@ -119,19 +134,24 @@ def main() -> None:
     reqs = workload(
         args.workload, args.num_prompts, json.loads((model / "config.json").read_text())["vocab_size"]
     )
-    ours = run_pdserve(model, reqs, args.max_num_seqs, args.threads, args.dtype)
-    print(f"[{args.workload}] pdserve: {ours:.1f} tok/s", flush=True)
-    theirs = run_vllm(args.vllm_python, model, reqs, args.max_num_seqs, args.threads, args.dtype)
-    print(f"[{args.workload}] vLLM CPU: {theirs:.1f} tok/s; ratio {ours / theirs:.2f}x", flush=True)
+    ours = run_pdserve(model, reqs, args.max_num_seqs, args.threads, args.dtype, args.passes)
+    print(f"[{args.workload}] pdserve: {', '.join(f'{r:.1f}' for r in ours)} tok/s", flush=True)
+    theirs = run_vllm(args.vllm_python, model, reqs, args.max_num_seqs, args.threads, args.dtype, args.passes)
+    ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+    print(
+        f"[{args.workload}] vLLM CPU: {', '.join(f'{r:.1f}' for r in theirs)} tok/s; "
+        f"ratio {', '.join(f'{r:.2f}x' for r in ratios)}",
+        flush=True,
+    )
     print(
         json.dumps(
             {
                 "model": args.model,
                 "workload": args.workload,
                 "dtype": args.dtype,
-                "pdserve_tok_s": round(ours, 1),
-                "vllm_tok_s": round(theirs, 1),
-                "ratio": round(ours / theirs, 2),
+                "pdserve_tok_s": [round(r, 1) for r in ours],
+                "vllm_tok_s": [round(r, 1) for r in theirs],
+                "ratio": [round(r, 2) for r in ratios],
             }
         )
     )
