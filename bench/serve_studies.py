@@ -141,7 +141,9 @@ def workload_spec(workload: dict) -> WorkloadSpec:
     return WorkloadSpec(WorkloadKind(workload["kind"]), PromptStyle.TOKEN_IDS, **fields)
 
 
-def measure(point: Point, out_dir: pathlib.Path, slo: Slo, vllm_python: str | None = None) -> list[dict]:
+def measure(
+    point: Point, out_dir: pathlib.Path, slo: Slo, vllm_python: str | None = None, warmup: int = 0
+) -> list[dict]:
     """One summary per rate, as `pdserve bench serve` wrote it."""
     if point.vllm and not vllm_python:
         raise SystemExit("the vllm study needs --vllm-python PATH (a venv with vLLM's CPU build)")
@@ -169,6 +171,8 @@ def measure(point: Point, out_dir: pathlib.Path, slo: Slo, vllm_python: str | No
             f"{slo.ttft_s * 1e3:g}",
             "--tpot-slo-ms",
             f"{slo.tpot_s * 1e3:g}",
+            "--warmup-requests",
+            str(warmup),
             *workload_flags(point.workload),
         ]
         subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -251,6 +255,12 @@ def main() -> None:
     parser.add_argument("--ttft-slo-ms", type=float, default=3000.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=300.0)
     parser.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=0,
+        help="bench serve's: requests each server gets before its first rate, not counted",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -272,7 +282,7 @@ def main() -> None:
         ]
     for i, point in enumerate(points):
         started = time.monotonic()
-        measured = measure(point, out_dir / f"point{i}", slo, args.vllm_python)
+        measured = measure(point, out_dir / f"point{i}", slo, args.vllm_python, args.warmup_requests)
         after = (
             {1: calibrate(out_dir / f"profile-after{i}.json", args.busy_neighbours)} if args.calibrate else {}
         )

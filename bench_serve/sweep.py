@@ -21,6 +21,15 @@ class SweepSpec:
     limits: runner.Limits  # concurrency cap and time bounds of every run
     slo: Slo  # what goodput counts against
     seed: int  # run k uses seed + k for its prompts and its arrivals
+    warmup: int = 0  # requests sent before the first run, all at once under the concurrency cap; not counted
+    warmup_max_s: float = 300.0  # the warm-up's own bound on sending
+
+    def __post_init__(self) -> None:
+        if self.warmup < 0:
+            raise ValueError(f"warm-up requests must be >= 0, got {self.warmup}")
+
+
+WARMUP_SEED = 1_000_003  # added to the seed: prompts no run of a sweep draws, so none hits a warm-up's prefix
 
 
 def send_times(items: list[WorkItem], rate: float, burstiness: float, seed: int, max_s: float) -> list[float]:
@@ -39,7 +48,12 @@ def sweep(
     progress: bool = True,
     say: Callable[[str], None] = print,
 ) -> list[RunReport]:
-    """Each run draws fresh prompts (seed + k) so that no run hits prefixes an earlier run cached."""
+    """Each run draws fresh prompts (seed + k) so that no run hits prefixes an earlier run cached.
+    A warm-up first sends ``spec.warmup`` requests of the workload drawn from another seed, so
+    that a fresh server's first-touch costs (memory pages, lazy compiles, caches) are paid before
+    anything is measured; its results count nowhere."""
+    if spec.warmup > 0:
+        warm(workload, spec, endpoint, progress, say)
     reports = []
     for k, rate in enumerate(spec.rates):
         items = workload.build(spec.seed + k)
@@ -53,3 +67,22 @@ def sweep(
         say(table(report))
         reports.append(report)
     return reports
+
+
+def warm(
+    workload: WorkloadSpec,
+    spec: SweepSpec,
+    endpoint: Endpoint,
+    progress: bool = True,
+    say: Callable[[str], None] = print,
+) -> runner.RunResult:
+    items = workload.build(spec.seed + WARMUP_SEED)[: spec.warmup]
+    for item in items:
+        endpoint.body(item)
+    limits = dataclasses.replace(spec.limits, max_s=spec.warmup_max_s)
+    result = runner.run(items, [0.0] * len(items), endpoint, limits, progress)
+    failed = sum(1 for r in result.records if not r.ok)
+    say(
+        f"warm-up: {len(result.records)} requests in {result.duration_s:.1f} s, {failed} failed (not counted)"
+    )
+    return result

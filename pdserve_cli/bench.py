@@ -131,6 +131,13 @@ def _add_load(p: argparse.ArgumentParser) -> None:
         "--drain", type=float, default=120.0, help="seconds after --duration before requests are cut off"
     )
     p.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=0,
+        help="requests of the workload (other prompts) sent all at once before the runs, not counted: "
+        "a fresh server pays its first-touch costs there (default: none)",
+    )
+    p.add_argument(
         "--ttft-slo-ms", type=float, default=3000.0, help="goodput's TTFT target (default: %(default)s)"
     )
     p.add_argument(
@@ -167,6 +174,7 @@ def _specs(args: argparse.Namespace) -> tuple[WorkloadSpec, SweepSpec, Endpoint]
         limits,
         Slo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3),
         args.seed,
+        args.warmup_requests,
     )
     model = args.model or served_model(args.base_url, args.api_key)
     endpoint = Endpoint(

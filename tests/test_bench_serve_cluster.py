@@ -147,3 +147,37 @@ def test_bench_serve_counts_exactly_on_the_prefill_to_decode_path(up, tmp_path):
         "9",
     )
     assert_every_request_streamed_exactly_what_it_asked_for(result["runs"][0])
+
+
+def _generated_tokens(url: str) -> float:
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pdserve_generation_tokens_total")
+    )
+
+
+@pytest.mark.slow
+def test_a_warm_up_is_served_but_not_counted(up, tmp_path):
+    before = _generated_tokens(up.url)
+    flags = ["--workload", "fixed", "--num-requests", "12", "--input-len", "40", "--output-len", "9"]
+    result = bench_serve(up.url, tmp_path / "warm.json", *flags, "--warmup-requests", "5")
+    assert result["config"]["warmup_requests"] == 5
+    assert_every_request_streamed_exactly_what_it_asked_for(result["runs"][0])  # 12 records, no more
+    assert _generated_tokens(up.url) - before == (5 + 12) * 9  # the server did see the warm-up
+
+
+def test_warm_up_prompts_are_not_the_runs_and_a_negative_count_is_refused():
+    from bench_serve.metrics import Slo
+    from bench_serve.runner import Limits
+    from bench_serve.spec import PromptStyle, WorkloadKind, WorkloadSpec
+    from bench_serve.sweep import WARMUP_SEED, SweepSpec
+
+    spec = WorkloadSpec(WorkloadKind.FIXED, PromptStyle.TOKEN_IDS, num_requests=4, input_len=16, output_len=4)
+    runs = [item.prompt for k in range(3) for item in spec.build(k)]
+    assert not {tuple(i.prompt) for i in spec.build(WARMUP_SEED)} & {tuple(p) for p in runs}
+    with pytest.raises(ValueError, match="warm-up"):
+        SweepSpec((1.0,), 1.0, Limits(), Slo(1.0, 1.0), 0, warmup=-1)
