@@ -120,6 +120,24 @@ def studies() -> dict[str, list[Point]]:
             Point("pdserve 1 colocated (2 threads) mix", colocated, MIX_48, LOAD_RATES),
             Point("vLLM server (2 cores) mix", colocated, MIX_48, LOAD_RATES, vllm=True),
         ],
+        "commit": [  # the load study's colocated node with its KV pool committed at start-up, beside vLLM
+            Point("pdserve 1 colocated, lazy KV commit (default) mix", colocated, MIX_48, LOAD_RATES),
+            Point(
+                "pdserve 1 colocated, --kv-commit startup, mix",
+                colocated,
+                MIX_48,
+                LOAD_RATES,
+                node_args="--kv-commit startup",
+            ),
+            Point(
+                "pdserve 1P+1D, --kv-commit startup, mix",
+                pd,
+                MIX_48,
+                LOAD_RATES,
+                node_args="--kv-commit startup",
+            ),
+            Point("vLLM server (2 cores) mix", colocated, MIX_48, LOAD_RATES, vllm=True),
+        ],
         "vllm": [
             Point("pdserve 1P+1D mix", pd, MIX, (0.5, 1.0, 2.0, 4.0)),
             Point("pdserve 1 colocated (2 threads) mix", colocated, MIX, (0.5, 1.0, 2.0, 4.0)),

@@ -11,6 +11,7 @@ import transformers
 from engine.device import check_device_name
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+KV_COMMIT_CHOICES = ("lazy", "startup")
 DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)  # auto: bfloat16 on CUDA, float32 on the CPU
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
@@ -99,6 +100,10 @@ class EngineConfig:
     kv_cache_memory_mb: int | None = None  # KV pool budget; None: a share of available memory
     kv_cache_memory_fraction: float = 0.25  # that share, when neither the budget nor num_kv_blocks is given
     num_kv_blocks: int | None = None  # exact pool size (tests use tiny pools)
+    # lazy: the pool's pages are committed just ahead of the blocks handed out (engine.kv_prefault);
+    # startup: all of them before the engine serves, as vLLM does (steady latency from the first
+    # request, and a pool that cannot fit fails at start, not mid-run)
+    kv_commit: str = "lazy"
     max_num_batched_tokens: int = 2048  # token budget of one forward pass
     max_num_seqs: int = 64  # sequences in one forward pass
     max_model_len: int | None = None  # context limit; defaults to the model's
@@ -122,6 +127,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+        if self.kv_commit not in KV_COMMIT_CHOICES:
+            raise ValueError(f"kv_commit must be one of {KV_COMMIT_CHOICES}, got {self.kv_commit!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         for name in (

@@ -89,6 +89,7 @@ class LLMEngine:
         ahead = 2 * (config.max_num_batched_tokens // config.block_size + config.max_num_seqs)
         caches = [cache for layer in self.runner.kv_caches for cache in layer]
         self.kv_prefault = KVPrefault(caches, self.kv_spec.num_blocks, ahead)
+        committed = self.kv_prefault.commit_all() if config.kv_commit == "startup" else None
         m = self.model_config
         self.sampler = Sampler(LogitsRules(config.model, m.vocab_size, tuple(m.eos_token_ids)))
         native = kernels.native_cpu(self.runner.kv_caches[0][0], self.runner.attention_backend)
@@ -104,6 +105,8 @@ class LLMEngine:
                 f"linear layers: {linear}; {cpu_env.describe()}",
             )
         )
+        if committed is not None:
+            announce(committed)
         self.tokenizer = tokenizer
         self.requests: dict[str, Request] = {}  # not yet done; held ones are the scheduler's (held)
         self._stops: dict[

@@ -8,7 +8,7 @@ import os
 import socket
 import uuid
 
-from engine.config import ATTENTION_BACKENDS, DTYPE_CHOICES, EngineConfig
+from engine.config import ATTENTION_BACKENDS, DTYPE_CHOICES, KV_COMMIT_CHOICES, EngineConfig
 from protocol.addresses import advertised_host
 from protocol.model_digest import model_digest
 from protocol.registry import Role
@@ -105,6 +105,12 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         help="without --threads: at most this many torch threads, fewer while other processes load the CPUs",
     )
     engine.add_argument(
+        "--kv-commit",
+        default=_ENGINE.kv_commit,
+        choices=KV_COMMIT_CHOICES,
+        help="lazy: commit the KV pool's memory as blocks are first used; startup: all of it before serving",
+    )
+    engine.add_argument(
         "--debug-checks", action="store_true", help="check the block pool's integrity every step"
     )
     engine.add_argument(
@@ -139,6 +145,7 @@ def options_from_args(role: Role, args: argparse.Namespace) -> tuple[NodeOptions
         kv_cache_memory_mb=args.kv_cache_memory_mb,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         num_kv_blocks=args.num_kv_blocks,
+        kv_commit=args.kv_commit,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,

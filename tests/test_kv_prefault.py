@@ -37,6 +37,15 @@ def _resident_blocks(cache: torch.Tensor) -> list[bool]:
     return [all(vec.raw[b * per_block + i] & 1 for i in range(per_block)) for b in range(cache.shape[0])]
 
 
+def _all_pages_resident(cache: torch.Tensor) -> bool:
+    """Every page the tensor's bytes touch is in memory (the tensor need not start on a page)."""
+    first = cache.data_ptr() - cache.data_ptr() % PAGE
+    pages = -(-(cache.data_ptr() + cache.numel() * cache.element_size() - first) // PAGE)
+    vec = ctypes.create_string_buffer(pages)
+    assert LIBC.mincore(first, pages * PAGE, vec) == 0, ctypes.get_errno()
+    return all(b & 1 for b in vec.raw)
+
+
 @pytest.fixture
 def fresh():
     caches, maps = _fresh_caches(2)
@@ -110,3 +119,38 @@ def test_blocks_reserved_for_incoming_kv_are_committed_before_it_lands():
     assert engine.kv_prefault.ahead == 4 and engine.kv_prefault.committed == 0
     assert engine.reserve_remote("far", [i % 250 for i in range(500)], params) is not None  # 32 blocks
     assert engine.block_manager.high_water == 32 and 32 <= engine.kv_prefault.committed <= 36
+
+
+@pytest.mark.parametrize("bulk", ["1", "0"])  # 0: no madvise: every page is written once instead
+def test_kv_commit_startup_commits_the_whole_pool_before_the_first_request(monkeypatch, bulk):
+    monkeypatch.setenv("PDSERVE_KV_PREFAULT", bulk)
+    tiny_llama = str(make_tiny_model("llama"))
+    llm = LLM(tiny_llama, num_kv_blocks=300, kv_commit="startup", num_threads=1)
+    engine = llm.engine
+    assert engine.kv_prefault.committed == 300
+    for key_cache, value_cache in engine.runner.kv_caches:
+        assert _all_pages_resident(key_cache) and _all_pages_resident(value_cache)
+        assert not key_cache.any() and not value_cache.any()  # committed, not changed
+    prompts = [[9, 4, 11 + i] * (2 + 7 * i) for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(tiny_llama, p, 8) for p in prompts]
+
+
+def test_kv_commit_is_lazy_by_default_checked_and_a_node_flag():
+    import argparse
+
+    from engine.config import EngineConfig
+    from node.options import add_node_args, options_from_args
+
+    assert EngineConfig(model="m").kv_commit == "lazy"
+    with pytest.raises(ValueError, match="kv_commit"):
+        EngineConfig(model="m", kv_commit="eager")
+    parser = argparse.ArgumentParser()
+    add_node_args(parser)
+    model = str(make_tiny_model("llama"))
+    for flags, want in (([], "lazy"), (["--kv-commit", "startup"], "startup")):
+        _, engine = options_from_args("decode", parser.parse_args(["--model", model, *flags]))
+        assert engine.kv_commit == want
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", model, "--kv-commit", "eager"])
