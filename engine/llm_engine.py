@@ -89,7 +89,8 @@ class LLMEngine:
         ahead = 2 * (config.max_num_batched_tokens // config.block_size + config.max_num_seqs)
         caches = [cache for layer in self.runner.kv_caches for cache in layer]
         self.kv_prefault = KVPrefault(caches, self.kv_spec.num_blocks, ahead)
-        committed = self.kv_prefault.commit_all() if config.kv_commit == "startup" else None
+        if config.kv_commit == "startup":
+            announce(self.kv_prefault.commit_all())
         m = self.model_config
         self.sampler = Sampler(LogitsRules(config.model, m.vocab_size, tuple(m.eos_token_ids)))
         native = kernels.native_cpu(self.runner.kv_caches[0][0], self.runner.attention_backend)
@@ -98,15 +99,9 @@ class LLMEngine:
         adapts = (
             "; fewer torch threads while other processes load these CPUs" if self.cpu_share.active else ""
         )
-        announce(
-            self.sizing.describe(
-                config,
-                f"{adapts}; {describe_dtype(self.runner.dtype, self.device)}; attention: {attention}; "
-                f"linear layers: {linear}; {cpu_env.describe()}",
-            )
-        )
-        if committed is not None:
-            announce(committed)
+        dtype = describe_dtype(self.runner.dtype, self.device)
+        extra = f"{adapts}; {dtype}; attention: {attention}; linear layers: {linear}; {cpu_env.describe()}"
+        announce(self.sizing.describe(config, extra))
         self.tokenizer = tokenizer
         self.requests: dict[str, Request] = {}  # not yet done; held ones are the scheduler's (held)
         self._stops: dict[
