@@ -27,23 +27,26 @@ def _fresh_caches(n: int) -> tuple[list[torch.Tensor], list[mmap.mmap]]:
     return caches, maps
 
 
+def _residency(address: int, pages: int) -> bytes:
+    """mincore's vector for ``pages`` pages from the page-aligned ``address``: bit 0 set = resident."""
+    vec = ctypes.create_string_buffer(pages)
+    assert LIBC.mincore(address, pages * PAGE, vec) == 0, ctypes.get_errno()
+    return vec.raw
+
+
 def _resident_blocks(cache: torch.Tensor) -> list[bool]:
     """Per block: are all its pages in memory (mincore)?"""
     block_bytes = cache.stride(0) * cache.element_size()
-    pages = cache.shape[0] * block_bytes // PAGE
-    vec = ctypes.create_string_buffer(pages)
-    assert LIBC.mincore(cache.data_ptr(), pages * PAGE, vec) == 0, ctypes.get_errno()
+    vec = _residency(cache.data_ptr(), cache.shape[0] * block_bytes // PAGE)
     per_block = block_bytes // PAGE
-    return [all(vec.raw[b * per_block + i] & 1 for i in range(per_block)) for b in range(cache.shape[0])]
+    return [all(vec[b * per_block + i] & 1 for i in range(per_block)) for b in range(cache.shape[0])]
 
 
 def _all_pages_resident(cache: torch.Tensor) -> bool:
     """Every page the tensor's bytes touch is in memory (the tensor need not start on a page)."""
     first = cache.data_ptr() - cache.data_ptr() % PAGE
     pages = -(-(cache.data_ptr() + cache.numel() * cache.element_size() - first) // PAGE)
-    vec = ctypes.create_string_buffer(pages)
-    assert LIBC.mincore(first, pages * PAGE, vec) == 0, ctypes.get_errno()
-    return all(b & 1 for b in vec.raw)
+    return all(b & 1 for b in _residency(first, pages))
 
 
 @pytest.fixture

@@ -61,13 +61,7 @@ inline void store_vf16(c10::BFloat16 *p, vf16 v) {
   for (int i = 0; i < 16; ++i) p[i] = static_cast<c10::BFloat16>(v[i]);
 }
 
-inline float hsum(vf16 v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
-}
-
-// The horizontal sums of 16 vectors at once, lane i of the result = hsum(x[i]): each level adds
+// The horizontal sums of 16 vectors at once, lane i of the result = the sum of x[i]'s lanes: each level adds
 // the two halves of every vector while packing two vectors into one (16 -> 8 -> 4 -> 2 -> 1), so
 // 16 dot products cost 15 shuffle pairs and adds instead of 16 serial lane-by-lane sums.
 inline vf16 hsum16(const vf16 *x) {
