@@ -25,6 +25,7 @@ from engine.sampler import Sampler, SamplerInput
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from engine.sizing import announce, size_engine
+from engine.step_stats import StepStats, step_tokens
 from protocol.sampling_params import SamplingParams
 
 
@@ -96,17 +97,14 @@ class LLMEngine:
         native = kernels.native_cpu(self.runner.kv_caches[0][0], self.runner.attention_backend)
         attention = "C++ CPU kernel" if native else "torch/Triton"
         linear = "oneDNN, packed weights" if self.runner.packed_linear else "F.linear"
-        adapts = (
-            "; fewer torch threads while other processes load these CPUs" if self.cpu_share.active else ""
-        )
+        adapts = "; fewer torch threads while other processes load these CPUs" * self.cpu_share.active
         dtype = describe_dtype(self.runner.dtype, self.device)
         extra = f"{adapts}; {dtype}; attention: {attention}; linear layers: {linear}; {cpu_env.describe()}"
         announce(self.sizing.describe(config, extra))
         self.tokenizer = tokenizer
         self.requests: dict[str, Request] = {}  # not yet done; held ones are the scheduler's (held)
-        self._stops: dict[
-            int, _StopState
-        ] = {}  # seq_id -> stop-string matching of sequences with stop strings
+        self._stops: dict[int, _StopState] = {}  # seq_id -> stop-string matching, where it has stops
+        self.step_stats = StepStats()  # steps by kind, for the node's metrics
 
     def _kv_spec(self) -> KVCacheSpec:
         m, c = self.model_config, self.config
@@ -278,12 +276,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.config.debug_checks:
             self.check_integrity()
-        sched = self.scheduler.schedule()
+        start, sched = time.perf_counter(), self.scheduler.schedule()
         if not sched.scheduled:
             return []
         self.cpu_share.tick()
         self.kv_prefault.advance(self.block_manager.high_water)  # commits the pages it will write
         logits, sampled = self.runner.execute(sched)
+        tokens = step_tokens(sched.scheduled)  # (prompt, decode), before they count as computed
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.commit_computed(item.seq)
@@ -298,7 +297,9 @@ class LLMEngine:
                 seq.logprobs.append(logprob)
             self._check_stop(seq, token_id)
             touched[seq.request_id] = self.requests[seq.request_id]
-        return [self._output(r) for r in touched.values()]
+        outputs = [self._output(r) for r in touched.values()]
+        self.step_stats.observe(*tokens, time.perf_counter() - start)
+        return outputs
 
     def _expand_forks(self, sampled: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
         """Fork n-1 siblings off a prompt that just finished prefill; all sample from its logits."""

@@ -124,4 +124,5 @@ def node_status(
         heartbeat_time=time.time(),
         prefill_tokens_per_s=prefill_tokens_per_s,
         device=str(engine.device),
+        step_stats=engine.step_stats.snapshot(),
     )

@@ -44,10 +44,13 @@ class NodeInfo:
     num_queued: int  # requests waiting (for blocks, KV or a slot)
     num_queued_prefill_tokens: int  # prompt tokens not yet computed
     draining: bool = False  # finishing in-flight work, takes no new requests
-    prefill_tokens_per_s: float | None = None  # prompt tokens computed per second of engine step, recent
+    # prompt tokens computed per second of engine step, a recent average (node.streams.PrefillRate);
+    # None until the node has computed a prompt token
+    prefill_tokens_per_s: float | None = None
     device: str = "cpu"  # the torch device the node's engine computes on
     integrity_error: str | None = None  # a failed invariant check: the node stopped serving (see its log)
-    # average (node.streams.PrefillRate); None until the node has computed a prompt token
+    # engine steps by kind, counted from the node's start: engine.step_stats.StepStats.snapshot()
+    step_stats: dict[str, dict] = dataclasses.field(default_factory=dict)
     heartbeat_time: float = 0.0  # wall clock of this record
 
     def to_redis(self) -> dict[str, str]:

@@ -9,6 +9,7 @@ import bisect
 import dataclasses
 from collections.abc import Iterable, Sequence
 
+from engine.step_stats import BUCKETS_S
 from protocol.registry import NodeInfo, Role
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -138,6 +139,7 @@ class RouterMetrics:
             [((("role", role),), num) for role, num in sorted(num_inflight.items())],
         )
         lines += _node_gauges(nodes)
+        lines += node_step_metrics(nodes)
         return "\n".join(lines) + "\n"
 
 
@@ -185,6 +187,33 @@ def _node_gauges(nodes: Sequence[NodeInfo]) -> list[str]:
         ((_node_labels(n), seconds) for n, seconds in prefill_backlog_seconds(prefills)),
     )
     return lines
+
+
+def node_step_metrics(nodes: Sequence[NodeInfo]) -> list[str]:
+    """Each node's engine steps by kind (engine/step_stats.py), as a histogram of step seconds and
+    a token counter. They count from the node's start and lag by a heartbeat, like the gauges."""
+    steps = Histogram(
+        "pdserve_node_engine_step_seconds",
+        "Engine step wall time by kind (prefill, decode or mixed rows): what decode rows' TPOT is made of.",
+        BUCKETS_S,
+    )
+    tokens = Counter(
+        "pdserve_node_engine_tokens_total", "Tokens engine steps computed, by step kind and phase."
+    )
+    for node in nodes:
+        for kind, c in sorted(node.step_stats.items()):
+            try:
+                series = _Series([int(n) for n in c["buckets"]], float(c["seconds"]), int(c["steps"]))
+                phases = {"prompt": float(c["prompt_tokens"]), "decode": float(c["decode_tokens"])}
+            except (KeyError, TypeError, ValueError):  # a node of another version: left out
+                continue
+            if len(series.bucket_counts) != len(BUCKETS_S):
+                continue
+            key = (*_node_labels(node), ("kind", kind))
+            steps.series[key] = series
+            for phase, num in phases.items():
+                tokens.values[(*key, ("phase", phase))] = num
+    return steps.render() + tokens.render()
 
 
 def _node_labels(node: NodeInfo) -> Labels:

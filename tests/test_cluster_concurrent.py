@@ -267,3 +267,54 @@ def test_a_seeded_sample_is_the_same_offline_through_prefill_and_decode_and_deco
         got = list(pool.map(served, jobs))
     assert got == offline + offline
     assert len({tuple(t) for t in offline}) == 3
+
+
+def _node_tokens(router) -> dict[tuple[str, str], float]:
+    """(role, phase) -> tokens the nodes' engine steps computed, from the router's /metrics."""
+    metrics = httpx.get(router.url + "/metrics", timeout=10).text
+    totals: dict[tuple[str, str], float] = {}
+    pattern = (
+        r'^pdserve_node_engine_tokens_total\{node_id="[^"]+",role="(\w+)",kind="\w+",phase="(\w+)"\} (\S+)'
+    )
+    for role, phase, value in re.findall(pattern, metrics, re.M):
+        totals[role, phase] = totals.get((role, phase), 0.0) + float(value)
+    return totals
+
+
+def test_node_step_metrics_count_every_token_of_concurrent_requests_on_both_paths(cluster):
+    model, routers, _ = cluster
+    router = routers["decode_only"]
+    jobs = [("pd", p, 9) for p in _prompts(41, [70, 210, 150])] + [
+        ("decode_only", p, 13) for p in _prompts(42, [90, 300, 40, 120])
+    ]
+
+    def run(job):
+        path, prompt, n = job
+        body = {"model": model.name, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+        if path == "pd":  # streamed through one path, whole through the other
+            events = _stream(routers[path], "/v1/completions", body)
+            return sum(1 for e in events if e["choices"] and e["choices"][0]["text"] is not None)
+        return _post(routers[path], "/v1/completions", body)["usage"]["completion_tokens"]
+
+    before = _node_tokens(router)
+    for _ in range(10):  # earlier tests' last steps reach the router a heartbeat and a poll late
+        time.sleep(1.0)
+        if (now := _node_tokens(router)) == before:
+            break
+        before = now
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        assert list(pool.map(run, jobs))[3:] == [13] * 4
+    want_prompt = sum(len(p) for _, p, _ in jobs)  # fresh prompts: no prefix hit
+    want_decode = sum(n - 1 for _, _, n in jobs)  # the first token comes with the prompt's last row
+    deadline, got = time.monotonic() + 10, {}
+    while time.monotonic() < deadline:  # the counts reach the router with the nodes' heartbeats
+        now = _node_tokens(router)
+        got = {key: now.get(key, 0.0) - before.get(key, 0.0) for key in now}
+        prompt = got.get(("prefill", "prompt"), 0) + got.get(("decode", "prompt"), 0)
+        if prompt >= want_prompt and got.get(("decode", "decode"), 0) >= want_decode:
+            break
+        time.sleep(0.2)
+    assert got.get(("prefill", "decode"), 0) == 0  # a prefill node stops at the first token
+    assert got.get(("decode", "decode"), 0) == want_decode
+    assert got.get(("prefill", "prompt"), 0) + got.get(("decode", "prompt"), 0) == want_prompt
+    assert got.get(("decode", "prompt"), 0) >= sum(len(p) for path, p, _ in jobs if path == "decode_only")

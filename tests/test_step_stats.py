@@ -1,0 +1,101 @@
+"""The engine's step counts by kind (engine/step_stats.py) and their Prometheus form on the router."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.step_stats import BUCKETS_S, StepStats
+from router.metrics import node_step_metrics
+from tests.test_router_support import node_info
+from tests.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def path() -> str:
+    return str(make_tiny_model("llama"))
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int], start: int = 0) -> int:
+    """Adds the requests, a new one every other step from ``start`` on; returns the steps run."""
+    steps, pending = 0, list(enumerate(zip(prompts, max_tokens, strict=True)))
+    while pending or engine.has_unfinished_requests():
+        if pending and steps >= start and steps % 2 == 0:
+            i, (prompt, n) = pending.pop(0)
+            engine.add_request(
+                f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            )
+        engine.step()
+        steps += 1
+    return steps
+
+
+def test_steps_are_counted_by_kind_with_every_computed_token(path):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (37, 23, 41, 30, 9)]
+    max_tokens = [12, 5, 9, 1, 7]
+    config = EngineConfig(
+        model=path, num_kv_blocks=256, block_size=8, max_num_batched_tokens=16, enable_prefix_caching=False
+    )
+    engine = LLMEngine(config)
+    steps = _run(engine, prompts, max_tokens)
+    stats = engine.step_stats.by_kind
+    # staggered arrivals and a 16-token budget: prompt chunks alone, decodes alone, and both at once
+    assert all(stats[kind].steps > 0 for kind in ("prefill", "decode", "mixed"))
+    assert sum(c.steps for c in stats.values()) == steps  # no step went uncounted
+    assert sum(c.prompt_tokens for c in stats.values()) == sum(map(len, prompts))
+    # the last prompt token's row samples the first output token; each further one is a decode row
+    assert sum(c.decode_tokens for c in stats.values()) == sum(n - 1 for n in max_tokens)
+    assert stats["prefill"].decode_tokens == 0 and stats["decode"].prompt_tokens == 0
+    for c in stats.values():
+        assert c.seconds > 0 and sum(c.buckets) == c.steps  # no tiny-model step takes 5 s
+        assert c.prompt_tokens + c.decode_tokens <= 16 * c.steps  # the budget holds
+    snapshot = engine.step_stats.snapshot()
+    assert set(snapshot) == {"prefill", "decode", "mixed"}
+    assert snapshot["mixed"]["steps"] == stats["mixed"].steps
+
+
+def test_prompt_tokens_a_prefix_hit_covers_are_not_counted(path):
+    """A prefix-cache hit computes nothing for the blocks it covers: only computed tokens count."""
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(3, 256, (40,), generator=g).tolist()
+    config = EngineConfig(model=path, num_kv_blocks=64, block_size=8, enable_prefix_caching=True)
+    engine = LLMEngine(config)
+    _run(engine, [prompt, prompt], [4, 4])
+    stats = engine.step_stats.by_kind
+    cached = 32  # the second request reuses the first's four full blocks; the last token's block runs
+    assert sum(c.prompt_tokens for c in stats.values()) == 2 * 40 - cached
+    assert sum(c.decode_tokens for c in stats.values()) == 2 * 3
+
+
+def test_an_empty_step_is_not_a_step():
+    stats = StepStats()
+    stats.observe(0, 0, 0.5)
+    assert stats.snapshot() == {}
+
+
+def test_router_renders_each_nodes_steps_as_a_histogram_and_token_counter():
+    stats = {
+        "decode": {"steps": 5, "seconds": 0.2, "prompt_tokens": 0, "decode_tokens": 40, "buckets": [0] * 10},
+        "mixed": {"steps": 2, "seconds": 1.5, "prompt_tokens": 300, "decode_tokens": 9, "buckets": [0] * 10},
+    }
+    stats["decode"]["buckets"][BUCKETS_S.index(0.05)] = 5
+    stats["mixed"]["buckets"][BUCKETS_S.index(1.0)] = 2
+    broken = {"decode": {"steps": 1}, "mixed": {**stats["mixed"], "buckets": [1, 1]}}
+    lines = node_step_metrics(
+        [node_info("d0", "decode", step_stats=stats), node_info("d1", "decode", step_stats=broken)]
+    )
+    name = "pdserve_node_engine_step_seconds"
+    labels = 'node_id="d0",role="decode"'
+    assert f'{name}_bucket{{{labels},kind="decode",le="0.025"}} 0' in lines
+    assert f'{name}_bucket{{{labels},kind="decode",le="0.05"}} 5' in lines
+    assert f'{name}_bucket{{{labels},kind="mixed",le="0.5"}} 0' in lines
+    assert f'{name}_bucket{{{labels},kind="mixed",le="+Inf"}} 2' in lines
+    assert f'{name}_sum{{{labels},kind="mixed"}} 1.5' in lines
+    assert f'{name}_count{{{labels},kind="decode"}} 5' in lines
+    assert f'pdserve_node_engine_tokens_total{{{labels},kind="mixed",phase="prompt"}} 300' in lines
+    assert f'pdserve_node_engine_tokens_total{{{labels},kind="mixed",phase="decode"}} 9' in lines
+    assert not any('node_id="d1"' in line for line in lines)  # records it cannot read are left out
