@@ -11,6 +11,7 @@ from typing import Any
 
 from bench_serve.metrics import Stats, Summary
 from bench_serve.runner import RunResult
+from bench_serve.server_steps import StepLine, describe
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -21,6 +22,7 @@ class RunReport:
     max_concurrency: int | None  # the cap on requests in flight; None: none
     summary: Summary
     result: RunResult
+    server_steps: tuple[StepLine, ...] = ()  # a pdserve server's engine steps during the run
 
     @property
     def label(self) -> str:
@@ -39,6 +41,7 @@ def _run_json(run: RunReport) -> dict[str, Any]:
         "max_concurrency": run.max_concurrency,
         "summary": dataclasses.asdict(run.summary),
         "num_unsent": run.result.num_unsent,
+        "server_steps": [dataclasses.asdict(line) for line in run.server_steps],
         "records": [r.to_json() for r in run.result.records],
     }
 
@@ -71,6 +74,7 @@ def table(run: RunReport) -> str:
             if s.num_logprobs_missing
             else ""
         ),
+        *describe(list(run.server_steps)),
     ]
     return "\n".join(lines)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from bench_serve import runner
+from bench_serve import runner, server_steps
 from bench_serve.arrivals import Arrivals, replayed_times
 from bench_serve.client import Endpoint
 from bench_serve.metrics import Slo, summarize
@@ -60,10 +60,14 @@ def sweep(
         for item in items:
             endpoint.body(item)  # a prompt the endpoint cannot take fails here, before anything is sent
         times = send_times(items, rate, spec.burstiness, spec.seed + k, spec.limits.max_s)
+        before = server_steps.settled(endpoint.base_url, endpoint.api_key)  # None: not a pdserve server
         result = runner.run(items, times, endpoint, spec.limits, progress)
-        report = RunReport(
-            rate, spec.limits.max_concurrency, summarize(result.records, result.duration_s, spec.slo), result
+        after = server_steps.settled(endpoint.base_url, endpoint.api_key) if before is not None else None
+        steps = (
+            tuple(server_steps.difference(before, after)) if before is not None and after is not None else ()
         )
+        summary = summarize(result.records, result.duration_s, spec.slo)
+        report = RunReport(rate, spec.limits.max_concurrency, summary, result, steps)
         say(table(report))
         reports.append(report)
     return reports

@@ -77,6 +77,24 @@ def assert_every_request_streamed_exactly_what_it_asked_for(run: dict) -> None:
     assert summary["total_output_tokens"] == sum(r["requested_tokens"] for r in records)
 
 
+def assert_server_steps_count_the_runs_tokens(run: dict, prompt_role: str) -> None:
+    """The server's engine steps during the run (bench_serve/server_steps.py), from the router's
+    node counters: every uncached prompt token computed once, most on ``prompt_role``'s node (the
+    router may prefill some on the decode node while the prefill node is busy), and every output
+    token after the first a decode row on the decode node."""
+    by_role: dict[str, dict[str, int]] = {}
+    for line in run["server_steps"]:
+        assert line["steps"] > 0 and line["seconds"] > 0, line
+        totals = by_role.setdefault(line["role"], {"prompt": 0, "decode": 0})
+        totals["prompt"] += line["prompt_tokens"]
+        totals["decode"] += line["decode_tokens"]
+    summary = run["summary"]
+    uncached = summary["total_prompt_tokens"] - summary["total_cached_tokens"]
+    assert sum(totals["prompt"] for totals in by_role.values()) == uncached, by_role
+    assert by_role[prompt_role]["prompt"] >= uncached / 2, by_role
+    assert by_role["decode"]["decode"] == summary["total_output_tokens"] - summary["num_ok"], by_role
+
+
 @pytest.mark.slow
 def test_bench_serve_streams_token_id_completions_at_fixed_concurrency_with_exact_counts(up, tmp_path):
     result = bench_serve(
@@ -99,6 +117,7 @@ def test_bench_serve_streams_token_id_completions_at_fixed_concurrency_with_exac
     assert_every_request_streamed_exactly_what_it_asked_for(run)
     assert all(r["prompt_tokens"] == 40 and r["requested_tokens"] == 9 for r in run["records"])
     assert run["max_concurrency"] == 4 and run["request_rate"] is None
+    assert_server_steps_count_the_runs_tokens(run, "decode")  # 40 tokens: below the threshold
     assert (tmp_path / "plots" / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -147,6 +166,7 @@ def test_bench_serve_counts_exactly_on_the_prefill_to_decode_path(up, tmp_path):
         "9",
     )
     assert_every_request_streamed_exactly_what_it_asked_for(result["runs"][0])
+    assert_server_steps_count_the_runs_tokens(result["runs"][0], "prefill")
 
 
 def _generated_tokens(url: str) -> float:
