@@ -1,14 +1,20 @@
 """bfloat16 nodes end to end: a prefill node's bf16 KV blocks over ZeroMQ to a bf16 decode node,
-beside requests the decode node prefills itself, all at once. bf16 cannot equal fp32 HF token for
+beside requests the decode node prefills itself, all at once, from a client of the nodes and
+through routers (streamed and whole, with logprobs). bf16 cannot equal fp32 HF token for
 token, so each token must be near-greedy under fp32 HF on the sequence the nodes produced."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
+
+import httpx
 import pytest
 import torch
 
-from tests.cluster import Client, NodeProcess
+from tests.cluster import Client, NodeProcess, RedisServer
 from tests.engine_helpers import hf_logits
+from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -55,3 +61,80 @@ def test_bf16_prefill_to_decode_and_decode_only_track_fp32_hf(pair):
             assert info["num_blocks_free"] == info["num_blocks_total"], info
     finally:
         client.close()
+
+
+@pytest.fixture(scope="module")
+def routed(tmp_path_factory, default_model_dir):
+    """bf16 nodes behind two routers on the same pair: one that disaggregates, one that never does."""
+    tmp = tmp_path_factory.mktemp("bf16-routed")
+    model = tiny_model_with_tokenizer(default_model_dir, max_position_embeddings=1024)
+    redis = RedisServer(tmp)
+    extra = ["--dtype", "bfloat16", "--num-kv-blocks", "256", "--heartbeat-interval", "0.2"]
+    nodes = [NodeProcess(role, str(model), tmp, redis.url, extra) for role in ("prefill", "decode")]
+    routers = {
+        "pd": RouterProcess(model, redis.url, tmp),
+        "decode_only": RouterProcess(model, redis.url, tmp, "--disagg-threshold", "100000"),
+    }
+    try:
+        for node in nodes:
+            node.wait_ready()
+        for router in routers.values():
+            router.wait_healthy()
+        yield model, routers
+    finally:
+        for process in [*routers.values(), *nodes]:
+            process.close()
+        redis.stop()
+
+
+def _served(router, model, prompt: list[int], stream: bool) -> tuple[list[int], list[float]]:
+    body = {
+        "model": model.name,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 1,
+        "return_tokens_as_token_ids": True,
+    }
+    if stream:
+        parts = []
+        with httpx.stream(
+            "POST", router.url + "/v1/completions", json={**body, "stream": True}, timeout=120
+        ) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"]
+                    if choice and choice[0]["logprobs"]:
+                        parts.append(choice[0]["logprobs"])
+        tokens = [t for p in parts for t in p["tokens"]]
+        values = [v for p in parts for v in p["token_logprobs"]]
+    else:
+        reply = httpx.post(router.url + "/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        logprobs = reply.json()["choices"][0]["logprobs"]
+        tokens, values = logprobs["tokens"], logprobs["token_logprobs"]
+    return [int(t.removeprefix("token_id:")) for t in tokens], values
+
+
+def test_bf16_through_the_router_streamed_and_whole_on_both_paths_track_fp32_hf(routed):
+    model, routers = routed
+    g = torch.Generator().manual_seed(12)
+    lengths = [200, 30, 150, 90, 12, 260, 75, 120]  # the default threshold sends >= 64 tokens to prefill
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in lengths]
+    jobs = [(path, stream, p) for path in routers for stream in (False, True) for p in prompts[:4]]
+    jobs += [
+        (path, stream, p) for path, stream in (("pd", True), ("decode_only", False)) for p in prompts[4:]
+    ]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda job: _served(routers[job[0]], model, job[2], job[1]), jobs))
+    for (path, stream, prompt), (tokens, values) in zip(jobs, got, strict=True):
+        where = f"{path} stream={stream} prompt of {len(prompt)}"
+        assert len(tokens) == len(values) == MAX_TOKENS, where
+        logprobs = torch.log_softmax(hf_logits(str(model), prompt + tokens)[len(prompt) - 1 : -1], dim=-1)
+        chosen = logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        assert (logprobs.max(dim=-1).values - chosen).max().item() < 0.1, where  # near-greedy under fp32
+        assert values == pytest.approx(chosen.tolist(), abs=0.1), where  # the logprobs the client sees
+    routes = httpx.get(routers["pd"].url + "/metrics", timeout=10).text
+    assert 'pdserve_routes_total{prefill="prefill_node"}' in routes  # bf16 KV blocks did cross over
