@@ -279,3 +279,19 @@ async def fake_cluster(model_dir, nodes: Sequence[FakeNode], **config) -> AsyncI
             task.cancel()
         await asyncio.gather(*node_tasks, return_exceptions=True)
         FakeNode.peers.clear()
+
+
+TEXT = " The quick brown fox jumps over the lazy dog."
+LONG_PROMPT = "Tell me a story about a fox and a dog, please."  # over the test threshold of 4 tokens
+
+
+def fake_pair(tokens, **decode_fields) -> list[FakeNode]:
+    """A prefill node (4 cached prompt tokens) and a decode node, both answering ``tokens``."""
+    return [
+        FakeNode("p0", "prefill", tokens, num_cached_tokens=4),
+        FakeNode("d0", "decode", tokens, **decode_fields),
+    ]
+
+
+def run_async(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
