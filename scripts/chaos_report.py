@@ -1,7 +1,7 @@
 """Run the chaos suite (every case, ``-m "chaos or not chaos"``) and write its table into
 docs/reliability.md: each fault, where it was injected, the requests sent and in flight at the
 fault, how they ended, the blocks left held afterwards. Each case writes its row as JSON lines to
-$PDSERVE_CHAOS_REPORT (tests/chaos/harness.py write_report_row).
+$PDSERVE_CHAOS_REPORT (tests/chaos/load.py write_report_row).
 
     python -m scripts.chaos_report [--out docs/reliability.md] [pytest args...]
 """

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.chaos.harness import Cluster, Expected, Router
+from tests.chaos.harness import Cluster, Router
+from tests.chaos.load import Expected
 from tests.test_router_cluster import tiny_model_with_tokenizer
 
 ADMITTED = 12  # the tight router's --max-inflight-decode

@@ -22,7 +22,7 @@ from kv_transfer import messages as kvm
 from protocol import messages as pm
 from protocol.codec import PROTOCOL_VERSION
 from protocol.sampling_params import SamplingParams
-from tests.chaos.harness import Spec, request_once, write_report_row
+from tests.chaos.load import Spec, request_once, write_report_row
 from tests.cluster import free_port
 
 pytestmark = pytest.mark.slow

@@ -19,14 +19,12 @@ import time
 import httpx
 import pytest
 
-from tests.chaos.harness import (
-    STALL_TIMEOUT_S,
-    Cluster,
+from tests.chaos.harness import STALL_TIMEOUT_S, Cluster, main_thread_frozen
+from tests.chaos.load import (
     Expected,
     LoadGenerator,
     Spec,
     check_outcomes,
-    main_thread_frozen,
     make_specs,
     prompts,
     request_once,

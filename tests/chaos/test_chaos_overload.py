@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests.chaos.conftest import ADMITTED
-from tests.chaos.harness import Spec, prompts, write_report_row
+from tests.chaos.load import Spec, prompts, write_report_row
 
 pytestmark = pytest.mark.slow
 _GAUGE = r'^{name}\{{node_id="[^"]+",role="\w+"\}} (\d+)$'

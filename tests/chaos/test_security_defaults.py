@@ -13,7 +13,7 @@ import redis
 import yaml
 
 from tests.chaos.conftest import API_KEY
-from tests.chaos.harness import Spec, request_once
+from tests.chaos.load import Spec, request_once
 from tests.cluster import ROOT
 
 pytestmark = pytest.mark.slow
