@@ -28,7 +28,7 @@ SOURCES = (  # one library, op namespace pdserve_cpu
     CSRC / "dense_cpu.cpp",
     CSRC / "kv_copy_cpu.cpp",
 )
-HEADERS = (CSRC / "cpu_math.h",)
+HEADERS = (CSRC / "cpu_math.h", CSRC / "paged_attention_common.h", CSRC / "paged_attention_decode.h")
 NAME = "pdserve_paged_attention_cpu"
 # Reassociation lets the dot products vectorize. Never -ffast-math / -Ofast: a shared object built
 # with them may turn on flush-to-zero for the whole process when loaded.

@@ -1,0 +1,81 @@
+// Shared by the CPU paged-attention kernel's paths (paged_attention_cpu.cpp): 16-float vectors
+// and their loads and stores in fp32 and bf16, the horizontal sums of 16 vectors at once, and a
+// call's problem and work item. Included by that one translation unit (internal linkage).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstring>
+
+#include "cpu_math.h"
+
+namespace {
+
+using pdserve::softmax_exp;
+
+// GCC vector types: AVX-512 registers here, split into narrower ones where -march has none.
+typedef float vf16 __attribute__((vector_size(64)));
+
+inline vf16 load_vf16(const float *p) {
+  vf16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store_vf16(float *p, vf16 v) { std::memcpy(p, &v, sizeof v); }
+
+// bf16 is the top half of an fp32: 16 of them widen to floats with one zero-extend and a shift.
+typedef uint16_t vu16x16 __attribute__((vector_size(32)));
+typedef uint32_t vu32x16 __attribute__((vector_size(64)));
+
+inline vf16 load_vf16(const c10::BFloat16 *p) {
+  vu16x16 half;
+  std::memcpy(&half, p, sizeof half);
+  const vu32x16 wide = __builtin_convertvector(half, vu32x16) << 16;
+  vf16 v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+
+// Rounds to nearest even, as torch's own bf16 conversion does (only the output row takes this).
+inline void store_vf16(c10::BFloat16 *p, vf16 v) {
+  for (int i = 0; i < 16; ++i) p[i] = static_cast<c10::BFloat16>(v[i]);
+}
+
+// The horizontal sums of 16 vectors at once, lane i of the result = the sum of x[i]'s lanes: each level adds
+// the two halves of every vector while packing two vectors into one (16 -> 8 -> 4 -> 2 -> 1), so
+// 16 dot products cost 15 shuffle pairs and adds instead of 16 serial lane-by-lane sums.
+inline vf16 hsum16(const vf16 *x) {
+  vf16 y[8], z[4], w[2];
+  for (int i = 0; i < 8; ++i)
+    y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                   31);
+  for (int i = 0; i < 4; ++i)
+    z[i] = __builtin_shufflevector(y[2 * i], y[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(y[2 * i], y[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                   31);
+  for (int i = 0; i < 2; ++i)
+    w[i] = __builtin_shufflevector(z[2 * i], z[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(z[2 * i], z[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                   31);
+  return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+constexpr int64_t kQueryTile = 16;  // query rows of one sequence per work item
+constexpr int64_t kKeyChunk = 128;  // keys per online-softmax step
+
+struct Item {
+  int64_t seq, kv_head, row0, row1;  // rows are offsets in the sequence's own query rows
+  int64_t cost;                      // rows x keys visited, for largest-first ordering
+};
+
+struct Problem {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, window;
+  float scale, softcap;
+  int64_t q_stride0, q_stride1;
+  const int32_t *tables, *starts, *lens;
+};
+
+}  // namespace
