@@ -86,8 +86,8 @@ class LLMEngine:
             config.enable_chunked_prefill,
         )
         self.runner = ModelRunner(self.model_config, config, self.kv_spec, kv_cache_factory)
-        # Two steps' worth of blocks: a step's prompt tokens, and a new block for each sequence.
-        ahead = 2 * (config.max_num_batched_tokens // config.block_size + config.max_num_seqs)
+        # A step's prompt blocks are handed out before it commits; ahead of them, one block a sequence.
+        ahead = config.max_num_seqs
         caches = [cache for layer in self.runner.kv_caches for cache in layer]
         self.kv_prefault = KVPrefault(caches, self.kv_spec.num_blocks, ahead)
         if config.kv_commit == "startup":
