@@ -9,7 +9,17 @@ import time
 from collections.abc import Sequence
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
-COLUMNS = ("NODE", "ADDRESS", "KV FREE/TOTAL", "CACHED", "QUEUED", "RUNNING", "HEARTBEAT", "STATE")
+COLUMNS = (
+    "NODE",
+    "ADDRESS",
+    "KV FREE/TOTAL",
+    "CACHED",
+    "QUEUED",
+    "RUNNING",
+    "MEAN STEP",
+    "HEARTBEAT",
+    "STATE",
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -75,9 +85,22 @@ def _row(node, now: float) -> tuple[str, ...]:
         str(node.num_blocks_cached),
         str(node.num_queued),
         str(node.num_running),
+        _mean_steps(node),
         f"{max(0.0, now - node.heartbeat_time):.1f}s ago",
         _state(node),
     )
+
+
+def _mean_steps(node) -> str:
+    """Mean engine step time by kind since the node started (engine/step_stats.py), e.g.
+    "decode 36ms, mixed 191ms"; "-" before its first step."""
+    parts = []
+    for kind in ("decode", "mixed", "prefill"):
+        counts = node.step_stats.get(kind) or {}
+        steps, seconds = counts.get("steps", 0), counts.get("seconds", 0.0)
+        if isinstance(steps, int) and steps > 0 and isinstance(seconds, int | float):
+            parts.append(f"{kind} {seconds / steps * 1e3:.0f}ms")
+    return ", ".join(parts) or "-"
 
 
 def _state(node) -> str:

@@ -24,6 +24,7 @@ PREFILL = NodeInfo(
     num_queued=3,
     num_queued_prefill_tokens=90,
     heartbeat_time=100.0,
+    step_stats={"prefill": {"steps": 4, "seconds": 0.5, "prompt_tokens": 800, "decode_tokens": 0}},
 )
 DECODE = dataclasses.replace(
     PREFILL,
@@ -37,6 +38,10 @@ DECODE = dataclasses.replace(
     num_queued=0,
     draining=True,
     heartbeat_time=99.25,
+    step_stats={
+        "decode": {"steps": 200, "seconds": 7.1, "prompt_tokens": 0, "decode_tokens": 1400},
+        "mixed": {"steps": 10, "seconds": 1.914, "prompt_tokens": 2100, "decode_tokens": 70},
+    },
 )
 
 
@@ -44,12 +49,12 @@ def test_render_groups_nodes_by_role_with_blocks_queue_running_heartbeat_and_sta
     assert render([DECODE, PREFILL], now=101.0) == "\n".join(
         [
             "prefill: 1 node(s), 1 serving, KV blocks 60/64 free",
-            "  NODE       ADDRESS              KV FREE/TOTAL  CACHED  QUEUED  RUNNING  HEARTBEAT  STATE",
-            "  prefill-a  tcp://10.0.0.2:5001  60/64          12      3       1        1.0s ago   serving",
+            "  NODE       ADDRESS              KV FREE/TOTAL  CACHED  QUEUED  RUNNING  MEAN STEP      HEARTBEAT  STATE",
+            "  prefill-a  tcp://10.0.0.2:5001  60/64          12      3       1        prefill 125ms  1.0s ago   serving",
             "",
             "decode: 1 node(s), 0 serving, KV blocks 8/64 free",
-            "  NODE      ADDRESS              KV FREE/TOTAL  CACHED  QUEUED  RUNNING  HEARTBEAT  STATE",
-            "  decode-b  tcp://10.0.0.3:5002  8/64           0       0       7        1.8s ago   draining",
+            "  NODE      ADDRESS              KV FREE/TOTAL  CACHED  QUEUED  RUNNING  MEAN STEP                 HEARTBEAT  STATE",
+            "  decode-b  tcp://10.0.0.3:5002  8/64           0       0       7        decode 36ms, mixed 191ms  1.8s ago   draining",
         ]
     )
 
