@@ -74,6 +74,19 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+LOCAL_KV_SHARE = 0.5  # of the available memory, for all of a one-machine cluster's KV pools
+
+
+def kv_fraction_per_node(num_nodes: int, default: float = 0.25) -> float | None:
+    """Each node's share of available memory for its KV pool, where ``default`` (the engine's own
+    kv_cache_memory_fraction, sized as if the node were alone) would let the pools together pass
+    LOCAL_KV_SHARE; None where the default fits. The nodes start together and each sees all of
+    the free memory, and a pool commits its pages as it is used, so an oversized one fails late:
+    under load, not at start-up."""
+    share = LOCAL_KV_SHARE / max(1, num_nodes)
+    return share if share < default else None
+
+
 def threads_per_node(num_cores: int, num_nodes: int) -> int:
     """Each node gets an equal share of the cores, at least one thread; the router and Redis
     are light and share whatever is left."""

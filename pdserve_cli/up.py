@@ -125,7 +125,13 @@ def _say(text: str) -> None:
 
 
 def _plan(args: argparse.Namespace):
-    from launcher.plan import ClusterPlan, threads_per_node, usable_cores
+    from launcher.plan import (
+        LOCAL_KV_SHARE,
+        ClusterPlan,
+        kv_fraction_per_node,
+        threads_per_node,
+        usable_cores,
+    )
 
     model = args.model or _fetch_default_model()
     if not (pathlib.Path(model) / "config.json").is_file():
@@ -144,6 +150,11 @@ def _plan(args: argparse.Namespace):
         else f"{cores} cores / {num_nodes} nodes"
     )
     _say(f"threads: {threads} torch thread(s) per node ({how})")
+    share = kv_fraction_per_node(num_nodes)
+    if share is not None:
+        _say(
+            f"KV pools: {share:.3g} of available memory per node ({num_nodes} nodes share {LOCAL_KV_SHARE:.0%})"
+        )
     log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     return ClusterPlan(
