@@ -26,10 +26,10 @@ Counts = dict[tuple[str, str, str], float]  # (role, kind, what) -> total over t
 class StepLine:
     role: str  # the nodes' role: prefill, decode or colocated
     kind: str  # prefill, decode or mixed rows (engine/step_stats.py)
-    steps: int
-    seconds: float
-    prompt_tokens: int
-    decode_tokens: int
+    steps: int  # engine steps of this kind during the run, over the role's nodes
+    seconds: float  # their wall time
+    prompt_tokens: int  # prompt tokens they computed
+    decode_tokens: int  # decode rows they computed
 
     @property
     def mean_ms(self) -> float:

@@ -24,8 +24,8 @@ BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 @dataclasses.dataclass(slots=True)
 class StepCounts:
-    steps: int = 0
-    seconds: float = 0.0
+    steps: int = 0  # steps of this kind
+    seconds: float = 0.0  # their wall time, scheduling to outputs
     prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits are not computed)
     decode_tokens: int = 0  # decode rows: one token each
     buckets: list[int] = dataclasses.field(default_factory=lambda: [0] * len(BUCKETS_S))  # non-cumulative
