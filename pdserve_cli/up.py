@@ -153,7 +153,7 @@ def _plan(args: argparse.Namespace):
     share = kv_fraction_per_node(num_nodes)
     if share is not None:
         _say(
-            f"KV pools: {share:.3g} of available memory per node ({num_nodes} nodes share {LOCAL_KV_SHARE:.0%})"
+            f"KV pools: {share:.1%} of available memory per node ({num_nodes} nodes share {LOCAL_KV_SHARE:.0%})"
         )
     log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
