@@ -15,11 +15,11 @@ import time
 import httpx
 
 _SERIES = re.compile(
-    r'^pdserve_node_engine_(step_seconds_sum|step_seconds_count|tokens_total)\{node_id="[^"]*",'
+    r'^pdserve_node_engine_(step_seconds_sum|step_seconds_count|tokens_total)\{node_id="([^"]*)",'
     r'role="(\w+)",kind="(\w+)"(?:,phase="(\w+)")?\} (\S+)$',
     re.M,
 )
-Counts = dict[tuple[str, str, str], float]  # (role, kind, what) -> total over the role's nodes
+Counts = dict[tuple[str, str, str, str], float]  # (node_id, role, kind, what) -> the node's count
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -36,11 +36,13 @@ class StepLine:
         return self.seconds / self.steps * 1e3
 
 
+_WHAT = ("step_seconds_count", "step_seconds_sum", "prompt_tokens", "decode_tokens")
+
+
 def parse(text: str) -> Counts:
     counts: Counts = {}
-    for what, role, kind, phase, value in _SERIES.findall(text):
-        key = (role, kind, f"{phase}_tokens" if phase else what)
-        counts[key] = counts.get(key, 0.0) + float(value)
+    for what, node, role, kind, phase, value in _SERIES.findall(text):
+        counts[node, role, kind, f"{phase}_tokens" if phase else what] = float(value)
     return counts
 
 
@@ -73,25 +75,22 @@ def settled(
 
 
 def difference(before: Counts, after: Counts) -> list[StepLine]:
-    lines = []
-    for role, kind in sorted({(r, k) for r, k, _ in after}):
-
-        def get(what: str, role: str = role, kind: str = kind) -> float:
-            return after.get((role, kind, what), 0.0) - before.get((role, kind, what), 0.0)
-
-        steps = int(get("step_seconds_count"))
-        if steps > 0:
-            lines.append(
-                StepLine(
-                    role,
-                    kind,
-                    steps,
-                    get("step_seconds_sum"),
-                    int(get("prompt_tokens")),
-                    int(get("decode_tokens")),
-                )
-            )
-    return lines
+    """Each role's steps by kind between two scrapes, summed over its nodes. A node whose step
+    count went down restarted in between: its counts since the restart are its part."""
+    totals: dict[tuple[str, str], list[float]] = {}
+    for node, role, kind in sorted({key[:3] for key in after}):
+        then = {w: before.get((node, role, kind, w), 0.0) for w in _WHAT}
+        now = {w: after.get((node, role, kind, w), 0.0) for w in _WHAT}
+        if now["step_seconds_count"] < then["step_seconds_count"]:
+            then = dict.fromkeys(_WHAT, 0.0)
+        sums = totals.setdefault((role, kind), [0.0] * len(_WHAT))
+        for i, w in enumerate(_WHAT):
+            sums[i] += now[w] - then[w]
+    return [
+        StepLine(role, kind, int(steps), seconds, int(prompt), int(decode))
+        for (role, kind), (steps, seconds, prompt, decode) in sorted(totals.items())
+        if steps > 0
+    ]
 
 
 def describe(lines: list[StepLine]) -> list[str]:

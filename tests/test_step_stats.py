@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench_serve.server_steps import StepLine, difference, parse
 from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -99,3 +100,33 @@ def test_router_renders_each_nodes_steps_as_a_histogram_and_token_counter():
     assert f'pdserve_node_engine_tokens_total{{{labels},kind="mixed",phase="prompt"}} 300' in lines
     assert f'pdserve_node_engine_tokens_total{{{labels},kind="mixed",phase="decode"}} 9' in lines
     assert not any('node_id="d1"' in line for line in lines)  # records it cannot read are left out
+
+
+def _counts(steps: int, seconds: float, prompt: int, decode: int) -> dict:
+    buckets = [0] * len(BUCKETS_S)
+    buckets[-1] = steps
+    return {
+        "steps": steps,
+        "seconds": seconds,
+        "prompt_tokens": prompt,
+        "decode_tokens": decode,
+        "buckets": buckets,
+    }
+
+
+def test_bench_serve_takes_each_nodes_difference_and_a_restarted_nodes_counts_since_its_restart():
+    def scrape(d0: dict, d1: dict) -> str:
+        nodes = [node_info("d0", "decode", step_stats=d0), node_info("d1", "decode", step_stats=d1)]
+        return "\n".join(node_step_metrics(nodes))
+
+    before = parse(scrape({"decode": _counts(100, 4.0, 0, 800)}, {"decode": _counts(50, 2.0, 0, 400)}))
+    after = parse(  # d0 went on; d1 restarted and has stepped 10 times since
+        scrape(
+            {"decode": _counts(130, 5.5, 0, 1040), "mixed": _counts(3, 0.6, 500, 20)},
+            {"decode": _counts(10, 0.5, 0, 60)},
+        )
+    )
+    assert difference(before, after) == [
+        StepLine("decode", "decode", 40, pytest.approx(2.0), 0, 300),
+        StepLine("decode", "mixed", 3, pytest.approx(0.6), 500, 20),
+    ]
