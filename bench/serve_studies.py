@@ -162,7 +162,8 @@ def workload_spec(workload: dict) -> WorkloadSpec:
 def measure(
     point: Point, out_dir: pathlib.Path, slo: Slo, vllm_python: str | None = None, warmup: int = 0
 ) -> list[dict]:
-    """One summary per rate, as `pdserve bench serve` wrote it."""
+    """One summary per rate, as `pdserve bench serve` wrote it, with the server's engine steps
+    during the run under ``server_steps`` (none for vLLM)."""
     if point.vllm and not vllm_python:
         raise SystemExit("the vllm study needs --vllm-python PATH (a venv with vLLM's CPU build)")
     if point.vllm:
@@ -194,7 +195,8 @@ def measure(
             *workload_flags(point.workload),
         ]
         subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        return [run["summary"] for run in json.loads(result.read_text())["runs"]]
+        runs = json.loads(result.read_text())["runs"]
+        return [{**run["summary"], "server_steps": run.get("server_steps", [])} for run in runs]
     finally:
         up.stop()
 
@@ -241,13 +243,23 @@ def row(label: str, rate: float, s: dict) -> str:
     return (
         f"| {label} | {rate:g} | {s['num_ok']}/{s['num_sent']} | {s['request_throughput']:.3f} | "
         f"{s['output_throughput']:.1f} | {ms(s['ttft'], 'p50')} | {ms(s['ttft'], 'p99')} | {ms(s['tpot'], 'p50')} | "
-        f"{ms(s['tpot'], 'p99')} | {s['goodput']:.3f} | {s['total_cached_tokens']} |"
+        f"{ms(s['tpot'], 'p99')} | {s['goodput']:.3f} | {s['total_cached_tokens']} | {steps_cell(s)} |"
     )
+
+
+def steps_cell(s: dict) -> str:
+    """The server's mean engine step by role and kind, e.g. "colocated decode 36, mixed 191"."""
+    by_role: dict[str, list[str]] = {}
+    for line in s.get("server_steps") or []:
+        by_role.setdefault(line["role"], []).append(
+            f"{line['kind']} {line['seconds'] / line['steps'] * 1e3:.0f}"
+        )
+    return "; ".join(f"{role} {', '.join(kinds)}" for role, kinds in by_role.items()) or "-"
 
 
 HEADER = (
     "| point | req/s offered | ok | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms "
-    "| goodput req/s | cached prompt tokens |\n|---|---|---|---|---|---|---|---|---|---|---|"
+    "| goodput req/s | cached prompt tokens | mean engine step ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
