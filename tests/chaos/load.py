@@ -60,7 +60,8 @@ def prompts(seed: int, num: int) -> list[tuple[int, ...]]:
     return [tuple(rng.randrange(100, 40000) for _ in range(n)) for n in lengths]
 
 
-def request_once(url: str, model_name: str, spec: Spec, timeout_s: float = REQUEST_DEADLINE_S) -> Outcome:
+def completion_body(model_name: str, spec: Spec) -> dict:
+    """The /v1/completions request for ``spec``: greedy, exactly max_tokens, token-id logprobs if asked."""
     body = {
         "model": model_name,
         "prompt": list(spec.prompt),
@@ -73,6 +74,11 @@ def request_once(url: str, model_name: str, spec: Spec, timeout_s: float = REQUE
         body |= {"logprobs": 1, "return_tokens_as_token_ids": True}
     if spec.stream:
         body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def request_once(url: str, model_name: str, spec: Spec, timeout_s: float = REQUEST_DEADLINE_S) -> Outcome:
+    body = completion_body(model_name, spec)
     out = Outcome(spec, time.monotonic())
     try:
         if spec.stream:

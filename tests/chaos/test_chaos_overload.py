@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests.chaos.conftest import ADMITTED
-from tests.chaos.load import Spec, prompts, write_report_row
+from tests.chaos.load import Spec, completion_body, prompts, write_report_row
 
 pytestmark = pytest.mark.slow
 _GAUGE = r'^{name}\{{node_id="[^"]+",role="\w+"\}} (\d+)$'
@@ -32,17 +32,8 @@ async def _burst(url: str, model_name: str, specs: list[Spec]) -> list[tuple[Spe
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as client:
 
         async def one(spec: Spec):
-            body = {
-                "model": model_name,
-                "prompt": list(spec.prompt),
-                "max_tokens": spec.max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "logprobs": 1,
-                "return_tokens_as_token_ids": True,
-            }
             started = time.monotonic()
-            reply = await client.post("/v1/completions", json=body)
+            reply = await client.post("/v1/completions", json=completion_body(model_name, spec))
             return spec, reply.status_code, dict(reply.headers), time.monotonic() - started, reply.json()
 
         return await asyncio.gather(*(one(s) for s in specs))
