@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 from launcher.plan import usable_cores
 from planner.simulate import Cluster
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+COMMITTED_GAUGE = re.compile(r"^pdserve_node_kv_blocks_committed\{[^}]*\} (\S+)", re.M)
+TOTAL_GAUGE = re.compile(r"^pdserve_node_kv_blocks_total\{[^}]*\} (\S+)", re.M)
 
 
 def free_port() -> int:
@@ -80,6 +84,27 @@ class Up:
                 raise RuntimeError(f"pdserve up failed:\n{self.out_path.read_text()[-3000:]}")
             time.sleep(0.5)
 
+    def settle_kv_pools(self, timeout_s: float = 300.0, still_s: float = 10.0) -> str:
+        """Wait until every node's KV pool is committed (``--kv-commit idle`` does it in the
+        background, as vLLM does at start-up), or has not grown for ``still_s`` (lazy, or short
+        of memory); what it saw, for the log."""
+        start = time.monotonic()
+        last, last_change = None, start
+        while time.monotonic() - start < timeout_s:
+            with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
+                text = response.read().decode()
+            committed = [float(v) for v in COMMITTED_GAUGE.findall(text)]
+            total = [float(v) for v in TOTAL_GAUGE.findall(text)]
+            if committed and committed == total:
+                return f"KV pools committed {time.monotonic() - start:.0f} s after start-up"
+            if committed != last:
+                last, last_change = committed, time.monotonic()
+            elif time.monotonic() - last_change > still_s:
+                break
+            time.sleep(1.0)
+        share = sum(last or []) / max(1.0, sum(total))
+        return f"KV pools at {share:.0%} committed after {time.monotonic() - start:.0f} s"
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -123,8 +148,6 @@ class VllmServer(Up):
         )
 
     def wait_up(self, timeout_s: float = 300.0) -> None:
-        import urllib.request
-
         deadline = time.monotonic() + timeout_s
         while True:
             try:

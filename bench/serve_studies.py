@@ -120,22 +120,16 @@ def studies() -> dict[str, list[Point]]:
             Point("pdserve 1 colocated (2 threads) mix", colocated, MIX_48, LOAD_RATES),
             Point("vLLM server (2 cores) mix", colocated, MIX_48, LOAD_RATES, vllm=True),
         ],
-        "commit": [  # the load study's colocated node with its KV pool committed at start-up, beside vLLM
-            Point("pdserve 1 colocated, lazy KV commit (default) mix", colocated, MIX_48, LOAD_RATES),
+        "commit": [  # the load study's servers, by how the KV pool is committed, beside vLLM
+            Point("pdserve 1 colocated, idle KV commit (default) mix", colocated, MIX_48, LOAD_RATES),
             Point(
-                "pdserve 1 colocated, --kv-commit startup, mix",
+                "pdserve 1 colocated, --kv-commit lazy, mix",
                 colocated,
                 MIX_48,
                 LOAD_RATES,
-                node_args="--kv-commit startup",
+                node_args="--kv-commit lazy",
             ),
-            Point(
-                "pdserve 1P+1D, --kv-commit startup, mix",
-                pd,
-                MIX_48,
-                LOAD_RATES,
-                node_args="--kv-commit startup",
-            ),
+            Point("pdserve 1P+1D, idle KV commit (default) mix", pd, MIX_48, LOAD_RATES),
             Point("vLLM server (2 cores) mix", colocated, MIX_48, LOAD_RATES, vllm=True),
         ],
         "vllm": [
@@ -172,6 +166,8 @@ def measure(
         up = Up(point.cluster, out_dir / "logs", point.node_args, point.router_args, point.threads)
     try:
         up.wait_up()
+        if not point.vllm:  # vLLM commits its KV cache before it answers
+            print(up.settle_kv_pools(), flush=True)
         result = out_dir / "bench.json"
         cmd = [
             sys.executable,

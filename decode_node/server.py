@@ -106,6 +106,8 @@ class DecodeNode:
 
     def _iterate(self) -> None:
         if not self.engine.has_work():
+            if not self._busy():
+                self.engine.note_idle()
             self.runtime.wait_for_input(IDLE_WAIT_S, self.receiver.socket)
         for msg in self.runtime.poll_control(0.0):
             self._on_control(msg)

@@ -11,7 +11,7 @@ import transformers
 from engine.device import check_device_name
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
-KV_COMMIT_CHOICES = ("lazy", "startup")
+KV_COMMIT_CHOICES = ("lazy", "idle", "startup")
 DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)  # auto: bfloat16 on CUDA, float32 on the CPU
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
@@ -101,9 +101,11 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.25  # that share, when neither the budget nor num_kv_blocks is given
     num_kv_blocks: int | None = None  # exact pool size (tests use tiny pools)
     # lazy: the pool's pages are committed just ahead of the blocks handed out (engine.kv_prefault);
-    # startup: all of them before the engine serves, as vLLM does (steady latency from the first
-    # request, and a pool that cannot fit fails at start, not mid-run)
-    kv_commit: str = "lazy"
+    # idle: that, and the rest of the pool while the node has nothing to do (a node's loop says
+    # when), at idle CPU priority and while memory allows; startup: all of it before the engine
+    # serves, as vLLM does (steady latency from the first request, and a pool that cannot fit
+    # fails at start, not mid-run)
+    kv_commit: str = "idle"
     max_num_batched_tokens: int = 2048  # token budget of one forward pass
     max_num_seqs: int = 64  # sequences in one forward pass
     max_model_len: int | None = None  # context limit; defaults to the model's

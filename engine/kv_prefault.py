@@ -17,6 +17,17 @@ prompt blocks ahead (384 for the default model) made the first step of a fresh n
 2.8 s on a VM whose first touch of a page costs ~40 us. Memory stays what the pool has used plus
 ``ahead`` blocks. Linux 5.14 or later; where the
 call is missing or fails, pages commit as before. ``PDSERVE_KV_PREFAULT=0`` turns it off.
+
+Committed that way, a fresh node pays for each block the first time it hands it out, and hands
+out never-used blocks for as long as the pool has them: on that VM every step of a fresh node's
+first thousands of requests was about twice as slow. ``kv_commit="idle"`` (the default) also
+commits the rest of the pool while the node has nothing to do: ``idle()``, which a node's
+loop calls before it waits for input, lets a thread populate the next blocks in slices of at most
+``SLICE_BYTES`` a call, until ``advance`` (any write the engine is about to make) stops it. The
+thread runs at ``SCHED_IDLE`` priority, so it takes only CPU time no other process wants, and it
+pauses while too little memory would be left (``MEMORY_RESERVE_*``). Both the thread and
+``advance`` only ever raise ``committed`` to a block they have populated up to, and populating a
+page twice is harmless, so they need no lock around the madvise calls.
 """
 
 from __future__ import annotations
@@ -26,14 +37,25 @@ import ctypes.util
 import logging
 import mmap
 import os
+import threading
 import time
 
 import torch
+
+from engine.config import EngineConfig
+from engine.resources import available_memory_bytes
+from engine.sizing import announce
 
 log = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h, since 5.14
 PAGE = mmap.PAGESIZE
+SLICE_BYTES = 256 << 10  # most one madvise of the idle commit covers: a new request waits at most that
+# The idle commit pauses while less would be left available than the larger of these two: a GiB,
+# or a quarter of what was available when it started (the pool was sized from a share of that).
+MEMORY_RESERVE_BYTES = 1 << 30
+MEMORY_RESERVE_FRACTION = 0.25
+MEMORY_RECHECK_S = 5.0  # how often a paused idle commit looks at the memory again
 
 
 def _madvise():
@@ -62,9 +84,12 @@ def populate(caches: list[torch.Tensor], start: int, stop: int) -> int:
 
 
 class KVPrefault:
-    def __init__(self, caches: list[torch.Tensor], num_blocks: int, ahead: int) -> None:
+    def __init__(
+        self, caches: list[torch.Tensor], num_blocks: int, ahead: int, idle_commit: bool = False
+    ) -> None:
         """caches: every layer's K and V cache, each [num_blocks, ...] block-major; ahead: blocks
-        to keep committed beyond the highest handed out (a few steps' worth)."""
+        to keep committed beyond the highest handed out (a few steps' worth); idle_commit: commit
+        the rest of the pool whenever ``idle()`` says the engine has nothing to do."""
         self.caches, self.num_blocks, self.ahead = caches, num_blocks, max(1, ahead)
         self.committed = 0  # blocks [0, committed) are committed
         self.errno = 0  # of a failed madvise: no more prefaulting
@@ -73,9 +98,93 @@ class KVPrefault:
             and _MADVISE is not None
             and all(c.device.type == "cpu" and c.shape[0] == num_blocks for c in caches)
         )
+        self.idle_commit = idle_commit and self.active
+        self._idle = threading.Event()  # set: the engine writes nothing until advance() is called
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # around the bookkeeping only, never a madvise
+        self.memory_paused = False  # the idle commit waits for memory (MEMORY_RESERVE_*)
+        self._reserve = MEMORY_RESERVE_BYTES  # set when the idle commit starts
+
+    @classmethod
+    def for_engine(
+        cls, kv_caches: list[tuple[torch.Tensor, ...]], num_blocks: int, config: EngineConfig
+    ) -> KVPrefault:
+        """The engine's, for its ``EngineConfig``: a step's prompt blocks are handed out before it
+        commits, and ahead of them one block a sequence (what the next decode step can add)."""
+        caches = [cache for layer in kv_caches for cache in layer]
+        prefault = cls(caches, num_blocks, config.max_num_seqs, config.kv_commit == "idle")
+        if config.kv_commit == "startup":
+            announce(prefault.commit_all())
+        return prefault
+
+    def num_committed(self, high_water: int) -> int:
+        """Blocks whose memory is committed: all of a GPU pool; of a CPU pool at least those below
+        the block manager's ``high_water`` (written once), where no madvise tells more."""
+        if not all(c.device.type == "cpu" for c in self.caches):
+            return self.num_blocks
+        return max(self.committed, high_water)
+
+    def idle(self) -> None:
+        """The engine has nothing to write until the next ``advance``: commit the pool meanwhile."""
+        if not self.idle_commit or self.committed >= self.num_blocks or self._closed.is_set():
+            return
+        self._idle.set()
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._commit_while_idle, name="kv-idle-commit", daemon=True
+            )
+            self._thread.start()
+
+    def _commit_while_idle(self) -> None:
+        _lower_priority()
+        self._reserve = max(
+            MEMORY_RESERVE_BYTES, int((available_memory_bytes() or 0) * MEMORY_RESERVE_FRACTION)
+        )
+        per_call = max(1, SLICE_BYTES // max(c.stride(0) * c.element_size() for c in self.caches))
+        while self.active and self.committed < self.num_blocks and not self._closed.is_set():
+            if not self._idle.wait(timeout=1.0) or self._closed.is_set():
+                continue
+            start = self.committed
+            stop = min(self.num_blocks, start + per_call)
+            if not self._room_for(stop - start):
+                self.memory_paused = True
+                self._closed.wait(MEMORY_RECHECK_S)
+                continue
+            self.memory_paused = False
+            for cache in self.caches:
+                if not self._idle.is_set():  # the engine is about to write: leave the rest for later
+                    break
+                if errno := populate([cache], start, stop):
+                    self._fail(errno)
+                    return
+            else:
+                self._raise_to(stop)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the idle commit (it lets go of the pool); the lazy prefault goes on."""
+        self._closed.set()
+        self._idle.set()  # wakes it
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._idle.clear()
+
+    def _room_for(self, num_blocks: int) -> bool:
+        available = available_memory_bytes()
+        need = num_blocks * sum(c.stride(0) * c.element_size() for c in self.caches)
+        return available is None or available - need >= self._reserve
+
+    def _raise_to(self, stop: int) -> None:
+        with self._lock:
+            self.committed = max(self.committed, stop)
+
+    def _fail(self, errno: int) -> None:
+        self.active, self.errno = False, errno
+        log.info("KV pool: no bulk prefault (madvise errno %d); pages commit when first written", errno)
 
     def advance(self, high_water: int) -> None:
         """The engine is about to write blocks below ``high_water``: commit up to ``ahead`` past it."""
+        self._idle.clear()
         if (
             not self.active
             or self.committed >= self.num_blocks
@@ -83,12 +192,10 @@ class KVPrefault:
         ):
             return
         stop = min(self.num_blocks, high_water + self.ahead)
-        errno = populate(self.caches, self.committed, stop)
-        if errno:
-            self.active, self.errno = False, errno
-            log.info("KV pool: no bulk prefault (madvise errno %d); pages commit when first written", errno)
+        if errno := populate(self.caches, self.committed, stop):
+            self._fail(errno)
             return
-        self.committed = stop
+        self._raise_to(stop)
 
     def commit_all(self) -> str:
         """The whole pool now (``kv_commit="startup"``); what it did, for the start-up line. Where
@@ -103,3 +210,14 @@ class KVPrefault:
             how = "zero-fill"
         self.committed = self.num_blocks
         return f"KV pool committed at start-up: {size / (1 << 20):.0f} MiB in {time.perf_counter() - start:.1f} s ({how})"
+
+
+def _lower_priority() -> None:
+    """This thread runs only on CPU time no other thread wants: SCHED_IDLE, else nice 19."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread (Linux)
+    except (AttributeError, OSError):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass

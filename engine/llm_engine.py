@@ -86,12 +86,7 @@ class LLMEngine:
             config.enable_chunked_prefill,
         )
         self.runner = ModelRunner(self.model_config, config, self.kv_spec, kv_cache_factory)
-        # A step's prompt blocks are handed out before it commits; ahead of them, one block a sequence.
-        ahead = config.max_num_seqs
-        caches = [cache for layer in self.runner.kv_caches for cache in layer]
-        self.kv_prefault = KVPrefault(caches, self.kv_spec.num_blocks, ahead)
-        if config.kv_commit == "startup":
-            announce(self.kv_prefault.commit_all())
+        self.kv_prefault = KVPrefault.for_engine(self.runner.kv_caches, self.kv_spec.num_blocks, config)
         m = self.model_config
         self.sampler = Sampler(LogitsRules(config.model, m.vocab_size, tuple(m.eos_token_ids)))
         native = kernels.native_cpu(self.runner.kv_caches[0][0], self.runner.attention_backend)
@@ -241,6 +236,11 @@ class LLMEngine:
     def has_work(self) -> bool:
         """Anything to compute at the next step (requests waiting for their KV are not)."""
         return self.scheduler.has_work()
+
+    def note_idle(self) -> None:
+        """The caller has nothing for the engine now (a node about to wait for input): with
+        ``kv_commit="idle"`` the KV pool commits in the background until the next write."""
+        self.kv_prefault.idle()
 
     def held_sequence(self, request_id: str) -> Sequence | None:
         """The prefill-only request's sequence while it is HELD_FOR_TRANSFER (blocks, prompt)."""

@@ -108,7 +108,8 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         "--kv-commit",
         default=_ENGINE.kv_commit,
         choices=KV_COMMIT_CHOICES,
-        help="lazy: commit the KV pool's memory as blocks are first used; startup: all of it before serving",
+        help="lazy: commit the KV pool's memory as blocks are first used; idle: that, and the rest "
+        "while the node is idle; startup: all of it before serving",
     )
     engine.add_argument(
         "--debug-checks", action="store_true", help="check the block pool's integrity every step"

@@ -14,6 +14,7 @@ COLUMNS = (
     "ADDRESS",
     "KV FREE/TOTAL",
     "CACHED",
+    "COMMITTED",
     "QUEUED",
     "RUNNING",
     "MEAN STEP",
@@ -26,7 +27,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "status",
         help="show the prefill and decode pools registered in Redis",
-        description="List the nodes registered in Redis by role: free and total KV blocks, queued and "
+        description="List the nodes registered in Redis by role: free and total KV blocks, the share "
+        "of the pool committed, queued and "
         "running requests, heartbeat age, and whether each is draining.",
     )
     parser.add_argument(
@@ -83,12 +85,21 @@ def _row(node, now: float) -> tuple[str, ...]:
         node.control_addr,
         f"{node.num_blocks_free}/{node.num_blocks_total}",
         str(node.num_blocks_cached),
+        _committed(node),
         str(node.num_queued),
         str(node.num_running),
         _mean_steps(node),
         f"{max(0.0, now - node.heartbeat_time):.1f}s ago",
         _state(node),
     )
+
+
+def _committed(node) -> str:
+    """The share of the KV pool whose memory is committed (engine/kv_prefault.py); "-" where the
+    node does not say."""
+    if node.num_blocks_committed is None or node.num_blocks_total <= 0:
+        return "-"
+    return f"{node.num_blocks_committed / node.num_blocks_total:.0%}"
 
 
 def _mean_steps(node) -> str:

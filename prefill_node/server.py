@@ -119,6 +119,7 @@ class PrefillNode:
     def _iterate(self) -> None:
         busy = self.engine.has_unfinished_requests()
         if not busy and not self.pending:
+            self.engine.note_idle()
             self.runtime.wait_for_input(IDLE_WAIT_S)
         for msg in self.runtime.poll_control(0.0):
             self._on_control(msg)

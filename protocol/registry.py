@@ -51,6 +51,9 @@ class NodeInfo:
     integrity_error: str | None = None  # a failed invariant check: the node stopped serving (see its log)
     # engine steps by kind, counted from the node's start: engine.step_stats.StepStats.snapshot()
     step_stats: dict[str, dict] = dataclasses.field(default_factory=dict)
+    # blocks whose memory is committed (engine.kv_prefault: the CPU pool commits as it is used,
+    # or while the node is idle); None from a node that does not say
+    num_blocks_committed: int | None = None
     heartbeat_time: float = 0.0  # wall clock of this record
 
     def to_redis(self) -> dict[str, str]:

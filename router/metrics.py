@@ -174,6 +174,11 @@ def _node_gauges(nodes: Sequence[NodeInfo]) -> list[str]:
     lines: list[str] = []
     for name, help_, value in _NODE_GAUGES:
         lines += _gauge(name, help_, (((("node_id", n.node_id), ("role", n.role)), value(n)) for n in nodes))
+    lines += _gauge(
+        "pdserve_node_kv_blocks_committed",
+        "KV blocks whose memory is committed (a CPU pool commits as it is used and while the node is idle).",
+        ((_node_labels(n), n.num_blocks_committed) for n in nodes if n.num_blocks_committed is not None),
+    )
     prefills = [n for n in nodes if n.role is Role.PREFILL]
     lines += _gauge(
         "pdserve_node_prefill_tokens_per_second",

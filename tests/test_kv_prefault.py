@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
+import time
 
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, kv_prefault
 from engine.kv_prefault import PAGE, KVPrefault, populate
 from tests.engine_helpers import hf_greedy
 from tests.tiny_models import make_tiny_model
@@ -140,20 +142,93 @@ def test_kv_commit_startup_commits_the_whole_pool_before_the_first_request(monke
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(tiny_llama, p, 8) for p in prompts]
 
 
-def test_kv_commit_is_lazy_by_default_checked_and_a_node_flag():
+def test_kv_commit_is_idle_by_default_checked_and_a_node_flag():
     import argparse
 
     from engine.config import EngineConfig
     from node.options import add_node_args, options_from_args
 
-    assert EngineConfig(model="m").kv_commit == "lazy"
+    assert EngineConfig(model="m").kv_commit == "idle"
     with pytest.raises(ValueError, match="kv_commit"):
         EngineConfig(model="m", kv_commit="eager")
     parser = argparse.ArgumentParser()
     add_node_args(parser)
     model = str(make_tiny_model("llama"))
-    for flags, want in (([], "lazy"), (["--kv-commit", "startup"], "startup")):
+    for flags, want in (
+        ([], "idle"),
+        (["--kv-commit", "lazy"], "lazy"),
+        (["--kv-commit", "startup"], "startup"),
+    ):
         _, engine = options_from_args("decode", parser.parse_args(["--model", model, *flags]))
         assert engine.kv_commit == want
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", model, "--kv-commit", "eager"])
+
+
+def _wait_until(condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def test_the_idle_commit_fills_the_pool_while_idle_without_changing_a_byte(fresh):
+    key, value = fresh
+    key[40].fill_(2.5)  # written before: must survive
+    prefault = KVPrefault(fresh, NUM_BLOCKS, ahead=4, idle_commit=True)
+    prefault.advance(2)
+    assert prefault.committed == 6 and not _resident_blocks(value)[6]
+    prefault.idle()
+    _wait_until(lambda: prefault.committed == NUM_BLOCKS)
+    prefault._thread.join(5)
+    assert not prefault._thread.is_alive()  # done: the thread ends and lets go of the pool
+    assert all(_resident_blocks(key)) and all(_resident_blocks(value))
+    assert torch.all(key[40] == 2.5) and not key[:40].any() and not value.any()
+
+
+def test_an_engine_write_stops_the_idle_commit_until_the_engine_is_idle_again(monkeypatch):
+    monkeypatch.setattr(kv_prefault, "SLICE_BYTES", PAGE)  # a page a call: many calls to stop between
+    num_blocks = 8192
+    maps = [mmap.mmap(-1, num_blocks * PAGE) for _ in range(2)]
+    caches = [torch.frombuffer(m, dtype=torch.float32).view(num_blocks, PAGE // 4) for m in maps]
+    prefault = KVPrefault(caches, num_blocks, ahead=1, idle_commit=True)
+    try:
+        prefault.idle()
+        _wait_until(lambda: prefault.committed > 0)
+        assert os.sched_getscheduler(prefault._thread.native_id) == os.SCHED_IDLE  # spare CPU only
+        prefault.advance(0)  # the engine is about to write
+        stopped_at = prefault.committed
+        time.sleep(0.3)
+        assert prefault.committed <= stopped_at + 1  # at most the slice it was in
+        held = prefault.committed
+        time.sleep(0.3)
+        assert prefault.committed == held < num_blocks
+        prefault.idle()
+        _wait_until(lambda: prefault.committed == num_blocks)
+        assert all(_resident_blocks(caches[0])) and all(_resident_blocks(caches[1]))
+    finally:
+        prefault.close()
+        del caches
+        for m in maps:
+            m.close()
+
+
+def test_the_idle_commit_waits_while_memory_is_short(fresh, monkeypatch):
+    monkeypatch.setattr(kv_prefault, "MEMORY_RESERVE_BYTES", 1 << 60)
+    prefault = KVPrefault(fresh, NUM_BLOCKS, ahead=4, idle_commit=True)
+    try:
+        prefault.idle()
+        _wait_until(lambda: prefault.memory_paused)
+        assert prefault.committed == 0 and not any(_resident_blocks(fresh[0]))
+    finally:
+        prefault.close()
+    assert not prefault._thread.is_alive()
+
+
+def test_nothing_commits_in_the_background_unless_asked_or_told_the_engine_is_idle(fresh):
+    lazy = KVPrefault(fresh, NUM_BLOCKS, ahead=4)
+    lazy.idle()
+    assert lazy._thread is None
+    idle = KVPrefault(fresh, NUM_BLOCKS, ahead=4, idle_commit=True)
+    time.sleep(0.1)
+    assert idle._thread is None and idle.committed == 0 and not any(_resident_blocks(fresh[0]))

@@ -23,6 +23,7 @@ PREFILL = NodeInfo(
     num_running=1,
     num_queued=3,
     num_queued_prefill_tokens=90,
+    num_blocks_committed=16,
     heartbeat_time=100.0,
     step_stats={"prefill": {"steps": 4, "seconds": 0.5, "prompt_tokens": 800, "decode_tokens": 0}},
 )
@@ -36,6 +37,7 @@ DECODE = dataclasses.replace(
     num_blocks_cached=0,
     num_running=7,
     num_queued=0,
+    num_blocks_committed=None,
     draining=True,
     heartbeat_time=99.25,
     step_stats={
@@ -49,12 +51,12 @@ def test_render_groups_nodes_by_role_with_blocks_queue_running_heartbeat_and_sta
     assert render([DECODE, PREFILL], now=101.0) == "\n".join(
         [
             "prefill: 1 node(s), 1 serving, KV blocks 60/64 free",
-            "  NODE       ADDRESS              KV FREE/TOTAL  CACHED  QUEUED  RUNNING  MEAN STEP      HEARTBEAT  STATE",
-            "  prefill-a  tcp://10.0.0.2:5001  60/64          12      3       1        prefill 125ms  1.0s ago   serving",
+            "  NODE       ADDRESS              KV FREE/TOTAL  CACHED  COMMITTED  QUEUED  RUNNING  MEAN STEP      HEARTBEAT  STATE",
+            "  prefill-a  tcp://10.0.0.2:5001  60/64          12      25%        3       1        prefill 125ms  1.0s ago   serving",
             "",
             "decode: 1 node(s), 0 serving, KV blocks 8/64 free",
-            "  NODE      ADDRESS              KV FREE/TOTAL  CACHED  QUEUED  RUNNING  MEAN STEP                 HEARTBEAT  STATE",
-            "  decode-b  tcp://10.0.0.3:5002  8/64           0       0       7        decode 36ms, mixed 191ms  1.8s ago   draining",
+            "  NODE      ADDRESS              KV FREE/TOTAL  CACHED  COMMITTED  QUEUED  RUNNING  MEAN STEP                 HEARTBEAT  STATE",
+            "  decode-b  tcp://10.0.0.3:5002  8/64           0       -          0       7        decode 36ms, mixed 191ms  1.8s ago   draining",
         ]
     )
 
