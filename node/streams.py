@@ -118,6 +118,7 @@ def node_status(
         num_blocks_free=bm.num_free_blocks,
         num_blocks_cached=bm.num_cached_free_blocks,
         num_blocks_committed=engine.kv_prefault.num_committed(bm.high_water),
+        torch_threads=engine.cpu_share.threads,
         num_running=len(sched.running),
         num_queued=len(sched.waiting) + extra_queued,
         num_queued_prefill_tokens=num_queued_prefill_tokens(engine),

@@ -54,6 +54,9 @@ class NodeInfo:
     # blocks whose memory is committed (engine.kv_prefault: the CPU pool commits as it is used,
     # or while the node is idle); None from a node that does not say
     num_blocks_committed: int | None = None
+    # torch threads the engine computes with now (engine.cpu_share: fewer while other processes
+    # load the node's CPUs); None from a node that does not say
+    torch_threads: int | None = None
     heartbeat_time: float = 0.0  # wall clock of this record
 
     def to_redis(self) -> dict[str, str]:

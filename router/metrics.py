@@ -179,6 +179,11 @@ def _node_gauges(nodes: Sequence[NodeInfo]) -> list[str]:
         "KV blocks whose memory is committed (a CPU pool commits as it is used and while the node is idle).",
         ((_node_labels(n), n.num_blocks_committed) for n in nodes if n.num_blocks_committed is not None),
     )
+    lines += _gauge(
+        "pdserve_node_torch_threads",
+        "Torch threads the node's engine computes with now (fewer while other processes load its CPUs).",
+        ((_node_labels(n), n.torch_threads) for n in nodes if n.torch_threads is not None),
+    )
     prefills = [n for n in nodes if n.role is Role.PREFILL]
     lines += _gauge(
         "pdserve_node_prefill_tokens_per_second",

@@ -20,6 +20,7 @@ from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
 pytestmark = pytest.mark.slow
 POOL_MB = 512
 COMMITTED = re.compile(r'^pdserve_node_kv_blocks_committed\{node_id="([^"]+)",role="(\w+)"\} (\S+)', re.M)
+THREADS = re.compile(r'^pdserve_node_torch_threads\{node_id="([^"]+)",role="(\w+)"\} (\S+)', re.M)
 TOTAL = re.compile(r'^pdserve_node_kv_blocks_total\{node_id="([^"]+)",role="(\w+)"\} (\S+)', re.M)
 
 
@@ -116,3 +117,6 @@ def test_requests_during_the_idle_commit_equal_hf_and_idle_pools_end_fully_commi
             assert committed < total / 4, (committed, total)
         else:
             assert committed == total, (name, committed, total)
+    text = httpx.get(routers["pd"].url + "/metrics", timeout=10).text
+    threads = {node: float(v) for node, _, v in THREADS.findall(text)}
+    assert threads == {node.addrs["node_id"]: 1.0 for node in nodes.values()}  # NodeProcess's --threads 1

@@ -36,9 +36,16 @@ def test_histogram_buckets_are_cumulative_with_inf_sum_and_count():
 def test_router_metrics_include_node_gauges_by_id_and_role():
     nodes = [
         node_info(
-            "d0", "decode", num_blocks_total=100, num_blocks_free=70, num_blocks_cached=20, num_running=3
+            "d0",
+            "decode",
+            num_blocks_total=100,
+            num_blocks_free=70,
+            num_blocks_cached=20,
+            num_running=3,
+            num_blocks_committed=45,
+            torch_threads=1,
         ),
-        node_info("p0", "prefill", num_queued=4),
+        node_info("p0", "prefill", num_queued=4),  # an older node: says neither
     ]
     text = RouterMetrics().render(nodes, {"decode": 2, "prefill": 1})
     lines = text.splitlines()
@@ -46,6 +53,12 @@ def test_router_metrics_include_node_gauges_by_id_and_role():
     assert 'pdserve_node_kv_blocks_cached{node_id="d0",role="decode"} 20' in lines
     assert 'pdserve_node_kv_blocks_total{node_id="p0",role="prefill"} 100' in lines
     assert 'pdserve_node_running_requests{node_id="d0",role="decode"} 3' in lines
+    assert 'pdserve_node_kv_blocks_committed{node_id="d0",role="decode"} 45' in lines
+    assert 'pdserve_node_torch_threads{node_id="d0",role="decode"} 1' in lines
+    assert not any(
+        line.startswith(("pdserve_node_kv_blocks_committed", "pdserve_node_torch_threads")) and "p0" in line
+        for line in lines
+    )
     assert 'pdserve_node_queued_requests{node_id="p0",role="prefill"} 4' in lines
     assert 'pdserve_router_inflight_requests{role="decode"} 2' in lines
     assert text.endswith("\n")
