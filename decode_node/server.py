@@ -19,7 +19,7 @@ from engine.kv_layout import KV_LAYOUT_NAME
 from engine.llm_engine import LLMEngine, RemoteReservation
 from kv_transfer.messages import KVFingerprint
 from kv_transfer.receiver import KVReceiver, ReceivedKV
-from node.log import EventLog
+from node.log import EventLog, forward_own_logs
 from node.options import NodeOptions
 from node.runtime import NodeRuntime
 from node.streams import Stream, engine_logprob, local_deadline, next_chunk, node_status
@@ -58,6 +58,7 @@ class DecodeNode:
     def __init__(self, opts: NodeOptions, engine_config: EngineConfig) -> None:
         self.opts = opts
         self.log = EventLog(opts.node_id)
+        forward_own_logs(self.log)  # before the engine: its start-up records too
         self.engine = LLMEngine(engine_config)
         self.fingerprint = KVFingerprint.from_spec(opts.model_id, self.engine.kv_spec, KV_LAYOUT_NAME)
         self.runtime = NodeRuntime(opts, self.log)

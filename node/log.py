@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import threading
 import time
@@ -47,3 +48,33 @@ class EventLog:
         if left_out:
             fields["left_out_before"] = left_out
         self(event, request_id, **fields)
+
+
+# The loggers of pdserve's own modules (engine.cpu_share, kernels.cpu_ext, ...). Their INFO records
+# (a torch thread given up under load, a kernel built, a prefault turned off) matter in a node's
+# log, and with no logging configured Python would print only warnings, as bare text.
+OWN_LOGGERS = ("engine", "kernels")
+
+
+class ForwardedLogs(logging.Handler):
+    """Python logging records, as ``log`` events of the node's EventLog."""
+
+    def __init__(self, log: EventLog) -> None:
+        super().__init__(logging.INFO)
+        self.log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.log("log", level=record.levelname.lower(), logger=record.name, message=record.getMessage())
+        except Exception:  # a record that cannot be formatted must not stop the node
+            self.handleError(record)
+
+
+def forward_own_logs(log: EventLog) -> ForwardedLogs:
+    """Send the INFO and higher records of OWN_LOGGERS to ``log``; the handler, to remove later."""
+    handler = ForwardedLogs(log)
+    for name in OWN_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    return handler

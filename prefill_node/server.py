@@ -23,7 +23,7 @@ from engine.kv_layout import KV_LAYOUT_NAME
 from engine.llm_engine import LLMEngine
 from kv_transfer.messages import KVFingerprint
 from kv_transfer.shared_cache import TORCH_DTYPES, SharedKVCache
-from node.log import EventLog
+from node.log import EventLog, forward_own_logs
 from node.options import NodeOptions
 from node.runtime import NodeRuntime
 from node.streams import (
@@ -55,6 +55,7 @@ class PrefillNode:
     def __init__(self, opts: NodeOptions, engine_config: EngineConfig) -> None:
         self.opts = opts
         self.log = EventLog(opts.node_id)
+        forward_own_logs(self.log)  # before the engine: its start-up records too
         # The KV cache lives in shared memory so same-host decode nodes copy blocks straight out of it.
         self.engine = LLMEngine(engine_config, kv_cache_factory=self._shared_cache)
         self.fingerprint = KVFingerprint.from_spec(opts.model_id, self.engine.kv_spec, KV_LAYOUT_NAME)

@@ -91,7 +91,8 @@ class NodeProcess:
         tmp: pathlib.Path,
         redis_url: str | None = None,
         extra: list[str] | None = None,
-        threads: int = 1,
+        threads: int | None = 1,  # None: the node's automatic count (engine/cpu_share.py)
+        cpus: set[int] | None = None,  # the CPUs the node may use; None: this process's
     ) -> None:
         self.role = role
         self.ready_file = tmp / f"{role}-{time.monotonic_ns()}.json"
@@ -105,15 +106,23 @@ class NodeProcess:
             model,
             "--ready-file",
             str(self.ready_file),
-            "--threads",
-            str(threads),
+            *(["--threads", str(threads)] if threads is not None else []),
             *(extra or []),
         ]
         if redis_url:
             cmd += ["--redis", redis_url]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus is not None else None,
+        )
         self.addrs: dict = {}
 
     def wait_ready(self, timeout_s: float = 60.0) -> dict:

@@ -54,3 +54,37 @@ def test_the_router_logs_a_burst_of_malformed_node_messages_and_then_a_count(cap
         "left out 480 more malformed node messages",
         "dropped a malformed node message: after the window",
     ]
+
+
+def test_a_nodes_own_module_logs_reach_its_event_log_from_info_up():
+    from node.log import OWN_LOGGERS, forward_own_logs
+
+    stream = io.StringIO()
+    handler = forward_own_logs(EventLog("node-1", stream))
+    try:
+        logging.getLogger("engine.cpu_share").info(
+            "engine: %d torch threads (other processes took %.1f)", 1, 0.9
+        )
+        logging.getLogger("kernels.cpu_ext").warning("CPU paged attention: no C++ compiler")
+        logging.getLogger("engine.cpu_share").debug("not this")
+        logging.getLogger("httpx").warning("nor another package's")
+    finally:
+        for name in OWN_LOGGERS:
+            logging.getLogger(name).removeHandler(handler)
+    records = [{k: v for k, v in r.items() if k != "ts"} for r in _records(stream)]
+    assert records == [
+        {
+            "node": "node-1",
+            "event": "log",
+            "level": "info",
+            "logger": "engine.cpu_share",
+            "message": "engine: 1 torch threads (other processes took 0.9)",
+        },
+        {
+            "node": "node-1",
+            "event": "log",
+            "level": "warning",
+            "logger": "kernels.cpu_ext",
+            "message": "CPU paged attention: no C++ compiler",
+        },
+    ]
