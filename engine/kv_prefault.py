@@ -103,6 +103,7 @@ class KVPrefault:
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # around the bookkeeping only, never a madvise
+        self._block_bytes = [c.stride(0) * c.element_size() for c in caches]  # one block, per cache
         self.memory_paused = False  # the idle commit waits for memory (MEMORY_RESERVE_*)
         self._reserve = MEMORY_RESERVE_BYTES  # set when the idle commit starts
 
@@ -141,7 +142,7 @@ class KVPrefault:
         self._reserve = max(
             MEMORY_RESERVE_BYTES, int((available_memory_bytes() or 0) * MEMORY_RESERVE_FRACTION)
         )
-        per_call = max(1, SLICE_BYTES // max(c.stride(0) * c.element_size() for c in self.caches))
+        per_call = max(1, SLICE_BYTES // max(self._block_bytes))
         while self.active and self.committed < self.num_blocks and not self._closed.is_set():
             if not self._idle.wait(timeout=1.0) or self._closed.is_set():
                 continue
@@ -171,7 +172,7 @@ class KVPrefault:
 
     def _room_for(self, num_blocks: int) -> bool:
         available = available_memory_bytes()
-        need = num_blocks * sum(c.stride(0) * c.element_size() for c in self.caches)
+        need = num_blocks * sum(self._block_bytes)
         return available is None or available - need >= self._reserve
 
     def _raise_to(self, stop: int) -> None:
@@ -184,7 +185,8 @@ class KVPrefault:
 
     def advance(self, high_water: int) -> None:
         """The engine is about to write blocks below ``high_water``: commit up to ``ahead`` past it."""
-        self._idle.clear()
+        if self.idle_commit:
+            self._idle.clear()
         if (
             not self.active
             or self.committed >= self.num_blocks

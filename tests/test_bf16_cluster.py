@@ -14,7 +14,7 @@ import torch
 
 from tests.cluster import Client, NodeProcess, RedisServer
 from tests.engine_helpers import hf_logits
-from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
+from tests.test_router_cluster import RouterProcess, serving, tiny_model_with_tokenizer
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -75,16 +75,8 @@ def routed(tmp_path_factory, default_model_dir):
         "pd": RouterProcess(model, redis.url, tmp),
         "decode_only": RouterProcess(model, redis.url, tmp, "--disagg-threshold", "100000"),
     }
-    try:
-        for node in nodes:
-            node.wait_ready()
-        for router in routers.values():
-            router.wait_healthy()
+    with serving(redis, nodes, routers.values()):
         yield model, routers
-    finally:
-        for process in [*routers.values(), *nodes]:
-            process.close()
-        redis.stop()
 
 
 def _served(router, model, prompt: list[int], stream: bool) -> tuple[list[int], list[float]]:

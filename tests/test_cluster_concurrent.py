@@ -20,7 +20,7 @@ import torch
 from router.tokenizer import Tokenizer
 from tests.cluster import NodeProcess, RedisServer
 from tests.engine_helpers import hf_greedy, hf_logits
-from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
+from tests.test_router_cluster import RouterProcess, serving, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.slow
 BLOCK_SIZE = 16  # the nodes' default
@@ -38,16 +38,8 @@ def cluster(tmp_path_factory, default_model_dir):
         "decode_only": RouterProcess(model, redis.url, tmp, "--disagg-threshold", "100000"),
         "no_margin": RouterProcess(model, redis.url, tmp, "--local-prefill-margin-s", "0"),
     }
-    try:
-        for node in nodes.values():
-            node.wait_ready()
-        for router in routers.values():
-            router.wait_healthy()
+    with serving(redis, nodes.values(), routers.values()):
         yield model, routers, nodes
-    finally:
-        for process in [*routers.values(), *nodes.values()]:
-            process.close()
-        redis.stop()
 
 
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:

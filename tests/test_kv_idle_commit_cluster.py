@@ -15,7 +15,7 @@ import pytest
 
 from tests.cluster import NodeProcess, RedisServer
 from tests.engine_helpers import hf_greedy
-from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
+from tests.test_router_cluster import RouterProcess, serving, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.slow
 POOL_MB = 512
@@ -46,16 +46,8 @@ def cluster(tmp_path_factory, default_model_dir):
         "pd": RouterProcess(model, redis.url, tmp),
         "decode_only": RouterProcess(model, redis.url, tmp, "--disagg-threshold", "100000"),
     }
-    try:
-        for node in nodes.values():
-            node.wait_ready()
-        for router in routers.values():
-            router.wait_healthy()
+    with serving(redis, nodes.values(), routers.values()):
         yield model, routers, nodes
-    finally:
-        for process in [*routers.values(), *nodes.values()]:
-            process.close()
-        redis.stop()
 
 
 def test_requests_during_the_idle_commit_equal_hf_and_idle_pools_end_fully_committed(cluster):

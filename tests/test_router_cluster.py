@@ -4,6 +4,7 @@ with the default model's tokenizer, driven by the official openai client."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -119,6 +120,21 @@ class RouterProcess:
         self._log.close()
 
 
+@contextlib.contextmanager
+def serving(redis: RedisServer, nodes, routers):
+    """Until every node is ready and every router healthy; on the way out, close them all and Redis."""
+    try:
+        for node in nodes:
+            node.wait_ready()
+        for router in routers:
+            router.wait_healthy()
+        yield
+    finally:
+        for process in [*routers, *nodes]:
+            process.close()
+        redis.stop()
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, default_model_dir):
     tmp = tmp_path_factory.mktemp("router-cluster")
@@ -128,16 +144,8 @@ def cluster(tmp_path_factory, default_model_dir):
     extra = ["--num-kv-blocks", "160", "--heartbeat-interval", "0.2", "--heartbeat-ttl", "2"]
     nodes = [NodeProcess(role, str(model), tmp, redis.url, extra) for role in ("prefill", "decode")]
     router = RouterProcess(model, redis.url, tmp, "--disagg-threshold", "8")
-    try:
-        for node in nodes:
-            node.wait_ready()
-        router.wait_healthy()
+    with serving(redis, nodes, [router]):
         yield model, router, nodes
-    finally:
-        router.close()
-        for node in nodes:
-            node.close()
-        redis.stop()
 
 
 def _client(router) -> openai.OpenAI:
