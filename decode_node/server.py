@@ -62,6 +62,7 @@ class DecodeNode:
         self.engine = LLMEngine(engine_config)
         self.fingerprint = KVFingerprint.from_spec(opts.model_id, self.engine.kv_spec, KV_LAYOUT_NAME)
         self.runtime = NodeRuntime(opts, self.log)
+        self.engine.on_progress(self.runtime.in_step)  # busy is not dead: layers vouch for the node
         caches = self.engine.runner.kv_caches
         self.receiver = KVReceiver(
             f"tcp://{opts.host}:{opts.kv_port}",

@@ -237,6 +237,10 @@ class LLMEngine:
         """Anything to compute at the next step (requests waiting for their KV are not)."""
         return self.scheduler.has_work()
 
+    def on_progress(self, callback) -> None:
+        """``callback()`` runs before each decoder layer of every step (a node's liveness stamp)."""
+        self.runner.on_layer = callback
+
     def note_idle(self) -> None:
         """The caller has nothing for the engine now (a node about to wait for input): with
         ``kv_commit="idle"`` the KV pool commits in the background until the next write."""

@@ -53,11 +53,20 @@ class ModelRunner:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # oneDNN matmuls on weights packed once (kernels/cpu_linear.py); F.linear where it can't
         self.packed_linear = cpu_linear.enabled(self.dtype) and cpu_linear.pack_linears(self.model) > 0
+        # Called before each decoder layer runs: a node's liveness follows progress inside a step,
+        # so a long step on a slow machine is told apart from a hung kernel (node/runtime.py).
+        self.on_layer: Callable[[], None] | None = None
+        for layer in decoder_layers(self.model, model_config.num_layers):
+            layer.register_forward_pre_hook(self._layer_starts)
         if kv_cache_factory is not None:
             self.kv_caches = kv_cache_factory(kv_spec)
             assert len(self.kv_caches) == kv_spec.num_layers and self.kv_caches[0][0].dtype == self.dtype
         else:
             self.kv_caches = [(self._empty_cache(), self._empty_cache()) for _ in range(kv_spec.num_layers)]
+
+    def _layer_starts(self, _module, _args) -> None:
+        if self.on_layer is not None:
+            self.on_layer()
 
     def _empty_cache(self) -> torch.Tensor:
         # numpy's zeros come from calloc: for a large pool the OS maps zero pages and commits each
@@ -131,6 +140,16 @@ class ModelRunner:
             torch.from_numpy(q_start[1:][sampled_mask] - 1),
             [it.seq for it, due in zip(items, sampled_mask.tolist(), strict=True) if due],
         )
+
+
+def decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList:
+    """The model's stack of decoder layers: its first ModuleList of ``num_layers`` modules (HF's
+    ``model.layers`` or GPT-2's ``transformer.h``; lists nested in a layer, such as MoE experts,
+    come after it in ``modules()`` order)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers:
+            return module
+    raise ValueError(f"{type(model).__name__} has no ModuleList of its {num_layers} layers")
 
 
 def _pad_tables(tables: list[list[int]]) -> np.ndarray:

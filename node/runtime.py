@@ -4,10 +4,17 @@
     node   PUSH   ──TokenChunk / RequestFailed──────────────────► router's reply address
 
 The node's own loop calls ``poll_control`` and ``reply``; heartbeats run on a thread that
-publishes the latest ``NodeInfo`` the loop handed to ``set_status``. A heartbeat vouches for the
-loop, not for the thread: each record's TTL ends at most ``stall_timeout_s`` after the loop last
-went round, so a node stuck in a step (a hung kernel, a deadlock) leaves the pool then although
-its heartbeat thread runs on, and comes back when the loop moves again.
+publishes the latest ``NodeInfo`` the loop handed to ``set_status``.
+
+Busy is not dead. A heartbeat vouches for the engine's progress, not for the thread: the loop
+stamps it each round, and the engine stamps it before every decoder layer of a step
+(``in_step``), so a long step on a slow or shared machine keeps the node in the pool while a
+hung kernel or a deadlock does not. Each record's TTL ends at most ``stall_timeout_s`` after the
+last stamp, so a stuck node leaves the pool then although its heartbeat thread runs on, and
+comes back when the engine moves again. Between layers ``in_step`` also answers status queries
+(at most every ``IN_STEP_SERVICE_S``): in static mode, where the router learns liveness from
+those answers alone, a computing node answers and a stuck one does not. Other control messages
+that arrive mid-step wait (bounded) for the loop's next ``poll_control``.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ from protocol.messages import (
 from protocol.sampling_params import SamplingParams
 
 MAX_REPLY_CHANNELS = 64  # routers a node talks back to at once (LRU beyond)
+IN_STEP_SERVICE_S = 0.05  # how often a step's layers answer status queries
+MAX_STASHED = 1024  # control messages read mid-step and kept for the loop; more stay in ZeroMQ
 
 
 class NodeRuntime:
@@ -53,7 +62,9 @@ class NodeRuntime:
         self.stopped = threading.Event()
         self._status: registry.NodeInfo | None = None
         self._status_at = 0.0  # time.monotonic() of the last refresh
-        self._loop_at = time.monotonic()  # when the node loop last went round
+        self._progress_at = time.monotonic()  # when the loop went round or a step's layer started
+        self._serviced_at = 0.0  # when a step last answered status queries
+        self._stash: list[Message] = []  # control messages read mid-step, for the next poll_control
         self._redis = None
         self._heartbeat: threading.Thread | None = None
         self.integrity_error: str | None = None  # set when an invariant check failed in the loop
@@ -61,7 +72,7 @@ class NodeRuntime:
     # ----------------------------------------------------------------- lifecycle
     def start(self, status: registry.NodeInfo, ready_file: str | None) -> None:
         self._status = status
-        self._loop_at = time.monotonic()
+        self._progress_at = time.monotonic()
         signal.signal(signal.SIGTERM, lambda *_: self.draining.set())
         signal.signal(signal.SIGINT, lambda *_: self.draining.set())
         if self.opts.redis_url:
@@ -100,7 +111,7 @@ class NodeRuntime:
         drain timeout passes. ``on_drain()`` runs once when draining starts."""
         drain_deadline: float | None = None
         while True:
-            self._loop_at = time.monotonic()
+            self._progress_at = time.monotonic()
             if self.draining.is_set():
                 if drain_deadline is None:
                     drain_deadline = time.monotonic() + self.opts.drain_timeout_s
@@ -146,7 +157,7 @@ class NodeRuntime:
             ttl_s = self.beat_ttl_s(time.monotonic())
             if ttl_s is None:
                 if not stalled:
-                    self.log("loop_stalled", seconds=round(time.monotonic() - self._loop_at, 3))
+                    self.log("loop_stalled", seconds=round(time.monotonic() - self._progress_at, 3))
                 stalled = True
                 continue  # the last record expires on its own
             if stalled:
@@ -159,8 +170,8 @@ class NodeRuntime:
 
     def beat_ttl_s(self, now: float) -> float | None:
         """The TTL of a record published ``now``: the heartbeat TTL, cut so that it ends
-        ``stall_timeout_s`` after the loop last went round; None once that has passed."""
-        left_s = self._loop_at + self.opts.stall_timeout_s - now
+        ``stall_timeout_s`` after the engine last made progress; None once that has passed."""
+        left_s = self._progress_at + self.opts.stall_timeout_s - now
         if left_s <= 0.001:
             return None
         return min(self.opts.heartbeat_ttl_s, left_s)
@@ -179,12 +190,26 @@ class NodeRuntime:
         self.log("node_stopped")
 
     # ----------------------------------------------------------------- messages
+    def in_step(self) -> None:
+        """The engine is computing (called before each decoder layer of a step): stamp progress
+        and, at most every IN_STEP_SERVICE_S, answer status queries (on this thread, the one
+        that owns the control socket)."""
+        now = time.monotonic()
+        self._progress_at = now
+        if now - self._serviced_at >= IN_STEP_SERVICE_S and len(self._stash) < MAX_STASHED:
+            self._serviced_at = now
+            self._stash += self._read_control(0.0, MAX_STASHED - len(self._stash))
+
     def poll_control(self, timeout_s: float) -> list[Message]:
-        """Control messages that arrived (waiting up to timeout_s for the first); answers
-        StatusQuery itself and malformed input with an error, never raising."""
+        """Control messages that arrived (waiting up to timeout_s for the first), those read
+        mid-step first; answers StatusQuery itself and malformed input with an error, never raising."""
+        stashed, self._stash = self._stash, []
+        return stashed + self._read_control(0.0 if stashed else timeout_s, 256)
+
+    def _read_control(self, timeout_s: float, limit: int) -> list[Message]:
         out: list[Message] = []
         wait = timeout_s
-        while len(out) < 256:
+        while len(out) < limit:
             try:
                 inbound = self.control.recv(wait)
             except ProtocolError as exc:

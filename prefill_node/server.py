@@ -60,6 +60,7 @@ class PrefillNode:
         self.engine = LLMEngine(engine_config, kv_cache_factory=self._shared_cache)
         self.fingerprint = KVFingerprint.from_spec(opts.model_id, self.engine.kv_spec, KV_LAYOUT_NAME)
         self.runtime = NodeRuntime(opts, self.log)
+        self.engine.on_progress(self.runtime.in_step)  # busy is not dead: layers vouch for the node
         caches = self.engine.runner.kv_caches
         self.shipper = Shipper(
             self.fingerprint,

@@ -45,6 +45,9 @@ CONFIGS = {
     ),
     "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=24, head_dim=16),
     "qwen2": lambda: transformers.Qwen2Config(**TINY),
+    "llama-deep": lambda: transformers.LlamaConfig(
+        **{**TINY, "num_hidden_layers": 8}
+    ),  # progress inside a step
 }
 
 
