@@ -107,6 +107,10 @@ class EngineConfig:
     # fails at start, not mid-run)
     kv_commit: str = "idle"
     max_num_batched_tokens: int = 2048  # token budget of one forward pass
+    # Step-time target: each step's token budget shrinks from max_num_batched_tokens so that a
+    # step takes about this long at the measured speed (engine.step_budget); None: derived from
+    # the first prefill steps (the full budget's time there, at most 1 s)
+    max_step_s: float | None = None
     max_num_seqs: int = 64  # sequences in one forward pass
     max_model_len: int | None = None  # context limit; defaults to the model's
     enable_prefix_caching: bool = True
@@ -141,6 +145,8 @@ class EngineConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_step_s is not None and self.max_step_s <= 0:
+            raise ValueError(f"max_step_s must be positive, got {self.max_step_s}")
         for name in ("num_kv_blocks", "kv_cache_memory_mb", "num_threads", "max_threads"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

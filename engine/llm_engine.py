@@ -25,6 +25,7 @@ from engine.sampler import Sampler, SamplerInput
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from engine.sizing import announce, size_engine
+from engine.step_budget import StepBudget
 from engine.step_stats import StepStats, step_tokens
 from protocol.sampling_params import SamplingParams
 
@@ -100,6 +101,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}  # not yet done; held ones are the scheduler's (held)
         self._stops: dict[int, _StopState] = {}  # seq_id -> stop-string matching, where it has stops
         self.step_stats = StepStats()  # steps by kind, for the node's metrics
+        # each step's token budget, so that steps keep to a time target (chunks shrink when slow)
+        min_tokens = min(config.max_num_batched_tokens, config.max_num_seqs + config.block_size)
+        self.step_budget = StepBudget(config.max_step_s, config.max_num_batched_tokens, min_tokens)
 
     def _kv_spec(self) -> KVCacheSpec:
         m, c = self.model_config, self.config
@@ -280,7 +284,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.config.debug_checks:
             self.check_integrity()
-        start, sched = time.perf_counter(), self.scheduler.schedule()
+        start, sched = time.perf_counter(), self.scheduler.schedule(self.step_budget.tokens())
         if not sched.scheduled:
             return []
         self.cpu_share.tick()
@@ -302,7 +306,10 @@ class LLMEngine:
             self._check_stop(seq, token_id)
             touched[seq.request_id] = self.requests[seq.request_id]
         outputs = [self._output(r) for r in touched.values()]
-        self.step_stats.observe(*tokens, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.step_stats.observe(*tokens, seconds)
+        if tokens[0]:  # a step with prompt tokens: what the budget of the next chunk follows
+            self.step_budget.observe(sum(tokens), seconds)
         return outputs
 
     def _expand_forks(self, sampled: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:

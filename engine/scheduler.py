@@ -114,8 +114,10 @@ class Scheduler:
         self.block_manager.commit_computed(seq)
         self.add_running(seq)
 
-    def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
+    def schedule(self, budget: int | None = None) -> SchedulerOutput:
+        """This step's work, under ``budget`` tokens (at most ``max_num_batched_tokens``; the
+        engine's step-time target may give fewer)."""
+        budget = self.max_num_batched_tokens if budget is None else min(budget, self.max_num_batched_tokens)
         scheduled: list[ScheduledSeq] = []
         copies: list[BlockCopy] = []
         preempted: list[Sequence] = []

@@ -91,6 +91,14 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument("--num-kv-blocks", type=int, default=_ENGINE.num_kv_blocks)
     engine.add_argument("--max-num-batched-tokens", type=int, default=_ENGINE.max_num_batched_tokens)
+    engine.add_argument(
+        "--max-step-seconds",
+        type=float,
+        default=_ENGINE.max_step_s,
+        help="step-time target: each step's token budget shrinks so that a step takes about this "
+        "long at the measured speed (prefill chunks get smaller on a slow or loaded machine); "
+        "default: the full budget's time at the speed of the first prefill steps, at most 1 s",
+    )
     engine.add_argument("--max-num-seqs", type=int, default=_ENGINE.max_num_seqs)
     engine.add_argument("--max-model-len", type=int, default=_ENGINE.max_model_len)
     engine.add_argument("--no-prefix-caching", action="store_true")
@@ -148,6 +156,7 @@ def options_from_args(role: Role, args: argparse.Namespace) -> tuple[NodeOptions
         num_kv_blocks=args.num_kv_blocks,
         kv_commit=args.kv_commit,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_step_s=args.max_step_seconds,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
