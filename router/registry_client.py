@@ -43,6 +43,7 @@ class NodeRegistry:
         self._task: asyncio.Task | None = None
         self._probes: dict[str, asyncio.Task] = {}  # node id -> its reply-path probe in flight
         self._probe_failures: dict[str, int] = {}  # node id -> probes that got no answer
+        self._ever_verified: set[str] = set()  # node ids whose reply path once answered a probe
         self.expected_model: str | None = None  # the router's model digest: nodes of another are refused
         self._refused: set[str] = set()  # node ids already logged as refused
         self._partial_until = 0.0  # router clock until which polls may miss live nodes (outage)
@@ -148,9 +149,20 @@ class NodeRegistry:
     async def _probe(self, node: NodeInfo) -> None:
         timeout_s = max(2 * self._poll_interval_s, 1.0)
         if await self._nodes.query_status(node.control_addr, timeout_s) is not None:
+            if len(self._ever_verified) >= 4096:  # bounded: node ids churn with restarts
+                self._ever_verified.clear()
+            self._ever_verified.add(node.node_id)
             return
         num = self._probe_failures[node.node_id] = self._probe_failures.get(node.node_id, 0) + 1
-        if num in (3, 30, 300):  # a misconfigured address is loud, not a flood
+        if num in (3, 30, 300) and node.node_id in self._ever_verified:  # it answered before
+            log.warning(
+                "node %s (%s) has stopped answering status queries (%d tries): its engine makes no "
+                "progress (nodes answer between the layers of a step)",
+                node.node_id,
+                node.role,
+                num,
+            )
+        elif num in (3, 30, 300):  # a misconfigured address is loud, not a flood
             log.warning(
                 "node %s (%s) sent no status back through the reply address %s in %d tries: "
                 "can it reach that address? (router --host / --advertise-host)",

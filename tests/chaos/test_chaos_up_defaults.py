@@ -1,0 +1,119 @@
+"""Busy is not dead, with the defaults a user gets: `pdserve up --prefill 2 --decode 1` (its own
+thread split, 1 torch thread a node on 2 cores, the default model, registry or none), 4 concurrent
+streamed completions of 1,500-token prompts, one prefill node killed 1 s in; quiet, and with two
+busy processes on the same cores. Every request must complete and no node may hold a KV block
+afterwards. The stuck-loop cases in test_chaos_node_faults.py check the other side: a hung engine
+still leaves the pool. ``make chaos`` only: each case starts a cluster of the default model."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import pathlib
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.cluster import ROOT, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+PROMPT_TOKENS = 1500
+_USED_RE = re.compile(r'^pdserve_node_kv_blocks_used\{node_id="[^"]+",role="(\w+)"\} (\d+)$', re.M)
+
+
+@contextlib.contextmanager
+def _up(model: pathlib.Path, log_dir: pathlib.Path, registry: bool):
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdserve_cli", "up", "--model", str(model), "--prefill", "2"]
+    cmd += ["--decode", "1", "--port", str(port), "--log-dir", str(log_dir)]
+    cmd += [] if registry else ["--no-redis"]
+    out = open(log_dir / "up.out", "w")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    up = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            assert up.poll() is None and time.monotonic() < deadline, (log_dir / "up.out").read_text()
+            time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(up.pid, signal.SIGINT)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+        out.close()
+
+
+def _stream(url: str, model: str, prompt: list[int]) -> tuple[int, object, object]:
+    """(HTTP status, finish reason, SSE error) of one streamed completion."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 8, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as response:
+        if response.status_code != 200:
+            return response.status_code, 0, response.read().decode()
+        finish, error = None, None
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                error = event.get("error", error)
+                for choice in event.get("choices", []):
+                    finish = choice.get("finish_reason") or finish
+        return 200, finish, error
+
+
+@contextlib.contextmanager
+def _busy_processes(num: int):
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(num)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
+
+
+def _used_blocks(url: str) -> list[tuple[str, int]]:
+    return [(role, int(n)) for role, n in _USED_RE.findall(httpx.get(url + "/metrics", timeout=10).text)]
+
+
+@pytest.mark.parametrize("busy", [0, 2], ids=["quiet", "two-busy-processes"])
+@pytest.mark.parametrize("registry", [True, False], ids=["redis", "static"])
+def test_a_killed_prefill_node_under_long_prompts_loses_no_request_with_up_defaults(
+    default_model_dir, tmp_path, registry, busy
+):
+    rng = random.Random(31)
+    prompts = [[rng.randrange(100, 40000) for _ in range(PROMPT_TOKENS)] for _ in range(4)]
+    with _up(default_model_dir, tmp_path, registry) as url, _busy_processes(busy):
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        ready = json.loads((tmp_path / "prefill-0.ready.json").read_text())
+        victim = ready["pid"]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(_stream, url, model, p) for p in prompts]
+            time.sleep(1.0)
+            os.kill(victim, signal.SIGKILL)
+            results = [f.result() for f in futures]
+        assert all(r == (200, "length", None) for r in results), results
+        deadline = time.monotonic() + 30
+        used = _used_blocks(url)
+        while any(n for _, n in used) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            used = _used_blocks(url)
+        assert sorted(role for role, _ in used) == ["decode", "prefill"], used  # the survivors
+        assert all(n == 0 for _, n in used), used
+        expired = re.findall(r"node (\S+) \(\w+\) expired", (tmp_path / "router.log").read_text())
+        assert set(expired) <= {ready["node_id"]}, expired  # busy survivors never left the pool
