@@ -13,6 +13,7 @@ mkdir -p "$OUT"
 PY=.venv/bin/python
 for threads in 1 2; do
   for target in auto off; do
+    [ -s "$OUT/$threads-$target.json" ] && [ -n "${RESUME:-}" ] && continue  # RESUME=1: keep finished runs
     args="--max-step-seconds 1000"
     [ "$target" = auto ] && args=""
     port=$((8300 + threads * 10 + ${#target}))
@@ -23,7 +24,7 @@ for threads in 1 2; do
     $PY -m pdserve_cli bench serve --base-url "http://127.0.0.1:$port" --workload mix --input-len 1024 \
       --max-input-len 1800 --output-len 48 --num-requests "$NUM" --request-rate "$RATE" --seed 31 \
       --warmup-requests 2 --no-progress --result-json "$OUT/$threads-$target.json" >"$OUT/bench-$threads-$target.log" 2>&1
-    kill -INT $up; wait $up || true
+    kill -TERM $up; wait $up || true  # (a background job ignores SIGINT)
     $PY - "$OUT/$threads-$target.json" "$threads" "$target" <<'PYEOF'
 import json, sys
 s = json.load(open(sys.argv[1]))["runs"][0]["summary"]
