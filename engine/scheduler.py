@@ -4,8 +4,9 @@ Every sequence carries ``num_computed_tokens``; each step hands out ``num_new_to
 sequence under a token budget, so a decode is 1 new token, a prompt chunk is many, and a
 prefix hit simply starts with tokens already computed. Order of service:
 
-  1. running sequences, oldest first (decodes and unfinished prompt chunks);
-     when blocks run out, the newest running sequence is preempted (KV dropped,
+  1. running sequences, oldest first (decodes and unfinished prompt chunks); a chunk leaves
+     one token of the budget to each running decode after it, so every decode row runs every
+     step however long the prompts beside it; when blocks run out, the newest running sequence is preempted (KV dropped,
      recomputed later) — the oldest always progresses, so there is no livelock;
   2. waiting sequences, FIFO, while budget, ``max_num_seqs`` and free blocks allow;
      the head of the queue is never skipped, so nothing starves.
@@ -121,12 +122,22 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         copies: list[BlockCopy] = []
         preempted: list[Sequence] = []
+        # Decode rows not yet visited: a prompt chunk leaves them a token each, so a long prompt
+        # never holds the running decodes out of a step.
+        pending_decodes = sum(s.num_uncomputed_tokens == 1 for s in self.running)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            is_decode = seq.num_uncomputed_tokens == 1
+            pending_decodes -= is_decode
+            num_new = min(seq.num_uncomputed_tokens, budget if is_decode else budget - pending_decodes)
+            if num_new <= 0:  # a chunk with no budget left beside the decodes: it waits a step
+                i += 1
+                continue
             while not self.block_manager.can_append(seq, num_new):
                 victim = self.running.pop()
+                if victim is not seq:
+                    pending_decodes -= victim.num_uncomputed_tokens == 1
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:

@@ -15,7 +15,10 @@ when the prefill pool is backed up: when the prompt would wait ``local_prefill_m
 behind the shortest prefill queue than behind the decode node's own queue of prompts, both at the
 prefill node's measured speed. The margin is how much longer a prompt may wait for the prefill
 pool before the decode node's running requests pay for prefilling it in their steps; below 0,
-never.
+never. What they pay is bounded on the node, not here: its steps keep to their step-time target
+(engine.step_budget) by chunking the prompt, and a chunk leaves a token of each step to every
+running decode (engine.scheduler), so a local prefill stretches the decodes' time per token to at
+most the target while its chunks run, and never holds them out of a step.
 
 Colocated nodes (role ``colocated``) prefill and decode every request they take themselves: they
 compete with decode nodes for requests, never get KV sent to them, and never prefill for others.

@@ -196,3 +196,46 @@ def test_resume_output_ids_are_checked():
         )
     with pytest.raises(ValueError, match="output_token_ids"):
         engine.add_request("c", [5, 6], SamplingParams(max_tokens=9), resume_output_ids=(10**9,))
+
+
+def test_decodes_that_arrive_behind_a_local_prompt_run_every_step_and_stay_exact():
+    """A decode node chunking a long local prompt (the router's decode-local prefill) adopts
+    remote KV: the adopted rows join ``running`` after the prompt, and still decode every step
+    instead of waiting out its prefill."""
+    path = str(make_tiny_model("llama"))
+    prefill = LLMEngine(EngineConfig(model=path, num_kv_blocks=32, block_size=8))
+    decode = LLMEngine(
+        EngineConfig(model=path, num_kv_blocks=96, block_size=8, max_num_batched_tokens=32, max_step_s=1e3)
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    long_prompt = [(11 * i) % 250 + 3 for i in range(320)]  # ten 32-token chunks
+    decode.add_request("local", long_prompt, dataclasses.replace(params, max_tokens=2))
+    decode.step()
+    remote = {"r1": list(range(3, 20)), "r2": list(range(40, 49))}
+    for rid, prompt in remote.items():
+        prefill.add_request(rid, prompt, params, prefill_only=True)
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    results: dict[str, list[int]] = {}
+    for rid in remote:
+        _move_kv(prefill, decode, prefill.scheduler.held[rid], rid)
+        prefill.release_held(rid)
+    steps = 0
+    while "r1" not in results or "r2" not in results:
+        outs = decode.step()
+        steps += 1
+        assert {o.request_id for o in outs} >= {"r1", "r2"} - set(results), steps  # every step
+        for out in outs:
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+    assert steps == 5  # the first token came with the KV; five steps, while "local" still prefills
+    local = decode.scheduler.running[0]
+    assert local.request_id == "local" and local.num_computed_tokens < len(long_prompt)
+    for rid, prompt in remote.items():
+        assert results[rid] == hf_greedy(path, prompt, 6)
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+    assert results["local"] == hf_greedy(path, long_prompt, 2)
+    assert decode.block_manager.num_free_blocks == 96
