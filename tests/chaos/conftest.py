@@ -1,4 +1,5 @@
-"""Fixtures of the chaos suite: a 2P+2D cluster and a small 1P+1D one, each started once per session."""
+"""Fixtures of the chaos suite: a 2P+2D cluster (on Redis, and with static addresses) and a small 1P+1D
+one, each started once per session."""
 
 from __future__ import annotations
 
@@ -24,12 +25,28 @@ def expected(model):
 
 
 @pytest.fixture(scope="session")  # faults replace what they break: the next case finds it whole
-def cluster(tmp_path_factory, model):
+def redis_cluster(tmp_path_factory, model):
     c = Cluster(tmp_path_factory.mktemp("chaos"), model)
     try:
         yield c
     finally:
         c.close()
+
+
+@pytest.fixture(scope="session")
+def static_cluster(tmp_path_factory, model):
+    """The same cluster with static node addresses and no Redis (``pdserve up --no-redis``)."""
+    c = Cluster(tmp_path_factory.mktemp("chaos-static"), model, static=True)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="session")
+def cluster(redis_cluster):
+    """The Redis cluster; test_chaos_node_faults.py runs its faults on both registry modes."""
+    return redis_cluster
 
 
 @pytest.fixture(scope="session")  # shared by the overload, bad-input and security modules

@@ -44,9 +44,10 @@ _GAUGE_RE = re.compile(r'^pdserve_node_kv_blocks_used\{node_id="([^"]+)",role="(
 
 
 class Router:
-    """``pdserve router`` on a given (or free) port; restartable on the same port."""
+    """``pdserve router`` on a given (or free) port; restartable on the same port. ``redis_url``
+    None: static mode, the nodes' control addresses in ``extra`` (--prefill A B --decode C D)."""
 
-    def __init__(self, model: pathlib.Path, redis_url: str, tmp: pathlib.Path, *extra: str, port=None):
+    def __init__(self, model: pathlib.Path, redis_url: str | None, tmp: pathlib.Path, *extra: str, port=None):
         self.model, self.redis_url, self.tmp, self.extra = model, redis_url, tmp, extra
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -57,7 +58,8 @@ class Router:
         self.log_path = self.tmp / f"router-{self.port}-{time.monotonic_ns()}.log"
         self._log = open(self.log_path, "w")
         cmd = [sys.executable, "-m", "pdserve_cli", "router", "--model", str(self.model), "--port"]
-        cmd += [str(self.port), "--redis", self.redis_url, "--poll-interval-s", "0.2", *self.extra]
+        cmd += [str(self.port), *(["--redis", self.redis_url] if self.redis_url else [])]
+        cmd += ["--poll-interval-s", "0.2", *self.extra]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
@@ -122,7 +124,10 @@ class PasswordRedis:
 
 
 class Cluster:
-    """Redis, 2 prefill and 2 decode nodes, a router; nodes and Redis can be killed and replaced."""
+    """Redis, 2 prefill and 2 decode nodes, a router; nodes and Redis can be killed and replaced.
+
+    ``static``: no Redis; each node has fixed ports, the router lists their control addresses
+    (``pdserve up --no-redis``), and a replacement takes its victim's ports."""
 
     def __init__(
         self,
@@ -130,18 +135,33 @@ class Cluster:
         model: pathlib.Path,
         roles=("prefill", "prefill", "decode", "decode"),
         redis_password: str | None = None,
+        static: bool = False,
     ):
-        self.tmp, self.model = tmp, model
-        self.redis = PasswordRedis(tmp, redis_password) if redis_password else RedisServer(tmp)
-        self.nodes: list[NodeProcess] = [self._node(role) for role in roles]
-        self.router = Router(model, self.redis.url, tmp, *ROUTER_ARGS)
+        self.tmp, self.model, self.static = tmp, model, static
+        self.redis = (
+            None if static else PasswordRedis(tmp, redis_password) if redis_password else RedisServer(tmp)
+        )
+        self._ports: dict[int, list[str]] = {}  # slot -> the node's fixed port flags (static mode)
+        self.nodes: list[NodeProcess] = [self._node(role, slot) for slot, role in enumerate(roles)]
+        if static:
+            addrs = {
+                r: [f"tcp://127.0.0.1:{self._ports[i][1]}" for i, x in enumerate(roles) if x == r]
+                for r in roles
+            }
+            nodes = ["--prefill", *addrs["prefill"], "--decode", *addrs["decode"]]
+            self.router = Router(model, None, tmp, *ROUTER_ARGS, *nodes)
+        else:
+            self.router = Router(model, self.redis.url, tmp, *ROUTER_ARGS)
         for node in self.nodes:
             node.wait_ready()
         self.router.wait_healthy()
         self.wait_members(roles.count("prefill"), roles.count("decode"))
 
-    def _node(self, role: str) -> NodeProcess:
-        return NodeProcess(role, str(self.model), self.tmp, self.redis.url, NODE_ARGS)
+    def _node(self, role: str, slot: int) -> NodeProcess:
+        if not self.static:
+            return NodeProcess(role, str(self.model), self.tmp, self.redis.url, NODE_ARGS)
+        ports = self._ports.setdefault(slot, ["--port", str(free_port()), "--kv-port", str(free_port())])
+        return NodeProcess(role, str(self.model), self.tmp, None, [*NODE_ARGS, *ports])
 
     def live(self, role: str) -> list[NodeProcess]:
         return [n for n in self.nodes if n.role == role and n.proc.poll() is None]
@@ -149,7 +169,7 @@ class Cluster:
     def replace(self, victim: NodeProcess) -> NodeProcess:
         """A fresh node of the victim's role in its place (the victim must be gone)."""
         assert victim.proc.poll() is not None
-        node = self._node(victim.role)
+        node = self._node(victim.role, self.nodes.index(victim))
         node.wait_ready()
         self.nodes[self.nodes.index(victim)] = node
         victim.close()
@@ -190,9 +210,10 @@ class Cluster:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(node.proc.pid, signal.SIGCONT)
             node.close()
-        with contextlib.suppress(Exception):
-            os.kill(self.redis.proc.pid, signal.SIGCONT)
-        self.redis.stop()
+        if self.redis is not None:
+            with contextlib.suppress(Exception):
+                os.kill(self.redis.proc.pid, signal.SIGCONT)
+            self.redis.stop()
 
 
 # --------------------------------------------------------------------------- a stuck loop

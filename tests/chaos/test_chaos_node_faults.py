@@ -33,6 +33,17 @@ from tests.chaos.load import (
 
 pytestmark = pytest.mark.slow
 STEADY_S = 1.5  # load before the fault
+
+
+@pytest.fixture(
+    scope="session",
+    params=["redis", pytest.param("static", marks=pytest.mark.chaos)],  # static: `make chaos` only
+)
+def cluster(request):
+    """Each fault on both registry modes: Redis, and static addresses (``pdserve up --no-redis``)."""
+    return request.getfixturevalue(f"{request.param}_cluster")
+
+
 AFTER_S = 3.5  # load after it: retries, and the survivors serving new requests
 
 
@@ -95,7 +106,7 @@ def run_fault(
     used = cluster.wait_idle()
     assert used and not any(used.values()), f"blocks still held: {used}"
     row = {
-        "fault": fault,
+        "fault": fault + (" (static addresses)" if cluster.static else ""),
         "where": where,
         "requests": len(outcomes),
         "in_flight": load.in_flight_at(fault_at),
