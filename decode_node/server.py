@@ -198,7 +198,9 @@ class DecodeNode:
             stream.timings["decode"] = round(time.monotonic() - stream.started, 6)
         if stream.adopted_at is None:  # prefilled here: the hit is this engine's own
             stream.num_cached_tokens = out.num_cached_tokens
-        chunk = next_chunk(stream, out.outputs[0], self.opts.node_id, is_first=stream.num_sent == 0)
+        is_first = stream.num_sent == 0
+        prompt_logprobs = out.prompt_logprobs if is_first else None  # prefilled here (else None)
+        chunk = next_chunk(stream, out.outputs[0], self.opts.node_id, is_first, prompt_logprobs)
         if chunk is not None:
             self.runtime.reply(stream.reply_addr, chunk)
         if out.finished:

@@ -21,7 +21,7 @@ from engine.model_runner import KVCacheFactory, ModelRunner
 from engine.models import model_class
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.resources import usable_cpus
-from engine.sampler import Sampler, SamplerInput
+from engine.sampler import Sampler, SamplerInput, prompt_logprobs
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from engine.sizing import announce, size_engine
@@ -206,6 +206,7 @@ class LLMEngine:
         if params.n != 1:
             raise ValueError("n: requests prefilled elsewhere take n == 1")
         max_tokens = self.validate(prompt_token_ids, params)
+        params = dataclasses.replace(params, prompt_logprobs=None)  # the node that ran the prompt sent them
         seq = Sequence(
             request_id,
             list(prompt_token_ids),
@@ -289,7 +290,9 @@ class LLMEngine:
             return []
         self.cpu_share.tick()
         self.kv_prefault.advance(self.block_manager.high_water)  # commits the pages it will write
-        logits, sampled = self.runner.execute(sched)
+        logits, sampled, prompt_hidden = self.runner.execute(sched)
+        for seq, hidden in prompt_hidden:
+            self._score_prompt(seq, hidden)
         tokens = step_tokens(sched.scheduled)  # (prompt, decode), before they count as computed
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
@@ -311,6 +314,14 @@ class LLMEngine:
         if tokens[0]:  # a step with prompt tokens: what the budget of the next chunk follows
             self.step_budget.observe(sum(tokens), seconds)
         return outputs
+
+    def _score_prompt(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """Prompt logprobs of the positions ``hidden`` holds, the next ones ``seq`` is due."""
+        first = len(seq.prompt_logprobs)
+        for start, logits in self.runner.prompt_logits(hidden):
+            at = first + start + 1  # the prompt token these rows score
+            next_ids = seq.token_ids[at : at + logits.shape[0]]
+            seq.prompt_logprobs += prompt_logprobs(logits, next_ids, seq.params.prompt_logprobs)
 
     def _expand_forks(self, sampled: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
         """Fork n-1 siblings off a prompt that just finished prefill; all sample from its logits."""
@@ -385,8 +396,15 @@ class LLMEngine:
         finished = request.finished
         if finished:
             del self.requests[request.request_id]
+        first = request.seqs[0]
+        scored = first.params.prompt_logprobs is not None and not first.needs_prompt_logprobs
         return RequestOutput(
-            request.request_id, request.prompt_token_ids, outputs, finished, request.seqs[0].num_cached_tokens
+            request.request_id,
+            request.prompt_token_ids,
+            outputs,
+            finished,
+            first.num_cached_tokens,
+            list(first.prompt_logprobs) if scored else None,
         )
 
     def _completion(self, seq: Sequence) -> CompletionOutput:

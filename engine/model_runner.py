@@ -30,6 +30,9 @@ class ModelInput:
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # [S] rows of the batch whose next token is sampled
     sampled_seqs: list[Sequence]  # the sequences those rows belong to, same order
+    # Sequences due prompt logprobs: (sequence, first row, rows), the rows of prompt positions
+    # len(seq.prompt_logprobs) onwards that this step computes (each predicts the next prompt token)
+    prompt_rows: list[tuple[Sequence, int, int]] = dataclasses.field(default_factory=list)
 
 
 class ModelRunner:
@@ -79,15 +82,26 @@ class ModelRunner:
         return torch.from_numpy(np.zeros(shape, np.float16 if self.dtype == torch.float16 else np.float32))
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run one forward pass; returns logits [S, vocab] of the sequences due a new token."""
+    def execute(
+        self, sched: SchedulerOutput
+    ) -> tuple[torch.Tensor, list[Sequence], list[tuple[Sequence, torch.Tensor]]]:
+        """Run one forward pass; returns logits [S, vocab] of the sequences due a new token, and
+        the hidden states [rows, hidden] of the prompt positions due prompt logprobs, by sequence
+        (``prompt_logits`` turns them into logits a slice at a time)."""
         for copy in sched.block_copies:
             for key_cache, value_cache in self.kv_caches:
                 key_cache[copy.dst_block_id] = key_cache[copy.src_block_id]
                 value_cache[copy.dst_block_id] = value_cache[copy.src_block_id]
         inp = self.prepare(sched)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
-        return self.model.compute_logits(hidden[inp.logits_rows]), inp.sampled_seqs
+        prompt_hidden = [(seq, hidden[first : first + num]) for seq, first, num in inp.prompt_rows]
+        return self.model.compute_logits(hidden[inp.logits_rows]), inp.sampled_seqs, prompt_hidden
+
+    @torch.inference_mode()
+    def prompt_logits(self, hidden: torch.Tensor, max_rows: int = 256):
+        """Logits of ``hidden``'s rows, ``max_rows`` at a time: (first row, logits [rows, vocab])."""
+        for start in range(0, hidden.shape[0], max_rows):
+            yield start, self.model.compute_logits(hidden[start : start + max_rows])
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
         """The batch's flat inputs, built with numpy per sequence (no Python work per token).
@@ -139,7 +153,23 @@ class ModelRunner:
             meta,
             torch.from_numpy(q_start[1:][sampled_mask] - 1),
             [it.seq for it, due in zip(items, sampled_mask.tolist(), strict=True) if due],
+            _prompt_rows(items, computed, ends, q_start),
         )
+
+
+def _prompt_rows(items, computed: np.ndarray, ends: np.ndarray, q_start: np.ndarray) -> list:
+    """ModelInput.prompt_rows: position p's logits score prompt token p + 1, so a sequence's
+    rows run from its next unscored position to the prompt's last but one, within this chunk."""
+    rows = []
+    for i, item in enumerate(items):
+        seq = item.seq
+        if not seq.needs_prompt_logprobs:
+            continue
+        first, last = len(seq.prompt_logprobs), min(int(ends[i]), seq.num_prompt_tokens - 1)
+        assert first >= computed[i], "prompt positions due logprobs were skipped (a prefix hit)"
+        if first < last:
+            rows.append((seq, int(q_start[i] + first - computed[i]), last - first))
+    return rows
 
 
 def decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList:

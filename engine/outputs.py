@@ -24,3 +24,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    # SamplingParams.prompt_logprobs: one entry per prompt token after the first (vLLM's list has a
+    # None for the first); None when not asked for or not all computed yet
+    prompt_logprobs: list[TokenLogprob] | None = None

@@ -114,3 +114,20 @@ def _logprob(logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogpro
         values, ids = torch.topk(logprobs, num_top)
         top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
     return TokenLogprob(token_id, float(logprobs[token_id]), top)
+
+
+def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], num_top: int) -> list[TokenLogprob]:
+    """Each row's log-probability of the prompt token that follows it, that token's rank, and
+    the ``num_top`` most likely tokens: the model's distribution, before any sampling rule."""
+    logprobs = torch.log_softmax(logits, dim=-1)  # [rows, vocab]
+    ids = torch.tensor(next_ids, dtype=torch.int64)
+    chosen = logprobs.gather(1, ids[:, None]).squeeze(1)
+    ranks = (logprobs > chosen[:, None]).sum(dim=1) + 1
+    tops: list[tuple] = [()] * len(next_ids)
+    if num_top > 0:
+        values, top_ids = torch.topk(logprobs, num_top, dim=-1)
+        tops = [tuple(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), values.tolist(), strict=True)]
+    return [
+        TokenLogprob(t, lp, top, rank)
+        for t, lp, top, rank in zip(next_ids, chosen.tolist(), tops, ranks.tolist(), strict=True)
+    ]

@@ -175,8 +175,10 @@ class Scheduler:
         while self.waiting and budget > 0 and self.num_seqs < self.max_num_seqs:
             seq = self.waiting[0]
             assert not seq.block_table, "waiting sequences hold no blocks"
-            # A hit never covers the last token: it must run to produce logits.
-            block_ids, hashes = bm.match_prefix(seq.token_ids, (seq.num_tokens - 1) // bm.block_size)
+            # A hit never covers the last token: it must run to produce logits. Nor any prompt token
+            # whose log-probability is still to be reported: those positions are computed again.
+            limit = 0 if seq.needs_prompt_logprobs else (seq.num_tokens - 1) // bm.block_size
+            block_ids, hashes = bm.match_prefix(seq.token_ids, limit)
             bm.take_prefix(seq, block_ids, hashes)
             num_new = min(seq.num_uncomputed_tokens, budget)
             too_long = not self.enable_chunked_prefill and num_new < seq.num_uncomputed_tokens

@@ -39,6 +39,7 @@ class TokenLogprob:
     token_id: int  # the sampled token
     logprob: float  # its log-probability under the model
     top: tuple[tuple[int, float], ...]  # (token id, logprob) of the most likely tokens, best first
+    rank: int | None = None  # prompt tokens: 1 + how many tokens were more likely (vLLM's rank)
 
 
 _seq_counter = itertools.count()
@@ -59,6 +60,8 @@ class Sequence:
     block_table: list[int] = dataclasses.field(default_factory=list)  # block ids in token order
     block_hashes: list[int] = dataclasses.field(default_factory=list)  # hashes of full, computed blocks
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # per output token, if asked
+    # params.prompt_logprobs: of prompt tokens 1.. in order, as their positions are computed
+    prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     max_tokens: int = 0  # resolved output limit (params.max_tokens or what the context leaves)
     num_preemptions: int = 0  # times its KV was dropped and recomputed
     stop_text: str | None = None  # the stop string that ended it, if any
@@ -81,6 +84,16 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs, and some are still to be computed (by the first sample: its
+        siblings fork off its computed prompt)."""
+        return (
+            self.params.prompt_logprobs is not None
+            and self.index == 0
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def is_finished(self) -> bool:

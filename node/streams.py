@@ -35,9 +35,14 @@ def local_deadline(deadline: float, cap_s: float) -> float:
 
 
 def next_chunk(
-    stream: Stream, out: CompletionOutput, node_id: str, is_first: bool = False
+    stream: Stream,
+    out: CompletionOutput,
+    node_id: str,
+    is_first: bool = False,
+    prompt_logprobs: list[TokenLogprob] | None = None,
 ) -> TokenChunk | None:
-    """The chunk carrying ``out``'s tokens the router has not seen yet (None when nothing is new)."""
+    """The chunk carrying ``out``'s tokens the router has not seen yet (None when nothing is new),
+    and ``prompt_logprobs`` when given (the first chunk of the node that ran the prompt)."""
     new = out.token_ids[stream.num_sent :]
     if not new and out.finish_reason is None:
         return None
@@ -54,11 +59,13 @@ def next_chunk(
         stream.num_cached_tokens,
         is_first,
         timings,
+        tuple(wire_logprob(lp) for lp in prompt_logprobs or ()),
     )
 
 
 def wire_logprob(lp: TokenLogprob) -> TokenLogprobs:
-    return TokenLogprobs(lp.token_id, lp.logprob, tuple(t for t, _ in lp.top), tuple(v for _, v in lp.top))
+    top_ids, top_values = tuple(t for t, _ in lp.top), tuple(v for _, v in lp.top)
+    return TokenLogprobs(lp.token_id, lp.logprob, top_ids, top_values, lp.rank)
 
 
 def engine_logprob(lp: TokenLogprobs) -> TokenLogprob:

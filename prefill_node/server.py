@@ -193,14 +193,17 @@ class PrefillNode:
         ends_here = completion.finish_reason == "stop" or pending.params.max_tokens == 1
         first = dataclasses.replace(completion, finish_reason=completion.finish_reason if ends_here else None)
         if ends_here:
-            self.runtime.reply(stream.reply_addr, next_chunk(stream, first, self.opts.node_id, is_first=True))
+            chunk = next_chunk(stream, first, self.opts.node_id, True, out.prompt_logprobs)
+            self.runtime.reply(stream.reply_addr, chunk)
             self.log("first_token_sent", rid, cached_tokens=stream.num_cached_tokens)
             self.engine.release_held(rid)
             del self.pending[rid]
             return
         # The chunk goes out from the shipper's worker the moment blocks are granted (not after this
         # loop's next engine step); until then the router has seen nothing (num_sent stays 0).
-        first_chunk = next_chunk(dataclasses.replace(stream), first, self.opts.node_id, is_first=True)
+        first_chunk = next_chunk(
+            dataclasses.replace(stream), first, self.opts.node_id, True, out.prompt_logprobs
+        )
         shipment = Shipment(
             rid,
             pending.decode_addr,

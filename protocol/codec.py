@@ -23,7 +23,9 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 3  # 3: typed SamplingParams (guided decoding), resumed outputs; 2: memfd rings
+# 4: prompt logprobs (SamplingParams, TokenChunk); 3: typed SamplingParams (guided decoding),
+# resumed outputs; 2: memfd rings
+PROTOCOL_VERSION = 4
 MAX_HEADER_BYTES = 8 << 20  # a 1M-token prompt's token ids and hashes fit
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
 SIGNED = "signed"  # ``Annotated[int, SIGNED]``: a field that may be negative (plain ints may not)

@@ -33,6 +33,7 @@ class TokenLogprobs:
     logprob: float
     top_token_ids: tuple[int, ...]  # most likely first
     top_logprobs: tuple[float, ...]  # same order as top_token_ids
+    rank: int | None = None  # prompt tokens: 1 + how many tokens were more likely
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,6 +81,9 @@ class TokenChunk(Message):
     num_cached_tokens: int  # usage: prompt tokens that came from a prefix cache
     is_first: bool = False  # the prefill node's first token; decode chunks follow
     timings: dict[str, Any] | None = None  # seconds per stage, e.g. {"prefill_queue": 0.01, ...}
+    # SamplingParams.prompt_logprobs, on the first chunk of the node that ran the prompt: one per
+    # prompt token after the first
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -90,6 +90,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end generation
     ignore_eos: bool = False  # keep going past the model's end-of-sequence token
     logprobs: int | None = None  # number of top alternatives to return per token (0 = chosen only)
+    # vLLM: the log-probability of every prompt token after the first, with this many alternatives
+    # (0: the token's own only). The node that computes the prompt sends them with the first token.
+    prompt_logprobs: int | None = None
     logit_bias: tuple[LogitBias, ...] = ()  # OpenAI; a {token_id: bias} mapping is accepted too
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM: sample only among these; None: all
     bad_words: tuple[str, ...] = ()  # vLLM: words the output may not contain (as tokens)
@@ -147,6 +150,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if self.seed is not None and (
             not isinstance(self.seed, int)
             or isinstance(self.seed, bool)

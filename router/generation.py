@@ -190,6 +190,8 @@ async def _send(
     resume: tuple[int, ...],
 ) -> None:
     target = route.prefill or route.decode
+    if resume:  # the client has the prompt logprobs: they came with the first token
+        params = dataclasses.replace(params, prompt_logprobs=None)
     request = pm.GenerateRequest(
         request_id,
         sample.prompt_ids,

@@ -33,6 +33,7 @@ EVERY_FIELD_SET = SamplingParams(
     stop_token_ids=(2, 7),
     ignore_eos=True,
     logprobs=5,
+    prompt_logprobs=3,
     logit_bias=(LogitBias(5, -100.0), LogitBias(9, 2.5)),
     allowed_token_ids=(1, 5, 9),
     bad_words=("foo", "bar baz"),
@@ -169,3 +170,11 @@ def test_unreadable_redis_records_raise_and_are_skipped(change):
 def test_roles_name_what_they_decode():
     assert [r for r in Role if r.decodes] == [Role.DECODE, Role.COLOCATED]
     assert Role("prefill") is Role.PREFILL and json.dumps(Role.PREFILL) == '"prefill"'
+
+
+def test_prompt_logprobs_ride_the_first_chunk_with_their_ranks():
+    entries = (pm.TokenLogprobs(7, -1.5, (3, 7), (-0.2, -1.5), 2), pm.TokenLogprobs(9, -0.1, (), (), 1))
+    chunk = pm.TokenChunk("r1", "p0", (4,), (), None, 3, 0, True, None, entries)
+    decoded = pm.decode(pm.encode(chunk))
+    assert decoded == chunk and decoded.prompt_logprobs[0].rank == 2
+    assert pm.decode(pm.encode(pm.TokenChunk("r1", "d0", (5,), (), None, 3, 0))).prompt_logprobs == ()
