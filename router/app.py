@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import importlib.metadata
 import logging
 import pathlib
 import time
@@ -20,13 +21,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protocol.model_digest import model_digest, weight_files
 from protocol.registry import Role
-from router import jobs, metrics, policy, serving
+from router import jobs, metrics, policy, serving, tokenize_api
 from router.admission import Admission, Stage
 from router.config import RouterConfig
 from router.errors import APIError
 from router.generation import Backend
 from router.node_client import NodeClient
-from router.openai_schema import ChatBody, CompletionBody, validation_error
+from router.openai_schema import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, validation_error
 from router.registry_client import NodeRegistry, RedisRegistry, StaticRegistry
 from router.tokenizer import Tokenizer
 
@@ -102,11 +103,18 @@ def create_app(
         await node_registry.stop()
         await node_client.close()
 
-    app = FastAPI(title="pdserve router", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="pdserve router", version=PDSERVE_VERSION, lifespan=lifespan)
     _add_error_handlers(app)
     app.add_middleware(_Guard, config=config)
     _add_routes(app)
     return app
+
+
+GUARDED_PATHS = ("/v1", "/tokenize", "/detokenize")  # what --api-key protects
+try:
+    PDSERVE_VERSION = importlib.metadata.version("pdserve")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+    PDSERVE_VERSION = "0.1.0"
 
 
 def _state(request: Request) -> RouterState:
@@ -140,7 +148,7 @@ class _Guard:
     def _refuse(self, scope) -> APIError | None:
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
         config = self._config
-        if config.api_key is not None and scope["path"].startswith("/v1"):
+        if config.api_key is not None and scope["path"].startswith(GUARDED_PATHS):
             # Constant time: how long the check takes says nothing of how much of the key matched.
             given, wanted = headers.get("authorization", b""), f"Bearer {config.api_key}".encode()
             if not hmac.compare_digest(given, wanted):
@@ -225,6 +233,22 @@ def _add_routes(app: FastAPI) -> None:
         max_model_len = state.max_model_len()
         job = await asyncio.to_thread(jobs.chat_job, body, state.tokenizer, max_model_len, state.config.max_n)
         return await _serve(state, job, max_model_len, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody, request: Request) -> dict:
+        state = _state(request)
+        state.check_model(body.model)
+        return await asyncio.to_thread(tokenize_api.tokenize, body, state.tokenizer, state.max_model_len())
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody, request: Request) -> dict:
+        state = _state(request)
+        state.check_model(body.model)
+        return tokenize_api.detokenize(body, state.tokenizer)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": PDSERVE_VERSION}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

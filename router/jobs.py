@@ -13,7 +13,7 @@ from typing import Any
 
 from protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 from router.errors import APIError, bad_request
-from router.openai_schema import ChatBody, CompletionBody, _SamplingFields
+from router.openai_schema import UNSUPPORTED, ChatBody, CompletionBody, _SamplingFields
 from router.structured import Structured, ToolCallPlan, check_token_rules, structured
 from router.tokenizer import ChatTemplateError, Tokenizer
 
@@ -35,9 +35,15 @@ class Job:
     stream: bool
     include_usage: bool  # streaming: a last chunk with usage
     logprobs: int | None  # top alternatives per token; None: no logprobs
-    echo: bool  # completions: the prompt text before the output
+    echo: bool  # completions: the prompt text before the output (with logprobs: the prompt's too)
     tokens_as_ids: bool  # logprob tokens as "token_id:N"
     tool_plan: ToolCallPlan | None = None  # chat with tools: the reply becomes tool_calls
+    prompt_logprobs: int | None = None  # the prompt_logprobs field (None: the key is null)
+    return_token_ids: bool = False  # prompt_token_ids and token_ids in the response
+    continuous_usage: bool = False  # streaming: usage so far on every chunk
+    response_id: str | None = None  # the client's request_id; None: a fresh one
+    no_output: bool = False  # max_tokens 0: the one token the nodes make is not returned
+    chat_echo: str = ""  # chat echo: the last (assistant) message's content before the reply
 
     def params_for(self, prompt: Prompt, max_model_len: int) -> SamplingParams:
         room = max_model_len - len(prompt.token_ids)
@@ -50,7 +56,11 @@ _FIELD_RE = re.compile(r"^(?:stop strings|(\w+))")
 
 
 def _sampling_params(
-    body: _SamplingFields, max_tokens: int | None, logprobs: int | None, rules: Structured
+    body: _SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    rules: Structured,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     def given(value: float | None, default: float) -> float:
         return default if value is None else value
@@ -72,6 +82,7 @@ def _sampling_params(
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             logit_bias=rules.logit_bias,
             allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
             bad_words=tuple(body.bad_words or ()),
@@ -98,16 +109,75 @@ def _check_unicode(value: Any, param: str) -> None:
             _check_unicode(item, param)
 
 
+def _no_op(value: Any, allowed: Any) -> bool:
+    """``value`` is ``allowed`` (1 passes for 1.0; False never passes for 0)."""
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (value, allowed))
+    return value == allowed and (numbers or type(value) is type(allowed))
+
+
+def _check_unsupported(body: _SamplingFields) -> None:
+    """A field pdserve does not implement passes only at its no-op value (or null)."""
+    for name in sorted(body.model_fields_set & UNSUPPORTED.keys()):
+        value = getattr(body, name)
+        allowed, why = UNSUPPORTED[name]
+        if value is not None and not any(_no_op(value, a) for a in allowed):
+            accepted = " or ".join(repr(a) for a in allowed)
+            raise bad_request(f"{name} is not supported: {why} (accepted: {accepted or 'null'})", name)
+
+
 def _check_common(body: _SamplingFields, max_n: int, tokenizer: Tokenizer) -> Structured:
     """Checks both endpoints share; the body's constraints (router.structured)."""
+    _check_unsupported(body)
     for name, value in body.model_dump().items():
         _check_unicode(value, name)
     if body.n > max_n:
         raise bad_request(f"n must be <= {max_n}, got {body.n}", "n")
-    if body.seed is not None and body.seed < 0:
-        raise bad_request(f"seed must be >= 0, got {body.seed}", "seed")
+    if body.seed is not None and not -(1 << 63) <= body.seed < 1 << 63:
+        raise bad_request(f"seed must be a 64-bit signed integer, got {body.seed}", "seed")
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
+        if not body.stream_options.include_usage:
+            raise bad_request(
+                "continuous_usage_stats needs include_usage: true", "stream_options.continuous_usage_stats"
+            )
+    if body.prompt_logprobs is not None and not 0 <= body.prompt_logprobs <= MAX_LOGPROBS:
+        raise bad_request(
+            f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {body.prompt_logprobs} "
+            "(-1, the whole vocabulary, is not supported)",
+            "prompt_logprobs",
+        )
+    if body.truncation_side is not None and body.truncate_prompt_tokens is None:
+        raise bad_request("truncation_side needs truncate_prompt_tokens", "truncation_side")
     check_token_rules(body, tokenizer.vocab_size)
     return structured(body, tokenizer)
+
+
+def _truncate(body: _SamplingFields, ids: tuple[int, ...], max_model_len: int) -> tuple[int, ...]:
+    """vLLM's truncate_prompt_tokens: keep k tokens (-1: the context), cut from the left by default."""
+    k = body.truncate_prompt_tokens
+    if k is None:
+        return ids
+    if k == -1:
+        k = max_model_len
+    if not 1 <= k <= max_model_len:
+        raise bad_request(
+            f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}], got {body.truncate_prompt_tokens}",
+            "truncate_prompt_tokens",
+        )
+    if len(ids) <= k:
+        return ids
+    return ids[:k] if body.truncation_side == "right" else ids[len(ids) - k :]
+
+
+def _response_fields(body: _SamplingFields) -> dict[str, Any]:
+    """The Job fields both endpoints set from the body alike."""
+    return {
+        "prompt_logprobs": body.prompt_logprobs,
+        "return_token_ids": bool(body.return_token_ids),
+        "continuous_usage": bool(body.stream_options and body.stream_options.continuous_usage_stats),
+        "response_id": body.request_id,
+    }
 
 
 def _check_fits(prompts: tuple[Prompt, ...], max_tokens: int | None, max_model_len: int, param: str) -> None:
@@ -139,31 +209,43 @@ def completion_job(body: CompletionBody, tokenizer: Tokenizer, max_model_len: in
         raise bad_request("suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of must equal n (best-of sampling is not supported)", "best_of")
+    no_output = body.max_tokens == 0
+    if no_output and body.min_tokens:
+        raise bad_request("min_tokens must be 0 when max_tokens is 0", "min_tokens")
+    max_tokens = 1 if no_output else body.max_tokens  # the nodes make one token; it is not returned
+    # echo with logprobs scores the echoed prompt too, as vLLM does (lm-eval's loglikelihood)
+    prompt_logprobs = body.prompt_logprobs
     if body.echo and body.logprobs is not None:
-        raise bad_request("echo with logprobs (prompt logprobs) is not supported", "echo")
-    params = _sampling_params(body, body.max_tokens, body.logprobs, rules)
+        prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
+    params = _sampling_params(body, max_tokens, body.logprobs, rules, prompt_logprobs)
     raw = body.prompt
     if isinstance(raw, str):
         raw = [raw]
     if not raw:
         raise bad_request("the prompt is empty", "prompt")
+    add_special = body.add_special_tokens is not False
     if isinstance(raw[0], str):
-        prompts = tuple(Prompt(tuple(tokenizer.encode(text)), text) for text in raw)
+        prompts = [Prompt(tuple(tokenizer.encode(text, add_special)), text) for text in raw]
     else:
         id_lists = [raw] if isinstance(raw[0], int) else raw
         _check_token_ids(id_lists, tokenizer.vocab_size)
-        prompts = tuple(Prompt(tuple(ids), None) for ids in id_lists)
-    _check_fits(prompts, body.max_tokens, max_model_len, "prompt")
+        prompts = [Prompt(tuple(ids), None) for ids in id_lists]
+    for i, prompt in enumerate(prompts):
+        ids = _truncate(body, prompt.token_ids, max_model_len)
+        prompts[i] = prompt if ids == prompt.token_ids else Prompt(ids, None)
+    _check_fits(tuple(prompts), max_tokens, max_model_len, "prompt")
     return Job(
         False,
-        prompts,
+        tuple(prompts),
         params,
-        body.max_tokens,
+        max_tokens,
         body.stream,
         _include_usage(body),
         body.logprobs,
         body.echo,
         body.return_tokens_as_token_ids,
+        no_output=no_output,
+        **_response_fields(body),
     )
 
 
@@ -178,18 +260,42 @@ def chat_job(body: ChatBody, tokenizer: Tokenizer, max_model_len: int, max_n: in
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     try:
-        params = _sampling_params(body, max_tokens, logprobs, rules)
+        params = _sampling_params(body, max_tokens, logprobs, rules, body.prompt_logprobs)
     except APIError as exc:
         if exc.param == "max_tokens" and body.max_completion_tokens is not None:
             exc.param = "max_completion_tokens"
         raise
+    messages = [m.for_template() for m in body.messages]
+    last = messages[-1]
+    if body.continue_final_message:
+        if body.add_generation_prompt:
+            raise bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true "
+                "(set add_generation_prompt: false)",
+                "continue_final_message",
+            )
+        if last["role"] != "assistant" or not last["content"]:
+            raise bad_request(
+                "continue_final_message needs a last message from the assistant with content", "messages"
+            )
+    reserved = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+    if clash := sorted(reserved & set(body.chat_template_kwargs or {})):
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs")
     try:
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        ids = tokenizer.encode_chat([m.for_template() for m in body.messages], tools=tools)
+        ids = tokenizer.encode_chat(
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            tools=tools,
+            continue_final_message=body.continue_final_message,
+            template_kwargs=body.chat_template_kwargs,
+            add_special_tokens=bool(body.add_special_tokens),
+        )
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
-    prompts = (Prompt(tuple(ids), None),)
+    prompts = (Prompt(_truncate(body, tuple(ids), max_model_len), None),)
     _check_fits(prompts, max_tokens, max_model_len, "messages")
+    echo = last["content"] if body.echo and last["role"] == "assistant" else ""
     return Job(
         True,
         prompts,
@@ -201,6 +307,8 @@ def chat_job(body: ChatBody, tokenizer: Tokenizer, max_model_len: int, max_n: in
         False,
         body.return_tokens_as_token_ids,
         rules.tool_plan,
+        chat_echo=echo,
+        **_response_fields(body),
     )
 
 

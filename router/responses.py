@@ -27,14 +27,22 @@ class Usage:
 
 
 def envelope(
-    response_id: str, object_: str, created: int, model: str, choices: list[dict], usage: Usage | None = None
+    response_id: str,
+    object_: str,
+    created: int,
+    model: str,
+    choices: list[dict],
+    usage: Usage | None = None,
+    **extra: Any,
 ) -> dict[str, Any]:
+    """``extra``: vLLM's response-level fields (chat: prompt_logprobs, prompt_token_ids)."""
     body: dict[str, Any] = {
         "id": response_id,
         "object": object_,
         "created": created,
         "model": model,
         "choices": choices,
+        **extra,
     }
     if usage is not None:
         body["usage"] = usage.to_dict()
@@ -82,6 +90,35 @@ class LogprobFormatter:
         }
         return body, text_offset
 
+    def completion_prompt(
+        self, prompt_ids: Sequence[int], entries: Sequence[TokenLogprobs]
+    ) -> tuple[dict[str, Any], int]:
+        """Echo with logprobs: the prompt's tokens in the completions shape (the first has no
+        logprob, as in vLLM), and the text offset after them."""
+        first = self.token(prompt_ids[0])
+        body, offset = self.completion(entries, len(first))
+        body["tokens"].insert(0, first)
+        body["token_logprobs"].insert(0, None)
+        body["top_logprobs"].insert(0, None)
+        body["text_offset"].insert(0, 0)
+        return body, offset
+
+    def prompt_logprobs(self, entries: Sequence[TokenLogprobs], num_top: int) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs``: None for the first prompt token, then for each the token's
+        own entry and its ``num_top`` alternatives, keyed by token id."""
+
+        def item(logprob: float, rank: int | None, token_id: int) -> dict[str, Any]:
+            return {"logprob": logprob, "rank": rank, "decoded_token": self.token(token_id)}
+
+        out: list[dict | None] = [None]
+        for entry in entries:
+            position = {str(entry.token_id): item(entry.logprob, entry.rank, entry.token_id)}
+            top = zip(entry.top_token_ids[:num_top], entry.top_logprobs[:num_top], strict=True)
+            for rank, (token_id, logprob) in enumerate(top, 1):
+                position.setdefault(str(token_id), item(logprob, rank, token_id))
+            out.append(position)
+        return out
+
     def chat(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
         def item(token_id: int, logprob: float) -> dict[str, Any]:
             text = self.token(token_id)
@@ -94,18 +131,27 @@ class LogprobFormatter:
         return {"content": content}
 
 
-def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+def completion_choice(
+    index: int, text: str, logprobs: dict | None, finish_reason: str | None, **extra: Any
+) -> dict:
+    """``extra``: vLLM's fields (prompt_logprobs, prompt_token_ids, token_ids)."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, **extra}
 
 
 def chat_choice(
-    index: int, text: str, logprobs: dict | None, finish_reason: str | None, tool_calls: list | None = None
+    index: int,
+    text: str,
+    logprobs: dict | None,
+    finish_reason: str | None,
+    tool_calls: list | None = None,
+    **extra: Any,
 ) -> dict:
+    """``extra``: vLLM's fields (token_ids)."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if tool_calls:  # the reply was constrained to calls (router.structured): no content beside them
         message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
         finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason, **extra}
 
 
 def tool_call_deltas(tool_calls: list[dict]) -> list[dict]:
@@ -113,5 +159,7 @@ def tool_call_deltas(tool_calls: list[dict]) -> list[dict]:
     return [{"index": i, **call} for i, call in enumerate(tool_calls)]
 
 
-def chat_chunk_choice(index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+def chat_chunk_choice(
+    index: int, delta: dict, logprobs: dict | None, finish_reason: str | None, **extra: Any
+) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **extra}

@@ -16,15 +16,25 @@ class SampleDelta:
     text: str  # safe to send (never part of a stop string)
     logprobs: tuple[pm.TokenLogprobs, ...]  # of the tokens this chunk contributed, when asked for
     finish_reason: str | None  # set on the sample's last delta
+    token_ids: tuple[int, ...] = ()  # the tokens this chunk contributed (up to a stop string)
 
 
 class SampleState:
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: tuple[int, ...], stop: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: tuple[int, ...],
+        stop: tuple[str, ...],
+        no_output: bool = False,
+    ) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, list(prompt_ids))
         self._matcher = StopStringMatcher(stop)
+        self._no_output = no_output  # max_tokens 0: the node's one token is not the client's
         self.num_prompt_tokens = len(prompt_ids)  # replaced by the node's count
         self.num_cached_tokens = 0  # prompt tokens from a prefix cache (the first chunk says)
         self.num_output_tokens = 0  # generated tokens that count (up to a stop string)
+        self.output_token_ids: list[int] = []  # those tokens
+        self.prompt_logprobs: tuple[pm.TokenLogprobs, ...] | None = None  # from the first chunk with them
         self.finish_reason: str | None = None
 
     @property
@@ -36,9 +46,15 @@ class SampleState:
         if chunk.is_first or self.num_output_tokens == 0:
             self.num_prompt_tokens = chunk.num_prompt_tokens or self.num_prompt_tokens
             self.num_cached_tokens = chunk.num_cached_tokens
-        logprobs = []
+        if chunk.prompt_logprobs and self.prompt_logprobs is None:
+            self.prompt_logprobs = chunk.prompt_logprobs
+        if self._no_output:
+            self.finish_reason = "length" if chunk.finish_reason is not None else None
+            return SampleDelta("", (), self.finish_reason)
+        logprobs, token_ids = [], []
         for i, token_id in enumerate(chunk.token_ids):
             self.num_output_tokens += 1
+            token_ids.append(token_id)
             if i < len(chunk.logprobs):
                 logprobs.append(chunk.logprobs[i])
             self._matcher.add(self._detokenizer.add(token_id))
@@ -48,5 +64,6 @@ class SampleState:
         if self.finish_reason is None and chunk.finish_reason is not None:
             self._matcher.add(self._detokenizer.flush())
             self.finish_reason = "stop" if self._matcher.stopped else chunk.finish_reason
+        self.output_token_ids += token_ids
         text = self._matcher.take(final=self.finish_reason is not None)
-        return SampleDelta(text, tuple(logprobs), self.finish_reason)
+        return SampleDelta(text, tuple(logprobs), self.finish_reason, tuple(token_ids))

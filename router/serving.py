@@ -46,9 +46,11 @@ class _Choice:
     prompt_index: int
     sample: Sample
     state: SampleState
+    prompt_ids: tuple[int, ...]
     prefix: str  # echo: prompt text still to send before the output
     logprobs: list = dataclasses.field(default_factory=list)  # non-streaming: all entries
     text_offset: int = 0  # completions logprobs: offset of the next token
+    started: bool = False  # streaming: its first chunk went out
 
 
 class JobRun:
@@ -63,7 +65,14 @@ class JobRun:
     ) -> None:
         self.job = job
         self.model = model
-        self.id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
+        self._sample_prefix = (
+            "chatcmpl-" if job.chat else "cmpl-"
+        ) + uuid.uuid4().hex  # unique in the cluster
+        self.id = (
+            self._sample_prefix
+            if job.response_id is None
+            else ("chatcmpl-" if job.chat else "cmpl-") + job.response_id
+        )
         self.created = int(time.time())
         self._backend = backend
         self._admission = admission
@@ -80,15 +89,21 @@ class JobRun:
         for p, prompt in enumerate(self.job.prompts):
             base = self.job.params_for(prompt, self._max_model_len)
             for i in range(n):
-                seed = None if base.seed is None else base.seed + i
+                seed = None if base.seed is None else (base.seed + i + (1 << 63)) % (1 << 64) - (1 << 63)
                 params = dataclasses.replace(base, n=1, seed=seed)
                 index = p * n + i
-                sample = Sample(f"{self.id}-{index}", prompt.token_ids, params, arrival)
-                state = SampleState(self._tokenizer, prompt.token_ids, params.stop)
-                choices.append(_Choice(index, p, sample, state, self._echo_text(prompt)))
+                sample = Sample(f"{self._sample_prefix}-{index}", prompt.token_ids, params, arrival)
+                choices.append(
+                    _Choice(index, p, sample, self._state(sample), prompt.token_ids, self._echo_text(prompt))
+                )
         return choices
 
+    def _state(self, sample: Sample) -> SampleState:
+        return SampleState(self._tokenizer, sample.prompt_ids, sample.params.stop, self.job.no_output)
+
     def _echo_text(self, prompt: Prompt) -> str:
+        if self.job.chat:
+            return self.job.chat_echo
         if not self.job.echo:
             return ""
         return prompt.text if prompt.text is not None else self._tokenizer.decode(list(prompt.token_ids))
@@ -136,7 +151,7 @@ class JobRun:
         async with contextlib.aclosing(runs) as chunks:
             async for chunk in chunks:
                 if chunk is RESTART:  # nothing of it reached the client: start the sample over
-                    choice.state = SampleState(self._tokenizer, sample.prompt_ids, sample.params.stop)
+                    choice.state = self._state(sample)
                     choice.logprobs = []
                     continue
                 delta = choice.state.on_chunk(chunk)
@@ -175,25 +190,50 @@ class JobRun:
         )
 
     # ------------------------------------------------------------------ formatting
-    def _logprobs(self, choice: _Choice, entries) -> dict | None:
+    def _logprobs(self, choice: _Choice, entries, echoed: bool = False) -> dict | None:
+        """The logprobs of ``entries``; ``echoed``: the echoed prompt's go first (completions)."""
         if self.job.logprobs is None:
             return None
         if self.job.chat:
             return self.formatter.chat(entries)
-        body, choice.text_offset = self.formatter.completion(entries, choice.text_offset)
-        return body
+        if not echoed:
+            body, choice.text_offset = self.formatter.completion(entries, choice.text_offset)
+            return body
+        body, _ = self.formatter.completion_prompt(choice.prompt_ids, choice.state.prompt_logprobs or ())
+        output, choice.text_offset = self.formatter.completion(entries, choice.text_offset)
+        return {key: body[key] + output[key] for key in body}
+
+    def _prompt_logprobs(self, choice: _Choice) -> list | None:
+        """The prompt_logprobs field: null when not asked for."""
+        if self.job.prompt_logprobs is None:
+            return None
+        return self.formatter.prompt_logprobs(choice.state.prompt_logprobs or (), self.job.prompt_logprobs)
+
+    def _prompt_fields(self, choice: _Choice) -> dict:
+        """vLLM's prompt fields: prompt_logprobs (always, null when not asked), prompt_token_ids."""
+        fields: dict = {"prompt_logprobs": self._prompt_logprobs(choice)}
+        if self.job.return_token_ids:
+            fields["prompt_token_ids"] = list(choice.prompt_ids)
+        return fields
+
+    def _continuous_usage(self) -> rs.Usage | None:
+        return self.usage() if self.job.continuous_usage else None
 
     def chunk(self, choice: _Choice, delta: SampleDelta) -> str | None:
         """The SSE event for one delta (None when it carries nothing)."""
+        first, choice.started = not choice.started, True
         text = choice.prefix + delta.text
         if choice.prefix:
             choice.text_offset = len(choice.prefix)
         choice.prefix = ""
         if self.job.tool_plan is not None:
             text = ""  # the calls go out whole, once the reply is complete
-        if not text and not delta.logprobs and delta.finish_reason is None:
+        echoed = first and self.job.echo and not self.job.chat
+        wants_first = first and (self.job.prompt_logprobs is not None or self.job.return_token_ids or echoed)
+        if not text and not delta.logprobs and delta.finish_reason is None and not wants_first:
             return None
-        logprobs = self._logprobs(choice, delta.logprobs)
+        logprobs = self._logprobs(choice, delta.logprobs, echoed)
+        ids = {"token_ids": list(delta.token_ids)} if self.job.return_token_ids else {}
         if self.job.chat:
             content, finish = {"content": text} if text else {}, delta.finish_reason
             if self.job.tool_plan is not None:
@@ -202,10 +242,17 @@ class JobRun:
                     content, finish = {"tool_calls": rs.tool_call_deltas(calls)}, "tool_calls"
                 elif finish is not None:
                     content = {"content": choice.state.text}  # cut short (length): the text as it is
-            body = rs.chat_chunk_choice(choice.index, content, logprobs, finish)
-            return rs.sse(rs.envelope(self.id, "chat.completion.chunk", self.created, self.model, [body]))
-        body = rs.completion_choice(choice.index, text, logprobs, delta.finish_reason)
-        return rs.sse(rs.envelope(self.id, "text_completion", self.created, self.model, [body]))
+            body = rs.chat_chunk_choice(choice.index, content, logprobs, finish, **ids)
+            envelope = rs.envelope(
+                self.id, "chat.completion.chunk", self.created, self.model, [body], self._continuous_usage()
+            )
+            return rs.sse(envelope)
+        extra = self._prompt_fields(choice) if first else {"prompt_logprobs": None}
+        body = rs.completion_choice(choice.index, text, logprobs, delta.finish_reason, **extra, **ids)
+        envelope = rs.envelope(
+            self.id, "text_completion", self.created, self.model, [body], self._continuous_usage()
+        )
+        return rs.sse(envelope)
 
     def _tool_calls(self, choice: _Choice, finish_reason: str | None) -> list | None:
         """A finished tools-constrained reply as tool calls (None while running or cut short)."""
@@ -213,22 +260,28 @@ class JobRun:
             return None
         return tool_calls(self.job.tool_plan, choice.state.text)
 
-    def role_chunks(self) -> list[str]:
-        """Chat streams open each choice with the assistant role."""
+    def role_chunks(self, first: _Choice) -> list[str]:
+        """Chat streams open each choice with the assistant role (and the echoed content); the
+        first of them carries the prompt's fields (the prompt is one: ``first`` has them)."""
         if not self.job.chat:
             return []
-        return [
-            rs.sse(
-                rs.envelope(
-                    self.id,
-                    "chat.completion.chunk",
-                    self.created,
-                    self.model,
-                    [rs.chat_chunk_choice(c.index, {"role": "assistant", "content": ""}, None, None)],
-                )
+        chunks = []
+        for i, c in enumerate(self.choices):
+            delta = {"role": "assistant", "content": c.prefix}
+            c.prefix = ""
+            extra = self._prompt_fields(first) if i == 0 else {}
+            body = rs.chat_chunk_choice(c.index, delta, None, None)
+            envelope = rs.envelope(
+                self.id,
+                "chat.completion.chunk",
+                self.created,
+                self.model,
+                [body],
+                self._continuous_usage(),
+                **extra,
             )
-            for c in self.choices
-        ]
+            chunks.append(rs.sse(envelope))
+        return chunks
 
     def usage_chunk(self) -> str:
         object_ = "chat.completion.chunk" if self.job.chat else "text_completion"
@@ -238,20 +291,23 @@ class JobRun:
         choices = []
         for c in self.choices:
             text = c.prefix + c.state.text
-            logprobs = None
-            if self.job.logprobs is not None:
-                logprobs = (
-                    self.formatter.chat(c.logprobs)
-                    if self.job.chat
-                    else self.formatter.completion(c.logprobs, len(c.prefix))[0]
-                )
+            c.text_offset = len(c.prefix)
+            logprobs = self._logprobs(c, c.logprobs, echoed=self.job.echo and not self.job.chat)
+            ids = {"token_ids": list(c.state.output_token_ids)} if self.job.return_token_ids else {}
             if self.job.chat:
                 calls = self._tool_calls(c, c.state.finish_reason)
-                choices.append(rs.chat_choice(c.index, text, logprobs, c.state.finish_reason, calls))
+                choices.append(rs.chat_choice(c.index, text, logprobs, c.state.finish_reason, calls, **ids))
             else:
-                choices.append(rs.completion_choice(c.index, text, logprobs, c.state.finish_reason))
-        object_ = "chat.completion" if self.job.chat else "text_completion"
-        return rs.envelope(self.id, object_, self.created, self.model, choices, self.usage())
+                extra = self._prompt_fields(c)
+                choices.append(
+                    rs.completion_choice(c.index, text, logprobs, c.state.finish_reason, **extra, **ids)
+                )
+        if not self.job.chat:
+            return rs.envelope(self.id, "text_completion", self.created, self.model, choices, self.usage())
+        extra = self._prompt_fields(self.choices[0])
+        return rs.envelope(
+            self.id, "chat.completion", self.created, self.model, choices, self.usage(), **extra
+        )
 
 
 async def serve(run: JobRun, request: Request) -> Response:
@@ -312,9 +368,9 @@ async def _cancel_on_disconnect(run: JobRun, request: Request) -> None:
 
 async def _stream(run: JobRun, first, events) -> AsyncIterator[str]:
     try:
-        for line in run.role_chunks():
-            yield line
         choice, event = first
+        for line in run.role_chunks(choice):
+            yield line
         while True:
             if isinstance(event, APIError):
                 yield rs.sse(event.body())

@@ -93,7 +93,32 @@ def _guided_fields(body: _SamplingFields) -> list[tuple[str, GuidedDecoding]]:
         given.append(
             ("guided_grammar", _checked("guided_grammar", GuidedDecoding.grammar, body.guided_grammar))
         )
+    if body.structured_outputs is not None:
+        given.append(_structured_outputs(body.structured_outputs))
     return given
+
+
+def _structured_outputs(so) -> tuple[str, GuidedDecoding]:
+    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar, json_object."""
+    kinds = [
+        (f"structured_outputs.{name}", make, value)
+        for name, make, value in (
+            ("json", GuidedDecoding.json_schema, so.json_),
+            ("regex", GuidedDecoding.regex, so.regex),
+            ("choice", GuidedDecoding.choice, so.choice),
+            ("grammar", GuidedDecoding.grammar, so.grammar),
+            ("json_object", lambda _: GuidedDecoding.json_object(), so.json_object or None),
+        )
+        if value is not None
+    ]
+    if len(kinds) != 1:
+        named = " and ".join(k for k, _, _ in kinds) or "none"
+        raise bad_request(
+            f"structured_outputs takes exactly one of json, regex, choice, grammar, json_object; got {named}",
+            kinds[1][0] if len(kinds) > 1 else "structured_outputs",
+        )
+    field, make, value = kinds[0]
+    return field, _checked(field, make, value)
 
 
 def _checked(field: str, make, value) -> GuidedDecoding:
@@ -129,16 +154,20 @@ def _tools_spec(body: ChatBody) -> tuple[GuidedDecoding, ToolCallPlan]:
 
 
 def _logit_bias(body: _SamplingFields, vocab_size: int) -> tuple[LogitBias, ...]:
-    out = []
-    for key, bias in (body.logit_bias or {}).items():
-        if not key.isdigit() or int(key) >= vocab_size:
-            raise bad_request(
-                f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}", "logit_bias"
-            )
-        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-            raise bad_request(f"logit_bias values must be in [-100, 100], got {bias}", "logit_bias")
-        out.append(LogitBias(int(key), float(bias)))
-    return tuple(sorted(out, key=lambda b: b.token_id))
+    """Every bad key and every bad value is named in the one 400."""
+    items = (body.logit_bias or {}).items()
+    bad_keys = [k for k, _ in items if not (k.isascii() and k.isdigit()) or int(k) >= vocab_size]
+    if bad_keys:
+        raise bad_request(
+            f"logit_bias keys must be token ids in [0, {vocab_size}), got {', '.join(map(repr, bad_keys))}",
+            "logit_bias",
+        )
+    bad_values = [f"{b} (for {k!r})" for k, b in items if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS]
+    if bad_values:
+        raise bad_request(
+            f"logit_bias values must be in [-100, 100], got {', '.join(bad_values)}", "logit_bias"
+        )
+    return tuple(sorted((LogitBias(int(k), float(b)) for k, b in items), key=lambda b: b.token_id))
 
 
 def check_token_rules(body: _SamplingFields, vocab_size: int) -> None:

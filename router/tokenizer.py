@@ -109,12 +109,17 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """The conversation as prompt text; tokenize it with add_special_tokens=False."""
+        """The conversation as prompt text; tokenize it with add_special_tokens=False.
+        ``continue_final_message``: the text stops where the last message's content does (what
+        the template puts after it, its end-of-turn, is cut), so the reply continues it."""
         if self._chat_template is None:
             raise ChatTemplateError("the model has no chat template; use /v1/completions")
         try:
-            return self._chat_template.render(
+            text = self._chat_template.render(
+                **(template_kwargs or {}),
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
@@ -125,15 +130,27 @@ class Tokenizer:
             raise
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from None
+        if continue_final_message:
+            final = messages[-1]["content"].strip()
+            end = text.rfind(final)
+            if not final or end < 0:
+                raise ChatTemplateError("the chat template does not show the last message's content as given")
+            text = text[: end + len(final)]
+        return text
 
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        text = self.render_chat(messages, add_generation_prompt, tools)
-        return self.encode(text, add_special_tokens=False)
+        text = self.render_chat(
+            messages, add_generation_prompt, tools, continue_final_message, template_kwargs
+        )
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _compile_template(source: str) -> jinja2.Template:

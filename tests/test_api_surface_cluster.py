@@ -1,0 +1,560 @@
+"""The vLLM-compatible request surface end to end, fail-closed: 1 prefill + 1 decode node on a real
+Redis and two routers on them, one that disaggregates every prompt of 8 tokens or more and one
+that never does (the decode node prefills). Requests go concurrently, streamed and not, on both;
+answers are checked against Hugging Face on the same weights (prompt logprobs against its
+log_softmax, outputs against its greedy generate, chat prompts against its chat template).
+
+``test_every_schema_field_is_honoured_or_refused_by_name`` walks the field lists of OpenAI's and
+vLLM's request schemas (tests/data/request_fields.json) and asserts, for each, a 200 or a 400
+whose ``param`` names it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import json
+import pathlib
+import random
+import re
+
+import httpx
+import pytest
+import torch
+
+from router.tokenizer import Tokenizer
+from tests.cluster import NodeProcess, RedisServer
+from tests.engine_helpers import hf_greedy, hf_logits
+from tests.test_router_cluster import RouterProcess, serving, tiny_model_with_tokenizer
+
+pytestmark = pytest.mark.slow
+FIELDS = json.loads((pathlib.Path(__file__).parent / "data" / "request_fields.json").read_text())
+ATOL = 1e-4  # logprobs through JSON: fp32 sums of a 49k-way softmax
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, default_model_dir):
+    tmp = tmp_path_factory.mktemp("api-surface")
+    model = tiny_model_with_tokenizer(default_model_dir, max_position_embeddings=1024)
+    redis = RedisServer(tmp)
+    extra = ["--num-kv-blocks", "512", "--heartbeat-interval", "0.2", "--heartbeat-ttl", "2"]
+    nodes = {role: NodeProcess(role, str(model), tmp, redis.url, extra) for role in ("prefill", "decode")}
+    routers = {
+        "pd": RouterProcess(
+            model, redis.url, tmp, "--disagg-threshold", "8", "--local-prefill-margin-s", "-1"
+        ),
+        "decode_only": RouterProcess(model, redis.url, tmp, "--disagg-threshold", "100000"),
+    }
+    with serving(redis, nodes.values(), routers.values()):
+        yield model, routers, nodes
+
+
+@functools.cache
+def _tokenizer(model: pathlib.Path) -> Tokenizer:
+    return Tokenizer(model)
+
+
+def _post(router, path: str, body: dict, status: int = 200) -> dict:
+    reply = httpx.post(router.url + path, json=body, timeout=120)
+    assert reply.status_code == status, reply.text
+    return reply.json()
+
+
+def _stream(router, path: str, body: dict) -> list[dict]:
+    events = []
+    with httpx.stream("POST", router.url + path, json={**body, "stream": True}, timeout=120) as reply:
+        assert reply.status_code == 200, reply.read()
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(n)] for n in lengths]
+
+
+def _hf_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    return torch.log_softmax(hf_logits(str(model), prompt), dim=-1)  # [T, vocab]
+
+
+def _check_prompt_logprobs(model, prompt: list[int], entries: list, num_top: int) -> None:
+    """vLLM's shape: None first, then {token id: {logprob, rank, decoded_token}} with the prompt's
+    token and the top ``num_top``; values equal HF's log_softmax of the prompt."""
+    expected = _hf_logprobs(model, prompt)
+    assert len(entries) == len(prompt) and entries[0] is None
+    for pos in range(1, len(prompt)):
+        row, entry = expected[pos - 1], entries[pos]
+        token = prompt[pos]
+        assert str(token) in entry
+        assert abs(entry[str(token)]["logprob"] - float(row[token])) < ATOL
+        value = float(row[token])  # its rank, up to the logprobs within fp32 noise of it
+        assert (
+            int((row > value + ATOL).sum()) < entry[str(token)]["rank"] <= int((row > value - ATOL).sum()) + 1
+        )
+        top = row.topk(num_top)
+        for rank, (value, token_id) in enumerate(
+            zip(top.values.tolist(), top.indices.tolist(), strict=True), 1
+        ):
+            assert abs(entry[str(token_id)]["logprob"] - value) < ATOL
+            assert entry[str(token_id)]["rank"] in (rank, entry[str(token)]["rank"])
+        assert len(entry) in (num_top, num_top + 1)
+
+
+def _prompt_logprobs_of(router, model, prompt: list[int], stream: bool, num_top: int) -> list:
+    body = {
+        "model": model.name,
+        "prompt": prompt,
+        "max_tokens": 3,
+        "temperature": 0,
+        "prompt_logprobs": num_top,
+    }
+    if stream:
+        events = _stream(router, "/v1/completions", body)
+        firsts = [e["choices"][0]["prompt_logprobs"] for e in events if e["choices"]]
+        assert all(f is None for f in firsts[1:])  # only the first chunk carries them
+        return firsts[0]
+    return _post(router, "/v1/completions", body)["choices"][0]["prompt_logprobs"]
+
+
+@pytest.mark.parametrize("router_name", ["pd", "decode_only"])
+def test_prompt_logprobs_equal_hf_concurrently_streamed_or_not_and_after_a_cache_hit(cluster, router_name):
+    model, routers, nodes = cluster
+    router = routers[router_name]
+    prompts = _prompts(28, [40, 9, 130, 17, 64, 300])
+    prompts.append(prompts[2][:96] + [5, 6, 7])  # shares full blocks with the 130-token prompt
+    before = len(nodes["prefill"].events("request_added"))
+    jobs = [(p, i % 2 == 1, (0, 1, 5)[i % 3]) for i, p in enumerate(prompts)]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda j: _prompt_logprobs_of(router, model, *j), jobs))
+    for (prompt, _, num_top), entries in zip(jobs, results, strict=True):
+        _check_prompt_logprobs(model, prompt, entries, num_top)
+    # the repeat: cached on the node that ran it, still given (its positions are computed again)
+    _check_prompt_logprobs(model, prompts[2], _prompt_logprobs_of(router, model, prompts[2], False, 2), 2)
+    plain = _post(router, "/v1/completions", {"model": model.name, "prompt": prompts[2], "max_tokens": 1})
+    assert plain["choices"][0]["prompt_logprobs"] is None  # the key is there, null, when not asked for
+    assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    went_through_prefill = len(nodes["prefill"].events("request_added")) > before
+    assert went_through_prefill == (router_name == "pd")
+    chat = _post(
+        router,
+        "/v1/chat/completions",
+        {
+            "model": model.name,
+            "messages": [{"role": "user", "content": "Hello there, friend"}],
+            "prompt_logprobs": 2,
+            "max_tokens": 2,
+        },
+    )
+    ids = _tokenizer(model).encode_chat([{"role": "user", "content": "Hello there, friend"}])
+    _check_prompt_logprobs(model, ids, chat["prompt_logprobs"], 2)
+
+
+def _echo_scores(router, model, prompt: list[int], max_tokens: int, stream: bool) -> dict:
+    """lm-eval's loglikelihood request (echo, logprobs 1, temperature 0)."""
+    body = {
+        "model": model.name,
+        "prompt": [prompt],
+        "max_tokens": max_tokens,
+        "logprobs": 1,
+        "echo": True,
+        "temperature": 0,
+        "seed": 1234,
+    }
+    if not stream:
+        return _post(router, "/v1/completions", body)["choices"][0]
+    merged = {
+        "text": "",
+        "logprobs": {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []},
+    }
+    for event in _stream(router, "/v1/completions", body):
+        for choice in event["choices"]:
+            merged["text"] += choice["text"]
+            for key in merged["logprobs"]:
+                merged["logprobs"][key] += (choice["logprobs"] or {}).get(key, [])
+            merged["finish_reason"] = choice["finish_reason"] or merged.get("finish_reason")
+    return merged
+
+
+@pytest.mark.parametrize("router_name", ["pd", "decode_only"])
+def test_echo_with_logprobs_scores_the_prompt_as_hf_does_for_lm_eval(cluster, router_name):
+    model, routers, _ = cluster
+    router = routers[router_name]
+    tok = _tokenizer(model)
+    prompts = _prompts(7, [12, 33, 70, 9])
+    jobs = [(p, (1, 0)[i % 2], i >= 2) for i, p in enumerate(prompts)]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        choices = list(pool.map(lambda j: _echo_scores(router, model, *j), jobs))
+    for (prompt, max_tokens, _), choice in zip(jobs, choices, strict=True):
+        expected = _hf_logprobs(model, prompt)
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(prompt) + max_tokens
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        for pos in range(1, len(prompt)):
+            assert abs(lp["token_logprobs"][pos] - float(expected[pos - 1, prompt[pos]])) < ATOL
+            greedy = int(expected[pos - 1].argmax()) == prompt[pos]
+            # lm-eval's is_greedy: the token's logprob is exactly the best of the top entries
+            assert (lp["token_logprobs"][pos] == max(lp["top_logprobs"][pos].values())) == greedy
+        assert lp["tokens"][: len(prompt)] == [tok.token_text(t) for t in prompt]
+        prompt_text = tok.decode(prompt)
+        assert choice["text"].startswith(prompt_text)
+        if max_tokens == 0:
+            assert choice["text"] == prompt_text and choice["finish_reason"] == "length"
+        else:
+            greedy_next = hf_greedy(str(model), prompt, 1)[0]
+            assert lp["tokens"][-1] == tok.token_text(greedy_next)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_structured_outputs_constrain_as_guided_fields_do(cluster, endpoint):
+    model, routers, _ = cluster
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    base = {"model": model.name, "max_tokens": 12, "temperature": 0}
+    base |= (
+        {"prompt": "Generate an email address:"}
+        if endpoint == "completions"
+        else {"messages": [{"role": "user", "content": "Pick one."}]}
+    )
+    cases = [
+        ({"regex": "[a-z]{3,6}@[a-z]{3,5}\\.com"}, {"guided_regex": "[a-z]{3,6}@[a-z]{3,5}\\.com"}),
+        ({"choice": ["alpha", "beta", "gamma"]}, {"guided_choice": ["alpha", "beta", "gamma"]}),
+        (
+            {"json": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}},
+            {"guided_json": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}},
+        ),
+        ({"json_object": True}, {"response_format": {"type": "json_object"}}),
+        ({"grammar": 'root ::= "yes" | "no"'}, {"guided_grammar": 'root ::= "yes" | "no"'}),
+    ]
+
+    def text(reply: dict) -> str:
+        choice = reply["choices"][0]
+        return choice["text"] if endpoint == "completions" else choice["message"]["content"]
+
+    for router in routers.values():
+        bodies = [b for so, old in cases for b in ({**base, "structured_outputs": so}, {**base, **old})]
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+            replies = list(pool.map(functools.partial(_post, router, path), bodies))
+        for i, (so, _) in enumerate(cases):
+            new, old = text(replies[2 * i]), text(replies[2 * i + 1])
+            assert new == old, (so, new, old)  # the same constraint, the same greedy output
+            if "regex" in so and replies[2 * i]["choices"][0]["finish_reason"] == "stop":
+                assert re.fullmatch(so["regex"], new)
+            if "choice" in so:
+                assert new in so["choice"]
+            if "grammar" in so:
+                assert new in ("yes", "no")
+            if "json" in so and replies[2 * i]["choices"][0]["finish_reason"] == "stop":
+                assert isinstance(json.loads(new)["n"], int)
+    bad = _post(routers["pd"], path, {**base, "structured_outputs": {"regex": "[.*"}}, 400)
+    assert bad["error"]["param"] == "structured_outputs.regex"
+
+
+def test_token_ids_in_and_out_and_truncation(cluster):
+    model, routers, _ = cluster
+    tok = _tokenizer(model)
+    prompt = _prompts(4, [60])[0]
+    for router in routers.values():
+        body = {"model": model.name, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        whole = _post(router, "/v1/completions", {**body, "return_token_ids": True})["choices"][0]
+        assert whole["prompt_token_ids"] == prompt
+        assert whole["token_ids"] == hf_greedy(str(model), prompt, 6)
+        assert tok.decode(whole["token_ids"]) == whole["text"]
+        events = _stream(router, "/v1/completions", {**body, "return_token_ids": True})
+        streamed = [c for e in events for c in e["choices"]]
+        assert streamed[0]["prompt_token_ids"] == prompt
+        assert [t for c in streamed for t in c["token_ids"]] == whole["token_ids"]
+        for side, kept in (("left", prompt[-25:]), ("right", prompt[:25]), (None, prompt[-25:])):
+            cut = {**body, "truncate_prompt_tokens": 25} | ({"truncation_side": side} if side else {})
+            reply = _post(router, "/v1/completions", cut)
+            assert reply["usage"]["prompt_tokens"] == 25  # usage counts what was run
+            assert tok.encode(reply["choices"][0]["text"], False) is not None
+            assert reply["choices"][0]["text"] == tok.decode(hf_greedy(str(model), kept, 6))
+        messages = [{"role": "user", "content": "Tell me about the sea and its long, grey waves."}]
+        chat = _post(
+            router,
+            "/v1/chat/completions",
+            {
+                "model": model.name,
+                "messages": messages,
+                "max_tokens": 4,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        )
+        assert chat["prompt_token_ids"] == tok.encode_chat(messages)
+        assert chat["choices"][0]["token_ids"] == hf_greedy(str(model), chat["prompt_token_ids"], 4)
+
+
+def test_streaming_usage_every_chunk_and_include_usage_on_both_endpoints(cluster):
+    model, routers, _ = cluster
+    prompt = _prompts(9, [20])[0]
+    for router in routers.values():
+        for path, body in (
+            ("/v1/completions", {"prompt": prompt}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to ten."}]}),
+        ):
+            body = {
+                **body,
+                "model": model.name,
+                "max_tokens": 7,
+                "temperature": 0,
+                "ignore_eos": True,
+                "n": 2,
+            }
+            opts = {"include_usage": True, "continuous_usage_stats": True}
+            events = _stream(router, path, {**body, "stream_options": opts})
+            assert all("usage" in e for e in events)
+            counts = [e["usage"]["completion_tokens"] for e in events]
+            assert counts == sorted(counts) and counts[-1] == 14 and not events[-1]["choices"]
+            only_last = _stream(router, path, {**body, "stream_options": {"include_usage": True}})
+            assert [("usage" in e) for e in only_last] == [False] * (len(only_last) - 1) + [True]
+            for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+                assert only_last[-1]["usage"][key] == events[-1]["usage"][key]
+            plain = _stream(router, path, body)
+            assert not any("usage" in e for e in plain)
+
+
+def _hf_chat_ids(model, messages, **kwargs) -> list[int]:
+    import transformers
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(model))
+    return hf_tok.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
+
+
+def test_chat_echo_continue_final_message_generation_prompt_and_any_role(cluster):
+    model, routers, _ = cluster
+    tok = _tokenizer(model)
+    partial = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+    cases = [
+        (
+            {
+                "messages": partial,
+                "continue_final_message": True,
+                "add_generation_prompt": False,
+                "echo": True,
+            },
+            _hf_chat_ids(model, partial, continue_final_message=True, add_generation_prompt=False),
+            "The color is",
+        ),
+        (
+            {"messages": partial[:1], "add_generation_prompt": False},
+            _hf_chat_ids(model, partial[:1], add_generation_prompt=False),
+            "",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "observer", "content": "It is raining."},
+                    {"role": "user", "content": "Hi"},
+                ]
+            },
+            _hf_chat_ids(
+                model,
+                [{"role": "observer", "content": "It is raining."}, {"role": "user", "content": "Hi"}],
+                add_generation_prompt=True,
+            ),
+            "",
+        ),
+    ]
+    for router in routers.values():
+        for extra, ids, echo in cases:
+            body = {
+                "model": model.name,
+                "max_tokens": 5,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+                **extra,
+            }
+            whole = _post(router, "/v1/chat/completions", body)
+            assert whole["prompt_token_ids"] == ids
+            output = tok.decode(hf_greedy(str(model), ids, 5))
+            assert whole["choices"][0]["message"]["content"] == echo + output
+            events = _stream(router, "/v1/chat/completions", body)
+            streamed = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+            assert streamed == echo + output
+            tokenized = _post(router, "/tokenize", {k: v for k, v in extra.items() if k != "echo"})
+            assert tokenized["tokens"] == ids and tokenized["count"] == len(ids)
+
+
+def test_int64_seeds_give_the_same_tokens_on_every_path(cluster):
+    model, routers, _ = cluster
+    prompt = _prompts(11, [30])[0]
+    outputs = {}
+    for seed in (-1, (1 << 63) - 1, -(1 << 63)):
+        body = {
+            "model": model.name,
+            "prompt": prompt,
+            "max_tokens": 8,
+            "temperature": 1.0,
+            "seed": seed,
+            "n": 2,
+            "return_token_ids": True,
+        }
+        for name, router in routers.items():
+            reply = _post(router, "/v1/completions", body)
+            outputs[(seed, name)] = [c["token_ids"] for c in reply["choices"]]
+        assert outputs[(seed, "pd")] == outputs[(seed, "decode_only")]
+        assert outputs[(seed, "pd")][0] != outputs[(seed, "pd")][1]
+    assert outputs[(-1, "pd")] != outputs[((1 << 63) - 1, "pd")]
+
+
+def test_tokenize_detokenize_and_version(cluster):
+    model, routers, _ = cluster
+    tok = _tokenizer(model)
+    router = routers["pd"]
+    reply = _post(
+        router, "/tokenize", {"model": model.name, "prompt": "Hello world", "return_token_strs": True}
+    )
+    assert reply["tokens"] == tok.encode("Hello world") and reply["count"] == len(reply["tokens"])
+    assert (
+        reply["token_strs"] == [tok.token_text(t) for t in reply["tokens"]] and reply["max_model_len"] == 1024
+    )
+    assert _post(router, "/detokenize", {"tokens": reply["tokens"]})["prompt"] == "Hello world"
+    assert _post(router, "/detokenize", {"tokens": [10**9]}, 400)["error"]["param"] == "tokens"
+    assert _post(router, "/tokenize", {"prompt": "x", "messages": []}, 400)["error"]["param"]
+    assert _post(router, "/tokenize", {"prompt": "x", "bogus": 1}, 400)["error"]["param"] == "bogus"
+    assert httpx.get(router.url + "/version", timeout=10).json()["version"]
+
+
+# A sample value for every field of both schemas, in one of two tables. Honoured: the request
+# runs (200); refused: a 400 naming the field. The walk fails on a field in neither, so a field
+# the schemas gain must be classified before this passes.
+HONOURED = {
+    "model": None,
+    "prompt": None,
+    "messages": None,  # set by the walk itself
+    "best_of": 1,
+    "echo": True,
+    "frequency_penalty": 0.5,
+    "presence_penalty": 0.5,
+    "logit_bias": {"5": 1.0},
+    "logprobs": 2,
+    "max_tokens": 2,
+    "max_completion_tokens": 2,
+    "n": 2,
+    "seed": 5,
+    "stop": ["zz"],
+    "stream_options": {"include_usage": True},
+    "stream": True,
+    "temperature": 0.5,
+    "top_p": 0.9,
+    "user": "u1",
+    "add_special_tokens": False,
+    "allowed_token_ids": [5, 6, 7],
+    "bad_words": ["zz"],
+    "ignore_eos": True,
+    "min_p": 0.1,
+    "min_tokens": 1,
+    "prompt_logprobs": 1,
+    "repetition_penalty": 1.1,
+    "request_id": "abc",
+    "response_format": {"type": "text"},
+    "return_token_ids": True,
+    "return_tokens_as_token_ids": True,
+    "stop_token_ids": [9],
+    "structured_outputs": {"choice": ["a", "b"]},
+    "top_k": 5,
+    "truncate_prompt_tokens": 3,
+    "truncation_side": "right",
+    "metadata": {"k": "v"},
+    "safety_identifier": "s",
+    "prompt_cache_key": "k",
+    "prompt_cache_retention": "in_memory",
+    "session_id": "x",
+    "parallel_tool_calls": True,
+    "tool_choice": "none",
+    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "top_logprobs": 2,
+    "add_generation_prompt": True,
+    "chat_template_kwargs": {"enable_thinking": False},
+    "continue_final_message": False,
+    "return_mm_kwargs": False,
+}
+REFUSED = {
+    "suffix": "x",
+    "cache_salt": "salt",
+    "ec_transfer_params": {},
+    "include_stop_str_in_output": True,
+    "kv_transfer_params": {},
+    "length_penalty": 0.5,
+    "logprob_token_ids": [5],
+    "priority": 1,
+    "prompt_embeds": "AAAA",
+    "repetition_detection": {},
+    "routed_experts_prompt_start": 3,
+    "return_token_offsets": True,
+    "skip_special_tokens": False,
+    "spaces_between_special_tokens": False,
+    "stream_interval": 4,
+    "thinking_token_budget": 10,
+    "use_beam_search": True,
+    "vllm_xargs": {"a": 1},
+    "watermarking": True,
+    "audio": {},
+    "function_call": "auto",
+    "functions": [{"name": "f"}],
+    "modalities": ["audio"],
+    "moderation": {},
+    "prediction": {},
+    "prompt_cache_options": {},
+    "reasoning_effort": "high",
+    "service_tier": "flex",
+    "store": True,
+    "verbosity": "low",
+    "web_search_options": {},
+    "chat_template": "x",
+    "documents": [{"a": "b"}],
+    "include_reasoning": False,
+    "media_io_kwargs": {},
+    "mm_processor_kwargs": {},
+    "return_prompt_text": True,
+}
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_every_schema_field_is_honoured_or_refused_by_name(cluster, endpoint):
+    model, routers, _ = cluster
+    fields = sorted(set(FIELDS[endpoint]["openai"]) | set(FIELDS[endpoint]["vllm"]) | {"stream"})
+    unclassified = [f for f in fields if f not in HONOURED and f not in REFUSED]
+    assert not unclassified, f"classify these fields: {unclassified}"
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    base = {"model": model.name, "max_tokens": 2, "temperature": 0}
+    base |= (
+        {"prompt": "The sea is"}
+        if endpoint == "completions"
+        else {"messages": [{"role": "user", "content": "Hi"}]}
+    )
+    needs = {"top_logprobs": {"logprobs": True}, "truncation_side": {"truncate_prompt_tokens": 3}}
+    needs |= {
+        "stream_options": {"stream": True},
+        "min_tokens": {"ignore_eos": False},
+        "tools": {"tool_choice": "none"},
+    }
+    if endpoint == "chat":
+        needs["logprobs"] = {}
+    samples = {**HONOURED, "logprobs": True if endpoint == "chat" else 2}
+
+    def send(field: str) -> tuple[str, httpx.Response]:
+        if field in REFUSED:
+            body = {**base, field: REFUSED[field]}
+        else:
+            body = {**base, **needs.get(field, {}), field: samples[field]}
+        if body.get("stream"):
+            with httpx.stream("POST", routers["pd"].url + path, json=body, timeout=60) as reply:
+                reply.read()
+                return field, reply
+        return field, httpx.post(routers["pd"].url + path, json=body, timeout=60)
+
+    walk = [f for f in fields if f not in ("model", "prompt", "messages")]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        replies = dict(pool.map(send, walk))
+    for field, reply in replies.items():
+        if field in REFUSED:
+            assert reply.status_code == 400, (field, reply.text)
+            assert reply.json()["error"]["param"] == field, (field, reply.text)
+        else:
+            assert reply.status_code == 200, (field, reply.text)
+    unknown = httpx.post(routers["pd"].url + path, json={**base, "guided_regexp": "a+"}, timeout=60)
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "guided_regexp"
