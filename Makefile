@@ -22,7 +22,7 @@ TEST_PATH := $(abspath $(VENV))/bin:$(PATH)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test test-torch-attention lint run model native compose-test chaos chaos-report soak
+.PHONY: setup test test-torch-attention lint run model native compose-test chaos chaos-report soak eval
 
 setup: $(STAMP)
 	@scripts/ensure-redis.sh $(VENV)
@@ -82,6 +82,17 @@ chaos: model
 # The same run, its table written into docs/reliability.md.
 chaos-report: model
 	PATH="$(TEST_PATH)" $(PY) -m scripts.chaos_report $(PYTEST_ARGS)
+
+# lm-eval-harness against a real `pdserve up` cluster (tests/eval): the two small tasks of
+# tests/data/lm_eval (generate_until by exact match, multiple_choice by loglikelihood) through
+# `local-completions`, each item equal to lm-eval's own `hf` model on the same weights. Not part
+# of `make test`: lm-eval is installed only here, once (about 620 MB and a minute), with torch
+# held at pyproject.toml's pin; then about 2 minutes on 2 cores.
+LM_EVAL_VERSION := 0.4.13
+eval: model
+	@$(PY) -c 'import importlib.metadata as m, sys; sys.exit(m.version("lm-eval") != "$(LM_EVAL_VERSION)")' 2>/dev/null \
+		|| $(PY) -m pip install -q 'lm-eval[api]==$(LM_EVAL_VERSION)' 'torch==2.13.0'
+	PATH="$(TEST_PATH)" $(PY) -m pytest -q tests/eval -m eval $(PYTEST_ARGS)
 
 # bench/soak.py: a cluster under ~80% of its measured capacity for SOAK_MINUTES (30 by default),
 # RSS, used blocks, open fds and latency recorded over time into a PNG; fails on growth.
