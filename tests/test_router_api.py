@@ -272,3 +272,20 @@ def test_a_cluster_of_decode_nodes_alone_is_healthy_and_says_so(tokenizer, defau
     health = asyncio.run(go())
     assert health.status_code == 200  # it serves: the decode node prefills every prompt itself
     assert health.json()["status"] == "decode_only" and health.json()["num_pairs"] == 0
+
+
+def test_every_bad_logit_bias_key_is_named(tokenizer, default_model_dir):
+    body = {"prompt": "x", "logit_bias": {"5": 1.0, "abc": 1.0, "99999999": 2.0, "-3": 1.0}}
+    error = _assert_error(_post(tokenizer, default_model_dir, "/v1/completions", body), 400, "logit_bias")
+    assert (
+        all(repr(k) in error["message"] for k in ("abc", "99999999", "-3")) and "'5'" not in error["message"]
+    )
+    body = {"prompt": "x", "logit_bias": {"5": 101.0, "6": -300.0, "7": 3.0}}
+    error = _assert_error(_post(tokenizer, default_model_dir, "/v1/completions", body), 400, "logit_bias")
+    assert "101.0" in error["message"] and "-300.0" in error["message"] and "3.0 " not in error["message"]
+
+
+def test_several_unknown_fields_are_all_named(tokenizer, default_model_dir):
+    body = {"prompt": "x", "temprature": 0.5, "guided_regexp": "a"}
+    error = _assert_error(_post(tokenizer, default_model_dir, "/v1/completions", body), 400, "temprature")
+    assert "temprature" in error["message"] and "guided_regexp" in error["message"]
