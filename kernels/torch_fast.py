@@ -33,15 +33,20 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len:
 
 
 def _causal_bias(
-    first_pos: int, q_len: int, context_len: int, sliding_window: int | None, dtype: torch.dtype
+    first_pos: int,
+    q_len: int,
+    context_len: int,
+    sliding_window: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> torch.Tensor:
     # [Q, T] additive mask: query at position p sees keys k with p - window < k <= p
-    q_pos = torch.arange(first_pos, first_pos + q_len).unsqueeze(1)
-    k_pos = torch.arange(context_len).unsqueeze(0)
+    q_pos = torch.arange(first_pos, first_pos + q_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(context_len, device=device).unsqueeze(0)
     hidden = k_pos > q_pos
     if sliding_window is not None:
         hidden |= k_pos <= q_pos - sliding_window
-    return torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
+    return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
 
 
 def _attention(
@@ -93,7 +98,7 @@ def paged_prefill_attention(
             # Plain causal: no mask tensor to build or read.
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         else:
-            mask = _causal_bias(context_len - q_len, q_len, context_len, sliding_window, q.dtype)
+            mask = _causal_bias(context_len - q_len, q_len, context_len, sliding_window, q.dtype, q.device)
             o = _attention(q, k, v, mask, scale, softcap)
         out[q_start:q_end] = o[0].transpose(0, 1)
     return out
@@ -122,7 +127,7 @@ def paged_decode_attention(
     out = torch.empty_like(query)
     lens = context_lens.tolist()
     for group in _length_buckets(lens):
-        idx = torch.tensor(group, dtype=torch.int64)
+        idx = torch.tensor(group, dtype=torch.int64, device=query.device)
         out[idx] = _decode_padded(
             query[idx],
             key_cache,
@@ -167,13 +172,14 @@ def _decode_padded(query, key_cache, value_cache, block_tables, context_lens, sc
     v = value_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     groups = num_heads // num_kv_heads
     q = query.reshape(num_seqs, num_kv_heads, groups, head_dim)  # [S, KVH, G, D]
-    k_pos = torch.arange(k.shape[2]).unsqueeze(0)  # [1, T]
+    k_pos = torch.arange(k.shape[2], device=k.device).unsqueeze(0)  # [1, T]
     lens = context_lens.long().unsqueeze(1)  # [S, 1]
     hidden = k_pos >= lens
     if sliding_window is not None:
         hidden |= k_pos < lens - sliding_window
     # An additive float mask is about twice as fast as a boolean one in CPU SDPA.
-    mask = torch.zeros(hidden.shape, dtype=q.dtype).masked_fill_(hidden, float("-inf"))[:, None, None, :]
+    mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
+    mask = mask[:, None, None, :]
     o = _attention(q, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap)
     return o.reshape(num_seqs, num_heads, head_dim)
 

@@ -1,0 +1,72 @@
+"""No tensor factory without ``device=`` in the kernels: a CPU-built index or mask beside CUDA
+tensors fails only on a GPU, which this project rarely has (GPU_PLAN.md, Phase 0). Each deliberate
+host tensor is listed with its reason; a new one must be added here or given a device."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FACTORIES = frozenset(
+    {"arange", "zeros", "ones", "empty", "full", "tensor", "rand", "randn", "randint", "linspace"}
+)
+ALLOWED = {
+    (
+        "kernels/__init__.py",
+        "paged_decode_attention",
+        "arange",
+    ): "the C++ CPU kernel's row starts (CPU path only)",
+    ("kernels/cpu_linear.py", "_self_check", "randn"): "oneDNN's start-up self-check, CPU by definition",
+    (
+        "kernels/kv_quant.py",
+        "quantize_kv_int8_ref",
+        "empty",
+    ): "the reference computes on the host, then moves",
+    ("kernels/kv_quant.py", "quantize_kv_int8_ref", "tensor"): "a host scalar of the host reference",
+    ("kernels/testing.py", "*", "*"): "test inputs, moved by the tests",
+}
+
+
+def _unplaced(path: pathlib.Path) -> list[tuple[str, str, int]]:
+    """(function, factory, line) of each torch.<factory>(...) call without device=."""
+    found = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            call = child
+            if (
+                isinstance(call, ast.Call)
+                and isinstance(call.func, ast.Attribute)
+                and isinstance(call.func.value, ast.Name)
+                and call.func.value.id == "torch"
+                and call.func.attr in FACTORIES
+                and not any(k.arg == "device" for k in call.keywords)
+            ):
+                found.append((function, call.func.attr, call.lineno))
+            visit(child, name)
+
+    visit(ast.parse(path.read_text()), "<module>")
+    return found
+
+
+def test_kernel_tensor_factories_name_their_device():
+    offenders = []
+    for path in sorted((ROOT / "kernels").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for function, factory, line in _unplaced(path):
+            if (rel, "*", "*") in ALLOWED or (rel, function, factory) in ALLOWED:
+                continue
+            offenders.append(f"{rel}:{line} torch.{factory} in {function}")
+    assert not offenders, "give these a device= (or list them in ALLOWED with a reason):\n" + "\n".join(
+        offenders
+    )
+
+
+def test_the_lint_sees_a_factory_without_a_device(tmp_path):
+    sample = tmp_path / "k.py"
+    sample.write_text(
+        "import torch\ndef f(x):\n    return torch.arange(4), torch.zeros(2, device=x.device)\n"
+    )
+    assert _unplaced(sample) == [("f", "arange", 3)]
