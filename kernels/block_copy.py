@@ -47,7 +47,7 @@ def _check_caches(
         assert tuple(cache.shape) == shape and cache.dtype == dtype, (cache.shape, cache.dtype, shape, dtype)
         assert cache.device == block_ids.device, (cache.device, block_ids.device)
     assert block_ids.dim() == 1, block_ids.shape
-    check_index_tensor(block_ids, "block_ids")
+    check_index_tensor(block_ids, "block_ids", key_caches[0].device)
     return (len(key_caches), 2, block_ids.shape[0], *shape[1:])
 
 

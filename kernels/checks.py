@@ -33,7 +33,10 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor, head_di
     return shape
 
 
-def check_index_tensor(t: torch.Tensor, name: str) -> None:
-    """Assert an integer index tensor (block ids, lengths, slots) has a unit last stride."""
+def check_index_tensor(t: torch.Tensor, name: str, device: torch.device) -> None:
+    """Assert an integer index tensor (block ids, lengths, slots) is on the kernel's ``device``
+    (a host index beside device caches would otherwise fail inside Triton) and has a unit last
+    stride."""
+    assert t.device == device, f"{name} is on {t.device}, the kernel's tensors on {device}"
     assert t.dtype in INDEX_DTYPES, f"{name} must be int32 or int64, got {t.dtype}"
     assert t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] <= 1, f"{name} needs a unit last stride"

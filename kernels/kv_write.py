@@ -24,6 +24,8 @@ def _write_kv_kernel(
 ):  # fmt: skip
     tok = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    if slot < 0:  # a padded row (a CUDA graph's batch is padded to its captured size) writes nothing
+        return
     h = tl.arange(0, HEADS_PAD)
     d = tl.arange(0, DIM_PAD)
     mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
@@ -51,7 +53,7 @@ def write_kv_cache_triton(
         assert t.stride(2) == 1, f"{name}'s head_dim must be contiguous"
         assert t.device == key_cache.device, (t.device, key_cache.device)
     assert slot_mapping.shape == (num_tokens,), (slot_mapping.shape, num_tokens)
-    check_index_tensor(slot_mapping, "slot_mapping")
+    check_index_tensor(slot_mapping, "slot_mapping", key_cache.device)
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](
@@ -69,9 +71,11 @@ def write_kv_cache_ref(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Reference: one token at a time."""
+    """Reference: one token at a time; slot -1 (a padded row) writes nothing."""
     block_size = key_cache.shape[1]
     for t in range(key.shape[0]):
+        if int(slot_mapping[t]) < 0:
+            continue
         block, offset = divmod(int(slot_mapping[t]), block_size)
         key_cache[block, offset] = key[t].to(key_cache.dtype)
         value_cache[block, offset] = value[t].to(value_cache.dtype)

@@ -140,9 +140,9 @@ def paged_decode_attention_triton(
     assert query.stride(2) == 1, "query's head_dim must be contiguous"
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, block_tables.shape
-    check_index_tensor(block_tables, "block_tables")
+    check_index_tensor(block_tables, "block_tables", query.device)
     assert context_lens.shape == (num_seqs,), context_lens.shape
-    check_index_tensor(context_lens, "context_lens")
+    check_index_tensor(context_lens, "context_lens", query.device)
     assert partition_size > 0, partition_size
     assert sliding_window is None or sliding_window > 0, sliding_window
     assert softcap is None or softcap > 0, softcap

@@ -117,7 +117,7 @@ def paged_prefill_attention_triton(
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, block_tables.shape
     for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
                     ("context_lens", context_lens)):  # fmt: skip
-        check_index_tensor(t, name)
+        check_index_tensor(t, name, query.device)
     assert sliding_window is None or sliding_window > 0, sliding_window
     assert softcap is None or softcap > 0, softcap
     for name, size in (("block_m", block_m), ("block_n", block_n)):

@@ -70,3 +70,15 @@ def test_the_lint_sees_a_factory_without_a_device(tmp_path):
         "import torch\ndef f(x):\n    return torch.arange(4), torch.zeros(2, device=x.device)\n"
     )
     assert _unplaced(sample) == [("f", "arange", 3)]
+
+
+def test_an_index_tensor_on_another_device_is_a_clear_assertion():
+    import pytest
+    import torch
+
+    from kernels.kv_write import write_kv_cache_triton
+
+    key = torch.zeros(2, 2, 16)
+    caches = [torch.zeros(4, 8, 2, 16) for _ in range(2)]
+    with pytest.raises(AssertionError, match="slot_mapping is on meta"):
+        write_kv_cache_triton(key, key, *caches, torch.zeros(2, dtype=torch.int64, device="meta"))

@@ -175,13 +175,14 @@ def test_prefill_through_dispatch_with_no_tokens_returns_empty():
 def test_kv_write_fills_exactly_the_mapped_slots_from_a_strided_view():
     qkv = torch.randn(5, 3, 2, 16, device=DEVICE)  # K and V as strided views of a fused projection
     key, value = qkv[:, 1], qkv[:, 2]
-    slots = torch.tensor([3, 8, 9, 31, 16], dtype=torch.int64, device=DEVICE)
+    slots = torch.tensor([3, 8, -1, 31, 16], dtype=torch.int64, device=DEVICE)  # -1: a padded row
     caches = [torch.full((4, 8, 2, 16), float("nan"), device=DEVICE, dtype=torch.float16) for _ in range(2)]
     expected = [c.clone() for c in caches]
     write_kv_cache(key, value, *caches, slots, backend="triton")
     write_kv_cache_ref(key, value, *expected, slots)
     for got, want in zip(caches, expected, strict=True):
         assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+        assert int((~got.isnan()).sum()) == 4 * 2 * 16  # four slots written, the padded row nowhere
 
 
 def test_gather_and_scatter_blocks_match_ref_across_layers():
