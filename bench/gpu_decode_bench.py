@@ -12,10 +12,13 @@ efficiency. Shapes default to a Llama-3-8B layer: 32 query heads, 8 KV heads, he
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
 import sys
 
 import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # the checkout's kernels
 
 
 def median_ms(fn, warmup: int, iters: int) -> float:

@@ -29,10 +29,12 @@ def _quantize_kernel(x_ptr, q_ptr, scales_ptr, BLOCK_SIZE: tl.constexpr, NUM_KV_
     offs = block.to(tl.int64) * BLOCK_SIZE * row + t[:, None] * row + head * HEAD_DIM + d[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)  # no 1/0 on all-zero tiles
+    # div_rn: IEEE round-to-nearest division, as on the CPU (compiled "/" may approximate), so the
+    # compiled and interpreted scales agree bit for bit; no 1/0 on all-zero tiles
+    inv = tl.where(amax > 0, tl.div_rn(127.0, tl.where(amax > 0, amax, 1.0)), 0.0)
     q = tl.minimum(tl.maximum(tl.floor(x * inv + 0.5), -127.0), 127.0)
     tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)
-    tl.store(scales_ptr + block * NUM_KV_HEADS + head, amax / 127.0)
+    tl.store(scales_ptr + block * NUM_KV_HEADS + head, tl.div_rn(amax, 127.0))
 
 
 @triton.jit
