@@ -1,4 +1,4 @@
-"""Device selection on a CPU-only machine: cpu and auto run, cuda is a clear error, bad names are
+"""Device selection: on a CPU-only machine cpu and auto run, cuda is a clear error, bad names are
 refused; the flag reaches nodes from PDSERVE_DEVICE and their status says which device they use."""
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ from launcher.env_flags import flags_from_env
 from tests.engine_helpers import hf_greedy
 from tests.tiny_models import make_tiny_model
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+# Only what a GPU would change is CPU-only: names, flags and dtype rules run on every machine.
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 
 
+@cpu_only
 @pytest.mark.parametrize("device", ["cpu", "auto"])
 def test_cpu_and_auto_serve_on_the_cpu_equal_to_hf(device):
     path = str(make_tiny_model("llama"))
@@ -24,6 +26,7 @@ def test_cpu_and_auto_serve_on_the_cpu_equal_to_hf(device):
     assert out[0].outputs[0].token_ids == hf_greedy(path, [5, 6, 7, 8], 5)
 
 
+@cpu_only
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])
 def test_cuda_without_a_gpu_is_a_clear_error(device):
     with pytest.raises(ValueError, match="torch sees no CUDA device"):
@@ -40,6 +43,7 @@ def test_pdserve_device_becomes_the_node_flag():
     assert flags_from_env("decode", {"PDSERVE_DEVICE": "cpu"}) == ["--device", "cpu"]
 
 
+@cpu_only
 def test_node_status_names_its_device(tmp_path, default_model_dir):
     from tests.cluster import Client, NodeProcess
 
@@ -61,7 +65,7 @@ def test_the_default_dtype_follows_the_device():
     assert resolve_dtype("auto", torch.device("cpu")) == "float32"
     assert resolve_dtype("auto", torch.device("cuda", 0)) == "bfloat16"
     assert resolve_dtype("float16", torch.device("cpu")) == "float16"  # --dtype overrides
-    llm = LLM(model=str(make_tiny_model("llama")), num_kv_blocks=16)
+    llm = LLM(model=str(make_tiny_model("llama")), num_kv_blocks=16, device="cpu")
     assert llm.engine.config.dtype == "float32" and llm.engine.kv_spec.dtype == "float32"
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(model="m", dtype="float64")
