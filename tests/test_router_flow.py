@@ -187,7 +187,10 @@ def test_over_admission_limit_is_429_with_retry_after(default_model_dir, tokens)
         ):
             url = cluster.base_url + "/v1/completions"
             slow = asyncio.create_task(http.post(url, json={"prompt": LONG_PROMPT, "max_tokens": 20, "n": 2}))
-            await asyncio.sleep(0.3)
+            deadline = asyncio.get_running_loop().time() + 10
+            while 'role="decode"} 2' not in (await http.get(cluster.base_url + "/metrics")).text:
+                assert asyncio.get_running_loop().time() < deadline, "the slow request was never admitted"
+                await asyncio.sleep(0.02)  # its two samples hold both slots (no fixed sleep: loaded CI)
             shed = await http.post(url, json={"prompt": LONG_PROMPT, "max_tokens": 2})
             return shed, await slow
 
