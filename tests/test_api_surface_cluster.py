@@ -14,7 +14,6 @@ import concurrent.futures
 import functools
 import json
 import pathlib
-import random
 import re
 
 import httpx
@@ -24,6 +23,7 @@ import torch
 from router.tokenizer import Tokenizer
 from tests.cluster import NodeProcess, RedisServer
 from tests.engine_helpers import hf_greedy, hf_logits
+from tests.test_cluster_concurrent import _prompts, _stream
 from tests.test_router_cluster import RouterProcess, serving, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -57,21 +57,6 @@ def _post(router, path: str, body: dict, status: int = 200) -> dict:
     reply = httpx.post(router.url + path, json=body, timeout=120)
     assert reply.status_code == status, reply.text
     return reply.json()
-
-
-def _stream(router, path: str, body: dict) -> list[dict]:
-    events = []
-    with httpx.stream("POST", router.url + path, json={**body, "stream": True}, timeout=120) as reply:
-        assert reply.status_code == 200, reply.read()
-        for line in reply.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                events.append(json.loads(line[6:]))
-    return events
-
-
-def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, 40000) for _ in range(n)] for n in lengths]
 
 
 def _hf_logprobs(model, prompt: list[int]) -> torch.Tensor:
