@@ -126,6 +126,10 @@ class EngineConfig:
     # (on CPU tensors through Triton's interpreter: slow, how CPU CI runs the GPU code); torch: the
     # pure-torch kernels
     attention_backend: str = "auto"
+    # Share of the GPU's memory this engine may hold, weights, activations and KV pool together
+    # (the pool gets what the profile run leaves). CUDA only: a CPU pool is sized from host RAM.
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode-only steps
 
     def __post_init__(self) -> None:
         check_device_name(self.device)
@@ -154,6 +158,8 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 0.9], got {self.kv_cache_memory_fraction}"
             )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if (

@@ -1,8 +1,6 @@
-"""Which device an engine computes on, from ``--device {auto,cpu,cuda,cuda:N}``.
+"""Device names, and the choices that follow the device: the attention backend and the dtype.
 
-The CUDA path of the engine (weights, KV cache and inputs on the device, the Triton kernels in
-the serving path) is not built yet, so ``auto`` runs on the CPU even where torch sees a GPU, and
-says so; asking for ``cuda`` explicitly is a clear error rather than a silent CPU run.
+The device itself, and everything that differs between devices, is engine/platform.py's.
 """
 
 from __future__ import annotations
@@ -23,24 +21,6 @@ DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 def check_device_name(name: str) -> None:
     if not DEVICE_RE.match(name):
         raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
-
-
-def resolve_device(name: str) -> torch.device:
-    """The torch device for ``name``; ValueError when it cannot be served here."""
-    import torch  # here, not at import: the config (and through it the router's CLI) stays torch-free
-
-    check_device_name(name)
-    if name == "cpu":
-        return torch.device("cpu")
-    if name == "auto":
-        if torch.cuda.is_available():
-            log.warning(
-                "a CUDA device is present, but the engine's CUDA path is not built yet: running on CPU"
-            )
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError(f"device {name}: torch sees no CUDA device (torch.cuda.is_available() is false)")
-    raise ValueError(f"device {name}: the engine's CUDA path is not built yet; use --device cpu")
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str | None:

@@ -13,18 +13,19 @@ from engine import cpu_env
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu_share import CpuShare
-from engine.device import describe_dtype, resolve_device, resolve_dtype
+from engine.device import describe_dtype, resolve_dtype
 from engine.kv_layout import KVCacheSpec
 from engine.kv_prefault import KVPrefault
 from engine.logits_rules import LogitsRules
 from engine.model_runner import KVCacheFactory, ModelRunner
 from engine.models import model_class
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.platform import UNVERIFIED_CUDA, resolve_platform
 from engine.resources import usable_cpus
 from engine.sampler import Sampler, SamplerInput, prompt_logprobs
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprob
-from engine.sizing import announce, size_engine
+from engine.sizing import DeviceMemory, EngineSizing, announce, size_device_pool, size_engine
 from engine.step_budget import StepBudget
 from engine.step_stats import StepStats, step_tokens
 from protocol.sampling_params import SamplingParams
@@ -65,7 +66,9 @@ class LLMEngine:
     def __init__(
         self, config: EngineConfig, tokenizer=None, kv_cache_factory: KVCacheFactory | None = None
     ) -> None:
-        self.device = resolve_device(config.device)  # before any allocation: a bad device fails first
+        # before any allocation: a bad device fails first
+        self.platform = platform = resolve_platform(config.device)
+        self.device = platform.device
         self.config = config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, self.device))
         self.model_config = ModelConfig.from_path(config.model)
         model_class(self.model_config)  # unsupported architectures fail before any allocation
@@ -76,7 +79,13 @@ class LLMEngine:
         self.cpu_share = CpuShare(
             self.sizing.num_threads, usable_cpus(), torch.set_num_threads, enabled=config.num_threads is None
         )
+        at_start = platform.mem_info()  # None: the pool is sized from host RAM (size_engine)
+        self.runner = ModelRunner(self.model_config, config, platform=platform)
+        if at_start is not None:
+            self.sizing = self._size_device_pool(at_start)
         self.kv_spec = self._kv_spec()
+        self.runner.allocate_kv(self.kv_spec, kv_cache_factory)
+        self.decode_graphs = self._decode_graphs()
         self.block_manager = BlockManager(
             self.kv_spec.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -86,7 +95,6 @@ class LLMEngine:
             config.max_num_seqs,
             config.enable_chunked_prefill,
         )
-        self.runner = ModelRunner(self.model_config, config, self.kv_spec, kv_cache_factory)
         self.kv_prefault = KVPrefault.for_engine(self.runner.kv_caches, self.kv_spec.num_blocks, config)
         m = self.model_config
         self.sampler = Sampler(LogitsRules(config.model, m.vocab_size, tuple(m.eos_token_ids)))
@@ -96,6 +104,8 @@ class LLMEngine:
         adapts = "; fewer torch threads while other processes load these CPUs" * self.cpu_share.active
         dtype = describe_dtype(self.runner.dtype, self.device)
         extra = f"{adapts}; {dtype}; attention: {attention}; linear layers: {linear}; {cpu_env.describe()}"
+        if self.platform.kind == "cuda":
+            extra += f"; CUDA graphs: {self.decode_graphs}; {UNVERIFIED_CUDA}"
         announce(self.sizing.describe(config, extra))
         self.tokenizer = tokenizer
         self.requests: dict[str, Request] = {}  # not yet done; held ones are the scheduler's (held)
@@ -104,6 +114,44 @@ class LLMEngine:
         # each step's token budget, so that steps keep to a time target (chunks shrink when slow)
         min_tokens = min(config.max_num_batched_tokens, config.max_num_seqs + config.block_size)
         self.step_budget = StepBudget(config.max_step_s, config.max_num_batched_tokens, min_tokens)
+
+    def _graphs_off(self) -> str | None:
+        """Why decode steps run eagerly on this engine; None where CUDA graphs capture them."""
+        c, runner = self.config, self.runner
+        if self.platform.kind != "cuda":
+            return "not CUDA"
+        if c.enforce_eager:
+            return "enforce_eager"
+        if runner.has_host_routing:
+            return "MoE routes on the host"
+        return "torch attention" if runner.attention_backend == "torch" else None
+
+    def _decode_graphs(self) -> str:
+        """Capture the decode graphs where they apply; the start-up line's word for it."""
+        off = self._graphs_off()
+        if off is not None:
+            return f"off ({off})"
+        self.runner.use_decode_graphs(self.config.max_num_seqs, self.max_model_len)
+        return f"decode batches up to {self.config.max_num_seqs}"
+
+    def _size_device_pool(self, at_start: tuple[int, int]) -> EngineSizing:
+        """The pool from what the weights and a profile run of the largest step leave of this
+        engine's share of the device (engine/sizing.py)."""
+        c, platform = self.config, self.platform
+        platform.synchronize()
+        platform.empty_cache()
+        platform.reset_peak()
+        self.runner.profile(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)
+        peak, allocated = platform.peak_bytes(), platform.allocated_bytes()
+        platform.empty_cache()
+        free_after, _ = platform.mem_info()
+        free_at_start, total = at_start
+        # graphs hold a decode step's activations in their own pool: the peak once more
+        graphs = self._graphs_off() is None
+        memory = DeviceMemory(total, free_at_start, free_after, peak or 0, allocated or 0, graphs)
+        return size_device_pool(
+            self.sizing, c, self.max_model_len, self._kv_spec().bytes_per_block, memory, str(self.device)
+        )
 
     def _kv_spec(self) -> KVCacheSpec:
         m, c = self.model_config, self.config

@@ -95,7 +95,7 @@ class LogitsRules:
     def apply(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
         """Edit ``logits`` in place on ``rows`` (one per sequence in ``seqs``)."""
         # logits: [S, V] float32; rows index into S
-        states = [self._state(seq) for seq in seqs]
+        states = [self._state(seq, logits.device) for seq in seqs]
         originals = {}  # row -> its logits before rules that may leave no token at all
         for row, seq, state in zip(rows, seqs, states, strict=True):
             if state.allowed is not None or state.bad_words:
@@ -104,8 +104,8 @@ class LogitsRules:
         guided = [(r, q, s) for r, q, s in zip(rows, seqs, states, strict=True) if s.matcher is not None]
         disallowed = {}
         if guided:
-            index = torch.tensor([row for row, _, _ in guided], dtype=torch.int64)
-            masks = self._grammar_masks(guided)  # [G, V]
+            index = torch.tensor([row for row, _, _ in guided], dtype=torch.int64, device=logits.device)
+            masks = self._grammar_masks(guided).to(logits.device)  # [G, V]
             logits[index] = logits[index].masked_fill_(masks, float("-inf"))  # one gather, one scatter
             disallowed = {row: masks[i] for i, (row, _, _) in enumerate(guided)}
         for row, original in originals.items():
@@ -114,21 +114,24 @@ class LogitsRules:
                 mask = disallowed.get(row)
                 logits[row] = original if mask is None else original.masked_fill_(mask, float("-inf"))
 
-    def _state(self, seq: Sequence) -> _SeqRules:
+    def _state(self, seq: Sequence, device: torch.device) -> _SeqRules:
         state = self._states.get(seq.seq_id)
         if state is None:
-            state = self._states[seq.seq_id] = self._new_state(seq)
+            state = self._states[seq.seq_id] = self._new_state(seq, device)
         return state
 
-    def _new_state(self, seq: Sequence) -> _SeqRules:
+    def _new_state(self, seq: Sequence, device: torch.device) -> _SeqRules:
+        """The request's rules as tensors on the logits' device, made once per sequence."""
         params = seq.params
         matcher = None if params.guided_decoding is None else self.compiler.matcher(params.guided_decoding)
         bias_ids = bias_values = allowed = None
         if params.logit_bias:
-            bias_ids = torch.tensor([b.token_id for b in params.logit_bias], dtype=torch.int64)
-            bias_values = torch.tensor([b.bias for b in params.logit_bias], dtype=torch.float32)
+            bias_ids = torch.tensor([b.token_id for b in params.logit_bias], dtype=torch.int64, device=device)
+            bias_values = torch.tensor(
+                [b.bias for b in params.logit_bias], dtype=torch.float32, device=device
+            )
         if params.allowed_token_ids is not None:
-            allowed = torch.zeros(self._vocab_size, dtype=torch.bool)
+            allowed = torch.zeros(self._vocab_size, dtype=torch.bool, device=device)
             allowed[list(params.allowed_token_ids)] = True
         bad_words = self._bad_word_ids(params.bad_words) if params.bad_words else ()
         return _SeqRules(matcher, 0, bad_words, bias_ids, bias_values, allowed)

@@ -11,9 +11,12 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.device import resolve_attention_backend, resolve_dtype
 from engine.kv_layout import KVCacheSpec
+from engine.layers import moe
 from engine.models import model_class
+from engine.platform import Platform
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.weights import load_weights
@@ -40,32 +43,57 @@ class ModelRunner:
         self,
         model_config: ModelConfig,
         engine_config: EngineConfig,
-        kv_spec: KVCacheSpec,
+        kv_spec: KVCacheSpec | None = None,
         kv_cache_factory: KVCacheFactory | None = None,
+        platform: Platform | None = None,
     ) -> None:
-        """kv_cache_factory: allocates the per-layer (K, V) caches for ``kv_spec`` (e.g. in shared
-        memory, for the one-copy transfer); plain zeroed tensors by default."""
+        """Builds the model on the platform's device and loads its weights; the KV pool comes with
+        ``kv_spec`` or later from ``allocate_kv`` (on a GPU, after ``profile`` has measured what the
+        weights and a full step leave of the device's memory)."""
         self.model_config = model_config
-        self.kv_spec = kv_spec
-        device = torch.device("cpu")  # engine.device: the only one the runner builds tensors on yet
+        self.platform = platform = platform or Platform()
+        self.block_size = engine_config.block_size
+        device = platform.device
         self.dtype = TORCH_DTYPES[resolve_dtype(engine_config.dtype, device)]
         self.attention_backend = resolve_attention_backend(engine_config.attention_backend, device)
         max_positions = engine_config.max_model_len or model_config.max_position_embeddings
-        self.model = model_class(model_config)(model_config, max_positions).to(self.dtype).eval()
+        with torch.device(device):  # parameters and rotary tables are made where they compute
+            self.model = model_class(model_config)(model_config, max_positions).to(self.dtype).eval()
         load_weights(self.model, model_config.path)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # oneDNN matmuls on weights packed once (kernels/cpu_linear.py); F.linear where it can't
-        self.packed_linear = cpu_linear.enabled(self.dtype) and cpu_linear.pack_linears(self.model) > 0
+        self.packed_linear = (
+            platform.packs_linears
+            and cpu_linear.enabled(self.dtype)
+            and cpu_linear.pack_linears(self.model) > 0
+        )
         # Called before each decoder layer runs: a node's liveness follows progress inside a step,
         # so a long step on a slow machine is told apart from a hung kernel (node/runtime.py).
         self.on_layer: Callable[[], None] | None = None
         for layer in decoder_layers(self.model, model_config.num_layers):
             layer.register_forward_pre_hook(self._layer_starts)
-        if kv_cache_factory is not None:
+        self.inputs = StepInputs(platform)
+        self.graphs: DecodeGraphs | None = None  # decode-only steps in CUDA graphs (use_decode_graphs)
+        self.kv_spec: KVCacheSpec | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if kv_spec is not None:
+            self.allocate_kv(kv_spec, kv_cache_factory)
+
+    def allocate_kv(self, kv_spec: KVCacheSpec, kv_cache_factory: KVCacheFactory | None = None) -> None:
+        """The KV pool. In host memory ``kv_cache_factory`` may place it (shared memory for the
+        one-copy transfer); on a device it is one allocation, viewed per layer and K/V."""
+        assert TORCH_DTYPES[kv_spec.dtype] == self.dtype
+        self.kv_spec = s = kv_spec
+        self.block_size = s.block_size
+        if self.platform.device.type != "cpu":
+            shape = (s.num_layers, 2, s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+            pool = torch.zeros(shape, dtype=self.dtype, device=self.platform.device)
+            self.kv_caches = [(pool[i, 0], pool[i, 1]) for i in range(s.num_layers)]
+        elif kv_cache_factory is not None:
             self.kv_caches = kv_cache_factory(kv_spec)
-            assert len(self.kv_caches) == kv_spec.num_layers and self.kv_caches[0][0].dtype == self.dtype
+            assert len(self.kv_caches) == s.num_layers and self.kv_caches[0][0].dtype == self.dtype
         else:
-            self.kv_caches = [(self._empty_cache(), self._empty_cache()) for _ in range(kv_spec.num_layers)]
+            self.kv_caches = [(self._empty_cache(), self._empty_cache()) for _ in range(s.num_layers)]
 
     def _layer_starts(self, _module, _args) -> None:
         if self.on_layer is not None:
@@ -82,6 +110,61 @@ class ModelRunner:
         return torch.from_numpy(np.zeros(shape, np.float16 if self.dtype == torch.float16 else np.float32))
 
     @torch.inference_mode()
+    def profile(self, num_tokens: int, num_seqs: int, max_model_len: int) -> None:
+        """The largest steps this engine will run, on a throwaway one-block pool, so that the
+        platform's peak memory counts their activations before the real pool is sized: a prefill
+        of ``num_tokens`` tokens, a decode of ``num_seqs`` rows whose block tables have the full
+        width of ``max_model_len`` (the split-K partials of the decode kernel grow with it), and
+        the logits and sampler work of ``num_seqs`` rows. Every slot points into block 0."""
+        m, bs, dev = self.model_config, self.block_size, self.platform.device
+        cache = [
+            (
+                torch.zeros((1, bs, m.num_kv_heads, m.head_dim), dtype=self.dtype, device=dev),
+                torch.zeros((1, bs, m.num_kv_heads, m.head_dim), dtype=self.dtype, device=dev),
+            )
+            for _ in range(m.num_layers)
+        ]
+        width = -(-max_model_len // bs)
+
+        def meta(
+            rows: int, num_decodes: int, tables: torch.Tensor, q_start: torch.Tensor, lens: torch.Tensor
+        ):
+            return AttentionMetadata(
+                slot_mapping=torch.arange(rows, device=dev) % bs,
+                num_decode_tokens=num_decodes,
+                decode_block_tables=tables[:num_decodes],
+                decode_context_lens=lens[:num_decodes],
+                prefill_block_tables=tables[num_decodes:],
+                prefill_query_start_loc=q_start[num_decodes:] - q_start[num_decodes],
+                prefill_context_lens=lens[num_decodes:],
+                block_tables=tables,
+                query_start_loc=q_start,
+                context_lens=lens,
+                backend=self.attention_backend,
+            )
+
+        prefill = meta(
+            num_tokens,
+            0,
+            torch.zeros((1, -(-num_tokens // bs)), dtype=torch.int32, device=dev),
+            torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        self.model(ids, torch.arange(num_tokens, device=dev), cache, prefill)
+        decode = meta(
+            num_seqs,
+            num_seqs,
+            torch.zeros((num_seqs, width), dtype=torch.int32, device=dev),
+            torch.arange(num_seqs + 1, dtype=torch.int32, device=dev),
+            torch.full((num_seqs,), max_model_len, dtype=torch.int32, device=dev),
+        )
+        positions = torch.full((num_seqs,), max_model_len - 1, dtype=torch.int64, device=dev)
+        hidden = self.model(ids[:num_seqs], positions, cache, decode)
+        torch.log_softmax(self.model.compute_logits(hidden), dim=-1)  # what the sampler holds
+        self.platform.synchronize()
+
+    @torch.inference_mode()
     def execute(
         self, sched: SchedulerOutput
     ) -> tuple[torch.Tensor, list[Sequence], list[tuple[Sequence, torch.Tensor]]]:
@@ -93,9 +176,28 @@ class ModelRunner:
                 key_cache[copy.dst_block_id] = key_cache[copy.src_block_id]
                 value_cache[copy.dst_block_id] = value_cache[copy.src_block_id]
         inp = self.prepare(sched)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        if self.graphs is not None and self._graphable(inp):
+            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)
+        else:
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         prompt_hidden = [(seq, hidden[first : first + num]) for seq, first, num in inp.prompt_rows]
         return self.model.compute_logits(hidden[inp.logits_rows]), inp.sampled_seqs, prompt_hidden
+
+    def _graphable(self, inp: ModelInput) -> bool:
+        n = inp.input_ids.shape[0]
+        return inp.meta.num_decode_tokens == n and not inp.prompt_rows and n <= self.graphs.sizes[-1]
+
+    @property
+    def has_host_routing(self) -> bool:
+        """MoE layers route on the host (engine/layers/moe.py): never graph-captured."""
+        return any(isinstance(m, moe.Experts) for m in self.model.modules())
+
+    @torch.inference_mode()
+    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
+        """Run decode-only steps in CUDA graphs from now on (``capture=False``: the same padded
+        forward, eagerly, for tests on the CPU). After ``allocate_kv``: graphs keep its addresses."""
+        assert self.kv_caches, "allocate the KV pool before capturing graphs over it"
+        self.graphs = DecodeGraphs(self, max_num_seqs, max_model_len, capture)
 
     @torch.inference_mode()
     def prompt_logits(self, hidden: torch.Tensor, max_rows: int = 256):
@@ -134,27 +236,83 @@ class ModelRunner:
         num_decodes = int(np.count_nonzero(num_new == 1))
         assert num_new[:num_decodes].max(initial=1) == 1, "decode rows must come first"
         dec, pre = slice(0, num_decodes), slice(num_decodes, n)
+        on = self.inputs.upload(
+            input_ids=input_ids,
+            positions=positions,
+            slots=slots,
+            tables=tables,
+            q_start=q_start.astype(np.int32),
+            prefill_q_start=(q_start[num_decodes:] - num_decodes).astype(np.int32),
+            ends=ends.astype(np.int32),
+            logits_rows=q_start[1:][sampled_mask] - 1,
+        )  # the device's copies: nothing below reads the host arrays
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots),
+            slot_mapping=on["slots"],
             num_decode_tokens=num_decodes,
-            decode_block_tables=torch.from_numpy(tables[dec]),
-            decode_context_lens=torch.from_numpy(ends[dec].astype(np.int32)),
-            prefill_block_tables=torch.from_numpy(tables[pre]),
-            prefill_query_start_loc=torch.from_numpy((q_start[num_decodes:] - num_decodes).astype(np.int32)),
-            prefill_context_lens=torch.from_numpy(ends[pre].astype(np.int32)),
-            block_tables=torch.from_numpy(tables),
-            query_start_loc=torch.from_numpy(q_start.astype(np.int32)),
-            context_lens=torch.from_numpy(ends.astype(np.int32)),
+            decode_block_tables=on["tables"][dec],
+            decode_context_lens=on["ends"][dec],
+            prefill_block_tables=on["tables"][pre],
+            prefill_query_start_loc=on["prefill_q_start"],
+            prefill_context_lens=on["ends"][pre],
+            block_tables=on["tables"],
+            query_start_loc=on["q_start"],
+            context_lens=on["ends"],
             backend=self.attention_backend,
         )
         return ModelInput(
-            torch.from_numpy(input_ids),
-            torch.from_numpy(positions),
+            on["input_ids"],
+            on["positions"],
             meta,
-            torch.from_numpy(q_start[1:][sampled_mask] - 1),
+            on["logits_rows"],
             [it.seq for it, due in zip(items, sampled_mask.tolist(), strict=True) if due],
             _prompt_rows(items, computed, ends, q_start),
         )
+
+
+class StepInputs:
+    """Each step's input arrays on the device: one host-to-device copy a step.
+
+    On the CPU the "device" tensors are the numpy arrays themselves. Elsewhere the arrays are
+    packed into one host buffer (pinned on CUDA), copied in one go into a device buffer of the
+    same size and viewed from there; both buffers persist and grow only when a step outgrows
+    them. The host buffer is free again for the next step once this step's results have come
+    back to the host, which the sampler's one sync a step guarantees (the copy precedes the
+    forward on the stream).
+    """
+
+    ALIGN = 64  # bytes: every array starts aligned, so any dtype views the buffer
+
+    def __init__(self, platform: Platform) -> None:
+        self.platform = platform
+        self._host: torch.Tensor | None = None  # [capacity] uint8
+        self._device: torch.Tensor | None = None  # [capacity] uint8
+
+    def upload(self, **arrays: np.ndarray) -> dict[str, torch.Tensor]:
+        if not self.platform.separate_host:
+            return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
+        offsets, end = {}, 0
+        for name, a in arrays.items():
+            offsets[name] = end
+            end = -(-(end + a.nbytes) // self.ALIGN) * self.ALIGN
+        if self._host is None or self._host.numel() < end:
+            capacity = max(end, 2 * (0 if self._host is None else self._host.numel()), 1 << 16)
+            self._host = self.platform.host_empty((capacity,), torch.uint8)
+            self._device = torch.empty(capacity, dtype=torch.uint8, device=self.platform.device)
+        host = self._host.numpy()
+        for name, a in arrays.items():
+            host[offsets[name] : offsets[name] + a.nbytes] = (
+                np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+            )
+        self.platform.copy(self._device[:end], self._host[:end])
+        self.platform.uploaded(self._host[:end])
+        out = {}
+        for name, a in arrays.items():
+            o = offsets[name]
+            out[name] = self._device[o : o + a.nbytes].view(TORCH_OF_NUMPY[a.dtype]).view(a.shape)
+        return out
+
+
+TORCH_OF_NUMPY = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
 def _prompt_rows(items, computed: np.ndarray, ends: np.ndarray, q_start: np.ndarray) -> list:

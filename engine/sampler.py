@@ -85,7 +85,10 @@ class Sampler:
             sorted_probs, order = probs.sort(descending=True)
             drop = sorted_probs.cumsum(0) - sorted_probs > params.top_p * sorted_probs.sum()
             probs[order[drop]] = 0.0
-        return int(torch.multinomial(probs, 1, generator=self._generator(inp.seq)))
+        generator = self._generator(inp.seq)
+        if generator is not None:  # a seeded draw is the host generator's on every device
+            probs = probs.to("cpu")
+        return int(torch.multinomial(probs, 1, generator=generator))
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         """A seeded sequence's RNG for its next token: a function of (seed, sample index, output
@@ -94,17 +97,19 @@ class Sampler:
         if seq.params.seed is None:
             return None
         key = struct.pack("<QQQ", seq.params.seed % (1 << 64), seq.index, seq.num_output_tokens)
-        return torch.Generator().manual_seed(xxhash.xxh3_64_intdigest(key) >> 1)  # manual_seed takes < 2**63
+        return torch.Generator(device="cpu").manual_seed(
+            xxhash.xxh3_64_intdigest(key) >> 1
+        )  # manual_seed takes < 2**63
 
 
 def _apply_penalties(row: torch.Tensor, seq: Sequence, params: SamplingParams) -> None:
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64)
+        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64, device=row.device)
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
     output = seq.output_token_ids
     if output and (params.presence_penalty or params.frequency_penalty):
-        ids, counts = torch.tensor(output, dtype=torch.int64).unique(return_counts=True)
+        ids, counts = torch.tensor(output, dtype=torch.int64, device=row.device).unique(return_counts=True)
         row[ids] -= params.frequency_penalty * counts.to(row.dtype) + params.presence_penalty
 
 
@@ -120,7 +125,7 @@ def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], num_top: int) -> 
     """Each row's log-probability of the prompt token that follows it, that token's rank, and
     the ``num_top`` most likely tokens: the model's distribution, before any sampling rule."""
     logprobs = torch.log_softmax(logits, dim=-1)  # [rows, vocab]
-    ids = torch.tensor(next_ids, dtype=torch.int64)
+    ids = torch.tensor(next_ids, dtype=torch.int64, device=logits.device)
     chosen = logprobs.gather(1, ids[:, None]).squeeze(1)
     ranks = (logprobs > chosen[:, None]).sum(dim=1) + 1
     tops: list[tuple] = [()] * len(next_ids)

@@ -6,6 +6,13 @@ pool takes ``kv_cache_memory_fraction`` of the memory available now (as vLLM's C
 its KV-cache space), but never more than ``max_num_seqs`` sequences of ``max_model_len`` tokens
 could fill. The pool's pages are touched only as blocks are first written (engine/model_runner.py),
 so an idle pool costs address space, not memory.
+
+On a GPU the pool is sized after the weights are loaded and a profile run of the largest step
+(engine/model_runner.py ``profile``) has set the peak: of ``gpu_memory_utilization`` x the
+device's memory, the pool gets what the weights, the CUDA context and allocator, and that peak
+leave (vLLM's ``determine_available_memory`` pattern). The utilization is this engine's share,
+so other processes on the GPU (another node of ``pdserve up``) are not charged to it, but it
+must fit in what is free at start.
 """
 
 from __future__ import annotations
@@ -81,6 +88,67 @@ def _auto_blocks(
     if blocks > most_useful:
         blocks, source = most_useful, f"max_num_seqs x max_model_len, under {source}"
     return blocks, source
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """What the engine measured on its device, in bytes (tests inject these)."""
+
+    total: int  # the device's memory
+    free_at_start: int  # free before this engine allocated anything
+    free_after_profile: int  # free after the weights and the profile run
+    peak: int  # the most torch held during the profile run
+    allocated: int  # what torch holds after it (the weights, mostly)
+    graphs: bool = False  # CUDA graphs will hold a decode step's activations in their own pool
+
+    @property
+    def held(self) -> int:
+        """What the engine needs besides its KV pool: all it took since start (weights, context,
+        allocator caches), plus the profile's peak activations freed since (twice with graphs)."""
+        activations = max(0, self.peak - self.allocated)
+        return (self.free_at_start - self.free_after_profile) + activations * (1 + self.graphs)
+
+
+def size_device_pool(
+    sizing: EngineSizing,
+    config: EngineConfig,
+    max_model_len: int,
+    block_bytes: int,
+    memory: DeviceMemory,
+    device: str,
+) -> EngineSizing:
+    """``sizing`` with its KV pool sized to ``gpu_memory_utilization`` of the device; an explicit
+    ``num_kv_blocks`` or ``kv_cache_memory_mb`` still wins. ValueError where the share does not
+    fit in what is free, or leaves no room for a pool."""
+    if sizing.kv_source in ("num_kv_blocks", "kv_cache_memory_mb"):
+        return sizing
+    gib = 1 << 30
+    util = config.gpu_memory_utilization
+    budget = int(memory.total * util)
+    if budget > memory.free_at_start:
+        raise ValueError(
+            f"gpu_memory_utilization {util}: {budget / gib:.1f} GiB of {device}'s {memory.total / gib:.1f} "
+            f"GiB, but only {memory.free_at_start / gib:.1f} GiB is free (other processes hold the "
+            "rest); lower --gpu-memory-utilization"
+        )
+    room = budget - memory.held
+    if room < block_bytes:
+        raise ValueError(
+            f"gpu_memory_utilization {util}: weights and the profile run hold {memory.held / gib:.2f} "
+            f"GiB of the {budget / gib:.2f} GiB share, leaving no room for a KV pool; raise "
+            "--gpu-memory-utilization, or lower --max-num-batched-tokens / --max-num-seqs"
+        )
+    blocks = room // block_bytes
+    source = (
+        f"{util:.0%} of {memory.total / gib:.1f} GiB on {device}, less {memory.held / gib:.2f} GiB "
+        "for weights and the profiled step"
+    )
+    most_useful = config.max_num_seqs * -(-max_model_len // config.block_size)
+    if blocks > most_useful:
+        blocks, source = most_useful, f"max_num_seqs x max_model_len, under {source}"
+    return dataclasses.replace(
+        sizing, num_kv_blocks=blocks, kv_pool_bytes=blocks * block_bytes, kv_source=source
+    )
 
 
 def announce(line: str) -> None:

@@ -17,9 +17,13 @@ def write_kv_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    # key, value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens]
+    # key, value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens]; slot -1: a
+    # padded row (a CUDA graph's batch of fixed size), written nowhere
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     slots = slot_mapping.long()
+    if slots.numel() and bool(slots.min() < 0):  # a host sync: this reference path is never graphed
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(value_cache.dtype))
 

@@ -18,8 +18,9 @@ from collections.abc import Mapping, Sequence
 
 PREFIX = "PDSERVE_"
 # Read from the environment by the code itself, not command-line flags: the model cache directory
-# (engine.model_fetch) and the switch of the CPU attention kernel (kernels.cpu_ext).
-NOT_FLAGS = frozenset({"PDSERVE_CACHE", "PDSERVE_NATIVE_CPU"})
+# (engine.model_fetch), the switch of the CPU attention kernel (kernels.cpu_ext) and the tests'
+# GPU stand-in (engine.platform).
+NOT_FLAGS = frozenset({"PDSERVE_CACHE", "PDSERVE_NATIVE_CPU", "PDSERVE_TEST_PLATFORM"})
 TRUE, FALSE = frozenset({"1", "true", "yes"}), frozenset({"0", "false", "no"})
 
 

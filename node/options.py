@@ -128,6 +128,16 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         choices=ATTENTION_BACKENDS,
         help="auto: Triton on CUDA, the CPU kernels on CPU; triton on CPU runs Triton's interpreter",
     )
+    engine.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=_ENGINE.gpu_memory_utilization,
+        help="CUDA: share of the GPU's memory this node holds; the KV pool gets what weights and "
+        "the profile run leave of it",
+    )
+    engine.add_argument(
+        "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode-only steps"
+    )
 
 
 def options_from_args(role: Role, args: argparse.Namespace) -> tuple[NodeOptions, EngineConfig]:
@@ -166,5 +176,7 @@ def options_from_args(role: Role, args: argparse.Namespace) -> tuple[NodeOptions
         device=args.device,
         debug_checks=args.debug_checks,
         attention_backend=args.attention_backend,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
     )
     return node, engine

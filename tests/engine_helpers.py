@@ -11,6 +11,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_layout import KVCacheSpec
 from engine.model_runner import ModelRunner
+from engine.platform import resolve_platform
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
 from protocol.sampling_params import SamplingParams
@@ -52,7 +53,9 @@ def paged_logits(
     cfg = ModelConfig.from_path(path)
     num_blocks = 2 * (len(tokens) // block_size + 2)
     spec = KVCacheSpec(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-    runner = ModelRunner(cfg, EngineConfig(model=str(path), dtype=dtype, block_size=block_size), spec)
+    # resolve_platform: PDSERVE_TEST_PLATFORM=split runs it on the split-and-poison platform
+    config = EngineConfig(model=str(path), dtype=dtype, block_size=block_size)
+    runner = ModelRunner(cfg, config, spec, platform=resolve_platform("cpu"))
     bm = BlockManager(num_blocks, block_size)
     bm.free_block_ids.move_to_end(0)  # a non-identity layout: block ids out of order
     seq = Sequence("teacher", list(tokens), len(tokens), SamplingParams())

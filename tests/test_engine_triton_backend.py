@@ -26,7 +26,7 @@ def test_engine_cases_with_the_triton_backend_match_hf():
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", str(CASES)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    assert result.returncode == 0 and summary.startswith("5 passed"), (
+    assert result.returncode == 0 and summary.startswith("6 passed"), (
         result.stdout[-6000:] + result.stderr[-3000:]
     )
 

@@ -100,3 +100,22 @@ def test_a_preemption():
 
 def test_a_sliding_window_model():
     _check(_engine("mistral"), {"a": list(range(3, 43)), "b": list(range(60, 70))}, 6)
+
+
+def test_padded_decode_batches_on_the_split_platform(monkeypatch):
+    """What a CUDA graph runs, eagerly: decode batches padded to a capture size (rows of slot -1
+    and context 0), the device buffers apart from the poisoned host ones. Padding changes no row."""
+    monkeypatch.setenv("PDSERVE_TEST_PLATFORM", "split")
+    engine = _engine(max_num_seqs=6, max_model_len=96)
+    assert engine.platform.kind == "split"
+    engine.runner.use_decode_graphs(engine.config.max_num_seqs, engine.max_model_len, capture=False)
+    padded = collections.Counter()
+    real_run = engine.runner.graphs.run
+
+    def run(input_ids, positions, meta):
+        padded[engine.runner.graphs.padded_size(input_ids.shape[0]) - input_ids.shape[0]] += 1
+        return real_run(input_ids, positions, meta)
+
+    engine.runner.graphs.run = run
+    _check(engine, {"a": list(range(3, 8)), "b": list(range(20, 37)), "c": list(range(50, 80))}, 6)
+    assert padded[1] > 0, padded  # three rows ran as a batch of four

@@ -1,0 +1,259 @@
+"""The device an engine computes on, and everything that differs between devices, in one object.
+
+    resolve_platform("--device") -> CPUPlatform | CUDAPlatform | SplitPlatform (tests)
+
+The rest of the engine is one code path: it places tensors on ``platform.device``, uploads each
+step's inputs through ``platform.upload`` and orders copies with the platform's streams and
+events. On the CPU those are no-ops and the "device" tensor is the host tensor. On CUDA host
+buffers are pinned, copies are asynchronous and events order them.
+
+``SplitPlatform`` is the CPU stand-in for a GPU in tests (``PDSERVE_TEST_PLATFORM=split``): device
+tensors are separate from host tensors, the host copy is poisoned after every upload, and copies
+queued on a stream land only when an event recorded after them is waited on. Code that reads a
+host buffer where it should read the device one, or reads a copy before its event, then gives
+wrong tokens on the CPU, where the HF-exact tests see it.
+
+The CUDA path has not yet run on a GPU (bench/gpu_oneshot.sh checks it on the first one lent), so
+``auto`` stays on the CPU and ``cuda`` starts with a warning that says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+
+from engine.device import check_device_name
+
+log = logging.getLogger(__name__)
+
+TEST_PLATFORM_ENV = "PDSERVE_TEST_PLATFORM"  # "split": SplitPlatform in place of the CPU one
+UNVERIFIED_CUDA = (
+    "the CUDA path is built and tested on the CPU but has not yet run on a GPU "
+    "(bench/gpu_oneshot.sh checks it; bench/README.md has its table once it has)"
+)
+POISON_BYTE = 0x7F  # int64 0x7f7f...: any index read from a poisoned buffer is far out of range
+
+
+class NullStream:
+    """A stream where work runs in program order (the CPU)."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+class NullEvent:
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """The CPU: tensors live in host memory, copies happen when they are issued."""
+
+    device: torch.device = torch.device("cpu")
+
+    kind = "cpu"
+    separate_host = False  # whether a device tensor is a different buffer from its host copy
+    pin_memory = False
+
+    @property
+    def default_dtype(self) -> str:
+        return "float32"  # checked token for token against HF in fp32
+
+    @property
+    def packs_linears(self) -> bool:
+        return self.device.type == "cpu"  # oneDNN packed weights (kernels/cpu_linear.py)
+
+    def activate(self) -> None:
+        """Bind this thread to the device; every thread that launches kernels or copies calls it."""
+
+    def mem_info(self) -> tuple[int, int] | None:
+        """(free, total) bytes of device memory; None where the pool is sized from host RAM."""
+        return None
+
+    def reset_peak(self) -> None:
+        pass
+
+    def peak_bytes(self) -> int | None:
+        """Most device memory torch held since ``reset_peak``; None where it is not tracked."""
+        return None
+
+    def allocated_bytes(self) -> int | None:
+        """Device memory torch holds now; None where it is not tracked."""
+        return None
+
+    def synchronize(self) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def stream(self):
+        return NullStream()
+
+    def event(self):
+        return NullEvent()
+
+    def use_stream(self, stream) -> contextlib.AbstractContextManager:
+        """Run the block's kernels and copies on ``stream``."""
+        return contextlib.nullcontext()
+
+    def host_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer device copies go to or from (pinned where that makes them asynchronous)."""
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.pin_memory)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream=None) -> None:
+        """``dst.copy_(src)``, asynchronous where the platform allows it: the bytes are there only
+        after an event recorded on ``stream`` (the current stream when None) has completed."""
+        dst.copy_(src)
+
+    def uploaded(self, host: torch.Tensor) -> None:
+        """Called after ``host`` was copied to the device: nothing may read it again this step."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CUDAPlatform(Platform):
+    kind = "cuda"
+    separate_host = True
+    pin_memory = True
+
+    @property
+    def default_dtype(self) -> str:
+        return "bfloat16"
+
+    def activate(self) -> None:
+        torch.cuda.set_device(self.device)
+
+    def mem_info(self) -> tuple[int, int] | None:
+        return torch.cuda.mem_get_info(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_bytes(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def allocated_bytes(self) -> int | None:
+        return torch.cuda.memory_allocated(self.device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def stream(self):
+        return torch.cuda.Stream(self.device)
+
+    def event(self):
+        return torch.cuda.Event()
+
+    def use_stream(self, stream) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream=None) -> None:
+        with self.use_stream(stream) if stream is not None else contextlib.nullcontext():
+            dst.copy_(src, non_blocking=True)
+
+
+class FakeStream:
+    """A stream whose copies are queued, not done: they land when an event recorded after them is
+    synchronized or waited on, as a GPU's would complete only then."""
+
+    def __init__(self) -> None:
+        self.queue: list[Callable[[], None]] = []
+
+    def flush(self, upto: int | None = None) -> None:
+        upto = len(self.queue) if upto is None else upto
+        work, self.queue[:upto] = self.queue[:upto], []
+        for do in work:
+            do()
+
+    def synchronize(self) -> None:
+        self.flush()
+
+
+class FakeEvent:
+    def __init__(self, platform: SplitPlatform) -> None:
+        self._platform = platform
+        self._stream: FakeStream | None = None
+        self._mark = 0
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        self._stream = stream or self._platform.current
+        self._mark = len(self._stream.queue)
+
+    def synchronize(self) -> None:
+        if self._stream is not None:
+            self._stream.flush(self._mark)
+            self._mark = 0
+
+    def wait(self, stream=None) -> None:
+        self.synchronize()  # host-side stand-in: what the waiting stream would see is now there
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPlatform(Platform):
+    """Tests only: a CPU that behaves like a GPU towards its host buffers (see the module doc).
+    Work on the default stream runs at once (as kernels do in stream order); copies onto other
+    streams are deferred to their events."""
+
+    kind = "split"
+    separate_host = True
+    current: FakeStream = dataclasses.field(default_factory=FakeStream)
+
+    @property
+    def packs_linears(self) -> bool:
+        return False  # as on a GPU: plain F.linear on the device weights
+
+    def stream(self):
+        return FakeStream()
+
+    def event(self):
+        return FakeEvent(self)
+
+    def use_stream(self, stream) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream=None) -> None:
+        if stream is None or stream is self.current:
+            dst.copy_(src)
+        else:
+            src = src.clone()  # the source as it was when the copy was issued
+            stream.queue.append(lambda: dst.copy_(src))
+
+    def synchronize(self) -> None:
+        self.current.flush()
+
+    def uploaded(self, host: torch.Tensor) -> None:
+        host.view(torch.uint8).fill_(POISON_BYTE)
+
+
+def resolve_platform(name: str) -> Platform:
+    """The platform for ``--device``; ValueError when it cannot be served here."""
+    check_device_name(name)
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return SplitPlatform() if os.environ.get(TEST_PLATFORM_ENV) == "split" else Platform()
+    if name == "auto":
+        log.warning("a CUDA device is present, but --device auto stays on the CPU: %s", UNVERIFIED_CUDA)
+        return Platform()
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {name}: torch sees no CUDA device (torch.cuda.is_available() is false)")
+    device = torch.device(name if ":" in name else "cuda:0")
+    if device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {name}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+    log.warning("device %s: %s", device, UNVERIFIED_CUDA)
+    platform = CUDAPlatform(device)
+    platform.activate()
+    return platform

@@ -1,0 +1,200 @@
+"""The platform layer (engine/platform.py) verified on the CPU: the split-and-poison platform runs
+the HF-exact suites (so nothing reads a host buffer where a GPU would hold the data on the
+device), its fake streams defer copies to their events, the GPU's pool sizing works from
+injected memory figures, and the profile run executes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_layout import KVCacheSpec
+from engine.model_runner import ModelRunner, StepInputs
+from engine.platform import TEST_PLATFORM_ENV, CUDAPlatform, Platform, SplitPlatform, resolve_platform
+from engine.sizing import DeviceMemory, size_device_pool, size_engine
+from tests.engine_helpers import hf_greedy
+from tests.tiny_models import make_tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = 1 << 30
+
+
+@pytest.fixture
+def split(monkeypatch):
+    monkeypatch.setenv(TEST_PLATFORM_ENV, "split")
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 33, 9)]
+
+
+def test_the_split_platform_serves_a_mixed_batch_equal_to_hf(split):
+    path = str(make_tiny_model("llama"))
+    llm = LLM(model=path, num_kv_blocks=64, block_size=4, max_num_batched_tokens=24)  # chunked prefill
+    assert isinstance(llm.engine.platform, SplitPlatform) and not llm.engine.runner.packed_linear
+    prompts = _prompts()
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, p, 8) for p in prompts]
+
+
+def test_reading_the_host_copy_fails_on_the_split_platform(split, monkeypatch):
+    """The negative control: inputs read from the (poisoned) host buffer, as a bug on a GPU
+    would read stale host memory, do not give HF's tokens."""
+    real = StepInputs.upload
+
+    def host_views(self, **arrays):
+        out = real(self, **arrays)
+        host = self._host.numpy()
+        offset, views = 0, {}
+        for name, a in arrays.items():
+            views[name] = torch.from_numpy(host[offset : offset + a.nbytes].view(a.dtype).reshape(a.shape))
+            offset = -(-(offset + a.nbytes) // self.ALIGN) * self.ALIGN
+        assert views.keys() == out.keys()
+        return views
+
+    monkeypatch.setattr(StepInputs, "upload", host_views)
+    path = str(make_tiny_model("llama"))
+    llm = LLM(model=path, num_kv_blocks=64, block_size=4)
+    prompt = _prompts()[1]
+    try:
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    except (IndexError, RuntimeError, AssertionError):
+        return  # poisoned indices are out of range: the read is caught
+    assert out[0].outputs[0].token_ids != hf_greedy(path, prompt, 4)
+
+
+@pytest.mark.slow
+def test_the_hf_exact_suites_pass_on_the_split_platform():
+    env = dict(os.environ, **{TEST_PLATFORM_ENV: "split"})
+    files = ["tests/test_engine_hf_exact.py", "tests/test_engine_paths.py", "tests/test_sampling.py"]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout
+
+
+def test_a_copy_on_a_fake_stream_lands_only_at_its_event():
+    platform = SplitPlatform()
+    src, dst = torch.arange(8, device="cpu"), torch.zeros(8, dtype=torch.int64, device="cpu")
+    stream, event = platform.stream(), platform.event()
+    platform.copy(dst, src, stream)
+    src.fill_(-1)  # the copy takes the bytes as they were when it was issued
+    event.record(stream)
+    assert dst.tolist() == [0] * 8  # read before the event: stale, as a GPU's would be
+    event.synchronize()
+    assert dst.tolist() == list(range(8))
+
+
+def test_the_cpu_platform_aliases_and_the_split_one_separates_and_poisons():
+    a = torch.arange(5, device="cpu").numpy()
+    on_cpu = StepInputs(Platform()).upload(a=a)["a"]
+    assert on_cpu.data_ptr() == a.ctypes.data  # zero copies on the CPU
+    inputs = StepInputs(SplitPlatform())
+    on_split = inputs.upload(a=a, b=a.astype("int32"))
+    assert on_split["a"].tolist() == list(range(5)) and on_split["b"].dtype == torch.int32
+    assert on_split["a"].data_ptr() != a.ctypes.data
+    assert set(inputs._host[:8].tolist()) == {0x7F}  # the host copy is unusable after the upload
+
+
+def test_resolve_platform_on_this_machine(monkeypatch):
+    monkeypatch.delenv(TEST_PLATFORM_ENV, raising=False)
+    assert type(resolve_platform("cpu")) is Platform
+    if not torch.cuda.is_available():
+        assert type(resolve_platform("auto")) is Platform
+    monkeypatch.setenv(TEST_PLATFORM_ENV, "split")
+    assert type(resolve_platform("cpu")) is SplitPlatform
+
+
+def test_cuda_starts_with_a_warning_that_it_has_not_run_on_a_gpu(monkeypatch, caplog):
+    # No GPU here: torch's answers are faked to reach the CUDA branch (activate is a set_device)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(CUDAPlatform, "activate", lambda self: None)
+    with caplog.at_level("WARNING", logger="engine.platform"):
+        platform = resolve_platform("cuda:1")
+        assert isinstance(platform, CUDAPlatform) and platform.device == torch.device("cuda", 1)
+        assert "has not yet run on a GPU" in caplog.text
+        assert type(resolve_platform("auto")) is Platform  # auto waits for the one-shot's table
+    with pytest.raises(ValueError, match="sees 2 CUDA device"):
+        resolve_platform("cuda:2")
+
+
+def _tiny_sizing(model: ModelConfig, **options):
+    config = EngineConfig(model=model.path, dtype="float32", **options)
+    return config, size_engine(config, model, 4096, cpus=2, available_bytes=GIB)
+
+
+def test_the_gpu_pool_gets_what_weights_and_the_profiled_peak_leave():
+    model = ModelConfig.from_path(make_tiny_model("llama"))
+    config, sizing = _tiny_sizing(model, gpu_memory_utilization=0.5, max_num_seqs=1 << 20)
+    block = KVCacheSpec(
+        model.num_layers, 1, 16, model.num_kv_heads, model.head_dim, "float32"
+    ).bytes_per_block
+    # 80 GiB device, 70 free at start; the engine took 10 (weights + context), its step peaked 3
+    # above what it holds now: 40 - 10 - 3 = 27 GiB for the pool
+    memory = DeviceMemory(80 * GIB, 70 * GIB, 60 * GIB, peak=12 * GIB, allocated=9 * GIB)
+    out = size_device_pool(sizing, config, 4096, block, memory, "cuda:0")
+    assert out.num_kv_blocks == 27 * GIB // block and out.kv_pool_bytes == out.num_kv_blocks * block
+    assert "50% of 80.0 GiB on cuda:0" in out.kv_source
+    # the cap by max_num_seqs x max_model_len holds as on the CPU
+    config, sizing = _tiny_sizing(model, gpu_memory_utilization=0.5, max_num_seqs=2)
+    assert size_device_pool(sizing, config, 4096, block, memory, "cuda:0").num_kv_blocks == 2 * 4096 // 16
+
+
+def test_gpu_sizing_refuses_a_share_that_is_not_free_or_leaves_no_pool():
+    model = ModelConfig.from_path(make_tiny_model("llama"))
+    config, sizing = _tiny_sizing(model, gpu_memory_utilization=0.9)
+    with pytest.raises(ValueError, match="only 40.0 GiB is free"):
+        size_device_pool(
+            sizing, config, 4096, 1 << 20, DeviceMemory(80 * GIB, 40 * GIB, 30 * GIB, 0, 0), "cuda:0"
+        )
+    with pytest.raises(ValueError, match="leaving no room for a KV pool"):
+        size_device_pool(
+            sizing, config, 4096, 1 << 20, DeviceMemory(80 * GIB, 80 * GIB, 8 * GIB, 0, 0), "cuda:0"
+        )
+    config, sizing = _tiny_sizing(model, num_kv_blocks=5)  # an explicit pool still wins
+    assert size_device_pool(sizing, config, 4096, 1, DeviceMemory(1, 1, 1, 0, 0), "cuda:0").num_kv_blocks == 5
+
+
+def test_the_profile_run_executes_and_leaves_the_pool_untouched():
+    path = make_tiny_model("llama")
+    cfg = ModelConfig.from_path(path)
+    spec = KVCacheSpec(cfg.num_layers, 8, 4, cfg.num_kv_heads, cfg.head_dim, "float32")
+    runner = ModelRunner(cfg, EngineConfig(model=str(path), dtype="float32", block_size=4), spec)
+    runner.profile(num_tokens=40, num_seqs=6, max_model_len=64)
+    assert all(not k.any() and not v.any() for k, v in runner.kv_caches)
+
+
+def test_padded_decode_equals_unpadded_and_padding_writes_nothing():
+    """The eager form of the CUDA graphs' decode (engine/cuda_graphs.py) on the CPU: the same
+    tokens as unpadded steps (and HF), and the same KV pool bit for bit."""
+    path = str(make_tiny_model("llama"))
+    prompts = _prompts()[:3]  # decode batches of 3: padded to 4
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    options = dict(
+        num_kv_blocks=64, block_size=4, attention_backend="torch", max_num_seqs=6, max_model_len=80
+    )
+    plain, padded = LLM(model=path, **options), LLM(model=path, **options)
+    padded.engine.runner.use_decode_graphs(6, 80, capture=False)
+    sizes = []
+    real_run = padded.engine.runner.graphs.run
+    padded.engine.runner.graphs.run = lambda ids, *a: sizes.append(ids.shape[0]) or real_run(ids, *a)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in padded.generate(prompts, params)] == want
+    assert want == [hf_greedy(path, p, 8) for p in prompts]
+    assert 3 in sizes, sizes  # steps really ran padded
+    for (k0, v0), (k1, v1) in zip(plain.engine.runner.kv_caches, padded.engine.runner.kv_caches, strict=True):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
