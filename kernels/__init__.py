@@ -6,6 +6,7 @@ before triton is first imported in the process: see ``tests/test_kernels_interpr
 Each Triton kernel's module also holds a simple pure-torch ``*_ref`` used by the tests.
 On CPU the attention calls take the C++ extension of ``kernels/cpu_ext.py`` when it is built
 (the default; ``PDSERVE_NATIVE_CPU=0`` or no compiler: the torch path).
+On ``meta`` tensors (any backend) the KV write and the attention calls are shape-only fakes.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu_ext, torch_fast
+from kernels.checks import check_cache_pair, check_index_tensor
 
 
 def _use_triton(tensor: torch.Tensor, backend: str | None) -> bool:
@@ -28,6 +30,32 @@ def native_cpu(tensor: torch.Tensor, backend: str | None = None) -> bool:
     return backend is None and tensor.device.type == "cpu" and cpu_ext.enabled()
 
 
+# The meta fakes: meta tensors have shapes and devices but no data, so a whole model forward
+# runs on meta (tests/test_meta_forward.py), where a stray host tensor or a host sync raises.
+# They assert the layouts and devices that the Triton wrappers assert, and compute nothing.
+def _on_meta(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "meta"
+
+
+def _fake_kv_write(key, value, key_cache, value_cache, slot_mapping) -> None:
+    # key, value: [T, KVH, D]; slot_mapping: [T]
+    check_cache_pair(key_cache, value_cache, key.shape[-1])
+    assert value.shape == key.shape and key.shape[1] == key_cache.shape[2], (key.shape, key_cache.shape)
+    assert key.device == value.device == key_cache.device, (key.device, value.device, key_cache.device)
+    assert slot_mapping.shape == key.shape[:1], (slot_mapping.shape, key.shape)
+    check_index_tensor(slot_mapping, "slot_mapping", key_cache.device)
+
+
+def _fake_attention(query, key_cache, value_cache, **index_tensors) -> torch.Tensor:
+    # query: [T, H, D] -> an uninitialised [T, H, D]
+    check_cache_pair(key_cache, value_cache, query.shape[-1])
+    assert query.shape[1] % key_cache.shape[2] == 0, (query.shape, key_cache.shape)
+    assert key_cache.device == query.device, (key_cache.device, query.device)
+    for name, t in index_tensors.items():
+        check_index_tensor(t, name, query.device)
+    return torch.empty_like(query)
+
+
 def paged_varlen_attention(
     query,
     key_cache,
@@ -40,6 +68,15 @@ def paged_varlen_attention(
     softcap=None,
 ):
     """Decodes and prefill chunks of a whole batch in one call (CPU kernel only; see native_cpu)."""
+    if _on_meta(query):
+        return _fake_attention(
+            query,
+            key_cache,
+            value_cache,
+            block_tables=block_tables,
+            query_start_loc=query_start_loc,
+            context_lens=context_lens,
+        )
     return cpu_ext.paged_attention(
         query,
         key_cache,
@@ -55,6 +92,8 @@ def paged_varlen_attention(
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend=None) -> None:
     """Scatter new tokens' K/V ([num_tokens, num_kv_heads, head_dim]) into their cache slots."""
+    if _on_meta(key):
+        return _fake_kv_write(key, value, key_cache, value_cache, slot_mapping)
     if _use_triton(key, backend):
         from kernels.kv_write import write_kv_cache_triton
 
@@ -77,6 +116,15 @@ def paged_prefill_attention(
     """Causal attention of each sequence's new tokens over its cached context (varlen, chunked).
 
     ``softcap`` (Gemma 2): attention logits become softcap * tanh(logits / softcap) before the mask."""
+    if _on_meta(query):
+        return _fake_attention(
+            query,
+            key_cache,
+            value_cache,
+            block_tables=block_tables,
+            query_start_loc=query_start_loc,
+            context_lens=context_lens,
+        )
     if _use_triton(query, backend):
         from kernels.paged_prefill import paged_prefill_attention_triton
 
@@ -128,6 +176,10 @@ def paged_decode_attention(
     backend=None,
 ):
     """Attention of one query token per sequence over its paged context."""
+    if _on_meta(query):
+        return _fake_attention(
+            query, key_cache, value_cache, block_tables=block_tables, context_lens=context_lens
+        )
     if _use_triton(query, backend):
         from kernels.paged_decode import paged_decode_attention_triton
 

@@ -1,16 +1,22 @@
-"""No tensor factory without ``device=`` in the kernels: a CPU-built index or mask beside CUDA
-tensors fails only on a GPU, which this project rarely has (GPU_PLAN.md, Phase 0). Each deliberate
-host tensor is listed with its reason; a new one must be added here or given a device."""
+"""No tensor factory without ``device=`` in the kernels and the model code: a CPU-built index or
+mask beside CUDA tensors fails only on a GPU, which this project rarely has (GPU_PLAN.md, Phase 0).
+Each deliberate host tensor is listed with its reason; a new one must be added here or given a
+device. tests/test_meta_forward.py checks the model forward itself, on ``meta``."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FACTORIES = frozenset(
     {"arange", "zeros", "ones", "empty", "full", "tensor", "rand", "randn", "randint", "linspace"}
 )
+# Parameters and rotary tables: built once by the module's constructor on the default device
+# (the caller's ``with torch.device(...)``, as for nn.Linear's own weights), moved with the module.
+_CONSTRUCTION = "construction-time, on the default device, like nn.Linear's weights"
 ALLOWED = {
     (
         "kernels/__init__.py",
@@ -25,7 +31,25 @@ ALLOWED = {
     ): "the reference computes on the host, then moves",
     ("kernels/kv_quant.py", "quantize_kv_int8_ref", "tensor"): "a host scalar of the host reference",
     ("kernels/testing.py", "*", "*"): "test inputs, moved by the tests",
+    ("engine/layers/moe.py", "__init__", "zeros"): _CONSTRUCTION,
+    ("engine/layers/moe.py", "__init__", "empty"): _CONSTRUCTION,
+    ("engine/layers/norms.py", "__init__", "zeros"): _CONSTRUCTION,
+    ("engine/layers/norms.py", "__init__", "ones"): _CONSTRUCTION,
+    ("engine/models/gpt2.py", "__init__", "empty"): _CONSTRUCTION,
+    ("engine/models/gpt2.py", "__init__", "zeros"): _CONSTRUCTION,
+    ("engine/layers/rotary.py", "__init__", "arange"): _CONSTRUCTION,
+    ("engine/layers/rotary.py", "_base_inv_freq", "arange"): _CONSTRUCTION,
+    ("engine/layers/rotary.py", "_yarn", "arange"): _CONSTRUCTION,
+    ("engine/layers/rotary.py", "_longrope", "arange"): _CONSTRUCTION,
+    ("engine/layers/rotary.py", "_longrope", "tensor"): _CONSTRUCTION,
+    (
+        "engine/models/decoder.py",
+        "embed",
+        "tensor",
+    ): "a 0-dim host scalar (HF rounds the embedding scale to the weights' dtype): it mixes with "
+    "tensors on any device, read on the host as a kernel argument, with no copy and no sync",
 }
+LINTED = ("kernels", "engine/layers", "engine/models")
 
 
 def _unplaced(path: pathlib.Path) -> list[tuple[str, str, int]]:
@@ -51,9 +75,10 @@ def _unplaced(path: pathlib.Path) -> list[tuple[str, str, int]]:
     return found
 
 
-def test_kernel_tensor_factories_name_their_device():
+@pytest.mark.parametrize("folder", LINTED)
+def test_tensor_factories_name_their_device(folder):
     offenders = []
-    for path in sorted((ROOT / "kernels").rglob("*.py")):
+    for path in sorted((ROOT / folder).rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
         for function, factory, line in _unplaced(path):
             if (rel, "*", "*") in ALLOWED or (rel, function, factory) in ALLOWED:
@@ -73,7 +98,6 @@ def test_the_lint_sees_a_factory_without_a_device(tmp_path):
 
 
 def test_an_index_tensor_on_another_device_is_a_clear_assertion():
-    import pytest
     import torch
 
     from kernels.kv_write import write_kv_cache_triton
