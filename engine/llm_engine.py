@@ -394,7 +394,7 @@ class LLMEngine:
                     request.seqs.append(child)
                     rows.append(row)
                     seqs.append(child)
-        return torch.tensor(rows, dtype=torch.int64), seqs
+        return torch.tensor(rows, dtype=torch.int64, device=self.device), seqs
 
     def _banned_tokens(self, seq: Sequence) -> tuple[int, ...]:
         if seq.num_output_tokens >= seq.params.min_tokens:
