@@ -70,6 +70,7 @@ class DecodeNode:
             EngineReservations(self.engine),
             [k for k, _ in caches],
             [v for _, v in caches],
+            platform=self.engine.platform,
         )
         self.kv_addr = f"tcp://{opts.advertise_host}:{self.receiver.address.rsplit(':', 1)[1]}"
         self.streams: dict[str, Stream] = {}

@@ -7,7 +7,7 @@ Modules, one job each:
 - ``sender``    ``KVSender``: reserve → chunks under a credit window → done → ack
 - ``receiver``  ``KVReceiver``: grants from the node's BlockManager, lands chunks, deadlines
 - ``staging``   the sender's staging ring (shared memory for same-host peers)
-- ``tensors``   pack/unpack a layer's blocks, checksums, int8 wire format
+- ``tensors``   pack/unpack a layer's blocks (host or device memory), checksums, int8 wire format
 - ``errors``    typed failures (rejected, timed out, aborted)
 
 Chunking: one chunk is one layer's K and V for a run of the request's blocks (a whole layer

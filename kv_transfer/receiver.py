@@ -9,6 +9,7 @@ failed. Which blocks a request gets, and whether it may have any, is the engine'
                  └─► engine.reserve?  blocks ─► KVGrant
                                       not now ─► FIFO queue (≤ max_waiting) ─► KVWait … grant or KVReject at ttl
     KVChunk   ─► sizes + xxh3 checked ─► index_copy_ into the granted blocks ─► KVCredit
+                 (device caches: upload, scatter on the copy stream, its event waited on)
     KVDone    ─► all (layer, block) pieces landed? ─► KVAck, report completed
 
 A granted request that stays silent for ``chunk_timeout_s``, fails a check, or is aborted frees
@@ -99,8 +100,11 @@ class KVReceiver:
         value_caches: Sequence[torch.Tensor],
         config: ReceiverConfig | None = None,
         context: zmq.Context | None = None,
+        platform: tensors.DevicePlatform | None = None,
     ) -> None:
-        """key_caches, value_caches: per layer [num_blocks, block_size, kv_heads, head_dim]."""
+        """key_caches, value_caches: per layer [num_blocks, block_size, kv_heads, head_dim].
+        platform: where the caches live (None: host memory). Poll from the thread that makes the
+        receiver: it binds that thread to the device and makes its copy stream."""
         assert len(key_caches) == len(value_caches) == fingerprint.num_layers, "one K and V cache per layer"
         expected = (
             reservations.num_blocks,
@@ -122,6 +126,8 @@ class KVReceiver:
         self._queued: deque[_Queued] = deque()
         self._result = PollResult()
         self._peers = PeerMemory(fingerprint, self.config.shared_memory)  # same-host rings and caches
+        self._copies = tensors.DeviceCopies(platform)
+        tensors.activate(platform)
         k = self.key_caches[0]
         self._bytes_per_block = 2 * self.fingerprint.num_layers * k[0].numel() * k.element_size()
         self._handlers: dict[type[Message], Callable[[bytes, Message, list[memoryview]], None]] = {
@@ -230,7 +236,8 @@ class KVReceiver:
         if reservation is None:
             return False
         num_held, send_ids = reservation.num_held_blocks, list(reservation.block_ids)
-        direct_src = self._peers.map_cache(msg)
+        # The one-copy path writes our caches through numpy views: only for caches in host memory.
+        direct_src = self._peers.map_cache(msg) if self._copies.on_host else None
         ring = None if direct_src is not None else self._peers.map_ring(msg)
         self._incoming[msg.request_id] = _Incoming(
             peer,
@@ -290,8 +297,13 @@ class KVReceiver:
             return
         ids = state.block_ids[msg.block_start : msg.block_start + msg.num_blocks]
         tensors.unpack_layer(
-            frames, self.key_caches[msg.layer], self.value_caches[msg.layer], ids, state.reserve.wire_format
-        )
+            frames,
+            self.key_caches[msg.layer],
+            self.value_caches[msg.layer],
+            ids,
+            state.reserve.wire_format,
+            self._copies,
+        )  # landed on return, also in device memory: the engine may read the blocks from now on
         first = msg.layer * len(state.block_ids) + msg.block_start
         state.landed[first : first + msg.num_blocks] = b"\x01" * msg.num_blocks
         state.bytes_received += sum(len(f) for f in frames)

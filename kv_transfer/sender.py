@@ -108,16 +108,21 @@ class KVSender:
         config: SenderConfig | None = None,
         context: zmq.Context | None = None,
         cache_ref: CacheRef | None = None,
+        platform: tensors.DevicePlatform | None = None,
     ) -> None:
         """cache_ref: this node's KV cache in shared memory (kv_transfer.shared_cache), offered to
-        same-host receivers for the one-copy path; the caches passed to send calls must be it."""
+        same-host receivers for the one-copy path; the caches passed to send calls must be it.
+        platform: where the caches live (None: host memory). Caches in device memory are packed
+        through a copy stream made here, and never offered in shared memory (cache_ref is dropped,
+        the ring is private): peers read only host memory."""
         self.fingerprint = fingerprint
-        self.cache_ref = cache_ref if (config or SenderConfig()).shared_memory else None
         self.config = config or SenderConfig()
+        self._copies = tensors.DeviceCopies(platform)
+        self.cache_ref = cache_ref if self.config.shared_memory and self._copies.on_host else None
         self._channel = PeerChannel(address, context, decoder=decode)
         self._inbox: dict[str, deque[Message]] = {}  # replies per active request, in arrival order
         shared = self.config.shared_memory and peer_is_local(address)  # else nobody could map it
-        self._ring = StagingRing(self.config.staging_bytes, shared)
+        self._ring = StagingRing(self.config.staging_bytes, shared, platform)
         self._window_bytes = 0  # from the latest grant
 
     # ----------------------------------------------------------------- per request
@@ -295,7 +300,8 @@ class KVSender:
             ids,
             self.config.wire_format,
             self._ring.buffer[offset : offset + slot_bytes],
-        )
+            self._copies,
+        )  # complete: a device cache's copies have landed
         views = [tensors.as_frame(f) for f in frames]
         checksums = tuple(tensors.checksum(v) for v in views)
         if layer == 0 and block_start == 0:

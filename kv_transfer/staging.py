@@ -10,6 +10,9 @@ shared memory (a memfd, made only for a peer whose address is on this machine) a
 runs on the same host, chunks do not travel over the socket at all: the header names the slot
 offset and the receiver reads the slot (still checksummed). No shared memory to be had: a private
 ring, a log line, and the socket path.
+
+When the KV cache is in device memory the ring is the platform's host buffer (pinned on CUDA, so
+the device-to-host copies into it are asynchronous) and never shared: chunks go on the socket.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 
 from kv_transfer import memfd
 from kv_transfer.messages import RingRef
+from kv_transfer.tensors import DevicePlatform
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +52,14 @@ class _Slot:
 
 
 class StagingRing:
-    def __init__(self, num_bytes: int, shared: bool) -> None:
+    def __init__(self, num_bytes: int, shared: bool, platform: DevicePlatform | None = None) -> None:
+        """platform: where the cache lives (None: host memory); one that keeps it apart from host
+        memory gets a private ring from ``platform.host_empty`` (pinned), whatever ``shared`` says."""
+        on_device = platform is not None and platform.separate_host
         self.ref: RingRef | None = None  # set when the ring is shared memory
         self._fd: int | None = None
         self._map: mmap.mmap | None = None
-        if shared:
+        if shared and not on_device:
             try:
                 self._fd, self._map = memfd.create("pdserve-kv-ring", num_bytes)
                 self.ref = RingRef(os.getpid(), self._fd, num_bytes)
@@ -61,7 +68,9 @@ class StagingRing:
         self.buffer = (
             torch.frombuffer(self._map, dtype=torch.uint8)
             if self._map is not None
-            else (torch.empty(num_bytes, dtype=torch.uint8))
+            else platform.host_empty((num_bytes,), torch.uint8)
+            if on_device
+            else torch.empty(num_bytes, dtype=torch.uint8)
         )  # [num_bytes] uint8
         self.buffer.fill_(0)  # touch every page now, not on the first transfer
         self._in_flight: deque[_Slot] = deque()

@@ -56,7 +56,10 @@ class PrefillNode:
         self.opts = opts
         self.log = EventLog(opts.node_id)
         forward_own_logs(self.log)  # before the engine: its start-up records too
-        # The KV cache lives in shared memory so same-host decode nodes copy blocks straight out of it.
+        # A KV cache in host memory lives in shared memory, so same-host decode nodes copy blocks
+        # straight out of it. The engine calls the factory only for a pool in host memory; a
+        # device pool (and a private one) leaves this None, and chunks go on the socket.
+        self.cache: SharedKVCache | None = None
         self.engine = LLMEngine(engine_config, kv_cache_factory=self._shared_cache)
         self.fingerprint = KVFingerprint.from_spec(opts.model_id, self.engine.kv_spec, KV_LAYOUT_NAME)
         self.runtime = NodeRuntime(opts, self.log)
@@ -68,6 +71,7 @@ class PrefillNode:
             [v for _, v in caches],
             cache_ref=self.cache.ref if self.cache is not None else None,
             log=self.log,
+            platform=self.engine.platform,
         )
         self.pending: dict[str, _Pending] = {}  # computing or shipping: where the reply goes
         self.prefill_rate = PrefillRate()  # for the registry: autoscalers divide the backlog by it
@@ -75,7 +79,6 @@ class PrefillNode:
     def _shared_cache(self, spec):
         """The KV cache in shared memory for same-host decode nodes; private memory (and chunks on
         the socket) when none can be had."""
-        self.cache: SharedKVCache | None = None
         try:
             self.cache = SharedKVCache(spec)
         except OSError as exc:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.platform import Platform
 from kv_transfer.errors import KVRejected, KVTimeout, KVTransferError
 from kv_transfer.messages import CacheRef, KVFingerprint, TokenLogprobs
 from kv_transfer.sender import KVSender, SenderConfig, TransferStats
@@ -87,8 +88,10 @@ class Shipper:
         cache_ref: CacheRef | None = None,
         idle_timeout_s: float = 60.0,
         log: Callable[..., None] | None = None,
+        platform: Platform | None = None,
     ) -> None:
         self.cache_ref = cache_ref  # the caches in shared memory: offered for one-copy transfers
+        self.platform = platform or Platform()  # where the caches live: the engine's
         self.fingerprint = fingerprint
         self.key_caches, self.value_caches = key_caches, value_caches
         self.config = config or SenderConfig()
@@ -178,7 +181,10 @@ class Shipper:
             self.outcomes.put(Outcome(job.request_id, None, "aborted"))
 
     def _work(self, addr: str, peer: _Peer) -> None:
-        sender = KVSender(addr, self.fingerprint, self.config, cache_ref=self.cache_ref)
+        self.platform.activate()  # this thread's copies go to the engine's device, not device 0
+        sender = KVSender(
+            addr, self.fingerprint, self.config, cache_ref=self.cache_ref, platform=self.platform
+        )
         replies = PushChannels(_MAX_REPLY_CHANNELS)  # this thread's own
         try:
             while (job := self._next_job(addr, peer)) is not None:

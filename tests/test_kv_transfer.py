@@ -22,6 +22,7 @@ from kv_transfer_peer import (
 )
 
 from engine.block_manager import BlockManager
+from engine.platform import Platform, SplitPlatform
 from engine.sequence import Sequence, SequenceStatus
 from kv_transfer.errors import KVRejected, KVTimeout
 from kv_transfer.messages import WireFormat
@@ -56,7 +57,9 @@ def pool() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
         yield executor
 
 
-def make_receiver(address: str, num_blocks: int = NUM_BLOCKS, **config: object) -> KVReceiver:
+def make_receiver(
+    address: str, num_blocks: int = NUM_BLOCKS, platform: Platform | None = None, **config: object
+) -> KVReceiver:
     keys, values = make_caches(num_blocks, seed=None)
     config = ReceiverConfig(**config)  # type: ignore[arg-type]
     return KVReceiver(
@@ -66,12 +69,15 @@ def make_receiver(address: str, num_blocks: int = NUM_BLOCKS, **config: object) 
         keys,
         values,
         config,
+        platform=platform,
     )
 
 
-def make_sender(receiver: KVReceiver, link: Link, **config: object) -> KVSender:
+def make_sender(
+    receiver: KVReceiver, link: Link, platform: Platform | None = None, **config: object
+) -> KVSender:
     sender_config = SenderConfig(shared_memory=link.shared_memory, staging_bytes=1 << 20, **config)  # type: ignore
-    return KVSender(receiver.address, make_fingerprint(), sender_config)
+    return KVSender(receiver.address, make_fingerprint(), sender_config, platform=platform)
 
 
 def poll_until(
@@ -95,14 +101,17 @@ def assert_blocks_equal(
         assert torch.equal(s[src_ids], d[dst_ids])
 
 
-def test_round_trip_lands_exact_bytes_in_the_granted_blocks(link, pool):
-    receiver = make_receiver(link.address)
+# "split": both caches stand for device memory (engine.platform.SplitPlatform), so every chunk is
+# copied on a copy stream that lands only at its event: bytes read before it would be stale.
+@pytest.mark.parametrize("platform", [Platform(), SplitPlatform()], ids=["host", "split"])
+def test_round_trip_lands_exact_bytes_in_the_granted_blocks(link, pool, platform):
+    receiver = make_receiver(link.address, platform=platform)
     squatter = Sequence("squat", [9] * 3 * BLOCK_SIZE, 3 * BLOCK_SIZE, SamplingParams())
     receiver.reservations.block_manager.append(squatter, 3 * BLOCK_SIZE)  # so the free layouts differ
     tokens = list(range(100, 100 + 3 * BLOCK_SIZE + 1))  # 3 full blocks and one partial
     src_bm, src_seq = prefill_side(tokens, NUM_BLOCKS, skip=5)
     keys, values = make_caches(NUM_BLOCKS, seed=1)
-    sender = make_sender(receiver, link)
+    sender = make_sender(receiver, link, platform)  # each side makes its own copy stream
 
     future = pool.submit(sender.transfer, "r1", tokens, keys, values, src_seq.block_table, first_token=7)
     got = poll_until(receiver, lambda r: bool(r.completed)).completed[0]
@@ -116,7 +125,7 @@ def test_round_trip_lands_exact_bytes_in_the_granted_blocks(link, pool):
     assert_blocks_equal(keys, src_seq.block_table, receiver.key_caches, seq.block_table)
     assert_blocks_equal(values, src_seq.block_table, receiver.value_caches, seq.block_table)
     assert stats.bytes_sent == got.bytes_received == 2 * NUM_LAYERS * 4 * keys[0][0].numel() * 4
-    assert stats.shm == link.shared_memory
+    assert stats.shm == (link.shared_memory and not platform.separate_host)  # device caches: the socket
     receiver.reservations.block_manager.check_integrity([squatter, seq])
     receiver.reservations.finish(got.request_id)
     receiver.reservations.block_manager.free(squatter)

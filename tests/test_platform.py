@@ -198,3 +198,52 @@ def test_padded_decode_equals_unpadded_and_padding_writes_nothing():
     assert 3 in sizes, sizes  # steps really ran padded
     for (k0, v0), (k1, v1) in zip(plain.engine.runner.kv_caches, padded.engine.runner.kv_caches, strict=True):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
+
+
+@pytest.mark.slow
+def test_a_prefill_decode_pair_on_the_split_platform_is_exact(tmp_path, monkeypatch):
+    """Both nodes on the split platform (KV packed and landed through fake copy streams, inputs
+    from poisoned host buffers): concurrent mixed prompts, with and without logprobs, through
+    the prefill node and on the decode node alone, give HF's greedy tokens; a seeded sampled
+    request gives the tokens the plain CPU engine draws."""
+    from tests.cluster import Client, NodeProcess
+
+    model = str(make_tiny_model("llama"))
+    seeded = {"temperature": 0.9, "top_p": 0.9, "seed": 11, "max_tokens": 7, "ignore_eos": True}
+    prompt = _prompts()[2]
+    want_seeded = LLM(model=model, num_kv_blocks=64, block_size=8).generate(
+        [prompt], SamplingParams(**seeded)
+    )
+    monkeypatch.setenv(TEST_PLATFORM_ENV, "split")
+    extra = ["--block-size", "8", "--num-kv-blocks", "128"]
+    nodes = [NodeProcess(role, model, tmp_path, None, extra) for role in ("prefill", "decode")]
+    client = Client()
+    try:
+        prefill, decode = (n.wait_ready() for n in nodes)
+        g = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 40, 17, 90, 8, 61)]
+        for i, p in enumerate(prompts):
+            params = {
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "max_tokens": 3 + i,
+                "logprobs": 2 if i % 2 else None,
+            }
+            client.generate(
+                prefill if i < 4 else decode, f"g{i}", p, params, decode=decode if i < 4 else None
+            )
+        client.generate(prefill, "seeded", prompt, seeded, decode=decode)
+        results = client.collect([f"g{i}" for i in range(len(prompts))] + ["seeded"])
+        for i, p in enumerate(prompts):
+            r = results[f"g{i}"]
+            assert r["failed"] is None and r["tokens"] == hf_greedy(model, p, 3 + i), i
+            logprobs = [lp for _, chunk in r["chunks"] for lp in chunk.logprobs]
+            assert len(logprobs) == (len(r["tokens"]) if i % 2 else 0), i
+        assert results["seeded"]["tokens"] == want_seeded[0].outputs[0].token_ids
+        for node in (prefill, decode):
+            info = client.wait_idle(node)
+            assert info["num_blocks_free"] == info["num_blocks_total"]
+    finally:
+        client.close()
+        for n in nodes:
+            n.close()
