@@ -3,9 +3,12 @@
 #   docker build -t pdserve .                                   # CPU (python:3.11-slim, CPU torch)
 #   docker build -t pdserve --build-arg TORCH_INDEX= .          # plain PyPI path: torch from the
 #                                                               # configured pip index only
-#   docker build -t pdserve --build-arg BASE_IMAGE=nvidia/cuda:12.6.3-runtime-ubuntu24.04 \
-#                --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu126 \
-#                --build-arg PDSERVE_EXTRAS=gpu .               # CUDA torch + Triton kernels
+#   docker build -t pdserve --build-arg BASE_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04 \
+#                --build-arg TORCH_INDEX= .                     # GPU: PyPI's torch is the CUDA build,
+#                                                               # with its own pinned Triton
+#
+# The GPU recipe has not been built here (these machines reach no image registry for the CUDA
+# base) and the engine's CUDA path has not yet run on a GPU: see bench/README.md, "GPU".
 #
 # The container's command is a pdserve subcommand (router, prefill, decode) whose flags come from
 # PDSERVE_* environment variables (see launcher/env_flags.py), e.g. PDSERVE_REDIS -> --redis.
@@ -18,7 +21,7 @@ FROM ${BASE_IMAGE}
 # Empty: the plain-PyPI path, torch from pip's configured index like everything else (a mirror, or
 # a local wheel directory in PIP_FIND_LINKS holding the CPU wheel).
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-# pyproject extras to install: "gpu" adds triton (1 GB), whose kernels run only on CUDA tensors.
+# pyproject extras to install (none by default; "dev" adds the test tools).
 ARG PDSERVE_EXTRAS=
 # Timeout and retries of every pip request: an index that cannot be reached costs seconds, not the
 # ten minutes pip's defaults (15 s, 5 retries with back-off, for each package) added up to.

@@ -19,7 +19,7 @@ import urllib.request
 from collections.abc import Callable
 
 from launcher.children import Child, stop_all
-from launcher.plan import ClusterPlan, kv_fraction_per_node
+from launcher.plan import ClusterPlan, gpu_share_per_node, kv_fraction_per_node
 from launcher.registry import find_redis_server, start_redis
 
 SOURCE_ROOT = pathlib.Path(__file__).resolve().parent.parent  # holds pdserve_cli, node, router, ...
@@ -112,6 +112,7 @@ class LocalCluster:
             "--threads" if self.plan.fixed_threads else "--max-threads",
             str(self.plan.threads_per_node),
             *self._kv_share(),
+            *self._gpu_share(),
             *self.plan.node_args,  # after the flags above: a flag given here wins
         ]
         if self.redis_url:
@@ -121,6 +122,10 @@ class LocalCluster:
     def _kv_share(self) -> list[str]:
         share = kv_fraction_per_node(self.plan.num_nodes)
         return [] if share is None else ["--kv-cache-memory-fraction", f"{share:.4g}"]
+
+    def _gpu_share(self) -> list[str]:
+        share = gpu_share_per_node(self.plan.node_args, self.plan.num_nodes)
+        return [] if share is None else ["--gpu-memory-utilization", f"{share:.4g}"]
 
     def _ready_path(self, name: str) -> pathlib.Path:
         return self.plan.log_dir / f"{name}.ready.json"

@@ -87,6 +87,31 @@ def kv_fraction_per_node(num_nodes: int, default: float = 0.25) -> float | None:
     return share if share < default else None
 
 
+LOCAL_GPU_SHARE = 0.9  # of one GPU's memory, for all the nodes a one-machine cluster starts on it
+
+
+def node_device(node_args: tuple[str, ...] | list[str]) -> str:
+    """The --device the nodes get from ``node_args`` (the last one wins, as argparse has it)."""
+    device = "auto"
+    for i, arg in enumerate(node_args):
+        if arg == "--device" and i + 1 < len(node_args):
+            device = node_args[i + 1]
+        elif arg.startswith("--device="):
+            device = arg.split("=", 1)[1]
+    return device
+
+
+def gpu_share_per_node(node_args: tuple[str, ...] | list[str], num_nodes: int) -> float | None:
+    """Each node's --gpu-memory-utilization where the nodes compute on one CUDA device (the one
+    ``--device`` names: every node gets the same flags), so that together they hold
+    LOCAL_GPU_SHARE of it; None off CUDA, or where the flags already set a share."""
+    if not node_device(node_args).startswith("cuda") or any(
+        a.startswith("--gpu-memory-utilization") for a in node_args
+    ):
+        return None
+    return LOCAL_GPU_SHARE / max(1, num_nodes)
+
+
 def threads_per_node(num_cores: int, num_nodes: int) -> int:
     """Each node gets an equal share of the cores, at least one thread; the router and Redis
     are light and share whatever is left."""

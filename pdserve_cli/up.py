@@ -128,7 +128,9 @@ def _plan(args: argparse.Namespace):
     from launcher.plan import (
         LOCAL_KV_SHARE,
         ClusterPlan,
+        gpu_share_per_node,
         kv_fraction_per_node,
+        node_device,
         threads_per_node,
         usable_cores,
     )
@@ -155,6 +157,15 @@ def _plan(args: argparse.Namespace):
         _say(
             f"KV pools: {share:.1%} of available memory per node ({num_nodes} nodes share {LOCAL_KV_SHARE:.0%})"
         )
+    node_args = tuple(shlex.split(args.node_args))
+    gpu_share = gpu_share_per_node(node_args, num_nodes)
+    if gpu_share is not None:
+        _say(f"GPU memory: {gpu_share:.1%} of {node_device(node_args)} per node ({num_nodes} nodes share it)")
+    if node_device(node_args).startswith("cuda"):
+        _say(
+            "note: the CUDA path is built and tested on the CPU but has not yet run on a GPU "
+            "(bench/gpu_oneshot.sh checks it; bench/README.md, GPU)"
+        )
     log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     return ClusterPlan(
@@ -168,7 +179,7 @@ def _plan(args: argparse.Namespace):
         threads_per_node=threads,
         fixed_threads=bool(args.threads),
         log_dir=log_dir,
-        node_args=tuple(shlex.split(args.node_args)),
+        node_args=node_args,
         start_timeout_s=args.start_timeout,
         stop_timeout_s=args.stop_timeout,
         num_colocated=args.colocated,

@@ -176,6 +176,10 @@ def test_gpu_overlay_renders_valid_deployments_that_request_a_gpu(name):
     )
     assert env_of(spec)["PDSERVE_DTYPE"] == "bfloat16"
     assert len(spec["env"]) == len({e["name"] for e in spec["env"]})  # merged by name, not appended
+    # the nodes compute on the GPU, their pool sized from its memory rather than a fixed budget
+    env = {k: v.replace("$(POD_IP)", "10.0.0.7") for k, v in env_of(spec).items()}
+    args = build_parser().parse_args([spec["args"][0], *flags_from_env(spec["args"][0], env)])
+    assert (args.device, args.gpu_memory_utilization, args.kv_cache_memory_mb) == ("cuda", 0.9, None)
 
 
 def test_every_yaml_file_is_a_kustomization_a_resource_a_patch_or_the_adapter_values():

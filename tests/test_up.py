@@ -194,6 +194,26 @@ def test_a_nodes_share_of_the_cores_is_its_ceiling_unless_threads_were_set(model
     assert (engine.num_threads, engine.max_threads) == ((2, None) if fixed else (None, 2))
 
 
+@pytest.mark.parametrize(
+    ("node_args", "share"),
+    [
+        (("--device", "cuda"), "0.3"),  # three nodes on one GPU: 90% of it between them
+        (("--device=cuda:1", "--dtype", "bfloat16"), "0.3"),
+        (("--device", "cuda", "--gpu-memory-utilization", "0.5"), None),  # the user's share wins
+        (("--device", "cpu"), None),
+        ((), None),
+    ],
+)
+def test_nodes_on_one_gpu_split_its_memory(model, tmp_path, node_args, share):
+    plan = plan_of(tmp_path, model=str(model), num_prefill=1, num_decode=2, node_args=node_args)
+    argv = LocalCluster(plan).node_argv("decode", 0)
+    flag = "--gpu-memory-utilization"
+    assert (argv[argv.index(flag) + 1] if flag in argv and share is not None else None) == share
+    args = build_parser().parse_args(argv[argv.index("decode") :])
+    _, engine = options_from_args(Role.DECODE, args)
+    assert engine.gpu_memory_utilization == (float(share) if share else 0.5 if flag in node_args else 0.9)
+
+
 def test_plan_url_reaches_a_wildcard_bind_over_loopback(tmp_path):
     plan = plan_of(tmp_path, host="0.0.0.0", port=8123)
     assert plan.url == "http://127.0.0.1:8123"
