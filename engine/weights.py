@@ -40,9 +40,10 @@ def checkpoint_files(model_dir: str | pathlib.Path) -> list[pathlib.Path]:
     raise ValueError(f"model: no model.safetensors or model.safetensors.index.json in {root}")
 
 
-def iter_tensors(model_dir: str | pathlib.Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(model_dir: str | pathlib.Path, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, read straight onto ``device`` (no host copy of a GPU's weights)."""
     for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(path), framework="pt", device=device) as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
@@ -56,7 +57,8 @@ def load_weights(model: torch.nn.Module, model_dir: str | pathlib.Path) -> None:
     pending: dict[str, dict[tuple[int, int], torch.Tensor]] = {}  # fused parameter -> (expert, shard) -> part
     stacked: set[str] = set()  # fused parameters stacked over experts
     loaded: set[str] = set()
-    for raw_name, tensor in iter_tensors(model_dir):
+    device = next(model.parameters()).device
+    for raw_name, tensor in iter_tensors(model_dir, "cpu" if device.type == "cpu" else str(device)):
         name = rename(raw_name)
         if name is None or "rotary_emb" in name:
             continue
