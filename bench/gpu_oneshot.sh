@@ -1,0 +1,163 @@
+#!/usr/bin/env bash
+# The one-shot check for a lent GPU machine that has the repository copied and no network at all
+# (GPU_PLAN.md 6.2). In order, each step under its own time limit:
+#
+#   wheels   pyzmq and llguidance from .whl/ (scripts/gpu_wheels.sh) into a private folder
+#   env      nvidia-smi, versions and ceilings: copy, pinned/pageable H2D and D2H, bf16 matmul
+#   kernels  the Triton kernel tests (tests/test_kernels_triton.py, tests/test_kernels_gpu.py)
+#   decode   bench/gpu_decode_bench.py: paged decode attention against the copy bandwidth
+#   probe    does the engine generate on CUDA (a seeded tiny model from tests/tiny_models.py)?
+#   engine   tests/test_engine_gpu.py, when the probe passed
+#   offline  bench/gpu_offline.py: a random ~1B Llama in bf16, pdserve against HF generate
+#
+# then the summary table (bench/gpu_oneshot_summary.py), also saved as summary.txt. Logs go to
+# $OUT (a new temporary folder when unset): 6 logs and the summary, as at most 8 files come back
+# from the machine. It never contacts a package index and never collects the whole tests/ tree
+# (most test modules import pyzmq, fastapi or redis, which the machine lacks).
+#
+#     bash bench/gpu_oneshot.sh            # PYTHON=... to choose the interpreter
+#
+# Exit 0 when every step that ran passed, 1 when one did not, 3 when torch sees no CUDA device.
+set -uo pipefail
+
+# Time limits in seconds. Together at most 460: with the machine's start-up, a run fits a
+# 480 s command and leaves time for a rerun in the 15 minutes a task gets.
+LIMIT_CHECK=20
+LIMIT_WHEELS=15
+LIMIT_ENV=30
+LIMIT_KERNELS=90
+LIMIT_DECODE=70
+LIMIT_PROBE=35
+LIMIT_ENGINE=80
+LIMIT_OFFLINE=120
+
+if [ $# -gt 0 ]; then
+    echo "usage: bash bench/gpu_oneshot.sh (no arguments; the output folder is \$OUT)" >&2
+    exit 2
+fi
+OUT="${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu-oneshot.XXXXXX")}"
+mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"  # absolute: the script moves to the checkout
+cd "$(dirname "$0")/.."
+
+# python3 is the machine's CUDA torch. A .venv counts only if its torch is a CUDA build: the dev
+# machine's has the pinned CPU wheel, which would see no GPU.
+PY="${PYTHON:-python3}"
+if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] &&
+    .venv/bin/python -c 'import sys, torch; sys.exit(torch.version.cuda is None)' 2>/dev/null; then
+    PY=.venv/bin/python
+fi
+seen="$(timeout "$LIMIT_CHECK" "$PY" -c 'import torch; print(torch.__version__, torch.cuda.is_available())' 2>&1 | tail -1)"
+if [[ "$seen" != *" True" ]]; then
+    gpus="$(nvidia-smi -L 2>/dev/null | head -1)"
+    echo "gpu_oneshot: torch in $PY sees no CUDA device (torch: ${seen:-nothing printed});" \
+        "nvidia-smi: ${gpus:-no GPU listed}. Nothing was run." >&2
+    exit 3
+fi
+
+# The repository is copied, not installed: the checkout first on the path, then the carried wheels.
+WHEELS="${TMPDIR:-/tmp}/pdserve-wheels"
+export PYTHONPATH="$PWD:$WHEELS${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_NO_INDEX=1  # nothing may reach a network
+for name in env kernels decode probe engine offline; do rm -f "$OUT/$name.log"; done
+rm -f "$OUT/summary.txt"
+echo "gpu_oneshot: $PY (torch $seen), logs in $OUT"
+
+log_of() {  # the wheels' few lines go in env.log, to keep under the 8 files that come back
+    if [ "$1" = wheels ]; then echo "$OUT/env.log"; else echo "$OUT/$1.log"; fi
+}
+
+step() {  # step NAME LIMIT COMMAND...: COMMAND under timeout(1), its output and exit status in the log
+    local name=$1 limit=$2 log start rc command
+    shift 2
+    log="$(log_of "$name")"
+    start=$SECONDS
+    command="$*"
+    echo "== step $name (limit $limit s): ${command//$'\n'/ }" | tee -a "$log"  # one line: the summary reads it
+    timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}
+    echo "== exit $name $rc ($((SECONDS - start)) s)" | tee -a "$log"
+    return "$rc"
+}
+
+skip() {  # skip NAME REASON
+    echo "== skip $1: $2" | tee -a "$(log_of "$1")"
+}
+
+if compgen -G ".whl/*.whl" >/dev/null && "$PY" -m pip --version >/dev/null 2>&1; then
+    step wheels "$LIMIT_WHEELS" "$PY" -m pip install --no-index --no-deps --disable-pip-version-check \
+        --upgrade --target "$WHEELS" .whl/*.whl
+elif compgen -G ".whl/*.whl" >/dev/null; then
+    # A venv made without pip (uv makes them so): these two wheels have no .data folder, so
+    # unpacking each is exactly what pip --target would install.
+    step wheels "$LIMIT_WHEELS" bash -c 'set -e; py=$1 dir=$2; shift 2
+        for w in "$@"; do "$py" -m zipfile -e "$w" "$dir"; done; echo "Successfully installed (unpacked) ${*##*/}"' \
+        _ "$PY" "$WHEELS" .whl/*.whl
+else
+    skip wheels "no .whl/ here (scripts/gpu_wheels.sh makes it; carry it); the engine needs llguidance"
+fi
+
+step env "$LIMIT_ENV" "$PY" - <<'EOF'
+import shutil, statistics, subprocess
+import torch, triton
+
+if shutil.which("nvidia-smi"):
+    query = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
+    print("nvidia-smi:", subprocess.run(query, capture_output=True, text=True, timeout=15).stdout.strip())
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, "
+      f"device {torch.cuda.get_device_name()}")
+
+
+def median_ms(fn, iters=10):  # CUDA events around each run, after one warm-up
+    fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+n = 1 << 30  # well past the 60 MB L2
+src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+print(f"copy d2d: {2 * n / median_ms(lambda: dst.copy_(src)) / 1e6:.0f} GB/s (read + write of 1 GiB)")
+m = 256 << 20
+dev = torch.empty(m, dtype=torch.uint8, device="cuda")
+for kind, pinned in (("pinned", True), ("pageable", False)):
+    host = torch.ones(m, dtype=torch.uint8, pin_memory=pinned)  # pages touched before timing
+    print(f"h2d {kind}: {m / median_ms(lambda: dev.copy_(host, non_blocking=pinned)) / 1e6:.1f} GB/s (256 MiB)")
+    print(f"d2h {kind}: {m / median_ms(lambda: host.copy_(dev, non_blocking=pinned)) / 1e6:.1f} GB/s (256 MiB)")
+k = 8192
+a, b = torch.randn(k, k, device="cuda", dtype=torch.bfloat16), torch.randn(k, k, device="cuda", dtype=torch.bfloat16)
+print(f"matmul bf16 {k}^3: {2 * k**3 / median_ms(lambda: a @ b) / 1e9:.0f} TFLOP/s")
+EOF
+
+# Only these modules: they import torch, triton and kernels, nothing the machine lacks.
+step kernels "$LIMIT_KERNELS" "$PY" -m pytest -q -p no:cacheprovider -n 8 \
+    tests/test_kernels_triton.py tests/test_kernels_gpu.py
+
+step decode "$LIMIT_DECODE" "$PY" bench/gpu_decode_bench.py
+
+probe_ok=0
+step probe "$LIMIT_PROBE" "$PY" - <<'EOF' && probe_ok=1
+from engine import LLM, SamplingParams
+from tests.tiny_models import make_tiny_model
+
+llm = LLM(str(make_tiny_model("llama")), device="cuda")
+out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+print("engine probe: ok, greedy tokens", out[0].outputs[0].token_ids)
+EOF
+
+if [ "$probe_ok" = 1 ]; then
+    step engine "$LIMIT_ENGINE" "$PY" -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py
+    step offline "$LIMIT_OFFLINE" "$PY" bench/gpu_offline.py
+else
+    skip engine "the engine probe failed"
+    step offline "$LIMIT_OFFLINE" "$PY" bench/gpu_offline.py --skip-pdserve  # HF's baseline still
+fi
+
+echo
+"$PY" bench/gpu_oneshot_summary.py "$OUT" | tee "$OUT/summary.txt"
+exit "${PIPESTATUS[0]}"
