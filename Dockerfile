@@ -70,6 +70,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ ninja-build
     && rm -rf /var/lib/apt/lists/*
 
 COPY engine engine
+COPY grammar grammar
 COPY kernels kernels
 COPY kv_transfer kv_transfer
 COPY protocol protocol

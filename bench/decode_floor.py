@@ -38,10 +38,10 @@ import torch  # noqa: E402
 
 from engine import SamplingParams  # noqa: E402
 from engine.config import EngineConfig, ModelConfig  # noqa: E402
-from engine.kv_layout import KVCacheSpec  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
+from protocol.kv_layout import KVCacheSpec  # noqa: E402
 
 BLOCK_SIZE = 16
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise"}

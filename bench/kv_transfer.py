@@ -27,9 +27,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from engine.block_manager import BlockManager  # noqa: E402
-from engine.kv_layout import KV_LAYOUT_NAME, KVCacheSpec  # noqa: E402
 from engine.pool_reservations import PoolReservations  # noqa: E402  (the engine's side, without a model)
 from kv_transfer.messages import KVFingerprint, WireFormat  # noqa: E402
+from protocol.kv_layout import KV_LAYOUT_NAME, KVCacheSpec  # noqa: E402
 
 # Default model (SmolLM2-135M): 30 layers x 3 KV heads x 64 dims, fp32, 16-token blocks.
 SPEC_ARGS = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")

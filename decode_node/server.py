@@ -15,7 +15,6 @@ import dataclasses
 import time
 
 from engine.config import EngineConfig
-from engine.kv_layout import KV_LAYOUT_NAME
 from engine.llm_engine import LLMEngine, RemoteReservation
 from kv_transfer.messages import KVFingerprint
 from kv_transfer.receiver import KVReceiver, ReceivedKV
@@ -23,6 +22,7 @@ from node.log import EventLog, forward_own_logs
 from node.options import NodeOptions
 from node.runtime import NodeRuntime
 from node.streams import Stream, engine_logprob, local_deadline, next_chunk, node_status
+from protocol.kv_layout import KV_LAYOUT_NAME
 from protocol.messages import AbortRequest, GenerateRequest
 from protocol.sampling_params import SamplingParams
 

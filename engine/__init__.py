@@ -1,18 +1,14 @@
 """pdserve's one-process LLM core: models, paged KV cache, block manager, scheduler, sampler.
 
 ``from engine import LLM, SamplingParams`` works as in vLLM. The names load lazily so that
-torch-free modules (``protocol.sampling_params``, ``engine.block_hash``, ``engine.kv_layout``)
-can be imported by the router without pulling in torch. Importing it sets the OpenMP wait
-policy default (engine/cpu_env.py) while torch is not loaded yet.
+torch-free modules can be imported without pulling in torch. Importing it has no side effect:
+the OpenMP wait default (engine/cpu_env.py) is set by the process entry points, the ``pdserve``
+command and ``engine.llm`` (offline use), before they load torch.
 """
 
 from __future__ import annotations
 
 import importlib
-
-from engine.cpu_env import apply_openmp_defaults
-
-apply_openmp_defaults()  # before anything here imports torch (libgomp reads it once, at load)
 
 _EXPORTS = {
     "LLM": "engine.llm",

@@ -14,7 +14,6 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu_share import CpuShare
 from engine.device import describe_dtype, resolve_dtype
-from engine.kv_layout import KVCacheSpec
 from engine.kv_prefault import KVPrefault
 from engine.logits_rules import LogitsRules
 from engine.model_runner import KVCacheFactory, ModelRunner
@@ -28,6 +27,7 @@ from engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from engine.sizing import DeviceMemory, EngineSizing, announce, size_device_pool, size_engine
 from engine.step_budget import StepBudget
 from engine.step_stats import StepStats, step_tokens
+from protocol.kv_layout import KVCacheSpec
 from protocol.sampling_params import SamplingParams
 
 

@@ -20,8 +20,8 @@ import llguidance
 import numpy as np
 import torch
 
-from engine.guided import GrammarCompiler
 from engine.sequence import Sequence
+from grammar import GrammarCompiler
 from protocol.sampling_params import SamplingParams
 
 

@@ -13,7 +13,6 @@ from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.device import resolve_attention_backend, resolve_dtype
-from engine.kv_layout import KVCacheSpec
 from engine.layers import moe
 from engine.models import model_class
 from engine.platform import Platform
@@ -21,6 +20,7 @@ from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.weights import load_weights
 from kernels import cpu_linear
+from protocol.kv_layout import KVCacheSpec
 
 KVCacheFactory = Callable[[KVCacheSpec], list[tuple[torch.Tensor, torch.Tensor]]]
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

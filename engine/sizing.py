@@ -23,7 +23,7 @@ import sys
 
 from engine import resources
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_layout import KVCacheSpec
+from protocol.kv_layout import KVCacheSpec
 
 log = logging.getLogger("pdserve.engine")
 

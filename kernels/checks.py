@@ -17,7 +17,7 @@ def check_cache(cache: torch.Tensor, name: str = "cache") -> tuple[int, int, int
     assert cache.dim() == 4, (
         f"{name} must be [num_blocks, block_size, num_kv_heads, head_dim], got {cache.shape}"
     )
-    assert cache.is_contiguous(), f"{name} must be contiguous (engine/kv_layout.py)"
+    assert cache.is_contiguous(), f"{name} must be contiguous (protocol/kv_layout.py)"
     assert cache.dtype in FLOAT_DTYPES, f"{name} dtype {cache.dtype} not in {FLOAT_DTYPES}"
     return tuple(cache.shape)
 

@@ -1,6 +1,6 @@
 """KV-cache write: scatter new tokens' K/V into their cache slots (the write half of PagedAttention).
 
-    slot = block_id * block_size + offset_in_block        (engine/kv_layout.py)
+    slot = block_id * block_size + offset_in_block        (protocol/kv_layout.py)
     key[t] ──► key_cache[slot // block_size, slot % block_size]   for each new token t
 
 One program per token copies its [num_kv_heads, head_dim] rows of K and of V, casting to

@@ -1,7 +1,7 @@
 """Fast pure-torch paths for the paged-KV operations, used on CPU tensors.
 
 They take the same arguments as the Triton kernels (see ``kernels/__init__.py``) and read
-the cache in the layout of ``engine/kv_layout.py``: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+the cache in the layout of ``protocol/kv_layout.py``: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ class KVReserve(Message):
     TAG: ClassVar[str] = "reserve"
     request_id: str  # unique per request across the cluster
     token_ids: tuple[int, ...]  # the prompt; the decode side needs it for its sequence and prefix cache
-    block_hashes: tuple[int, ...]  # engine.block_hash.hash_full_blocks of the prompt
+    block_hashes: tuple[int, ...]  # protocol.block_hash.hash_full_blocks of the prompt
     fingerprint: KVFingerprint  # the sender's cache, checked against the receiver's
     ttl_s: float  # how long the reservation may wait for a grant
     wire_format: WireFormat = WireFormat.NATIVE  # how chunks will be encoded

@@ -24,7 +24,6 @@ from collections.abc import Callable, Sequence
 import torch
 import zmq
 
-from engine.block_hash import hash_full_blocks
 from kv_transfer import shared_cache, tensors
 from kv_transfer.errors import KVAborted, KVRejected, KVTimeout, KVTransferError
 from kv_transfer.messages import (
@@ -45,6 +44,7 @@ from kv_transfer.messages import (
     decode,
 )
 from kv_transfer.staging import StagingRing, host_id, peer_is_local
+from protocol.block_hash import hash_full_blocks
 from protocol.channel import PeerChannel, PeerUnavailable
 from protocol.messages import RequestMeta
 from protocol.sampling_params import SamplingParams

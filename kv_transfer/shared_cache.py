@@ -20,9 +20,9 @@ import warnings
 import torch
 import xxhash
 
-from engine.kv_layout import KVCacheSpec
 from kv_transfer import memfd
 from kv_transfer.messages import CacheRef, KVFingerprint
+from protocol.kv_layout import KVCacheSpec
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -16,8 +16,11 @@ import io
 import sys
 from collections.abc import Sequence
 
-import engine  # noqa: F401 - sets the OpenMP wait default (engine/cpu_env.py) before any handler loads torch
-from pdserve_cli import bench, generate, model, nodes, plan, router_cmd, status, up
+from engine.cpu_env import apply_openmp_defaults
+
+apply_openmp_defaults()  # the process entry point: before any handler loads torch (engine/cpu_env.py)
+
+from pdserve_cli import bench, generate, model, nodes, plan, router_cmd, status, up  # noqa: E402
 
 COMMAND_MODULES = (model, generate, nodes, router_cmd, up, status, bench, plan)
 

@@ -13,9 +13,9 @@ import multiprocessing as mp
 import torch
 
 from engine.block_manager import BlockManager
-from engine.kv_layout import KV_LAYOUT_NAME, KVCacheSpec
 from engine.pool_reservations import PoolReservations
 from kv_transfer.messages import KVFingerprint
+from protocol.kv_layout import KV_LAYOUT_NAME, KVCacheSpec
 
 
 def _fingerprint(spec: KVCacheSpec) -> KVFingerprint:

@@ -19,7 +19,6 @@ import time
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_layout import KV_LAYOUT_NAME
 from engine.llm_engine import LLMEngine
 from kv_transfer.messages import KVFingerprint
 from kv_transfer.shared_cache import TORCH_DTYPES, SharedKVCache
@@ -36,6 +35,7 @@ from node.streams import (
     wire_logprob,
 )
 from prefill_node.shipper import FirstToken, Granted, Outcome, Shipment, Shipper
+from protocol.kv_layout import KV_LAYOUT_NAME
 from protocol.messages import AbortRequest, GenerateRequest, RequestMeta
 from protocol.sampling_params import SamplingParams
 

@@ -17,15 +17,17 @@ class KVFingerprint:
     model_id: str  # the weights' content digest (protocol.model_digest)
     dtype: str  # cache dtype, e.g. "float32"
     block_size: int  # tokens per block
-    layout: str  # engine.kv_layout.KV_LAYOUT_NAME
+    layout: str  # protocol.kv_layout.KV_LAYOUT_NAME
     num_layers: int  # transformer layers
     num_kv_heads: int  # key/value heads
     head_dim: int  # channels per head
-    block_hash: str = "xxh3_64-chained-u32le-v1"  # engine.block_hash.BLOCK_HASH_NAME: how prefixes are named
+    block_hash: str = (
+        "xxh3_64-chained-u32le-v1"  # protocol.block_hash.BLOCK_HASH_NAME: how prefixes are named
+    )
 
     @classmethod
     def from_spec(cls, model_id: str, spec: Any, layout: str) -> KVFingerprint:
-        """From an ``engine.kv_layout.KVCacheSpec`` (num_blocks is local and not part of it)."""
+        """From an ``protocol.kv_layout.KVCacheSpec`` (num_blocks is local and not part of it)."""
         return cls(
             model_id, spec.dtype, spec.block_size, layout, spec.num_layers, spec.num_kv_heads, spec.head_dim
         )

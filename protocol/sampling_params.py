@@ -25,7 +25,7 @@ class GuidedKind(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GuidedDecoding:
-    """A constraint on the whole output (engine.guided compiles it into a token mask per step)."""
+    """A constraint on the whole output (grammar compiles it into a token mask per step)."""
 
     kind: GuidedKind
     text: str = ""  # the schema, regex or grammar; empty for CHOICE

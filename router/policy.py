@@ -32,7 +32,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from engine.block_hash import hash_full_blocks
+from protocol.block_hash import hash_full_blocks
 from protocol.fingerprint import KVFingerprint
 from protocol.registry import NodeInfo, Role
 

@@ -2,7 +2,7 @@
 tools) and the logits rules (logit_bias, allowed_token_ids, bad_words); and a constrained chat
 reply back into OpenAI ``tool_calls``.
 
-Every spec is compiled here, with the nodes' own compiler (engine.guided, torch-free), before a
+Every spec is compiled here, with the nodes' own compiler (grammar, torch-free), before a
 node sees it: a schema, regex or grammar that does not compile, or compiles to one that matches
 nothing, is a 400 naming the field that carried it.
 
@@ -19,7 +19,7 @@ import json
 import uuid
 from typing import Any
 
-from engine.guided import GrammarError
+from grammar import GrammarError
 from protocol.sampling_params import MAX_LOGIT_BIAS, GuidedDecoding, LogitBias
 from router.errors import bad_request
 from router.openai_schema import ChatBody, NamedToolChoice, _SamplingFields

@@ -9,11 +9,11 @@ import transformers
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_layout import KVCacheSpec
 from engine.model_runner import ModelRunner
 from engine.platform import resolve_platform
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
+from protocol.kv_layout import KVCacheSpec
 from protocol.sampling_params import SamplingParams
 
 

@@ -12,10 +12,10 @@ import time
 import torch
 
 from engine.block_manager import BlockManager
-from engine.kv_layout import KV_LAYOUT_NAME
 from engine.pool_reservations import PoolReservations  # noqa: F401  (re-exported for the tests)
 from engine.sequence import Sequence
 from kv_transfer.messages import KVFingerprint
+from protocol.kv_layout import KV_LAYOUT_NAME
 from protocol.sampling_params import SamplingParams
 
 NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 3, 4, 2, 8

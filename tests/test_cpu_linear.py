@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_layout import KVCacheSpec
 from engine.model_runner import ModelRunner
 from kernels import cpu_linear
+from protocol.kv_layout import KVCacheSpec
 from tests.engine_helpers import hf_logits, paged_logits
 from tests.tiny_models import make_tiny_model
 

@@ -11,8 +11,8 @@ import pytest
 
 from engine import resources
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_layout import KVCacheSpec
 from engine.sizing import size_engine
+from protocol.kv_layout import KVCacheSpec
 from tests.tiny_models import make_tiny_model
 
 GIB = 1 << 30
@@ -114,23 +114,27 @@ def _child(code: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_importing_the_engine_first_sets_a_short_spin():
-    code = (
-        "import engine, os, torch; print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))"
-    )
-    assert _child(code).stdout.strip() == "10000 None"
+SHOW = "import os, torch; print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))"
+
+
+@pytest.mark.parametrize("entry", ["from engine import LLM", "import pdserve_cli.main"])
+def test_the_entry_points_set_a_short_spin_before_torch(entry):
+    assert _child(f"{entry}\n{SHOW}").stdout.strip() == "10000 None"
+
+
+def test_importing_engine_modules_sets_nothing():
+    # the router's torch-free imports, and the package itself, leave OpenMP alone
+    assert _child(f"import engine, engine.config, protocol.block_hash\n{SHOW}").stdout.strip() == "None None"
 
 
 def test_an_explicit_openmp_setting_is_left_alone():
-    code = "import engine, os; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
+    code = "from engine import LLM; import os; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
     assert _child(code, GOMP_SPINCOUNT="1000").stdout.strip() == "None 1000"
     assert _child(code, OMP_WAIT_POLICY="PASSIVE").stdout.strip() == "PASSIVE None"
 
 
 def test_after_torch_loaded_the_engine_sets_nothing():
-    code = (
-        "import torch, engine, os; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
-    )
+    code = "import torch, os\nfrom engine import LLM\nprint(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
     assert _child(code).stdout.strip() == "None None"
 
 

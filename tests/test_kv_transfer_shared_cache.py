@@ -13,11 +13,11 @@ import torch
 from kv_transfer_peer import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, make_fingerprint, prefill_side
 from test_kv_transfer import make_receiver, poll_until
 
-from engine.kv_layout import KVCacheSpec
 from engine.sequence import Sequence
 from kv_transfer import shared_cache
 from kv_transfer.messages import CacheRef
 from kv_transfer.sender import KVSender, SenderConfig
+from protocol.kv_layout import KVCacheSpec
 from protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(30)

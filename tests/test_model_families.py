@@ -12,8 +12,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_layout import KVCacheSpec
 from engine.model_runner import ModelRunner
+from protocol.kv_layout import KVCacheSpec
 from tests.engine_helpers import hf_greedy, hf_logits, hf_model, paged_logits
 from tests.tiny_models import make_tiny_model
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from engine import SamplingParams
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_layout import KVCacheSpec
 from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
+from protocol.kv_layout import KVCacheSpec
 from tests.tiny_models import make_tiny_model
 
 

@@ -177,9 +177,9 @@ def test_sigterm_drains_and_deregisters(model, redis_server, tmp_path):
 def test_kv_that_never_arrives_is_reported_to_the_router_and_its_blocks_freed(pair, client):
     """A prefill node that reserves and then goes silent (as if killed): the decode node frees
     the grant at its chunk deadline and tells the waiting router instead of leaving it hanging."""
-    from engine.kv_layout import KV_LAYOUT_NAME
     from kv_transfer.messages import KVFingerprint
     from kv_transfer.sender import KVSender, SenderConfig
+    from protocol.kv_layout import KV_LAYOUT_NAME
     from protocol.messages import RequestFailed, RequestMeta
     from protocol.sampling_params import SamplingParams
 

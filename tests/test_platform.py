@@ -14,10 +14,10 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_layout import KVCacheSpec
 from engine.model_runner import ModelRunner, StepInputs
 from engine.platform import TEST_PLATFORM_ENV, CUDAPlatform, Platform, SplitPlatform, resolve_platform
 from engine.sizing import DeviceMemory, size_device_pool, size_engine
+from protocol.kv_layout import KVCacheSpec
 from tests.engine_helpers import hf_greedy
 from tests.tiny_models import make_tiny_model
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from engine.block_hash import hash_full_blocks
+from protocol.block_hash import hash_full_blocks
 from router.admission import Admission, Stage, Ticket
 from router.errors import APIError
 from router.policy import PrefixMap, RoutingPolicy

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_layout import KVCacheSpec
 from engine.model_runner import ModelRunner
+from protocol.kv_layout import KVCacheSpec
 from tests.engine_helpers import hf_logits, paged_logits
 from tests.tiny_models import make_tiny_model
 
