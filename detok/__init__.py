@@ -11,8 +11,10 @@ decodes a short window twice, with and without the new tokens, and emits the dif
 Stop strings are matched on the text; the last ``max(len(stop)) - 1`` characters are held back
 so a stop string split across tokens is never streamed in part.
 
-Torch-free and tokenizer-agnostic (anything with ``decode(ids) -> str``): the router streams with
-it, and the offline engine ends sequences on stop strings with the same code, O(new text) a token.
+Torch-free and tokenizer-agnostic (anything with ``decode(ids) -> str``). ``StopStrings`` is the
+one owner of the stop-string rule: the router streams a cluster's output through it, and the
+offline engine ends its sequences with it, so both end a sample at the same token, O(new text) a
+token.
 """
 
 from __future__ import annotations
@@ -88,3 +90,44 @@ class StopStringMatcher:
         out = self.text[self._num_sent : end]
         self._num_sent = end
         return out
+
+
+class StopStrings:
+    """One sample's stop strings, token by token: the text, where it is cut, and whether it ended.
+
+    With ``min_tokens``, text is matched only once that many tokens were generated; then all of it
+    is, so a stop string completed earlier ends the sample at the min_tokens-th token, the text
+    still cut before it (as an EOS banned until then is not). Before that the text is held back.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...], min_tokens: int = 0
+    ):
+        self._detokenizer = IncrementalDetokenizer(tokenizer, list(prompt_ids))
+        self.matcher = StopStringMatcher(stop)
+        self._min_tokens = min_tokens
+        self._pending = ""  # text of the tokens before min_tokens, not matched yet
+        self.num_tokens = 0
+
+    @property
+    def stopped(self) -> bool:
+        return self.matcher.stopped
+
+    def add(self, token_id: int) -> bool:
+        """Feed the next output token; True when a stop string has now matched."""
+        self.num_tokens += 1
+        self._pending += self._detokenizer.add(token_id)
+        if self.num_tokens >= self._min_tokens:
+            self._release()
+        return self.matcher.stopped
+
+    def finish(self) -> bool:
+        """The sample ended for another reason: the text still held back is matched too."""
+        self._pending += self._detokenizer.flush()
+        self._release()
+        return self.matcher.stopped
+
+    def _release(self) -> None:
+        if self._pending and not self.matcher.stopped:
+            self.matcher.add(self._pending)
+        self._pending = ""

@@ -8,7 +8,7 @@ import time
 import torch
 
 import kernels
-from detok import IncrementalDetokenizer, StopStringMatcher
+from detok import StopStrings
 from engine import cpu_env
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
@@ -33,13 +33,6 @@ from protocol.sampling_params import SamplingParams
 
 class QueueFullError(RuntimeError):
     """The engine's bounded waiting queue is full; retry later."""
-
-
-@dataclasses.dataclass(slots=True)
-class _StopState:
-    detokenizer: IncrementalDetokenizer
-    matcher: StopStringMatcher
-    pending: str = ""  # text generated before min_tokens: matched once they are reached
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -109,7 +102,7 @@ class LLMEngine:
         announce(self.sizing.describe(config, extra))
         self.tokenizer = tokenizer
         self.requests: dict[str, Request] = {}  # not yet done; held ones are the scheduler's (held)
-        self._stops: dict[int, _StopState] = {}  # seq_id -> stop-string matching, where it has stops
+        self._stops: dict[int, StopStrings] = {}  # seq_id -> stop-string matching, where it has stops
         self.step_stats = StepStats()  # steps by kind, for the node's metrics
         # each step's token budget, so that steps keep to a time target (chunks shrink when slow)
         min_tokens = min(config.max_num_batched_tokens, config.max_num_seqs + config.block_size)
@@ -416,22 +409,17 @@ class LLMEngine:
             self._finish(seq, SequenceStatus.FINISHED_LENGTH)
 
     def _stop_string_hit(self, seq: Sequence, token_id: int) -> bool:
-        """Feed the new token's text to the sequence's stop-string matcher (the router's, in
-        ``detok``): O(new text) per token. Text made before min_tokens is matched once they are."""
+        """Feed the new token to the sequence's stop strings (detok.StopStrings, the router's rule
+        too): O(new text) per token."""
         state = self._stops.get(seq.seq_id)
         if state is None:
             prompt = seq.token_ids[: seq.num_prompt_tokens]
-            state = self._stops[seq.seq_id] = _StopState(
-                IncrementalDetokenizer(self.tokenizer, prompt), StopStringMatcher(seq.params.stop)
+            state = self._stops[seq.seq_id] = StopStrings(
+                self.tokenizer, prompt, seq.params.stop, seq.params.min_tokens
             )
-        state.pending += state.detokenizer.add(token_id)
-        if seq.num_output_tokens < seq.params.min_tokens:
-            return False
-        state.matcher.add(state.pending)
-        state.pending = ""
-        if state.matcher.stopped:
+        if state.add(token_id):
             seq.stop_text = state.matcher.matched
-        return state.matcher.stopped
+        return state.stopped
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.finish(seq, status)  # a prefill-only sequence stays HELD_FOR_TRANSFER

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from detok import IncrementalDetokenizer, StopStringMatcher
+from detok import StopStrings
 from protocol import messages as pm
 from router.tokenizer import Tokenizer
 
@@ -26,9 +26,9 @@ class SampleState:
         prompt_ids: tuple[int, ...],
         stop: tuple[str, ...],
         no_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer, list(prompt_ids))
-        self._matcher = StopStringMatcher(stop)
+        self._stops = StopStrings(tokenizer, list(prompt_ids), stop, min_tokens)  # the engine's rule too
         self._no_output = no_output  # max_tokens 0: the node's one token is not the client's
         self.num_prompt_tokens = len(prompt_ids)  # replaced by the node's count
         self.num_cached_tokens = 0  # prompt tokens from a prefix cache (the first chunk says)
@@ -39,7 +39,7 @@ class SampleState:
 
     @property
     def text(self) -> str:
-        return self._matcher.text
+        return self._stops.matcher.text
 
     def on_chunk(self, chunk: pm.TokenChunk) -> SampleDelta:
         assert self.finish_reason is None, "chunk after the sample finished"
@@ -57,13 +57,11 @@ class SampleState:
             token_ids.append(token_id)
             if i < len(chunk.logprobs):
                 logprobs.append(chunk.logprobs[i])
-            self._matcher.add(self._detokenizer.add(token_id))
-            if self._matcher.stopped:
+            if self._stops.add(token_id):
                 self.finish_reason = "stop"
                 break
         if self.finish_reason is None and chunk.finish_reason is not None:
-            self._matcher.add(self._detokenizer.flush())
-            self.finish_reason = "stop" if self._matcher.stopped else chunk.finish_reason
+            self.finish_reason = "stop" if self._stops.finish() else chunk.finish_reason
         self.output_token_ids += token_ids
-        text = self._matcher.take(final=self.finish_reason is not None)
+        text = self._stops.matcher.take(final=self.finish_reason is not None)
         return SampleDelta(text, tuple(logprobs), self.finish_reason, tuple(token_ids))

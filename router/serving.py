@@ -99,7 +99,10 @@ class JobRun:
         return choices
 
     def _state(self, sample: Sample) -> SampleState:
-        return SampleState(self._tokenizer, sample.prompt_ids, sample.params.stop, self.job.no_output)
+        params = sample.params
+        return SampleState(
+            self._tokenizer, sample.prompt_ids, params.stop, self.job.no_output, params.min_tokens
+        )
 
     def _echo_text(self, prompt: Prompt) -> str:
         if self.job.chat:

@@ -58,3 +58,43 @@ def test_default_model_chat_through_the_cluster_equals_hf(cluster, default_model
     assert answer.choices[0].finish_reason == "stop"
     assert answer.usage.prompt_tokens == len(ids) and answer.usage.completion_tokens == len(ref)
     assert prefill.events("kv_shipped") and decode.events("kv_adopted")  # it really went P -> D
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("stop", "min_tokens", "text", "tokens"),
+    [
+        ([" of", "capital"], 0, "The ", 2),  # matched at the token that completes it
+        (["capital"], 4, "The ", 4),  # seen at token 2, honoured at min_tokens, still cut at it
+    ],
+)
+def test_stop_strings_with_min_tokens_end_where_the_offline_engine_ends(
+    cluster, default_model_dir, stream, stop, min_tokens, text, tokens
+):
+    """One stop-string rule (detok.StopStrings) for the router and the engine: the cluster's
+    answer is the offline LLM's (tests/test_engine_default_model.py pins the same figures)."""
+    router, _ = cluster
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    request = dict(
+        model=default_model_dir.name,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=32,
+        temperature=0.0,
+        stop=stop,
+        extra_body={"min_tokens": min_tokens},
+    )
+    if stream:
+        chunks = list(
+            client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True})
+        )
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        usage = chunks[-1].usage
+    else:
+        answer = client.chat.completions.create(**request)
+        content, finish, usage = (
+            answer.choices[0].message.content,
+            [answer.choices[0].finish_reason],
+            answer.usage,
+        )
+    assert (content, finish, usage.completion_tokens) == (text, ["stop"], tokens)
