@@ -24,6 +24,7 @@ from node.runtime import NodeRuntime
 from node.streams import Stream, engine_logprob, local_deadline, next_chunk, node_status
 from protocol.kv_layout import KV_LAYOUT_NAME
 from protocol.messages import AbortRequest, GenerateRequest
+from protocol.reasons import FailureCode
 from protocol.sampling_params import SamplingParams
 
 ABORT_MEMORY_S = 120.0  # how long an abort for a not-yet-arrived request is remembered
@@ -95,7 +96,7 @@ class DecodeNode:
             self.runtime.run(self._iterate, self._busy, self._start_draining)
         finally:
             for request_id in list(self.streams):
-                self._fail(request_id, "draining", "node shut down before the request finished")
+                self._fail(request_id, FailureCode.DRAINING, "node shut down before the request finished")
             self.receiver.close()
             self.runtime.close()
         return 0
@@ -124,7 +125,11 @@ class DecodeNode:
             meta = failure.request_meta
             if meta is not None and failure.request_id not in self.aborted:
                 self.runtime.reply_failed(
-                    meta.reply_addr, failure.request_id, "kv_transfer", str(failure.error), retryable=False
+                    meta.reply_addr,
+                    failure.request_id,
+                    FailureCode.KV_TRANSFER,
+                    str(failure.error),
+                    retryable=False,
                 )
         if self.engine.has_work():
             for out in self.engine.step():
@@ -219,11 +224,11 @@ class DecodeNode:
         now = time.monotonic()
         for rid in [r for r, s in self.streams.items() if s.deadline < now]:
             self.engine.abort_request(rid)
-            self._fail(rid, "timeout", "request exceeded its time to live on the decode node")
+            self._fail(rid, FailureCode.TIMEOUT, "request exceeded its time to live on the decode node")
         for rid in [r for r, t in self.aborted.items() if t < now]:
             del self.aborted[rid]
 
-    def _fail(self, request_id: str, code: str, message: str) -> None:
+    def _fail(self, request_id: str, code: FailureCode, message: str) -> None:
         stream = self.streams.pop(request_id, None)
         self.engine.abort_request(request_id)
         if stream is not None:

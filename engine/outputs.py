@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from engine.sequence import TokenLogprob
+from protocol.reasons import FinishReason
 
 
 @dataclasses.dataclass(slots=True)
@@ -12,7 +13,7 @@ class CompletionOutput:
     index: int  # which of the request's n samples
     token_ids: list[int]  # generated tokens so far (EOS included when it ended the sample)
     text: str  # detokenized output, cut before a matched stop string ("" without a tokenizer)
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    finish_reason: FinishReason | None  # None while running (a str: "stop", "length", "abort")
     logprobs: list[TokenLogprob] | None  # one per token when SamplingParams.logprobs was set
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 

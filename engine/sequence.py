@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import itertools
 
+from protocol.reasons import FinishReason
 from protocol.sampling_params import SamplingParams
 
 
@@ -14,9 +15,9 @@ class SequenceStatus(enum.Enum):
     WAITING_FOR_KV = "waiting_for_kv"  # decode node: blocks granted, KV still arriving
     RUNNING = "running"  # scheduled every iteration until it finishes
     HELD_FOR_TRANSFER = "held_for_transfer"  # prefill node: first token out, KV kept for the transfer
-    FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
-    FINISHED_LENGTH = "length"  # max_tokens or the model's context reached
-    FINISHED_ABORTED = "abort"  # cancelled by the client or a failure
+    FINISHED_STOPPED = "finished_stopped"  # EOS, stop token or stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens or the model's context reached
+    FINISHED_ABORTED = "finished_aborted"  # cancelled by the client or a failure
 
     @property
     def finished(self) -> bool:
@@ -30,6 +31,13 @@ class SequenceStatus(enum.Enum):
     def done(self) -> bool:
         """Nothing more to compute: finished, or held for a transfer (its output is final)."""
         return self.finished or self is SequenceStatus.HELD_FOR_TRANSFER
+
+
+FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: FinishReason.STOP,
+    SequenceStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    SequenceStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -100,6 +108,6 @@ class Sequence:
         return self.status.finished
 
     @property
-    def finish_reason(self) -> str | None:
-        """OpenAI's finish_reason once it ended ("stop", "length", "abort"), held or not."""
-        return self.finish_status.value if self.finish_status is not None else None
+    def finish_reason(self) -> FinishReason | None:
+        """Why it ended, once it has (held for a transfer or not)."""
+        return None if self.finish_status is None else FINISH_REASONS[self.finish_status]

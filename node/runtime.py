@@ -43,6 +43,7 @@ from protocol.messages import (
     decode_frames,
     reply_address_of,
 )
+from protocol.reasons import FailureCode
 from protocol.sampling_params import SamplingParams
 
 MAX_REPLY_CHANNELS = 64  # routers a node talks back to at once (LRU beyond)
@@ -215,10 +216,12 @@ class NodeRuntime:
             except ProtocolError as exc:
                 self.log.throttled("bad_message", error=str(exc))
                 peer = getattr(exc, "peer", b"")
-                self._safe_send(peer, RequestFailed("", self.opts.node_id, "bad_message", str(exc), False))
+                self._safe_send(
+                    peer, RequestFailed("", self.opts.node_id, FailureCode.BAD_MESSAGE, str(exc), False)
+                )
                 named = reply_address_of(getattr(exc, "header", b""))
                 if named is not None:  # a request the router waits on: end it now, naming the field
-                    self.reply_failed(named[1], named[0], "bad_request", str(exc), False)
+                    self.reply_failed(named[1], named[0], FailureCode.BAD_REQUEST, str(exc), False)
                 continue
             if inbound is None:
                 break
@@ -248,7 +251,7 @@ class NodeRuntime:
             self.log("control_reply_failed", error=repr(exc))
 
     def reply_failed(
-        self, reply_addr: str, request_id: str, code: str, message: str, retryable: bool
+        self, reply_addr: str, request_id: str, code: FailureCode, message: str, retryable: bool
     ) -> None:
         """Tell the router a request ended in error here (``retryable``: it may go elsewhere)."""
         self.log("request_failed", request_id, code=code, message=message)
@@ -260,7 +263,7 @@ class NodeRuntime:
         """Add a GenerateRequest to ``engine``; its sampling params, or None after telling the router
         why not (draining or overloaded: retryable; bad input: not). Stop strings stay with the router."""
         if self.draining.is_set():
-            self.reply_failed(msg.reply_addr, msg.request_id, "draining", "node is draining", True)
+            self.reply_failed(msg.reply_addr, msg.request_id, FailureCode.DRAINING, "node is draining", True)
             return None
         try:
             params = dataclasses.replace(msg.sampling_params, stop=())
@@ -272,10 +275,10 @@ class NodeRuntime:
                 resume_output_ids=msg.output_token_ids,
             )
         except QueueFullError as exc:
-            self.reply_failed(msg.reply_addr, msg.request_id, "overloaded", str(exc), True)
+            self.reply_failed(msg.reply_addr, msg.request_id, FailureCode.OVERLOADED, str(exc), True)
             return None
         except (TypeError, ValueError) as exc:
-            self.reply_failed(msg.reply_addr, msg.request_id, "bad_request", str(exc), False)
+            self.reply_failed(msg.reply_addr, msg.request_id, FailureCode.BAD_REQUEST, str(exc), False)
             return None
         return params
 

@@ -37,6 +37,7 @@ from node.streams import (
 from prefill_node.shipper import FirstToken, Granted, Outcome, Shipment, Shipper
 from protocol.kv_layout import KV_LAYOUT_NAME
 from protocol.messages import AbortRequest, GenerateRequest, RequestMeta
+from protocol.reasons import FailureCode, FinishReason
 from protocol.sampling_params import SamplingParams
 
 
@@ -116,7 +117,9 @@ class PrefillNode:
             )
         finally:
             for rid in list(self.pending):
-                self._fail(rid, "draining", "prefill node shut down before the request was handed over")
+                self._fail(
+                    rid, FailureCode.DRAINING, "prefill node shut down before the request was handed over"
+                )
             self.shipper.close()
             self.runtime.close()
         return 0
@@ -166,7 +169,7 @@ class PrefillNode:
         rid = msg.request_id
         if msg.decode_addr is None:
             return self.runtime.reply_failed(
-                msg.reply_addr, rid, "bad_request", "a prefill node needs decode_addr", False
+                msg.reply_addr, rid, FailureCode.BAD_REQUEST, "a prefill node needs decode_addr", False
             )
         params = self.runtime.admit(self.engine, msg, prefill_only=True)
         if params is None:
@@ -193,7 +196,7 @@ class PrefillNode:
         started = seq.first_scheduled_time if seq is not None and seq.first_scheduled_time else stream.started
         stream.timings["prefill_queue"] = round(started - stream.started, 6)
         stream.timings["prefill_compute"] = round(now - started, 6)
-        ends_here = completion.finish_reason == "stop" or pending.params.max_tokens == 1
+        ends_here = completion.finish_reason is FinishReason.STOP or pending.params.max_tokens == 1
         first = dataclasses.replace(completion, finish_reason=completion.finish_reason if ends_here else None)
         if ends_here:
             chunk = next_chunk(stream, first, self.opts.node_id, True, out.prompt_logprobs)
@@ -221,7 +224,7 @@ class PrefillNode:
         )
         if not self.shipper.submit(shipment):
             self.engine.release_held(rid)  # no transfer reads them
-            self._fail(rid, "overloaded", "too many KV transfers queued for that decode node")
+            self._fail(rid, FailureCode.OVERLOADED, "too many KV transfers queued for that decode node")
 
     def _settle(self, outcome: Granted | Outcome) -> None:
         pending = self.pending.get(outcome.request_id)
@@ -250,14 +253,18 @@ class PrefillNode:
         else:
             self.pending[rid] = pending
             # Refused before its first token was sent: the router retries elsewhere, blaming D.
-            self._fail(rid, "decode_rejected" if outcome.rejected else "kv_transfer", outcome.error)
+            self._fail(
+                rid,
+                FailureCode.DECODE_REJECTED if outcome.rejected else FailureCode.KV_TRANSFER,
+                outcome.error,
+            )
 
     def _expire(self) -> None:
         now = time.monotonic()
         for rid in [r for r, p in self.pending.items() if p.stream.deadline < now]:
-            self._fail(rid, "timeout", "request exceeded its time to live on the prefill node")
+            self._fail(rid, FailureCode.TIMEOUT, "request exceeded its time to live on the prefill node")
 
-    def _fail(self, rid: str, code: str, message: str) -> None:
+    def _fail(self, rid: str, code: FailureCode, message: str) -> None:
         pending = self.pending.pop(rid, None)
         self._drop(rid)
         if pending is not None:

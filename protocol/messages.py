@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from protocol import codec
+from protocol.reasons import FailureCode, FinishReason
 from protocol.registry import NodeInfo
 from protocol.sampling_params import SamplingParams
 
@@ -76,7 +77,7 @@ class TokenChunk(Message):
     node_id: str  # who produced them
     token_ids: tuple[int, ...]  # new tokens, in order
     logprobs: tuple[TokenLogprobs, ...]  # one per token when asked for, else empty
-    finish_reason: str | None  # "stop", "length", "abort" on the last chunk
+    finish_reason: FinishReason | None  # set on the last chunk
     num_prompt_tokens: int  # usage: prompt length
     num_cached_tokens: int  # usage: prompt tokens that came from a prefix cache
     is_first: bool = False  # the prefill node's first token; decode chunks follow
@@ -93,7 +94,7 @@ class RequestFailed(Message):
     TAG: ClassVar[str] = "failed"
     request_id: str
     node_id: str
-    code: str  # e.g. "kv_transfer", "timeout", "rejected", "draining", "bad_request", "overloaded"
+    code: FailureCode
     message: str
     retryable: bool  # no token was emitted by this node, the router may try elsewhere
 

@@ -27,6 +27,7 @@ import time
 from collections.abc import AsyncIterator
 
 from protocol import messages as pm
+from protocol.reasons import FailureCode
 from protocol.sampling_params import SamplingParams
 from router.admission import Stage, Ticket
 from router.config import RouterConfig
@@ -66,11 +67,13 @@ class _Retry(Exception):
 
 
 def _node_error(failed: pm.RequestFailed, after_tokens: bool) -> APIError:
-    if failed.code == "bad_request":
+    if failed.code is FailureCode.BAD_REQUEST:
         return APIError(
             400, f"node {failed.node_id} rejected the request: {failed.message}", None, "bad_request"
         )
-    status = 503 if failed.code in ("overloaded", "draining") and not after_tokens else 502
+    status = (
+        503 if failed.code in (FailureCode.OVERLOADED, FailureCode.DRAINING) and not after_tokens else 502
+    )
     return APIError(
         status,
         f"node {failed.node_id} failed: {failed.code}: {failed.message}",
@@ -211,7 +214,7 @@ async def _send(
     except NodeUnavailable as exc:
         raise _Retry(target.node_id, str(exc)) from None
     backend.metrics.queue.observe(now - sample.arrival_time)
-    backend.metrics.routes.inc(prefill=route.placement)
+    backend.metrics.routes.inc(prefill=route.placement.value)
 
 
 async def _relay(
@@ -244,7 +247,7 @@ async def _relay(
         if isinstance(msg, pm.RequestFailed):
             if msg.retryable and num_tokens == 0:
                 # The prefill node reports the decode node's refusal: that one is to avoid.
-                blamed = route.decode.node_id if msg.code == "decode_rejected" else msg.node_id
+                blamed = route.decode.node_id if msg.code is FailureCode.DECODE_REJECTED else msg.node_id
                 raise _Retry(blamed, f"{msg.node_id}: {msg.code}: {msg.message}")
             raise _node_error(msg, after_tokens=num_tokens > 0)
         assert isinstance(msg, pm.TokenChunk)

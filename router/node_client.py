@@ -25,6 +25,7 @@ import zmq.asyncio
 from protocol import messages as pm
 from protocol.addresses import advertised_host, zmq_host
 from protocol.channel import AsyncDealerChannel, AsyncPullChannel
+from protocol.reasons import FailureCode
 from protocol.throttle import Throttle
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ class NodeClient:
                 pm.RequestFailed(
                     msg.request_id,
                     msg.node_id,
-                    "overflow",
+                    FailureCode.OVERFLOW,
                     "the client is not reading the output fast enough",
                     False,
                 )

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import math
 from collections.abc import Sequence
 
@@ -37,16 +38,24 @@ from protocol.fingerprint import KVFingerprint
 from protocol.registry import NodeInfo, Role
 
 
+class Placement(enum.StrEnum):
+    """Where a prompt is prefilled and why (the routes metric's ``prefill`` label)."""
+
+    PREFILL_NODE = "prefill_node"  # disaggregated: a prefill node ships the KV
+    COLOCATED = "colocated"  # the decode pool prefills and decodes itself
+    RESUMED = "resumed"  # a migrated sample: the decode node recomputes its prompt and output
+    SHORT = "short"  # below the threshold once cache hits are spared
+    NO_PREFILL_NODE = "no_prefill_node"  # none usable
+    BACKED_UP = "backed_up"  # the prefill pool's queue is longer by more than the margin
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Route:
     decode: NodeInfo  # decodes (and prefills, when prefill is None)
     prefill: NodeInfo | None  # prefills and ships the KV to decode; None: no disaggregation
     block_hashes: tuple[int, ...]  # the prompt's full-block hashes at the pair's block size
     num_blocks: int  # blocks the prompt and its output may take on the decode node
-    # Where the prompt is prefilled and why: "prefill_node", or on the decode node: "colocated",
-    # "resumed" (a migrated sample), "short" (below the threshold, cache hits spared), "no_prefill_node",
-    # "backed_up" (the prefill pool's queue is longer by more than the margin).
-    placement: str = "prefill_node"
+    placement: Placement = Placement.PREFILL_NODE
 
 
 class PrefixMap:
@@ -170,17 +179,17 @@ class RoutingPolicy:
         size = _block_size(decode)
         num_blocks = math.ceil((len(prompt_ids) + max_tokens) / size)
         num_cached = self.decode_prefixes.num_cached_blocks(block_hashes, decode.node_id) * size
-        prefill, placement = None, "prefill_node"
+        prefill, placement = None, Placement.PREFILL_NODE
         if decode.role is Role.COLOCATED:
-            placement = "colocated"
+            placement = Placement.COLOCATED
         elif not disaggregate:
-            placement = "resumed"
+            placement = Placement.RESUMED
         elif len(prompt_ids) - num_cached < self.disagg_threshold:
-            placement = "short"
+            placement = Placement.SHORT
         elif (prefill := self._choose_prefill(usable, decode, block_hashes)) is None:
-            placement = "no_prefill_node"
+            placement = Placement.NO_PREFILL_NODE
         elif self._backed_up(prefill, decode, block_hashes, len(prompt_ids)):
-            prefill, placement = None, "backed_up"  # the decode node prefills it
+            prefill, placement = None, Placement.BACKED_UP  # the decode node prefills it
         return Route(decode, prefill, block_hashes, num_blocks, placement)
 
     def _backed_up(

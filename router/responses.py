@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from protocol.messages import TokenLogprobs
+from protocol.reasons import FinishReason
 from router.tokenizer import Tokenizer
 
 
@@ -131,18 +132,34 @@ class LogprobFormatter:
         return {"content": content}
 
 
+OPENAI_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+
+
+def openai_finish(reason: FinishReason | None, tool_calls: bool = False) -> str | None:
+    """OpenAI's finish_reason for the wire's: the one place the router turns it into a string."""
+    if reason is None:
+        return None
+    return "tool_calls" if tool_calls and reason is FinishReason.STOP else OPENAI_FINISH[reason]
+
+
 def completion_choice(
-    index: int, text: str, logprobs: dict | None, finish_reason: str | None, **extra: Any
+    index: int, text: str, logprobs: dict | None, finish_reason: FinishReason | None, **extra: Any
 ) -> dict:
     """``extra``: vLLM's fields (prompt_logprobs, prompt_token_ids, token_ids)."""
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, **extra}
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": openai_finish(finish_reason),
+        **extra,
+    }
 
 
 def chat_choice(
     index: int,
     text: str,
     logprobs: dict | None,
-    finish_reason: str | None,
+    finish_reason: FinishReason | None,
     tool_calls: list | None = None,
     **extra: Any,
 ) -> dict:
@@ -150,8 +167,8 @@ def chat_choice(
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if tool_calls:  # the reply was constrained to calls (router.structured): no content beside them
         message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
-        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason, **extra}
+    finish = openai_finish(finish_reason, bool(tool_calls))
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish, **extra}
 
 
 def tool_call_deltas(tool_calls: list[dict]) -> list[dict]:
@@ -160,6 +177,12 @@ def tool_call_deltas(tool_calls: list[dict]) -> list[dict]:
 
 
 def chat_chunk_choice(
-    index: int, delta: dict, logprobs: dict | None, finish_reason: str | None, **extra: Any
+    index: int,
+    delta: dict,
+    logprobs: dict | None,
+    finish_reason: FinishReason | None,
+    tool_calls: bool = False,
+    **extra: Any,
 ) -> dict:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **extra}
+    finish = openai_finish(finish_reason, tool_calls)
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **extra}

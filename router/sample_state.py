@@ -6,6 +6,7 @@ import dataclasses
 
 from detok import StopStrings
 from protocol import messages as pm
+from protocol.reasons import FinishReason
 from router.tokenizer import Tokenizer
 
 
@@ -15,7 +16,7 @@ class SampleDelta:
 
     text: str  # safe to send (never part of a stop string)
     logprobs: tuple[pm.TokenLogprobs, ...]  # of the tokens this chunk contributed, when asked for
-    finish_reason: str | None  # set on the sample's last delta
+    finish_reason: FinishReason | None  # set on the sample's last delta
     token_ids: tuple[int, ...] = ()  # the tokens this chunk contributed (up to a stop string)
 
 
@@ -35,7 +36,7 @@ class SampleState:
         self.num_output_tokens = 0  # generated tokens that count (up to a stop string)
         self.output_token_ids: list[int] = []  # those tokens
         self.prompt_logprobs: tuple[pm.TokenLogprobs, ...] | None = None  # from the first chunk with them
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
 
     @property
     def text(self) -> str:
@@ -49,7 +50,7 @@ class SampleState:
         if chunk.prompt_logprobs and self.prompt_logprobs is None:
             self.prompt_logprobs = chunk.prompt_logprobs
         if self._no_output:
-            self.finish_reason = "length" if chunk.finish_reason is not None else None
+            self.finish_reason = FinishReason.LENGTH if chunk.finish_reason is not None else None
             return SampleDelta("", (), self.finish_reason)
         logprobs, token_ids = [], []
         for i, token_id in enumerate(chunk.token_ids):
@@ -58,10 +59,10 @@ class SampleState:
             if i < len(chunk.logprobs):
                 logprobs.append(chunk.logprobs[i])
             if self._stops.add(token_id):
-                self.finish_reason = "stop"
+                self.finish_reason = FinishReason.STOP
                 break
         if self.finish_reason is None and chunk.finish_reason is not None:
-            self.finish_reason = "stop" if self._stops.finish() else chunk.finish_reason
+            self.finish_reason = FinishReason.STOP if self._stops.finish() else chunk.finish_reason
         self.output_token_ids += token_ids
         text = self._stops.matcher.take(final=self.finish_reason is not None)
         return SampleDelta(text, tuple(logprobs), self.finish_reason, tuple(token_ids))

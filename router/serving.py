@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from protocol.reasons import FinishReason
 from router import responses as rs
 from router.admission import Admission, Stage, Ticket
 from router.errors import APIError
@@ -238,14 +239,14 @@ class JobRun:
         logprobs = self._logprobs(choice, delta.logprobs, echoed)
         ids = {"token_ids": list(delta.token_ids)} if self.job.return_token_ids else {}
         if self.job.chat:
-            content, finish = {"content": text} if text else {}, delta.finish_reason
+            content, finish, calls = {"content": text} if text else {}, delta.finish_reason, None
             if self.job.tool_plan is not None:
                 calls = self._tool_calls(choice, finish)
                 if calls:
-                    content, finish = {"tool_calls": rs.tool_call_deltas(calls)}, "tool_calls"
+                    content = {"tool_calls": rs.tool_call_deltas(calls)}
                 elif finish is not None:
                     content = {"content": choice.state.text}  # cut short (length): the text as it is
-            body = rs.chat_chunk_choice(choice.index, content, logprobs, finish, **ids)
+            body = rs.chat_chunk_choice(choice.index, content, logprobs, finish, bool(calls), **ids)
             envelope = rs.envelope(
                 self.id, "chat.completion.chunk", self.created, self.model, [body], self._continuous_usage()
             )
@@ -257,9 +258,9 @@ class JobRun:
         )
         return rs.sse(envelope)
 
-    def _tool_calls(self, choice: _Choice, finish_reason: str | None) -> list | None:
+    def _tool_calls(self, choice: _Choice, finish_reason: FinishReason | None) -> list | None:
         """A finished tools-constrained reply as tool calls (None while running or cut short)."""
-        if self.job.tool_plan is None or finish_reason != "stop":
+        if self.job.tool_plan is None or finish_reason is not FinishReason.STOP:
             return None
         return tool_calls(self.job.tool_plan, choice.state.text)
 

@@ -178,3 +178,19 @@ def test_prompt_logprobs_ride_the_first_chunk_with_their_ranks():
     decoded = pm.decode(pm.encode(chunk))
     assert decoded == chunk and decoded.prompt_logprobs[0].rank == 2
     assert pm.decode(pm.encode(pm.TokenChunk("r1", "d0", (5,), (), None, 3, 0))).prompt_logprobs == ()
+
+
+def test_finish_reasons_and_failure_codes_are_typed_on_the_wire():
+    from protocol.reasons import FailureCode, FinishReason
+
+    chunk = pm.decode(pm.encode(pm.TokenChunk("r1", "d0", (5,), (), FinishReason.LENGTH, 3, 0)))
+    assert chunk.finish_reason is FinishReason.LENGTH and chunk.finish_reason == "length"
+    failed = pm.decode(pm.encode(pm.RequestFailed("r1", "d0", FailureCode.TIMEOUT, "late", False)))
+    assert failed.code is FailureCode.TIMEOUT
+    # a value outside the enum does not decode: a typo'd or foreign code is a protocol error
+    for msg in (
+        pm.TokenChunk("r1", "d0", (5,), (), "done", 3, 0),
+        pm.RequestFailed("r1", "d0", "kaboom", "?", False),
+    ):
+        with pytest.raises(ProtocolError, match="unknown value"):
+            pm.decode(pm.encode(msg))
