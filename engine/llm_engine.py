@@ -204,6 +204,7 @@ class LLMEngine:
         max_tokens = self.validate(prompt_token_ids, params)
         if resume_output_ids:
             self._check_resume(resume_output_ids, params, max_tokens, prefill_only)
+        request_max_tokens = max_tokens
         if prefill_only:
             if params.n != 1:
                 raise ValueError("n: prefill-only requests take n == 1")
@@ -218,6 +219,7 @@ class LLMEngine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             max_tokens=max_tokens,
             hold_kv=prefill_only,
+            request_max_tokens=request_max_tokens,
         )
         self.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [seq])
         self.scheduler.add(seq)
@@ -405,7 +407,10 @@ class LLMEngine:
                 or hit
             ):
                 return self._finish(seq, SequenceStatus.FINISHED_STOPPED)
-        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+        at_context = seq.num_tokens >= self.max_model_len
+        if seq.num_output_tokens >= seq.max_tokens or at_context:
+            # a prefill-only request stops at its first token; the rest is another engine's
+            seq.continues = seq.hold_kv and not at_context and seq.num_output_tokens < seq.request_max_tokens
             self._finish(seq, SequenceStatus.FINISHED_LENGTH)
 
     def _stop_string_hit(self, seq: Sequence, token_id: int) -> bool:
@@ -461,4 +466,5 @@ class LLMEngine:
             finish,
             list(seq.logprobs) if seq.params.logprobs is not None else None,
             stop_reason,
+            seq.continues,
         )

@@ -75,6 +75,10 @@ class Sequence:
     stop_text: str | None = None  # the stop string that ended it, if any
     first_scheduled_time: float | None = None  # time.monotonic() when it first got compute (queue time)
     hold_kv: bool = False  # prefill-only: when it ends, keep its blocks (HELD_FOR_TRANSFER) for a transfer
+    # prefill-only: the request's own output limit (max_tokens is 1 here), and whether it goes on on
+    # another engine once this one's first token is out (False: that token ended the request)
+    request_max_tokens: int = 0
+    continues: bool = False
     finish_status: SequenceStatus | None = None  # how it ended (a held sequence's, once released)
 
     @property

@@ -37,7 +37,7 @@ from node.streams import (
 from prefill_node.shipper import FirstToken, Granted, Outcome, Shipment, Shipper
 from protocol.kv_layout import KV_LAYOUT_NAME
 from protocol.messages import AbortRequest, GenerateRequest, RequestMeta
-from protocol.reasons import FailureCode, FinishReason
+from protocol.reasons import FailureCode
 from protocol.sampling_params import SamplingParams
 
 
@@ -196,9 +196,12 @@ class PrefillNode:
         started = seq.first_scheduled_time if seq is not None and seq.first_scheduled_time else stream.started
         stream.timings["prefill_queue"] = round(started - stream.started, 6)
         stream.timings["prefill_compute"] = round(now - started, 6)
-        ends_here = completion.finish_reason is FinishReason.STOP or pending.params.max_tokens == 1
-        first = dataclasses.replace(completion, finish_reason=completion.finish_reason if ends_here else None)
-        if ends_here:
+        # the engine says whether the request goes on on the decode node (the first token did not
+        # end it): then the first chunk carries no finish reason
+        first = (
+            completion if not completion.continues else dataclasses.replace(completion, finish_reason=None)
+        )
+        if not completion.continues:
             chunk = next_chunk(stream, first, self.opts.node_id, True, out.prompt_logprobs)
             self.runtime.reply(stream.reply_addr, chunk)
             self.log("first_token_sent", rid, cached_tokens=stream.num_cached_tokens)

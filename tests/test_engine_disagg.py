@@ -239,3 +239,30 @@ def test_decodes_that_arrive_behind_a_local_prompt_run_every_step_and_stay_exact
                 results[out.request_id] = out.outputs[0].token_ids
     assert results["local"] == hf_greedy(path, long_prompt, 2)
     assert decode.block_manager.num_free_blocks == 96
+
+
+@pytest.mark.parametrize(
+    ("params", "continues"),
+    [
+        (SamplingParams(temperature=0.0, max_tokens=9), True),  # goes on on the decode node
+        (SamplingParams(temperature=0.0, max_tokens=1), False),  # its first token was its last
+    ],
+)
+def test_a_prefill_only_output_says_whether_the_request_goes_on(params, continues):
+    """The node asks the engine, rather than re-deriving from max_tokens (issue 30, item 2)."""
+    path = str(make_tiny_model("llama"))
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=16, block_size=8))
+    engine.add_request("p", list(range(3, 13)), params, prefill_only=True)
+    (out,) = engine.step()
+    assert out.finished and out.outputs[0].continues is continues
+    first = out.outputs[0].token_ids[0]
+    # the same first token with the request's own limit and a stop token: it ends the request
+    engine.release_held("p")
+    engine.add_request(
+        "q",
+        list(range(3, 13)),
+        SamplingParams(temperature=0.0, max_tokens=9, stop_token_ids=(first,)),
+        prefill_only=True,
+    )
+    (out,) = engine.step()
+    assert not out.outputs[0].continues and out.outputs[0].finish_reason == "stop"
