@@ -42,7 +42,7 @@ class EngineReservations:
 
     @property
     def num_blocks(self) -> int:
-        return self._engine.block_manager.num_blocks
+        return self._engine.kv_spec.num_blocks
 
     def reserve(
         self, request_id: str, token_ids, sampling_params: SamplingParams | None
@@ -64,7 +64,7 @@ class DecodeNode:
         self.fingerprint = KVFingerprint.from_spec(opts.model_id, self.engine.kv_spec, KV_LAYOUT_NAME)
         self.runtime = NodeRuntime(opts, self.log)
         self.engine.on_progress(self.runtime.in_step)  # busy is not dead: layers vouch for the node
-        caches = self.engine.runner.kv_caches
+        caches = self.engine.kv_caches
         self.receiver = KVReceiver(
             f"tcp://{opts.host}:{opts.kv_port}",
             self.fingerprint,
@@ -89,8 +89,7 @@ class DecodeNode:
         )
 
     def serve(self, ready_file: str | None = None) -> int:
-        if self.engine.sampler.rules is not None:  # the first guided request need not build it
-            self.engine.sampler.rules.warm_up_in_background()
+        self.engine.warm_up_in_background()  # the first guided request need not build the grammar engine
         self.runtime.start(self.status(), ready_file)
         try:
             self.runtime.run(self._iterate, self._busy, self._start_draining)

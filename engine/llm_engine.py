@@ -18,7 +18,7 @@ from engine.kv_prefault import KVPrefault
 from engine.logits_rules import LogitsRules
 from engine.model_runner import KVCacheFactory, ModelRunner
 from engine.models import model_class
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.platform import UNVERIFIED_CUDA, resolve_platform
 from engine.resources import usable_cpus
 from engine.sampler import Sampler, SamplerInput, prompt_logprobs
@@ -317,6 +317,40 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def kv_caches(self) -> list:
+        """The KV pool, per layer (K, V) [num_blocks, block_size, kv_heads, head_dim]: what a
+        node's KV transfer reads and writes."""
+        return self.runner.kv_caches
+
+    def num_queued_prefill_tokens(self) -> int:
+        """Prompt tokens not computed yet: waiting requests', and running ones' unfinished chunks."""
+        sched = self.scheduler
+        queued = sum(s.num_uncomputed_tokens for s in sched.waiting)
+        return queued + sum(s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1)
+
+    def stats(self) -> EngineStats:
+        bm, sched = self.block_manager, self.scheduler
+        return EngineStats(
+            max_model_len=self.max_model_len,
+            device=str(self.device),
+            num_blocks_total=bm.num_blocks,
+            num_blocks_free=bm.num_free_blocks,
+            num_blocks_cached=bm.num_cached_free_blocks,
+            num_blocks_committed=self.kv_prefault.num_committed(bm.high_water),
+            torch_threads=self.cpu_share.threads,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_held=len(sched.held),
+            num_queued_prefill_tokens=self.num_queued_prefill_tokens(),
+            step_stats=self.step_stats.snapshot(),
+        )
+
+    def warm_up_in_background(self) -> None:
+        """Build what the first request of a kind would otherwise wait for (the grammar engine)."""
+        if self.sampler.rules is not None:
+            self.sampler.rules.warm_up_in_background()
 
     # ------------------------------------------------------------------ the loop
     def check_integrity(self) -> None:

@@ -31,3 +31,22 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token after the first (vLLM's list has a
     # None for the first); None when not asked for or not all computed yet
     prompt_logprobs: list[TokenLogprob] | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineStats:
+    """One snapshot of an engine's state, for the node that serves it (its status record and
+    loop): what it reads of the engine, in one place, instead of the engine's parts."""
+
+    max_model_len: int
+    device: str
+    num_blocks_total: int
+    num_blocks_free: int
+    num_blocks_cached: int  # free blocks that still hold a prefix (evictable)
+    num_blocks_committed: int  # pool blocks whose memory is committed (engine/kv_prefault.py)
+    torch_threads: int  # what the engine runs with now (engine/cpu_share.py)
+    num_running: int
+    num_waiting: int
+    num_held: int  # prefill-only requests whose KV is held for a transfer
+    num_queued_prefill_tokens: int  # prompt tokens not computed yet
+    step_stats: dict  # engine steps by kind since start (engine/step_stats.py)

@@ -96,13 +96,6 @@ class PrefillRate:
         return self.num_tokens / self.seconds if self.seconds > 0.0 else None
 
 
-def num_queued_prefill_tokens(engine: LLMEngine) -> int:
-    """Prompt tokens not computed yet: waiting requests', and running ones' unfinished chunks."""
-    sched = engine.scheduler
-    queued = sum(s.num_uncomputed_tokens for s in sched.waiting)
-    return queued + sum(s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1)
-
-
 def node_status(
     opts: NodeOptions,
     engine: LLMEngine,
@@ -113,25 +106,25 @@ def node_status(
     extra_queued: int = 0,
     prefill_tokens_per_s: float | None = None,
 ) -> NodeInfo:
-    bm, sched = engine.block_manager, engine.scheduler
+    stats = engine.stats()  # the one snapshot of the engine a node reads
     return NodeInfo(
         node_id=opts.node_id,
         role=opts.role,
         control_addr=control_addr,
         kv_addr=kv_addr,
         fingerprint=fingerprint,
-        max_model_len=engine.max_model_len,
-        num_blocks_total=bm.num_blocks,
-        num_blocks_free=bm.num_free_blocks,
-        num_blocks_cached=bm.num_cached_free_blocks,
-        num_blocks_committed=engine.kv_prefault.num_committed(bm.high_water),
-        torch_threads=engine.cpu_share.threads,
-        num_running=len(sched.running),
-        num_queued=len(sched.waiting) + extra_queued,
-        num_queued_prefill_tokens=num_queued_prefill_tokens(engine),
+        max_model_len=stats.max_model_len,
+        num_blocks_total=stats.num_blocks_total,
+        num_blocks_free=stats.num_blocks_free,
+        num_blocks_cached=stats.num_blocks_cached,
+        num_blocks_committed=stats.num_blocks_committed,
+        torch_threads=stats.torch_threads,
+        num_running=stats.num_running,
+        num_queued=stats.num_waiting + extra_queued,
+        num_queued_prefill_tokens=stats.num_queued_prefill_tokens,
         draining=draining,
         heartbeat_time=time.time(),
         prefill_tokens_per_s=prefill_tokens_per_s,
-        device=str(engine.device),
-        step_stats=engine.step_stats.snapshot(),
+        device=stats.device,
+        step_stats=stats.step_stats,
     )

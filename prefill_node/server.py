@@ -31,7 +31,6 @@ from node.streams import (
     local_deadline,
     next_chunk,
     node_status,
-    num_queued_prefill_tokens,
     wire_logprob,
 )
 from prefill_node.shipper import FirstToken, Granted, Outcome, Shipment, Shipper
@@ -65,7 +64,7 @@ class PrefillNode:
         self.fingerprint = KVFingerprint.from_spec(opts.model_id, self.engine.kv_spec, KV_LAYOUT_NAME)
         self.runtime = NodeRuntime(opts, self.log)
         self.engine.on_progress(self.runtime.in_step)  # busy is not dead: layers vouch for the node
-        caches = self.engine.runner.kv_caches
+        caches = self.engine.kv_caches
         self.shipper = Shipper(
             self.fingerprint,
             [k for k, _ in caches],
@@ -106,13 +105,12 @@ class PrefillNode:
         )
 
     def serve(self, ready_file: str | None = None) -> int:
-        if self.engine.sampler.rules is not None:  # the first guided request need not build it
-            self.engine.sampler.rules.warm_up_in_background()
+        self.engine.warm_up_in_background()  # the first guided request need not build the grammar engine
         self.runtime.start(self.status(), ready_file)
         try:
             self.runtime.run(
                 self._iterate,
-                lambda: bool(self.pending or self.engine.scheduler.held),
+                lambda: bool(self.pending or self.engine.stats().num_held),
                 lambda: self.runtime.set_status(self.status()),
             )
         finally:
@@ -147,10 +145,10 @@ class PrefillNode:
 
     def _timed_step(self) -> list:
         """One engine step, its prompt tokens and seconds counted into ``prefill_rate``."""
-        num_queued, start = num_queued_prefill_tokens(self.engine), time.perf_counter()
+        num_queued, start = self.engine.num_queued_prefill_tokens(), time.perf_counter()
         outs = self.engine.step()
         self.prefill_rate.observe(
-            num_queued - num_queued_prefill_tokens(self.engine), time.perf_counter() - start
+            num_queued - self.engine.num_queued_prefill_tokens(), time.perf_counter() - start
         )
         return outs
 
