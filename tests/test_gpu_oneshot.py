@@ -359,5 +359,6 @@ def test_gpu_offline_smoke_run_on_the_cpu_prints_what_the_summary_reads():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     figures, target = summary.offline_figures(result.stdout)
-    assert re.fullmatch(r"HF \d+ tok/s \(batch 4\); pdserve \d+ tok/s; ratio \d+\.\d\dx", figures), figures
+    # HF's best batch is whichever ran fastest: on a loaded CPU any of the smoke run's sizes
+    assert re.fullmatch(r"HF \d+ tok/s \(batch \d+\); pdserve \d+ tok/s; ratio \d+\.\d\dx", figures), figures
     assert re.fullmatch(r">= 2x HF: (met|missed) \(\d+\.\d\dx\)", target), target
