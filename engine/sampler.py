@@ -51,14 +51,30 @@ class Sampler:
             assert self.rules is not None, "a request with logits rules reached an engine without them"
             with torch.inference_mode():  # the runner's logits are inference tensors
                 self.rules.apply(logits, ruled, [inputs[r].seq for r in ruled])
+        # Plain greedy rows take one argmax; unseeded rows without penalties are filtered and drawn
+        # together on the logits' device; only seeded and penalised rows go one by one (a seeded
+        # draw is the host generator's, the same on every node). One host sync for the rest.
         plain = [
             i.seq.params.greedy and not i.seq.params.has_penalties and not i.banned_token_ids for i in inputs
         ]
-        # Plain greedy rows never go row by row.
-        argmax = first_max(logits).tolist() if any(plain) else None
-        token_ids = [
-            argmax[r] if plain[r] else self._sample_row(logits[r], inp) for r, inp in enumerate(inputs)
+        single = [
+            not plain[r] and (i.seq.params.seed is not None or i.seq.params.has_penalties)
+            for r, i in enumerate(inputs)
         ]
+        batched = [r for r in range(len(inputs)) if not plain[r] and not single[r]]
+        picked = torch.empty(len(inputs), dtype=torch.int64, device=logits.device)
+        if any(plain):
+            rows = torch.tensor(
+                [r for r, p in enumerate(plain) if p], dtype=torch.int64, device=logits.device
+            )
+            picked[rows] = first_max(logits[rows] if len(rows) < len(inputs) else logits)
+        if batched:
+            rows = torch.tensor(batched, dtype=torch.int64, device=logits.device)
+            picked[rows] = _sample_rows(logits[rows], [inputs[r] for r in batched])
+        token_ids = picked.tolist()  # the one sync for the plain and batched rows
+        for r, inp in enumerate(inputs):
+            if single[r]:
+                token_ids[r] = self._sample_row(logits[r], inp)
         results = []
         for r, (inp, token_id) in enumerate(zip(inputs, token_ids, strict=True)):
             n = inp.seq.params.logprobs
@@ -74,17 +90,7 @@ class Sampler:
             row[list(inp.banned_token_ids)] = float("-inf")
         if params.greedy:
             return int(row.argmax())
-        row = row / params.temperature
-        if params.top_k is not None and params.top_k < row.shape[0]:
-            kth = torch.topk(row, params.top_k).values[-1]
-            row[row < kth] = float("-inf")
-        probs = torch.softmax(row, dim=-1)
-        if params.min_p > 0:
-            probs[probs < params.min_p * probs.max()] = 0.0
-        if params.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            drop = sorted_probs.cumsum(0) - sorted_probs > params.top_p * sorted_probs.sum()
-            probs[order[drop]] = 0.0
+        probs = _filtered_probs(row, params)
         generator = self._generator(inp.seq)
         if generator is not None:  # a seeded draw is the host generator's on every device
             probs = probs.to("cpu")
@@ -100,6 +106,60 @@ class Sampler:
         return torch.Generator(device="cpu").manual_seed(
             xxhash.xxh3_64_intdigest(key) >> 1
         )  # manual_seed takes < 2**63
+
+
+def _filtered_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One row's sampling distribution [V]: temperature, then top-k, min-p and top-p."""
+    row = row / params.temperature
+    if params.top_k is not None and params.top_k < row.shape[0]:
+        kth = torch.topk(row, params.top_k).values[-1]
+        row[row < kth] = float("-inf")
+    probs = torch.softmax(row, dim=-1)
+    if params.min_p > 0:
+        probs[probs < params.min_p * probs.max()] = 0.0
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        drop = sorted_probs.cumsum(0) - sorted_probs > params.top_p * sorted_probs.sum()
+        probs[order[drop]] = 0.0
+    return probs
+
+
+def _filtered_probs_rows(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``_filtered_probs`` of many rows at once [R, V], with per-row parameters as tensors."""
+    dev, vocab = x.device, x.shape[1]
+    x = x / torch.tensor([p.temperature for p in params], dtype=x.dtype, device=dev)[:, None]
+    ks = [p.top_k if p.top_k is not None and p.top_k < vocab else vocab for p in params]
+    if min(ks) < vocab:
+        kth = torch.topk(x, max(ks), dim=-1).values  # [R, kmax], descending
+        k = torch.tensor(ks, dtype=torch.int64, device=dev)[:, None]
+        cut = kth.gather(1, (k - 1).clamp(max=kth.shape[1] - 1))  # [R, 1]
+        cut = torch.where(k < vocab, cut, torch.full_like(cut, float("-inf")))
+        x = x.masked_fill(x < cut, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=dev)[:, None]
+    probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    if any(p.top_p < 1.0 for p in params):  # decided on the host: no sync
+        top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=dev)[:, None]
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_probs.cumsum(-1) - sorted_probs > top_p * sorted_probs.sum(-1, keepdim=True)
+        drop &= top_p < 1.0
+        probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
+    return probs
+
+
+def _sample_rows(x: torch.Tensor, inputs: list[SamplerInput]) -> torch.Tensor:
+    """Unseeded rows without penalties, drawn together: [R] token ids on the logits' device."""
+    x = x.clone()
+    banned = [(r, t) for r, i in enumerate(inputs) for t in i.banned_token_ids]
+    if banned:
+        rows, ids = zip(*banned, strict=True)
+        x[list(rows), list(ids)] = float("-inf")
+    greedy = torch.tensor([i.seq.params.greedy for i in inputs], device=x.device)
+    params = [i.seq.params for i in inputs]
+    # greedy rows (here only for their banned tokens) take any temperature: their draw is discarded
+    safe = [p if not p.greedy else SamplingParams(temperature=1.0) for p in params]
+    drawn = torch.multinomial(_filtered_probs_rows(x, safe), 1).squeeze(1)
+    return torch.where(greedy, x.argmax(dim=-1), drawn)
 
 
 def _apply_penalties(row: torch.Tensor, seq: Sequence, params: SamplingParams) -> None:

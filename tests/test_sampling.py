@@ -137,3 +137,47 @@ def test_stop_token_ids_end_generation_with_reason(llm):
     )[0].outputs[0]
     assert out.token_ids[-1] == stop_at and len(out.token_ids) <= 4
     assert out.finish_reason == "stop" and out.stop_reason == stop_at
+
+
+def test_rows_filtered_together_equal_rows_filtered_one_by_one():
+    """The batched filter (unseeded rows, drawn together on the device) gives each row the
+    distribution the one-row filter does, for every mix of temperature, top-k, min-p and top-p."""
+    from engine.sampler import _filtered_probs, _filtered_probs_rows
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 300, generator=g) * 3
+    params = [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3, top_k=5),
+        SamplingParams(temperature=1.0, top_p=0.6),
+        SamplingParams(temperature=0.5, min_p=0.2),
+        SamplingParams(temperature=2.0, top_k=50, top_p=0.9, min_p=0.05),
+        SamplingParams(temperature=1.0, top_k=300),  # k = vocab: no cut
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=0.9, top_p=1e-6),  # the top token alone
+    ]
+    together = _filtered_probs_rows(logits.clone(), params)
+    for r, p in enumerate(params):
+        alone = _filtered_probs(logits[r].clone(), p)
+        assert torch.allclose(together[r], alone, atol=1e-6), r
+        assert torch.equal(together[r] > 0, alone > 0), r  # the same tokens can be drawn
+    assert (together[6] > 0).sum() == 1 and (together[7] > 0).sum() == 1
+
+
+def test_a_batch_of_unseeded_rows_keeps_every_rows_constraints(llm):
+    prompts = [[5 + i, 6, 7, 8] for i in range(6)]
+    params = [
+        SamplingParams(temperature=1.0, top_k=1, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=1e-9, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=1.2, min_p=1.0, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=1.5, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6),  # greedy with EOS banned
+        SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=3),  # one by one
+    ]
+    outs = llm.generate(prompts, params)
+    greedy = llm.generate(prompts[:3], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    for r in range(3):  # filters that leave one token are greedy
+        assert outs[r].outputs[0].token_ids == greedy[r].outputs[0].token_ids, r
+    assert len(outs[4].outputs[0].token_ids) == 6 and len(outs[3].outputs[0].token_ids) == 6
+    seeded = llm.generate([prompts[5]], params[5])  # alone, it draws what it drew in the batch
+    assert seeded[0].outputs[0].token_ids == outs[5].outputs[0].token_ids
