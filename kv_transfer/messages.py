@@ -48,6 +48,22 @@ class RingRef:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class KVShipment:
+    """One request's prompt KV to send, and what the decode side needs to go on from it: the one
+    object that crosses the prefill node's shipper and the sender, which makes KVReserve and
+    KVDone of it. Not a wire message itself."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # the prompt
+    block_table: tuple[int, ...]  # the sender's blocks holding the prompt's KV, in prompt order
+    first_token: int  # sampled by the prefill node from the prompt's last logits
+    num_cached_tokens: int = 0  # usage: prompt tokens the prefill node took from its prefix cache
+    sampling_params: SamplingParams | None = None  # how the decode side samples the rest
+    request_meta: RequestMeta | None = None  # opaque to kv_transfer: where the decode node's tokens go
+    first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asked for logprobs
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class KVReserve(Message):
     """Prefill → decode: please hold blocks for this prompt's KV."""
 

@@ -38,6 +38,7 @@ from kv_transfer.messages import (
     KVGrant,
     KVReject,
     KVReserve,
+    KVShipment,
     Message,
     TokenLogprobs,
     WireFormat,
@@ -236,6 +237,39 @@ class KVSender:
         except PeerUnavailable:
             pass
 
+    def ship(
+        self,
+        shipment: KVShipment,
+        key_caches: Sequence[torch.Tensor],
+        value_caches: Sequence[torch.Tensor],
+        on_granted: Callable[[], None] | None = None,
+    ) -> TransferStats:
+        """Reserve, send every layer, finish. Raises KVTransferError (peer told to abort).
+        ``on_granted`` runs once the receiver holds the blocks, before any KV is sent."""
+        s = shipment
+        tx = self.reserve(s.request_id, s.token_ids, s.sampling_params, s.request_meta, s.block_table)
+        if on_granted is not None:
+            on_granted()
+        try:
+            if tx.direct:
+                # The receiver copies from our shared cache, starting at the grant: no chunks. We
+                # hash the same blocks meanwhile, on our own core, and name them in KVDone.
+                src = s.block_table[tx.num_held_blocks :]
+                sums = tuple(
+                    shared_cache.layer_checksum(key_caches[layer], value_caches[layer], list(src))
+                    for layer in range(len(key_caches))
+                )
+                tx.bytes_sent = len(src) * 2 * sum(k[0].numel() * k.element_size() for k in key_caches)
+                sums = _as_corrupted(sums)
+                return self.finish(tx, s.first_token, s.num_cached_tokens, src, sums, s.first_logprobs)
+            for layer in range(len(key_caches)):
+                self.send_layer(tx, layer, key_caches[layer], value_caches[layer], s.block_table)
+            return self.finish(tx, s.first_token, s.num_cached_tokens, first_logprobs=s.first_logprobs)
+        except BaseException as exc:
+            if s.request_id in self._inbox:  # not already settled with the peer
+                self.abort(s.request_id, f"sender failed: {exc!r}")
+            raise
+
     def transfer(
         self,
         request_id: str,
@@ -250,30 +284,18 @@ class KVSender:
         first_logprobs: TokenLogprobs | None = None,
         on_granted: Callable[[], None] | None = None,
     ) -> TransferStats:
-        """Reserve, send every layer, finish. Raises KVTransferError (peer told to abort).
-        ``on_granted`` runs once the receiver holds the blocks, before any KV is sent."""
-        tx = self.reserve(request_id, token_ids, sampling_params, request_meta, block_table)
-        if on_granted is not None:
-            on_granted()
-        try:
-            if tx.direct:
-                # The receiver copies from our shared cache, starting at the grant: no chunks. We
-                # hash the same blocks meanwhile, on our own core, and name them in KVDone.
-                src = tuple(block_table[tx.num_held_blocks :])
-                sums = tuple(
-                    shared_cache.layer_checksum(key_caches[layer], value_caches[layer], list(src))
-                    for layer in range(len(key_caches))
-                )
-                tx.bytes_sent = len(src) * 2 * sum(k[0].numel() * k.element_size() for k in key_caches)
-                sums = _as_corrupted(sums)
-                return self.finish(tx, first_token, num_cached_tokens, src, sums, first_logprobs)
-            for layer in range(len(key_caches)):
-                self.send_layer(tx, layer, key_caches[layer], value_caches[layer], block_table)
-            return self.finish(tx, first_token, num_cached_tokens, first_logprobs=first_logprobs)
-        except BaseException as exc:
-            if request_id in self._inbox:  # not already settled with the peer
-                self.abort(request_id, f"sender failed: {exc!r}")
-            raise
+        """``ship`` of a shipment given field by field (benches, tests, probes)."""
+        shipment = KVShipment(
+            request_id,
+            tuple(token_ids),
+            tuple(block_table),
+            first_token,
+            num_cached_tokens,
+            sampling_params,
+            request_meta,
+            first_logprobs,
+        )
+        return self.ship(shipment, key_caches, value_caches, on_granted)
 
     def close(self) -> None:
         self._channel.close()

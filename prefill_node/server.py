@@ -20,7 +20,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from kv_transfer.messages import KVFingerprint
+from kv_transfer.messages import KVFingerprint, KVShipment
 from kv_transfer.shared_cache import TORCH_DTYPES, SharedKVCache
 from node.log import EventLog, forward_own_logs
 from node.options import NodeOptions
@@ -211,9 +211,8 @@ class PrefillNode:
         first_chunk = next_chunk(
             dataclasses.replace(stream), first, self.opts.node_id, True, out.prompt_logprobs
         )
-        shipment = Shipment(
+        kv = KVShipment(
             rid,
-            pending.decode_addr,
             tuple(seq.token_ids[: seq.num_prompt_tokens]),
             tuple(seq.block_table),
             completion.token_ids[0],
@@ -221,8 +220,8 @@ class PrefillNode:
             pending.params,
             RequestMeta(stream.reply_addr, pending.deadline, time.time(), dict(stream.timings)),
             wire_logprob(completion.logprobs[0]) if completion.logprobs else None,
-            FirstToken(stream.reply_addr, first_chunk),
         )
+        shipment = Shipment(kv, pending.decode_addr, FirstToken(stream.reply_addr, first_chunk))
         if not self.shipper.submit(shipment):
             self.engine.release_held(rid)  # no transfer reads them
             self._fail(rid, FailureCode.OVERLOADED, "too many KV transfers queued for that decode node")

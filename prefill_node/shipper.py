@@ -18,11 +18,10 @@ import torch
 
 from engine.platform import Platform
 from kv_transfer.errors import KVRejected, KVTimeout, KVTransferError
-from kv_transfer.messages import CacheRef, KVFingerprint, TokenLogprobs
+from kv_transfer.messages import CacheRef, KVFingerprint, KVShipment
 from kv_transfer.sender import KVSender, SenderConfig, TransferStats
 from protocol.channel import PushChannels
-from protocol.messages import RequestMeta, TokenChunk
-from protocol.sampling_params import SamplingParams
+from protocol.messages import TokenChunk
 
 _MAX_REPLY_CHANNELS = 16  # routers one worker talks back to at once (LRU beyond)
 
@@ -37,16 +36,16 @@ class FirstToken:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Shipment:
-    request_id: str
+    """A request's KV for one decode node: the transfer's own shipment, where it goes, and the
+    first token to report once blocks are granted."""
+
+    kv: KVShipment  # what the sender ships (its blocks are held until the outcome)
     decode_addr: str  # the decode node's KV receiver
-    token_ids: tuple[int, ...]  # the prompt
-    block_table: tuple[int, ...]  # this node's blocks holding the prompt's KV (held until the outcome)
-    first_token: int  # sampled here
-    num_cached_tokens: int  # usage: prompt tokens from this node's prefix cache
-    sampling_params: SamplingParams  # for the decode node's sequence
-    request_meta: RequestMeta  # opaque to kv_transfer: reply address, deadline, timings
-    first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asked for logprobs
     first: FirstToken | None = None  # sent to the router at the grant; None: the caller reports it
+
+    @property
+    def request_id(self) -> str:
+        return self.kv.request_id
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -198,7 +197,7 @@ class Shipper:
         """Blocks are held on the decode node: the first token goes to the router now."""
         if job.first is not None:
             if replies.send(job.first.reply_addr, job.first.chunk):
-                self._log("first_token_sent", job.request_id, cached_tokens=job.num_cached_tokens)
+                self._log("first_token_sent", job.request_id, cached_tokens=job.kv.num_cached_tokens)
             else:
                 self._log("reply_dropped", job.request_id, reply_addr=job.first.reply_addr)
         self.outcomes.put(Granted(job.request_id))
@@ -211,19 +210,7 @@ class Shipper:
             self._granted(job, replies)
 
         try:
-            stats = sender.transfer(
-                job.request_id,
-                job.token_ids,
-                self.key_caches,
-                self.value_caches,
-                job.block_table,
-                job.first_token,
-                job.num_cached_tokens,
-                job.sampling_params,
-                job.request_meta,
-                job.first_logprobs,
-                on_granted,
-            )
+            stats = sender.ship(job.kv, self.key_caches, self.value_caches, on_granted)
             return Outcome(job.request_id, stats, None, first_token_sent=job.first is not None)
         except KVTransferError as exc:
             refused = isinstance(exc, KVRejected) or (isinstance(exc, KVTimeout) and exc.stage == "grant")

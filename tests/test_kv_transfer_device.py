@@ -16,7 +16,7 @@ from test_kv_transfer import make_caches, make_receiver, poll_until
 
 from engine.platform import FakeEvent, Platform, SplitPlatform
 from kv_transfer import shared_cache, tensors
-from kv_transfer.messages import WireFormat
+from kv_transfer.messages import KVShipment, WireFormat
 from kv_transfer.sender import KVSender, SenderConfig
 from kv_transfer.staging import StagingRing
 from prefill_node.shipper import Shipment, Shipper
@@ -234,7 +234,7 @@ def test_each_shipper_worker_binds_its_own_thread_to_the_device():
     shipper = Shipper(fingerprint, caches, caches, config, platform=platform)
     addr = f"tcp://127.0.0.1:{free_port()}"  # no receiver there: the transfer times out at its grant
     try:
-        assert shipper.submit(Shipment("a", addr, (1, 2, 3, 4, 5), (0, 1), 9, 0, {}, {}))
+        assert shipper.submit(Shipment(KVShipment("a", (1, 2, 3, 4, 5), (0, 1), 9, 0, {}, {}), addr))
         assert shipper.outcomes.get(timeout=10).error is not None
         assert platform.activated == [f"ship-{addr}"]
     finally:

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from kv_transfer.messages import KVShipment
 from kv_transfer.sender import SenderConfig
 from prefill_node.shipper import Shipment, Shipper
 from tests.cluster import free_port
@@ -27,7 +28,7 @@ def _shipper(**options) -> Shipper:
 
 
 def _shipment(request_id: str, addr: str) -> Shipment:
-    return Shipment(request_id, addr, (1, 2, 3, 4, 5), (0, 1), 9, 0, {}, {})
+    return Shipment(KVShipment(request_id, (1, 2, 3, 4, 5), (0, 1), 9, 0, {}, {}), addr)
 
 
 def _outcomes(shipper: Shipper, num: int, timeout_s: float = 10.0) -> list:
