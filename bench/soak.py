@@ -34,7 +34,7 @@ import httpx
 import psutil
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-_USED = re.compile(r'^pdserve_node_kv_blocks_used\{node_id="([^"]+)",role="\w+"\} (\d+)$', re.M)
+_USED = re.compile(r'^pdserve_node_kv_blocks_used\{node_id="([^"]+)",role="\w+"\} (\d+)(?:\.0)?$', re.M)
 
 
 def _start_cluster(args) -> tuple[subprocess.Popen, str]:

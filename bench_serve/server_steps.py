@@ -14,11 +14,11 @@ import time
 
 import httpx
 
+# Labels in any order: prometheus-client writes them sorted (kind, node_id, phase, role).
 _SERIES = re.compile(
-    r'^pdserve_node_engine_(step_seconds_sum|step_seconds_count|tokens_total)\{node_id="([^"]*)",'
-    r'role="(\w+)",kind="(\w+)"(?:,phase="(\w+)")?\} (\S+)$',
-    re.M,
+    r"^pdserve_node_engine_(step_seconds_sum|step_seconds_count|tokens_total)\{([^}]*)\} (\S+)$", re.M
 )
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 Counts = dict[tuple[str, str, str, str], float]  # (node_id, role, kind, what) -> the node's count
 
 
@@ -41,8 +41,10 @@ _WHAT = ("step_seconds_count", "step_seconds_sum", "prompt_tokens", "decode_toke
 
 def parse(text: str) -> Counts:
     counts: Counts = {}
-    for what, node, role, kind, phase, value in _SERIES.findall(text):
-        counts[node, role, kind, f"{phase}_tokens" if phase else what] = float(value)
+    for what, labels, value in _SERIES.findall(text):
+        label = dict(_LABEL.findall(labels))
+        what = f"{label['phase']}_tokens" if "phase" in label else what
+        counts[label["node_id"], label["role"], label["kind"], what] = float(value)
     return counts
 
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
+from protocol.registry import STEP_BUCKETS_S
+
 KINDS = ("prefill", "decode", "mixed")
-# upper bounds of the step-time histogram's buckets, seconds (+Inf is the step count)
-BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+BUCKETS_S = STEP_BUCKETS_S  # the step-time buckets, part of the node record's contract
 
 
 @dataclasses.dataclass(slots=True)

@@ -18,6 +18,11 @@ from protocol.fingerprint import KVFingerprint
 KEY_PREFIX = "pdserve:node:"
 
 
+# Upper bounds (seconds) of a node's step-time buckets in NodeInfo.step_stats (+Inf is the step
+# count): the engine counts into them, the router exports them as a histogram.
+STEP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
 class Role(enum.StrEnum):
     PREFILL = "prefill"  # computes prompts and ships their KV to a decode node
     DECODE = "decode"  # decodes prompts whose KV it received, and prefills short ones itself
@@ -49,7 +54,8 @@ class NodeInfo:
     prefill_tokens_per_s: float | None = None
     device: str = "cpu"  # the torch device the node's engine computes on
     integrity_error: str | None = None  # a failed invariant check: the node stopped serving (see its log)
-    # engine steps by kind, counted from the node's start: engine.step_stats.StepStats.snapshot()
+    # engine steps by kind, counted from the node's start: engine.step_stats.StepStats.snapshot(),
+    # each kind's step-time counts bucketed by STEP_BUCKETS_S
     step_stats: dict[str, dict] = dataclasses.field(default_factory=dict)
     # blocks whose memory is committed (engine.kv_prefault: the CPU pool commits as it is used,
     # or while the node is idle); None from a node that does not say

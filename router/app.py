@@ -16,7 +16,7 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protocol.model_digest import model_digest, weight_files
@@ -80,6 +80,9 @@ def create_app(
         ):  # a tokenizer-only folder cannot tell
             node_registry.expected_model = model_digest(config.model)
         node_registry.start()
+        admission = Admission(
+            {Stage.PREFILL: config.max_inflight_prefill, Stage.DECODE: config.max_inflight_decode}
+        )
         backend = Backend(
             config,
             node_client,
@@ -89,10 +92,9 @@ def create_app(
                 prefix_routing=config.prefix_routing,
                 local_prefill_margin_s=config.local_prefill_margin_s,
             ),
-            metrics.RouterMetrics(),
-        )
-        admission = Admission(
-            {Stage.PREFILL: config.max_inflight_prefill, Stage.DECODE: config.max_inflight_decode}
+            metrics.RouterMetrics(
+                node_registry.snapshot, lambda: {str(s): n for s, n in admission.num_inflight.items()}
+            ),
         )
         name = config.served_model_name or pathlib.Path(config.model).name
         app.state.router = RouterState(config, name, tokenizer, admission, backend)
@@ -207,7 +209,7 @@ class _Guard:
         if scope["path"].startswith("/v1/") and scope["method"] == "POST":
             state = getattr(scope["app"].state, "router", None)
             if state is not None:
-                state.backend.metrics.requests.inc(endpoint=scope["path"], outcome=str(status))
+                state.backend.metrics.requests.labels(endpoint=scope["path"], outcome=str(status)).inc()
 
 
 def _has_body_without_length(scope) -> bool:
@@ -285,12 +287,8 @@ def _add_routes(app: FastAPI) -> None:
         return JSONResponse(body, 200 if serving else 503)
 
     @app.get("/metrics")
-    async def prometheus(request: Request) -> PlainTextResponse:
-        state = _state(request)
-        text = state.backend.metrics.render(
-            state.backend.registry.snapshot(), {str(r): n for r, n in state.admission.num_inflight.items()}
-        )
-        return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)
+    async def prometheus(request: Request) -> Response:
+        return Response(_state(request).backend.metrics.render(), media_type=metrics.CONTENT_TYPE)
 
 
 async def _serve(state: RouterState, job: jobs.Job, max_model_len: int, request: Request) -> Response:

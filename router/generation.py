@@ -214,7 +214,7 @@ async def _send(
     except NodeUnavailable as exc:
         raise _Retry(target.node_id, str(exc)) from None
     backend.metrics.queue.observe(now - sample.arrival_time)
-    backend.metrics.routes.inc(prefill=route.placement.value)
+    backend.metrics.routes.labels(prefill=route.placement.value).inc()
 
 
 async def _relay(
@@ -309,6 +309,6 @@ def _abort(backend: Backend, route: Route, request_id: str) -> None:
 def _observe_timings(metrics: RouterMetrics, timings: dict | None) -> None:
     for stage, value in (timings or {}).items():
         if stage == "kv_bytes" and isinstance(value, int):
-            metrics.kv_bytes.inc(value)
+            metrics.kv_bytes.inc(max(value, 0))  # a node's bad count must not fail the request
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            metrics.stages.observe(float(value), stage=str(stage))
+            metrics.stages.labels(stage=str(stage)).observe(float(value))

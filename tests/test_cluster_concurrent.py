@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.tokenizer import Tokenizer
 from tests.cluster import NodeProcess, RedisServer
@@ -265,11 +266,10 @@ def _node_tokens(router) -> dict[tuple[str, str], float]:
     """(role, phase) -> tokens the nodes' engine steps computed, from the router's /metrics."""
     metrics = httpx.get(router.url + "/metrics", timeout=10).text
     totals: dict[tuple[str, str], float] = {}
-    pattern = (
-        r'^pdserve_node_engine_tokens_total\{node_id="[^"]+",role="(\w+)",kind="\w+",phase="(\w+)"\} (\S+)'
-    )
-    for role, phase, value in re.findall(pattern, metrics, re.M):
-        totals[role, phase] = totals.get((role, phase), 0.0) + float(value)
+    for family in text_string_to_metric_families(metrics):
+        for s in family.samples if family.name == "pdserve_node_engine_tokens" else ():
+            key = s.labels["role"], s.labels["phase"]
+            totals[key] = totals.get(key, 0.0) + s.value
     return totals
 
 

@@ -18,6 +18,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from launcher.env_flags import flags_from_env
 from pdserve_cli.main import build_parser
@@ -304,7 +305,8 @@ def exported_metric_names() -> set[str]:
         node_info("p0", "prefill", num_queued_prefill_tokens=10, prefill_tokens_per_s=5.0),
         node_info("d0", "decode"),
     ]
-    return set(re.findall(r"^(pdserve_\w+)[{ ]", RouterMetrics().render(nodes, {}), re.M))
+    text = RouterMetrics(lambda: nodes, lambda: {}).render().decode()
+    return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def test_every_metric_the_autoscalers_query_is_one_the_router_exports_and_the_readme_names():

@@ -65,8 +65,8 @@ def test_router_metrics_export_prefill_speed_and_backlog_for_prefill_nodes_only(
         node_info("p0", "prefill", num_queued_prefill_tokens=250, prefill_tokens_per_s=100.0),
         node_info("d0", "decode", num_queued_prefill_tokens=80, prefill_tokens_per_s=40.0),
     ]
-    lines = RouterMetrics().render(nodes, {}).splitlines()
-    assert 'pdserve_node_prefill_tokens_per_second{node_id="p0",role="prefill"} 100' in lines
+    lines = RouterMetrics(lambda: nodes, lambda: {}).render().decode().splitlines()
+    assert 'pdserve_node_prefill_tokens_per_second{node_id="p0",role="prefill"} 100.0' in lines
     assert 'pdserve_node_prefill_backlog_seconds{node_id="p0",role="prefill"} 2.5' in lines
     assert not [line for line in lines if line.startswith("pdserve_node_prefill_") and "d0" in line]
 

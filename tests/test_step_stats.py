@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench_serve.server_steps import StepLine, difference, parse
 from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.step_stats import BUCKETS_S, StepStats
-from router.metrics import node_step_metrics
+from router.metrics import RouterMetrics
 from tests.test_router_support import node_info
 from tests.tiny_models import make_tiny_model
 
@@ -86,20 +87,36 @@ def test_router_renders_each_nodes_steps_as_a_histogram_and_token_counter():
     stats["decode"]["buckets"][BUCKETS_S.index(0.05)] = 5
     stats["mixed"]["buckets"][BUCKETS_S.index(1.0)] = 2
     broken = {"decode": {"steps": 1}, "mixed": {**stats["mixed"], "buckets": [1, 1]}}
-    lines = node_step_metrics(
+    text = _scrape(
         [node_info("d0", "decode", step_stats=stats), node_info("d1", "decode", step_stats=broken)]
     )
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+    def value(name: str, **labels: str) -> float:
+        return samples[name, tuple(sorted({"node_id": "d0", "role": "decode", **labels}.items()))]
+
     name = "pdserve_node_engine_step_seconds"
-    labels = 'node_id="d0",role="decode"'
-    assert f'{name}_bucket{{{labels},kind="decode",le="0.025"}} 0' in lines
-    assert f'{name}_bucket{{{labels},kind="decode",le="0.05"}} 5' in lines
-    assert f'{name}_bucket{{{labels},kind="mixed",le="0.5"}} 0' in lines
-    assert f'{name}_bucket{{{labels},kind="mixed",le="+Inf"}} 2' in lines
-    assert f'{name}_sum{{{labels},kind="mixed"}} 1.5' in lines
-    assert f'{name}_count{{{labels},kind="decode"}} 5' in lines
-    assert f'pdserve_node_engine_tokens_total{{{labels},kind="mixed",phase="prompt"}} 300' in lines
-    assert f'pdserve_node_engine_tokens_total{{{labels},kind="mixed",phase="decode"}} 9' in lines
-    assert not any('node_id="d1"' in line for line in lines)  # records it cannot read are left out
+    assert value(f"{name}_bucket", kind="decode", le="0.025") == 0
+    assert value(f"{name}_bucket", kind="decode", le="0.05") == 5
+    assert value(f"{name}_bucket", kind="mixed", le="0.5") == 0
+    assert value(f"{name}_bucket", kind="mixed", le="+Inf") == 2
+    assert value(f"{name}_sum", kind="mixed") == 1.5
+    assert value(f"{name}_count", kind="decode") == 5
+    assert value("pdserve_node_engine_tokens_total", kind="mixed", phase="prompt") == 300
+    assert value("pdserve_node_engine_tokens_total", kind="mixed", phase="decode") == 9
+    # records it cannot read are left out
+    assert not [
+        key for key in samples if key[0].startswith("pdserve_node_engine_") and ("node_id", "d1") in key[1]
+    ]
+
+
+def _scrape(nodes: list) -> str:
+    """The router's /metrics body for these node records."""
+    return RouterMetrics(lambda: nodes, lambda: {}).render().decode()
 
 
 def _counts(steps: int, seconds: float, prompt: int, decode: int) -> dict:
@@ -116,8 +133,7 @@ def _counts(steps: int, seconds: float, prompt: int, decode: int) -> dict:
 
 def test_bench_serve_takes_each_nodes_difference_and_a_restarted_nodes_counts_since_its_restart():
     def scrape(d0: dict, d1: dict) -> str:
-        nodes = [node_info("d0", "decode", step_stats=d0), node_info("d1", "decode", step_stats=d1)]
-        return "\n".join(node_step_metrics(nodes))
+        return _scrape([node_info("d0", "decode", step_stats=d0), node_info("d1", "decode", step_stats=d1)])
 
     before = parse(scrape({"decode": _counts(100, 4.0, 0, 800)}, {"decode": _counts(50, 2.0, 0, 400)}))
     after = parse(  # d0 went on; d1 restarted and has stepped 10 times since

@@ -40,7 +40,7 @@ ROUTER_ARGS = [
     "--request-ttl-s",
     "60",
 ]
-_GAUGE_RE = re.compile(r'^pdserve_node_kv_blocks_used\{node_id="([^"]+)",role="(\w+)"\} (\d+)$', re.M)
+_GAUGE_RE = re.compile(r'^pdserve_node_kv_blocks_used\{node_id="([^"]+)",role="(\w+)"\} (\d+)(?:\.0)?$', re.M)
 
 
 class Router:

@@ -117,7 +117,9 @@ def run_fault(
     return row
 
 
-_RUNNING_RE = re.compile(r'^pdserve_node_running_requests\{node_id="([^"]+)",role="\w+"\} (\d+)$', re.M)
+_RUNNING_RE = re.compile(
+    r'^pdserve_node_running_requests\{node_id="([^"]+)",role="\w+"\} (\d+)(?:\.0)?$', re.M
+)
 _STATUS_AT_RE = re.compile(
     r'^pdserve_node_status_timestamp_seconds\{node_id="([^"]+)",role="\w+"\} (\S+)$', re.M
 )

@@ -20,7 +20,7 @@ from tests.chaos.conftest import ADMITTED
 from tests.chaos.load import Spec, completion_body, prompts, write_report_row
 
 pytestmark = pytest.mark.slow
-_GAUGE = r'^{name}\{{node_id="[^"]+",role="\w+"\}} (\d+)$'
+_GAUGE = r'^{name}\{{node_id="[^"]+",role="\w+"\}} (\d+)(?:\.0)?$'
 
 
 def _rss_mb(pids: list[int]) -> dict[int, float]:

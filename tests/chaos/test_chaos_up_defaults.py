@@ -26,7 +26,7 @@ from tests.cluster import ROOT, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 PROMPT_TOKENS = 1500
-_USED_RE = re.compile(r'^pdserve_node_kv_blocks_used\{node_id="[^"]+",role="(\w+)"\} (\d+)$', re.M)
+_USED_RE = re.compile(r'^pdserve_node_kv_blocks_used\{node_id="[^"]+",role="(\w+)"\} (\d+)(?:\.0)?$', re.M)
 
 
 @contextlib.contextmanager
