@@ -12,8 +12,9 @@ decode node elsewhere gets the prompt plus every token already relayed
 continues with no gap and no repeated token; positions, penalties and seeded draws (a function of
 seed, sample and position) go on as if uninterrupted, so a greedy or seeded continuation equals
 the undisturbed output. With migration off (``--no-migration``), a non-streamed sample is
-replayed from scratch (the caller gets ``RESTART`` and drops what it had) and a streamed one
-fails with an error event. Whenever an attempt ends without a finish_reason (error, stop string,
+replayed from scratch (the caller gets a ``Replay`` and drops what it had) and a streamed one
+fails with an error event. Each attempt ends in a typed outcome (Done, Retry, Migrate, Replay)
+or raises the APIError the client gets. Whenever an attempt ends without a finish_reason (error, stop string,
 client gone) both its nodes get an AbortRequest.
 """
 
@@ -83,13 +84,49 @@ def _node_error(failed: pm.RequestFailed, after_tokens: bool) -> APIError:
     )
 
 
-RESTART = object()  # run_sample: what came so far is void, the sample starts again elsewhere
+@dataclasses.dataclass(frozen=True, slots=True)
+class Done:
+    """The attempt relayed the sample's last chunk."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class _MidOutput:
-    node_id: str  # the decode node that failed after tokens were relayed
-    error: APIError  # what the client gets if the sample cannot migrate
+class Retry:
+    """Failed before its first token: another pair, without ``node_id``."""
+
+    node_id: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Migrate:
+    """The decode node died or stalled after tokens: the sample resumes on another one."""
+
+    node_id: str
+    error: APIError  # what the client gets if no node can take it
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Replay:
+    """After tokens, with migration off, a non-streamed sample starts over elsewhere. run_sample
+    yields it to its caller: what came so far is void."""
+
+    reason: str
+
+
+Outcome = Done | Retry | Migrate | Replay
+
+
+@dataclasses.dataclass(slots=True)
+class _Progress:
+    """What a sample's attempts carry from one to the next."""
+
+    relayed: list[int] = dataclasses.field(default_factory=list)  # output tokens the caller has
+    excluded: set[str] = dataclasses.field(default_factory=set)  # nodes the next routes avoid
+    num_retries: int = 0
+    num_migrations: int = 0
+    last_error: str = "no attempt made"
+    migrating: Migrate | None = None  # why the sample is migrating
+    replayable: bool = False  # after tokens and without migration, it may start over (not streamed)
 
 
 def _choose(backend: Backend, sample: Sample, relayed: list[int], excluded: set[str]) -> Route | None:
@@ -102,86 +139,117 @@ def _choose(backend: Backend, sample: Sample, relayed: list[int], excluded: set[
     )
 
 
+def _route(backend: Backend, sample: Sample, progress: _Progress) -> Route:
+    """The next attempt's pair; APIError when there is none."""
+    route = _choose(backend, sample, progress.relayed, progress.excluded)
+    if route is None and progress.migrating is not None:
+        # No other node: the one that failed may serve its own migration if it still lives.
+        progress.excluded.discard(progress.migrating.node_id)
+        route = _choose(backend, sample, progress.relayed, progress.excluded)
+    if route is not None:
+        return route
+    if progress.migrating is not None:
+        raise progress.migrating.error
+    raise APIError(503, f"no usable decode node ({progress.last_error})", None, "no_nodes", 1)
+
+
 async def run_sample(
     backend: Backend, sample: Sample, ticket: Ticket, replay_after_tokens: bool = False
-) -> AsyncIterator[pm.TokenChunk | object]:
-    """The sample's chunks, in order, the last with a finish_reason (or RESTART, then the chunks
-    of a replay, when ``replay_after_tokens`` and migration is off); APIError on failure."""
-    config = backend.config
-    node_params = dataclasses.replace(sample.params, stop=())
-    excluded: set[str] = set()
-    relayed: list[int] = []  # output token ids the caller has, over every attempt
-    num_retries = num_migrations = 0
-    last_error = "no attempt made"
-    failed_mid_output: APIError | None = None  # why the sample is migrating
+) -> AsyncIterator[pm.TokenChunk | Replay]:
+    """The sample's chunks, in order, the last with a finish_reason (or a Replay, then the chunks
+    of the replay, when ``replay_after_tokens`` and migration is off); APIError on failure."""
+    progress = _Progress(replayable=replay_after_tokens)
     for attempt in itertools.count():
-        route = _choose(backend, sample, relayed, excluded)
-        if route is None and failed_mid_output is not None:
-            # No other node: the one that failed may serve its own migration if it still lives.
-            excluded.discard(failed_mid_output.node_id)
-            route = _choose(backend, sample, relayed, excluded)
-        if route is None:
-            if failed_mid_output is not None:
-                raise failed_mid_output.error
-            raise APIError(503, f"no usable decode node ({last_error})", None, "no_nodes", 1)
+        route = _route(backend, sample, progress)
         request_id = sample.request_id if attempt == 0 else f"{sample.request_id}.r{attempt}"
-        queue = backend.nodes.open(request_id)
-        finished = False
-        try:
-            await _send(backend, route, request_id, sample, node_params, tuple(relayed))
-            async for chunk in _relay(backend, route, queue, sample, ticket, resumed=bool(relayed)):
-                finished = chunk.finish_reason is not None
-                relayed.extend(chunk.token_ids)
-                yield chunk
+        outcome: list[Outcome] = []
+        async for chunk in _attempt(backend, route, request_id, sample, ticket, progress, outcome):
+            yield chunk
+        (result,) = outcome
+        if isinstance(result, Done):
             return
-        except _Retry as retry:
-            num_retries += 1
-            excluded.add(retry.node_id)
-            last_error = str(retry)
-            backend.metrics.retries.inc()
-            if num_retries >= config.max_attempts:
-                break
-            log.warning(
-                "sample %s: attempt %d failed before its first token (%s); trying another pair",
-                sample.request_id,
-                attempt + 1,
-                retry,
-            )
-        except APIError as exc:  # after tokens: the decode node died or stalled
-            if exc.status not in (502, 504):
-                raise
-            last_error = exc.message
-            if config.migrate and num_migrations < config.max_migrations:
-                excluded.add(route.decode.node_id)
-                failed_mid_output = _MidOutput(route.decode.node_id, exc)
-                num_migrations += 1
-                backend.metrics.migrations.inc()
-                log.warning(
-                    "sample %s: attempt %d failed after %d tokens (%s); resuming it on another node",
-                    sample.request_id,
-                    attempt + 1,
-                    len(relayed),
-                    exc.message,
-                )
-                continue
-            if config.migrate or not replay_after_tokens or num_retries + 1 >= config.max_attempts:
-                raise
-            num_retries += 1
-            relayed.clear()  # a dead decode node leaves the registry; a live one may serve the replay
-            backend.metrics.retries.inc()
-            log.warning(
-                "sample %s: attempt %d failed after tokens (%s); replaying it from scratch",
-                sample.request_id,
-                attempt + 1,
-                exc.message,
-            )
-            yield RESTART
-        finally:
-            backend.nodes.close_request(request_id)
-            backend.policy.finish(request_id)
-            if not finished:
-                _abort(backend, route, request_id)
-    raise APIError(503, f"gave up after {config.max_attempts} attempts: {last_error}", None, "unavailable", 1)
+        if isinstance(result, Replay):
+            yield result
+        if not _count(backend, sample, progress, result, attempt):
+            break
+    raise APIError(
+        503,
+        f"gave up after {backend.config.max_attempts} attempts: {progress.last_error}",
+        None,
+        "unavailable",
+        1,
+    )
+
+
+async def _attempt(
+    backend: Backend,
+    route: Route,
+    request_id: str,
+    sample: Sample,
+    ticket: Ticket,
+    progress: _Progress,
+    outcome: list[Outcome],
+) -> AsyncIterator[pm.TokenChunk]:
+    """One attempt's chunks; its outcome goes in ``outcome`` (APIError: the sample fails)."""
+    queue = backend.nodes.open(request_id)
+    finished = False
+    try:
+        node_params = dataclasses.replace(sample.params, stop=())  # stop strings: the router's
+        await _send(backend, route, request_id, sample, node_params, tuple(progress.relayed))
+        resumed = bool(progress.relayed)
+        async for chunk in _relay(backend, route, queue, sample, ticket, resumed):
+            finished = chunk.finish_reason is not None
+            progress.relayed.extend(chunk.token_ids)
+            yield chunk
+        outcome.append(Done())
+    except _Retry as retry:
+        outcome.append(Retry(retry.node_id, str(retry)))
+    except APIError as exc:  # after tokens: the decode node died or stalled
+        outcome.append(_after_tokens(backend.config, route, progress, exc))
+    finally:
+        backend.nodes.close_request(request_id)
+        backend.policy.finish(request_id)
+        if not finished:
+            _abort(backend, route, request_id)
+
+
+def _after_tokens(config: RouterConfig, route: Route, progress: _Progress, exc: APIError) -> Outcome:
+    """What a failure after tokens leads to: a migration, a replay, or (raised) the error."""
+    if exc.status not in (502, 504):
+        raise exc
+    if config.migrate and progress.num_migrations < config.max_migrations:
+        return Migrate(route.decode.node_id, exc)
+    if config.migrate or not progress.replayable or progress.num_retries + 1 >= config.max_attempts:
+        raise exc
+    return Replay(exc.message)
+
+
+def _count(backend: Backend, sample: Sample, progress: _Progress, result: Outcome, attempt: int) -> bool:
+    """Book a failed attempt; False when no attempt is left."""
+    metrics, name = backend.metrics, sample.request_id
+    if isinstance(result, Migrate):
+        progress.last_error = result.error.message
+        progress.excluded.add(result.node_id)
+        progress.migrating = result
+        progress.num_migrations += 1
+        metrics.migrations.inc()
+        how = f"failed after {len(progress.relayed)} tokens ({result.error.message}); resuming it on another node"
+    elif isinstance(result, Replay):
+        progress.last_error = result.reason
+        progress.num_retries += 1
+        progress.relayed.clear()  # a dead decode node leaves the registry; a live one may serve the replay
+        metrics.retries.inc()
+        how = f"failed after tokens ({result.reason}); replaying it from scratch"
+    else:
+        progress.last_error = result.reason
+        progress.num_retries += 1
+        progress.excluded.add(result.node_id)
+        metrics.retries.inc()
+        if progress.num_retries >= backend.config.max_attempts:
+            return False
+        how = f"failed before its first token ({result.reason}); trying another pair"
+    log.warning("sample %s: attempt %d %s", name, attempt + 1, how)
+    return True
 
 
 async def _send(
@@ -228,29 +296,13 @@ async def _relay(
     """One attempt's chunks; ``resumed``: a migrated sample's (its TTFT was counted already)."""
     num_tokens = 0
     first_token_time = 0.0
-    # Prefill and decode node push on separate sockets: the decode node's first chunk may
-    # overtake the prefill node's first token. Hold such chunks until the first token came.
-    early: list[pm.TokenChunk] = []
-    while True:
-        if early and num_tokens > 0:
-            msg = early.pop(0)
-        else:
-            msg = await _next_reply(backend, route, queue, after_tokens=num_tokens > 0)
-        if (
-            isinstance(msg, pm.TokenChunk)
-            and route.prefill is not None
-            and num_tokens == 0
-            and not msg.is_first
-        ):
-            early.append(msg)
-            continue
+    async for msg in _in_order(backend, route, queue):
         if isinstance(msg, pm.RequestFailed):
             if msg.retryable and num_tokens == 0:
                 # The prefill node reports the decode node's refusal: that one is to avoid.
                 blamed = route.decode.node_id if msg.code is FailureCode.DECODE_REJECTED else msg.node_id
                 raise _Retry(blamed, f"{msg.node_id}: {msg.code}: {msg.message}")
             raise _node_error(msg, after_tokens=num_tokens > 0)
-        assert isinstance(msg, pm.TokenChunk)
         if num_tokens == 0:
             first_token_time = time.time()
             ticket.release(Stage.PREFILL)
@@ -260,13 +312,44 @@ async def _relay(
         num_tokens += len(msg.token_ids)
         _observe_timings(backend.metrics, msg.timings)
         if msg.finish_reason is not None:
-            now = time.time()
-            backend.metrics.e2e.observe(now - sample.arrival_time)
-            if num_tokens > 1 and not resumed:
-                backend.metrics.tpot.observe((now - first_token_time) / (num_tokens - 1))
+            _observe_end(backend.metrics, sample, first_token_time, num_tokens, resumed)
         yield msg
         if msg.finish_reason is not None:
             return
+
+
+async def _in_order(
+    backend: Backend, route: Route, queue: asyncio.Queue[pm.Message]
+) -> AsyncIterator[pm.TokenChunk | pm.RequestFailed]:
+    """The attempt's replies with the first token first: prefill and decode node push on separate
+    sockets, so the decode node's first chunk may overtake the prefill node's first token; such
+    chunks wait for it."""
+    early: list[pm.TokenChunk] = []
+    relayed = False  # a chunk went on: a failure from now on comes after tokens
+    while True:
+        if early and relayed:
+            msg = early.pop(0)
+        else:
+            msg = await _next_reply(backend, route, queue, after_tokens=relayed)
+            if (
+                isinstance(msg, pm.TokenChunk)
+                and route.prefill is not None
+                and not relayed
+                and not msg.is_first
+            ):
+                early.append(msg)
+                continue
+        relayed = relayed or isinstance(msg, pm.TokenChunk)
+        yield msg
+
+
+def _observe_end(
+    metrics: RouterMetrics, sample: Sample, first_token_time: float, num_tokens: int, resumed: bool
+) -> None:
+    now = time.time()
+    metrics.e2e.observe(now - sample.arrival_time)
+    if num_tokens > 1 and not resumed:
+        metrics.tpot.observe((now - first_token_time) / (num_tokens - 1))
 
 
 async def _next_reply(

@@ -31,7 +31,7 @@ from protocol.reasons import FinishReason
 from router import responses as rs
 from router.admission import Admission, Stage, Ticket
 from router.errors import APIError
-from router.generation import RESTART, Backend, Sample, run_sample
+from router.generation import Backend, Replay, Sample, run_sample
 from router.jobs import Job, Prompt
 from router.sample_state import SampleDelta, SampleState
 from router.structured import tool_calls
@@ -154,7 +154,7 @@ class JobRun:
         runs = run_sample(self._backend, sample, ticket, replay_after_tokens=not self.job.stream)
         async with contextlib.aclosing(runs) as chunks:
             async for chunk in chunks:
-                if chunk is RESTART:  # nothing of it reached the client: start the sample over
+                if isinstance(chunk, Replay):  # nothing of it reached the client: start the sample over
                     choice.state = self._state(sample)
                     choice.logprobs = []
                     continue
