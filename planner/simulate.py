@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 
 from planner.profile import Profile
 from router.config import LOCAL_PREFILL_MARGIN_S  # a plain dataclass module: no torch
+from router.policy import place  # torch-free too
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -283,20 +284,26 @@ def simulate(profile: Profile, cluster: Cluster, requests: Sequence[SimRequest])
         node = min(decoders, key=lambda n: (n.num_outstanding_blocks, len(n.running), n.name))
         node.num_outstanding_blocks += live.num_blocks
         live.decode_node = node.name
-        live.local = node.colocated or not prefills or live.request.prompt_len < cluster.disagg_threshold
-        if live.local:
-            node.submit(live)
-            return
-        prefill = min(prefills, key=lambda n: (n.num_queued_tokens, len(n.queue), n.name))
         n = live.request.prompt_len
-        wait_longer_s = profile.prefill_s(prefill.num_queued_tokens + n) - profile.prefill_s(
-            node.num_queued_tokens + n
+
+        def backed_up(prefill: _PrefillNode) -> bool:
+            wait_longer_s = profile.prefill_s(prefill.num_queued_tokens + n) - profile.prefill_s(
+                node.num_queued_tokens + n
+            )
+            return 0 <= cluster.local_prefill_margin_s < wait_longer_s
+
+        prefill, _ = place(  # the router's own rule (the simulation knows no prefix cache)
+            colocated=node.colocated,
+            disaggregate=True,
+            num_uncached_tokens=n,
+            threshold=cluster.disagg_threshold,
+            find_prefill=lambda: (
+                min(prefills, key=lambda p: (p.num_queued_tokens, len(p.queue), p.name)) if prefills else None
+            ),
+            backed_up=backed_up,
         )
-        if 0 <= cluster.local_prefill_margin_s < wait_longer_s:
-            live.local = True  # the prefill pool is backed up
-            node.submit(live)
-        else:
-            prefill.submit(live)
+        live.local = prefill is None
+        (node if prefill is None else prefill).submit(live)
 
     for index, request in enumerate(requests):
         num_blocks = math.ceil((request.prompt_len + request.output_len) / cluster.block_size)

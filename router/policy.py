@@ -31,11 +31,14 @@ import collections
 import dataclasses
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from protocol.block_hash import hash_full_blocks
 from protocol.fingerprint import KVFingerprint
 from protocol.registry import NodeInfo, Role
+
+T = TypeVar("T")
 
 
 class Placement(enum.StrEnum):
@@ -47,6 +50,32 @@ class Placement(enum.StrEnum):
     SHORT = "short"  # below the threshold once cache hits are spared
     NO_PREFILL_NODE = "no_prefill_node"  # none usable
     BACKED_UP = "backed_up"  # the prefill pool's queue is longer by more than the margin
+
+
+def place(
+    *,
+    colocated: bool,
+    disaggregate: bool,
+    num_uncached_tokens: int,
+    threshold: int,
+    find_prefill: Callable[[], T | None],
+    backed_up: Callable[[T], bool],
+) -> tuple[T | None, Placement]:
+    """The placement rule, the router's and the planner's simulation's alike: where a prompt is
+    prefilled. ``find_prefill``: the prefill node it would go to (None: none usable);
+    ``backed_up``: whether it would wait longer there than on its decode node by the margin."""
+    if colocated:
+        return None, Placement.COLOCATED
+    if not disaggregate:
+        return None, Placement.RESUMED
+    if num_uncached_tokens < threshold:
+        return None, Placement.SHORT
+    prefill = find_prefill()
+    if prefill is None:
+        return None, Placement.NO_PREFILL_NODE
+    if backed_up(prefill):
+        return None, Placement.BACKED_UP  # the decode node prefills it
+    return prefill, Placement.PREFILL_NODE
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -155,6 +184,25 @@ class RoutingPolicy:
         decodes = [n for n in usable if n.role.decodes]
         if not decodes:
             return None
+        decode, block_hashes = self._choose_decode(decodes, prompt_ids)
+        size = _block_size(decode)
+        num_cached = self.decode_prefixes.num_cached_blocks(block_hashes, decode.node_id) * size
+        prefill, placement = place(
+            colocated=decode.role is Role.COLOCATED,
+            disaggregate=disaggregate,
+            num_uncached_tokens=len(prompt_ids) - num_cached,
+            threshold=self.disagg_threshold,
+            find_prefill=lambda: self._choose_prefill(usable, decode, block_hashes),
+            backed_up=lambda p: self._backed_up(p, decode, block_hashes, len(prompt_ids)),
+        )
+        num_blocks = math.ceil((len(prompt_ids) + max_tokens) / size)
+        return Route(decode, prefill, block_hashes, num_blocks, placement)
+
+    def _choose_decode(
+        self, decodes: Sequence[NodeInfo], prompt_ids: Sequence[int]
+    ) -> tuple[NodeInfo, tuple[int, ...]]:
+        """The decode node with the most room (colocated ones: the shortest prompt queue first),
+        and the prompt's block hashes at its block size."""
         hashes_by_size: dict[int, tuple[int, ...]] = {}
 
         def hashes(node: NodeInfo) -> tuple[int, ...]:
@@ -175,22 +223,7 @@ class RoutingPolicy:
 
         colocated = all(n.role is Role.COLOCATED for n in decodes)
         decode = min(decodes, key=colocated_key if colocated else decode_key)
-        block_hashes = hashes(decode)
-        size = _block_size(decode)
-        num_blocks = math.ceil((len(prompt_ids) + max_tokens) / size)
-        num_cached = self.decode_prefixes.num_cached_blocks(block_hashes, decode.node_id) * size
-        prefill, placement = None, Placement.PREFILL_NODE
-        if decode.role is Role.COLOCATED:
-            placement = Placement.COLOCATED
-        elif not disaggregate:
-            placement = Placement.RESUMED
-        elif len(prompt_ids) - num_cached < self.disagg_threshold:
-            placement = Placement.SHORT
-        elif (prefill := self._choose_prefill(usable, decode, block_hashes)) is None:
-            placement = Placement.NO_PREFILL_NODE
-        elif self._backed_up(prefill, decode, block_hashes, len(prompt_ids)):
-            prefill, placement = None, Placement.BACKED_UP  # the decode node prefills it
-        return Route(decode, prefill, block_hashes, num_blocks, placement)
+        return decode, hashes(decode)
 
     def _backed_up(
         self, prefill: NodeInfo, decode: NodeInfo, block_hashes: tuple[int, ...], num_prompt_tokens: int
