@@ -83,19 +83,7 @@ def create_app(
         admission = Admission(
             {Stage.PREFILL: config.max_inflight_prefill, Stage.DECODE: config.max_inflight_decode}
         )
-        backend = Backend(
-            config,
-            node_client,
-            node_registry,
-            policy.RoutingPolicy(
-                config.disagg_threshold,
-                prefix_routing=config.prefix_routing,
-                local_prefill_margin_s=config.local_prefill_margin_s,
-            ),
-            metrics.RouterMetrics(
-                node_registry.snapshot, lambda: {str(s): n for s, n in admission.num_inflight.items()}
-            ),
-        )
+        backend = _backend(config, node_client, node_registry, admission)
         name = config.served_model_name or pathlib.Path(config.model).name
         app.state.router = RouterState(config, name, tokenizer, admission, backend)
         with contextlib.suppress(TimeoutError):  # answer health checks early either way
@@ -110,6 +98,18 @@ def create_app(
     app.add_middleware(_Guard, config=config)
     _add_routes(app)
     return app
+
+
+def _backend(
+    config: RouterConfig, nodes: NodeClient, registry: NodeRegistry, admission: Admission
+) -> Backend:
+    routing = policy.RoutingPolicy(
+        config.disagg_threshold,
+        prefix_routing=config.prefix_routing,
+        local_prefill_margin_s=config.local_prefill_margin_s,
+    )
+    inflight = lambda: {str(s): n for s, n in admission.num_inflight.items()}  # noqa: E731
+    return Backend(config, nodes, registry, routing, metrics.RouterMetrics(registry.snapshot, inflight))
 
 
 GUARDED_PATHS = ("/v1", "/tokenize", "/detokenize")  # what --api-key protects
@@ -248,6 +248,10 @@ def _add_routes(app: FastAPI) -> None:
         state.check_model(body.model)
         return tokenize_api.detokenize(body, state.tokenizer)
 
+    _add_info_routes(app)
+
+
+def _add_info_routes(app: FastAPI) -> None:
     @app.get("/version")
     async def version() -> dict:
         return {"version": PDSERVE_VERSION}
@@ -267,28 +271,31 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
-        nodes = _state(request).backend.registry.snapshot()
-        live = [n for n in nodes if not n.draining]
-        decode_keys = {policy.fingerprint_key(n) for n in live if n.role is Role.DECODE}
-        num_pairs = sum(
-            1 for n in live if n.role is Role.PREFILL and policy.fingerprint_key(n) in decode_keys
-        )
-        num_colocated = sum(n.role is Role.COLOCATED for n in live)  # a whole pipeline each
-        # A decode node alone serves every request too (it prefills them itself): the router is up
-        # while any node can decode; without a prefill pair it says so.
-        serving = any(n.role.decodes for n in live)
-        body = {
-            "status": ("ok" if num_pairs or num_colocated else "decode_only") if serving else "unavailable",
-            "num_prefill": sum(n.role is Role.PREFILL for n in live),
-            "num_decode": sum(n.role is Role.DECODE for n in live),
-            "num_colocated": num_colocated,
-            "num_pairs": num_pairs,
-        }
+        serving, body = _health(_state(request).backend.registry.snapshot())
         return JSONResponse(body, 200 if serving else 503)
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
         return Response(_state(request).backend.metrics.render(), media_type=metrics.CONTENT_TYPE)
+
+
+def _health(nodes) -> tuple[bool, dict]:
+    """Whether the router can serve, and /health's body."""
+    live = [n for n in nodes if not n.draining]
+    decode_keys = {policy.fingerprint_key(n) for n in live if n.role is Role.DECODE}
+    num_pairs = sum(1 for n in live if n.role is Role.PREFILL and policy.fingerprint_key(n) in decode_keys)
+    num_colocated = sum(n.role is Role.COLOCATED for n in live)  # a whole pipeline each
+    # A decode node alone serves every request too (it prefills them itself): the router is up
+    # while any node can decode; without a prefill pair it says so.
+    serving = any(n.role.decodes for n in live)
+    body = {
+        "status": ("ok" if num_pairs or num_colocated else "decode_only") if serving else "unavailable",
+        "num_prefill": sum(n.role is Role.PREFILL for n in live),
+        "num_decode": sum(n.role is Role.DECODE for n in live),
+        "num_colocated": num_colocated,
+        "num_pairs": num_pairs,
+    }
+    return serving, body
 
 
 async def _serve(state: RouterState, job: jobs.Job, max_model_len: int, request: Request) -> Response:

@@ -1,11 +1,14 @@
 """The router's configuration: one frozen dataclass, validated on construction.
 
-Every field maps one to one onto a ``pdserve router`` flag (see pdserve_cli/router_cmd.py).
+Every field declared with ``setting`` is a ``pdserve router`` flag (protocol/settings.py,
+pdserve_cli/router_cmd.py) and a PDSERVE_* variable of the router's container (launcher/env_flags.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+from protocol.settings import setting
 
 # A decode node prefills a long prompt itself when it would wait this much longer behind the
 # shortest prefill queue than behind the decode node's own (router/policy.py). Half a second of
@@ -16,31 +19,76 @@ LOCAL_PREFILL_MARGIN_S = 0.5
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RouterConfig:
-    model: str  # local Hugging Face folder: tokenizer, chat template, config.json
-    served_model_name: str | None = None  # name in /v1/models and the "model" field; default: folder name
-    host: str = "127.0.0.1"  # HTTP bind address (loopback unless asked otherwise)
-    port: int = 8000  # HTTP port
-    redis_url: str | None = None  # node registry in Redis; None: the static lists below
-    prefill_addrs: tuple[str, ...] = ()  # static mode: prefill nodes' control addresses
-    decode_addrs: tuple[str, ...] = ()  # static mode: decode nodes' control addresses
-    reply_port: int = 0  # ZeroMQ PULL port nodes push tokens to, bound on ``host``; 0: a free port
-    advertise_host: str | None = None  # the host nodes reach the reply port at; None: ``host``, or this
-    #                                    machine's hostname when ``host`` is every interface
-    api_key: str | None = None  # when set, every /v1 request needs "Authorization: Bearer <key>"
-    disagg_threshold: int = 64  # prompts with fewer uncached tokens prefill on the decode node
-    local_prefill_margin_s: float = LOCAL_PREFILL_MARGIN_S  # < 0: long prompts always go to a prefill node
-    prefix_routing: bool = True  # route by the prefixes nodes cache; False: by load alone
-    max_inflight_prefill: int = 256  # sub-requests in their prefill stage; beyond: 429
-    max_inflight_decode: int = 1024  # sub-requests in flight in all; beyond: 429
-    max_n: int = 16  # largest n (samples per prompt) one request may ask for
-    chunk_timeout_s: float = 60.0  # no chunk for this long: abort the request (retry before any token)
-    request_ttl_s: float = 600.0  # nodes drop a request this long after receipt
-    max_attempts: int = 3  # tries of a sample in all (retries before tokens, replays of non-streamed ones)
-    migrate: bool = True  # a sample whose decode node dies mid-output resumes on another node
-    max_migrations: int = 2  # migrations per sample, on top of max_attempts
-    poll_interval_s: float = 0.5  # registry refresh period (Redis scan or StatusQuery round)
-    node_expiry_s: float = 3.0  # a node not heard from for this long is dropped
-    max_body_bytes: int = 8 << 20  # larger request bodies get 413
+    # local Hugging Face folder: tokenizer, chat template, config.json
+    model: str = setting(help="Hugging Face model folder (tokenizer, chat template)")
+    # the name in /v1/models and the "model" field
+    served_model_name: str | None = setting(None, "model name clients use (default: folder name)")
+    host: str = setting("127.0.0.1", "HTTP bind address (default: loopback)")
+    port: int = setting(8000, "HTTP port")
+    # None: the static lists below. Parsed as args.redis_url, the field's name, as it always was.
+    redis_url: str | None = setting(
+        None, "node registry, e.g. redis://127.0.0.1:6379/0", flag="--redis", dest="redis_url", metavar="URL"
+    )
+    decode_addrs: tuple[str, ...] = setting(
+        (), "static mode: decode nodes' control addresses", flag="--decode", metavar="ADDR"
+    )
+    prefill_addrs: tuple[str, ...] = setting(
+        (), "static mode: prefill nodes' control addresses", flag="--prefill", metavar="ADDR"
+    )
+    # a ZeroMQ PULL socket
+    reply_port: int = setting(0, "ZeroMQ port nodes push tokens to, bound on --host (default: a free port)")
+    advertise_host: str | None = setting(
+        None,
+        "host the nodes reach the reply port at "
+        "(default: --host, or this machine's hostname when --host is 0.0.0.0)",
+    )
+    api_key: str | None = setting(None, "require 'Authorization: Bearer KEY' on /v1")
+    disagg_threshold: int = setting(
+        64, "prompts with fewer uncached tokens prefill on the decode node (default: %(default)s)"
+    )
+    local_prefill_margin_s: float = setting(
+        LOCAL_PREFILL_MARGIN_S,
+        "a decode node prefills a long prompt itself when it would wait this many seconds longer "
+        "behind the prefill pool than behind its own queue; < 0: never (default: %(default)s)",
+    )
+    prefix_routing: bool = setting(True, "route by load alone, ignoring which node caches a prompt's prefix")
+    max_inflight_prefill: int = setting(
+        256, "sub-requests in their prefill stage; beyond: 429 (default: %(default)s)"
+    )
+    max_inflight_decode: int = setting(
+        1024, "sub-requests in flight in all; beyond: 429 (default: %(default)s)"
+    )
+    max_n: int = setting(16, "largest n (samples per prompt) one request may ask for (default: %(default)s)")
+    chunk_timeout_s: float = setting(
+        60.0,
+        "seconds without a chunk after which a request is aborted, and retried when no token was "
+        "sent yet (default: %(default)s)",
+    )
+    request_ttl_s: float = setting(
+        600.0, "nodes drop a request this many seconds after receipt (default: %(default)s)"
+    )
+    max_attempts: int = setting(
+        3,
+        "tries of a sample in all: retries before any token, replays of non-streamed ones "
+        "(default: %(default)s)",
+    )
+    migrate: bool = setting(
+        True,
+        "a stream whose decode node dies mid-output ends with an error event instead of "
+        "resuming on another node",
+        flag="--no-migration",
+    )
+    max_migrations: int = setting(
+        2, "resumptions of a sample on another decode node, on top of --max-attempts (default: %(default)s)"
+    )
+    poll_interval_s: float = setting(
+        0.5, "seconds between registry refreshes (Redis scan or StatusQuery round) (default: %(default)s)"
+    )
+    node_expiry_s: float = setting(
+        3.0, "seconds after which a node not heard from is dropped (default: %(default)s)"
+    )
+    max_body_bytes: int = 8 << 20  # larger request bodies get 413; no flag
+    log_level: str = setting("info", "the router's log level", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self) -> None:
         if self.redis_url is None and not self.decode_addrs:

@@ -125,6 +125,38 @@ def _check_unsupported(body: _SamplingFields) -> None:
             raise bad_request(f"{name} is not supported: {why} (accepted: {accepted or 'null'})", name)
 
 
+def _chat_prompt_ids(body: ChatBody, messages: list[dict], tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The chat template applied to the messages (and tools), after its options are checked."""
+    if body.continue_final_message:
+        if body.add_generation_prompt:
+            raise bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true "
+                "(set add_generation_prompt: false)",
+                "continue_final_message",
+            )
+        if messages[-1]["role"] != "assistant" or not messages[-1]["content"]:
+            raise bad_request(
+                "continue_final_message needs a last message from the assistant with content", "messages"
+            )
+    reserved = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+    if clash := sorted(reserved & set(body.chat_template_kwargs or {})):
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs")
+    try:
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        return tuple(
+            tokenizer.encode_chat(
+                messages,
+                add_generation_prompt=body.add_generation_prompt,
+                tools=tools,
+                continue_final_message=body.continue_final_message,
+                template_kwargs=body.chat_template_kwargs,
+                add_special_tokens=bool(body.add_special_tokens),
+            )
+        )
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), "messages") from None
+
+
 def _check_common(body: _SamplingFields, max_n: int, tokenizer: Tokenizer) -> Structured:
     """Checks both endpoints share; the body's constraints (router.structured)."""
     _check_unsupported(body)
@@ -218,6 +250,25 @@ def completion_job(body: CompletionBody, tokenizer: Tokenizer, max_model_len: in
     if body.echo and body.logprobs is not None:
         prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
     params = _sampling_params(body, max_tokens, body.logprobs, rules, prompt_logprobs)
+    prompts = _completion_prompts(body, tokenizer, max_model_len)
+    _check_fits(prompts, max_tokens, max_model_len, "prompt")
+    return Job(
+        False,
+        tuple(prompts),
+        params,
+        max_tokens,
+        body.stream,
+        _include_usage(body),
+        body.logprobs,
+        body.echo,
+        body.return_tokens_as_token_ids,
+        no_output=no_output,
+        **_response_fields(body),
+    )
+
+
+def _completion_prompts(body: CompletionBody, tokenizer: Tokenizer, max_model_len: int) -> tuple[Prompt, ...]:
+    """The prompts of a completions body: texts encoded, token ids checked, each truncated as asked."""
     raw = body.prompt
     if isinstance(raw, str):
         raw = [raw]
@@ -233,20 +284,7 @@ def completion_job(body: CompletionBody, tokenizer: Tokenizer, max_model_len: in
     for i, prompt in enumerate(prompts):
         ids = _truncate(body, prompt.token_ids, max_model_len)
         prompts[i] = prompt if ids == prompt.token_ids else Prompt(ids, None)
-    _check_fits(tuple(prompts), max_tokens, max_model_len, "prompt")
-    return Job(
-        False,
-        tuple(prompts),
-        params,
-        max_tokens,
-        body.stream,
-        _include_usage(body),
-        body.logprobs,
-        body.echo,
-        body.return_tokens_as_token_ids,
-        no_output=no_output,
-        **_response_fields(body),
-    )
+    return tuple(prompts)
 
 
 def chat_job(body: ChatBody, tokenizer: Tokenizer, max_model_len: int, max_n: int) -> Job:
@@ -267,33 +305,7 @@ def chat_job(body: ChatBody, tokenizer: Tokenizer, max_model_len: int, max_n: in
         raise
     messages = [m.for_template() for m in body.messages]
     last = messages[-1]
-    if body.continue_final_message:
-        if body.add_generation_prompt:
-            raise bad_request(
-                "continue_final_message and add_generation_prompt cannot both be true "
-                "(set add_generation_prompt: false)",
-                "continue_final_message",
-            )
-        if last["role"] != "assistant" or not last["content"]:
-            raise bad_request(
-                "continue_final_message needs a last message from the assistant with content", "messages"
-            )
-    reserved = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
-    if clash := sorted(reserved & set(body.chat_template_kwargs or {})):
-        raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs")
-    try:
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        ids = tokenizer.encode_chat(
-            messages,
-            add_generation_prompt=body.add_generation_prompt,
-            tools=tools,
-            continue_final_message=body.continue_final_message,
-            template_kwargs=body.chat_template_kwargs,
-            add_special_tokens=bool(body.add_special_tokens),
-        )
-    except ChatTemplateError as exc:
-        raise bad_request(str(exc), "messages") from None
-    prompts = (Prompt(_truncate(body, tuple(ids), max_model_len), None),)
+    prompts = (Prompt(_truncate(body, _chat_prompt_ids(body, messages, tokenizer), max_model_len), None),)
     _check_fits(prompts, max_tokens, max_model_len, "messages")
     echo = last["content"] if body.echo and last["role"] == "assistant" else ""
     return Job(

@@ -70,6 +70,11 @@ class RouterMetrics:
             ["prefill"],
             registry=reg,
         )
+        self._declare_latencies()
+        reg.register(LiveStateCollector(nodes, num_inflight))
+
+    def _declare_latencies(self) -> None:
+        reg = self.registry
         self.ttft = _latency("pdserve_time_to_first_token_seconds", "Arrival to first token.", reg)
         self.tpot = _latency(
             "pdserve_time_per_output_token_seconds", "Mean time per token after the first.", reg
@@ -79,7 +84,6 @@ class RouterMetrics:
         self.stages = _latency(
             "pdserve_request_stage_seconds", "Per-sample time in each node stage.", reg, ["stage"]
         )
-        reg.register(LiveStateCollector(nodes, num_inflight))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -38,3 +38,15 @@ def test_the_rule_sees_a_function_level_import(tmp_path):
     sample = tmp_path / "m.py"
     sample.write_text("def f():\n    from engine.sampler import Sampler\n    import engine\n")
     assert imported_modules(sample) == {"engine.sampler", "engine"}
+
+
+def test_no_router_function_is_longer_than_40_lines():
+    """Issue 30's bar for the router: each function reads in one screen."""
+    long = []
+    for path in sorted((ROOT / "router").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > 40:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
+    assert not long, long
