@@ -5,10 +5,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-
-import transformers
+from typing import TYPE_CHECKING
 
 from engine.device import check_device_name
+from protocol.settings import setting
+
+# transformers loads where a config.json is read (ModelConfig.from_dict): what reads only
+# EngineConfig's settings, such as the container entrypoint (launcher/env_flags.py), needs none of it.
+if TYPE_CHECKING:
+    import transformers
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 KV_COMMIT_CHOICES = ("lazy", "idle", "startup")
@@ -41,6 +46,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, path: str, cfg: dict) -> ModelConfig:
+        import transformers
+
         arch = (cfg.get("architectures") or [""])[0]
         if "model_type" not in cfg:
             raise ValueError(f"model: config.json in {path} has no model_type")
@@ -92,44 +99,75 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Engine knobs; each maps one to one onto a CLI flag of the node commands."""
+    """Engine knobs; each one with a ``setting`` is a flag of the node commands (node/options.py)."""
 
-    model: str  # Hugging Face model folder
-    dtype: str = "auto"  # weights, activations and KV cache; auto follows the device (DTYPE_CHOICES)
-    block_size: int = 16  # tokens per KV block
-    kv_cache_memory_mb: int | None = None  # KV pool budget; None: a share of available memory
-    kv_cache_memory_fraction: float = 0.25  # that share, when neither the budget nor num_kv_blocks is given
-    num_kv_blocks: int | None = None  # exact pool size (tests use tiny pools)
+    model: str = setting(help="Hugging Face model folder")
+    dtype: str = setting(
+        "auto",
+        "weights, activations and KV cache; auto: bfloat16 on CUDA, float32 on CPU",
+        choices=DTYPE_CHOICES,
+    )
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N (default: auto)")  # engine.device
+    block_size: int = setting(16, "tokens per KV block")
+    kv_cache_memory_mb: int | None = setting(
+        None, "KV pool budget in MiB (default: a share of available memory, --kv-cache-memory-fraction)"
+    )
+    kv_cache_memory_fraction: float = setting(
+        0.25,
+        "share of available memory the KV pool takes when neither --kv-cache-memory-mb nor "
+        "--num-kv-blocks is given",
+    )
+    num_kv_blocks: int | None = setting(None, "exact KV pool size in blocks (tests use tiny pools)")
+    max_num_batched_tokens: int = setting(2048, "token budget of one forward pass")
+    max_step_s: float | None = setting(  # engine.step_budget
+        None,
+        "step-time target: each step's token budget shrinks so that a step takes about this long "
+        "at the measured speed (prefill chunks get smaller on a slow or loaded machine); default: "
+        "the full budget's time at the speed of the first prefill steps, at most 1 s",
+        flag="--max-step-seconds",
+    )
+    max_num_seqs: int = setting(64, "sequences in one forward pass")
+    max_model_len: int | None = setting(None, "context limit in tokens (default: the model's)")
+    enable_prefix_caching: bool = setting(
+        True, "recompute every prompt instead of reusing cached prefix blocks", flag="--no-prefix-caching"
+    )
+    # No flag: a node always chunks long prompts; the offline LLM API may turn it off.
+    enable_chunked_prefill: bool = True  # split long prompts over several iterations
+    max_waiting: int = setting(1024, "bound on queued requests; add_request raises past it")
+    num_threads: int | None = setting(
+        None, "torch threads for this process (default: the CPUs it may use)", flag="--threads"
+    )
+    max_threads: int | None = setting(  # engine.cpu_share
+        None,
+        "without --threads: at most this many torch threads (a launcher's share of the cores), "
+        "fewer while other processes load the CPUs",
+    )
     # lazy: the pool's pages are committed just ahead of the blocks handed out (engine.kv_prefault);
     # idle: that, and the rest of the pool while the node has nothing to do (a node's loop says
     # when), at idle CPU priority and while memory allows; startup: all of it before the engine
     # serves, as vLLM does (steady latency from the first request, and a pool that cannot fit
     # fails at start, not mid-run)
-    kv_commit: str = "idle"
-    max_num_batched_tokens: int = 2048  # token budget of one forward pass
-    # Step-time target: each step's token budget shrinks from max_num_batched_tokens so that a
-    # step takes about this long at the measured speed (engine.step_budget); None: derived from
-    # the first prefill steps (the full budget's time there, at most 1 s)
-    max_step_s: float | None = None
-    max_num_seqs: int = 64  # sequences in one forward pass
-    max_model_len: int | None = None  # context limit; defaults to the model's
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True  # split long prompts over several iterations
-    max_waiting: int = 1024  # bound on queued requests; add_request raises past it
-    num_threads: int | None = None  # torch intra-op threads; None: the CPUs this process may use
-    # With num_threads None: at most this many (a launcher's share of the cores); the count still
-    # drops while other processes load this process's CPUs (engine.cpu_share).
-    max_threads: int | None = None
-    device: str = "auto"  # auto, cpu, cuda or cuda:N (engine.device)
-    debug_checks: bool = False  # the full block-pool integrity check before every step (slow)
-    # auto: Triton kernels on CUDA tensors, the CPU path on CPU; triton: the Triton kernels always
-    # (on CPU tensors through Triton's interpreter: slow, how CPU CI runs the GPU code); torch: the
-    # pure-torch kernels
-    attention_backend: str = "auto"
-    # Share of the GPU's memory this engine may hold, weights, activations and KV pool together
-    # (the pool gets what the profile run leaves). CUDA only: a CPU pool is sized from host RAM.
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode-only steps
+    kv_commit: str = setting(
+        "idle",
+        "lazy: commit the KV pool's memory as blocks are first used; idle: that, and the rest "
+        "while the node is idle; startup: all of it before serving",
+        choices=KV_COMMIT_CHOICES,
+    )
+    debug_checks: bool = setting(False, "check the block pool's integrity before every step (slow)")
+    # triton on CPU tensors runs Triton's interpreter: slow, but how CPU CI runs the GPU code
+    attention_backend: str = setting(
+        "auto",
+        "auto: Triton on CUDA, the CPU kernels on CPU; triton on CPU runs Triton's interpreter; "
+        "torch: the pure-torch kernels",
+        choices=ATTENTION_BACKENDS,
+    )
+    # Weights, activations and KV pool together; a CPU pool is sized from host RAM instead.
+    gpu_memory_utilization: float = setting(
+        0.9,
+        "CUDA: share of the GPU's memory this node holds; the KV pool gets what weights and the "
+        "profile run leave of it",
+    )
+    enforce_eager: bool = setting(False, "CUDA: no CUDA graphs for decode-only steps")
 
     def __post_init__(self) -> None:
         check_device_name(self.device)

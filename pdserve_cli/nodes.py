@@ -13,14 +13,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         parser = subparsers.add_parser(role, help=help_text, description=help_text)
         from node.options import add_node_args
 
-        add_node_args(parser)
-        if role == "decode":
-            parser.add_argument(
-                "--colocated",
-                action="store_true",
-                help="prefill every request here too: registers as a colocated node, "
-                "to which the router never sends KV",
-            )
+        add_node_args(parser, role)  # decode adds --colocated
         parser.set_defaults(run=_runner(role))
 
 
@@ -34,9 +27,9 @@ def _runner(role: str):
         if opts.role is Role.PREFILL:
             from prefill_node.server import PrefillNode
 
-            return PrefillNode(opts, engine_config).serve(args.ready_file)
+            return PrefillNode(opts, engine_config).serve(opts.ready_file)
         from decode_node.server import DecodeNode
 
-        return DecodeNode(opts, engine_config).serve(args.ready_file)
+        return DecodeNode(opts, engine_config).serve(opts.ready_file)
 
     return run
