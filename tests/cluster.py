@@ -36,6 +36,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def pdserve_up(model: str | pathlib.Path, log_dir: pathlib.Path, *flags: str, start_timeout_s: float = 240.0):
+    """`pdserve up --model MODEL FLAGS` on a free port, as a user starts it: yields the router's URL
+    once /health says 200; SIGINT to the launcher at the end (SIGKILL after 60 s)."""
+    import httpx  # here: most users of this module run no HTTP
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdserve_cli", "up", "--model", str(model), "--port", str(port)]
+    cmd += ["--log-dir", str(log_dir), *flags]
+    out = open(log_dir / "up.out", "w")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    up = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            assert up.poll() is None and time.monotonic() < deadline, (log_dir / "up.out").read_text()
+            time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(up.pid, signal.SIGINT)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+        out.close()
+
+
 class RedisServer:
     """redis-server on a free loopback port, no persistence; stopped on exit."""
 

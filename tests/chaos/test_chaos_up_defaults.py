@@ -11,7 +11,6 @@ import concurrent.futures
 import contextlib
 import json
 import os
-import pathlib
 import random
 import re
 import signal
@@ -22,42 +21,11 @@ import time
 import httpx
 import pytest
 
-from tests.cluster import ROOT, free_port
+from tests.cluster import pdserve_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 PROMPT_TOKENS = 1500
 _USED_RE = re.compile(r'^pdserve_node_kv_blocks_used\{node_id="[^"]+",role="(\w+)"\} (\d+)(?:\.0)?$', re.M)
-
-
-@contextlib.contextmanager
-def _up(model: pathlib.Path, log_dir: pathlib.Path, registry: bool):
-    port = free_port()
-    cmd = [sys.executable, "-m", "pdserve_cli", "up", "--model", str(model), "--prefill", "2"]
-    cmd += ["--decode", "1", "--port", str(port), "--log-dir", str(log_dir)]
-    cmd += [] if registry else ["--no-redis"]
-    out = open(log_dir / "up.out", "w")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    up = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            assert up.poll() is None and time.monotonic() < deadline, (log_dir / "up.out").read_text()
-            time.sleep(0.5)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(up.pid, signal.SIGINT)
-        try:
-            up.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
-        out.close()
 
 
 def _stream(url: str, model: str, prompt: list[int]) -> tuple[int, object, object]:
@@ -98,7 +66,8 @@ def test_a_killed_prefill_node_under_long_prompts_loses_no_request_with_up_defau
 ):
     rng = random.Random(31)
     prompts = [[rng.randrange(100, 40000) for _ in range(PROMPT_TOKENS)] for _ in range(4)]
-    with _up(default_model_dir, tmp_path, registry) as url, _busy_processes(busy):
+    flags = ["--prefill", "2", "--decode", "1", *([] if registry else ["--no-redis"])]
+    with pdserve_up(default_model_dir, tmp_path, *flags) as url, _busy_processes(busy):
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         ready = json.loads((tmp_path / "prefill-0.ready.json").read_text())
         victim = ready["pid"]

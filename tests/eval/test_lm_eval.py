@@ -10,59 +10,22 @@ are the same. ``make eval`` only: it needs lm-eval installed and starts a cluste
 
 from __future__ import annotations
 
-import contextlib
-import os
 import pathlib
-import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
-from tests.cluster import ROOT, free_port
+from tests.cluster import ROOT, pdserve_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.eval, pytest.mark.timeout(420)]
 TASKS_DIR = ROOT / "tests" / "data" / "lm_eval"
 LOGLIKELIHOOD_TOL = 1e-3  # absolute, in nats: float32 on both sides, different kernels
 
 
-@contextlib.contextmanager
-def _up(model: pathlib.Path, log_dir: pathlib.Path):
-    """`pdserve up` with its defaults (1 prefill + 1 decode node) on a free port; yields the URL."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "pdserve_cli", "up", "--model", str(model), "--port", str(port)]
-    cmd += ["--log-dir", str(log_dir)]
-    out = open(log_dir / "up.out", "w")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    up = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            assert up.poll() is None and time.monotonic() < deadline, (log_dir / "up.out").read_text()
-            time.sleep(0.5)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(up.pid, signal.SIGINT)
-        try:
-            up.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
-        out.close()
-
-
 @pytest.fixture(scope="module")
 def router(default_model_dir, tmp_path_factory):
     """(router URL, served model id) of one cluster shared by both tasks."""
-    with _up(default_model_dir, tmp_path_factory.mktemp("eval")) as url:
+    with pdserve_up(default_model_dir, tmp_path_factory.mktemp("eval")) as url:  # its defaults: 1P + 1D
         yield url, httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
 
