@@ -275,9 +275,9 @@ class StepInputs:
     On the CPU the "device" tensors are the numpy arrays themselves. Elsewhere the arrays are
     packed into one host buffer (pinned on CUDA), copied in one go into a device buffer of the
     same size and viewed from there; both buffers persist and grow only when a step outgrows
-    them. The host buffer is free again for the next step once this step's results have come
-    back to the host, which the sampler's one sync a step guarantees (the copy precedes the
-    forward on the stream).
+    them. A copy from pinned memory is asynchronous, so the next upload first waits for the
+    event recorded after this one (normally long past: the sampler's sync a step follows it) before
+    it writes the host buffer again.
     """
 
     ALIGN = 64  # bytes: every array starts aligned, so any dtype views the buffer
@@ -286,6 +286,7 @@ class StepInputs:
         self.platform = platform
         self._host: torch.Tensor | None = None  # [capacity] uint8
         self._device: torch.Tensor | None = None  # [capacity] uint8
+        self._copied = None  # the platform's event after the last copy
 
     def upload(self, **arrays: np.ndarray) -> dict[str, torch.Tensor]:
         if not self.platform.separate_host:
@@ -294,6 +295,8 @@ class StepInputs:
         for name, a in arrays.items():
             offsets[name] = end
             end = -(-(end + a.nbytes) // self.ALIGN) * self.ALIGN
+        if self._copied is not None:
+            self._copied.synchronize()  # the last copy has read the host buffer
         if self._host is None or self._host.numel() < end:
             capacity = max(end, 2 * (0 if self._host is None else self._host.numel()), 1 << 16)
             self._host = self.platform.host_empty((capacity,), torch.uint8)
@@ -304,6 +307,8 @@ class StepInputs:
                 np.ascontiguousarray(a).view(np.uint8).reshape(-1)
             )
         self.platform.copy(self._device[:end], self._host[:end])
+        self._copied = self.platform.event()
+        self._copied.record()
         self.platform.uploaded(self._host[:end])
         out = {}
         for name, a in arrays.items():
