@@ -9,10 +9,10 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 
+from launcher.commands import up_argv
 from launcher.plan import usable_cores
 from planner.simulate import Cluster
 
@@ -54,19 +54,9 @@ class Up:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.out_path = log_dir / "up.out"
         self._out = open(self.out_path, "w")
-        cmd = [
-            sys.executable,
-            "-m",
-            "pdserve_cli",
-            "up",
-            "--port",
-            str(self.port),
-            "--log-dir",
-            str(log_dir),
-            *up_flags(cluster),
-            f"--node-args={node_args}",
-            f"--router-args={router_args}",
-        ]
+        cmd = up_argv(
+            self.port, log_dir, *up_flags(cluster), f"--node-args={node_args}", f"--router-args={router_args}"
+        )
         if threads:
             cmd += ["--threads", str(threads)]
         self.proc = subprocess.Popen(

@@ -35,6 +35,7 @@ from serve_servers import Up, VllmServer  # noqa: E402
 from bench_serve.metrics import Slo  # noqa: E402
 from bench_serve.spec import WorkloadKind, WorkloadSpec  # noqa: E402
 from bench_serve.workload import PromptStyle  # noqa: E402
+from launcher.commands import pdserve_argv  # noqa: E402
 from launcher.plan import threads_per_node, usable_cores  # noqa: E402
 from planner.predict import predict, sim_requests  # noqa: E402
 from planner.profile import Profile  # noqa: E402
@@ -170,11 +171,7 @@ def measure(
             print(up.settle_kv_pools(), flush=True)
         result = out_dir / "bench.json"
         cmd = [
-            sys.executable,
-            "-m",
-            "pdserve_cli",
-            "bench",
-            "serve",
+            *pdserve_argv("bench", "serve"),
             "--base-url",
             up.url,
             "--no-progress",
@@ -214,11 +211,7 @@ def predicted(point: Point, profiles: dict[int, Profile], slo: Slo) -> list[dict
 def calibrate(path: pathlib.Path, busy_neighbours: int = 0) -> Profile:
     """`pdserve plan calibrate` of the default model with one thread, in a child process."""
     cmd = [
-        sys.executable,
-        "-m",
-        "pdserve_cli",
-        "plan",
-        "calibrate",
+        *pdserve_argv("plan", "calibrate"),
         "--threads",
         "1",
         "--repeats",

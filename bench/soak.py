@@ -33,25 +33,15 @@ import time
 import httpx
 import psutil
 
+from launcher.commands import up_argv  # bench.soak runs from the checkout (make soak)
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 _USED = re.compile(r'^pdserve_node_kv_blocks_used\{node_id="([^"]+)",role="\w+"\} (\d+)(?:\.0)?$', re.M)
 
 
 def _start_cluster(args) -> tuple[subprocess.Popen, str]:
     port = args.port
-    cmd = [
-        sys.executable,
-        "-m",
-        "pdserve_cli",
-        "up",
-        "--port",
-        str(port),
-        "--log-dir",
-        str(args.out / "logs"),
-    ]
-    if args.model:
-        cmd += ["--model", args.model]
-    cmd += shlex.split(args.up_args)
+    cmd = up_argv(port, args.out / "logs", *shlex.split(args.up_args), model=args.model or None)
     up = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300

@@ -12,13 +12,13 @@ import json
 import os
 import pathlib
 import socket
-import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 
 from launcher.children import Child, stop_all
+from launcher.commands import pdserve_argv
 from launcher.plan import ClusterPlan, gpu_share_per_node, kv_fraction_per_node
 from launcher.registry import find_redis_server, start_redis
 
@@ -99,10 +99,7 @@ class LocalCluster:
         name = f"{role}-{index}"
         command = ["decode", "--colocated"] if role == "colocated" else [role]
         argv = [
-            sys.executable,
-            "-m",
-            "pdserve_cli",
-            *command,
+            *pdserve_argv(*command),
             "--model",
             self.plan.model,
             "--host",
@@ -132,10 +129,7 @@ class LocalCluster:
 
     def _router_argv(self) -> list[str]:
         argv = [
-            sys.executable,
-            "-m",
-            "pdserve_cli",
-            "router",
+            *pdserve_argv("router"),
             "--model",
             self.plan.model,
             "--host",

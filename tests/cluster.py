@@ -11,11 +11,11 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import zmq
 
+from launcher.commands import pdserve_argv, up_argv
 from protocol.messages import (
     AbortRequest,
     GenerateRequest,
@@ -43,8 +43,7 @@ def pdserve_up(model: str | pathlib.Path, log_dir: pathlib.Path, *flags: str, st
     import httpx  # here: most users of this module run no HTTP
 
     port = free_port()
-    cmd = [sys.executable, "-m", "pdserve_cli", "up", "--model", str(model), "--port", str(port)]
-    cmd += ["--log-dir", str(log_dir), *flags]
+    cmd = up_argv(port, log_dir, *flags, model=model)
     out = open(log_dir / "up.out", "w")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     up = subprocess.Popen(
@@ -132,10 +131,7 @@ class NodeProcess:
         self.ready_file = tmp / f"{role}-{time.monotonic_ns()}.json"
         self.log_path = tmp / f"{self.ready_file.stem}.log"
         cmd = [
-            sys.executable,
-            "-m",
-            "pdserve_cli",
-            role,
+            *pdserve_argv(role),
             "--model",
             model,
             "--ready-file",
