@@ -97,8 +97,9 @@ else
 fi
 
 step env "$LIMIT_ENV" "$PY" - <<'EOF'
-import shutil, statistics, subprocess
+import shutil, subprocess
 import torch, triton
+from bench import gpu_decode_bench as decode_bench
 
 if shutil.which("nvidia-smi"):
     query = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
@@ -107,17 +108,8 @@ print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__
       f"device {torch.cuda.get_device_name()}")
 
 
-def median_ms(fn, iters=10):  # CUDA events around each run, after one warm-up
-    fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def median_ms(fn):  # CUDA events around each of 10 runs, after one warm-up (the decode bench's)
+    return decode_bench.median_ms(fn, warmup=1, iters=10)
 
 
 n = 1 << 30  # well past the 60 MB L2
