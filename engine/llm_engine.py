@@ -298,6 +298,17 @@ class LLMEngine:
         """The prefill-only request's sequence while it is HELD_FOR_TRANSFER (blocks, prompt)."""
         return self.scheduler.held.get(request_id)
 
+    def note_first_token_sent(self, request_id: str) -> None:
+        """The held request's first token reached the router: it can no longer start elsewhere."""
+        seq = self.scheduler.held.get(request_id)
+        if seq is not None:
+            seq.first_token_sent = True
+
+    def first_token_sent(self, request_id: str) -> bool:
+        """Whether the held request's first token has left (False when it is not held)."""
+        seq = self.scheduler.held.get(request_id)
+        return seq is not None and seq.first_token_sent
+
     def release_held(self, request_id: str) -> bool:
         """The held request's transfer ended (or will not start): free its blocks, which stay as
         prefix cache. False when it was not held."""

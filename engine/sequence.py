@@ -79,6 +79,7 @@ class Sequence:
     # another engine once this one's first token is out (False: that token ended the request)
     request_max_tokens: int = 0
     continues: bool = False
+    first_token_sent: bool = False  # held: its first token reached the router (it stays with it)
     finish_status: SequenceStatus | None = None  # how it ended (a held sequence's, once released)
 
     @property

@@ -207,7 +207,8 @@ class PrefillNode:
             del self.pending[rid]
             return
         # The chunk goes out from the shipper's worker the moment blocks are granted (not after this
-        # loop's next engine step); until then the router has seen nothing (num_sent stays 0).
+        # loop's next engine step); until then the router has seen nothing (the engine's
+        # first_token_sent stays False).
         first_chunk = next_chunk(
             dataclasses.replace(stream), first, self.opts.node_id, True, out.prompt_logprobs
         )
@@ -227,12 +228,13 @@ class PrefillNode:
             self._fail(rid, FailureCode.OVERLOADED, "too many KV transfers queued for that decode node")
 
     def _settle(self, outcome: Granted | Outcome) -> None:
-        pending = self.pending.get(outcome.request_id)
-        if pending is not None and (isinstance(outcome, Granted) or outcome.first_token_sent):
-            pending.stream.num_sent = 1  # the worker sent the first token: no retry elsewhere now
+        if isinstance(outcome, Granted) or outcome.first_token_sent:
+            # the worker sent the first token: the engine knows the request may not retry elsewhere
+            self.engine.note_first_token_sent(outcome.request_id)
         if isinstance(outcome, Granted):
             return
         rid = outcome.request_id
+        first_token_sent = self.engine.first_token_sent(rid)  # asked before the blocks go
         if not self.engine.release_held(rid):  # KV is on the decode node now, or the request failed
             self.log("release_without_held_blocks", rid)  # would mean a block accounting bug
         pending = self.pending.pop(rid, None)
@@ -257,6 +259,7 @@ class PrefillNode:
                 rid,
                 FailureCode.DECODE_REJECTED if outcome.rejected else FailureCode.KV_TRANSFER,
                 outcome.error,
+                first_token_sent,
             )
 
     def _expire(self) -> None:
@@ -264,14 +267,15 @@ class PrefillNode:
         for rid in [r for r, p in self.pending.items() if p.stream.deadline < now]:
             self._fail(rid, FailureCode.TIMEOUT, "request exceeded its time to live on the prefill node")
 
-    def _fail(self, rid: str, code: FailureCode, message: str) -> None:
+    def _fail(self, rid: str, code: FailureCode, message: str, first_token_sent: bool | None = None) -> None:
+        """Tell the router; retryable only while it has seen no token from us (the engine's
+        record, or ``first_token_sent`` where the held request was released already)."""
+        if first_token_sent is None:
+            first_token_sent = self.engine.first_token_sent(rid)
         pending = self.pending.pop(rid, None)
         self._drop(rid)
         if pending is not None:
-            # Retryable only while the router has seen no token from us.
-            self.runtime.reply_failed(
-                pending.stream.reply_addr, rid, code, message, pending.stream.num_sent == 0
-            )
+            self.runtime.reply_failed(pending.stream.reply_addr, rid, code, message, not first_token_sent)
 
     def _drop(self, rid: str) -> None:
         """Stop work on a request; held blocks (a shipper may be reading them) wait for its outcome."""

@@ -266,3 +266,21 @@ def test_a_prefill_only_output_says_whether_the_request_goes_on(params, continue
     )
     (out,) = engine.step()
     assert not out.outputs[0].continues and out.outputs[0].finish_reason == "stop"
+
+
+def test_the_engine_records_whether_a_held_requests_first_token_left():
+    """The prefill node asks the engine whether a failed transfer may retry elsewhere (issue 30,
+    item 2): only while the first token has not reached the router."""
+    path = str(make_tiny_model("llama"))
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=16, block_size=8))
+    engine.add_request(
+        "h", list(range(3, 13)), SamplingParams(temperature=0.0, max_tokens=5), prefill_only=True
+    )
+    assert not engine.first_token_sent("h")  # not held yet: nothing left
+    engine.step()
+    assert engine.held_sequence("h") is not None and not engine.first_token_sent("h")
+    engine.note_first_token_sent("h")
+    assert engine.first_token_sent("h")
+    engine.release_held("h")
+    assert not engine.first_token_sent("h") and engine.held_sequence("h") is None
+    engine.note_first_token_sent("h")  # an outcome after the release: nothing to mark
