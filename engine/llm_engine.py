@@ -8,7 +8,6 @@ import time
 import torch
 
 import kernels
-from detok import StopStrings
 from engine import cpu_env
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
@@ -18,7 +17,7 @@ from engine.kv_prefault import KVPrefault
 from engine.logits_rules import LogitsRules
 from engine.model_runner import KVCacheFactory, ModelRunner
 from engine.models import model_class
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.outputs import EngineStats, RequestOutput, completion_output
 from engine.platform import UNVERIFIED_CUDA, resolve_platform
 from engine.resources import usable_cpus
 from engine.sampler import Sampler, SamplerInput, prompt_logprobs
@@ -27,6 +26,7 @@ from engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from engine.sizing import DeviceMemory, EngineSizing, announce, size_device_pool, size_engine
 from engine.step_budget import StepBudget
 from engine.step_stats import StepStats, step_tokens
+from engine.stop_rules import StopRules
 from protocol.kv_layout import KVCacheSpec
 from protocol.sampling_params import SamplingParams
 
@@ -102,7 +102,7 @@ class LLMEngine:
         announce(self.sizing.describe(config, extra))
         self.tokenizer = tokenizer
         self.requests: dict[str, Request] = {}  # not yet done; held ones are the scheduler's (held)
-        self._stops: dict[int, StopStrings] = {}  # seq_id -> stop-string matching, where it has stops
+        self.stop_rules = StopRules(tuple(self.model_config.eos_token_ids), self.max_model_len, tokenizer)
         self.step_stats = StepStats()  # steps by kind, for the node's metrics
         # each step's token budget, so that steps keep to a time target (chunks shrink when slow)
         min_tokens = min(config.max_num_batched_tokens, config.max_num_seqs + config.block_size)
@@ -388,7 +388,7 @@ class LLMEngine:
         rows, seqs = self._expand_forks(sampled)
         if len(seqs) != len(sampled):  # forks sample from their parent's row; else no copy of the logits
             logits = logits[rows]
-        inputs = [SamplerInput(s, self._banned_tokens(s)) for s in seqs]
+        inputs = [SamplerInput(s, self.stop_rules.banned(s)) for s in seqs]
         touched: dict[str, Request] = {}
         for seq, (token_id, logprob) in zip(seqs, self.sampler.sample(logits, inputs), strict=True):
             seq.token_ids.append(token_id)
@@ -436,49 +436,19 @@ class LLMEngine:
                     seqs.append(child)
         return torch.tensor(rows, dtype=torch.int64, device=self.device), seqs
 
-    def _banned_tokens(self, seq: Sequence) -> tuple[int, ...]:
-        if seq.num_output_tokens >= seq.params.min_tokens:
-            return ()
-        eos = () if seq.params.ignore_eos else self.model_config.eos_token_ids
-        return tuple(eos) + seq.params.stop_token_ids
-
     def _check_stop(self, seq: Sequence, token_id: int) -> None:
-        params = seq.params
-        hit = bool(params.stop) and self._stop_string_hit(seq, token_id)
-        if seq.num_output_tokens >= params.min_tokens:
-            if (
-                (not params.ignore_eos and token_id in self.model_config.eos_token_ids)
-                or token_id in params.stop_token_ids
-                or hit
-            ):
-                return self._finish(seq, SequenceStatus.FINISHED_STOPPED)
-        at_context = seq.num_tokens >= self.max_model_len
-        if seq.num_output_tokens >= seq.max_tokens or at_context:
-            # a prefill-only request stops at its first token; the rest is another engine's
-            seq.continues = seq.hold_kv and not at_context and seq.num_output_tokens < seq.request_max_tokens
-            self._finish(seq, SequenceStatus.FINISHED_LENGTH)
-
-    def _stop_string_hit(self, seq: Sequence, token_id: int) -> bool:
-        """Feed the new token to the sequence's stop strings (detok.StopStrings, the router's rule
-        too): O(new text) per token."""
-        state = self._stops.get(seq.seq_id)
-        if state is None:
-            prompt = seq.token_ids[: seq.num_prompt_tokens]
-            state = self._stops[seq.seq_id] = StopStrings(
-                self.tokenizer, prompt, seq.params.stop, seq.params.min_tokens
-            )
-        if state.add(token_id):
-            seq.stop_text = state.matcher.matched
-        return state.stopped
+        status = self.stop_rules.check(seq, token_id)
+        if status is not None:
+            self._finish(seq, status)
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.finish(seq, status)  # a prefill-only sequence stays HELD_FOR_TRANSFER
         self.sampler.forget(seq)
-        self._stops.pop(seq.seq_id, None)
+        self.stop_rules.forget(seq)
 
     # ------------------------------------------------------------------ outputs
     def _output(self, request: Request) -> RequestOutput:
-        outputs = [self._completion(seq) for seq in request.seqs]
+        outputs = [completion_output(seq, self.tokenizer) for seq in request.seqs]
         finished = request.finished
         if finished:
             del self.requests[request.request_id]
@@ -491,25 +461,4 @@ class LLMEngine:
             finished,
             first.num_cached_tokens,
             list(first.prompt_logprobs) if scored else None,
-        )
-
-    def _completion(self, seq: Sequence) -> CompletionOutput:
-        text = ""
-        if self.tokenizer is not None and seq.status.done:  # decoded once, at the end
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            if seq.stop_text is not None:
-                cut = text.find(seq.stop_text)
-                text = text[:cut] if cut >= 0 else text
-        finish = seq.finish_reason
-        stop_reason = seq.stop_text
-        if stop_reason is None and seq.finish_status is SequenceStatus.FINISHED_STOPPED:
-            stop_reason = seq.token_ids[-1]
-        return CompletionOutput(
-            seq.index,
-            list(seq.output_token_ids),
-            text,
-            finish,
-            list(seq.logprobs) if seq.params.logprobs is not None else None,
-            stop_reason,
-            seq.continues,
         )

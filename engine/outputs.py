@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.sequence import TokenLogprob
+from engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from protocol.reasons import FinishReason
 
 
@@ -19,6 +19,29 @@ class CompletionOutput:
     # prefill-only: the request goes on on another engine (its first token ended only this part);
     # False when that token ended the request itself (then finish_reason is the request's)
     continues: bool = False
+
+
+def completion_output(seq: Sequence, tokenizer=None) -> CompletionOutput:
+    """What a sequence has produced; its text is decoded once, when it is done, and cut before
+    the stop string that ended it."""
+    text = ""
+    if tokenizer is not None and seq.status.done:
+        text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        if seq.stop_text is not None:
+            cut = text.find(seq.stop_text)
+            text = text[:cut] if cut >= 0 else text
+    stop_reason = seq.stop_text
+    if stop_reason is None and seq.finish_status is SequenceStatus.FINISHED_STOPPED:
+        stop_reason = seq.token_ids[-1]
+    return CompletionOutput(
+        seq.index,
+        list(seq.output_token_ids),
+        text,
+        seq.finish_reason,
+        list(seq.logprobs) if seq.params.logprobs is not None else None,
+        stop_reason,
+        seq.continues,
+    )
 
 
 @dataclasses.dataclass(slots=True)

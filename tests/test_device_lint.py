@@ -61,6 +61,7 @@ LINTED = (
     "engine/sampler.py",
     "engine/logits_rules.py",
     "engine/llm_engine.py",
+    "engine/stop_rules.py",
 )
 
 
