@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -54,6 +55,7 @@ from protocol.sampling_params import SamplingParams
 # with one checksum bit flipped, as if a byte had changed on the way; the receiver must catch it.
 _CORRUPT_EVERY = int(os.environ.get("PDSERVE_FAULT_CORRUPT_KV_EVERY") or 0)
 _transfer_count = itertools.count(1)
+CANCEL_CHECK_S = 0.05  # how often a cancellable transfer waiting on its peer looks at its flag
 
 
 def _as_corrupted(checksums: tuple[int, ...]) -> tuple[int, ...]:
@@ -122,6 +124,7 @@ class KVSender:
         self.cache_ref = cache_ref if self.config.shared_memory and self._copies.on_host else None
         self._channel = PeerChannel(address, context, decoder=decode)
         self._inbox: dict[str, deque[Message]] = {}  # replies per active request, in arrival order
+        self._cancels: dict[str, threading.Event] = {}  # ship()'s cancel flags, while it runs
         shared = self.config.shared_memory and peer_is_local(address)  # else nobody could map it
         self._ring = StagingRing(self.config.staging_bytes, shared, platform)
         self._window_bytes = 0  # from the latest grant
@@ -243,10 +246,20 @@ class KVSender:
         key_caches: Sequence[torch.Tensor],
         value_caches: Sequence[torch.Tensor],
         on_granted: Callable[[], None] | None = None,
+        cancel: threading.Event | None = None,
     ) -> TransferStats:
         """Reserve, send every layer, finish. Raises KVTransferError (peer told to abort).
-        ``on_granted`` runs once the receiver holds the blocks, before any KV is sent."""
+        ``on_granted`` runs once the receiver holds the blocks, before any KV is sent. ``cancel``
+        set (the request was aborted): the transfer stops within ``CANCEL_CHECK_S``, KVAborted."""
         s = shipment
+        if cancel is not None:
+            self._cancels[s.request_id] = cancel
+        try:
+            return self._ship(s, key_caches, value_caches, on_granted)
+        finally:
+            self._cancels.pop(s.request_id, None)
+
+    def _ship(self, s: KVShipment, key_caches, value_caches, on_granted) -> TransferStats:
         tx = self.reserve(s.request_id, s.token_ids, s.sampling_params, s.request_meta, s.block_table)
         if on_granted is not None:
             on_granted()
@@ -369,9 +382,14 @@ class KVSender:
             self._pump(request_id, deadline, stage)
 
     def _pump(self, request_id: str, deadline: float, stage: str) -> None:
-        """Receive one message (or time out the request); credits apply at once."""
+        """Receive one message (or time out the request); credits apply at once. A cancellable
+        transfer looks at its flag every ``CANCEL_CHECK_S`` meanwhile."""
         remaining = deadline - time.monotonic()
-        inbound = self._channel.recv(remaining) if remaining > 0 else None
+        wait = min(remaining, CANCEL_CHECK_S) if request_id in self._cancels else remaining
+        inbound = self._channel.recv(wait) if remaining > 0 else None
+        if inbound is None and time.monotonic() < deadline:
+            self._drain(request_id)  # raises if it was cancelled meanwhile
+            return
         if inbound is None:
             self._ring.reset()  # the peer stopped answering; its credits will not come
             self.abort(request_id, f"sender timed out waiting for {stage}")
@@ -381,6 +399,10 @@ class KVSender:
 
     def _drain(self, request_id: str) -> None:
         """Take what already arrived without waiting; raise if this request was aborted."""
+        cancel = self._cancels.get(request_id)
+        if cancel is not None and cancel.is_set():
+            self.abort(request_id, "the request was aborted")
+            raise KVAborted(request_id, "cancelled by the sender")
         while (inbound := self._channel.recv(0)) is not None:
             self._file(inbound.msg)
         for msg in self._inbox.get(request_id, ()):

@@ -3,7 +3,9 @@
 The engine loop hands over a ``Shipment`` (the request's block table stays held in the
 engine until the worker reports back), so compute of other requests overlaps the transfer. The
 worker reports ``Granted`` once the decode node holds blocks, then the ``Outcome``.
-Queues are bounded; a full queue refuses the shipment and the request fails cleanly.
+Queues are bounded; a full queue refuses the shipment and the request fails cleanly. A cancelled
+shipment is skipped if queued and stopped if sending (the decode node is told); either way its
+outcome comes, and nothing of it is kept after that.
 """
 
 from __future__ import annotations
@@ -101,9 +103,8 @@ class Shipper:
         self.outcomes: queue.SimpleQueue[Granted | Outcome] = queue.SimpleQueue()  # in order per request
         self._peers: dict[str, _Peer] = {}  # decode KV address -> its worker
         self._threads: list[threading.Thread] = []
-        self._queued: set[str] = set()  # request ids submitted and not yet taken by a worker
-        self._cancelled: set[str] = set()  # of those, the ones to skip (always a subset of _queued)
-        self._lock = threading.Lock()  # guards the peer table and both id sets
+        self._cancels: dict[str, threading.Event] = {}  # request id -> its cancel flag, until its outcome
+        self._lock = threading.Lock()  # guards the peer table and the flags
 
     def submit(self, shipment: Shipment) -> bool:
         """Queue a transfer; False when the decode node's queue (or the peer table) is full."""
@@ -117,7 +118,7 @@ class Shipper:
                 peer.queue.put_nowait(shipment)
             except queue.Full:
                 return False
-            self._queued.add(shipment.request_id)
+            self._cancels[shipment.request_id] = threading.Event()
             return True
 
     def _start_peer(self, addr: str) -> _Peer:
@@ -136,11 +137,12 @@ class Shipper:
         return True
 
     def cancel(self, request_id: str) -> None:
-        """Skip a queued shipment. One already sending runs to its end or deadline, so nothing is
-        remembered for it (remembering would grow without bound)."""
+        """Skip the shipment if queued, stop it if sending; its outcome still comes (it says
+        when the blocks are free). Unknown ids are ignored: nothing is remembered for them."""
         with self._lock:
-            if request_id in self._queued:
-                self._cancelled.add(request_id)
+            flag = self._cancels.get(request_id)
+        if flag is not None:
+            flag.set()
 
     @property
     def num_peers(self) -> int:
@@ -172,12 +174,15 @@ class Shipper:
             if job is None:
                 return None
             with self._lock:
-                self._queued.discard(job.request_id)
-                if job.request_id not in self._cancelled:
+                if not self._cancels[job.request_id].is_set():
                     peer.busy = True
                     return job
-                self._cancelled.discard(job.request_id)
-            self.outcomes.put(Outcome(job.request_id, None, "aborted"))
+            self._report(Outcome(job.request_id, None, "aborted"))
+
+    def _report(self, outcome: Outcome) -> None:
+        with self._lock:
+            del self._cancels[outcome.request_id]
+        self.outcomes.put(outcome)
 
     def _work(self, addr: str, peer: _Peer) -> None:
         self.platform.activate()  # this thread's copies go to the engine's device, not device 0
@@ -187,7 +192,7 @@ class Shipper:
         replies = PushChannels(_MAX_REPLY_CHANNELS)  # this thread's own
         try:
             while (job := self._next_job(addr, peer)) is not None:
-                self.outcomes.put(self._ship(sender, job, replies))
+                self._report(self._ship(sender, job, replies))
                 peer.busy = False
         finally:
             sender.close()
@@ -210,7 +215,9 @@ class Shipper:
             self._granted(job, replies)
 
         try:
-            stats = sender.ship(job.kv, self.key_caches, self.value_caches, on_granted)
+            with self._lock:
+                cancel = self._cancels[job.request_id]
+            stats = sender.ship(job.kv, self.key_caches, self.value_caches, on_granted, cancel)
             return Outcome(job.request_id, stats, None, first_token_sent=job.first is not None)
         except KVTransferError as exc:
             refused = isinstance(exc, KVRejected) or (isinstance(exc, KVTimeout) and exc.stage == "grant")

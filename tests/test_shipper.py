@@ -1,6 +1,6 @@
 """The prefill node's shipper keeps a bounded table of decode peers that follows the cluster: idle
-workers leave it (scaling and restarts bring new addresses forever), and cancellations are kept
-only for shipments still queued. The decode addresses here have no receiver: each transfer ends in
+workers leave it (scaling and restarts bring new addresses forever), and a cancellation stops a
+shipment queued or sending and is forgotten with its outcome. The decode addresses here have no receiver: each transfer ends in
 a grant timeout, which is all these tests need from it."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from tests.cluster import free_port
 from tests.kv_transfer_peer import make_fingerprint
 
 
-def _shipper(**options) -> Shipper:
+def _shipper(config: SenderConfig | None = None, **options) -> Shipper:
     caches = [torch.zeros(4, 4, 1, 8) for _ in range(2)]
     return Shipper(
         make_fingerprint(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8),
         caches,
         caches,
-        SenderConfig(grant_timeout_s=0.3, shared_memory=False),
+        config or SenderConfig(grant_timeout_s=0.3, shared_memory=False),
         **options,
     )
 
@@ -69,21 +69,26 @@ def test_idle_workers_leave_the_table():
         shipper.close()
 
 
-def test_cancellations_are_kept_only_for_queued_shipments():
-    shipper = _shipper()
+def test_a_cancelled_shipment_stops_queued_or_sending_and_is_then_forgotten():
+    """Queued: skipped. Sending (here: waiting for a grant that would take its 5 s deadline):
+    stopped within a fraction of a second. Both report an outcome, and no flag outlives it."""
+    shipper = _shipper(config=SenderConfig(grant_timeout_s=5.0, shared_memory=False))
     addr = f"tcp://127.0.0.1:{free_port()}"
     try:
         assert shipper.submit(_shipment("running", addr)) and shipper.submit(_shipment("queued", addr))
         deadline = time.monotonic() + 5  # until a worker took "running" (it waits for its grant)
-        while "running" in shipper._queued and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert shipper._queued == {"queued"}
-        shipper.cancel("running")  # too late to skip: runs to its deadline
+        while shipper.outcomes.empty() and time.monotonic() < deadline:
+            time.sleep(0.05)
+            if any(p.busy for p in shipper._peers.values()):
+                break
+        started = time.monotonic()
+        shipper.cancel("running")
         shipper.cancel("queued")
         shipper.cancel("unknown")
         outcomes = {o.request_id: o for o in _outcomes(shipper, 2)}
+        assert time.monotonic() - started < 1.0
         assert outcomes["queued"].error == "aborted"
-        assert "KVTimeout" in outcomes["running"].error
-        assert not shipper._cancelled and not shipper._queued
+        assert "KVAborted" in outcomes["running"].error and not outcomes["running"].rejected
+        assert not shipper._cancels
     finally:
         shipper.close()
