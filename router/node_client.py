@@ -6,7 +6,8 @@
 
 The sockets are protocol.channel's asyncio flavour. A reader task hands each TokenChunk /
 RequestFailed to the bounded queue of its request id; replies for request ids nobody waits for
-(aborted, finished, timed out) are dropped. Each node channel's connection monitor tells when a
+(aborted, finished, timed out) are dropped, and a node still streaming one is told to stop
+(``on_stray``). Each node channel's connection monitor tells when a
 node's connection drops (its process died: the kernel resets the TCP connection), so waiting
 requests need not wait for the node's heartbeat to expire.
 """
@@ -18,6 +19,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
@@ -66,6 +68,8 @@ class NodeClient:
         self._nonces = itertools.count(1)
         self._pull_task: asyncio.Task | None = None
         self._bad_log = Throttle(_BAD_LOG_BURST, _BAD_LOG_WINDOW_S)  # malformed node messages
+        # a node's tokens for a request that ended here, more to come (the registry aborts it there)
+        self.on_stray: Callable[[pm.TokenChunk], None] = lambda chunk: None
 
     def start(self) -> None:
         self._pull_task = asyncio.create_task(self._read(self._pull, reply_path=True))
@@ -103,8 +107,10 @@ class NodeClient:
             log.warning("unexpected %s from a node", msg.TAG)
             return
         queue = self._queues.get(msg.request_id)
-        if queue is None:
-            return  # late reply of a request that ended
+        if queue is None:  # late reply of a request that ended
+            if isinstance(msg, pm.TokenChunk) and msg.finish_reason is None and not msg.is_first:
+                self.on_stray(msg)
+            return
         try:
             queue.put_nowait(msg)
         except asyncio.QueueFull:  # the reader fell behind by a whole queue: end the request

@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from protocol import messages as pm
 from protocol.registry import NodeInfo, Role, list_nodes
 from router.node_client import NodeClient
 
@@ -48,6 +49,16 @@ class NodeRegistry:
         self._refused: set[str] = set()  # node ids already logged as refused
         self._partial_until = 0.0  # router clock until which polls may miss live nodes (outage)
         self.ready = asyncio.Event()  # set after the first poll and its reply-path probes
+        nodes.on_stray = self._abort_stray
+
+    def _abort_stray(self, chunk: pm.TokenChunk) -> None:
+        """A node streams tokens of a request nobody here waits for (it was aborted before that
+        node knew of it, e.g. while its KV was still on the way): tell the node to stop."""
+        node = self._by_id.get(chunk.node_id)
+        if node is not None:
+            self._nodes.send_nowait(
+                node.control_addr, pm.AbortRequest(chunk.request_id, "nobody waits for it")
+            )
 
     def snapshot(self) -> list[NodeInfo]:
         """The usable nodes: registered, answering through the reply path, connection not dropped."""

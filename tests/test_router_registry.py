@@ -127,3 +127,51 @@ def test_a_node_with_a_skewed_clock_stays_in_the_pool_through_real_redis_polls(t
         assert await registry.poll_once() == []
 
     _with_redis_registry(tmp_path, 0.5, check)
+
+
+def test_a_node_streaming_a_request_nobody_waits_for_is_told_to_abort_it():
+    """An abort can beat a request's KV to its decode node, which then adopts and decodes it: its
+    first stray chunk at the router sends an AbortRequest back to that node, over real sockets.
+    Chunks of a waiting request, a last chunk and a prefill node's first token send none."""
+    from protocol import messages as pm
+    from protocol.channel import ListenChannel, PushChannel
+    from protocol.reasons import FinishReason
+
+    node = ListenChannel("tcp://127.0.0.1:0", decoder=pm.decode_frames)
+
+    def chunk(request_id: str, **fields) -> pm.TokenChunk:
+        base = dict(logprobs=(), finish_reason=None, num_prompt_tokens=3, num_cached_tokens=0)
+        return pm.TokenChunk(request_id, "d1", (7,), **{**base, **fields})
+
+    async def go() -> tuple[list[str], int]:
+        nodes = NodeClient()
+        nodes.start()
+        registry = NodeRegistry(nodes, poll_interval_s=0.1, node_expiry_s=10.0)
+        registry.update([node_info("d1", "decode", control_addr=node.address)], now=100.0, complete=True)
+        waiting = nodes.open("waiting")
+        push = PushChannel(nodes.reply_addr)
+        for msg in [
+            chunk("waiting"),
+            chunk("ended", finish_reason=FinishReason.STOP),
+            chunk("first-token", is_first=True),
+            chunk("stray"),
+        ]:
+            assert push.send(msg)
+        got = await asyncio.wait_for(waiting.get(), 5)
+        aborted: list[str] = []
+        deadline = time.monotonic() + 5
+        while not aborted and time.monotonic() < deadline:
+            inbound = await asyncio.to_thread(node.recv, 0.1)
+            if inbound is not None and isinstance(inbound.msg, pm.AbortRequest):
+                aborted.append(inbound.msg.request_id)
+        while (inbound := await asyncio.to_thread(node.recv, 0.3)) is not None:  # nothing else comes
+            aborted.append(getattr(inbound.msg, "request_id", inbound.msg.TAG))
+        push.close()
+        await nodes.close()
+        return aborted, len(got.token_ids)
+
+    try:
+        aborted, num_tokens = asyncio.run(go())
+    finally:
+        node.close()
+    assert aborted == ["stray"] and num_tokens == 1
