@@ -3,19 +3,26 @@
 One loop, one thread (the engine and the KV receiver share the block manager):
 
     ┌─► control socket: GenerateRequest (local prefill) / AbortRequest
-    │   KV receiver: grants, chunks, KVDone ─► adopted sequences join the running batch
-    │   engine.step(): one iteration of the continuous batch
+    │   KV receiver: reservations (queued in the engine), chunks, KVDone ─► adopted sequences
+    │       join the running batch
+    │   engine.step(): one iteration of the continuous batch; its schedule grants queued
+    │       reservations their blocks (the receiver sends KVGrant before the step computes)
     │   TokenChunks to each request's router; deadlines; status for heartbeats
     └── until drained
+
+A request's state is the engine's; the receiver keeps where a transfer's replies go and what has
+landed, and ``streams`` where the client's tokens go. An abort goes to the engine, which says
+whether a transfer must stop too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, RemoteReservation
+from engine.llm_engine import Aborted, LLMEngine, QueueFullError, RemoteReservation
 from kv_transfer.messages import KVFingerprint
 from kv_transfer.receiver import KVReceiver, ReceivedKV
 from node.log import EventLog, forward_own_logs
@@ -27,7 +34,6 @@ from protocol.messages import AbortRequest, GenerateRequest
 from protocol.reasons import FailureCode
 from protocol.sampling_params import SamplingParams
 
-ABORT_MEMORY_S = 120.0  # how long an abort for a not-yet-arrived request is remembered
 # Longest sleep of an idle loop: any message wakes it at once; this bounds how late deadlines
 # (transfer chunk timeouts, request TTLs) and the status refresh are looked at.
 IDLE_WAIT_S = 0.05
@@ -35,7 +41,7 @@ IDLE_WAIT_S = 0.05
 
 class EngineReservations:
     """The KV receiver's view of this node's engine (``kv_transfer.reservations.BlockReservations``):
-    incoming prompts are admitted by the engine's own rules, and their state is the engine's."""
+    incoming prompts wait in the engine's queue, are granted by its scheduler, and are its state."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
@@ -44,14 +50,19 @@ class EngineReservations:
     def num_blocks(self) -> int:
         return self._engine.kv_spec.num_blocks
 
-    def reserve(
-        self, request_id: str, token_ids, sampling_params: SamplingParams | None
-    ) -> RemoteReservation | None:
+    def reserve(self, request_id: str, token_ids, sampling_params: SamplingParams | None) -> int | None:
         params = sampling_params or SamplingParams()
-        # Stop strings stay with the router, as for local requests.
-        return self._engine.reserve_remote(request_id, list(token_ids), dataclasses.replace(params, stop=()))
+        try:  # stop strings stay with the router, as for local requests
+            return self._engine.reserve_remote(
+                request_id, list(token_ids), dataclasses.replace(params, stop=())
+            )
+        except QueueFullError:
+            return None
 
-    def release(self, request_id: str) -> None:
+    def on_granted(self, callback: Callable[[RemoteReservation], None]) -> None:
+        self._engine.on_kv_granted(callback)
+
+    def abort(self, request_id: str) -> None:
         self._engine.abort_request(request_id)
 
 
@@ -74,8 +85,7 @@ class DecodeNode:
             platform=self.engine.platform,
         )
         self.kv_addr = f"tcp://{opts.advertise_host}:{self.receiver.address.rsplit(':', 1)[1]}"
-        self.streams: dict[str, Stream] = {}
-        self.aborted: dict[str, float] = {}  # request id -> forget after (aborts that beat their KV)
+        self.streams: dict[str, Stream] = {}  # adopted or prefilled here: where the tokens go
 
     def status(self):
         return node_status(
@@ -85,7 +95,6 @@ class DecodeNode:
             self.kv_addr,
             self.fingerprint,
             self.runtime.draining.is_set(),
-            self.receiver.num_incoming + self.receiver.num_queued,
         )
 
     def serve(self, ready_file: str | None = None) -> int:
@@ -105,7 +114,7 @@ class DecodeNode:
         self.runtime.set_status(self.status())  # routers see draining at the next beat
 
     def _busy(self) -> bool:
-        return bool(self.streams) or self.receiver.num_incoming > 0 or self.receiver.num_queued > 0
+        return bool(self.streams) or self.receiver.num_transfers > 0
 
     def _iterate(self) -> None:
         if not self.engine.has_work():
@@ -121,8 +130,8 @@ class DecodeNode:
             self.log.throttled("bad_message", port="kv", error=problem)
         for failure in result.failed:
             self.log("kv_failed", failure.request_id, error=repr(failure.error))
-            meta = failure.request_meta
-            if meta is not None and failure.request_id not in self.aborted:
+            meta = failure.request_meta  # the engine has dropped the request already
+            if meta is not None:
                 self.runtime.reply_failed(
                     meta.reply_addr,
                     failure.request_id,
@@ -130,7 +139,7 @@ class DecodeNode:
                     str(failure.error),
                     retryable=False,
                 )
-        if self.engine.has_work():
+        if self.engine.has_work():  # its schedule grants queued reservations (KVGrant goes out)
             for out in self.engine.step():
                 self._emit(out)
         self._expire()
@@ -161,9 +170,9 @@ class DecodeNode:
 
     def _adopt(self, received: ReceivedKV) -> None:
         rid, meta = received.request_id, received.request_meta
-        if rid in self.aborted or meta is None:
+        if meta is None:
             self.engine.abort_request(rid)
-            self.log("kv_dropped", rid, reason="aborted" if rid in self.aborted else "no reply address")
+            self.log("kv_dropped", rid, reason="no reply address")
             return
         num_prompt_tokens = len(self.engine.requests[rid].prompt_token_ids)
         stream = Stream(
@@ -185,12 +194,19 @@ class DecodeNode:
             self._emit(out)
 
     def _abort(self, request_id: str, reason: str) -> None:
-        # The receiver first: a transfer in flight must stop writing into the blocks the engine frees.
-        if self.receiver.abort(request_id, reason) or self.engine.abort_request(request_id):
+        """An abort that beats its KV here finds nothing: the prefill node, told too, skips or
+        aborts the shipment, and a request adopted anyway is aborted by the router at its first
+        stray token."""
+        if self._stop(request_id, reason):
             self.log("request_aborted", request_id, reason=reason)
-        else:
-            self.aborted[request_id] = time.monotonic() + ABORT_MEMORY_S
         self.streams.pop(request_id, None)
+
+    def _stop(self, request_id: str, reason: str) -> Aborted:
+        """Drop the request in the engine and stop the transfer writing its blocks, if any."""
+        where = self.engine.abort_request(request_id)
+        if where is Aborted.KV_INBOUND:
+            self.receiver.stop(request_id, reason)
+        return where
 
     # ----------------------------------------------------------------- output
     def _emit(self, out) -> None:
@@ -222,13 +238,10 @@ class DecodeNode:
     def _expire(self) -> None:
         now = time.monotonic()
         for rid in [r for r, s in self.streams.items() if s.deadline < now]:
-            self.engine.abort_request(rid)
             self._fail(rid, FailureCode.TIMEOUT, "request exceeded its time to live on the decode node")
-        for rid in [r for r, t in self.aborted.items() if t < now]:
-            del self.aborted[rid]
 
     def _fail(self, request_id: str, code: FailureCode, message: str) -> None:
         stream = self.streams.pop(request_id, None)
-        self.engine.abort_request(request_id)
+        self._stop(request_id, message)
         if stream is not None:
             self.runtime.reply_failed(stream.reply_addr, request_id, code, message, retryable=False)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -35,10 +37,23 @@ class QueueFullError(RuntimeError):
     """The engine's bounded waiting queue is full; retry later."""
 
 
+class Aborted(enum.Enum):
+    """Where ``abort_request`` found the request: which transfer, if any, the caller must stop."""
+
+    UNKNOWN = "unknown"  # not here (it finished, or never came): falsy
+    LOCAL = "local"  # waiting or computing here; no transfer touches it
+    KV_INBOUND = "kv_inbound"  # its prompt KV was coming from a peer (queued or granted): stop that
+    KV_OUTBOUND = "kv_outbound"  # held for a transfer of its KV to a peer
+
+    def __bool__(self) -> bool:
+        return self is not Aborted.UNKNOWN
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class RemoteReservation:
-    """Blocks held for a request whose prompt KV another node sends (``reserve_remote``)."""
+    """Blocks a step granted to a request whose prompt KV another node sends (``reserve_remote``)."""
 
+    request_id: str
     num_held_blocks: int  # leading prompt blocks already in this engine's prefix cache: not sent
     block_ids: tuple[int, ...]  # the blocks the rest of the prompt's KV lands in, in prompt order
 
@@ -101,6 +116,7 @@ class LLMEngine:
             extra += f"; CUDA graphs: {self.decode_graphs}; {UNVERIFIED_CUDA}"
         announce(self.sizing.describe(config, extra))
         self.tokenizer = tokenizer
+        self._on_kv_granted: Callable[[RemoteReservation], None] | None = None  # reserve_remote's grants
         self.requests: dict[str, Request] = {}  # not yet done; held ones are the scheduler's (held)
         self.stop_rules = StopRules(tuple(self.model_config.eos_token_ids), self.max_model_len, tokenizer)
         self.step_stats = StepStats()  # steps by kind, for the node's metrics
@@ -237,18 +253,22 @@ class LLMEngine:
                 f"output_token_ids: {len(output_ids)} tokens leave nothing of max_tokens {max_tokens}"
             )
 
-    def reserve_remote(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> RemoteReservation | None:
-        """Admit a request whose prompt KV another node computes (a decode node's incoming
-        transfer): blocks for its prompt, prefix-cache hits included, status WAITING_FOR_KV. None
-        while there is no room (the same rules as local admission: ``max_num_seqs``, free blocks
-        above the watermark); ValueError when it can never be admitted."""
+    def reserve_remote(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Queue a request whose prompt KV another node computes (a decode node's incoming
+        transfer): WAITING_FOR_KV in the waiting FIFO with local prompts. A later ``step`` grants
+        it blocks, prefix-cache hits included, by the rules local prompts are admitted by
+        (``max_num_seqs``, free blocks above the watermark, no overtaking), and hands them to the
+        ``on_kv_granted`` callback before it computes. Returns its place in the queue.
+        ValueError when it can never be admitted; QueueFullError while the queue is full."""
+        if self._on_kv_granted is None:
+            raise RuntimeError("reserve_remote needs an on_kv_granted callback to hand grants to")
         if request_id in self.requests or request_id in self.scheduler.held:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.n != 1:
             raise ValueError("n: requests prefilled elsewhere take n == 1")
         max_tokens = self.validate(prompt_token_ids, params)
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         params = dataclasses.replace(params, prompt_logprobs=None)  # the node that ran the prompt sent them
         seq = Sequence(
             request_id,
@@ -258,12 +278,23 @@ class LLMEngine:
             arrival_time=time.monotonic(),
             max_tokens=max_tokens,
         )
-        if not self.scheduler.reserve(seq):
-            return None
         self.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [seq])
+        self.scheduler.add_remote(seq)
+        return len(self.scheduler.waiting) - 1
+
+    def on_kv_granted(self, callback: Callable[[RemoteReservation], None]) -> None:
+        """``callback(reservation)`` runs inside ``step`` for each remote request granted blocks,
+        before the step computes (the KV receiver tells the sender where to write)."""
+        self._on_kv_granted = callback
+
+    def _granted(self, seqs: list[Sequence]) -> None:
         self.kv_prefault.advance(self.block_manager.high_water)  # the KV lands before any step
-        num_held = seq.num_computed_tokens // self.block_manager.block_size
-        return RemoteReservation(num_held, tuple(seq.block_table[num_held:]))
+        block_size = self.block_manager.block_size
+        for seq in seqs:
+            num_held = seq.num_computed_tokens // block_size
+            self._on_kv_granted(
+                RemoteReservation(seq.request_id, num_held, tuple(seq.block_table[num_held:]))
+            )
 
     def kv_arrived(
         self, request_id: str, first_token: int, first_logprob: TokenLogprob | None = None
@@ -282,7 +313,9 @@ class LLMEngine:
         return [self._output(request)] if seq.is_finished else []
 
     def has_work(self) -> bool:
-        """Anything to compute at the next step (requests waiting for their KV are not)."""
+        """Anything for the next step: a request to compute, or a queued remote one it may grant
+        (granted ones whose KV is still arriving are not work; nor a waiting head that cannot be
+        admitted until something ends)."""
         return self.scheduler.has_work()
 
     def on_progress(self, callback) -> None:
@@ -314,17 +347,20 @@ class LLMEngine:
         prefix cache. False when it was not held."""
         return self.scheduler.release(request_id)
 
-    def abort_request(self, request_id: str) -> bool:
-        """Stop a request and free its blocks; True when there was one. A held request's blocks go
-        too: the caller must know no transfer is reading them."""
-        released = self.release_held(request_id)
+    def abort_request(self, request_id: str) -> Aborted:
+        """Stop a request and free its blocks; says where it was, so the caller stops the transfer
+        that was writing or reading them too (falsy: no such request). A held request's blocks go
+        at once: the caller must know no transfer is reading them any more."""
+        if self.release_held(request_id):
+            return Aborted.KV_OUTBOUND
         request = self.requests.pop(request_id, None)
         if request is None:
-            return released
+            return Aborted.UNKNOWN
+        inbound = request.seqs[0].status is SequenceStatus.WAITING_FOR_KV
         for seq in request.seqs:
             if not seq.is_finished:
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
-        return True
+        return Aborted.KV_INBOUND if inbound else Aborted.LOCAL
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -336,9 +372,10 @@ class LLMEngine:
         return self.runner.kv_caches
 
     def num_queued_prefill_tokens(self) -> int:
-        """Prompt tokens not computed yet: waiting requests', and running ones' unfinished chunks."""
+        """Prompt tokens to compute here: waiting requests' (not those whose KV comes from a peer),
+        and running ones' unfinished chunks."""
         sched = self.scheduler
-        queued = sum(s.num_uncomputed_tokens for s in sched.waiting)
+        queued = sum(s.num_uncomputed_tokens for s in sched.waiting if s.status is SequenceStatus.WAITING)
         return queued + sum(s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1)
 
     def stats(self) -> EngineStats:
@@ -353,6 +390,7 @@ class LLMEngine:
             torch_threads=self.cpu_share.threads,
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
+            num_receiving=len(sched.receiving),
             num_held=len(sched.held),
             num_queued_prefill_tokens=self.num_queued_prefill_tokens(),
             step_stats=self.step_stats.snapshot(),
@@ -374,6 +412,8 @@ class LLMEngine:
         if self.config.debug_checks:
             self.check_integrity()
         start, sched = time.perf_counter(), self.scheduler.schedule(self.step_budget.tokens())
+        if sched.granted:
+            self._granted(sched.granted)
         if not sched.scheduled:
             return []
         self.cpu_share.tick()

@@ -69,7 +69,8 @@ class EngineStats:
     num_blocks_committed: int  # pool blocks whose memory is committed (engine/kv_prefault.py)
     torch_threads: int  # what the engine runs with now (engine/cpu_share.py)
     num_running: int
-    num_waiting: int
+    num_waiting: int  # local prompts and remote ones queued for blocks
+    num_receiving: int  # remote requests granted blocks, their KV still arriving
     num_held: int  # prefill-only requests whose KV is held for a transfer
     num_queued_prefill_tokens: int  # prompt tokens not computed yet
     step_stats: dict  # engine steps by kind since start (engine/step_stats.py)

@@ -1,10 +1,12 @@
 """A decode engine's side of the KV receiver without a model: the engine's own scheduler and block
-manager admit and hold incoming requests (``kv_transfer.reservations.BlockReservations``). For
-transfer benchmarks, the planner's transfer probe and the kv_transfer tests; a decode node uses
-its ``LLMEngine`` instead.
+manager queue, grant and hold incoming requests (``kv_transfer.reservations.BlockReservations``).
+For transfer benchmarks, the planner's transfer probe and the kv_transfer tests; a decode node uses
+its ``LLMEngine`` instead. With no engine loop here, the scheduler runs whenever its state changes.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from engine.block_manager import BlockManager
 from engine.llm_engine import RemoteReservation
@@ -14,28 +16,46 @@ from protocol.sampling_params import SamplingParams
 
 
 class PoolReservations:
-    """A decode engine's side of the receiver (``kv_transfer.reservations.BlockReservations``)
-    without a model: the engine's own scheduler and block manager admit and hold the requests."""
-
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int = 1024) -> None:
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int = 1024, max_waiting: int = 1024
+    ) -> None:
         self.block_manager = block_manager
         self.scheduler = Scheduler(block_manager, 1 << 20, max_num_seqs)
-        self.seqs: dict[str, Sequence] = {}  # request id -> its sequence, while it holds blocks
+        self.max_waiting = max_waiting
+        self.seqs: dict[str, Sequence] = {}  # request id -> its sequence, queued or holding blocks
+        self._on_granted: Callable[[RemoteReservation], None] = lambda reservation: None
 
     @property
     def num_blocks(self) -> int:
         return self.block_manager.num_blocks
 
-    def reserve(self, request_id, token_ids, sampling_params):
-        seq = Sequence(request_id, list(token_ids), len(token_ids), sampling_params or SamplingParams())
-        if not self.scheduler.reserve(seq):
-            return None
-        self.seqs[request_id] = seq
-        num_held = seq.num_computed_tokens // self.block_manager.block_size
-        return RemoteReservation(num_held, tuple(seq.block_table[num_held:]))
+    def on_granted(self, callback: Callable[[RemoteReservation], None]) -> None:
+        self._on_granted = callback
 
-    def release(self, request_id: str) -> None:
-        self.scheduler.finish(self.seqs.pop(request_id), SequenceStatus.FINISHED_ABORTED)
+    def reserve(self, request_id, token_ids, sampling_params) -> int | None:
+        if request_id in self.seqs:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if len(self.scheduler.waiting) >= self.max_waiting:
+            return None
+        seq = Sequence(request_id, list(token_ids), len(token_ids), sampling_params or SamplingParams())
+        self.seqs[request_id] = seq
+        self.scheduler.add_remote(seq)
+        position = len(self.scheduler.waiting) - 1
+        self.schedule()
+        return position
+
+    def schedule(self) -> None:
+        """Grant what the scheduler admits now (an engine does this every step)."""
+        size = self.block_manager.block_size
+        for seq in self.scheduler.schedule().granted:
+            num_held = seq.num_computed_tokens // size
+            self._on_granted(RemoteReservation(seq.request_id, num_held, tuple(seq.block_table[num_held:])))
+
+    def abort(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            self.schedule()
 
     def arrived(self, request_id: str) -> Sequence:
         """What the engine does when the KV landed (blocks committed as prefix cache); idempotent."""
@@ -48,3 +68,4 @@ class PoolReservations:
         """The request decoded to its end: its blocks go back (its full ones stay cached)."""
         self.scheduler.finish(self.arrived(request_id), SequenceStatus.FINISHED_LENGTH)
         del self.seqs[request_id]
+        self.schedule()

@@ -11,16 +11,18 @@ prefix hit simply starts with tokens already computed. Order of service:
   2. waiting sequences, FIFO, while budget, ``max_num_seqs`` and free blocks allow;
      the head of the queue is never skipped, so nothing starves.
 
-A decode node's requests whose prompt KV comes from a prefill node are ``receiving``
-(WAITING_FOR_KV): they hold their blocks and count toward ``max_num_seqs`` like running ones,
-and join ``running`` once their KV has landed (``kv_arrived``). A prefill node's prompt-only
-sequences end ``held`` (HELD_FOR_TRANSFER): out of the batch, blocks kept for the KV transfer,
-until ``release``.
+A decode node's requests whose prompt KV comes from a prefill node (``add_remote``) wait in
+the same FIFO, WAITING_FOR_KV with no blocks; the loop above grants them blocks by the same rules
+(head first, ``max_num_seqs``, free blocks above the watermark) but no token budget, since this
+node computes none of their prompt. Granted, they are ``receiving``: they hold their blocks and a
+slot like running ones, and join ``running`` once their KV has landed (``kv_arrived``). A prefill
+node's prompt-only sequences end ``held`` (HELD_FOR_TRANSFER): out of the batch, blocks kept for
+the KV transfer, until ``release``.
 
     WAITING ──schedule──► RUNNING ──finish──► FINISHED_*     (blocks freed)
        ▲                   │   └──finish(hold)──► HELD_FOR_TRANSFER ──release──► FINISHED_*
        └────preempt────────┘
-    reserve ──► WAITING_FOR_KV ──kv_arrived──► RUNNING       (decode node, KV from a peer)
+    add_remote ──► WAITING_FOR_KV ──schedule (granted)──► receiving ──kv_arrived──► RUNNING
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq]  # in batch order: decodes first, then prefill chunks
     block_copies: list[BlockCopy]  # copy-on-write to do before the forward pass
     preempted: list[Sequence]  # dropped back to WAITING this step
+    granted: list[Sequence] = dataclasses.field(default_factory=list)  # WAITING_FOR_KV, blocks now held
 
     @property
     def num_batched_tokens(self) -> int:
@@ -66,19 +69,32 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.receiving: list[Sequence] = []  # WAITING_FOR_KV: blocks held, KV arriving from a peer
         self.held: dict[str, Sequence] = {}  # request id -> HELD_FOR_TRANSFER sequence (prefill nodes)
+        # The last schedule found nothing to run or grant, and nothing has changed since: the
+        # waiting head cannot be admitted until something ends (has_work says no meanwhile).
+        self._stalled = False
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self._stalled = False
+
+    def add_remote(self, seq: Sequence) -> None:
+        """A prompt whose KV another node computes: it waits in the FIFO, WAITING_FOR_KV with no
+        blocks, until ``schedule`` grants them (``SchedulerOutput.granted``)."""
+        seq.status = SequenceStatus.WAITING_FOR_KV
+        self.waiting.append(seq)
+        self._stalled = False
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence whose KV is already in place (a fork, or KV received from a prefill node)."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        self._stalled = False
 
     def has_work(self) -> bool:
-        """Anything to compute (sequences waiting for their KV are not)."""
-        return bool(self.waiting or self.running)
+        """Anything for the next ``schedule``: a sequence to run, or a waiting one (local prompt or
+        grant) it may admit. Granted sequences whose KV is still arriving are not work."""
+        return bool(self.running) or (bool(self.waiting) and not self._stalled)
 
     @property
     def num_seqs(self) -> int:
@@ -89,24 +105,6 @@ class Scheduler:
         # Keep a few blocks back while others run, so admitting a prompt doesn't force the
         # running decodes to preempt it right away on their next block.
         return max(1, self.block_manager.num_blocks // 100) if self.running else 0
-
-    def reserve(self, seq: Sequence) -> bool:
-        """Hold blocks for a prompt whose KV another node computes (status WAITING_FOR_KV), under
-        the rules local prompts are admitted by; False when there is no room now."""
-        bm = self.block_manager
-        if self.num_seqs >= self.max_num_seqs:
-            return False
-        block_ids, hashes = bm.match_prefix(seq.token_ids, (seq.num_tokens - 1) // bm.block_size)
-        bm.take_prefix(seq, block_ids, hashes)
-        num_new = seq.num_uncomputed_tokens
-        if not bm.can_append(seq, num_new, reserve=self._watermark()):
-            bm.free(seq)
-            seq.num_cached_tokens = 0
-            return False
-        bm.append(seq, num_new)
-        seq.status = SequenceStatus.WAITING_FOR_KV
-        self.receiving.append(seq)
-        return True
 
     def kv_arrived(self, seq: Sequence) -> None:
         """The reserved prompt's KV landed: its prompt is computed, it decodes from the next step."""
@@ -147,10 +145,12 @@ class Scheduler:
                 scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
                 i += 1
+        granted: list[Sequence] = []
         if not preempted:
-            budget = self._schedule_waiting(budget, scheduled, copies)
+            self._schedule_waiting(budget, scheduled, copies, granted)
         scheduled.sort(key=lambda s: s.num_new_tokens > 1)  # decode rows first (stable)
-        out = SchedulerOutput(scheduled, copies, preempted)
+        out = SchedulerOutput(scheduled, copies, preempted, granted)
+        self._stalled = not scheduled and not granted
         self._check(out)
         return out
 
@@ -165,22 +165,35 @@ class Scheduler:
             s.num_computed_tokens + n.num_new_tokens <= s.num_tokens for n in out.scheduled for s in (n.seq,)
         ), "more new tokens than the sequence has"
         assert not any(seq.block_table for seq in self.waiting), "a waiting sequence holds blocks"
+        assert all(s.status is SequenceStatus.WAITING_FOR_KV and s.block_table for s in out.granted), (
+            "granted a sequence that is not waiting for its KV"
+        )
         assert all(s.status is SequenceStatus.HELD_FOR_TRANSFER for s in self.held.values()), (
             "a held sequence in another state"
         )
 
-    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSeq], copies: list[BlockCopy]) -> int:
+    def _schedule_waiting(
+        self,
+        budget: int,
+        scheduled: list[ScheduledSeq],
+        copies: list[BlockCopy],
+        granted: list[Sequence],
+    ) -> None:
         bm = self.block_manager
         watermark = self._watermark()
-        while self.waiting and budget > 0 and self.num_seqs < self.max_num_seqs:
+        while self.waiting and self.num_seqs < self.max_num_seqs:
             seq = self.waiting[0]
             assert not seq.block_table, "waiting sequences hold no blocks"
+            remote = seq.status is SequenceStatus.WAITING_FOR_KV
+            if not remote and budget <= 0:
+                break
             # A hit never covers the last token: it must run to produce logits. Nor any prompt token
             # whose log-probability is still to be reported: those positions are computed again.
             limit = 0 if seq.needs_prompt_logprobs else (seq.num_tokens - 1) // bm.block_size
             block_ids, hashes = bm.match_prefix(seq.token_ids, limit)
             bm.take_prefix(seq, block_ids, hashes)
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            # A remote prompt's KV all lands at once, and costs this node no compute: no budget.
+            num_new = seq.num_uncomputed_tokens if remote else min(seq.num_uncomputed_tokens, budget)
             too_long = not self.enable_chunked_prefill and num_new < seq.num_uncomputed_tokens
             if too_long or not bm.can_append(seq, num_new, reserve=watermark):
                 bm.free(seq)
@@ -190,11 +203,14 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             copies += bm.append(seq, num_new)
+            if remote:
+                self.receiving.append(seq)
+                granted.append(seq)
+                continue
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
-        return budget
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -212,6 +228,7 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq in self.receiving:
             self.receiving.remove(seq)
+        self._stalled = False  # its slot and blocks may admit the waiting head
         seq.finish_status = status
         if seq.hold_kv and status is not SequenceStatus.FINISHED_ABORTED:
             assert seq.request_id not in self.held, f"{seq.request_id} held twice"
@@ -228,4 +245,5 @@ class Scheduler:
             return False
         self.block_manager.free(seq)
         seq.status = seq.finish_status
+        self._stalled = False
         return True

@@ -12,7 +12,7 @@ from protocol.sampling_params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued; may hold prefix blocks from an earlier (preempted) run
-    WAITING_FOR_KV = "waiting_for_kv"  # decode node: blocks granted, KV still arriving
+    WAITING_FOR_KV = "waiting_for_kv"  # decode node: its prompt KV comes from a peer (queued, then granted)
     RUNNING = "running"  # scheduled every iteration until it finishes
     HELD_FOR_TRANSFER = "held_for_transfer"  # prefill node: first token out, KV kept for the transfer
     FINISHED_STOPPED = "finished_stopped"  # EOS, stop token or stop string

@@ -1,19 +1,22 @@
-"""Decode side of a KV transfer: blocks granted by the engine, chunks landed in them, hand-over.
+"""Decode side of a KV transfer: bytes landed in the blocks the engine granted, and hand-over.
 
 The decode node drives it from its loop: ``poll(timeout_s)`` handles messages and deadlines and
 returns the requests whose KV landed (the engine then moves them to RUNNING) and those that
-failed. Which blocks a request gets, and whether it may have any, is the engine's decision
-(``BlockReservations``: the same admission rules as local requests). Per reservation:
+failed. The request itself is the engine's (``BlockReservations``): it queues the reservation
+beside its local prompts and grants blocks from its own scheduling loop, by the same rules. This
+side keeps, per request, only where replies go, its deadline, and which bytes have landed:
 
     KVReserve ─► checks (fingerprint, hashes, fits at all?) ─► KVReject
-                 └─► engine.reserve?  blocks ─► KVGrant
-                                      not now ─► FIFO queue (≤ max_waiting) ─► KVWait … grant or KVReject at ttl
+                 └─► engine.reserve ─► KVWait (its place in the engine's queue) … KVReject at ttl
+    engine grant (on_granted, from its schedule) ─► KVGrant
     KVChunk   ─► sizes + xxh3 checked ─► index_copy_ into the granted blocks ─► KVCredit
                  (device caches: upload, scatter on the copy stream, its event waited on)
     KVDone    ─► all (layer, block) pieces landed? ─► KVAck, report completed
 
-A granted request that stays silent for ``chunk_timeout_s``, fails a check, or is aborted frees
-its blocks at once and is reported failed; the node keeps serving every other request.
+A request that stays silent for ``chunk_timeout_s`` once granted, fails a check, or is aborted by
+its sender is dropped by the engine at once (``abort``) and reported failed; an abort the node
+starts goes through the engine, which says when to ``stop`` the transfer. The node keeps serving
+every other request.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -48,7 +50,7 @@ from kv_transfer.messages import (
 )
 from kv_transfer.outcomes import PollResult, ReceivedKV, TransferFailure
 from kv_transfer.peer_memory import DirectCopy, PeerMemory
-from kv_transfer.reservations import BlockReservations
+from kv_transfer.reservations import BlockReservations, Reservation
 from protocol.channel import Inbound, ListenChannel, PeerUnavailable
 
 
@@ -56,8 +58,8 @@ from protocol.channel import Inbound, ListenChannel, PeerUnavailable
 class ReceiverConfig:
     window_bytes: int = 64 << 20  # unconsumed chunk bytes a peer may have in flight
     chunk_timeout_s: float = 5.0  # longest silence of a granted request's sender
-    max_ttl_s: float = 60.0  # cap on how long a queued reservation may wait
-    max_waiting: int = 64  # queued reservations; beyond this, KVReject
+    max_ttl_s: float = 60.0  # cap on how long a reservation may wait for its grant
+    max_waiting: int = 64  # reservations waiting for a grant; beyond this, KVReject
     max_frame_bytes: int = 256 << 20  # larger data frames are refused
     shared_memory: bool = True  # map a same-host sender's staging ring instead of taking frames
 
@@ -69,25 +71,25 @@ class ReceiverConfig:
 
 
 @dataclasses.dataclass(slots=True)
-class _Incoming:
-    """A granted request whose KV is arriving."""
+class _Landing:
+    """What of a granted request's KV has landed, and where."""
 
-    peer: bytes
-    reserve: KVReserve
     num_held_blocks: int
     block_ids: torch.Tensor  # [num_send_blocks] receiver block ids, in prompt order
     landed: bytearray  # [num_layers * num_send_blocks], 1 where that layer of that block landed
-    deadline: float  # time.monotonic() by which the next message must come
     ring: memoryview | None  # the sender's shared staging ring, when chunks come through it
     direct: DirectCopy | None = None  # the one-copy path: the sender's cache is mapped here
     bytes_received: int = 0
 
 
 @dataclasses.dataclass(slots=True)
-class _Queued:
+class _Transfer:
+    """One request's transfer: where its replies go, its deadline, and once granted what landed."""
+
     peer: bytes
     reserve: KVReserve
-    expires_at: float
+    deadline: float  # waiting: when the grant is too late (ttl); granted: by when the next message is due
+    landing: _Landing | None = None  # None until the engine grants blocks
 
 
 class KVReceiver:
@@ -122,8 +124,7 @@ class KVReceiver:
         self._channel = ListenChannel(address, context, self.config.max_frame_bytes, decoder=decode)
         self.address = self._channel.address  # resolved (tcp://host:0 gets its port)
         self.draining = False  # set_draining(): KVReject every new reservation
-        self._incoming: dict[str, _Incoming] = {}
-        self._queued: deque[_Queued] = deque()
+        self._transfers: dict[str, _Transfer] = {}  # request id -> its transfer, until it lands or fails
         self._result = PollResult()
         self._peers = PeerMemory(fingerprint, self.config.shared_memory)  # same-host rings and caches
         self._copies = tensors.DeviceCopies(platform)
@@ -136,6 +137,7 @@ class KVReceiver:
             KVDone: self._on_done,
             Abort: self._on_abort,
         }
+        reservations.on_granted(self._granted)
 
     def set_draining(self) -> None:
         """Refuse new reservations (KVReject) while in-flight transfers finish."""
@@ -144,11 +146,16 @@ class KVReceiver:
     @property
     def num_incoming(self) -> int:
         """Granted requests whose KV is still arriving."""
-        return len(self._incoming)
+        return sum(t.landing is not None for t in self._transfers.values())
 
     @property
     def num_queued(self) -> int:
-        return len(self._queued)
+        """Reservations the engine has queued and not granted yet."""
+        return sum(t.landing is None for t in self._transfers.values())
+
+    @property
+    def num_transfers(self) -> int:
+        return len(self._transfers)
 
     def poll(self, timeout_s: float) -> PollResult:
         """Handle messages and deadlines until something completes or fails, or the timeout passes."""
@@ -158,7 +165,6 @@ class KVReceiver:
         while True:
             now = time.monotonic()
             self._expire(now)
-            self._grant_queued()
             if result or (now >= deadline and num_handled >= 256):
                 break
             inbound = self._recv(max(0.0, min(deadline, self._next_expiry()) - now))
@@ -175,16 +181,18 @@ class KVReceiver:
         """The receiving socket, for a node loop that waits on it together with others."""
         return self._channel.socket
 
-    def abort(self, request_id: str, reason: str) -> bool:
-        """Drop a request still in transfer (e.g. its client left); False when unknown here."""
-        if request_id in self._incoming or any(q.reserve.request_id == request_id for q in self._queued):
-            self._fail(request_id, KVAborted(request_id, reason))
-            return True
-        return False
+    def stop(self, request_id: str, reason: str) -> bool:
+        """The engine dropped the request (its client left, its time ran out): forget its transfer
+        and tell the sender to stop. The blocks were the engine's to free. False when unknown here."""
+        transfer = self._transfers.pop(request_id, None)
+        if transfer is None:
+            return False
+        self._reply(transfer.peer, Abort(request_id, reason))
+        return True
 
     def close(self) -> None:
-        """Free every request still in transfer and close the socket."""
-        for request_id in [*self._incoming, *(q.reserve.request_id for q in self._queued)]:
+        """Fail every request still in transfer and close the socket."""
+        for request_id in list(self._transfers):
             self._fail(request_id, KVAborted(request_id, "receiver closing"))
         self._channel.close()
         self._peers.close()
@@ -208,77 +216,72 @@ class KVReceiver:
 
     def _on_reserve(self, peer: bytes, msg: Message, frames: list[memoryview]) -> None:
         assert isinstance(msg, KVReserve)
-        duplicate = msg.request_id in self._incoming or any(
-            q.reserve.request_id == msg.request_id for q in self._queued
-        )
+        rid, duplicate = msg.request_id, msg.request_id in self._transfers
         problem = reserve_problem(
             msg, self.fingerprint, self.reservations.num_blocks, self.draining, duplicate
         )
+        if problem is None and self.num_queued >= self.config.max_waiting:
+            problem = ("receiver busy: too many reservations waiting for blocks",)
         if problem is not None:
-            self._reply(peer, KVReject(msg.request_id, *problem))
-            return
-        try:
-            if not self._queued and self._try_grant(peer, msg):
-                return
-        except ValueError as exc:  # the engine will never admit it
-            self._reply(peer, KVReject(msg.request_id, f"not admitted: {exc}"))
-            return
-        if len(self._queued) >= self.config.max_waiting:
-            self._reply(peer, KVReject(msg.request_id, "receiver busy: wait queue full"))
+            self._reply(peer, KVReject(rid, *problem))
             return
         ttl = min(msg.ttl_s, self.config.max_ttl_s)
-        self._queued.append(_Queued(peer, msg, time.monotonic() + ttl))
-        self._reply(peer, KVWait(msg.request_id, len(self._queued) - 1))
+        transfer = self._transfers[rid] = _Transfer(peer, msg, time.monotonic() + ttl)
+        try:  # the engine may grant at once (from inside this call) or at a later step
+            position = self.reservations.reserve(rid, msg.token_ids, msg.sampling_params)
+        except ValueError as exc:  # the engine will never admit it
+            position, reason = None, f"not admitted: {exc}"
+        else:
+            reason = "receiver busy: wait queue full"
+        if position is None:
+            del self._transfers[rid]
+            self._reply(peer, KVReject(rid, reason))
+        elif transfer.landing is None:
+            self._reply(peer, KVWait(rid, position))
 
-    def _try_grant(self, peer: bytes, msg: KVReserve) -> bool:
-        """Grant when the engine has room now; ValueError when it never will."""
-        reservation = self.reservations.reserve(msg.request_id, msg.token_ids, msg.sampling_params)
-        if reservation is None:
-            return False
-        num_held, send_ids = reservation.num_held_blocks, list(reservation.block_ids)
+    def _granted(self, reservation: Reservation) -> None:
+        """The engine's scheduler granted blocks: tell the sender where its KV goes."""
+        rid = reservation.request_id
+        transfer = self._transfers.get(rid)
+        if transfer is None or transfer.landing is not None:  # nobody here waits for them
+            self.reservations.abort(rid)
+            return
+        msg, num_held, send_ids = transfer.reserve, reservation.num_held_blocks, list(reservation.block_ids)
         # The one-copy path writes our caches through numpy views: only for caches in host memory.
         direct_src = self._peers.map_cache(msg) if self._copies.on_host else None
         ring = None if direct_src is not None else self._peers.map_ring(msg)
-        self._incoming[msg.request_id] = _Incoming(
-            peer,
-            msg,
+        landing = transfer.landing = _Landing(
             num_held,
             torch.tensor(send_ids, dtype=torch.long),
             bytearray(self.fingerprint.num_layers * len(send_ids)),
-            time.monotonic() + self.config.chunk_timeout_s,
             ring,
             None if direct_src is None else DirectCopy(direct_src),
         )
+        transfer.deadline = time.monotonic() + self.config.chunk_timeout_s
         grant = KVGrant(
-            msg.request_id,
-            num_held,
-            tuple(send_ids),
-            self.config.window_bytes,
-            ring is not None,
-            direct_src is not None,
+            rid, num_held, tuple(send_ids), self.config.window_bytes, ring is not None, direct_src is not None
         )
-        self._reply(peer, grant)
-        state = self._incoming[msg.request_id]
-        if state.direct is not None:  # copy now, while the sender hashes; KVDone only compares
-            state.direct.at_grant(
-                msg.cache_block_ids, num_held, self.key_caches, self.value_caches, state.block_ids
+        self._reply(transfer.peer, grant)
+        if landing.direct is not None:  # copy now, while the sender hashes; KVDone only compares
+            landing.direct.at_grant(
+                msg.cache_block_ids, num_held, self.key_caches, self.value_caches, landing.block_ids
             )
-            state.deadline = time.monotonic() + self.config.chunk_timeout_s
-        return True
+            transfer.deadline = time.monotonic() + self.config.chunk_timeout_s
 
     def _on_chunk(self, peer: bytes, msg: Message, frames: list[memoryview]) -> None:
         assert isinstance(msg, KVChunk)
-        state = self._incoming.get(msg.request_id)
+        transfer = self._transfers.get(msg.request_id)
         try:
-            if state is not None and state.peer == peer:  # else a request already failed here
-                self._land_chunk(state, msg, frames)
+            if transfer is not None and transfer.peer == peer and transfer.landing is not None:
+                self._land_chunk(transfer, msg, frames)  # else a request already failed here
         finally:
             # Credit every chunk, landed or not, once its bytes are no longer read (the sender
             # reuses a shared slot on credit), so the sender's window never leaks.
             self._reply(peer, KVCredit(msg.request_id, sum(len(f) for f in frames)))
 
-    def _land_chunk(self, state: _Incoming, msg: KVChunk, frames: list[memoryview]) -> None:
-        wire = state.reserve.wire_format
+    def _land_chunk(self, transfer: _Transfer, msg: KVChunk, frames: list[memoryview]) -> None:
+        wire, state = transfer.reserve.wire_format, transfer.landing
+        assert state is not None, "chunks land only in granted blocks"
         if msg.shm_offset is not None:
             # Copy out of the sender's live ring first, then check and land that copy: checking the
             # ring in place would let bytes that change between the check and the copy land unchecked.
@@ -301,18 +304,19 @@ class KVReceiver:
             self.key_caches[msg.layer],
             self.value_caches[msg.layer],
             ids,
-            state.reserve.wire_format,
+            wire,
             self._copies,
         )  # landed on return, also in device memory: the engine may read the blocks from now on
         first = msg.layer * len(state.block_ids) + msg.block_start
         state.landed[first : first + msg.num_blocks] = b"\x01" * msg.num_blocks
         state.bytes_received += sum(len(f) for f in frames)
-        state.deadline = time.monotonic() + self.config.chunk_timeout_s
+        transfer.deadline = time.monotonic() + self.config.chunk_timeout_s
 
     def _on_done(self, peer: bytes, msg: Message, frames: list[memoryview]) -> None:
         assert isinstance(msg, KVDone)
-        state = self._incoming.get(msg.request_id)
-        if state is None or state.peer != peer:
+        transfer = self._transfers.get(msg.request_id)
+        state = transfer.landing if transfer is not None and transfer.peer == peer else None
+        if state is None:
             self._reply(peer, Error(msg.request_id, "unknown_request", "no transfer in progress for this id"))
             return
         if state.direct is not None:
@@ -331,7 +335,7 @@ class KVReceiver:
         if not all(state.landed):
             self._fail(msg.request_id, KVAborted(msg.request_id, "done before every chunk landed"))
             return
-        del self._incoming[msg.request_id]
+        del self._transfers[msg.request_id]
         self._reply(peer, KVAck(msg.request_id))
         self._result.completed.append(
             ReceivedKV(
@@ -340,64 +344,40 @@ class KVReceiver:
                 state.num_held_blocks,
                 state.bytes_received,
                 msg.num_cached_tokens,
-                state.reserve.request_meta,
+                transfer.reserve.request_meta,
                 msg.first_logprobs,
             )
         )
 
     def _on_abort(self, peer: bytes, msg: Message, frames: list[memoryview]) -> None:
         assert isinstance(msg, Abort)
-        state = self._incoming.get(msg.request_id)
-        queued = any(q.reserve.request_id == msg.request_id and q.peer == peer for q in self._queued)
-        if (state is not None and state.peer == peer) or queued:
+        transfer = self._transfers.get(msg.request_id)
+        if transfer is not None and transfer.peer == peer:
             self._fail(msg.request_id, KVAborted(msg.request_id, f"peer: {msg.reason}"), notify=False)
 
-    # ----------------------------------------------------------------- deadlines and room
+    # ----------------------------------------------------------------- deadlines and failures
     def _expire(self, now: float) -> None:
-        for request_id, state in list(self._incoming.items()):
-            if state.deadline <= now:
+        for request_id, transfer in list(self._transfers.items()):
+            if transfer.deadline > now:
+                continue
+            if transfer.landing is not None:
                 self._fail(request_id, KVTimeout(request_id, "chunk"))
-        for queued in [q for q in self._queued if q.expires_at <= now]:
-            self._queued.remove(queued)
-            self._reply(
-                queued.peer, KVReject(queued.reserve.request_id, "timed out waiting for blocks", "ttl_s")
-            )
-            self._result.failed.append(
-                TransferFailure(
-                    queued.reserve.request_id,
-                    KVTimeout(queued.reserve.request_id, "grant"),
-                    queued.reserve.request_meta,
-                )
-            )
+                continue
+            self._reply(transfer.peer, KVReject(request_id, "timed out waiting for blocks", "ttl_s"))
+            self._fail(request_id, KVTimeout(request_id, "grant"), notify=False)
 
     def _next_expiry(self) -> float:
-        deadlines = [s.deadline for s in self._incoming.values()] + [q.expires_at for q in self._queued]
-        return min(deadlines, default=math.inf)
-
-    def _grant_queued(self) -> None:
-        """Grant queued reservations in arrival order while the head fits (no overtaking)."""
-        while self._queued:
-            head = self._queued[0]
-            try:
-                if not self._try_grant(head.peer, head.reserve):
-                    return
-            except ValueError as exc:  # admitted rules changed under it (e.g. a duplicate id)
-                self._reply(head.peer, KVReject(head.reserve.request_id, f"not admitted: {exc}"))
-            self._queued.popleft()
+        return min((t.deadline for t in self._transfers.values()), default=math.inf)
 
     def _fail(self, request_id: str, error: KVTransferError, notify: bool = True) -> None:
-        state = self._incoming.pop(request_id, None)
-        peer, meta = None, None
-        if state is not None:
-            meta = state.reserve.request_meta
-            self.reservations.release(request_id)
-            peer = state.peer
-        for queued in [q for q in self._queued if q.reserve.request_id == request_id]:
-            self._queued.remove(queued)
-            peer, meta = queued.peer, queued.reserve.request_meta
-        if notify and peer is not None:
-            self._reply(peer, Abort(request_id, str(error)))
-        self._result.failed.append(TransferFailure(request_id, error, meta))
+        """Drop the transfer, have the engine drop the request, tell the sender (``notify``)."""
+        transfer = self._transfers.pop(request_id, None)
+        if transfer is None:
+            return
+        self.reservations.abort(request_id)
+        if notify:
+            self._reply(transfer.peer, Abort(request_id, str(error)))
+        self._result.failed.append(TransferFailure(request_id, error, transfer.reserve.request_meta))
 
     def _reply(self, peer: bytes, msg: Message) -> None:
         if isinstance(msg, Error):

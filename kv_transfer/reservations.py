@@ -1,19 +1,22 @@
 """What a KV receiver asks of the engine that owns its blocks, and what it gets back.
 
-The receiver moves bytes into block ids; the engine decides whether a request may have blocks at
-all (the same admission rules as its local requests) and owns the request's state. The decode
-node's ``LLMEngine`` is the implementation (``reserve_remote`` / ``abort_request``).
+The receiver moves bytes into block ids; the engine owns the request. It queues the request with
+its own waiting prompts, grants its blocks from its own scheduling loop (the same admission rules
+as its local requests), and is told when a transfer fails. The decode node's ``LLMEngine`` is the
+implementation (``reserve_remote`` / ``on_kv_granted`` / ``abort_request``); an abort the node
+starts goes to the engine first, which says whether a transfer must stop (``KVReceiver.stop``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from protocol.sampling_params import SamplingParams
 
 
 class Reservation(Protocol):
+    request_id: str
     num_held_blocks: int  # leading prompt blocks the engine already holds (prefix cache): not sent
     block_ids: tuple[int, ...]  # the blocks the rest of the prompt's KV lands in, in prompt order
 
@@ -26,11 +29,16 @@ class BlockReservations(Protocol):
 
     def reserve(
         self, request_id: str, token_ids: Sequence[int], sampling_params: SamplingParams | None
-    ) -> Reservation | None:
-        """Blocks for the prompt's KV, or None while there is no room (the receiver queues it).
-        Raises ValueError when the request can never be admitted."""
+    ) -> int | None:
+        """Queue the request for blocks: its place in the engine's waiting queue, or None while
+        that queue is full. Raises ValueError when the request can never be admitted. The blocks
+        come later (or at once), through the ``on_granted`` callback."""
         ...
 
-    def release(self, request_id: str) -> None:
-        """The transfer failed or was aborted: the engine drops the request and its blocks."""
+    def on_granted(self, callback: Callable[[Reservation], None]) -> None:
+        """Where the engine hands each grant, in grant order."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """The transfer failed or its grant came too late: the engine drops the request and its blocks."""
         ...

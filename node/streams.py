@@ -103,7 +103,6 @@ def node_status(
     kv_addr: str | None,
     fingerprint: KVFingerprint,
     draining: bool,
-    extra_queued: int = 0,
     prefill_tokens_per_s: float | None = None,
 ) -> NodeInfo:
     stats = engine.stats()  # the one snapshot of the engine a node reads
@@ -120,7 +119,7 @@ def node_status(
         num_blocks_committed=stats.num_blocks_committed,
         torch_threads=stats.torch_threads,
         num_running=stats.num_running,
-        num_queued=stats.num_waiting + extra_queued,
+        num_queued=stats.num_waiting + stats.num_receiving,  # receiving: not decoding yet
         num_queued_prefill_tokens=stats.num_queued_prefill_tokens,
         draining=draining,
         heartbeat_time=time.time(),

@@ -68,3 +68,19 @@ def paged_logits(
             rows.append(runner.model.compute_logits(hidden))
         seq.num_computed_tokens += n
     return torch.cat(rows).float()
+
+
+def grant_remote(engine, request_id: str, prompt: list[int], params: SamplingParams):
+    """A decode engine's side of a reservation: queue it, and step until the scheduler grants its
+    blocks (what a decode node's loop does). Returns the grant and the steps' outputs."""
+    grants: list = []
+    engine.on_kv_granted(grants.append)
+    engine.reserve_remote(request_id, prompt, params)
+    outputs = []
+    for _ in range(64):
+        outputs += engine.step()
+        if grants:
+            (grant,) = grants
+            assert grant.request_id == request_id
+            return grant, outputs
+    raise AssertionError(f"{request_id} was never granted blocks")

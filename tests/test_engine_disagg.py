@@ -10,17 +10,17 @@ import torch
 import kernels
 from engine import SamplingParams
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import Aborted, LLMEngine
 from engine.sequence import Sequence, SequenceStatus
-from tests.engine_helpers import hf_greedy
+from tests.engine_helpers import grant_remote, hf_greedy
 from tests.tiny_models import make_tiny_model
 
 
 def _move_kv(src: LLMEngine, dst: LLMEngine, seq: Sequence, request_id: str) -> list:
-    """What kv_transfer does over the wire, done in-process: reserve, gather, scatter, arrive."""
+    """What kv_transfer does over the wire, done in-process: reserve, gather, scatter, arrive.
+    Returns the outputs of the steps it took (the grant's) and of the arrival."""
     prompt = seq.token_ids[: seq.num_prompt_tokens]
-    reservation = dst.reserve_remote(request_id, list(prompt), seq.params)
-    assert reservation is not None
+    reservation, outputs = grant_remote(dst, request_id, list(prompt), seq.params)
     held = reservation.num_held_blocks
     src_k = [k for k, _ in src.runner.kv_caches]
     src_v = [v for _, v in src.runner.kv_caches]
@@ -31,7 +31,7 @@ def _move_kv(src: LLMEngine, dst: LLMEngine, seq: Sequence, request_id: str) -> 
         [v for _, v in dst.runner.kv_caches],
         torch.tensor(reservation.block_ids),
     )
-    return dst.kv_arrived(request_id, seq.token_ids[-1])
+    return outputs + dst.kv_arrived(request_id, seq.token_ids[-1])
 
 
 def test_prefill_only_then_decode_elsewhere_matches_hf():
@@ -87,21 +87,52 @@ def _prefilled(path: str, prompts: dict[str, list[int]], max_tokens: int) -> LLM
     return prefill
 
 
-def test_remote_reservations_obey_max_num_seqs_and_count_as_running():
+def test_remote_reservations_wait_in_the_fifo_of_local_prompts_and_count_as_running():
+    """Reservations queue with local prompts (no overtaking either way) and are granted by the
+    same schedule, under max_num_seqs; a granted one holds its slot until its KV lands."""
     path = str(make_tiny_model("llama"))
     decode = LLMEngine(EngineConfig(model=path, num_kv_blocks=64, block_size=8, max_num_seqs=2))
+    granted: list[str] = []
+    decode.on_kv_granted(lambda reservation: granted.append(reservation.request_id))
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    assert decode.reserve_remote("a", list(range(3, 20)), params) is not None
+    decode.reserve_remote("a", list(range(3, 20)), params)
     decode.add_request("local", list(range(30, 40)), params)
-    decode.step()  # the local prompt runs: now "a" (receiving) and "local" fill max_num_seqs
-    assert decode.scheduler.num_seqs == 2
-    assert decode.reserve_remote("b", list(range(50, 60)), params) is None
+    assert not granted  # granted by a step's schedule, not at once
+    decode.step()  # "a" granted, "local" runs: now they fill max_num_seqs
+    assert granted == ["a"] and decode.scheduler.num_seqs == 2
+    decode.reserve_remote("b", list(range(50, 60)), params)
     decode.add_request("queued", list(range(60, 70)), params)
     decode.step()
-    assert [s.request_id for s in decode.scheduler.waiting] == ["queued"]  # "a" holds its slot locally too
-    decode.abort_request("a")  # its transfer failed: blocks and slot come back
-    assert decode.reserve_remote("b", list(range(50, 60)), params) is not None
+    assert granted == ["a"]
+    assert [s.request_id for s in decode.scheduler.waiting] == ["b", "queued"]  # one FIFO
+    assert decode.stats().num_waiting == 2 and decode.stats().num_receiving == 1
+    assert decode.num_queued_prefill_tokens() == 10  # only "queued" is computed here
+    assert decode.abort_request("a") is Aborted.KV_INBOUND  # its transfer failed: blocks and slot back
+    decode.step()
+    assert granted == ["a", "b"]  # the head first: "queued" stays behind it, out of slots
+    assert [s.request_id for s in decode.scheduler.waiting] == ["queued"]
+    assert decode.abort_request("b") is Aborted.KV_INBOUND
+    assert decode.abort_request("queued") is Aborted.LOCAL and not decode.abort_request("queued")
     decode.block_manager.check_integrity([*decode.scheduler.running, *decode.scheduler.receiving])
+
+
+def test_a_reservation_that_does_not_fit_stalls_the_loop_until_something_ends():
+    """has_work turns False while the head cannot be granted (no busy loop), and True again
+    once blocks come back."""
+    path = str(make_tiny_model("llama"))
+    decode = LLMEngine(EngineConfig(model=path, num_kv_blocks=8, block_size=8))
+    decode.on_kv_granted(lambda reservation: None)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    decode.reserve_remote("big", list(range(3, 43)), params)  # 5 blocks of 8
+    decode.step()
+    decode.reserve_remote("next", list(range(50, 82)), params)  # 4 blocks: 3 are left
+    assert decode.has_work()
+    decode.step()
+    assert not decode.has_work() and decode.scheduler.waiting[0].request_id == "next"
+    decode.abort_request("big")
+    assert decode.has_work()
+    decode.step()
+    assert decode.stats().num_receiving == 1 and not decode.scheduler.waiting
 
 
 def test_remote_reservation_reuses_cached_prefix_blocks_and_decodes_equal_to_hf():
@@ -112,7 +143,7 @@ def test_remote_reservation_reuses_cached_prefix_blocks_and_decodes_equal_to_hf(
     decode = LLMEngine(EngineConfig(model=path, num_kv_blocks=32, block_size=8))
     outs = {}
     for rid in prompts:
-        reservation = decode.reserve_remote(rid, prompts[rid], prefill.scheduler.held[rid].params)
+        reservation, _ = grant_remote(decode, rid, prompts[rid], prefill.scheduler.held[rid].params)
         assert reservation.num_held_blocks == (0 if rid == "first" else 3)
         decode.abort_request(rid)
         _move_kv(prefill, decode, prefill.scheduler.held[rid], rid)

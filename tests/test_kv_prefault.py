@@ -13,7 +13,7 @@ import torch
 
 from engine import LLM, SamplingParams, kv_prefault
 from engine.kv_prefault import PAGE, KVPrefault, populate
-from tests.engine_helpers import hf_greedy
+from tests.engine_helpers import grant_remote, hf_greedy
 from tests.tiny_models import make_tiny_model
 
 LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -122,7 +122,7 @@ def test_blocks_reserved_for_incoming_kv_are_committed_before_it_lands():
     )
     engine, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=4)
     assert engine.kv_prefault.ahead == 1 and engine.kv_prefault.committed == 0  # a block per sequence
-    assert engine.reserve_remote("far", [i % 250 for i in range(500)], params) is not None  # 32 blocks
+    grant_remote(engine, "far", [i % 250 for i in range(500)], params)  # 32 blocks
     assert engine.block_manager.high_water == 32 and engine.kv_prefault.committed == 33
 
 

@@ -201,3 +201,46 @@ def test_kv_that_never_arrives_is_reported_to_the_router_and_its_blocks_freed(pa
         assert info["num_blocks_free"] == info["num_blocks_total"]
     finally:
         sender.close()
+
+
+def test_an_abort_reaches_reservations_queued_in_the_decode_engine_and_granted_ones(pair, client):
+    """Reservations wait for blocks in the decode engine's own queue; the router's abort goes to
+    the engine, which has the receiver stop the transfer: the waiting sender is told at once, and
+    every block comes back (no tombstones left behind)."""
+    import concurrent.futures
+
+    from kv_transfer.errors import KVAborted
+    from kv_transfer.messages import KVFingerprint
+    from kv_transfer.sender import KVSender, SenderConfig
+    from protocol.messages import RequestMeta
+    from protocol.sampling_params import SamplingParams
+
+    _, _, _, decode = pair
+    fp = KVFingerprint(**client.status(decode)["fingerprint"])
+    meta = RequestMeta(client.reply_addr, time.time() + 30, time.time())
+    senders = [KVSender(decode["kv_addr"], fp, SenderConfig(shared_memory=False)) for _ in range(2)]
+    prompts = {
+        rid: [(7 * i + k) % 250 + 3 for i in range(n)]
+        for k, (rid, n) in enumerate([("a", 450), ("b", 450), ("c", 150)])
+    }
+    try:
+        for rid in ("a", "b"):  # 57 blocks each of the 128
+            senders[0].reserve(rid, prompts[rid], SamplingParams(max_tokens=4), meta)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(senders[1].reserve, "c", prompts["c"], SamplingParams(max_tokens=4), meta)
+            deadline = time.monotonic() + 10
+            while client.status(decode)["num_queued"] < 3:  # "c" queued, "a" and "b" receiving
+                assert time.monotonic() < deadline and not waiting.done()
+                time.sleep(0.05)
+            started = time.monotonic()
+            client.abort(decode, "c")
+            with pytest.raises(KVAborted):
+                waiting.result(timeout=5)
+            assert time.monotonic() - started < 2.0  # told, not left to its grant deadline
+        client.abort(decode, "a")
+        client.abort(decode, "b")
+        info = client.wait_idle(decode)
+        assert info["num_blocks_free"] == info["num_blocks_total"] and info["num_queued"] == 0
+    finally:
+        for sender in senders:
+            sender.close()
