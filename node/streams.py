@@ -47,7 +47,7 @@ def next_chunk(
     if not new and out.finish_reason is None:
         return None
     logprobs = tuple(wire_logprob(lp) for lp in (out.logprobs or [])[stream.num_sent - stream.num_resumed :])
-    stream.num_sent = len(out.token_ids)
+    position, stream.num_sent = stream.num_sent, len(out.token_ids)
     timings = dict(stream.timings) if out.finish_reason is not None else None
     return TokenChunk(
         stream.request_id,
@@ -60,6 +60,7 @@ def next_chunk(
         is_first,
         timings,
         tuple(wire_logprob(lp) for lp in prompt_logprobs or ()),
+        position,
     )
 
 

@@ -85,6 +85,9 @@ class TokenChunk(Message):
     # SamplingParams.prompt_logprobs, on the first chunk of the node that ran the prompt: one per
     # prompt token after the first
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    # where this chunk's tokens start in the request's output (a resumed request's count from
+    # the tokens it resumed after): the router orders the prefill and decode nodes' chunks by it
+    position: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -196,8 +196,7 @@ async def _attempt(
     try:
         node_params = dataclasses.replace(sample.params, stop=())  # stop strings: the router's
         await _send(backend, route, request_id, sample, node_params, tuple(progress.relayed))
-        resumed = bool(progress.relayed)
-        async for chunk in _relay(backend, route, queue, sample, ticket, resumed):
+        async for chunk in _relay(backend, route, queue, sample, ticket, len(progress.relayed)):
             finished = chunk.finish_reason is not None
             progress.relayed.extend(chunk.token_ids)
             yield chunk
@@ -291,12 +290,14 @@ async def _relay(
     queue: asyncio.Queue[pm.Message],
     sample: Sample,
     ticket: Ticket,
-    resumed: bool = False,
+    start: int = 0,
 ) -> AsyncIterator[pm.TokenChunk]:
-    """One attempt's chunks; ``resumed``: a migrated sample's (its TTFT was counted already)."""
+    """One attempt's chunks; ``start``: the tokens a migrated sample resumes after (its TTFT was
+    counted already when there are any)."""
+    resumed = start > 0
     num_tokens = 0
     first_token_time = 0.0
-    async for msg in _in_order(backend, route, queue):
+    async for msg in _in_order(backend, route, queue, start):
         if isinstance(msg, pm.RequestFailed):
             if msg.retryable and num_tokens == 0:
                 # The prefill node reports the decode node's refusal: that one is to avoid.
@@ -319,27 +320,24 @@ async def _relay(
 
 
 async def _in_order(
-    backend: Backend, route: Route, queue: asyncio.Queue[pm.Message]
+    backend: Backend, route: Route, queue: asyncio.Queue[pm.Message], start: int
 ) -> AsyncIterator[pm.TokenChunk | pm.RequestFailed]:
-    """The attempt's replies with the first token first: prefill and decode node push on separate
-    sockets, so the decode node's first chunk may overtake the prefill node's first token; such
-    chunks wait for it."""
-    early: list[pm.TokenChunk] = []
-    relayed = False  # a chunk went on: a failure from now on comes after tokens
+    """The attempt's replies in output order, from ``start`` (the tokens a migrated sample resumes
+    after). The prefill and the decode node push on separate sockets, so a chunk may overtake an
+    earlier one: each says where its tokens start, one that comes early waits for those before
+    it, and a repeat is dropped."""
+    ahead: dict[int, pm.TokenChunk] = {}  # at most the queue's bound: each came out of it
+    expected = start
     while True:
-        if early and relayed:
-            msg = early.pop(0)
-        else:
-            msg = await _next_reply(backend, route, queue, after_tokens=relayed)
-            if (
-                isinstance(msg, pm.TokenChunk)
-                and route.prefill is not None
-                and not relayed
-                and not msg.is_first
-            ):
-                early.append(msg)
+        msg = ahead.pop(expected, None)
+        if msg is None:
+            msg = await _next_reply(backend, route, queue, after_tokens=expected > start)
+            if isinstance(msg, pm.TokenChunk) and msg.position != expected:
+                if msg.position > expected:
+                    ahead[msg.position] = msg
                 continue
-        relayed = relayed or isinstance(msg, pm.TokenChunk)
+        if isinstance(msg, pm.TokenChunk):
+            expected += len(msg.token_ids)
         yield msg
 
 

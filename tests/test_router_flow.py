@@ -210,3 +210,36 @@ def test_echo_puts_the_prompt_before_the_output(default_model_dir, tokens):
 
     text = run_async(go()).json()["choices"][0]["text"]
     assert text == LONG_PROMPT + " The quick"
+
+
+def test_chunks_are_relayed_by_their_output_position_and_repeats_dropped():
+    """Each chunk says where its tokens start: early ones wait for those before them, whatever
+    node sent them, and a chunk seen already is dropped (a migrated attempt starts past 0)."""
+    import types
+
+    from protocol import messages as pm
+    from router.generation import _in_order
+
+    def chunk(position: int, *ids: int, finish=None) -> pm.TokenChunk:
+        return pm.TokenChunk("r", "d0", ids, (), finish, 3, 0, position=position)
+
+    async def order(start: int, chunks: list[pm.TokenChunk]) -> list[tuple[int, ...]]:
+        queue: asyncio.Queue = asyncio.Queue()
+        for c in chunks:
+            queue.put_nowait(c)
+        node = types.SimpleNamespace(node_id="d0")
+        backend = types.SimpleNamespace(
+            config=types.SimpleNamespace(chunk_timeout_s=5.0),
+            registry=types.SimpleNamespace(is_alive=lambda node_id: True),
+        )
+        got = []
+        async for msg in _in_order(backend, types.SimpleNamespace(prefill=node, decode=node), queue, start):
+            got.append(msg.token_ids)
+            if msg.finish_reason is not None:
+                return got
+        return got
+
+    early = [chunk(1, 11, 12), chunk(3, 13), chunk(1, 11, 12), chunk(0, 10), chunk(4, finish="length")]
+    assert run_async(order(0, early)) == [(10,), (11, 12), (13,), ()]
+    resumed = [chunk(5, 15), chunk(4, 14), chunk(6, 16, finish="stop")]
+    assert run_async(order(4, resumed)) == [(14,), (15,), (16,)]

@@ -194,6 +194,7 @@ class FakeNode:
             len(req.token_ids),
             self.num_cached_tokens,
             is_first=is_first,
+            position=index,
         )
 
     async def _generate(self, req: pm.GenerateRequest) -> None:
