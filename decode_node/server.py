@@ -22,7 +22,8 @@ import time
 from collections.abc import Callable
 
 from engine.config import EngineConfig
-from engine.llm_engine import Aborted, LLMEngine, QueueFullError, RemoteReservation
+from engine.llm_engine import LLMEngine
+from engine.requests import Aborted, QueueFullError, RemoteReservation
 from kv_transfer.messages import KVFingerprint
 from kv_transfer.receiver import KVReceiver, ReceivedKV
 from node.log import EventLog, forward_own_logs

@@ -20,6 +20,17 @@ from engine.attention import AttentionMetadata
 SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
+def why_eager(platform_kind: str, enforce_eager: bool, runner) -> str | None:
+    """Why an engine's decode steps run eagerly; None where graphs capture them."""
+    if platform_kind != "cuda":
+        return "not CUDA"
+    if enforce_eager:
+        return "enforce_eager"
+    if runner.has_host_routing:
+        return "MoE routes on the host"
+    return "torch attention" if runner.attention_backend == "torch" else None
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in SIZES if s < max_num_seqs] + [max_num_seqs]
 

@@ -59,3 +59,16 @@ def describe_dtype(dtype: torch.dtype, device: torch.device) -> str:
     if device.type == "cpu" and dtype == torch.float32 and torch.cpu._is_avx512_bf16_supported():
         return f"dtype {name} (this CPU has AVX512-BF16: --dtype bfloat16 runs about 2x faster)"
     return f"dtype {name}"
+
+
+def describe_runtime(runner, device: torch.device, adapts_threads: bool) -> str:
+    """The start-up line's account of how this engine computes: kernels, dtype, CPU settings."""
+    import kernels
+    from engine import cpu_env
+
+    native = kernels.native_cpu(runner.kv_caches[0][0], runner.attention_backend)
+    attention = "C++ CPU kernel" if native else "torch/Triton"
+    linear = "oneDNN, packed weights" if runner.packed_linear else "F.linear"
+    adapts = "; fewer torch threads while other processes load these CPUs" * adapts_threads
+    dtype = describe_dtype(runner.dtype, device)
+    return f"{adapts}; {dtype}; attention: {attention}; linear layers: {linear}; {cpu_env.describe()}"

@@ -3,71 +3,41 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 import time
 from collections.abc import Callable
 
 import torch
 
-import kernels
-from engine import cpu_env
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu_share import CpuShare
-from engine.device import describe_dtype, resolve_dtype
+from engine.cuda_graphs import why_eager
+from engine.device import describe_runtime, resolve_dtype
 from engine.kv_prefault import KVPrefault
 from engine.logits_rules import LogitsRules
 from engine.model_runner import KVCacheFactory, ModelRunner
 from engine.models import model_class
 from engine.outputs import EngineStats, RequestOutput, completion_output
 from engine.platform import UNVERIFIED_CUDA, resolve_platform
+from engine.requests import (
+    Aborted,
+    QueueFullError,
+    RemoteReservation,
+    Request,
+    check_request,
+    check_resume,
+    expand_forks,
+)
 from engine.resources import usable_cpus
 from engine.sampler import Sampler, SamplerInput, prompt_logprobs
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprob
-from engine.sizing import DeviceMemory, EngineSizing, announce, size_device_pool, size_engine
+from engine.sizing import EngineSizing, announce, measure_device, size_device_pool, size_engine
 from engine.step_budget import StepBudget
 from engine.step_stats import StepStats, step_tokens
 from engine.stop_rules import StopRules
 from protocol.kv_layout import KVCacheSpec
 from protocol.sampling_params import SamplingParams
-
-
-class QueueFullError(RuntimeError):
-    """The engine's bounded waiting queue is full; retry later."""
-
-
-class Aborted(enum.Enum):
-    """Where ``abort_request`` found the request: which transfer, if any, the caller must stop."""
-
-    UNKNOWN = "unknown"  # not here (it finished, or never came): falsy
-    LOCAL = "local"  # waiting or computing here; no transfer touches it
-    KV_INBOUND = "kv_inbound"  # its prompt KV was coming from a peer (queued or granted): stop that
-    KV_OUTBOUND = "kv_outbound"  # held for a transfer of its KV to a peer
-
-    def __bool__(self) -> bool:
-        return self is not Aborted.UNKNOWN
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RemoteReservation:
-    """Blocks a step granted to a request whose prompt KV another node sends (``reserve_remote``)."""
-
-    request_id: str
-    num_held_blocks: int  # leading prompt blocks already in this engine's prefix cache: not sent
-    block_ids: tuple[int, ...]  # the blocks the rest of the prompt's KV lands in, in prompt order
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]  # one until the prompt is prefilled, then n (forks share its blocks)
-
-    @property
-    def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.status.done for s in self.seqs)
 
 
 class LLMEngine:
@@ -106,12 +76,7 @@ class LLMEngine:
         self.kv_prefault = KVPrefault.for_engine(self.runner.kv_caches, self.kv_spec.num_blocks, config)
         m = self.model_config
         self.sampler = Sampler(LogitsRules(config.model, m.vocab_size, tuple(m.eos_token_ids)))
-        native = kernels.native_cpu(self.runner.kv_caches[0][0], self.runner.attention_backend)
-        attention = "C++ CPU kernel" if native else "torch/Triton"
-        linear = "oneDNN, packed weights" if self.runner.packed_linear else "F.linear"
-        adapts = "; fewer torch threads while other processes load these CPUs" * self.cpu_share.active
-        dtype = describe_dtype(self.runner.dtype, self.device)
-        extra = f"{adapts}; {dtype}; attention: {attention}; linear layers: {linear}; {cpu_env.describe()}"
+        extra = describe_runtime(self.runner, self.device, self.cpu_share.active)
         if self.platform.kind == "cuda":
             extra += f"; CUDA graphs: {self.decode_graphs}; {UNVERIFIED_CUDA}"
         announce(self.sizing.describe(config, extra))
@@ -126,14 +91,7 @@ class LLMEngine:
 
     def _graphs_off(self) -> str | None:
         """Why decode steps run eagerly on this engine; None where CUDA graphs capture them."""
-        c, runner = self.config, self.runner
-        if self.platform.kind != "cuda":
-            return "not CUDA"
-        if c.enforce_eager:
-            return "enforce_eager"
-        if runner.has_host_routing:
-            return "MoE routes on the host"
-        return "torch attention" if runner.attention_backend == "torch" else None
+        return why_eager(self.platform.kind, self.config.enforce_eager, self.runner)
 
     def _decode_graphs(self) -> str:
         """Capture the decode graphs where they apply; the start-up line's word for it."""
@@ -146,18 +104,10 @@ class LLMEngine:
     def _size_device_pool(self, at_start: tuple[int, int]) -> EngineSizing:
         """The pool from what the weights and a profile run of the largest step leave of this
         engine's share of the device (engine/sizing.py)."""
-        c, platform = self.config, self.platform
-        platform.synchronize()
-        platform.empty_cache()
-        platform.reset_peak()
-        self.runner.profile(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)
-        peak, allocated = platform.peak_bytes(), platform.allocated_bytes()
-        platform.empty_cache()
-        free_after, _ = platform.mem_info()
-        free_at_start, total = at_start
+        c = self.config
+        profile = lambda: self.runner.profile(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)  # noqa: E731
         # graphs hold a decode step's activations in their own pool: the peak once more
-        graphs = self._graphs_off() is None
-        memory = DeviceMemory(total, free_at_start, free_after, peak or 0, allocated or 0, graphs)
+        memory = measure_device(self.platform, profile, at_start, graphs=self._graphs_off() is None)
         return size_device_pool(
             self.sizing, c, self.max_model_len, self._kv_spec().bytes_per_block, memory, str(self.device)
         )
@@ -171,35 +121,15 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request; returns its resolved max_tokens. Raises ValueError naming the field."""
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
-        if num_prompt >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {num_prompt} tokens leave no room in the model's context of "
-                f"{self.max_model_len} tokens"
-            )
-        room = self.max_model_len - num_prompt
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(
-                f"max_tokens: {params.max_tokens} + {num_prompt} prompt tokens exceed the "
-                f"model's context of {self.max_model_len} tokens"
-            )
-        max_tokens = params.max_tokens or room
-        blocks = self.block_manager.blocks_needed(num_prompt + max_tokens)
-        if blocks > self.block_manager.num_blocks:
-            raise ValueError(
-                f"prompt: {num_prompt} tokens + max_tokens {max_tokens} need {blocks} KV blocks, "
-                f"more than this engine's {self.block_manager.num_blocks}"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer")
-        if params.has_logits_rules:
-            self.sampler.rules.check(params)
-        return max_tokens
+        return check_request(
+            prompt_token_ids,
+            params,
+            self.model_config.vocab_size,
+            self.max_model_len,
+            self.block_manager,
+            self.tokenizer,
+            self.sampler.rules,
+        )
 
     def add_request(
         self,
@@ -219,7 +149,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
         if resume_output_ids:
-            self._check_resume(resume_output_ids, params, max_tokens, prefill_only)
+            check_resume(resume_output_ids, params, max_tokens, prefill_only, self.model_config.vocab_size)
         request_max_tokens = max_tokens
         if prefill_only:
             if params.n != 1:
@@ -239,19 +169,6 @@ class LLMEngine:
         )
         self.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [seq])
         self.scheduler.add(seq)
-
-    def _check_resume(
-        self, output_ids: tuple[int, ...], params: SamplingParams, max_tokens: int, prefill_only: bool
-    ) -> None:
-        vocab = self.model_config.vocab_size
-        if prefill_only or params.n != 1:
-            raise ValueError("output_token_ids: only a single sample decoded here can resume")
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in output_ids):
-            raise ValueError(f"output_token_ids: token ids must be integers in [0, {vocab})")
-        if len(output_ids) >= max_tokens:
-            raise ValueError(
-                f"output_token_ids: {len(output_ids)} tokens leave nothing of max_tokens {max_tokens}"
-            )
 
     def reserve_remote(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Queue a request whose prompt KV another node computes (a decode node's incoming
@@ -425,9 +342,9 @@ class LLMEngine:
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.commit_computed(item.seq)
-        rows, seqs = self._expand_forks(sampled)
+        rows, seqs = expand_forks(sampled, self.requests, self.block_manager, self.scheduler)
         if len(seqs) != len(sampled):  # forks sample from their parent's row; else no copy of the logits
-            logits = logits[rows]
+            logits = logits[torch.tensor(rows, dtype=torch.int64, device=self.device)]
         inputs = [SamplerInput(s, self.stop_rules.banned(s)) for s in seqs]
         touched: dict[str, Request] = {}
         for seq, (token_id, logprob) in zip(seqs, self.sampler.sample(logits, inputs), strict=True):
@@ -450,31 +367,6 @@ class LLMEngine:
             at = first + start + 1  # the prompt token these rows score
             next_ids = seq.token_ids[at : at + logits.shape[0]]
             seq.prompt_logprobs += prompt_logprobs(logits, next_ids, seq.params.prompt_logprobs)
-
-    def _expand_forks(self, sampled: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
-        """Fork n-1 siblings off a prompt that just finished prefill; all sample from its logits."""
-        rows, seqs = [], []
-        for row, seq in enumerate(sampled):
-            rows.append(row)
-            seqs.append(seq)
-            request = self.requests[seq.request_id]
-            if seq.num_output_tokens == 0 and len(request.seqs) < seq.params.n:
-                for index in range(1, seq.params.n):
-                    child = Sequence(
-                        seq.request_id,
-                        list(seq.token_ids),
-                        seq.num_prompt_tokens,
-                        seq.params,
-                        index=index,
-                        arrival_time=seq.arrival_time,
-                        max_tokens=seq.max_tokens,
-                    )
-                    self.block_manager.fork(seq, child)
-                    self.scheduler.add_running(child)
-                    request.seqs.append(child)
-                    rows.append(row)
-                    seqs.append(child)
-        return torch.tensor(rows, dtype=torch.int64, device=self.device), seqs
 
     def _check_stop(self, seq: Sequence, token_id: int) -> None:
         status = self.stop_rules.check(seq, token_id)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.block_manager import BlockManager
-from engine.llm_engine import RemoteReservation
+from engine.requests import RemoteReservation
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from protocol.sampling_params import SamplingParams

@@ -109,6 +109,20 @@ class DeviceMemory:
         return (self.free_at_start - self.free_after_profile) + activations * (1 + self.graphs)
 
 
+def measure_device(platform, profile, at_start: tuple[int, int], graphs: bool) -> DeviceMemory:
+    """Run ``profile()`` (the largest step) on a clean device and read what it and the weights
+    leave; ``at_start``: (free, total) before the weights loaded."""
+    platform.synchronize()
+    platform.empty_cache()
+    platform.reset_peak()
+    profile()
+    peak, allocated = platform.peak_bytes(), platform.allocated_bytes()
+    platform.empty_cache()
+    free_after, _ = platform.mem_info()
+    free_at_start, total = at_start
+    return DeviceMemory(total, free_at_start, free_after, peak or 0, allocated or 0, graphs)
+
+
 def size_device_pool(
     sizing: EngineSizing,
     config: EngineConfig,

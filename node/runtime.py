@@ -28,7 +28,8 @@ import time
 
 import zmq
 
-from engine.llm_engine import LLMEngine, QueueFullError
+from engine.llm_engine import LLMEngine
+from engine.requests import QueueFullError
 from node.log import EventLog
 from node.options import NodeOptions
 from protocol import registry

@@ -10,7 +10,8 @@ import torch
 import kernels
 from engine import SamplingParams
 from engine.config import EngineConfig
-from engine.llm_engine import Aborted, LLMEngine
+from engine.llm_engine import LLMEngine
+from engine.requests import Aborted
 from engine.sequence import Sequence, SequenceStatus
 from tests.engine_helpers import grant_remote, hf_greedy
 from tests.tiny_models import make_tiny_model

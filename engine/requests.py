@@ -1,0 +1,133 @@
+"""An engine's requests: what one is, the checks it must pass, and what the engine answers about it."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from engine.block_manager import BlockManager
+from engine.logits_rules import LogitsRules
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from protocol.sampling_params import SamplingParams
+
+
+class QueueFullError(RuntimeError):
+    """The engine's bounded waiting queue is full; retry later."""
+
+
+class Aborted(enum.Enum):
+    """Where ``abort_request`` found the request: which transfer, if any, the caller must stop."""
+
+    UNKNOWN = "unknown"  # not here (it finished, or never came): falsy
+    LOCAL = "local"  # waiting or computing here; no transfer touches it
+    KV_INBOUND = "kv_inbound"  # its prompt KV was coming from a peer (queued or granted): stop that
+    KV_OUTBOUND = "kv_outbound"  # held for a transfer of its KV to a peer
+
+    def __bool__(self) -> bool:
+        return self is not Aborted.UNKNOWN
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RemoteReservation:
+    """Blocks a step granted to a request whose prompt KV another node sends (``reserve_remote``)."""
+
+    request_id: str
+    num_held_blocks: int  # leading prompt blocks already in this engine's prefix cache: not sent
+    block_ids: tuple[int, ...]  # the blocks the rest of the prompt's KV lands in, in prompt order
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]  # one until the prompt is prefilled, then n (forks share its blocks)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.status.done for s in self.seqs)
+
+
+def check_request(
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+    block_manager: BlockManager,
+    tokenizer,
+    rules: LogitsRules | None,
+) -> int:
+    """A request's resolved max_tokens; ValueError naming the field it cannot be served for."""
+    num_prompt = len(prompt_token_ids)
+    if num_prompt == 0:
+        raise ValueError("prompt must not be empty")
+    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids):
+        raise ValueError(f"prompt: token ids must be integers in [0, {vocab_size})")
+    if num_prompt >= max_model_len:
+        raise ValueError(
+            f"prompt: {num_prompt} tokens leave no room in the model's context of {max_model_len} tokens"
+        )
+    room = max_model_len - num_prompt
+    if params.max_tokens is not None and params.max_tokens > room:
+        raise ValueError(
+            f"max_tokens: {params.max_tokens} + {num_prompt} prompt tokens exceed the "
+            f"model's context of {max_model_len} tokens"
+        )
+    max_tokens = params.max_tokens or room
+    blocks = block_manager.blocks_needed(num_prompt + max_tokens)
+    if blocks > block_manager.num_blocks:
+        raise ValueError(
+            f"prompt: {num_prompt} tokens + max_tokens {max_tokens} need {blocks} KV blocks, "
+            f"more than this engine's {block_manager.num_blocks}"
+        )
+    if params.stop and tokenizer is None:
+        raise ValueError("stop: stop strings need a tokenizer")
+    if params.has_logits_rules:
+        if rules is None:
+            raise ValueError("logits rules (guided decoding, logit_bias, ...) are off on this engine")
+        rules.check(params)
+    return max_tokens
+
+
+def check_resume(
+    output_ids: tuple[int, ...], params: SamplingParams, max_tokens: int, prefill_only: bool, vocab_size: int
+) -> None:
+    """A migrated request's output so far, to resume after; ValueError when it cannot be."""
+    if prefill_only or params.n != 1:
+        raise ValueError("output_token_ids: only a single sample decoded here can resume")
+    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in output_ids):
+        raise ValueError(f"output_token_ids: token ids must be integers in [0, {vocab_size})")
+    if len(output_ids) >= max_tokens:
+        raise ValueError(
+            f"output_token_ids: {len(output_ids)} tokens leave nothing of max_tokens {max_tokens}"
+        )
+
+
+def expand_forks(
+    sampled: list[Sequence], requests: dict[str, Request], block_manager: BlockManager, scheduler: Scheduler
+) -> tuple[list[int], list[Sequence]]:
+    """Fork n-1 siblings off each prompt that just finished prefill (they share its blocks); all
+    sample from its logits row. Returns the logits row of every sequence to sample, and them."""
+    rows, seqs = [], []
+    for row, seq in enumerate(sampled):
+        rows.append(row)
+        seqs.append(seq)
+        request = requests[seq.request_id]
+        if seq.num_output_tokens == 0 and len(request.seqs) < seq.params.n:
+            for index in range(1, seq.params.n):
+                child = Sequence(
+                    seq.request_id,
+                    list(seq.token_ids),
+                    seq.num_prompt_tokens,
+                    seq.params,
+                    index=index,
+                    arrival_time=seq.arrival_time,
+                    max_tokens=seq.max_tokens,
+                )
+                block_manager.fork(seq, child)
+                scheduler.add_running(child)
+                request.seqs.append(child)
+                rows.append(row)
+                seqs.append(child)
+    return rows, seqs
