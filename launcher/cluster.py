@@ -21,6 +21,7 @@ from launcher.children import Child, stop_all
 from launcher.commands import pdserve_argv
 from launcher.plan import ClusterPlan, gpu_share_per_node, kv_fraction_per_node
 from launcher.registry import find_redis_server, start_redis
+from protocol.cluster_key import write_new_key
 
 SOURCE_ROOT = pathlib.Path(__file__).resolve().parent.parent  # holds pdserve_cli, node, router, ...
 
@@ -39,12 +40,16 @@ class LocalCluster:
         self.router: Child | None = None
         self.ready: dict[str, dict] = {}  # node child name -> its ready file (node_id, addresses, pid)
         self._reported: set[str] = set()  # children whose exit was already reported
+        self.key_file: pathlib.Path | None = None  # this cluster's key, when it has a registry
 
     # ----------------------------------------------------------------- start
     def start(self) -> None:
         self._check_port_free()
         if self.redis_url is None and self.plan.use_redis:
             self._start_registry()
+        if self.redis_url:  # records in the registry are signed with a key of this cluster's own
+            self.key_file = self.plan.log_dir / "cluster.key"
+            write_new_key(self.key_file)
         for role, count in (
             ("prefill", self.plan.num_prefill),
             ("decode", self.plan.num_decode),
@@ -110,6 +115,7 @@ class LocalCluster:
             str(self.plan.threads_per_node),
             *self._kv_share(),
             *self._gpu_share(),
+            *self._key_args(),
             *self.plan.node_args,  # after the flags above: a flag given here wins
         ]
         if self.redis_url:
@@ -124,6 +130,9 @@ class LocalCluster:
         share = gpu_share_per_node(self.plan.node_args, self.plan.num_nodes)
         return [] if share is None else ["--gpu-memory-utilization", f"{share:.4g}"]
 
+    def _key_args(self) -> list[str]:
+        return [] if self.key_file is None else ["--cluster-key-file", str(self.key_file)]
+
     def _ready_path(self, name: str) -> pathlib.Path:
         return self.plan.log_dir / f"{name}.ready.json"
 
@@ -136,6 +145,7 @@ class LocalCluster:
             self.plan.host,
             "--port",
             str(self.plan.port),
+            *self._key_args(),
             *self.plan.router_args,
         ]
         if self.redis_url:

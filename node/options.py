@@ -31,6 +31,12 @@ class NodeOptions:
     redis_url: str | None = setting(
         None, "Redis URL for the registry (default: $PDSERVE_REDIS)", flag="--redis"
     )
+    cluster_key_file: str | None = setting(
+        None,
+        "file with the cluster's shared key (64 hex digits): the node's registry record is signed "
+        "with it, and a router holding the key takes no record without a valid signature",
+        metavar="PATH",
+    )
     heartbeat_interval_s: float = setting(
         0.5, "seconds between refreshes of the node's Redis record", flag="--heartbeat-interval"
     )

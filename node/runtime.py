@@ -34,6 +34,7 @@ from node.log import EventLog
 from node.options import NodeOptions
 from protocol import registry
 from protocol.channel import ListenChannel, PushChannels
+from protocol.cluster_key import load_key
 from protocol.codec import ProtocolError
 from protocol.messages import (
     GenerateRequest,
@@ -68,6 +69,8 @@ class NodeRuntime:
         self._serviced_at = 0.0  # when a step last answered status queries
         self._stash: list[Message] = []  # control messages read mid-step, for the next poll_control
         self._redis = None
+        # signs the registry record; read at start so a bad key file fails before serving
+        self._key = load_key(opts.cluster_key_file) if opts.cluster_key_file else None
         self._heartbeat: threading.Thread | None = None
         self.integrity_error: str | None = None  # set when an invariant check failed in the loop
 
@@ -83,7 +86,7 @@ class NodeRuntime:
             self._redis = redis.Redis.from_url(
                 self.opts.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
             )
-            registry.publish(self._redis, status, self.opts.heartbeat_ttl_s)
+            registry.publish(self._redis, status, self.opts.heartbeat_ttl_s, self._key)
             self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
             self._heartbeat.start()
         if ready_file:
@@ -106,6 +109,7 @@ class NodeRuntime:
             control_addr=status.control_addr,
             kv_addr=status.kv_addr,
             redis=bool(self._redis),
+            signed=self._key is not None,
         )
 
     def run(self, iterate, in_flight, on_drain) -> None:
@@ -137,7 +141,7 @@ class NodeRuntime:
             )
             if self._redis is not None:
                 try:
-                    registry.publish(self._redis, self._status, self.opts.heartbeat_ttl_s)
+                    registry.publish(self._redis, self._status, self.opts.heartbeat_ttl_s, self._key)
                 except Exception as exc_publish:
                     self.log("heartbeat_failed", error=repr(exc_publish))
 
@@ -166,7 +170,7 @@ class NodeRuntime:
                 self.log("loop_resumed")
                 stalled = False
             try:
-                registry.publish(self._redis, self._status, ttl_s)
+                registry.publish(self._redis, self._status, ttl_s, self._key)
             except Exception as exc:  # Redis down: keep serving, retry next beat
                 self.log("heartbeat_failed", error=repr(exc))
 

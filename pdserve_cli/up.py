@@ -214,6 +214,11 @@ def _banner(cluster) -> None:
                 f"pdserve is up: {plan.describe()} node(s), model {plan.model}",
                 f"  router:   {plan.url}   (OpenAI API under {plan.url}/v1)",
                 f"  registry: {registry}",
+                *(
+                    [f"  key:      {cluster.key_file}   (a node joins this cluster with --cluster-key-file)"]
+                    if cluster.key_file
+                    else []
+                ),
                 f"  logs:     {plan.log_dir}",
                 "Try it:",
                 f"  curl -s {plan.url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",

@@ -3,7 +3,8 @@
     key  pdserve:node:<node_id>   (hash, TTL = heartbeat ttl; each heartbeat rewrites it and its TTL)
 
 A node that dies stops refreshing and its key expires; a node that drains deletes its key.
-Torch-free: the router reads these records.
+Under a cluster key (protocol/cluster_key.py) every record carries a MAC, and a reader with the
+key takes no record without a valid one. Torch-free: the router reads these records.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import enum
 import json
 import time
 
+from protocol.cluster_key import MAC_FIELD, record_mac, record_problem
 from protocol.fingerprint import KVFingerprint
 
 KEY_PREFIX = "pdserve:node:"
@@ -83,14 +85,16 @@ class NodeInfo:
         return cls(**known)
 
 
-def publish(client, info: NodeInfo, ttl_s: float) -> None:
-    """Write (or refresh) a node's record with a TTL, atomically."""
-    key = KEY_PREFIX + info.node_id
-    record = dataclasses.replace(info, heartbeat_time=time.time())
+def publish(client, info: NodeInfo, ttl_s: float, key: bytes | None = None) -> None:
+    """Write (or refresh) a node's record with a TTL, atomically; signed when given the cluster key."""
+    redis_key = KEY_PREFIX + info.node_id
+    fields = dataclasses.replace(info, heartbeat_time=time.time()).to_redis()
+    if key is not None:
+        fields[MAC_FIELD] = record_mac(key, redis_key, fields)
     pipe = client.pipeline(transaction=True)
-    pipe.delete(key)
-    pipe.hset(key, mapping=record.to_redis())
-    pipe.pexpire(key, max(1, int(ttl_s * 1000)))
+    pipe.delete(redis_key)
+    pipe.hset(redis_key, mapping=fields)
+    pipe.pexpire(redis_key, max(1, int(ttl_s * 1000)))
     pipe.execute()
 
 
@@ -98,14 +102,27 @@ def withdraw(client, node_id: str) -> None:
     client.delete(KEY_PREFIX + node_id)
 
 
-def list_nodes(client) -> list[NodeInfo]:
-    """Every live node record (expired ones are gone already)."""
+def list_nodes(client, key: bytes | None = None, refused: list[str] | None = None) -> list[NodeInfo]:
+    """Every live node record (expired ones are gone already). With the cluster key, only those
+    signed under it; each record left out for that is said in ``refused``."""
     nodes = []
-    for key in client.scan_iter(match=KEY_PREFIX + "*", count=100):
-        raw = client.hgetall(key)
-        if raw:
-            try:
-                nodes.append(NodeInfo.from_redis(raw))
-            except (TypeError, ValueError):
-                continue  # a record from an incompatible version: ignore rather than crash
+    for redis_key in client.scan_iter(match=KEY_PREFIX + "*", count=100):
+        raw = client.hgetall(redis_key)
+        if not raw:
+            continue
+        name = redis_key.decode() if isinstance(redis_key, bytes) else redis_key
+        fields = {
+            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in raw.items()
+        }
+        problem = None if key is None else record_problem(key, name, fields)
+        if problem is not None:
+            if refused is not None:
+                refused.append(f"{name}: {problem}")
+            continue
+        fields.pop(MAC_FIELD, None)
+        try:
+            nodes.append(NodeInfo.from_redis(fields))
+        except (TypeError, ValueError):
+            continue  # a record from an incompatible version: ignore rather than crash
     return sorted(nodes, key=lambda n: n.node_id)

@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from protocol.cluster_key import load_key
 from protocol.model_digest import model_digest, weight_files
 from protocol.registry import Role
 from router import jobs, metrics, policy, serving, tokenize_api
@@ -54,7 +55,8 @@ class RouterState:
 
 def make_registry(config: RouterConfig, nodes: NodeClient) -> NodeRegistry:
     if config.redis_url is not None:
-        return RedisRegistry(config.redis_url, nodes, config.poll_interval_s, config.node_expiry_s)
+        key = load_key(config.cluster_key_file) if config.cluster_key_file else None
+        return RedisRegistry(config.redis_url, nodes, config.poll_interval_s, config.node_expiry_s, key)
     return StaticRegistry(
         config.prefill_addrs, config.decode_addrs, nodes, config.poll_interval_s, config.node_expiry_s
     )

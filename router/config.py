@@ -43,6 +43,12 @@ class RouterConfig:
         "(default: --host, or this machine's hostname when --host is 0.0.0.0)",
     )
     api_key: str | None = setting(None, "require 'Authorization: Bearer KEY' on /v1")
+    cluster_key_file: str | None = setting(
+        None,
+        "file with the cluster's shared key (64 hex digits): node records in Redis not signed with "
+        "it are refused and logged",
+        metavar="PATH",
+    )
     disagg_threshold: int = setting(
         64, "prompts with fewer uncached tokens prefill on the decode node (default: %(default)s)"
     )

@@ -27,9 +27,12 @@ from collections.abc import Sequence
 
 from protocol import messages as pm
 from protocol.registry import NodeInfo, Role, list_nodes
+from protocol.throttle import Throttle
 from router.node_client import NodeClient
 
 log = logging.getLogger(__name__)
+# Refused registry records are found again by every poll: at most this many lines per window.
+_REFUSED_LOG_BURST, _REFUSED_LOG_WINDOW_S = 5, 30.0
 
 
 class NodeRegistry:
@@ -245,18 +248,38 @@ class RedisRegistry(NodeRegistry):
     COMPLETE_POLLS = True
 
     def __init__(
-        self, redis_url: str, nodes: NodeClient, poll_interval_s: float, node_expiry_s: float
+        self,
+        redis_url: str,
+        nodes: NodeClient,
+        poll_interval_s: float,
+        node_expiry_s: float,
+        key: bytes | None = None,
     ) -> None:
         super().__init__(nodes, poll_interval_s, node_expiry_s)
         import redis
 
         self._client = redis.Redis.from_url(redis_url, socket_timeout=max(1.0, poll_interval_s))
+        self._key = key  # the cluster key: records not signed with it are refused
+        self._refused_log = Throttle(_REFUSED_LOG_BURST, _REFUSED_LOG_WINDOW_S)
         self._beats: dict[
             str, tuple[float, float]
         ] = {}  # node id -> (its heartbeat_time, router clock it changed)
 
     async def poll_once(self) -> list[NodeInfo]:
-        return self.fresh(await asyncio.to_thread(list_nodes, self._client), time.monotonic())
+        refused: list[str] = []
+        records = await asyncio.to_thread(list_nodes, self._client, self._key, refused)
+        for problem in refused:
+            self._log_refused(problem)
+        return self.fresh(records, time.monotonic())
+
+    def _log_refused(self, problem: str) -> None:
+        """A record a writer without the cluster key put in Redis: never routed to; said in the
+        log, at most a burst per window (every poll finds it again while it lives)."""
+        admitted, left_out = self._refused_log.admit()
+        if left_out:
+            log.warning("left out %d more refused node records", left_out)
+        if admitted:
+            log.warning("refused node record %s", problem)
 
     def fresh(self, records: Sequence[NodeInfo], now: float) -> list[NodeInfo]:
         """The records whose heartbeat changed within the expiry, ``now`` on the router's clock (a

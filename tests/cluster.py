@@ -128,6 +128,7 @@ class NodeProcess:
         cpus: set[int] | None = None,  # the CPUs the node may use; None: this process's
     ) -> None:
         self.role = role
+        self.redis_url = redis_url
         self.ready_file = tmp / f"{role}-{time.monotonic_ns()}.json"
         self.log_path = tmp / f"{self.ready_file.stem}.log"
         cmd = [

@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from protocol.cluster_key import write_new_key
 from tests.cluster import ROOT, NodeProcess, RedisServer, free_port
 from tests.engine_helpers import hf_greedy
 
@@ -141,9 +142,11 @@ def cluster(tmp_path_factory, default_model_dir):
     # 2048 positions: a request can decode for long enough that only an abort ends it early.
     model = tiny_model_with_tokenizer(default_model_dir, max_position_embeddings=2048)
     redis = RedisServer(tmp)
-    extra = ["--num-kv-blocks", "160", "--heartbeat-interval", "0.2", "--heartbeat-ttl", "2"]
+    write_new_key(tmp / "cluster.key")  # records signed: test_a_node_without_the_cluster_key_...
+    key = ["--cluster-key-file", str(tmp / "cluster.key")]
+    extra = ["--num-kv-blocks", "160", "--heartbeat-interval", "0.2", "--heartbeat-ttl", "2", *key]
     nodes = [NodeProcess(role, str(model), tmp, redis.url, extra) for role in ("prefill", "decode")]
-    router = RouterProcess(model, redis.url, tmp, "--disagg-threshold", "8")
+    router = RouterProcess(model, redis.url, tmp, "--disagg-threshold", "8", *key)
     with serving(redis, nodes, [router]):
         yield model, router, nodes
 
@@ -299,3 +302,49 @@ def test_client_disconnect_frees_the_blocks(cluster):
             print(f"--- {node.role} log ---\n{node.log()[-6000:]}")
     assert len(used) == 2 and not any(used.values()), used
     assert "request_aborted" in events and "request_finished" not in events, events
+
+
+def test_a_node_without_the_cluster_key_is_refused_and_gets_no_request(cluster, tmp_path):
+    """A process that can write to Redis but holds no cluster key registers a working decode node
+    (its records unsigned, then signed with another key): the router never routes to it, says so
+    in its log, and a concurrent load with mixed lengths, streaming on and off, stays exact."""
+    import concurrent.futures
+
+    from router.tokenizer import Tokenizer
+
+    model, router, nodes = cluster
+    redis_url = nodes[0].redis_url
+    write_new_key(tmp_path / "other.key")
+    rogues = [
+        NodeProcess("decode", str(model), tmp_path, redis_url, ["--heartbeat-interval", "0.2", *extra])
+        for extra in ([], ["--cluster-key-file", str(tmp_path / "other.key")])
+    ]
+    try:
+        for rogue in rogues:
+            rogue.wait_ready()
+        time.sleep(1.0)  # several router polls find the records
+        tokenizer, client = Tokenizer(model), _client(router)
+        prompts = [f"{LONG_PROMPT} {' and then'.join([''] * k)}" for k in range(8)]
+
+        def run(i: int) -> str:
+            kwargs = dict(model=model.name, prompt=prompts[i], max_tokens=4 + i % 3, **GREEDY)
+            if i % 2:
+                parts = client.completions.create(stream=True, **kwargs)
+                return "".join(p.choices[0].text for p in parts if p.choices)
+            return client.completions.create(**kwargs).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(run, range(8)))
+        for i, text in enumerate(texts):
+            ids = tokenizer.encode(prompts[i])
+            assert text == tokenizer.decode(hf_greedy(str(model), ids, 4 + i % 3)), i
+        for rogue in rogues:
+            assert not rogue.events("request_added"), "a request went to a node without the key"
+        log = router.log_path.read_text()
+        node_ids = [json.loads(r.ready_file.read_text())["node_id"] for r in rogues]
+        assert f"refused node record pdserve:node:{node_ids[0]}: unsigned" in log
+        assert f"refused node record pdserve:node:{node_ids[1]}: bad MAC" in log
+        assert log.count("refused node record") <= 10  # rate-limited: 5 a window, polls every 0.2 s
+    finally:
+        for rogue in rogues:
+            rogue.close()

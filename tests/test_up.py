@@ -266,8 +266,9 @@ def test_forty_concurrent_requests_match_hf_and_use_both_nodes_of_each_role(up, 
 
 @pytest.mark.slow
 def test_decode_node_started_later_takes_requests_within_two_seconds(up, model, tmp_path_factory):
+    key = ["--cluster-key-file", str(up.log_dir / "cluster.key")]  # the banner says where it is
     node = NodeProcess(
-        "decode", str(model), tmp_path_factory.mktemp("joined"), up.redis_url(), NODE_ARGS.split()
+        "decode", str(model), tmp_path_factory.mktemp("joined"), up.redis_url(), [*NODE_ARGS.split(), *key]
     )
     up.joined = node  # the drain test stops it
     node.wait_ready()
