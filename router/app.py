@@ -152,7 +152,8 @@ class _Guard:
     def _refuse(self, scope) -> APIError | None:
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
         config = self._config
-        if config.api_key is not None and scope["path"].startswith(GUARDED_PATHS):
+        guarded = GUARDED_PATHS + (("/metrics",) if config.metrics_auth else ())
+        if config.api_key is not None and scope["path"].startswith(guarded):
             # Constant time: how long the check takes says nothing of how much of the key matched.
             given, wanted = headers.get("authorization", b""), f"Bearer {config.api_key}".encode()
             if not hmac.compare_digest(given, wanted):

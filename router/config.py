@@ -43,6 +43,9 @@ class RouterConfig:
         "(default: --host, or this machine's hostname when --host is 0.0.0.0)",
     )
     api_key: str | None = setting(None, "require 'Authorization: Bearer KEY' on /v1")
+    metrics_auth: bool = setting(
+        False, "require --api-key on /metrics too (open by default, as Prometheus scrapers expect)"
+    )
     cluster_key_file: str | None = setting(
         None,
         "file with the cluster's shared key (64 hex digits): node records in Redis not signed with "
@@ -101,6 +104,8 @@ class RouterConfig:
             raise ValueError("give --redis URL or at least one --decode ADDR")
         if self.redis_url is not None and (self.prefill_addrs or self.decode_addrs):
             raise ValueError("--redis and static --prefill/--decode lists are exclusive")
+        if self.metrics_auth and self.api_key is None:
+            raise ValueError("--metrics-auth needs --api-key (the key /metrics would require)")
         for name in ("disagg_threshold", "max_body_bytes", "max_migrations"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")

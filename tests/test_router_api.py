@@ -182,6 +182,25 @@ def test_right_api_key_passes_auth(tokenizer, default_model_dir):
     _assert_error(response, 400, "top_p")
 
 
+@pytest.mark.parametrize("metrics_auth", [False, True])
+def test_metrics_stay_open_unless_metrics_auth_asks_for_the_key(tokenizer, default_model_dir, metrics_auth):
+    async def go():
+        config = config_for(default_model_dir, api_key="secret", metrics_auth=metrics_auth)
+        async with running_app(config, tokenizer, ()) as h:
+            bare = await h.client.get("/metrics")
+            keyed = await h.client.get("/metrics", headers={"Authorization": "Bearer secret"})
+            health = await h.client.get("/health")
+            return bare, keyed, health
+
+    bare, keyed, health = asyncio.run(go())
+    assert keyed.status_code == 200 and "pdserve_requests_total" in keyed.text
+    assert health.status_code != 401  # /health answers probes without the key either way
+    if metrics_auth:
+        assert _assert_error(bare, 401, None)["type"] == "authentication_error"
+    else:
+        assert bare.status_code == 200
+
+
 def test_unknown_model_is_404(tokenizer, default_model_dir):
     response = _post(tokenizer, default_model_dir, "/v1/completions", {"prompt": "x", "model": "gpt-9"})
     assert _assert_error(response, 404, "model")["code"] == "model_not_found"
