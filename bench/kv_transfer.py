@@ -46,13 +46,16 @@ def make_caches(num_blocks: int, random: bool) -> tuple[list[torch.Tensor], list
     return [make(shape) for _ in range(30)], [make(shape) for _ in range(30)]
 
 
-def serve(address: str, num_blocks: int, ready: mp.Queue, stop: mp.Event) -> None:
+def serve(address: str, num_blocks: int, ready: mp.Queue, stop: mp.Event, key: bytes | None = None) -> None:
+    """key: the cluster key, for CURVE on the socket (bench/kv_auth.py)."""
     from kv_transfer.receiver import KVReceiver
+    from protocol.channel_auth import ChannelAuth
 
     torch.set_num_threads(1)
     keys, values = make_caches(num_blocks, random=False)
     pool = PoolReservations(BlockManager(num_blocks, SPEC_ARGS["block_size"], enable_prefix_caching=False))
-    receiver = KVReceiver(address, fingerprint(), pool, keys, values)
+    auth = ChannelAuth(key) if key is not None else None
+    receiver = KVReceiver(address, fingerprint(), pool, keys, values, auth=auth)
     ready.put(receiver.address)
     while not stop.is_set():
         for got in receiver.poll(0.1).completed:
@@ -61,7 +64,13 @@ def serve(address: str, num_blocks: int, ready: mp.Queue, stop: mp.Event) -> Non
 
 
 def time_transfers(
-    address: str, num_tokens: int, repeats: int, wire: WireFormat, shm: bool, direct: bool = False
+    address: str,
+    num_tokens: int,
+    repeats: int,
+    wire: WireFormat,
+    shm: bool,
+    direct: bool = False,
+    key: bytes | None = None,
 ) -> tuple[float, int]:
     """Best reserve→ack seconds over ``repeats`` transfers, and the payload bytes of one.
 
@@ -69,6 +78,7 @@ def time_transfers(
     receiver copies the blocks straight out of it."""
     from kv_transfer.sender import KVSender, SenderConfig
     from kv_transfer.shared_cache import SharedKVCache
+    from protocol.channel_auth import ChannelAuth
 
     num_blocks = -(-num_tokens // SPEC_ARGS["block_size"])
     cache_ref = None
@@ -84,6 +94,7 @@ def time_transfers(
         fingerprint(),
         SenderConfig(wire_format=wire, grant_timeout_s=30, shared_memory=shm or direct),
         cache_ref=cache_ref,
+        auth=ChannelAuth(key) if key is not None else None,
     )
     best, num_bytes = float("inf"), 0
     tokens = list(range(num_tokens))
@@ -143,27 +154,32 @@ def run_transport(
     wire: WireFormat = WireFormat.NATIVE,
     shm: bool = False,
     direct: bool = False,
+    key: bytes | None = None,
 ) -> dict[int, tuple[float, int]]:
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Queue(), ctx.Event()
     num_blocks = 2 * -(-max(sizes) // SPEC_ARGS["block_size"])
-    proc = ctx.Process(target=serve, args=(address, num_blocks, ready, stop), daemon=True)
+    proc = ctx.Process(target=serve, args=(address, num_blocks, ready, stop, key), daemon=True)
     proc.start()
     bound = ready.get(timeout=60)
     try:
-        return {n: time_transfers(bound, n, repeats, wire, shm, direct) for n in sizes}
+        return {n: time_transfers(bound, n, repeats, wire, shm, direct, key) for n in sizes}
     finally:
         stop.set()
         proc.join(10)
 
 
-# name -> (address, wire format, shm, direct) given a scratch folder
+BENCH_KEY = bytes(range(32))  # a cluster key for tcp_curve: it protects nothing here
+
+# name -> (address, wire format, shm, direct, cluster key) given a scratch folder
 TRANSPORTS = {
-    "tcp": lambda folder: ("tcp://127.0.0.1:0", WireFormat.NATIVE, False, False),
-    "ipc": lambda folder: (f"ipc://{folder}/kv.sock", WireFormat.NATIVE, False, False),
-    "shm": lambda folder: ("tcp://127.0.0.1:0", WireFormat.NATIVE, True, False),
-    "direct": lambda folder: ("tcp://127.0.0.1:0", WireFormat.NATIVE, False, True),
-    "tcp_int8": lambda folder: ("tcp://127.0.0.1:0", WireFormat.INT8, False, False),
+    "tcp": lambda folder: ("tcp://127.0.0.1:0", WireFormat.NATIVE, False, False, None),
+    "ipc": lambda folder: (f"ipc://{folder}/kv.sock", WireFormat.NATIVE, False, False, None),
+    "shm": lambda folder: ("tcp://127.0.0.1:0", WireFormat.NATIVE, True, False, None),
+    "direct": lambda folder: ("tcp://127.0.0.1:0", WireFormat.NATIVE, False, True, None),
+    "tcp_int8": lambda folder: ("tcp://127.0.0.1:0", WireFormat.INT8, False, False, None),
+    # CURVE under a cluster key (protocol/channel_auth.py): authenticated and encrypted
+    "tcp_curve": lambda folder: ("tcp://127.0.0.1:0", WireFormat.NATIVE, False, False, BENCH_KEY),
 }
 
 
@@ -187,8 +203,8 @@ def main() -> None:
     results: dict[str, dict[int, tuple[float, int]]] = {}
     try:
         for name in ["tcp", *(t for t in TRANSPORTS if t in args.transports and t != "tcp")]:
-            address, wire, shm, direct = TRANSPORTS[name](folder)
-            results[name] = run_transport(address, args.tokens, args.repeats, wire, shm, direct)
+            address, wire, shm, direct, key = TRANSPORTS[name](folder)
+            results[name] = run_transport(address, args.tokens, args.repeats, wire, shm, direct, key)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     kv_bytes = {n: results["tcp"][n][1] for n in args.tokens}  # native payload bytes per prompt
@@ -203,7 +219,9 @@ def main() -> None:
         )
     big = max(args.tokens)
     gbps = {
-        k: kv_bytes[big] / results[k][big][0] / 1e9 for k in ("tcp", "ipc", "shm", "direct") if k in results
+        k: kv_bytes[big] / results[k][big][0] / 1e9
+        for k in ("tcp", "ipc", "shm", "direct", "tcp_curve")
+        if k in results
     }
     overhead = None
     if not args.skip_prefill:

@@ -84,6 +84,7 @@ class DecodeNode:
             [k for k, _ in caches],
             [v for _, v in caches],
             platform=self.engine.platform,
+            auth=self.runtime.auth,
         )
         self.kv_addr = f"tcp://{opts.advertise_host}:{self.receiver.address.rsplit(':', 1)[1]}"
         self.streams: dict[str, Stream] = {}  # adopted or prefilled here: where the tokens go

@@ -52,6 +52,7 @@ from kv_transfer.outcomes import PollResult, ReceivedKV, TransferFailure
 from kv_transfer.peer_memory import DirectCopy, PeerMemory
 from kv_transfer.reservations import BlockReservations, Reservation
 from protocol.channel import Inbound, ListenChannel, PeerUnavailable
+from protocol.channel_auth import ChannelAuth
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -103,10 +104,12 @@ class KVReceiver:
         config: ReceiverConfig | None = None,
         context: zmq.Context | None = None,
         platform: tensors.DevicePlatform | None = None,
+        auth: ChannelAuth | None = None,
     ) -> None:
         """key_caches, value_caches: per layer [num_blocks, block_size, kv_heads, head_dim].
         platform: where the caches live (None: host memory). Poll from the thread that makes the
-        receiver: it binds that thread to the device and makes its copy stream."""
+        receiver: it binds that thread to the device and makes its copy stream. auth: the
+        cluster's CURVE (None: any peer may connect)."""
         assert len(key_caches) == len(value_caches) == fingerprint.num_layers, "one K and V cache per layer"
         expected = (
             reservations.num_blocks,
@@ -121,7 +124,9 @@ class KVReceiver:
         self.config = config or ReceiverConfig()
         self.reservations = reservations
         self.key_caches, self.value_caches = list(key_caches), list(value_caches)
-        self._channel = ListenChannel(address, context, self.config.max_frame_bytes, decoder=decode)
+        self._channel = ListenChannel(
+            address, context, self.config.max_frame_bytes, decoder=decode, auth=auth, name="kv"
+        )
         self.address = self._channel.address  # resolved (tcp://host:0 gets its port)
         self.draining = False  # set_draining(): KVReject every new reservation
         self._transfers: dict[str, _Transfer] = {}  # request id -> its transfer, until it lands or fails

@@ -48,6 +48,7 @@ from kv_transfer.messages import (
 from kv_transfer.staging import StagingRing, host_id, peer_is_local
 from protocol.block_hash import hash_full_blocks
 from protocol.channel import PeerChannel, PeerUnavailable
+from protocol.channel_auth import ChannelAuth
 from protocol.messages import RequestMeta
 from protocol.sampling_params import SamplingParams
 
@@ -112,8 +113,10 @@ class KVSender:
         context: zmq.Context | None = None,
         cache_ref: CacheRef | None = None,
         platform: tensors.DevicePlatform | None = None,
+        auth: ChannelAuth | None = None,
     ) -> None:
-        """cache_ref: this node's KV cache in shared memory (kv_transfer.shared_cache), offered to
+        """auth: the cluster's CURVE (protocol/channel_auth.py).
+        cache_ref: this node's KV cache in shared memory (kv_transfer.shared_cache), offered to
         same-host receivers for the one-copy path; the caches passed to send calls must be it.
         platform: where the caches live (None: host memory). Caches in device memory are packed
         through a copy stream made here, and never offered in shared memory (cache_ref is dropped,
@@ -122,7 +125,7 @@ class KVSender:
         self.config = config or SenderConfig()
         self._copies = tensors.DeviceCopies(platform)
         self.cache_ref = cache_ref if self.config.shared_memory and self._copies.on_host else None
-        self._channel = PeerChannel(address, context, decoder=decode)
+        self._channel = PeerChannel(address, context, decoder=decode, auth=auth)
         self._inbox: dict[str, deque[Message]] = {}  # replies per active request, in arrival order
         self._cancels: dict[str, threading.Event] = {}  # ship()'s cancel flags, while it runs
         shared = self.config.shared_memory and peer_is_local(address)  # else nobody could map it

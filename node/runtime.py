@@ -34,6 +34,7 @@ from node.log import EventLog
 from node.options import NodeOptions
 from protocol import registry
 from protocol.channel import ListenChannel, PushChannels
+from protocol.channel_auth import ChannelAuth
 from protocol.cluster_key import load_key
 from protocol.codec import ProtocolError
 from protocol.messages import (
@@ -57,10 +58,15 @@ class NodeRuntime:
     def __init__(self, opts: NodeOptions, log: EventLog) -> None:
         self.opts = opts
         self.log = log
-        self.control = ListenChannel(opts.control_addr, decoder=decode_frames)
+        # the cluster key signs the registry record and authenticates every socket; read first,
+        # so a bad key file fails before anything is bound
+        self._key = load_key(opts.cluster_key_file) if opts.cluster_key_file else None
+        refused = lambda message: log.throttled("peer_refused", error=message)  # noqa: E731
+        self.auth = ChannelAuth(self._key, refused) if self._key is not None else None
+        self.control = ListenChannel(opts.control_addr, decoder=decode_frames, auth=self.auth)
         port = self.control.address.rsplit(":", 1)[1]
         self.control_addr = f"tcp://{opts.advertise_host}:{port}"  # what others connect to
-        self._replies = PushChannels(MAX_REPLY_CHANNELS)
+        self._replies = PushChannels(MAX_REPLY_CHANNELS, self.auth)
         self.draining = threading.Event()
         self.stopped = threading.Event()
         self._status: registry.NodeInfo | None = None
@@ -69,8 +75,6 @@ class NodeRuntime:
         self._serviced_at = 0.0  # when a step last answered status queries
         self._stash: list[Message] = []  # control messages read mid-step, for the next poll_control
         self._redis = None
-        # signs the registry record; read at start so a bad key file fails before serving
-        self._key = load_key(opts.cluster_key_file) if opts.cluster_key_file else None
         self._heartbeat: threading.Thread | None = None
         self.integrity_error: str | None = None  # set when an invariant check failed in the loop
 
@@ -193,6 +197,8 @@ class NodeRuntime:
                 self.log("withdraw_failed", error=repr(exc))
         self.control.close()
         self._replies.close()
+        if self.auth is not None:
+            self.auth.close()
         self.log("node_stopped")
 
     # ----------------------------------------------------------------- messages

@@ -72,6 +72,7 @@ class PrefillNode:
             cache_ref=self.cache.ref if self.cache is not None else None,
             log=self.log,
             platform=self.engine.platform,
+            auth=self.runtime.auth,
         )
         self.pending: dict[str, _Pending] = {}  # computing or shipping: where the reply goes
         self.prefill_rate = PrefillRate()  # for the registry: autoscalers divide the backlog by it

@@ -23,6 +23,7 @@ from kv_transfer.errors import KVRejected, KVTimeout, KVTransferError
 from kv_transfer.messages import CacheRef, KVFingerprint, KVShipment
 from kv_transfer.sender import KVSender, SenderConfig, TransferStats
 from protocol.channel import PushChannels
+from protocol.channel_auth import ChannelAuth
 from protocol.messages import TokenChunk
 
 _MAX_REPLY_CHANNELS = 16  # routers one worker talks back to at once (LRU beyond)
@@ -90,7 +91,9 @@ class Shipper:
         idle_timeout_s: float = 60.0,
         log: Callable[..., None] | None = None,
         platform: Platform | None = None,
+        auth: ChannelAuth | None = None,
     ) -> None:
+        self.auth = auth  # the cluster's CURVE, for the workers' sockets
         self.cache_ref = cache_ref  # the caches in shared memory: offered for one-copy transfers
         self.platform = platform or Platform()  # where the caches live: the engine's
         self.fingerprint = fingerprint
@@ -187,9 +190,14 @@ class Shipper:
     def _work(self, addr: str, peer: _Peer) -> None:
         self.platform.activate()  # this thread's copies go to the engine's device, not device 0
         sender = KVSender(
-            addr, self.fingerprint, self.config, cache_ref=self.cache_ref, platform=self.platform
+            addr,
+            self.fingerprint,
+            self.config,
+            cache_ref=self.cache_ref,
+            platform=self.platform,
+            auth=self.auth,
         )
-        replies = PushChannels(_MAX_REPLY_CHANNELS)  # this thread's own
+        replies = PushChannels(_MAX_REPLY_CHANNELS, self.auth)  # this thread's own
         try:
             while (job := self._next_job(addr, peer)) is not None:
                 self._report(self._ship(sender, job, replies))

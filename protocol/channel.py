@@ -1,4 +1,5 @@
-"""The one place that touches ZeroMQ sockets (KV transfer, node control, router); torch-free.
+"""The one place that opens ZeroMQ sockets (KV transfer, node control, router), with
+protocol/channel_auth.py for their CURVE under a cluster key; torch-free.
 
     prefill node  DEALER ──connect──►  ROUTER  decode node (bind; tcp:// or ipc://)  PeerChannel → ListenChannel
     router        DEALER ──connect──►  ROUTER  node control socket                   AsyncDealerChannel → ListenChannel
@@ -12,7 +13,8 @@ are asyncio (``Async*``). Receiving channels take the decoder of their message f
 Every synchronous receive takes a timeout (no call blocks forever) and every send has a send
 timeout or does not wait at all, so a dead or stuck peer shows up as a deadline, never as a hang.
 Data frames go out zero-copy (``copy=False``): the caller must not modify a buffer after handing
-it over.
+it over. Under a cluster key every channel takes ``auth`` (protocol/channel_auth.py): CURVE,
+and a peer without the key is refused at the handshake.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from protocol import codec
+from protocol.channel_auth import ChannelAuth
 from protocol.codec import Message, ProtocolError
 
 _SEND_TIMEOUT_MS = 5000
+_SERVERS = (zmq.ROUTER, zmq.PULL)  # the sockets that bind: CURVE servers under a cluster key
 
 
 class PeerUnavailable(ConnectionError):
@@ -55,10 +59,14 @@ class _Channel:
         context: zmq.Context | None,
         max_frame_bytes: int,
         decoder: Decoder | None,
+        auth: ChannelAuth | None = None,
+        name: str = "",
     ) -> None:
         self._decoder = decoder  # None: a send-only channel
         self._context = context or zmq.Context.instance()
         self._socket = self._context.socket(socket_type)
+        if auth is not None:  # before bind or connect
+            auth.secure(self._socket, server=socket_type in _SERVERS, name=name)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
         self._max_frame_bytes = max_frame_bytes
@@ -104,8 +112,10 @@ class ListenChannel(_Channel):
         max_frame_bytes: int = codec.DEFAULT_MAX_FRAME_BYTES,
         *,
         decoder: Decoder,
+        auth: ChannelAuth | None = None,
+        name: str = "control",
     ) -> None:
-        super().__init__(zmq.ROUTER, context, max_frame_bytes, decoder)
+        super().__init__(zmq.ROUTER, context, max_frame_bytes, decoder, auth, name)
         self._socket.bind(address)
         self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)  # port resolved
 
@@ -138,8 +148,9 @@ class PeerChannel(_Channel):
         max_frame_bytes: int = codec.DEFAULT_MAX_FRAME_BYTES,
         *,
         decoder: Decoder,
+        auth: ChannelAuth | None = None,
     ) -> None:
-        super().__init__(zmq.DEALER, context, max_frame_bytes, decoder)
+        super().__init__(zmq.DEALER, context, max_frame_bytes, decoder, auth)
         self._socket.connect(address)
         self.address = address
 
@@ -159,8 +170,14 @@ class PushChannel(_Channel):
     """PUSH socket to a router's reply address. Sends never wait: a router that is gone or
     not draining costs dropped messages (it has its own deadlines), never a stuck node."""
 
-    def __init__(self, address: str, context: zmq.Context | None = None, queue_limit: int = 10000) -> None:
-        super().__init__(zmq.PUSH, context, codec.DEFAULT_MAX_FRAME_BYTES, None)
+    def __init__(
+        self,
+        address: str,
+        context: zmq.Context | None = None,
+        queue_limit: int = 10000,
+        auth: ChannelAuth | None = None,
+    ) -> None:
+        super().__init__(zmq.PUSH, context, codec.DEFAULT_MAX_FRAME_BYTES, None, auth)
         self._socket.setsockopt(zmq.SNDHWM, queue_limit)
         self._socket.setsockopt(zmq.SNDTIMEO, 0)
         self._socket.connect(address)
@@ -179,13 +196,14 @@ class PushChannels:
     """PushChannels to routers' reply addresses, opened on first use and kept for the most recent
     ``max_channels`` addresses (LRU). Not thread-safe: one per thread that replies."""
 
-    def __init__(self, max_channels: int) -> None:
+    def __init__(self, max_channels: int, auth: ChannelAuth | None = None) -> None:
         self._max_channels = max_channels
+        self._auth = auth
         self._channels: OrderedDict[str, PushChannel] = OrderedDict()  # reply address -> channel
 
     def send(self, address: str, msg: Message) -> bool:
         """True when queued; False when the queue to that router is full (never waits)."""
-        channel = self._channels.pop(address, None) or PushChannel(address)
+        channel = self._channels.pop(address, None) or PushChannel(address, auth=self._auth)
         self._channels[address] = channel  # most recent last
         while len(self._channels) > self._max_channels:
             self._channels.popitem(last=False)[1].close()
@@ -202,11 +220,19 @@ class _AsyncChannel:
     """An asyncio socket that receives typed messages of one family."""
 
     def __init__(
-        self, context: zmq.asyncio.Context, socket_type: int, decoder: Decoder, max_frame_bytes: int
+        self,
+        context: zmq.asyncio.Context,
+        socket_type: int,
+        decoder: Decoder,
+        max_frame_bytes: int,
+        auth: ChannelAuth | None = None,
+        name: str = "",
     ) -> None:
         self._decoder = decoder
         self._max_frame_bytes = max_frame_bytes
         self._socket = context.socket(socket_type)
+        if auth is not None:  # before bind or connect
+            auth.secure(self._socket, server=socket_type in _SERVERS, name=name)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, max(max_frame_bytes, codec.MAX_HEADER_BYTES))
 
@@ -233,8 +259,9 @@ class AsyncDealerChannel(_AsyncChannel):
         *,
         decoder: Decoder,
         max_frame_bytes: int = codec.DEFAULT_MAX_FRAME_BYTES,
+        auth: ChannelAuth | None = None,
     ) -> None:
-        super().__init__(context, zmq.DEALER, decoder, max_frame_bytes)
+        super().__init__(context, zmq.DEALER, decoder, max_frame_bytes, auth)
         self.address = address
         self._socket.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not connected
         self._socket.connect(address)
@@ -272,7 +299,8 @@ class AsyncPullChannel(_AsyncChannel):
         *,
         decoder: Decoder,
         max_frame_bytes: int = codec.DEFAULT_MAX_FRAME_BYTES,
+        auth: ChannelAuth | None = None,
     ) -> None:
-        super().__init__(context, zmq.PULL, decoder, max_frame_bytes)
+        super().__init__(context, zmq.PULL, decoder, max_frame_bytes, auth, "reply")
         self._socket.bind(bind_addr)
         self.port = int(self._socket.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])

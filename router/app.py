@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from protocol.channel_auth import ChannelAuth
 from protocol.cluster_key import load_key
 from protocol.model_digest import model_digest, weight_files
 from protocol.registry import Role
@@ -53,9 +54,8 @@ class RouterState:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
 
-def make_registry(config: RouterConfig, nodes: NodeClient) -> NodeRegistry:
+def make_registry(config: RouterConfig, nodes: NodeClient, key: bytes | None = None) -> NodeRegistry:
     if config.redis_url is not None:
-        key = load_key(config.cluster_key_file) if config.cluster_key_file else None
         return RedisRegistry(config.redis_url, nodes, config.poll_interval_s, config.node_expiry_s, key)
     return StaticRegistry(
         config.prefill_addrs, config.decode_addrs, nodes, config.poll_interval_s, config.node_expiry_s
@@ -73,10 +73,12 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        node_client = nodes or NodeClient(config.host, config.reply_port, config.advertise_host)
+        key = load_key(config.cluster_key_file) if config.cluster_key_file else None
+        auth = ChannelAuth(key, log.warning) if key is not None and nodes is None else None
+        node_client = nodes or NodeClient(config.host, config.reply_port, config.advertise_host, auth=auth)
         node_client.start()
         log.info("nodes push replies to %s", node_client.reply_addr)
-        node_registry = registry or make_registry(config, node_client)
+        node_registry = registry or make_registry(config, node_client, key)
         if registry is None and weight_files(
             pathlib.Path(config.model)
         ):  # a tokenizer-only folder cannot tell

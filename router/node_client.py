@@ -27,6 +27,7 @@ import zmq.asyncio
 from protocol import messages as pm
 from protocol.addresses import advertised_host, zmq_host
 from protocol.channel import AsyncDealerChannel, AsyncPullChannel
+from protocol.channel_auth import ChannelAuth
 from protocol.reasons import FailureCode
 from protocol.throttle import Throttle
 
@@ -49,10 +50,12 @@ class NodeClient:
         advertise_host: str | None = None,
         queue_size: int = 1024,
         send_timeout_s: float = 2.0,
+        auth: ChannelAuth | None = None,
     ) -> None:
         self._context = zmq.asyncio.Context()
+        self._auth = auth  # the cluster's CURVE on every node socket (None: none)
         self._pull = AsyncPullChannel(
-            self._context, f"tcp://{zmq_host(host)}:{reply_port or '*'}", decoder=pm.decode_frames
+            self._context, f"tcp://{zmq_host(host)}:{reply_port or '*'}", decoder=pm.decode_frames, auth=auth
         )
         # Bound where the router's HTTP side is (all interfaces in a container), advertised as an
         # address the nodes can reach: never a loopback address they would take for their own.
@@ -83,6 +86,8 @@ class NodeClient:
             channel.close()
         self._channels.clear()
         self._tasks.clear()
+        if self._auth is not None:
+            self._auth.close()  # its ZAP handler's socket lives in this context
         self._context.term()
 
     # ------------------------------------------------------------------ per-request replies
@@ -146,7 +151,9 @@ class NodeClient:
     def _channel(self, addr: str) -> AsyncDealerChannel:
         channel = self._channels.get(addr)
         if channel is None:
-            channel = self._channels[addr] = AsyncDealerChannel(self._context, addr, decoder=pm.decode_frames)
+            channel = self._channels[addr] = AsyncDealerChannel(
+                self._context, addr, decoder=pm.decode_frames, auth=self._auth
+            )
             self._tasks[addr] = (
                 asyncio.create_task(self._read(channel)),
                 asyncio.create_task(self._watch(channel)),

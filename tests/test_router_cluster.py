@@ -348,3 +348,68 @@ def test_a_node_without_the_cluster_key_is_refused_and_gets_no_request(cluster, 
     finally:
         for rogue in rogues:
             rogue.close()
+
+
+def test_peers_without_the_cluster_key_are_refused_on_every_socket_while_the_cluster_serves(cluster):
+    """CURVE under the cluster key: a process without it sends a GenerateRequest to the decode
+    node, offers it KV, and pushes token chunks to the router's reply port. Each is refused at the
+    handshake and logged; nothing of it is taken, and requests beside it stay exact."""
+    import concurrent.futures
+
+    from kv_transfer.errors import KVTimeout
+    from kv_transfer.messages import KVFingerprint
+    from kv_transfer.sender import KVSender, SenderConfig
+    from protocol import messages as pm
+    from protocol.channel import PeerChannel, PushChannel
+    from protocol.kv_layout import KV_LAYOUT_NAME
+    from protocol.reasons import FinishReason
+    from protocol.sampling_params import SamplingParams
+    from router.tokenizer import Tokenizer
+
+    model, router, nodes = cluster
+    decode = nodes[1]
+    reply_addr = re.search(r"nodes push replies to (\S+)", router.log_path.read_text()).group(1)
+    tokenizer, client = Tokenizer(model), _client(router)
+
+    def legit(i: int) -> str:
+        kwargs = dict(model=model.name, prompt=f"{LONG_PROMPT} {i}", max_tokens=5, **GREEDY)
+        return client.completions.create(**kwargs).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        served = pool.map(legit, range(4))
+        control = PeerChannel(decode.addrs["control_addr"], decoder=pm.decode_frames)
+        control.send(
+            pm.GenerateRequest(
+                "rogue-1",
+                (5, 6, 7),
+                SamplingParams(max_tokens=4),
+                "tcp://127.0.0.1:1",
+                None,
+                time.time() + 30,
+            )
+        )
+        push = PushChannel(reply_addr)
+        push.send(pm.TokenChunk("anything", "rogue", (1,), (), FinishReason.STOP, 3, 0))
+        fingerprint = KVFingerprint("rogue", "float32", 16, KV_LAYOUT_NAME, 2, 2, 16)
+        sender = KVSender(
+            decode.addrs["kv_addr"], fingerprint, SenderConfig(grant_timeout_s=1.0, shared_memory=False)
+        )
+        with pytest.raises(KVTimeout):
+            sender.reserve("rogue-kv", [1, 2, 3], SamplingParams(max_tokens=2))
+        texts = list(served)
+    for i, text in enumerate(texts):
+        ids = tokenizer.encode(f"{LONG_PROMPT} {i}")
+        assert text == tokenizer.decode(hf_greedy(str(model), ids, 5))
+    deadline = time.monotonic() + 5
+    while (
+        time.monotonic() < deadline
+        and len({e.get("error", "")[:40] for e in decode.events("peer_refused")}) < 2
+    ):
+        time.sleep(0.1)
+    refusals = [e["error"] for e in decode.events("peer_refused")]
+    assert any("control socket: it does not speak CURVE" in r for r in refusals), refusals
+    assert any("kv socket: it does not speak CURVE" in r for r in refusals), refusals
+    assert "refused a peer on the reply socket: it does not speak CURVE" in router.log_path.read_text()
+    assert not [e for e in decode.events("request_added") if e.get("request_id") == "rogue-1"]
+    for channel in (control, push, sender):
+        channel.close()

@@ -1,0 +1,89 @@
+"""CURVE under a cluster key (protocol/channel_auth.py), over real TCP sockets: a peer with the
+key gets through; one without (plain ZMTP), with another key, or with its own client pair is
+refused at the handshake, nothing of it is delivered, and each refusal is said."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import zmq
+import zmq.asyncio
+
+from protocol import messages as pm
+from protocol.channel import AsyncPullChannel, ListenChannel, PeerChannel, PushChannel
+from protocol.channel_auth import ChannelAuth
+
+
+def _status(nonce: int) -> pm.StatusQuery:
+    return pm.StatusQuery(nonce, None)
+
+
+def _own_pair_dealer(address: str, server_public: bytes) -> PeerChannel:
+    """Knows the server's public key, but proves a client key of its own."""
+    channel = PeerChannel.__new__(PeerChannel)
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    public, secret = zmq.curve_keypair()
+    socket.curve_secretkey, socket.curve_publickey, socket.curve_serverkey = secret, public, server_public
+    socket.linger = 0
+    socket.connect(address)
+    channel._socket = socket
+    return channel
+
+
+def test_only_a_peer_with_the_cluster_key_reaches_a_node_socket():
+    said: list[str] = []
+    auth = ChannelAuth(b"k" * 32, said.append)
+    server = ListenChannel("tcp://127.0.0.1:0", decoder=pm.decode_frames, auth=auth)
+    peers = [
+        PeerChannel(server.address, decoder=pm.decode_frames),  # no key
+        PeerChannel(server.address, decoder=pm.decode_frames, auth=ChannelAuth(b"x" * 32)),  # another key
+        PeerChannel(server.address, decoder=pm.decode_frames, auth=ChannelAuth(b"k" * 32)),  # the key
+    ]
+    rogue = _own_pair_dealer(server.address, auth.public)
+    try:
+        for nonce, peer in enumerate([*peers, rogue]):
+            peer._socket.send(pm.encode(_status(nonce)))
+        got, deadline = [], time.monotonic() + 3
+        while time.monotonic() < deadline and len(said) < 3:
+            inbound = server.recv(0.1)
+            if inbound is not None:
+                got.append(inbound.msg.nonce)
+        assert got == [2]
+        assert any("does not speak CURVE" in s for s in said)
+        assert any("another cluster key" in s for s in said)
+        assert any("client key is not the cluster's" in s for s in said)
+        assert all(s.startswith("refused a peer on the control socket") for s in said)
+    finally:
+        for peer in [*peers, rogue]:
+            peer._socket.close(linger=0)
+        server.close()
+        auth.close()
+
+
+def test_the_router_reply_socket_takes_pushes_only_under_the_key():
+    async def go() -> list[int]:
+        context = zmq.asyncio.Context()
+        said: list[str] = []
+        auth = ChannelAuth(b"k" * 32, said.append)
+        pull = AsyncPullChannel(context, "tcp://127.0.0.1:0", decoder=pm.decode_frames, auth=auth)
+        address = f"tcp://127.0.0.1:{pull.port}"
+        pushes = [PushChannel(address), PushChannel(address, auth=ChannelAuth(b"k" * 32))]
+        for nonce, push in enumerate(pushes):
+            push.send(_status(nonce))
+        got = []
+        try:
+            async with asyncio.timeout(2):
+                while True:
+                    got.append((await pull.recv()).nonce)
+        except TimeoutError:
+            pass
+        for push in pushes:
+            push.close()
+        pull.close()
+        auth.close()
+        context.term()
+        assert any("does not speak CURVE" in s for s in said)
+        return got
+
+    assert asyncio.run(go()) == [1]
