@@ -40,16 +40,16 @@ class LocalCluster:
         self.router: Child | None = None
         self.ready: dict[str, dict] = {}  # node child name -> its ready file (node_id, addresses, pid)
         self._reported: set[str] = set()  # children whose exit was already reported
-        self.key_file: pathlib.Path | None = None  # this cluster's key, when it has a registry
+        self.key_file: pathlib.Path | None = None  # this cluster's key, made at start
 
     # ----------------------------------------------------------------- start
     def start(self) -> None:
         self._check_port_free()
         if self.redis_url is None and self.plan.use_redis:
             self._start_registry()
-        if self.redis_url:  # records in the registry are signed with a key of this cluster's own
-            self.key_file = self.plan.log_dir / "cluster.key"
-            write_new_key(self.key_file)
+        # a key of this cluster's own: it signs the registry records and authenticates every socket
+        self.key_file = self.plan.log_dir / "cluster.key"
+        write_new_key(self.key_file)
         for role, count in (
             ("prefill", self.plan.num_prefill),
             ("decode", self.plan.num_decode),

@@ -9,7 +9,7 @@ import socket
 import uuid
 
 from engine.config import EngineConfig
-from protocol.addresses import advertised_host
+from protocol.addresses import advertised_host, is_loopback, key_needed
 from protocol.model_digest import model_digest
 from protocol.registry import Role
 from protocol.settings import Flag, flags, from_args, setting
@@ -30,6 +30,9 @@ class NodeOptions:
     # None: static mode (the router is given the address)
     redis_url: str | None = setting(
         None, "Redis URL for the registry (default: $PDSERVE_REDIS)", flag="--redis"
+    )
+    redis_password_file: str | None = setting(
+        None, "file holding the Redis password (a mounted secret), instead of one in the URL", metavar="PATH"
     )
     cluster_key_file: str | None = setting(
         None,
@@ -73,6 +76,8 @@ class NodeOptions:
             raise ValueError("request_ttl_s and drain_timeout_s must be positive")
         if self.stall_timeout_s < self.heartbeat_interval_s:
             raise ValueError("stall timeout must be at least the heartbeat interval")
+        if not self.cluster_key_file and not is_loopback(self.host):
+            raise ValueError(key_needed(f"this {self.role} node", self.host))
 
     @property
     def control_addr(self) -> str:

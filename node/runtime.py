@@ -85,10 +85,11 @@ class NodeRuntime:
         signal.signal(signal.SIGTERM, lambda *_: self.draining.set())
         signal.signal(signal.SIGINT, lambda *_: self.draining.set())
         if self.opts.redis_url:
-            import redis
-
-            self._redis = redis.Redis.from_url(
-                self.opts.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
+            self._redis = registry.connect(
+                self.opts.redis_url,
+                self.opts.redis_password_file,
+                socket_timeout=2.0,
+                socket_connect_timeout=2.0,
             )
             registry.publish(self._redis, status, self.opts.heartbeat_ttl_s, self._key)
             self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)

@@ -85,6 +85,17 @@ class NodeInfo:
         return cls(**known)
 
 
+def connect(url: str, password_file: str | None = None, **options):
+    """A Redis client for ``url``; the password from ``password_file`` when given (a mounted
+    secret), else whatever the URL carries (``redis://:PASSWORD@host:6379/0``)."""
+    import redis
+
+    if password_file:
+        with open(password_file) as f:
+            options["password"] = f.read().strip()
+    return redis.Redis.from_url(url, **options)
+
+
 def publish(client, info: NodeInfo, ttl_s: float, key: bytes | None = None) -> None:
     """Write (or refresh) a node's record with a TTL, atomically; signed when given the cluster key."""
     redis_key = KEY_PREFIX + info.node_id

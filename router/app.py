@@ -56,7 +56,14 @@ class RouterState:
 
 def make_registry(config: RouterConfig, nodes: NodeClient, key: bytes | None = None) -> NodeRegistry:
     if config.redis_url is not None:
-        return RedisRegistry(config.redis_url, nodes, config.poll_interval_s, config.node_expiry_s, key)
+        return RedisRegistry(
+            config.redis_url,
+            nodes,
+            config.poll_interval_s,
+            config.node_expiry_s,
+            key,
+            config.redis_password_file,
+        )
     return StaticRegistry(
         config.prefill_addrs, config.decode_addrs, nodes, config.poll_interval_s, config.node_expiry_s
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from protocol.addresses import is_loopback, key_needed
 from protocol.settings import setting
 
 # A decode node prefills a long prompt itself when it would wait this much longer behind the
@@ -45,6 +46,9 @@ class RouterConfig:
     api_key: str | None = setting(None, "require 'Authorization: Bearer KEY' on /v1")
     metrics_auth: bool = setting(
         False, "require --api-key on /metrics too (open by default, as Prometheus scrapers expect)"
+    )
+    redis_password_file: str | None = setting(
+        None, "file holding the Redis password (a mounted secret), instead of one in the URL", metavar="PATH"
     )
     cluster_key_file: str | None = setting(
         None,
@@ -104,6 +108,8 @@ class RouterConfig:
             raise ValueError("give --redis URL or at least one --decode ADDR")
         if self.redis_url is not None and (self.prefill_addrs or self.decode_addrs):
             raise ValueError("--redis and static --prefill/--decode lists are exclusive")
+        if not self.cluster_key_file and not is_loopback(self.host):
+            raise ValueError(key_needed("the router", self.host))
         if self.metrics_auth and self.api_key is None:
             raise ValueError("--metrics-auth needs --api-key (the key /metrics would require)")
         for name in ("disagg_threshold", "max_body_bytes", "max_migrations"):

@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 
 from protocol import messages as pm
-from protocol.registry import NodeInfo, Role, list_nodes
+from protocol.registry import NodeInfo, Role, connect, list_nodes
 from protocol.throttle import Throttle
 from router.node_client import NodeClient
 
@@ -254,11 +254,10 @@ class RedisRegistry(NodeRegistry):
         poll_interval_s: float,
         node_expiry_s: float,
         key: bytes | None = None,
+        password_file: str | None = None,
     ) -> None:
         super().__init__(nodes, poll_interval_s, node_expiry_s)
-        import redis
-
-        self._client = redis.Redis.from_url(redis_url, socket_timeout=max(1.0, poll_interval_s))
+        self._client = connect(redis_url, password_file, socket_timeout=max(1.0, poll_interval_s))
         self._key = key  # the cluster key: records not signed with it are refused
         self._refused_log = Throttle(_REFUSED_LOG_BURST, _REFUSED_LOG_WINDOW_S)
         self._beats: dict[

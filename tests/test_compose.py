@@ -45,8 +45,23 @@ def seconds(duration: str) -> float:
     return float(duration.removesuffix("s"))
 
 
-def test_services_are_redis_router_prefill_and_decode():
-    assert set(SERVICES) == {"redis", "router", "prefill", "decode"}
+def test_services_are_redis_router_prefill_and_decode_and_a_one_shot_for_the_secrets():
+    assert set(SERVICES) == {"secrets", "redis", "router", "prefill", "decode"}
+    assert SERVICES["secrets"]["restart"] == "no" and "healthcheck" not in SERVICES["secrets"]
+
+
+def test_every_process_reads_the_secrets_from_their_volume_and_redis_requires_the_password():
+    assert SERVICES["secrets"]["volumes"] == ["pdserve-secrets:/secrets"]  # the one writer
+    for service in ("redis", *PDSERVE_SERVICES):
+        assert SERVICES[service]["volumes"] == ["pdserve-secrets:/secrets:ro"], service
+    for service in PDSERVE_SERVICES:
+        env = resolved_env(service)
+        assert env["PDSERVE_CLUSTER_KEY_FILE"] == "/secrets/cluster.key"
+        assert env["PDSERVE_REDIS_PASSWORD_FILE"] == "/secrets/redis-password"
+        assert ":@" not in env["PDSERVE_REDIS"] and "@" not in env["PDSERVE_REDIS"]  # no password in a URL
+    assert '--requirepass "$$(cat /secrets/redis-password)"' in SERVICES["redis"]["command"][-1]
+    script = SERVICES["secrets"]["command"][-1]
+    assert "umask 077" in script and "/dev/urandom" in script and "[ -s /secrets/cluster.key ]" in script
 
 
 def test_redis_is_the_official_image():
@@ -63,7 +78,7 @@ def test_nodes_have_no_fixed_host_port_or_name_so_they_scale(service):
     assert not {"ports", "container_name", "hostname"} & set(SERVICES[service])
 
 
-@pytest.mark.parametrize("service", sorted(SERVICES))
+@pytest.mark.parametrize("service", sorted(set(SERVICES) - {"secrets"}))
 def test_every_service_has_a_healthcheck(service):
     check = SERVICES[service]["healthcheck"]
     assert check["test"][0] == "CMD" and seconds(check["interval"]) <= 5 and check["retries"] >= 10
@@ -79,7 +94,9 @@ def test_node_health_is_its_ready_file_on_a_tmpfs(service):
 def test_depends_on_waits_for_healthy_services():
     for service, spec in SERVICES.items():
         for target, condition in spec.get("depends_on", {}).items():
-            assert target in SERVICES and condition == {"condition": "service_healthy"}, (service, target)
+            wanted = "service_completed_successfully" if target == "secrets" else "service_healthy"
+            assert target in SERVICES and condition == {"condition": wanted}, (service, target)
+    assert set(SERVICES["redis"]["depends_on"]) == {"secrets"}
     assert set(SERVICES["router"]["depends_on"]) == {"redis", "prefill", "decode"}
     for node in NODES:
         assert set(SERVICES[node]["depends_on"]) == {"redis"}

@@ -245,9 +245,10 @@ def test_router_replies_at_its_pod_ip_and_its_service_targets_port_8000():
 def test_node_readiness_is_its_ready_file_on_an_in_memory_volume(role):
     ready_file = env_of(container(role))["PDSERVE_READY_FILE"]
     assert container(role)["readinessProbe"]["exec"]["command"] == ["test", "-f", ready_file]
-    (mount,) = container(role)["volumeMounts"]
-    (volume,) = deployment(role)["spec"]["template"]["spec"]["volumes"]
-    assert ready_file.startswith(mount["mountPath"] + "/") and volume["name"] == mount["name"]
+    (mount,) = [m for m in container(role)["volumeMounts"] if ready_file.startswith(m["mountPath"] + "/")]
+    (volume,) = [
+        v for v in deployment(role)["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]
+    ]
     assert volume["emptyDir"]["medium"] == "Memory"
 
 
@@ -355,3 +356,18 @@ def test_kustomize_renders_the_gpu_overlay_as_the_merge_above_does():
             e["name"]: e.get("value") for e in ours["env"]
         }
         assert theirs["resources"] == ours["resources"]
+
+
+@pytest.mark.parametrize("role", ["redis", *ROLES])
+def test_every_pod_mounts_the_cluster_secret_read_only_and_no_manifest_holds_one(role):
+    """The key and the Redis password come from the Secret pdserve-cluster, which the operator
+    makes (deploy/k8s/README.md): mounted where compose mounts its secrets volume, never in a file here."""
+    pod = deployment(role)["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "secrets"]
+    assert volume["secret"]["secretName"] == "pdserve-cluster" and volume["secret"]["defaultMode"] == 0o400
+    assert {"name": "secrets", "mountPath": "/secrets", "readOnly": True} in container(role)["volumeMounts"]
+    if role != "redis":
+        env = env_of(container(role))
+        assert env["PDSERVE_CLUSTER_KEY_FILE"] == "/secrets/cluster.key"
+        assert env["PDSERVE_REDIS_PASSWORD_FILE"] == "/secrets/redis-password"
+    assert not [doc for _, _, doc in MANIFESTS if doc["kind"] == "Secret"]

@@ -57,3 +57,23 @@ def test_a_key_file_is_checked_when_read(tmp_path):
     assert (tmp_path / "new.key").stat().st_mode & 0o777 == 0o600
     (tmp_path / "raw.key").write_bytes(b"x" * 40)  # not hex: the bytes themselves
     assert load_key(tmp_path / "raw.key") == b"x" * 40
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "decode-0.example"])
+def test_a_process_bound_beyond_loopback_refuses_to_start_without_the_key(host, tmp_path):
+    from node.options import NodeOptions
+    from protocol.registry import Role
+    from router.config import RouterConfig
+
+    with pytest.raises(ValueError, match="--cluster-key-file PATH"):
+        NodeOptions(role=Role.DECODE, host=host, model_id="m")
+    with pytest.raises(ValueError, match="the router binds .* beyond loopback"):
+        RouterConfig(model="m", host=host, decode_addrs=("tcp://127.0.0.1:1",))
+    write_new_key(tmp_path / "k")
+    NodeOptions(role=Role.DECODE, host=host, model_id="m", cluster_key_file=str(tmp_path / "k"))
+    RouterConfig(
+        model="m", host=host, decode_addrs=("tcp://127.0.0.1:1",), cluster_key_file=str(tmp_path / "k")
+    )
+    for loopback in ("127.0.0.1", "localhost", "::1"):  # nothing changes for a newcomer
+        NodeOptions(role=Role.DECODE, host=loopback, model_id="m")
+        RouterConfig(model="m", host=loopback, decode_addrs=("tcp://127.0.0.1:1",))

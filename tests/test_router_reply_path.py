@@ -11,10 +11,15 @@ import time
 import httpx
 import pytest
 
+from protocol.cluster_key import write_new_key
 from tests.cluster import NodeProcess, RedisServer
 from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.slow
+
+
+def _key(tmp) -> list[str]:
+    return ["--cluster-key-file", str(tmp / "cluster.key")]
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +27,8 @@ def nodes(tmp_path_factory, default_model_dir):
     tmp = tmp_path_factory.mktemp("reply-path")
     model = tiny_model_with_tokenizer(default_model_dir)
     redis = RedisServer(tmp)
-    extra = ["--num-kv-blocks", "64", "--heartbeat-interval", "0.2", "--heartbeat-ttl", "2"]
+    write_new_key(tmp / "cluster.key")  # a router bound beyond loopback takes none without one
+    extra = ["--num-kv-blocks", "64", "--heartbeat-interval", "0.2", "--heartbeat-ttl", "2", *_key(tmp)]
     procs = [NodeProcess(role, str(model), tmp, redis.url, extra) for role in ("prefill", "decode")]
     try:
         for proc in procs:
@@ -36,7 +42,7 @@ def nodes(tmp_path_factory, default_model_dir):
 
 def test_a_router_on_every_interface_advertises_its_hostname_and_serves(nodes):
     model, redis, tmp = nodes
-    router = RouterProcess(model, redis.url, tmp, "--host", "0.0.0.0")
+    router = RouterProcess(model, redis.url, tmp, "--host", "0.0.0.0", *_key(tmp))
     try:
         router.wait_healthy()
         body = {"model": model.name, "prompt": "Hello there", "max_tokens": 4, "ignore_eos": True}
@@ -51,7 +57,7 @@ def test_a_router_on_every_interface_advertises_its_hostname_and_serves(nodes):
 def test_a_reply_address_the_nodes_cannot_reach_keeps_the_router_unhealthy(nodes):
     model, redis, tmp = nodes
     # Bound on 127.0.0.1, advertised as 127.0.0.3 where nothing listens: like a container's loopback.
-    router = RouterProcess(model, redis.url, tmp, "--advertise-host", "127.0.0.3")
+    router = RouterProcess(model, redis.url, tmp, "--advertise-host", "127.0.0.3", *_key(tmp))
     try:
         _wait_listening(router)
         deadline = time.monotonic() + 4
