@@ -75,10 +75,13 @@ class ChannelAuth:
         self._start_zap(sync)
         endpoint = f"inproc://pdserve-handshakes-{id(socket)}"
         socket.monitor(endpoint, _FAILURES)
+        listening = threading.Event()
         watcher = threading.Thread(
-            target=self._watch, args=(sync, endpoint, name), daemon=True, name="curve-watch"
+            target=self._watch, args=(sync, endpoint, name, listening), daemon=True, name="curve-watch"
         )
         watcher.start()
+        # before the socket binds: a refusal the monitor reports with no reader yet would be lost
+        listening.wait(5.0)
         self._watchers.append(watcher)
 
     def callback(self, domain: str, client_key: bytes) -> bool:
@@ -104,10 +107,11 @@ class ChannelAuth:
             handler.configure_curve_callback(ZAP_DOMAIN, self)
             self._zap[context.underlying] = handler
 
-    def _watch(self, context: zmq.Context, endpoint: str, name: str) -> None:
+    def _watch(self, context: zmq.Context, endpoint: str, name: str, listening: threading.Event) -> None:
         events = context.socket(zmq.PAIR)
         events.linger = 0
         events.connect(endpoint)
+        listening.set()
         try:
             while not self._stop.is_set():
                 if not events.poll(_WATCH_POLL_MS):
