@@ -12,7 +12,14 @@ from engine.config import EngineConfig
 from protocol.addresses import advertised_host, is_loopback, key_needed
 from protocol.model_digest import model_digest
 from protocol.registry import Role
-from protocol.settings import Flag, flags, from_args, setting
+from protocol.settings import (
+    Flag,
+    cluster_key_file_setting,
+    flags,
+    from_args,
+    redis_password_file_setting,
+    setting,
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,15 +38,8 @@ class NodeOptions:
     redis_url: str | None = setting(
         None, "Redis URL for the registry (default: $PDSERVE_REDIS)", flag="--redis"
     )
-    redis_password_file: str | None = setting(
-        None, "file holding the Redis password (a mounted secret), instead of one in the URL", metavar="PATH"
-    )
-    cluster_key_file: str | None = setting(
-        None,
-        "file with the cluster's shared key (64 hex digits): the node's registry record is signed "
-        "with it, and a router holding the key takes no record without a valid signature",
-        metavar="PATH",
-    )
+    redis_password_file: str | None = redis_password_file_setting()
+    cluster_key_file: str | None = cluster_key_file_setting()
     heartbeat_interval_s: float = setting(
         0.5, "seconds between refreshes of the node's Redis record", flag="--heartbeat-interval"
     )

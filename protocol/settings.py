@@ -148,3 +148,19 @@ def _value_type(name: str, hint: Any) -> tuple[type, str | None]:
     if hint not in (int, float, str, bool):
         raise TypeError(f"setting {name}: no flag type for {hint!r}")
     return hint, nargs
+
+
+# The secret files every cluster process takes, declared once for the nodes and the router.
+def redis_password_file_setting() -> Any:
+    return setting(
+        None, "file holding the Redis password (a mounted secret), instead of one in the URL", metavar="PATH"
+    )
+
+
+def cluster_key_file_setting() -> Any:
+    return setting(
+        None,
+        "file with the cluster's shared key (64 hex digits): registry records are signed with it and "
+        "every socket runs CURVE under it; required when binding beyond loopback",
+        metavar="PATH",
+    )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from protocol.addresses import is_loopback, key_needed
-from protocol.settings import setting
+from protocol.settings import cluster_key_file_setting, redis_password_file_setting, setting
 
 # A decode node prefills a long prompt itself when it would wait this much longer behind the
 # shortest prefill queue than behind the decode node's own (router/policy.py). Half a second of
@@ -47,15 +47,8 @@ class RouterConfig:
     metrics_auth: bool = setting(
         False, "require --api-key on /metrics too (open by default, as Prometheus scrapers expect)"
     )
-    redis_password_file: str | None = setting(
-        None, "file holding the Redis password (a mounted secret), instead of one in the URL", metavar="PATH"
-    )
-    cluster_key_file: str | None = setting(
-        None,
-        "file with the cluster's shared key (64 hex digits): node records in Redis not signed with "
-        "it are refused and logged",
-        metavar="PATH",
-    )
+    redis_password_file: str | None = redis_password_file_setting()
+    cluster_key_file: str | None = cluster_key_file_setting()
     disagg_threshold: int = setting(
         64, "prompts with fewer uncached tokens prefill on the decode node (default: %(default)s)"
     )
