@@ -11,7 +11,7 @@ key. The sockets that connect (DEALER, PUSH) use the same pair. What fails, and 
     CURVE, right server key, own pair   ZAP: refused (a client key that is not the cluster's)
 
 A watcher thread per server socket reads its monitor events and says each refusal through
-``log``, rate-limited (a refused peer retries for as long as it runs). Everything on an
+``log``, rate-limited (a peer may retry at every reconnect interval). Everything on an
 authenticated socket is encrypted too, KV frames included: CURVE has no MAC-only mode
 (bench/README.md, "Authenticated transport", has what it costs). Same-host shared-memory
 transfers do not ride the socket and keep their own checks.
