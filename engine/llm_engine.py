@@ -206,12 +206,8 @@ class LLMEngine:
 
     def _granted(self, seqs: list[Sequence]) -> None:
         self.kv_prefault.advance(self.block_manager.high_water)  # the KV lands before any step
-        block_size = self.block_manager.block_size
         for seq in seqs:
-            num_held = seq.num_computed_tokens // block_size
-            self._on_kv_granted(
-                RemoteReservation(seq.request_id, num_held, tuple(seq.block_table[num_held:]))
-            )
+            self._on_kv_granted(RemoteReservation.of(seq, self.block_manager.block_size))
 
     def kv_arrived(
         self, request_id: str, first_token: int, first_logprob: TokenLogprob | None = None

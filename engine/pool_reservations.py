@@ -46,10 +46,8 @@ class PoolReservations:
 
     def schedule(self) -> None:
         """Grant what the scheduler admits now (an engine does this every step)."""
-        size = self.block_manager.block_size
         for seq in self.scheduler.schedule().granted:
-            num_held = seq.num_computed_tokens // size
-            self._on_granted(RemoteReservation(seq.request_id, num_held, tuple(seq.block_table[num_held:])))
+            self._on_granted(RemoteReservation.of(seq, self.block_manager.block_size))
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)

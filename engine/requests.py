@@ -36,6 +36,12 @@ class RemoteReservation:
     num_held_blocks: int  # leading prompt blocks already in this engine's prefix cache: not sent
     block_ids: tuple[int, ...]  # the blocks the rest of the prompt's KV lands in, in prompt order
 
+    @classmethod
+    def of(cls, seq: Sequence, block_size: int) -> RemoteReservation:
+        """A just-granted sequence's reservation: its prefix hits are held, the rest is sent."""
+        num_held = seq.num_computed_tokens // block_size
+        return cls(seq.request_id, num_held, tuple(seq.block_table[num_held:]))
+
 
 @dataclasses.dataclass(eq=False, slots=True)
 class Request:
