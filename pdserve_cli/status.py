@@ -37,23 +37,46 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="URL",
         help=f"the registry (default: $PDSERVE_REDIS, else {DEFAULT_REDIS})",
     )
+    parser.add_argument(
+        "--cluster-key-file",
+        default=os.environ.get("PDSERVE_CLUSTER_KEY_FILE"),
+        metavar="PATH",
+        help="the cluster key: list only records signed with it, and say which were refused "
+        "(default: $PDSERVE_CLUSTER_KEY_FILE; none: every record, unchecked)",
+    )
+    parser.add_argument(
+        "--redis-password-file",
+        default=os.environ.get("PDSERVE_REDIS_PASSWORD_FILE"),
+        metavar="PATH",
+        help="file with the registry's password (default: $PDSERVE_REDIS_PASSWORD_FILE, else the URL's)",
+    )
     parser.set_defaults(run=run_status)
 
 
 def run_status(args: argparse.Namespace) -> int:
     import redis
 
-    from protocol.registry import list_nodes
+    from protocol.cluster_key import ClusterKeyError, load_key
+    from protocol.registry import connect, list_nodes
 
-    client = redis.Redis.from_url(args.redis, socket_timeout=2.0, socket_connect_timeout=2.0)
     try:
-        nodes = list_nodes(client)
+        key = load_key(args.cluster_key_file) if args.cluster_key_file else None
+        client = connect(args.redis, args.redis_password_file, socket_timeout=2.0, socket_connect_timeout=2.0)
+    except (ClusterKeyError, OSError) as exc:
+        print(f"pdserve status: {exc}", file=sys.stderr)
+        return 1
+    refused: list[str] = []
+    try:
+        nodes = list_nodes(client, key, refused)
     except redis.RedisError as exc:
         print(f"pdserve status: cannot read the registry at {args.redis}: {exc}", file=sys.stderr)
         return 1
     finally:
         client.close()
     print(render(nodes, now=time.time()))
+    if refused:
+        print(f"\nrefused: {len(refused)} record(s) not signed with the cluster key")
+        print("\n".join(f"  {problem}" for problem in refused))
     return 0
 
 

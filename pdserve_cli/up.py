@@ -196,8 +196,9 @@ def _fetch_default_model() -> str:
 
 def _banner(cluster) -> None:
     plan = cluster.plan
+    status_key = f" --cluster-key-file {cluster.key_file}" if cluster.key_file else ""
     registry = (
-        f"{cluster.redis_url}   (pdserve status --redis {cluster.redis_url})"
+        f"{cluster.redis_url}   (pdserve status --redis {cluster.redis_url}{status_key})"
         if cluster.redis_url
         else "none: static node addresses"
     )

@@ -4,11 +4,13 @@
 
 A node that dies stops refreshing and its key expires; a node that drains deletes its key.
 Under a cluster key (protocol/cluster_key.py) every record carries a MAC, and a reader with the
-key takes no record without a valid one. Torch-free: the router reads these records.
+key takes no record without a valid one; a reader that polls also refuses signed records that are
+replayed (ReplayGuard). Torch-free: the router reads these records.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import json
@@ -96,10 +98,19 @@ def connect(url: str, password_file: str | None = None, **options):
     return redis.Redis.from_url(url, **options)
 
 
+# Heartbeat stamps: the wall clock when this process started, advanced by the monotonic clock, so
+# that a node's stamps never go back (an NTP step would otherwise make its own records look replayed).
+_WALL_AT_START, _MONOTONIC_AT_START = time.time(), time.monotonic()
+
+
+def heartbeat_clock() -> float:
+    return _WALL_AT_START + (time.monotonic() - _MONOTONIC_AT_START)
+
+
 def publish(client, info: NodeInfo, ttl_s: float, key: bytes | None = None) -> None:
     """Write (or refresh) a node's record with a TTL, atomically; signed when given the cluster key."""
     redis_key = KEY_PREFIX + info.node_id
-    fields = dataclasses.replace(info, heartbeat_time=time.time()).to_redis()
+    fields = dataclasses.replace(info, heartbeat_time=heartbeat_clock()).to_redis()
     if key is not None:
         fields[MAC_FIELD] = record_mac(key, redis_key, fields)
     pipe = client.pipeline(transaction=True)
@@ -137,3 +148,49 @@ def list_nodes(client, key: bytes | None = None, refused: list[str] | None = Non
         except (TypeError, ValueError):
             continue  # a record from an incompatible version: ignore rather than crash
     return sorted(nodes, key=lambda n: n.node_id)
+
+
+class ReplayGuard:
+    """Refuses signed records that a writer with Redis access but no key copied and wrote back.
+
+    A MAC proves who wrote a record, not when; the signed ``heartbeat_time`` does, without trusting
+    that the writer's and reader's clocks agree more than loosely. Every publish stamps anew, and
+    a node's stamps never go back (``heartbeat_clock``), so:
+    - a record older than the newest one seen of that node is a replay (of a live node's past);
+    - the newest one seen, back after its key had gone, is a replay of a node that left (the
+      newest stamps outlive their keys);
+    - a node seen for the first time must have beaten within ``max_age_s`` of the reader's wall
+      clock, its allowance for clock skew between machines: an old capture of a node that left
+      before this reader started is refused by it. A live node is never dropped for skew: the
+      check is made once per node.
+    """
+
+    MAX_NODES = 4096  # newest stamps kept, the node seen longest ago forgotten first
+
+    def __init__(self, max_age_s: float) -> None:
+        self.max_age_s = max_age_s
+        self._newest: collections.OrderedDict[str, float] = collections.OrderedDict()
+
+    def check(self, node: NodeInfo, now: float, listed_before: bool) -> str | None:
+        """Why ``node``'s record is refused (None: taken). ``now`` is the reader's wall clock;
+        ``listed_before``: the reader's previous poll took a record of this node."""
+        newest = self._newest.get(node.node_id)
+        if newest is None:
+            behind = now - node.heartbeat_time
+            if behind > self.max_age_s:
+                return (
+                    f"replayed or stale: its heartbeat is {behind:.0f}s behind this clock "
+                    f"(more than the {self.max_age_s:g}s allowed for skew)"
+                )
+        elif node.heartbeat_time < newest:
+            return (
+                f"replayed: its heartbeat is {newest - node.heartbeat_time:.3f}s older than one seen before"
+            )
+        elif node.heartbeat_time == newest and not listed_before:
+            return "replayed: the node's last record, written back after its key had gone"
+        else:
+            self._newest.move_to_end(node.node_id)
+        self._newest[node.node_id] = node.heartbeat_time
+        while len(self._newest) > self.MAX_NODES:
+            self._newest.popitem(last=False)
+        return None

@@ -63,6 +63,7 @@ def make_registry(config: RouterConfig, nodes: NodeClient, key: bytes | None = N
             config.node_expiry_s,
             key,
             config.redis_password_file,
+            config.max_record_skew_s,
         )
     return StaticRegistry(
         config.prefill_addrs, config.decode_addrs, nodes, config.poll_interval_s, config.node_expiry_s

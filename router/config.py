@@ -93,6 +93,12 @@ class RouterConfig:
     node_expiry_s: float = setting(
         3.0, "seconds after which a node not heard from is dropped (default: %(default)s)"
     )
+    max_record_skew_s: float = setting(
+        60.0,
+        "under a cluster key: a node first seen with a heartbeat this many seconds older than the "
+        "router's clock is refused as a replay (the clock skew allowed between machines) "
+        "(default: %(default)s)",
+    )
     max_body_bytes: int = 8 << 20  # larger request bodies get 413; no flag
     log_level: str = setting("info", "the router's log level", choices=("debug", "info", "warning", "error"))
 
@@ -111,7 +117,13 @@ class RouterConfig:
         for name in ("max_inflight_prefill", "max_inflight_decode", "max_n", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        for name in ("chunk_timeout_s", "request_ttl_s", "poll_interval_s", "node_expiry_s"):
+        for name in (
+            "chunk_timeout_s",
+            "request_ttl_s",
+            "poll_interval_s",
+            "node_expiry_s",
+            "max_record_skew_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if not 0 < self.port < 65536:

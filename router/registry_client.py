@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 
 from protocol import messages as pm
-from protocol.registry import NodeInfo, Role, connect, list_nodes
+from protocol.registry import KEY_PREFIX, NodeInfo, ReplayGuard, Role, connect, list_nodes
 from protocol.throttle import Throttle
 from router.node_client import NodeClient
 
@@ -243,7 +243,9 @@ class RedisRegistry(NodeRegistry):
     Staleness is judged by the router's own monotonic clock, from when it saw each record's
     ``heartbeat_time`` change, never by comparing that wall-clock stamp with the router's wall
     clock: the nodes' clocks may be skewed from the router's (other machines) or stepped (NTP), and
-    a live node must not drop out, with its streams, for that."""
+    a live node must not drop out, with its streams, for that. (Under a cluster key, a node seen
+    for the first time is refused when its stamp is further behind than the skew allowed: see
+    protocol.registry.ReplayGuard.)"""
 
     COMPLETE_POLLS = True
 
@@ -255,10 +257,13 @@ class RedisRegistry(NodeRegistry):
         node_expiry_s: float,
         key: bytes | None = None,
         password_file: str | None = None,
+        max_record_skew_s: float = 60.0,
     ) -> None:
         super().__init__(nodes, poll_interval_s, node_expiry_s)
         self._client = connect(redis_url, password_file, socket_timeout=max(1.0, poll_interval_s))
         self._key = key  # the cluster key: records not signed with it are refused
+        self._replays = ReplayGuard(max_record_skew_s)  # and signed ones written back by another
+        self._last_taken: dict[str, NodeInfo] = {}  # node id -> its record the last poll took
         self._refused_log = Throttle(_REFUSED_LOG_BURST, _REFUSED_LOG_WINDOW_S)
         self._beats: dict[
             str, tuple[float, float]
@@ -267,16 +272,36 @@ class RedisRegistry(NodeRegistry):
     async def poll_once(self) -> list[NodeInfo]:
         refused: list[str] = []
         records = await asyncio.to_thread(list_nodes, self._client, self._key, refused)
+        if self._key is not None:  # without a key anyone may write any record: nothing to replay
+            records = self._unreplayed(records, refused)
         for problem in refused:
             self._log_refused(problem)
         return self.fresh(records, time.monotonic())
 
+    def _unreplayed(self, records: list[NodeInfo], refused: list[str]) -> list[NodeInfo]:
+        """``records`` less the replayed ones. A live node whose record was overwritten by a replay
+        keeps the record last taken (the replay is not its absence; if the replays go on, it
+        expires as a node unheard of). One that had left stays gone."""
+        now, taken = time.time(), []
+        for node in records:
+            problem = self._replays.check(node, now, node.node_id in self._last_taken)
+            if problem is None:
+                taken.append(node)
+                continue
+            refused.append(f"{KEY_PREFIX}{node.node_id}: {problem}")
+            if node.node_id in self._last_taken:
+                taken.append(self._last_taken[node.node_id])
+        self._last_taken = {node.node_id: node for node in taken}
+        return taken
+
     def _log_refused(self, problem: str) -> None:
         """A record a writer without the cluster key put in Redis: never routed to; said in the
-        log, at most a burst per window (every poll finds it again while it lives)."""
-        admitted, left_out = self._refused_log.admit()
+        log, at most a burst per window and kind (every poll finds it again while it lives, and a
+        flood of one kind must not hide another): unsigned, bad MAC, replayed."""
+        kind = problem.split(": ", 1)[-1].split(" ", 1)[0].rstrip(":")
+        admitted, left_out = self._refused_log.admit(kind)
         if left_out:
-            log.warning("left out %d more refused node records", left_out)
+            log.warning("left out %d more refused node records (%s)", left_out, kind)
         if admitted:
             log.warning("refused node record %s", problem)
 

@@ -4,6 +4,8 @@ reader with the key takes a record only with a valid MAC over its key and every 
 from __future__ import annotations
 
 import dataclasses
+import re
+import time
 
 import pytest
 import redis
@@ -77,3 +79,72 @@ def test_a_process_bound_beyond_loopback_refuses_to_start_without_the_key(host, 
     for loopback in ("127.0.0.1", "localhost", "::1"):  # nothing changes for a newcomer
         NodeOptions(role=Role.DECODE, host=loopback, model_id="m")
         RouterConfig(model="m", host=loopback, decode_addrs=("tcp://127.0.0.1:1",))
+
+
+def test_a_signed_record_written_back_later_is_refused_as_a_replay(client, tmp_path, caplog):
+    """A writer with Redis access but no key captures valid records and writes them back: over a
+    live node's newer one, and after the node left. The router's registry refuses both and says
+    why; the live node keeps its newest record meanwhile, and the node that left stays gone."""
+    import asyncio
+
+    from router.node_client import NodeClient
+    from router.registry_client import RedisRegistry
+
+    client.flushdb()
+    key_file = tmp_path / "k"
+    key = write_new_key(key_file)
+    url = client.connection_pool.connection_kwargs
+    redis_url = f"redis://{url['host']}:{url['port']}/0"
+
+    async def go():
+        nodes = NodeClient()
+        registry = RedisRegistry(redis_url, nodes, 0.1, 30.0, key)
+        caplog.set_level("WARNING", logger="router.registry_client")
+
+        def refused() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "refused node record" in r.getMessage()]
+
+        try:
+            publish(client, node_info("d1", "decode"), 30, key)
+            publish(client, node_info("gone", "decode"), 30, key)
+            captured = {name: client.hgetall(KEY_PREFIX + name) for name in ("d1", "gone")}
+            assert [n.node_id for n in await registry.poll_once()] == ["d1", "gone"]
+            await asyncio.sleep(0.01)
+            publish(client, node_info("d1", "decode"), 30, key)  # the next heartbeat
+            client.delete(KEY_PREFIX + "gone")  # that node drained
+            assert [n.node_id for n in await registry.poll_once()] == ["d1"]
+            for name, record in captured.items():
+                client.hset(KEY_PREFIX + name, mapping=record)
+            (kept,) = await registry.poll_once()  # the live node keeps its newest record; gone stays gone
+            assert kept.node_id == "d1" and kept.heartbeat_time > float(captured["d1"][b"heartbeat_time"])
+            assert len(refused()) == 2
+            d1, gone = sorted(m.split("record ", 1)[1] for m in refused())
+            assert re.fullmatch(
+                rf"{KEY_PREFIX}d1: replayed: its heartbeat is 0\.\d+s older than one seen before", d1
+            )
+            assert (
+                gone
+                == f"{KEY_PREFIX}gone: replayed: the node's last record, written back after its key had gone"
+            )
+            publish(client, node_info("d1", "decode"), 30, key)  # the live node beats again
+            assert [n.node_id for n in await registry.poll_once()] == ["d1"]
+            # a router that starts later has seen neither node: a capture older than its skew
+            # allowance is refused by age, a fresh record taken
+            await asyncio.sleep(0.6)
+            publish(client, node_info("d1", "decode"), 30, key)
+            client.hset(KEY_PREFIX + "gone", mapping=captured["gone"])
+            late = RedisRegistry(redis_url, nodes, 0.1, 30.0, key, max_record_skew_s=0.5)
+            assert [n.node_id for n in await late.poll_once()] == ["d1"]
+            assert f"{KEY_PREFIX}gone: replayed or stale: its heartbeat is" in refused()[-1]
+        finally:
+            await nodes.close()
+
+    asyncio.run(go())
+
+
+def test_a_live_nodes_heartbeat_stamps_never_go_back_even_when_the_wall_clock_does(monkeypatch):
+    from protocol import registry
+
+    first = registry.heartbeat_clock()
+    monkeypatch.setattr(time, "time", lambda: 0.0)  # an NTP step back to 1970
+    assert registry.heartbeat_clock() >= first

@@ -86,6 +86,29 @@ def test_status_reads_the_nodes_registered_in_redis(tmp_path, capsys):
     assert "s ago   draining" in out
 
 
+def test_status_with_the_cluster_key_lists_signed_records_and_says_which_it_refused(tmp_path, capsys):
+    from protocol.cluster_key import write_new_key
+
+    key = write_new_key(tmp_path / "cluster.key")
+    redis = RedisServer(tmp_path)
+    try:
+        publish(redis.client, PREFILL, ttl_s=30, key=key)
+        publish(redis.client, DECODE, ttl_s=30)  # written by someone without the key
+        assert (
+            main(["status", "--redis", redis.url, "--cluster-key-file", str(tmp_path / "cluster.key")]) == 0
+        )
+        signed = capsys.readouterr().out
+        assert main(["status", "--redis", redis.url]) == 0  # no key: every record, unchecked
+        unchecked = capsys.readouterr().out
+    finally:
+        redis.stop()
+    assert "prefill-a" in signed and "decode: 0 node(s)" in signed
+    assert "refused: 1 record(s) not signed with the cluster key\n  pdserve:node:decode-b: unsigned" in signed
+    assert "decode-b" in unchecked and "refused" not in unchecked
+    assert main(["status", "--redis", redis.url, "--cluster-key-file", str(tmp_path / "none")]) == 1
+    assert "cluster key file" in capsys.readouterr().err
+
+
 def test_status_without_a_reachable_redis_fails_with_a_message(capsys):
     url = f"redis://127.0.0.1:{free_port()}/0"
     assert main(["status", "--redis", url]) == 1
