@@ -55,7 +55,14 @@ def tiny_model_with_tokenizer(default_model_dir: pathlib.Path, root: pathlib.Pat
 class Launcher:
     """`pdserve up` in a subprocess, its output in a file."""
 
-    def __init__(self, tmp: pathlib.Path, model: pathlib.Path, *flags: str) -> None:
+    def __init__(
+        self,
+        tmp: pathlib.Path,
+        model: pathlib.Path,
+        *flags: str,
+        node_args: str = NODE_ARGS,
+        host: str = "127.0.0.1",  # the router's (its HTTP and reply ports)
+    ) -> None:
         self.port = free_port()
         self.log_dir = tmp / "logs"
         self.out_path = tmp / "up.out"
@@ -72,7 +79,9 @@ class Launcher:
             "--log-dir",
             str(self.log_dir),
             "--node-args",
-            NODE_ARGS,
+            node_args,
+            "--host",
+            host,
             "--stop-timeout",
             "10",
             *flags,
@@ -84,7 +93,7 @@ class Launcher:
             stdout=self._out,
             stderr=subprocess.STDOUT,
         )
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{self.port}"
 
     def output(self) -> str:
         return self.out_path.read_text()

@@ -1,0 +1,254 @@
+"""The rogue-peer suite on `pdserve up` bound beyond loopback: the router and both nodes listen on
+this machine's network address, guarded by the cluster key `pdserve up` made, and processes
+without it try every way in while a concurrent load runs through the router:
+- register a node in Redis (unsigned, or signed with another key);
+- send a GenerateRequest to a node, offer it KV, push token chunks to the router's reply port;
+- write a captured, validly signed registry record back.
+
+Each is refused and logged, nothing of it is taken, and every request of the load is exact
+(mixed lengths, streaming on and off, logprobs on and off; both the prefill->decode and the
+decode-only path). Replayed frames on the sockets: tests/test_channel_auth.py.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import re
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import redis
+
+from protocol.addresses import is_loopback
+from protocol.cluster_key import write_new_key
+from protocol.registry import KEY_PREFIX
+from tests.cluster import NodeProcess
+from tests.engine_helpers import hf_greedy
+from tests.test_up import FILLER, NODE_ARGS, Launcher, tiny_model_with_tokenizer
+
+pytestmark = pytest.mark.slow
+
+
+def network_host() -> str:
+    """This machine's address on its network (where a route out leaves from); the wildcard where
+    it has none beyond loopback. Either way the cluster binds beyond loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the route
+            host = probe.getsockname()[0]
+        except OSError:
+            return "0.0.0.0"
+    return "0.0.0.0" if is_loopback(host) else host
+
+
+@pytest.fixture(scope="module")
+def exposed(default_model_dir, tmp_path_factory):
+    host = network_host()
+    model = tiny_model_with_tokenizer(default_model_dir, tmp_path_factory.mktemp("model"))
+    launcher = Launcher(
+        tmp_path_factory.mktemp("up"),
+        model,
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        node_args=f"{NODE_ARGS} --host {host}",
+        host=host,
+    )
+    try:
+        launcher.wait_up()
+        yield model, launcher
+    finally:
+        launcher.close()
+
+
+def ready(launcher: Launcher, child: str) -> dict:
+    return json.loads((launcher.log_dir / f"{child}.ready.json").read_text())
+
+
+def router_log(launcher: Launcher) -> str:
+    return (launcher.log_dir / "router.log").read_text()
+
+
+@contextlib.contextmanager
+def load_stays_exact(model, launcher: Launcher, num_requests: int = 12):
+    """Runs ``num_requests`` concurrent requests through the router while the block runs, and
+    checks each against HF's greedy output after it."""
+    from router.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(model)
+    # short prompts prefill on the decode node, long ones go prefill node -> decode node
+    prompts = [f"Request {i}: {FILLER if i % 2 else 'short'}" for i in range(num_requests)]
+
+    def run(i: int) -> str:
+        body = {"prompt": prompts[i], "max_tokens": 3 + i % 4, "temperature": 0.0, "ignore_eos": True}
+        if i % 3 == 1:
+            body["logprobs"] = 1
+        if i % 4 >= 2:
+            text = []
+            with httpx.stream(
+                "POST", launcher.url + "/v1/completions", json={**body, "stream": True}, timeout=60
+            ) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        text += [c["text"] for c in json.loads(line[6:])["choices"]]
+            return "".join(text)
+        reply = httpx.post(launcher.url + "/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["text"]
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        texts = [pool.submit(run, i) for i in range(num_requests)]
+        yield
+        for i, text in enumerate(texts):
+            ids = tokenizer.encode(prompts[i])
+            assert text.result() == tokenizer.decode(hf_greedy(str(model), ids, 3 + i % 4)), i
+
+
+def test_the_cluster_listens_beyond_loopback_under_the_key_it_made(exposed):
+    _, launcher = exposed
+    addrs = [ready(launcher, "decode-0")["control_addr"], ready(launcher, "decode-0")["kv_addr"]]
+    addrs.append(ready(launcher, "prefill-0")["control_addr"])
+    if network_host() != "0.0.0.0":
+        assert all(f"//{network_host()}:" in a for a in addrs), addrs
+    assert "key:" in launcher.output() and (launcher.log_dir / "cluster.key").stat().st_mode & 0o777 == 0o600
+    assert launcher.events("decode-0", "node_started")[0]["signed"] is True
+
+
+def test_nodes_registered_without_the_key_are_refused_and_get_no_request(exposed, tmp_path):
+    """A process that can write to Redis but holds no cluster key registers a working decode node
+    (unsigned, then signed with another key): the router never routes to it and says so."""
+    model, launcher = exposed
+    write_new_key(tmp_path / "other.key")
+    rogues = [
+        NodeProcess(
+            "decode", str(model), tmp_path, launcher.redis_url(), ["--heartbeat-interval", "0.2", *extra]
+        )
+        for extra in ([], ["--cluster-key-file", str(tmp_path / "other.key")])
+    ]
+    try:
+        for rogue in rogues:
+            rogue.wait_ready()
+        time.sleep(1.5)  # several router polls find the records
+        with load_stays_exact(model, launcher):
+            pass
+        for rogue in rogues:
+            assert not rogue.events("request_added"), "a request went to a node without the key"
+        log = router_log(launcher)
+        node_ids = [json.loads(r.ready_file.read_text())["node_id"] for r in rogues]
+        assert f"refused node record {KEY_PREFIX}{node_ids[0]}: unsigned" in log
+        assert f"refused node record {KEY_PREFIX}{node_ids[1]}: bad MAC" in log
+        assert log.count(": unsigned") <= 5 and log.count(": bad MAC") <= 5  # 5 a window and kind
+    finally:
+        for rogue in rogues:
+            rogue.close()
+
+
+def test_peers_without_the_key_are_refused_on_every_socket_while_the_cluster_serves(exposed):
+    """CURVE under the cluster key: a process without it sends a GenerateRequest to the decode node
+    and to the prefill node, offers KV, and pushes token chunks to the router's reply port, all at
+    their network addresses. Each is refused at the handshake and logged; none of it is taken."""
+    from kv_transfer.errors import KVTimeout
+    from kv_transfer.messages import KVFingerprint
+    from kv_transfer.sender import KVSender, SenderConfig
+    from protocol import messages as pm
+    from protocol.channel import PeerChannel, PushChannel
+    from protocol.kv_layout import KV_LAYOUT_NAME
+    from protocol.reasons import FinishReason
+    from protocol.sampling_params import SamplingParams
+
+    model, launcher = exposed
+    decode, prefill = ready(launcher, "decode-0"), ready(launcher, "prefill-0")
+    reply_addr = re.search(r"nodes push replies to (\S+)", router_log(launcher)).group(1)
+    assert is_loopback(reply_addr.split("//")[1].rsplit(":", 1)[0]) is (network_host() == "0.0.0.0")
+    opened = []
+    with load_stays_exact(model, launcher):
+        for addr, request_id in ((decode["control_addr"], "rogue-d"), (prefill["control_addr"], "rogue-p")):
+            control = PeerChannel(addr, decoder=pm.decode_frames)
+            opened.append(control)
+            request = pm.GenerateRequest(
+                request_id,
+                (5, 6, 7),
+                SamplingParams(max_tokens=4),
+                "tcp://127.0.0.1:1",
+                None,
+                time.time() + 30,
+            )
+            control.send(request)
+        push = PushChannel(reply_addr)
+        opened.append(push)
+        push.send(pm.TokenChunk("anything", "rogue", (1,), (), FinishReason.STOP, 3, 0))
+        fingerprint = KVFingerprint("rogue", "float32", 8, KV_LAYOUT_NAME, 2, 2, 16)
+        sender = KVSender(
+            decode["kv_addr"], fingerprint, SenderConfig(grant_timeout_s=1.0, shared_memory=False)
+        )
+        opened.append(sender)
+        with pytest.raises(KVTimeout):
+            sender.reserve("rogue-kv", [1, 2, 3], SamplingParams(max_tokens=2))
+
+    def refused(child: str, socket_name: str) -> bool:
+        wanted = f"{socket_name} socket: it does not speak CURVE"
+        return any(wanted in e.get("error", "") for e in launcher.events(child, "peer_refused"))
+
+    # A refused peer may not retry its handshake, and a watcher can see a failure without its
+    # reason: knock again with fresh connections until each has said it (or 15 s passed).
+    deadline = time.monotonic() + 15
+    for child, name, addr in (
+        ("decode-0", "control", decode["control_addr"]),
+        ("decode-0", "kv", decode["kv_addr"]),
+        ("prefill-0", "control", prefill["control_addr"]),
+    ):
+        while not refused(child, name) and time.monotonic() < deadline:
+            knock = PeerChannel(addr, decoder=pm.decode_frames)  # connecting starts the handshake
+            time.sleep(0.3)
+            knock.close()
+        assert refused(child, name), (child, name, launcher.events(child, "peer_refused"))
+    reply_refused = "refused a peer on the reply socket: it does not speak CURVE"
+    while reply_refused not in router_log(launcher) and time.monotonic() < deadline:
+        knock = PushChannel(reply_addr)
+        time.sleep(0.3)
+        knock.close()
+    assert reply_refused in router_log(launcher)
+    for child in ("decode-0", "prefill-0"):
+        taken = {e.get("request_id") for e in launcher.events(child, "request_added")}
+        assert not taken & {"rogue-d", "rogue-p"}, taken
+    for channel in opened:
+        channel.close()
+
+
+def test_a_captured_signed_record_written_back_is_refused_and_the_node_keeps_serving(exposed):
+    """A writer with Redis access but no key keeps writing the decode node's captured record back
+    over its newer heartbeats: the router refuses the replays, logs them, and the node keeps its
+    place in the pool, taking requests throughout."""
+    model, launcher = exposed
+    node_id = ready(launcher, "decode-0")["node_id"]
+    client = redis.Redis.from_url(launcher.redis_url())
+    captured = client.hgetall(KEY_PREFIX + node_id)
+    assert b"mac" in captured
+    finished_before = len(launcher.events("decode-0", "request_finished"))
+    stop = threading.Event()
+
+    def replay() -> None:
+        while not stop.wait(0.05):
+            client.hset(KEY_PREFIX + node_id, mapping=captured)
+
+    time.sleep(0.6)  # the node beats again: the capture is now its past
+    writer = threading.Thread(target=replay, daemon=True)
+    writer.start()
+    try:
+        with load_stays_exact(model, launcher):
+            time.sleep(2.0)
+    finally:
+        stop.set()
+        writer.join(5)
+        client.close()
+    assert f"refused node record {KEY_PREFIX}{node_id}: replayed: its heartbeat is" in router_log(launcher)
+    assert len(launcher.events("decode-0", "request_finished")) >= finished_before + 12
+    health = httpx.get(launcher.url + "/health", timeout=5).json()
+    assert health["status"] == "ok", health
