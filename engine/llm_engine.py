@@ -307,6 +307,7 @@ class LLMEngine:
             num_held=len(sched.held),
             num_queued_prefill_tokens=self.num_queued_prefill_tokens(),
             step_stats=self.step_stats.snapshot(),
+            step_target_s=self.step_budget.target_s,
         )
 
     def warm_up_in_background(self) -> None:

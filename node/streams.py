@@ -127,4 +127,5 @@ def node_status(
         prefill_tokens_per_s=prefill_tokens_per_s,
         device=stats.device,
         step_stats=stats.step_stats,
+        step_target_s=stats.step_target_s,
     )

@@ -67,6 +67,9 @@ class NodeInfo:
     # torch threads the engine computes with now (engine.cpu_share: fewer while other processes
     # load the node's CPUs); None from a node that does not say
     torch_threads: int | None = None
+    # the node's step-time target for steps that compute prompt tokens (engine.step_budget): a
+    # running decode's time per token while the node prefills a prompt; None until measured
+    step_target_s: float | None = None
     heartbeat_time: float = 0.0  # wall clock of this record
 
     def to_redis(self) -> dict[str, str]:

@@ -119,6 +119,7 @@ def _backend(
         config.disagg_threshold,
         prefix_routing=config.prefix_routing,
         local_prefill_margin_s=config.local_prefill_margin_s,
+        tpot_slo_s=config.tpot_slo_s,
     )
     inflight = lambda: {str(s): n for s, n in admission.num_inflight.items()}  # noqa: E731
     return Backend(config, nodes, registry, routing, metrics.RouterMetrics(registry.snapshot, inflight))

@@ -58,6 +58,17 @@ class RouterConfig:
         "behind the prefill pool than behind its own queue; < 0: never (default: %(default)s)",
     )
     prefix_routing: bool = setting(True, "route by load alone, ignoring which node caches a prompt's prefix")
+    ttft_slo_s: float | None = setting(
+        None,
+        "shed (429, Retry-After) a request whose predicted time to first token, its node's prompt "
+        "queue at that node's measured prefill speed, passes this many seconds (default: off)",
+    )
+    tpot_slo_s: float | None = setting(
+        None,
+        "a decode node with requests running prefills a long prompt itself (--local-prefill-margin-s) "
+        "only when its step-time target keeps their time per token within this many seconds "
+        "(default: off)",
+    )
     max_inflight_prefill: int = setting(
         256, "sub-requests in their prefill stage; beyond: 429 (default: %(default)s)"
     )
@@ -117,6 +128,9 @@ class RouterConfig:
         for name in ("max_inflight_prefill", "max_inflight_decode", "max_n", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        for name in ("ttft_slo_s", "tpot_slo_s"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
         for name in (
             "chunk_timeout_s",
             "request_ttl_s",

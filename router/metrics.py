@@ -64,6 +64,15 @@ class RouterMetrics:
         self.kv_bytes = Counter(
             "pdserve_kv_transfer_bytes_total", "KV bytes moved, as nodes report them.", registry=reg
         )
+        self.shed = Counter(
+            "pdserve_shed_total",
+            "Requests refused with 429 before any node took them, by reason: inflight_limit (the "
+            "router's bound), ttft_slo (the predicted time to first token passes --ttft-slo-s).",
+            ["reason"],
+            registry=reg,
+        )
+        for reason in ("inflight_limit", "ttft_slo"):  # at 0 from the start, for autoscalers' queries
+            self.shed.labels(reason=reason)
         self.routes = Counter(
             "pdserve_routes_total",
             "Sub-requests sent to nodes, by where the prompt is prefilled and why (router.policy.Route).",

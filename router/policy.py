@@ -20,6 +20,11 @@ never. What they pay is bounded on the node, not here: its steps keep to their s
 running decode (engine.scheduler), so a local prefill stretches the decodes' time per token to at
 most the target while its chunks run, and never holds them out of a step.
 
+With a TPOT SLO (``tpot_slo_s``) a decode node that has requests running prefills a long prompt
+only when its step-time target is within the SLO: its steps stretch to that target while it does.
+With a TTFT SLO the router sheds (429) a new request whose predicted first token, its prefilling
+node's prompt queue at that node's speed (``predicted_ttft_s``), would come later (generation.py).
+
 Colocated nodes (role ``colocated``) prefill and decode every request they take themselves: they
 compete with decode nodes for requests, never get KV sent to them, and never prefill for others.
 With ``prefix_routing`` off the policy forgets what it sent where: routing by load alone.
@@ -158,9 +163,11 @@ class RoutingPolicy:
         prefix_capacity: int = 1 << 16,
         prefix_routing: bool = True,
         local_prefill_margin_s: float = -1.0,  # the router passes its config's (on by default)
+        tpot_slo_s: float | None = None,  # a busy decode node prefills locally only within it
     ) -> None:
         self.disagg_threshold = disagg_threshold  # fewer uncached prompt tokens: prefill on decode
         self.local_prefill_margin_s = local_prefill_margin_s  # see the module's docstring; < 0: off
+        self.tpot_slo_s = tpot_slo_s
         self.prefix_routing = prefix_routing  # False: never record prefixes, so routing sees no cache
         self.prefill_prefixes = PrefixMap(prefix_capacity)
         self.decode_prefixes = PrefixMap(prefix_capacity)
@@ -228,13 +235,35 @@ class RoutingPolicy:
     def _backed_up(
         self, prefill: NodeInfo, decode: NodeInfo, block_hashes: tuple[int, ...], num_prompt_tokens: int
     ) -> bool:
-        """The prompt would wait more than the margin longer for ``prefill`` than for ``decode``."""
+        """The prompt would wait more than the margin longer for ``prefill`` than for ``decode``,
+        and ``decode``'s running requests can afford it (``local_prefill_fits``)."""
         speed = prefill.prefill_tokens_per_s
         if self.local_prefill_margin_s < 0 or not speed:
             return False  # off, or no speed measured yet to turn tokens into seconds
+        if not self.local_prefill_fits(decode):
+            return False
         remote = self._prompt_queue(prefill, self.prefill_prefixes, block_hashes, num_prompt_tokens)
         local = self._prompt_queue(decode, self.decode_prefixes, block_hashes, num_prompt_tokens)
         return (remote - local) / speed > self.local_prefill_margin_s
+
+    def local_prefill_fits(self, decode: NodeInfo) -> bool:
+        """Whether ``decode`` may prefill a long prompt beside its running requests: while it does,
+        its steps run to its step-time target, each running request's time per token with them,
+        so that target must be within the TPOT SLO (always, without one; an idle node, too)."""
+        if self.tpot_slo_s is None or decode.num_running == 0:
+            return True
+        return decode.step_target_s is not None and decode.step_target_s <= self.tpot_slo_s
+
+    def predicted_ttft_s(self, route: Route, num_prompt_tokens: int) -> float | None:
+        """Seconds until the prompt's first token along ``route``: the prompt queue of the node that
+        prefills it (its last report, what was sent since, this prompt, less its cached prefix) at
+        that node's measured prefill speed. None before the node measured one."""
+        node = route.prefill or route.decode
+        speed = node.prefill_tokens_per_s
+        if not speed:
+            return None
+        prefixes = self.prefill_prefixes if route.prefill is not None else self.decode_prefixes
+        return self._prompt_queue(node, prefixes, route.block_hashes, num_prompt_tokens) / speed
 
     def _prompt_queue(
         self, node: NodeInfo, prefixes: PrefixMap, block_hashes: tuple[int, ...], num_prompt_tokens: int

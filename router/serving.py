@@ -115,11 +115,15 @@ class JobRun:
     def start(self) -> None:
         """Admit every sample (or raise 429 taking nothing) and start them."""
         num = len(self.choices)
-        self._admission.admit(Stage.DECODE, num)
         try:
-            self._admission.admit(Stage.PREFILL, num)
+            self._admission.admit(Stage.DECODE, num)
+            try:
+                self._admission.admit(Stage.PREFILL, num)
+            except APIError:
+                self._admission.release(Stage.DECODE, num)
+                raise
         except APIError:
-            self._admission.release(Stage.DECODE, num)
+            self._backend.metrics.shed.labels(reason="inflight_limit").inc()
             raise
         for choice in self.choices:
             ticket = Ticket(self._admission, (Stage.DECODE, Stage.PREFILL))

@@ -73,6 +73,7 @@ class RouterProcess:
     def __init__(self, model: pathlib.Path, redis_url: str, tmp: pathlib.Path, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.extra = extra
         self.log_path = tmp / f"router-{self.port}.log"
         self._log = open(self.log_path, "w")
         cmd = [
@@ -302,3 +303,69 @@ def test_client_disconnect_frees_the_blocks(cluster):
             print(f"--- {node.role} log ---\n{node.log()[-6000:]}")
     assert len(used) == 2 and not any(used.values()), used
     assert "request_aborted" in events and "request_finished" not in events, events
+
+
+def test_a_burst_past_the_ttft_slo_is_shed_with_429_and_what_is_admitted_stays_exact(cluster, tmp_path):
+    """A router with --ttft-slo-s at 2.5 prompts' worth of the prefill node's measured speed, and
+    16 long prompts at once: the first ones are admitted and exact; those whose predicted first
+    token would come later are shed at once with 429, Retry-After and an OpenAI-shaped error,
+    counted on /metrics; and the nodes hold no block after."""
+    import concurrent.futures
+
+    from router.tokenizer import Tokenizer
+
+    model, router, nodes = cluster
+    tokenizer = Tokenizer(model)
+    prompt = LONG_PROMPT + " and the sea" * 30
+    num_tokens = len(tokenizer.encode(prompt))
+    _client(router).completions.create(model=model.name, prompt=prompt, max_tokens=2, **GREEDY)  # a speed
+    deadline = time.monotonic() + 10
+    speed = None
+    while speed is None and time.monotonic() < deadline:
+        found = re.search(
+            r'pdserve_node_prefill_tokens_per_second\{node_id="[^"]+",role="prefill"\} (\S+)',
+            httpx.get(router.url + "/metrics").text,
+        )
+        speed = float(found[1]) if found else time.sleep(0.1)
+    assert speed, "the prefill node reported no speed"
+    slo = 2.5 * num_tokens / speed
+    shedding = RouterProcess(model, nodes[0].redis_url, tmp_path, *router.extra, "--ttft-slo-s", f"{slo:.6f}")
+    try:
+        shedding.wait_healthy()
+        body = {"model": model.name, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+        def send(i: int) -> httpx.Response:
+            return httpx.post(
+                shedding.url + "/v1/completions", json={**body, "stream": i % 2 == 1}, timeout=60
+            )
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            replies = list(pool.map(send, range(16)))
+        ok = [r for r in replies if r.status_code == 200]
+        shed = [r for r in replies if r.status_code == 429]
+        assert len(ok) + len(shed) == 16 and ok and shed, [r.status_code for r in replies]
+        expected = tokenizer.decode(hf_greedy(str(model), tokenizer.encode(prompt), 4))
+        for reply in ok:
+            if reply.headers["content-type"].startswith("text/event-stream"):
+                events = [
+                    json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")
+                ]
+                assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == expected
+            else:
+                assert reply.json()["choices"][0]["text"] == expected
+        for reply in shed:
+            assert int(reply.headers["retry-after"]) >= 1
+            error = reply.json()["error"]
+            assert error["type"] == "rate_limit_error" and error["code"] == "overloaded"
+            assert "beyond the" in error["message"] and "TTFT SLO" in error["message"]
+        scraped = httpx.get(shedding.url + "/metrics").text
+        assert f'pdserve_shed_total{{reason="ttft_slo"}} {float(len(shed))}' in scraped
+    finally:
+        shedding.close()
+    done_at = time.time()
+    deadline = time.monotonic() + 15
+    used = _used_blocks(router, computed_after=done_at)
+    while time.monotonic() < deadline and (len(used) < 2 or any(used.values())):
+        time.sleep(0.1)
+        used = _used_blocks(router, computed_after=done_at)
+    assert len(used) == 2 and not any(used.values()), used

@@ -146,6 +146,42 @@ def test_a_backed_up_prefill_pool_sends_the_prompt_to_the_decode_nodes_own_queue
     )
 
 
+def test_with_a_tpot_slo_a_busy_decode_node_prefills_locally_only_if_its_step_target_fits():
+    policy = RoutingPolicy(0, local_prefill_margin_s=1.0, tpot_slo_s=0.25)
+    prefill = node_info("p0", "prefill", num_queued_prefill_tokens=10_000, prefill_tokens_per_s=100.0)
+
+    def placement(**decode_fields) -> str:
+        return policy.choose([node_info("d0", "decode", **decode_fields), prefill], PROMPT, 8).placement
+
+    assert placement(num_running=0) == "backed_up"  # idle: nobody's time per token to protect
+    assert placement(num_running=3, step_target_s=0.2) == "backed_up"  # its steps stay within the SLO
+    assert placement(num_running=3, step_target_s=0.6) == "prefill_node"  # they would not
+    assert placement(num_running=3) == "prefill_node"  # a target not yet known is not trusted
+    no_slo = RoutingPolicy(0, local_prefill_margin_s=1.0)
+    assert no_slo.choose(
+        [node_info("d0", "decode", num_running=3, step_target_s=0.6), prefill], PROMPT, 8
+    ).placement == ("backed_up")
+
+
+def test_the_predicted_ttft_is_the_prefilling_nodes_prompt_queue_at_its_speed():
+    policy = RoutingPolicy(0)
+    nodes = [
+        node_info("d0", "decode", num_queued_prefill_tokens=50, prefill_tokens_per_s=200.0),
+        node_info("p0", "prefill", num_queued_prefill_tokens=160, prefill_tokens_per_s=100.0),
+    ]
+    route = policy.choose(nodes, PROMPT, 8)
+    assert route.prefill.node_id == "p0"
+    assert policy.predicted_ttft_s(route, len(PROMPT)) == (160 + len(PROMPT)) / 100.0
+    policy.record("r1", route, len(PROMPT), now=1.0)  # sent since p0's heartbeat: queued there too
+    assert policy.predicted_ttft_s(route, len(PROMPT)) == (160 + 2 * len(PROMPT)) / 100.0
+    local = RoutingPolicy(10_000).choose(nodes, PROMPT, 8)  # below the threshold: the decode node
+    assert local.prefill is None and RoutingPolicy(10_000).predicted_ttft_s(local, len(PROMPT)) == (
+        (50 + len(PROMPT)) / 200.0
+    )
+    unmeasured = [node_info("d0", "decode"), node_info("p0", "prefill")]
+    assert policy.predicted_ttft_s(policy.choose(unmeasured, PROMPT, 8), len(PROMPT)) is None
+
+
 def test_prompts_sent_since_the_heartbeat_count_in_both_queues():
     policy = RoutingPolicy(0, local_prefill_margin_s=1.0)
     nodes = [
