@@ -3,6 +3,8 @@
     .venv/bin/python bench/serve_studies.py check --calibrate   # calibrate, measure, calibrate again, predict
     .venv/bin/python bench/serve_studies.py colocated --profile-1t p1.json --profile-2t p2.json
     .venv/bin/python bench/serve_studies.py ratio        # P:D 1:1, 1:2, 2:1
+    .venv/bin/python bench/serve_studies.py overload --ttft-slo-ms 4000 --tpot-slo-ms 250
+        # 1P+1D and 1 colocated past capacity, with and without the router's SLO flags
     .venv/bin/python bench/serve_studies.py prefix       # prefix caching / prefix-aware routing on and off
     .venv/bin/python bench/serve_studies.py vllm --vllm-python /work/vllm-venv/bin/python   # 1P+1D vs vLLM, 2 cores
     .venv/bin/python bench/serve_studies.py load --vllm-python /work/vllm-venv/bin/python --rounds 3
@@ -50,6 +52,17 @@ MIX = {
     "max_output_len": 128,
 }
 MIX_48 = {**MIX, "num_requests": 48}
+# issue 32's overload workload: prompts of 256-768 tokens (long-tailed around 384), 64 out
+LONG_MIX = {
+    "kind": "mix",
+    "num_requests": 32,
+    "input_len": 384,
+    "output_len": 64,
+    "max_input_len": 768,
+    "max_output_len": 64,
+}
+OVERLOAD_RATES = (0.5, 1.0, 2.0)
+SLO_ROUTER_ARGS = "--ttft-slo-s 4 --tpot-slo-s 0.25"  # the study's SLO: run it with the same in bench
 LOAD_RATES = (2.0, 4.0, 8.0)
 PREFILL_HEAVY = {"kind": "fixed", "num_requests": 16, "input_len": 512, "output_len": 16}
 SHARED_PREFIX = {
@@ -84,6 +97,16 @@ def studies() -> dict[str, list[Point]]:
             Point(f"{c.label} {name}", c, w, (0.5, 1.0))
             for name, w in (("mix", MIX), ("prefill-heavy", PREFILL_HEAVY))
             for c in (pd, colocated)
+        ],
+        "overload": [  # run with --ttft-slo-ms 4000 --tpot-slo-ms 250
+            Point("1P+1D", pd, LONG_MIX, OVERLOAD_RATES),
+            Point("1P+1D, SLO flags", pd, LONG_MIX, OVERLOAD_RATES, router_args=SLO_ROUTER_ARGS),
+            Point("1 colocated", colocated, LONG_MIX, OVERLOAD_RATES),
+            Point("1 colocated, SLO flags", colocated, LONG_MIX, OVERLOAD_RATES, router_args=SLO_ROUTER_ARGS),
+        ],
+        "overload-slo": [  # the overload study's points with the router's SLO flags alone
+            Point("1P+1D, SLO flags", pd, LONG_MIX, OVERLOAD_RATES, router_args=SLO_ROUTER_ARGS),
+            Point("1 colocated, SLO flags", colocated, LONG_MIX, OVERLOAD_RATES, router_args=SLO_ROUTER_ARGS),
         ],
         "ratio": [
             Point(f"{c.label} mix", c, MIX, (0.5, 1.0)) for c in (Cluster(1, 1), Cluster(1, 2), Cluster(2, 1))

@@ -29,7 +29,7 @@ from kv_transfer.receiver import KVReceiver, ReceivedKV
 from node.log import EventLog, forward_own_logs
 from node.options import NodeOptions
 from node.runtime import NodeRuntime
-from node.streams import Stream, engine_logprob, local_deadline, next_chunk, node_status
+from node.streams import PrefillRate, Stream, engine_logprob, local_deadline, next_chunk, node_status
 from protocol.kv_layout import KV_LAYOUT_NAME
 from protocol.messages import AbortRequest, GenerateRequest
 from protocol.reasons import FailureCode
@@ -88,6 +88,8 @@ class DecodeNode:
         )
         self.kv_addr = f"tcp://{opts.advertise_host}:{self.receiver.address.rsplit(':', 1)[1]}"
         self.streams: dict[str, Stream] = {}  # adopted or prefilled here: where the tokens go
+        # its local prefills' speed, for the router's TTFT prediction (steps decoding beside them count)
+        self.prefill_rate = PrefillRate()
 
     def status(self):
         return node_status(
@@ -97,6 +99,7 @@ class DecodeNode:
             self.kv_addr,
             self.fingerprint,
             self.runtime.draining.is_set(),
+            self.prefill_rate.tokens_per_s,
         )
 
     def serve(self, ready_file: str | None = None) -> int:
@@ -142,7 +145,7 @@ class DecodeNode:
                     retryable=False,
                 )
         if self.engine.has_work():  # its schedule grants queued reservations (KVGrant goes out)
-            for out in self.engine.step():
+            for out in self.prefill_rate.timed_step(self.engine):
                 self._emit(out)
         self._expire()
         self.runtime.refresh_status(self.status)

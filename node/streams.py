@@ -96,6 +96,13 @@ class PrefillRate:
     def tokens_per_s(self) -> float | None:
         return self.num_tokens / self.seconds if self.seconds > 0.0 else None
 
+    def timed_step(self, engine: LLMEngine) -> list:
+        """One engine step, its prompt tokens and seconds counted in."""
+        num_queued, start = engine.num_queued_prefill_tokens(), time.perf_counter()
+        outs = engine.step()
+        self.observe(num_queued - engine.num_queued_prefill_tokens(), time.perf_counter() - start)
+        return outs
+
 
 def node_status(
     opts: NodeOptions,

@@ -146,12 +146,7 @@ class PrefillNode:
 
     def _timed_step(self) -> list:
         """One engine step, its prompt tokens and seconds counted into ``prefill_rate``."""
-        num_queued, start = self.engine.num_queued_prefill_tokens(), time.perf_counter()
-        outs = self.engine.step()
-        self.prefill_rate.observe(
-            num_queued - self.engine.num_queued_prefill_tokens(), time.perf_counter() - start
-        )
-        return outs
+        return self.prefill_rate.timed_step(self.engine)
 
     def _on_control(self, msg) -> None:
         if isinstance(msg, GenerateRequest):

@@ -1,4 +1,5 @@
-"""Admission control: a bound on sub-requests in flight per stage; beyond it, 429 at once.
+"""Admission control: a bound on sub-requests in flight per stage; beyond it, 429 at once. With a
+TTFT SLO, also a 429 for a request whose first token is predicted to come too late.
 
 The router itself never queues: a request is either admitted (and the nodes queue it) or shed
 with ``Retry-After``, so router memory stays bounded under any load. Prefill slots count
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 
 from router.errors import APIError
 
@@ -65,3 +67,26 @@ class Ticket:
     def release_all(self) -> None:
         for role in list(self._held):
             self.release(role)
+
+
+def shed_past_ttft_slo(slo_s: float, predicted_s: float | None, shed_counter) -> None:
+    """429 for a new sample whose first token is predicted to come after the TTFT SLO: shed at
+    once it costs the cluster nothing, where admitted it would take prefill time from requests
+    that can still meet theirs, and miss anyway. Retry-After: the seconds by which it would miss.
+    ``predicted_s`` None: admitted (RoutingPolicy.predicted_ttft_s)."""
+    if predicted_s is None or predicted_s <= slo_s:
+        return
+    shed_counter.labels(reason="ttft_slo").inc()
+    when = (
+        "after prompts whose speed no node has measured yet"
+        if math.isinf(predicted_s)
+        else f"in about {predicted_s:.1f} s"
+    )
+    raise APIError(
+        429,
+        f"the cluster is past its capacity: this prompt's first token would come {when}, "
+        f"beyond the {slo_s:g} s TTFT SLO; retry later",
+        None,
+        "overloaded",
+        1 if math.isinf(predicted_s) else max(1, math.ceil(predicted_s - slo_s)),
+    )

@@ -24,14 +24,13 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import math
 import time
 from collections.abc import AsyncIterator
 
 from protocol import messages as pm
 from protocol.reasons import FailureCode
 from protocol.sampling_params import SamplingParams
-from router.admission import Stage, Ticket
+from router.admission import Stage, Ticket, shed_past_ttft_slo
 from router.config import RouterConfig
 from router.errors import APIError
 from router.metrics import RouterMetrics
@@ -148,31 +147,15 @@ def _route(backend: Backend, sample: Sample, progress: _Progress) -> Route:
         progress.excluded.discard(progress.migrating.node_id)
         route = _choose(backend, sample, progress.relayed, progress.excluded)
     if route is not None:
-        if not (progress.relayed or progress.num_retries or progress.migrating):
-            _shed_past_ttft_slo(backend, route, len(sample.prompt_ids))
+        slo = backend.config.ttft_slo_s
+        if slo is not None and not (progress.relayed or progress.num_retries or progress.migrating):
+            nodes = backend.registry.snapshot()
+            predicted = backend.policy.predicted_ttft_s(route, len(sample.prompt_ids), nodes)
+            shed_past_ttft_slo(slo, predicted, backend.metrics.shed)
         return route
     if progress.migrating is not None:
         raise progress.migrating.error
     raise APIError(503, f"no usable decode node ({progress.last_error})", None, "no_nodes", 1)
-
-
-def _shed_past_ttft_slo(backend: Backend, route: Route, num_prompt_tokens: int) -> None:
-    """429 for a new sample whose first token would come after the TTFT SLO: shed at once, it
-    costs the cluster nothing, where admitted it would take prefill time from requests that can
-    still meet it (and miss anyway). Retry-After: the seconds by which it would miss."""
-    slo = backend.config.ttft_slo_s
-    predicted = None if slo is None else backend.policy.predicted_ttft_s(route, num_prompt_tokens)
-    if predicted is None or predicted <= slo:
-        return
-    backend.metrics.shed.labels(reason="ttft_slo").inc()
-    raise APIError(
-        429,
-        f"the cluster is past its capacity: this prompt's first token would come in about "
-        f"{predicted:.1f} s, beyond the {slo:g} s TTFT SLO; retry later",
-        None,
-        "overloaded",
-        max(1, math.ceil(predicted - slo)),
-    )
 
 
 async def run_sample(

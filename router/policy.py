@@ -254,16 +254,23 @@ class RoutingPolicy:
             return True
         return decode.step_target_s is not None and decode.step_target_s <= self.tpot_slo_s
 
-    def predicted_ttft_s(self, route: Route, num_prompt_tokens: int) -> float | None:
+    def predicted_ttft_s(
+        self, route: Route, num_prompt_tokens: int, nodes: Sequence[NodeInfo] = ()
+    ) -> float | None:
         """Seconds until the prompt's first token along ``route``: the prompt queue of the node that
         prefills it (its last report, what was sent since, this prompt, less its cached prefix) at
-        that node's measured prefill speed. None before the node measured one."""
+        that node's measured prefill speed, or the mean of the speeds ``nodes`` measured. With no
+        speed anywhere (a cluster that just started): None (admit) while the node's queue is
+        empty, else infinity: prompts stacked behind a speed nobody knows are what melts a cold
+        cluster under a burst."""
         node = route.prefill or route.decode
-        speed = node.prefill_tokens_per_s
-        if not speed:
-            return None
         prefixes = self.prefill_prefixes if route.prefill is not None else self.decode_prefixes
-        return self._prompt_queue(node, prefixes, route.block_hashes, num_prompt_tokens) / speed
+        queued = self._prompt_queue(node, prefixes, route.block_hashes, num_prompt_tokens)
+        speeds = [n.prefill_tokens_per_s for n in nodes if n.prefill_tokens_per_s]
+        speed = node.prefill_tokens_per_s or (sum(speeds) / len(speeds) if speeds else None)
+        if speed:
+            return queued / speed
+        return None if queued <= num_prompt_tokens else math.inf
 
     def _prompt_queue(
         self, node: NodeInfo, prefixes: PrefixMap, block_hashes: tuple[int, ...], num_prompt_tokens: int

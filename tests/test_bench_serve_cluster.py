@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from tests.cluster import ROOT
-from tests.test_up import Launcher, tiny_model_with_tokenizer
+from tests.up_launcher import Launcher, tiny_model_with_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""A prefill node's measured speed, and the backlog gauge the router derives from it for autoscaling.
+"""A node's measured prefill speed, and the backlog gauge the router derives from it for autoscaling.
 
 Chain: the prefill node times each engine step (node.streams.PrefillRate) and publishes the rate
 in its NodeInfo; the router's /metrics divides each node's queued prompt tokens by it
@@ -72,7 +72,9 @@ def test_router_metrics_export_prefill_speed_and_backlog_for_prefill_nodes_only(
 
 
 @pytest.mark.slow
-def test_prefill_node_publishes_its_measured_speed_after_a_prefill(tmp_path):
+def test_nodes_publish_their_measured_prefill_speed_after_a_prefill(tmp_path):
+    """The prefill node after a prompt it shipped; the decode node after one it prefilled itself
+    (the router's TTFT prediction for a local prefill divides by it)."""
     model = str(make_tiny_model("llama"))
     nodes = [
         NodeProcess(role, model, tmp_path, None, ["--block-size", "8", "--num-kv-blocks", "64"])
@@ -90,6 +92,12 @@ def test_prefill_node_publishes_its_measured_speed_after_a_prefill(tmp_path):
         while client.status(prefill)["prefill_tokens_per_s"] is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert client.status(prefill)["prefill_tokens_per_s"] > 0
+        client.generate(decode, "r1", list(range(3, 43)), {"temperature": 0.0, "max_tokens": 4})
+        assert client.collect(["r1"])["r1"]["finish"] == "length"
+        deadline = time.monotonic() + 5
+        while client.status(decode)["prefill_tokens_per_s"] is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.status(decode)["prefill_tokens_per_s"] > 0
     finally:
         client.close()
         for n in nodes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -179,7 +180,16 @@ def test_the_predicted_ttft_is_the_prefilling_nodes_prompt_queue_at_its_speed():
         (50 + len(PROMPT)) / 200.0
     )
     unmeasured = [node_info("d0", "decode"), node_info("p0", "prefill")]
-    assert policy.predicted_ttft_s(policy.choose(unmeasured, PROMPT, 8), len(PROMPT)) is None
+    cold = RoutingPolicy(0)
+    first = cold.choose(unmeasured, PROMPT, 8)
+    assert cold.predicted_ttft_s(first, len(PROMPT), unmeasured) is None  # an empty queue: admitted
+    cold.record("r1", first, len(PROMPT), now=1.0)
+    assert cold.predicted_ttft_s(first, len(PROMPT), unmeasured) == math.inf  # behind an unknown speed
+    other = [
+        *unmeasured,
+        node_info("p1", "prefill", num_queued_prefill_tokens=999, prefill_tokens_per_s=50.0),
+    ]
+    assert cold.predicted_ttft_s(first, len(PROMPT), other) == 2 * len(PROMPT) / 50.0  # the pool's speed
 
 
 def test_prompts_sent_since_the_heartbeat_count_in_both_queues():

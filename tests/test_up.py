@@ -12,19 +12,14 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import psutil
 import pytest
-import torch
-import transformers
 
 from launcher.children import Child, stop_all
 from launcher.cluster import LocalCluster
@@ -32,94 +27,9 @@ from launcher.plan import ClusterPlan, threads_per_node
 from node.options import options_from_args
 from pdserve_cli.main import build_parser
 from protocol.registry import Role
-from tests.cluster import ROOT, NodeProcess, free_port
+from tests.cluster import NodeProcess
 from tests.engine_helpers import hf_greedy
-from tests.tiny_models import TINY
-
-NODE_ARGS = "--block-size 8 --num-kv-blocks 256"
-FILLER = " ".join(f"word{k}" for k in range(40))  # long enough that prompts go prefill -> decode
-
-
-def tiny_model_with_tokenizer(default_model_dir: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
-    """A tiny random Llama whose vocabulary is the default model's, with its tokenizer files:
-    the router tokenizes real text and the nodes run in milliseconds."""
-    path = root / "tiny-llama-smollm2-vocab"
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**{**TINY, "vocab_size": 49152})
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(default_model_dir / name, path / name)
-    return path
-
-
-class Launcher:
-    """`pdserve up` in a subprocess, its output in a file."""
-
-    def __init__(
-        self,
-        tmp: pathlib.Path,
-        model: pathlib.Path,
-        *flags: str,
-        node_args: str = NODE_ARGS,
-        host: str = "127.0.0.1",  # the router's (its HTTP and reply ports)
-    ) -> None:
-        self.port = free_port()
-        self.log_dir = tmp / "logs"
-        self.out_path = tmp / "up.out"
-        self._out = open(self.out_path, "w")
-        cmd = [
-            sys.executable,
-            "-m",
-            "pdserve_cli",
-            "up",
-            "--model",
-            str(model),
-            "--port",
-            str(self.port),
-            "--log-dir",
-            str(self.log_dir),
-            "--node-args",
-            node_args,
-            "--host",
-            host,
-            "--stop-timeout",
-            "10",
-            *flags,
-        ]
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdout=self._out,
-            stderr=subprocess.STDOUT,
-        )
-        self.url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{self.port}"
-
-    def output(self) -> str:
-        return self.out_path.read_text()
-
-    def wait_up(self, timeout_s: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while "pdserve is up" not in self.output():
-            assert self.proc.poll() is None and time.monotonic() < deadline, (
-                f"launch failed:\n{self.output()}"
-            )
-            time.sleep(0.1)
-
-    def redis_url(self) -> str:
-        return re.search(r"registry: (redis://\S+)", self.output()).group(1)
-
-    def events(self, child: str, name: str) -> list[dict]:
-        lines = (self.log_dir / f"{child}.log").read_text().splitlines()
-        return [
-            r for r in (json.loads(line) for line in lines if line.startswith("{")) if r.get("event") == name
-        ]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._out.close()
+from tests.up_launcher import FILLER, NODE_ARGS, Launcher, tiny_model_with_tokenizer
 
 
 def processes_mentioning(text: str) -> list[psutil.Process]:

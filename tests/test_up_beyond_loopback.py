@@ -29,7 +29,7 @@ from protocol.cluster_key import write_new_key
 from protocol.registry import KEY_PREFIX
 from tests.cluster import NodeProcess
 from tests.engine_helpers import hf_greedy
-from tests.test_up import FILLER, NODE_ARGS, Launcher, tiny_model_with_tokenizer
+from tests.up_launcher import FILLER, NODE_ARGS, Launcher, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.slow
 
