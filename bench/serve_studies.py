@@ -5,6 +5,7 @@
     .venv/bin/python bench/serve_studies.py ratio        # P:D 1:1, 1:2, 2:1
     .venv/bin/python bench/serve_studies.py overload --ttft-slo-ms 4000 --tpot-slo-ms 250
         # 1P+1D and 1 colocated past capacity, with and without the router's SLO flags
+        # (--only "1P+1D, SLO flags" "1 colocated, SLO flags": some points alone)
     .venv/bin/python bench/serve_studies.py prefix       # prefix caching / prefix-aware routing on and off
     .venv/bin/python bench/serve_studies.py vllm --vllm-python /work/vllm-venv/bin/python   # 1P+1D vs vLLM, 2 cores
     .venv/bin/python bench/serve_studies.py load --vllm-python /work/vllm-venv/bin/python --rounds 3
@@ -102,10 +103,6 @@ def studies() -> dict[str, list[Point]]:
             Point("1P+1D", pd, LONG_MIX, OVERLOAD_RATES),
             Point("1P+1D, SLO flags", pd, LONG_MIX, OVERLOAD_RATES, router_args=SLO_ROUTER_ARGS),
             Point("1 colocated", colocated, LONG_MIX, OVERLOAD_RATES),
-            Point("1 colocated, SLO flags", colocated, LONG_MIX, OVERLOAD_RATES, router_args=SLO_ROUTER_ARGS),
-        ],
-        "overload-slo": [  # the overload study's points with the router's SLO flags alone
-            Point("1P+1D, SLO flags", pd, LONG_MIX, OVERLOAD_RATES, router_args=SLO_ROUTER_ARGS),
             Point("1 colocated, SLO flags", colocated, LONG_MIX, OVERLOAD_RATES, router_args=SLO_ROUTER_ARGS),
         ],
         "ratio": [
@@ -308,6 +305,9 @@ def main() -> None:
         default=1,
         help="run the study's points this many times, in turn (noisy machines)",
     )
+    parser.add_argument(
+        "--only", nargs="+", default=None, metavar="LABEL", help="run only the points of these labels"
+    )
     args = parser.parse_args()
     slo = Slo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
     profiles = {t: Profile.load(p) for t, p in ((1, args.profile_1t), (2, args.profile_2t)) if p is not None}
@@ -315,7 +315,7 @@ def main() -> None:
     if args.calibrate:
         profiles[1] = calibrate(out_dir / "profile-before.json", args.busy_neighbours)
     lines, results = [HEADER], []
-    points = studies()[args.study]
+    points = [p for p in studies()[args.study] if args.only is None or p.label in args.only]
     if args.rounds > 1:
         points = [
             dataclasses.replace(p, label=f"{p.label} (round {k + 1})")

@@ -69,24 +69,35 @@ class Ticket:
             self.release(role)
 
 
-def shed_past_ttft_slo(slo_s: float, predicted_s: float | None, shed_counter) -> None:
-    """429 for a new sample whose first token is predicted to come after the TTFT SLO: shed at
+def shed_late_first_token(
+    predicted_s: float | None, slo_s: float | None, timeout_s: float, shed_counter
+) -> None:
+    """429 for a new sample whose first token is predicted to come too late: after the TTFT SLO
+    when there is one, else after ``timeout_s`` (the router's chunk timeout, past which it would
+    abort the sample and retry it: a retry storm on a cluster that is already behind). Shed at
     once it costs the cluster nothing, where admitted it would take prefill time from requests
-    that can still meet theirs, and miss anyway. Retry-After: the seconds by which it would miss.
-    ``predicted_s`` None: admitted (RoutingPolicy.predicted_ttft_s)."""
-    if predicted_s is None or predicted_s <= slo_s:
+    that can still make it, and miss anyway. Retry-After: the seconds by which it would miss.
+    ``predicted_s`` None: admitted; infinite (no speed measured, a queue ahead): shed under an
+    SLO only (RoutingPolicy.predicted_ttft_s)."""
+    limit_s, reason = (slo_s, "ttft_slo") if slo_s is not None else (timeout_s, "queue_timeout")
+    if predicted_s is None or predicted_s <= limit_s or (slo_s is None and math.isinf(predicted_s)):
         return
-    shed_counter.labels(reason="ttft_slo").inc()
+    shed_counter.labels(reason=reason).inc()
     when = (
         "after prompts whose speed no node has measured yet"
         if math.isinf(predicted_s)
         else f"in about {predicted_s:.1f} s"
     )
+    beyond = (
+        f"beyond the {slo_s:g} s TTFT SLO"
+        if slo_s is not None
+        else f"after the router would give up waiting for it ({timeout_s:g} s, --chunk-timeout-s)"
+    )
     raise APIError(
         429,
-        f"the cluster is past its capacity: this prompt's first token would come {when}, "
-        f"beyond the {slo_s:g} s TTFT SLO; retry later",
+        f"the cluster is past its capacity: this prompt's first token would come {when}, {beyond}; "
+        "retry later",
         None,
         "overloaded",
-        1 if math.isinf(predicted_s) else max(1, math.ceil(predicted_s - slo_s)),
+        1 if math.isinf(predicted_s) else max(1, math.ceil(predicted_s - limit_s)),
     )

@@ -61,7 +61,8 @@ class RouterConfig:
     ttft_slo_s: float | None = setting(
         None,
         "shed (429, Retry-After) a request whose predicted time to first token, its node's prompt "
-        "queue at that node's measured prefill speed, passes this many seconds (default: off)",
+        "queue at that node's measured prefill speed, passes this many seconds (default: none; "
+        "then those predicted past --chunk-timeout-s are shed, which would time out anyway)",
     )
     tpot_slo_s: float | None = setting(
         None,

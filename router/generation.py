@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator
 from protocol import messages as pm
 from protocol.reasons import FailureCode
 from protocol.sampling_params import SamplingParams
-from router.admission import Stage, Ticket, shed_past_ttft_slo
+from router.admission import Stage, Ticket, shed_late_first_token
 from router.config import RouterConfig
 from router.errors import APIError
 from router.metrics import RouterMetrics
@@ -147,11 +147,11 @@ def _route(backend: Backend, sample: Sample, progress: _Progress) -> Route:
         progress.excluded.discard(progress.migrating.node_id)
         route = _choose(backend, sample, progress.relayed, progress.excluded)
     if route is not None:
-        slo = backend.config.ttft_slo_s
-        if slo is not None and not (progress.relayed or progress.num_retries or progress.migrating):
+        config = backend.config
+        if not (progress.relayed or progress.num_retries or progress.migrating):
             nodes = backend.registry.snapshot()
             predicted = backend.policy.predicted_ttft_s(route, len(sample.prompt_ids), nodes)
-            shed_past_ttft_slo(slo, predicted, backend.metrics.shed)
+            shed_late_first_token(predicted, config.ttft_slo_s, config.chunk_timeout_s, backend.metrics.shed)
         return route
     if progress.migrating is not None:
         raise progress.migrating.error

@@ -67,11 +67,16 @@ class RouterMetrics:
         self.shed = Counter(
             "pdserve_shed_total",
             "Requests refused with 429 before any node took them, by reason: inflight_limit (the "
-            "router's bound), ttft_slo (the predicted time to first token passes --ttft-slo-s).",
+            "router's bound), ttft_slo (the predicted time to first token passes --ttft-slo-s), "
+            "queue_timeout (without an SLO: it passes --chunk-timeout-s).",
             ["reason"],
             registry=reg,
         )
-        for reason in ("inflight_limit", "ttft_slo"):  # at 0 from the start, for autoscalers' queries
+        for reason in (
+            "inflight_limit",
+            "ttft_slo",
+            "queue_timeout",
+        ):  # at 0 from the start, for autoscalers' queries
             self.shed.labels(reason=reason)
         self.routes = Counter(
             "pdserve_routes_total",

@@ -23,7 +23,8 @@ most the target while its chunks run, and never holds them out of a step.
 With a TPOT SLO (``tpot_slo_s``) a decode node that has requests running prefills a long prompt
 only when its step-time target is within the SLO: its steps stretch to that target while it does.
 With a TTFT SLO the router sheds (429) a new request whose predicted first token, its prefilling
-node's prompt queue at that node's speed (``predicted_ttft_s``), would come later (generation.py).
+node's prompt queue at that node's speed (``predicted_ttft_s``), would come later; without one,
+one predicted past the chunk timeout, which it would abort and retry (admission.py).
 
 Colocated nodes (role ``colocated``) prefill and decode every request they take themselves: they
 compete with decode nodes for requests, never get KV sent to them, and never prefill for others.

@@ -303,3 +303,34 @@ def test_ticket_releases_each_role_once():
     ticket.release_all()
     ticket.release_all()
     assert admission.num_inflight == {Stage.PREFILL: 0, Stage.DECODE: 0}
+
+
+@pytest.mark.parametrize(
+    ("predicted", "slo", "shed"),
+    [
+        (None, 4.0, None),  # no prediction: admitted
+        (3.9, 4.0, None),
+        (4.6, 4.0, ("ttft_slo", 1, "in about 4.6 s, beyond the 4 s TTFT SLO")),
+        (9.2, 4.0, ("ttft_slo", 6, "in about 9.2 s, beyond the 4 s TTFT SLO")),
+        (math.inf, 4.0, ("ttft_slo", 1, "after prompts whose speed no node has measured yet")),
+        (59.0, None, None),  # no SLO: only what would pass the chunk timeout (60 s)
+        (math.inf, None, None),  # ... and an unknown speed is no reason without an SLO
+        (75.0, None, ("queue_timeout", 15, "after the router would give up waiting for it (60 s")),
+    ],
+)
+def test_a_first_token_predicted_too_late_is_shed_with_429_and_retry_after(predicted, slo, shed):
+    from prometheus_client import CollectorRegistry, Counter
+
+    from router.admission import shed_late_first_token
+
+    counter = Counter("shed", "", ["reason"], registry=CollectorRegistry())
+    if shed is None:
+        shed_late_first_token(predicted, slo, 60.0, counter)
+        return
+    reason, retry_after, words = shed
+    with pytest.raises(APIError) as caught:
+        shed_late_first_token(predicted, slo, 60.0, counter)
+    error = caught.value
+    assert (error.status, error.code, error.retry_after_s) == (429, "overloaded", retry_after)
+    assert words in error.message
+    assert counter.labels(reason=reason)._value.get() == 1
