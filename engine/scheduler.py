@@ -181,12 +181,19 @@ class Scheduler:
     ) -> None:
         bm = self.block_manager
         watermark = self._watermark()
-        while self.waiting and self.num_seqs < self.max_num_seqs:
-            seq = self.waiting[0]
+        # One FIFO for slots and blocks. Compute budget is the one thing a remote reservation does
+        # not need: a local prompt waiting for it is passed by the reservations behind it (the local
+        # prompts after it stay behind it), or a decode node busy prefilling would grant no KV for
+        # as long as its local prompts last, and prefill nodes' transfers time out meanwhile.
+        i, prompts_wait = 0, False
+        while i < len(self.waiting) and self.num_seqs < self.max_num_seqs:
+            seq = self.waiting[i]
             assert not seq.block_table, "waiting sequences hold no blocks"
             remote = seq.status is SequenceStatus.WAITING_FOR_KV
-            if not remote and budget <= 0:
-                break
+            if not remote and (prompts_wait or budget <= 0):
+                prompts_wait = True
+                i += 1
+                continue
             # A hit never covers the last token: it must run to produce logits. Nor any prompt token
             # whose log-probability is still to be reported: those positions are computed again.
             limit = 0 if seq.needs_prompt_logprobs else (seq.num_tokens - 1) // bm.block_size
@@ -199,7 +206,7 @@ class Scheduler:
                 bm.free(seq)
                 seq.num_cached_tokens = 0
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             copies += bm.append(seq, num_new)

@@ -89,8 +89,9 @@ def _prefilled(path: str, prompts: dict[str, list[int]], max_tokens: int) -> LLM
 
 
 def test_remote_reservations_wait_in_the_fifo_of_local_prompts_and_count_as_running():
-    """Reservations queue with local prompts (no overtaking either way) and are granted by the
-    same schedule, under max_num_seqs; a granted one holds its slot until its KV lands."""
+    """Reservations queue with local prompts for slots and blocks (no overtaking either way) and
+    are granted by the same schedule, under max_num_seqs; a granted one holds its slot until its
+    KV lands."""
     path = str(make_tiny_model("llama"))
     decode = LLMEngine(EngineConfig(model=path, num_kv_blocks=64, block_size=8, max_num_seqs=2))
     granted: list[str] = []
@@ -115,6 +116,39 @@ def test_remote_reservations_wait_in_the_fifo_of_local_prompts_and_count_as_runn
     assert decode.abort_request("b") is Aborted.KV_INBOUND
     assert decode.abort_request("queued") is Aborted.LOCAL and not decode.abort_request("queued")
     decode.block_manager.check_integrity([*decode.scheduler.running, *decode.scheduler.receiving])
+
+
+def test_a_reservation_passes_local_prompts_that_wait_only_for_compute_budget():
+    """A long local prompt takes every step's token budget; the local prompt behind it waits for
+    budget, and the reservation behind that one, which needs none, is granted at the next step
+    (the later local prompt stays behind the first). The outputs stay HF's."""
+    path = str(make_tiny_model("llama"))
+    decode = LLMEngine(
+        EngineConfig(model=path, num_kv_blocks=64, block_size=8, max_num_batched_tokens=16, max_step_s=1e3)
+    )
+    granted: list[str] = []
+    decode.on_kv_granted(lambda reservation: granted.append(reservation.request_id))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    decode.add_request("long", list(range(3, 83)), params)  # 80 tokens: 5 steps of 16
+    decode.step()
+    decode.add_request("second", list(range(90, 110)), params)
+    decode.reserve_remote("remote", list(range(120, 140)), params)
+    decode.add_request("third", list(range(150, 160)), params)
+    decode.step()
+    assert granted == ["remote"]
+    assert [s.request_id for s in decode.scheduler.waiting] == ["second", "third"]
+    assert decode.abort_request("remote") is Aborted.KV_INBOUND
+    outputs = {}
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    for request_id, prompt in (
+        ("long", range(3, 83)),
+        ("second", range(90, 110)),
+        ("third", range(150, 160)),
+    ):
+        assert list(outputs[request_id]) == hf_greedy(path, list(prompt), 4), request_id
 
 
 def test_a_reservation_that_does_not_fit_stalls_the_loop_until_something_ends():
