@@ -1,5 +1,5 @@
-"""Admission control: a bound on sub-requests in flight per stage; beyond it, 429 at once. With a
-TTFT SLO, also a 429 for a request whose first token is predicted to come too late.
+"""Admission control: a bound on sub-requests in flight per stage; beyond it, 429 at once. And a
+429 for a request whose first token is predicted to come too late (``shed_late_first_token``).
 
 The router itself never queues: a request is either admitted (and the nodes queue it) or shed
 with ``Retry-After``, so router memory stays bounded under any load. Prefill slots count
