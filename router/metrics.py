@@ -39,6 +39,12 @@ class RouterMetrics:
         self, nodes: Callable[[], Sequence[NodeInfo]], num_inflight: Callable[[], Mapping[str, int]]
     ) -> None:
         self.registry = CollectorRegistry()  # one per router: tests run several in a process
+        self._declare_counters()
+        self._declare_outcomes()
+        self._declare_latencies()
+        self.registry.register(LiveStateCollector(nodes, num_inflight))
+
+    def _declare_counters(self) -> None:
         reg = self.registry
         self.requests = Counter(
             "pdserve_requests_total",
@@ -53,6 +59,13 @@ class RouterMetrics:
             "pdserve_cached_prompt_tokens_total", "Prompt tokens served from a prefix cache.", registry=reg
         )
         self.generation_tokens = Counter("pdserve_generation_tokens_total", "Generated tokens.", registry=reg)
+        self.kv_bytes = Counter(
+            "pdserve_kv_transfer_bytes_total", "KV bytes moved, as nodes report them.", registry=reg
+        )
+
+    def _declare_outcomes(self) -> None:
+        """Where sub-requests went, and what happened to those that did not go as planned."""
+        reg = self.registry
         self.retries = Counter(
             "pdserve_retries_total", "Sub-requests retried on another node pair.", registry=reg
         )
@@ -60,9 +73,6 @@ class RouterMetrics:
             "pdserve_migrations_total",
             "Samples resumed on another decode node after tokens were sent.",
             registry=reg,
-        )
-        self.kv_bytes = Counter(
-            "pdserve_kv_transfer_bytes_total", "KV bytes moved, as nodes report them.", registry=reg
         )
         self.shed = Counter(
             "pdserve_shed_total",
@@ -84,8 +94,6 @@ class RouterMetrics:
             ["prefill"],
             registry=reg,
         )
-        self._declare_latencies()
-        reg.register(LiveStateCollector(nodes, num_inflight))
 
     def _declare_latencies(self) -> None:
         reg = self.registry
