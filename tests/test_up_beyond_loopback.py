@@ -236,20 +236,32 @@ def test_a_captured_signed_record_written_back_is_refused_and_the_node_keeps_ser
     stop = threading.Event()
 
     def replay() -> None:
-        while not stop.wait(0.05):
-            client.hset(KEY_PREFIX + node_id, mapping=captured)
+        # In bursts: a replay is told only against a newer record the router has seen, and a
+        # writer that never paused, in phase with the router's polls, would hide every beat
+        # (the node would then look silent, and expire, rather than replayed). Bursts 0.55 s
+        # apart drift across the router's 0.5 s polls.
+        while not stop.is_set():
+            burst_ends = time.monotonic() + 0.2
+            while time.monotonic() < burst_ends and not stop.is_set():
+                client.hset(KEY_PREFIX + node_id, mapping=captured)
+                time.sleep(0.05)
+            stop.wait(0.35)
 
     time.sleep(0.6)  # the node beats again: the capture is now its past
     writer = threading.Thread(target=replay, daemon=True)
     writer.start()
+    refusal = f"refused node record {KEY_PREFIX}{node_id}: replayed: its heartbeat is"
     try:
         with load_stays_exact(model, launcher):
-            time.sleep(2.0)
+            deadline = time.monotonic() + 15
+            while refusal not in router_log(launcher) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(1.0)  # replays go on a while after the first refusal
     finally:
         stop.set()
         writer.join(5)
         client.close()
-    assert f"refused node record {KEY_PREFIX}{node_id}: replayed: its heartbeat is" in router_log(launcher)
+    assert refusal in router_log(launcher)
     assert len(launcher.events("decode-0", "request_finished")) >= finished_before + 12
     health = httpx.get(launcher.url + "/health", timeout=5).json()
     assert health["status"] == "ok", health
