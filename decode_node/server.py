@@ -21,16 +21,11 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.requests import Aborted, QueueFullError, RemoteReservation
-from kv_transfer.messages import KVFingerprint
 from kv_transfer.receiver import KVReceiver, ReceivedKV
-from node.log import EventLog, forward_own_logs
-from node.options import NodeOptions
-from node.runtime import NodeRuntime
+from node.parts import NodeParts
 from node.streams import PrefillRate, Stream, engine_logprob, local_deadline, next_chunk, node_status
-from protocol.kv_layout import KV_LAYOUT_NAME
 from protocol.messages import AbortRequest, GenerateRequest
 from protocol.reasons import FailureCode
 from protocol.sampling_params import SamplingParams
@@ -68,17 +63,15 @@ class EngineReservations:
 
 
 class DecodeNode:
-    def __init__(self, opts: NodeOptions, engine_config: EngineConfig) -> None:
-        self.opts = opts
-        self.log = EventLog(opts.node_id)
-        forward_own_logs(self.log)  # before the engine: its start-up records too
-        self.engine = LLMEngine(engine_config)
-        self.fingerprint = KVFingerprint.from_spec(opts.model_id, self.engine.kv_spec, KV_LAYOUT_NAME)
-        self.runtime = NodeRuntime(opts, self.log)
-        self.engine.on_progress(self.runtime.in_step)  # busy is not dead: layers vouch for the node
+    """The decode role (decode or colocated, as ``opts.role`` says) on a node's parts
+    (node.parts): the host's loop drives it."""
+
+    def __init__(self, parts: NodeParts) -> None:
+        self.opts, self.log, self.engine, self.runtime = parts.opts, parts.log, parts.engine, parts.runtime
+        self.fingerprint = parts.fingerprint
         caches = self.engine.kv_caches
         self.receiver = KVReceiver(
-            f"tcp://{opts.host}:{opts.kv_port}",
+            f"tcp://{self.opts.host}:{self.opts.kv_port}",
             self.fingerprint,
             EngineReservations(self.engine),
             [k for k, _ in caches],
@@ -86,7 +79,7 @@ class DecodeNode:
             platform=self.engine.platform,
             auth=self.runtime.auth,
         )
-        self.kv_addr = f"tcp://{opts.advertise_host}:{self.receiver.address.rsplit(':', 1)[1]}"
+        self.kv_addr = f"tcp://{self.opts.advertise_host}:{self.receiver.address.rsplit(':', 1)[1]}"
         self.streams: dict[str, Stream] = {}  # adopted or prefilled here: where the tokens go
         # its local prefills' speed, for the router's TTFT prediction (steps decoding beside them count)
         self.prefill_rate = PrefillRate()
@@ -98,36 +91,29 @@ class DecodeNode:
             self.runtime.control_addr,
             self.kv_addr,
             self.fingerprint,
-            self.runtime.draining.is_set(),
+            self.runtime.closing,
             self.prefill_rate.tokens_per_s,
         )
 
-    def serve(self, ready_file: str | None = None) -> int:
-        self.engine.warm_up_in_background()  # the first guided request need not build the grammar engine
-        self.runtime.start(self.status(), ready_file)
-        try:
-            self.runtime.run(self._iterate, self._busy, self._start_draining)
-        finally:
-            for request_id in list(self.streams):
-                self._fail(request_id, FailureCode.DRAINING, "node shut down before the request finished")
-            self.receiver.close()
-            self.runtime.close()
-        return 0
-
-    def _start_draining(self) -> None:
+    def start_draining(self) -> None:
         self.receiver.set_draining()
         self.runtime.set_status(self.status())  # routers see draining at the next beat
 
-    def _busy(self) -> bool:
+    def close(self, message: str) -> None:
+        for request_id in list(self.streams):
+            self._fail(request_id, FailureCode.DRAINING, message)
+        self.receiver.close()
+
+    def busy(self) -> bool:
         return bool(self.streams) or self.receiver.num_transfers > 0
 
-    def _iterate(self) -> None:
+    def wait_if_idle(self) -> None:
         if not self.engine.has_work():
-            if not self._busy():
+            if not self.busy():
                 self.engine.note_idle()
             self.runtime.wait_for_input(IDLE_WAIT_S, self.receiver.socket)
-        for msg in self.runtime.poll_control(0.0):
-            self._on_control(msg)
+
+    def work(self) -> None:
         result = self.receiver.poll(0.0)
         for received in result.completed:
             self._adopt(received)
@@ -151,7 +137,7 @@ class DecodeNode:
         self.runtime.refresh_status(self.status)
 
     # ----------------------------------------------------------------- control
-    def _on_control(self, msg) -> None:
+    def on_control(self, msg) -> None:
         if isinstance(msg, AbortRequest):
             self._abort(msg.request_id, msg.reason)
         elif isinstance(msg, GenerateRequest):
@@ -162,6 +148,14 @@ class DecodeNode:
     def _generate(self, msg: GenerateRequest) -> None:
         """Conditional disaggregation: prefill here, then decode."""
         rid = msg.request_id
+        if msg.decode_addr is not None:  # for a prefill node: this one was one, or the router's view lags
+            return self.runtime.reply_failed(
+                msg.reply_addr,
+                rid,
+                FailureCode.WRONG_ROLE,
+                f"a {self.opts.role} node takes no decode_addr",
+                True,
+            )
         if self.runtime.admit(self.engine, msg) is None:
             return
         deadline = local_deadline(msg.deadline, self.opts.request_ttl_s)

@@ -67,8 +67,10 @@ class NodeRuntime:
         port = self.control.address.rsplit(":", 1)[1]
         self.control_addr = f"tcp://{opts.advertise_host}:{port}"  # what others connect to
         self._replies = PushChannels(MAX_REPLY_CHANNELS, self.auth)
-        self.draining = threading.Event()
+        self.draining = threading.Event()  # SIGTERM: finish what is held, then exit
+        self.switching = False  # between roles (node.host): finish what is held, take nothing new
         self.stopped = threading.Event()
+        self._beat_now = threading.Event()  # publish the record without waiting out the interval
         self._status: registry.NodeInfo | None = None
         self._status_at = 0.0  # time.monotonic() of the last refresh
         self._progress_at = time.monotonic()  # when the loop went round or a step's layer started
@@ -95,19 +97,7 @@ class NodeRuntime:
             self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
             self._heartbeat.start()
         if ready_file:
-            tmp = f"{ready_file}.tmp{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(
-                    {
-                        "node_id": status.node_id,
-                        "role": status.role,
-                        "control_addr": status.control_addr,
-                        "kv_addr": status.kv_addr,
-                        "pid": os.getpid(),
-                    },
-                    f,
-                )
-            os.replace(tmp, ready_file)
+            self.write_ready_file(status, ready_file)
         self.log(
             "node_started",
             role=status.role,
@@ -116,6 +106,32 @@ class NodeRuntime:
             redis=bool(self._redis),
             signed=self._key is not None,
         )
+
+    def write_ready_file(self, status: registry.NodeInfo, ready_file: str) -> None:
+        """The node's role and addresses as JSON, replaced whole (readers never see half of it)."""
+        tmp = f"{ready_file}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(
+                {
+                    "node_id": status.node_id,
+                    "role": status.role,
+                    "control_addr": status.control_addr,
+                    "kv_addr": status.kv_addr,
+                    "pid": os.getpid(),
+                },
+                f,
+            )
+        os.replace(tmp, ready_file)
+
+    @property
+    def closing(self) -> bool:
+        """Takes no new requests: draining for exit or between roles (the record says draining)."""
+        return self.draining.is_set() or self.switching
+
+    def publish_soon(self) -> None:
+        """Have the heartbeat thread publish the latest status now (a new role, a drain): the one
+        writer of the record, so stamps reach Redis in the order they were taken."""
+        self._beat_now.set()
 
     def run(self, iterate, in_flight, on_drain) -> None:
         """The node loop: ``iterate()`` until SIGTERM, then until ``in_flight()`` is false or the
@@ -164,7 +180,11 @@ class NodeRuntime:
 
     def _beat(self) -> None:
         stalled = False
-        while not self.stopped.wait(self.opts.heartbeat_interval_s) and self.integrity_error is None:
+        while True:
+            self._beat_now.wait(self.opts.heartbeat_interval_s)
+            self._beat_now.clear()
+            if self.stopped.is_set() or self.integrity_error is not None:
+                break
             ttl_s = self.beat_ttl_s(time.monotonic())
             if ttl_s is None:
                 if not stalled:
@@ -189,6 +209,7 @@ class NodeRuntime:
 
     def close(self) -> None:
         self.stopped.set()
+        self._beat_now.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
         if self._redis is not None and self.integrity_error is None:
@@ -274,8 +295,9 @@ class NodeRuntime:
     ) -> SamplingParams | None:
         """Add a GenerateRequest to ``engine``; its sampling params, or None after telling the router
         why not (draining or overloaded: retryable; bad input: not). Stop strings stay with the router."""
-        if self.draining.is_set():
-            self.reply_failed(msg.reply_addr, msg.request_id, FailureCode.DRAINING, "node is draining", True)
+        if self.closing:
+            why = "node is switching roles" if self.switching else "node is draining"
+            self.reply_failed(msg.reply_addr, msg.request_id, FailureCode.DRAINING, why, True)
             return None
         try:
             params = dataclasses.replace(msg.sampling_params, stop=())

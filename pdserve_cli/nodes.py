@@ -24,12 +24,8 @@ def _runner(role: str):
 
         colocated = getattr(args, "colocated", False)
         opts, engine_config = options_from_args(Role.COLOCATED if colocated else Role(role), args)
-        if opts.role is Role.PREFILL:
-            from prefill_node.server import PrefillNode
+        from node.host import NodeHost
 
-            return PrefillNode(opts, engine_config).serve(opts.ready_file)
-        from decode_node.server import DecodeNode
-
-        return DecodeNode(opts, engine_config).serve(opts.ready_file)
+        return NodeHost(opts, engine_config).serve(opts.ready_file)
 
     return run

@@ -16,15 +16,8 @@ import dataclasses
 import queue
 import time
 
-import torch
-
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from kv_transfer.messages import KVFingerprint, KVShipment
-from kv_transfer.shared_cache import TORCH_DTYPES, SharedKVCache
-from node.log import EventLog, forward_own_logs
-from node.options import NodeOptions
-from node.runtime import NodeRuntime
+from kv_transfer.messages import KVShipment
+from node.parts import NodeParts
 from node.streams import (
     PrefillRate,
     Stream,
@@ -34,7 +27,6 @@ from node.streams import (
     wire_logprob,
 )
 from prefill_node.shipper import FirstToken, Granted, Outcome, Shipment, Shipper
-from protocol.kv_layout import KV_LAYOUT_NAME
 from protocol.messages import AbortRequest, GenerateRequest, RequestMeta
 from protocol.reasons import FailureCode
 from protocol.sampling_params import SamplingParams
@@ -52,18 +44,12 @@ IDLE_WAIT_S = 0.05  # longest sleep of an idle loop: a control message wakes it 
 
 
 class PrefillNode:
-    def __init__(self, opts: NodeOptions, engine_config: EngineConfig) -> None:
-        self.opts = opts
-        self.log = EventLog(opts.node_id)
-        forward_own_logs(self.log)  # before the engine: its start-up records too
-        # A KV cache in host memory lives in shared memory, so same-host decode nodes copy blocks
-        # straight out of it. The engine calls the factory only for a pool in host memory; a
-        # device pool (and a private one) leaves this None, and chunks go on the socket.
-        self.cache: SharedKVCache | None = None
-        self.engine = LLMEngine(engine_config, kv_cache_factory=self._shared_cache)
-        self.fingerprint = KVFingerprint.from_spec(opts.model_id, self.engine.kv_spec, KV_LAYOUT_NAME)
-        self.runtime = NodeRuntime(opts, self.log)
-        self.engine.on_progress(self.runtime.in_step)  # busy is not dead: layers vouch for the node
+    """The prefill role on a node's parts (node.parts): the host's loop drives it."""
+
+    def __init__(self, parts: NodeParts) -> None:
+        self.opts, self.log, self.engine, self.runtime = parts.opts, parts.log, parts.engine, parts.runtime
+        self.cache = parts.cache
+        self.fingerprint = parts.fingerprint
         caches = self.engine.kv_caches
         self.shipper = Shipper(
             self.fingerprint,
@@ -77,23 +63,6 @@ class PrefillNode:
         self.pending: dict[str, _Pending] = {}  # computing or shipping: where the reply goes
         self.prefill_rate = PrefillRate()  # for the registry: autoscalers divide the backlog by it
 
-    def _shared_cache(self, spec):
-        """The KV cache in shared memory for same-host decode nodes; private memory (and chunks on
-        the socket) when none can be had."""
-        try:
-            self.cache = SharedKVCache(spec)
-        except OSError as exc:
-            self.log("kv_cache_private", error=repr(exc))
-            dtype = TORCH_DTYPES[spec.dtype]
-            return [
-                (
-                    torch.zeros((spec.num_blocks, *spec.block_shape), dtype=dtype),
-                    torch.zeros((spec.num_blocks, *spec.block_shape), dtype=dtype),
-                )
-                for _ in range(spec.num_layers)
-            ]
-        return self.cache.layer_caches()
-
     def status(self):
         return node_status(
             self.opts,
@@ -101,35 +70,32 @@ class PrefillNode:
             self.runtime.control_addr,
             None,
             self.fingerprint,
-            self.runtime.draining.is_set(),
+            self.runtime.closing,
             prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
         )
 
-    def serve(self, ready_file: str | None = None) -> int:
-        self.engine.warm_up_in_background()  # the first guided request need not build the grammar engine
-        self.runtime.start(self.status(), ready_file)
-        try:
-            self.runtime.run(
-                self._iterate,
-                lambda: bool(self.pending or self.engine.stats().num_held),
-                lambda: self.runtime.set_status(self.status()),
-            )
-        finally:
-            for rid in list(self.pending):
-                self._fail(
-                    rid, FailureCode.DRAINING, "prefill node shut down before the request was handed over"
-                )
-            self.shipper.close()
-            self.runtime.close()
-        return 0
+    def busy(self) -> bool:
+        return bool(self.pending or self.engine.stats().num_held)
 
-    def _iterate(self) -> None:
-        busy = self.engine.has_unfinished_requests()
-        if not busy and not self.pending:
+    def start_draining(self) -> None:
+        self.runtime.set_status(self.status())  # routers see draining at the next beat
+
+    def close(self, message: str) -> None:
+        for rid in list(self.pending):
+            self._fail(rid, FailureCode.DRAINING, message)
+        self.shipper.close()
+        while True:  # what the workers said before they stopped: held blocks go back
+            try:
+                self._settle(self.shipper.outcomes.get_nowait())
+            except queue.Empty:
+                break
+
+    def wait_if_idle(self) -> None:
+        if not self.engine.has_unfinished_requests() and not self.pending:
             self.engine.note_idle()
             self.runtime.wait_for_input(IDLE_WAIT_S)
-        for msg in self.runtime.poll_control(0.0):
-            self._on_control(msg)
+
+    def work(self) -> None:
         if self.engine.has_unfinished_requests():
             for out in self._timed_step():
                 if out.finished:
@@ -148,7 +114,7 @@ class PrefillNode:
         """One engine step, its prompt tokens and seconds counted into ``prefill_rate``."""
         return self.prefill_rate.timed_step(self.engine)
 
-    def _on_control(self, msg) -> None:
+    def on_control(self, msg) -> None:
         if isinstance(msg, GenerateRequest):
             self._accept(msg)
         elif isinstance(msg, AbortRequest):
@@ -161,9 +127,9 @@ class PrefillNode:
 
     def _accept(self, msg: GenerateRequest) -> None:
         rid = msg.request_id
-        if msg.decode_addr is None:
+        if msg.decode_addr is None:  # for a decode node: this one was one, or the router's view lags
             return self.runtime.reply_failed(
-                msg.reply_addr, rid, FailureCode.BAD_REQUEST, "a prefill node needs decode_addr", False
+                msg.reply_addr, rid, FailureCode.WRONG_ROLE, "a prefill node needs decode_addr", True
             )
         params = self.runtime.admit(self.engine, msg, prefill_only=True)
         if params is None:

@@ -8,6 +8,7 @@ Same wire shape and strict decoding as ``kv_transfer.messages``: one msgpack hea
     node   ──TokenChunk───────► router's reply_addr (first token from P; the rest from D)
     node   ──RequestFailed────► router's reply_addr (the request ended in error)
     router ──AbortRequest─────► any node holding the request
+    router ──SetRole──────────► a node: serve another role (node.host); RoleChange answers
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import msgpack
 
 from protocol import codec
 from protocol.reasons import FailureCode, FinishReason
-from protocol.registry import NodeInfo
+from protocol.registry import NodeInfo, Role
 from protocol.sampling_params import SamplingParams
 
 Message = codec.Message
@@ -132,6 +133,32 @@ class NodeStatus(Message):
     info: NodeInfo | None  # None while the node has no record yet
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SetRole(Message):
+    """Router → node: serve as ``role`` (prefill, decode or colocated) from now on, keeping the
+    weights: the node drains what its present role holds, then re-registers. Answered with a
+    RoleChange through ``reply_addr`` when taken (or refused), and another when done."""
+
+    TAG: ClassVar[str] = "set_role"
+    nonce: int  # echoed back
+    role: Role
+    reply_addr: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RoleChange(Message):
+    """Node → router: where a SetRole stands. ``phase``: "draining" (taken: the old role's
+    work finishes first), "done" (serving as ``role``, registered so) or "refused" (``error``
+    says why; the node serves on as it did)."""
+
+    TAG: ClassVar[str] = "role_change"
+    nonce: int
+    node_id: str
+    role: Role  # the role asked for
+    phase: str
+    error: str | None = None
+
+
 MESSAGE_TYPES: tuple[type[Message], ...] = (
     GenerateRequest,
     TokenChunk,
@@ -139,6 +166,8 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     AbortRequest,
     StatusQuery,
     NodeStatus,
+    SetRole,
+    RoleChange,
 )
 _TAG_TO_TYPE = {cls.TAG: cls for cls in MESSAGE_TYPES}
 

@@ -21,10 +21,16 @@ class FailureCode(enum.StrEnum):
 
     BAD_MESSAGE = "bad_message"  # a message that did not decode (no request to name)
     BAD_REQUEST = "bad_request"  # the request can never succeed: a 400
-    DRAINING = "draining"  # the node is shutting down: try another
+    DRAINING = "draining"  # the node is shutting down (or switching roles): try another
+    WRONG_ROLE = "wrong_role"  # the node serves another role now (the router's view lagged): try another
     OVERLOADED = "overloaded"  # its queue is full: try another, or 503
     DECODE_REJECTED = "decode_rejected"  # the decode node refused the KV reservation
     KV_TRANSFER = "kv_transfer"  # the KV transfer failed
     TIMEOUT = "timeout"  # the request outlived its time to live on the node
     INTERNAL = "internal"  # an unexpected error on the node
     OVERFLOW = "overflow"  # router side: the client did not read its output fast enough
+
+    @property
+    def unavailable(self) -> bool:
+        """The node could not take the request now, another may (a 503 when none did)."""
+        return self in (FailureCode.OVERLOADED, FailureCode.DRAINING, FailureCode.WRONG_ROLE)

@@ -23,7 +23,7 @@ from protocol.channel_auth import ChannelAuth
 from protocol.cluster_key import load_key
 from protocol.model_digest import model_digest, weight_files
 from protocol.registry import Role
-from router import jobs, metrics, policy, serving, tokenize_api
+from router import jobs, metrics, policy, roles, serving, tokenize_api
 from router.admission import Admission, Stage
 from router.config import RouterConfig
 from router.errors import APIError
@@ -125,7 +125,7 @@ def _backend(
     return Backend(config, nodes, registry, routing, metrics.RouterMetrics(registry.snapshot, inflight))
 
 
-GUARDED_PATHS = ("/v1", "/tokenize", "/detokenize")  # what --api-key protects
+GUARDED_PATHS = ("/v1", "/tokenize", "/detokenize", "/admin")  # what --api-key protects
 try:
     PDSERVE_VERSION = importlib.metadata.version("pdserve")
 except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
@@ -261,6 +261,14 @@ def _add_routes(app: FastAPI) -> None:
         state = _state(request)
         state.check_model(body.model)
         return tokenize_api.detokenize(body, state.tokenizer)
+
+    @app.post("/admin/nodes/{node_id}/role")
+    async def set_role(node_id: str, body: roles.RoleBody, request: Request) -> dict:
+        return await roles.switch_role(_state(request).backend, node_id, body)
+
+    @app.get("/admin/nodes")
+    async def admin_nodes(request: Request) -> dict:
+        return roles.nodes_body(_state(request).backend)
 
     _add_info_routes(app)
 

@@ -43,7 +43,7 @@ class RouterConfig:
         "host the nodes reach the reply port at "
         "(default: --host, or this machine's hostname when --host is 0.0.0.0)",
     )
-    api_key: str | None = setting(None, "require 'Authorization: Bearer KEY' on /v1")
+    api_key: str | None = setting(None, "require 'Authorization: Bearer KEY' on /v1, /tokenize and /admin")
     metrics_auth: bool = setting(
         False, "require --api-key on /metrics too (open by default, as Prometheus scrapers expect)"
     )

@@ -16,6 +16,7 @@ _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    409: "conflict_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     499: "client_closed_request",

@@ -1,8 +1,8 @@
 """The router's side of the control plane: one channel per node control address, one for replies.
 
-    router DEALER ──GenerateRequest / AbortRequest / StatusQuery──► node ROUTER (control_addr)
+    router DEALER ──GenerateRequest / AbortRequest / StatusQuery / SetRole──► node ROUTER (control_addr)
     router DEALER ◄──NodeStatus───────────────────────────────────── node ROUTER
-    router PULL (reply_addr) ◄──TokenChunk / RequestFailed────────── prefill and decode nodes
+    router PULL (reply_addr) ◄──TokenChunk / RequestFailed / RoleChange── prefill and decode nodes
 
 The sockets are protocol.channel's asyncio flavour. A reader task hands each TokenChunk /
 RequestFailed to the bounded queue of its request id; replies for request ids nobody waits for
@@ -29,6 +29,7 @@ from protocol.addresses import advertised_host, zmq_host
 from protocol.channel import AsyncDealerChannel, AsyncPullChannel
 from protocol.channel_auth import ChannelAuth
 from protocol.reasons import FailureCode
+from protocol.registry import Role
 from protocol.throttle import Throttle
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class NodeClient:
         self._link_up: dict[str, bool] = {}  # control address -> connected (absent: never was)
         self._queues: dict[str, asyncio.Queue[pm.Message]] = {}  # request id -> its replies
         self._status_waiters: dict[int, asyncio.Future[pm.NodeStatus]] = {}  # nonce -> waiter
+        self._role_waiters: dict[int, asyncio.Queue[pm.RoleChange]] = {}  # nonce -> its answers
         self._nonces = itertools.count(1)
         self._pull_task: asyncio.Task | None = None
         self._bad_log = Throttle(_BAD_LOG_BURST, _BAD_LOG_WINDOW_S)  # malformed node messages
@@ -107,6 +109,11 @@ class NodeClient:
             waiter = self._status_waiters.pop(msg.nonce, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg)
+            return
+        if isinstance(msg, pm.RoleChange):
+            answers = self._role_waiters.get(msg.nonce)
+            if answers is not None and not answers.full():
+                answers.put_nowait(msg)
             return
         if not isinstance(msg, (pm.TokenChunk, pm.RequestFailed)):
             log.warning("unexpected %s from a node", msg.TAG)
@@ -209,3 +216,21 @@ class NodeClient:
             return None
         finally:
             self._status_waiters.pop(nonce, None)
+
+    async def set_role(self, addr: str, role: Role, timeout_s: float) -> pm.RoleChange | None:
+        """Ask the node at ``addr`` to serve as ``role``; its last answer within ``timeout_s``:
+        "done" or "refused", "draining" when its drain outlasted the wait, None when none came."""
+        nonce = next(self._nonces)
+        answers: asyncio.Queue[pm.RoleChange] = asyncio.Queue(4)
+        self._role_waiters[nonce] = answers
+        last = None
+        try:
+            await self.send(addr, pm.SetRole(nonce, role, self.reply_addr))
+            async with asyncio.timeout(timeout_s):
+                while last is None or last.phase == "draining":
+                    last = await answers.get()
+        except (TimeoutError, NodeUnavailable):
+            pass
+        finally:
+            self._role_waiters.pop(nonce, None)
+        return last

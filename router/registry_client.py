@@ -37,6 +37,7 @@ _REFUSED_LOG_BURST, _REFUSED_LOG_WINDOW_S = 5, 30.0
 
 class NodeRegistry:
     COMPLETE_POLLS = False  # True when one successful poll lists every live node
+    ROLES_FIXED = False  # True where the router's configuration names each node's role
 
     def __init__(self, nodes: NodeClient, poll_interval_s: float, node_expiry_s: float) -> None:
         self._nodes = nodes
@@ -113,6 +114,10 @@ class NodeRegistry:
 
     def reply_verified(self, node: NodeInfo) -> bool:
         return node.node_id in self._nodes.reply_path_ok
+
+    def node(self, node_id: str) -> NodeInfo | None:
+        """The live node's latest record."""
+        return self._by_id.get(node_id)
 
     def is_alive(self, node_id: str) -> bool:
         node = self._by_id.get(node_id)
@@ -318,6 +323,8 @@ class RedisRegistry(NodeRegistry):
 
 class StaticRegistry(NodeRegistry):
     """Fixed control addresses, each asked for its NodeStatus every poll."""
+
+    ROLES_FIXED = True  # --prefill-addrs / --decode-addrs
 
     def __init__(
         self,

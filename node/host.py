@@ -1,0 +1,194 @@
+"""A node process: the engine and control runtime, built once, and the role served on them.
+
+`pdserve prefill|decode [--colocated]` starts a NodeHost in that role. A ``SetRole`` on the
+control socket (the router's ``POST /admin/nodes/{id}/role``, `pdserve role`) switches it
+without reloading anything:
+
+    SetRole(prefill ↔ decode/colocated) ─► RoleChange "draining": the record says draining, new
+        requests are refused as retryable (the router sends them elsewhere), the old role's work
+        finishes (at most ``--drain-timeout``; what is left then fails as draining)
+        (and at least two heartbeats: routers have seen the record say draining by then)
+    ─► the old role's own parts close (the shipper; the KV receiver and its port), the engine is
+        emptied and checked (every block free, or cached), the new role is built on the same
+        engine, weights and prefix cache, its record published at once ─► RoleChange "done"
+    SetRole(decode ↔ colocated) ─► same work, another name in the registry: done at once
+
+The node's id stays what it was (it names the role it started in). SIGTERM during a switch
+drains the node as usual.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from kv_transfer.shared_cache import TORCH_DTYPES, SharedKVCache
+from node.log import EventLog, forward_own_logs
+from node.options import NodeOptions
+from node.parts import NodeParts, ServedRole
+from node.runtime import NodeRuntime
+from protocol.messages import RoleChange, SetRole
+from protocol.registry import Role
+
+
+@dataclasses.dataclass(slots=True)
+class _Switch:
+    role: Role
+    asked: list[SetRole]  # each is told when it is done
+    started: float  # time.monotonic()
+    # not before routers have seen the record say draining: till then they may route new work here
+    drained_after: float
+    deadline: float
+
+
+def build_role(parts: NodeParts) -> ServedRole:
+    if parts.opts.role is Role.PREFILL:
+        from prefill_node.server import PrefillNode
+
+        return PrefillNode(parts)
+    from decode_node.server import DecodeNode
+
+    return DecodeNode(parts)
+
+
+class NodeHost:
+    def __init__(self, opts: NodeOptions, engine_config: EngineConfig) -> None:
+        log = EventLog(opts.node_id)
+        forward_own_logs(log)  # before the engine: its start-up records too
+        self.parts = NodeParts(opts, log, None, None)  # type: ignore[arg-type]  (filled below)
+        # A prefill node's KV cache in host memory lives in shared memory, so same-host decode
+        # nodes copy blocks straight out of it. The engine calls the factory only for a pool in
+        # host memory; a device pool (and a private one) leaves the cache None.
+        factory = self._shared_cache if opts.role is Role.PREFILL else None
+        self.parts.engine = LLMEngine(engine_config, kv_cache_factory=factory)
+        self.parts.runtime = NodeRuntime(opts, log)
+        # busy is not dead: the engine's layers vouch for the node
+        self.parts.engine.on_progress(self.parts.runtime.in_step)
+        self.role = build_role(self.parts)
+        self.switch: _Switch | None = None
+        self.ready_file: str | None = None
+
+    def _shared_cache(self, spec):
+        """The KV cache in shared memory for same-host decode nodes; private memory (and chunks on
+        the socket) when none can be had."""
+        try:
+            self.parts.cache = SharedKVCache(spec)
+        except OSError as exc:
+            self.parts.log("kv_cache_private", error=repr(exc))
+            dtype = TORCH_DTYPES[spec.dtype]
+            return [
+                (
+                    torch.zeros((spec.num_blocks, *spec.block_shape), dtype=dtype),
+                    torch.zeros((spec.num_blocks, *spec.block_shape), dtype=dtype),
+                )
+                for _ in range(spec.num_layers)
+            ]
+        return self.parts.cache.layer_caches()
+
+    def serve(self, ready_file: str | None = None) -> int:
+        runtime = self.parts.runtime
+        self.ready_file = ready_file
+        self.parts.engine.warm_up_in_background()  # the first guided request need not build the grammar engine
+        runtime.start(self.role.status(), ready_file)
+        try:
+            runtime.run(self._iterate, lambda: self.role.busy(), self._drain)
+        finally:
+            self.role.close("node shut down before the request finished")
+            runtime.close()
+        return 0
+
+    def _drain(self) -> None:
+        self.role.start_draining()
+
+    def _iterate(self) -> None:
+        self.role.wait_if_idle()
+        for msg in self.parts.runtime.poll_control(0.0):
+            if isinstance(msg, SetRole):
+                self._on_set_role(msg)
+            else:
+                self.role.on_control(msg)
+        self.role.work()
+        switch, now = self.switch, time.monotonic()
+        if switch is not None and (
+            now >= switch.drained_after and not self.role.busy() or now > switch.deadline
+        ):
+            self._finish_switch(switch)
+
+    # ----------------------------------------------------------------- role switches
+    def _answer(self, msg: SetRole, phase: str, error: str | None = None) -> None:
+        self.parts.runtime.reply(
+            msg.reply_addr, RoleChange(msg.nonce, self.parts.opts.node_id, msg.role, phase, error)
+        )
+
+    def _on_set_role(self, msg: SetRole) -> None:
+        runtime, current = self.parts.runtime, self.parts.opts.role
+        if runtime.draining.is_set():
+            return self._answer(msg, "refused", "the node is shutting down")
+        if self.switch is not None:
+            if self.switch.role is not msg.role:
+                return self._answer(msg, "refused", f"a switch to {self.switch.role} is under way")
+            self.switch.asked.append(msg)
+            return self._answer(msg, "draining")
+        if msg.role is current:
+            return self._answer(msg, "done")
+        if msg.role.decodes and current.decodes:  # decode <-> colocated: the same work, renamed
+            self._become(msg.role, keep_role=True)
+            self.parts.log("role_switched", previous=current, role=msg.role, seconds=0.0, forced=False)
+            return self._answer(msg, "done")
+        now = time.monotonic()
+        seen_draining = now + 2 * self.parts.opts.heartbeat_interval_s  # a beat, and a router's poll
+        self.switch = _Switch(msg.role, [msg], now, seen_draining, now + self.parts.opts.drain_timeout_s)
+        runtime.switching = True
+        self.role.start_draining()
+        runtime.publish_soon()
+        self.parts.log("role_switch_started", previous=current, role=msg.role)
+        self._answer(msg, "draining")
+
+    def _finish_switch(self, switch: _Switch) -> None:
+        previous, forced = self.parts.opts.role, self.role.busy()
+        self.role.close(f"node switched to {switch.role} before the request finished")
+        self._empty_engine()
+        self._become(switch.role, keep_role=False)
+        self.switch = None
+        self.parts.log(
+            "role_switched",
+            previous=previous,
+            role=switch.role,
+            seconds=round(time.monotonic() - switch.started, 3),
+            forced=forced,
+        )
+        for msg in switch.asked:
+            self._answer(msg, "done")
+
+    def _empty_engine(self) -> None:
+        """Nothing of the old role's requests may stay: the new role starts on a pool whose every
+        block is free (cached prefixes included: they stay)."""
+        engine = self.parts.engine
+        left = [*engine.scheduler.held, *engine.requests]
+        for rid in left:
+            engine.abort_request(rid)
+        if left:
+            self.parts.log("role_switch_aborted", request_ids=left)
+        engine.check_integrity()
+        stats = engine.stats()
+        assert stats.num_blocks_free == stats.num_blocks_total, (
+            f"{stats.num_blocks_total - stats.num_blocks_free} blocks held after the old role closed"
+        )
+
+    def _become(self, role: Role, keep_role: bool) -> None:
+        runtime = self.parts.runtime
+        self.parts.opts = dataclasses.replace(self.parts.opts, role=role)
+        if keep_role:
+            self.role.opts = self.parts.opts
+        else:
+            self.role = build_role(self.parts)
+        runtime.switching = False
+        status = self.role.status()
+        runtime.set_status(status)
+        runtime.publish_soon()
+        if self.ready_file:
+            runtime.write_ready_file(status, self.ready_file)

@@ -1,0 +1,61 @@
+"""What a node process holds whatever role it serves, and what a role must do on it.
+
+The engine (weights, KV pool, prefix cache) and the control runtime (socket, heartbeats) outlive
+a role: ``node.host.NodeHost`` builds them once and hands them to each role it serves in turn
+(``prefill_node.server.PrefillNode``, ``decode_node.server.DecodeNode``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+from engine.llm_engine import LLMEngine
+from kv_transfer.messages import KVFingerprint
+from kv_transfer.shared_cache import SharedKVCache
+from node.log import EventLog
+from node.options import NodeOptions
+from node.runtime import NodeRuntime
+from protocol.kv_layout import KV_LAYOUT_NAME
+from protocol.messages import Message
+from protocol.registry import NodeInfo
+
+
+@dataclasses.dataclass(slots=True)
+class NodeParts:
+    opts: NodeOptions  # its role: the one being served now
+    log: EventLog
+    engine: LLMEngine
+    runtime: NodeRuntime
+    # the KV pool in shared memory, which same-host decode nodes copy from (a node started as
+    # prefill has one where the machine allows); None: a private pool, KV goes on the socket
+    cache: SharedKVCache | None = None
+
+    @property
+    def fingerprint(self) -> KVFingerprint:
+        return KVFingerprint.from_spec(self.opts.model_id, self.engine.kv_spec, KV_LAYOUT_NAME)
+
+
+class ServedRole(Protocol):
+    """One role's work on a node's parts, driven by the host's loop: each round the host calls
+    ``wait_if_idle``, hands it the control messages that are its (``on_control``), then ``work``."""
+
+    def status(self) -> NodeInfo: ...
+
+    def wait_if_idle(self) -> None: ...
+
+    def on_control(self, msg: Message) -> None: ...
+
+    def work(self) -> None: ...
+
+    def busy(self) -> bool:
+        """Holds work a drain must wait for."""
+        ...
+
+    def start_draining(self) -> None:
+        """Take no new work (the runtime refuses new requests already)."""
+        ...
+
+    def close(self, message: str) -> None:
+        """Fail what it still holds with ``message`` and close what is this role's own."""
+        ...
