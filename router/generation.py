@@ -72,9 +72,7 @@ def _node_error(failed: pm.RequestFailed, after_tokens: bool) -> APIError:
         return APIError(
             400, f"node {failed.node_id} rejected the request: {failed.message}", None, "bad_request"
         )
-    status = (
-        503 if failed.code.unavailable and not after_tokens else 502
-    )
+    status = 503 if failed.code.unavailable and not after_tokens else 502
     return APIError(
         status,
         f"node {failed.node_id} failed: {failed.code}: {failed.message}",
