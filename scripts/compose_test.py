@@ -28,13 +28,13 @@ import contextlib
 import dataclasses
 import json
 import re
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from launcher.ports import free_port
 from scripts import compose_engine as ce
 from scripts.compose_traffic import CLEAN, Load, Outcome, Result, mixed_specs
 
@@ -370,12 +370,6 @@ def failures(phases: list[Phase]) -> list[str]:
             if r.outcome not in CLEAN
         ]
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_override(network: str, directory: Path) -> Path:

@@ -9,13 +9,13 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import time
 
 import zmq
 
 from launcher.commands import pdserve_argv, up_argv
+from launcher.ports import free_port
 from protocol.messages import (
     AbortRequest,
     GenerateRequest,
@@ -28,12 +28,6 @@ from protocol.messages import (
 )
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import socket
 from collections.abc import AsyncIterator, Sequence
 
 import httpx
@@ -14,6 +13,7 @@ import uvicorn
 import zmq
 import zmq.asyncio
 
+from launcher.ports import free_port
 from protocol import messages as pm
 from protocol.fingerprint import KVFingerprint
 from protocol.model_digest import model_digest
@@ -90,12 +90,6 @@ async def running_app(
 
 
 # --------------------------------------------------------------------------- fake nodes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeNode:
