@@ -25,7 +25,7 @@ import redis
 from protocol.registry import list_nodes
 from tests.cluster import ROOT
 from tests.engine_helpers import hf_greedy
-from tests.up_launcher import FILLER, Launcher, tiny_model_with_tokenizer
+from tests.up_launcher import FILLER, Launcher, completion_text, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -93,19 +93,7 @@ class Load:
         body = {"prompt": PROMPTS[i], "max_tokens": 3 + i % 4, "temperature": 0.0, "ignore_eos": True}
         if logprobs:
             body["logprobs"] = 2
-        if not stream:
-            reply = httpx.post(self.url + "/v1/completions", json=body, timeout=60)
-            assert reply.status_code == 200, reply.text
-            return reply.json()["choices"][0]["text"]
-        text = []
-        with httpx.stream(
-            "POST", self.url + "/v1/completions", json={**body, "stream": True}, timeout=60
-        ) as r:
-            assert r.status_code == 200, r.read()
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    text += [c["text"] for c in json.loads(line[6:])["choices"]]
-        return "".join(text)
+        return completion_text(self.url, body, stream)
 
 
 def switch(launcher: Launcher, node: str, role: str) -> dict:

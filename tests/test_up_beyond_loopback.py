@@ -29,7 +29,7 @@ from protocol.cluster_key import write_new_key
 from protocol.registry import KEY_PREFIX
 from tests.cluster import NodeProcess
 from tests.engine_helpers import hf_greedy
-from tests.up_launcher import FILLER, NODE_ARGS, Launcher, tiny_model_with_tokenizer
+from tests.up_launcher import FILLER, NODE_ARGS, Launcher, completion_text, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -89,19 +89,7 @@ def load_stays_exact(model, launcher: Launcher, num_requests: int = 12):
         body = {"prompt": prompts[i], "max_tokens": 3 + i % 4, "temperature": 0.0, "ignore_eos": True}
         if i % 3 == 1:
             body["logprobs"] = 1
-        if i % 4 >= 2:
-            text = []
-            with httpx.stream(
-                "POST", launcher.url + "/v1/completions", json={**body, "stream": True}, timeout=60
-            ) as r:
-                assert r.status_code == 200, r.read()
-                for line in r.iter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        text += [c["text"] for c in json.loads(line[6:])["choices"]]
-            return "".join(text)
-        reply = httpx.post(launcher.url + "/v1/completions", json=body, timeout=60)
-        assert reply.status_code == 200, reply.text
-        return reply.json()["choices"][0]["text"]
+        return completion_text(launcher.url, body, stream=i % 4 >= 2)
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         texts = [pool.submit(run, i) for i in range(num_requests)]

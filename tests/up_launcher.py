@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import torch
 import transformers
 
@@ -102,3 +103,18 @@ class Launcher:
             self.proc.kill()
             self.proc.wait(10)
         self._out.close()
+
+
+def completion_text(url: str, body: dict, stream: bool) -> str:
+    """One /v1/completions request, whole or streamed; its text (asserting a 200)."""
+    if not stream:
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["text"]
+    text = []
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += [c["text"] for c in json.loads(line[6:])["choices"]]
+    return "".join(text)
