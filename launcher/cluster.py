@@ -8,6 +8,7 @@ Every wait has a deadline; a child that exits during start-up fails the launch w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -24,6 +25,19 @@ from launcher.registry import find_redis_server, start_redis
 from protocol.cluster_key import write_new_key
 
 SOURCE_ROOT = pathlib.Path(__file__).resolve().parent.parent  # holds pdserve_cli, node, router, ...
+
+
+def child_env(threads: int) -> dict[str, str]:
+    """A child's environment: this checkout importable, ``threads`` OpenMP/MKL threads."""
+    path = os.pathsep.join(p for p in (str(SOURCE_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    n = str(threads)
+    return {
+        **os.environ,
+        "PYTHONPATH": path,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": n,
+        "MKL_NUM_THREADS": n,
+    }
 
 
 class LaunchError(RuntimeError):
@@ -61,15 +75,7 @@ class LocalCluster:
         self._wait_healthy()
 
     def _env(self, threads: int) -> dict[str, str]:
-        path = os.pathsep.join(p for p in (str(SOURCE_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        n = str(threads)
-        return {
-            **os.environ,
-            "PYTHONPATH": path,
-            "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": n,
-            "MKL_NUM_THREADS": n,
-        }
+        return child_env(threads)
 
     def _spawn(self, name: str, argv: list[str], threads: int) -> Child:
         return Child(name, argv, self.plan.log_dir / f"{name}.log", self._env(threads))
@@ -123,11 +129,11 @@ class LocalCluster:
         return argv
 
     def _kv_share(self) -> list[str]:
-        share = kv_fraction_per_node(self.plan.num_nodes)
+        share = kv_fraction_per_node(self.plan.node_budget)
         return [] if share is None else ["--kv-cache-memory-fraction", f"{share:.4g}"]
 
     def _gpu_share(self) -> list[str]:
-        share = gpu_share_per_node(self.plan.node_args, self.plan.num_nodes)
+        share = gpu_share_per_node(self.plan.node_args, self.plan.node_budget)
         return [] if share is None else ["--gpu-memory-utilization", f"{share:.4g}"]
 
     def _key_args(self) -> list[str]:
@@ -171,8 +177,11 @@ class LocalCluster:
                 )
 
     def _wait_nodes_ready(self) -> None:
+        self._wait_ready(self.nodes)
+
+    def _wait_ready(self, children: list[Child]) -> None:
         deadline = time.monotonic() + self.plan.start_timeout_s
-        waiting = list(self.nodes)
+        waiting = list(children)
         while waiting:
             self._fail_if_exited(waiting)
             for child in [c for c in waiting if self._ready_path(c.name).exists()]:
@@ -219,12 +228,42 @@ class LocalCluster:
         except (urllib.error.URLError, OSError):
             return False
 
+    # ----------------------------------------------------------------- resizing (launcher/autoscale.py)
+    def node_roles(self) -> dict[str, str]:
+        """Each running node's role by child name, as its ready file says (a switch rewrites it)."""
+        roles = {}
+        for child in self.nodes:
+            if child.exit_code() is None and child.name in self.ready:
+                with contextlib.suppress(OSError, ValueError):
+                    self.ready[child.name] = json.loads(self._ready_path(child.name).read_text())
+                roles[child.name] = self.ready[child.name]["role"]
+        return roles
+
+    def node_id(self, name: str) -> str:
+        return self.ready[name]["node_id"]
+
+    def add_node(self, role: str) -> str:
+        """Start one more node of ``role``; its child name once it serves (its ready file)."""
+        index = sum(c.name.startswith(f"{role}-") for c in self.nodes)
+        child = self._start_node(role, index)
+        self.nodes.append(child)
+        self._wait_ready([child])
+        return child.name
+
+    def stop_node(self, name: str) -> None:
+        """Drain one node and wait for it to exit (SIGTERM: it finishes or hands back its work)."""
+        child = next(c for c in self.nodes if c.name == name)
+        stop_all([child], self.plan.stop_timeout_s)
+
     # ----------------------------------------------------------------- run and stop
-    def watch(self, poll_s: float = 0.2) -> int:
-        """Until the router exits (its code is returned); reports nodes that leave meanwhile.
-        A node that exits is not restarted: the pools shrink, as when one is drained."""
+    def watch(self, poll_s: float = 0.2, tick: Callable[[], None] | None = None) -> int:
+        """Until the router exits (its code is returned); reports nodes that leave meanwhile, and
+        calls ``tick`` (the autoscaler) each poll. A node that exits is not restarted: the pools
+        shrink, as when one is drained."""
         assert self.router is not None, "start() first"
         while True:
+            if tick is not None:
+                tick()
             code = self.router.exit_code()
             if code is not None:
                 self.say(f"router exited with code {code}; the end of its log:\n{self.router.log_tail()}")

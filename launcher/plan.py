@@ -29,6 +29,7 @@ class ClusterPlan:
     # (the router, a client, another node) load its CPUs.
     fixed_threads: bool = False
     stop_timeout_s: float = 20.0  # SIGTERM, then this long, then SIGKILL
+    max_nodes: int = 0  # nodes the cluster may grow to (--autoscale): threads and memory are shared by them
 
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode, self.num_colocated) < 0:
@@ -49,6 +50,11 @@ class ClusterPlan:
     @property
     def num_nodes(self) -> int:
         return self.num_prefill + self.num_decode + self.num_colocated
+
+    @property
+    def node_budget(self) -> int:
+        """The most nodes that run at once: what threads, KV pools and GPU memory are split by."""
+        return max(self.num_nodes, self.max_nodes)
 
     def describe(self) -> str:
         """The node pools in words: "1 prefill + 1 decode", "2 colocated", ..."""

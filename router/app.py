@@ -31,6 +31,7 @@ from router.generation import Backend
 from router.node_client import NodeClient
 from router.openai_schema import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, validation_error
 from router.registry_client import NodeRegistry, RedisRegistry, StaticRegistry
+from router.scaling_log import DecisionBody
 from router.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -262,6 +263,11 @@ def _add_routes(app: FastAPI) -> None:
         state.check_model(body.model)
         return tokenize_api.detokenize(body, state.tokenizer)
 
+    _add_admin_routes(app)
+    _add_info_routes(app)
+
+
+def _add_admin_routes(app: FastAPI) -> None:
     @app.post("/admin/nodes/{node_id}/role")
     async def set_role(node_id: str, body: roles.RoleBody, request: Request) -> dict:
         return await roles.switch_role(_state(request).backend, node_id, body)
@@ -270,7 +276,13 @@ def _add_routes(app: FastAPI) -> None:
     async def admin_nodes(request: Request) -> dict:
         return roles.nodes_body(_state(request).backend)
 
-    _add_info_routes(app)
+    @app.post("/admin/autoscale")
+    async def autoscale_decision(body: DecisionBody, request: Request) -> dict:
+        return _state(request).backend.metrics.scaling.record(body)
+
+    @app.get("/admin/autoscale")
+    async def autoscale_decisions(request: Request) -> dict:
+        return _state(request).backend.metrics.scaling.body()
 
 
 def _add_info_routes(app: FastAPI) -> None:

@@ -15,6 +15,7 @@ from prometheus_client.utils import floatToGoString
 
 from protocol.registry import STEP_BUCKETS_S as BUCKETS_S
 from protocol.registry import NodeInfo, Role
+from router.scaling_log import ScalingLog
 
 # What generate_latest writes. Not CONTENT_TYPE_LATEST: since prometheus-client 0.22 that says
 # version=1.0.0 (UTF-8 names), which some scrapers refuse, and the library itself answers with
@@ -43,6 +44,7 @@ class RouterMetrics:
         self._declare_outcomes()
         self._declare_latencies()
         self.registry.register(LiveStateCollector(nodes, num_inflight))
+        self.scaling = ScalingLog(self.registry)  # what an autoscaler reports (POST /admin/autoscale)
 
     def _declare_counters(self) -> None:
         reg = self.registry

@@ -274,8 +274,9 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         )
     first = errors[0]
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    # Union members add their type name to loc ("prompt.str"); keep field names and indices.
-    fields = [part for part in loc if part.isdigit() or part in _FIELD_NAMES]
+    # Union members add their type name to loc ("prompt.str"); keep field names and indices. The
+    # first part is always one of the body's own fields (the admin bodies' too).
+    fields = loc[:1] + [part for part in loc[1:] if part.isdigit() or part in _FIELD_NAMES]
     param = ".".join(fields) or None
     if first.get("type") == "json_invalid":
         return bad_request(f"request body is not valid JSON: {first.get('msg')}", None)

@@ -127,6 +127,9 @@ EXPECTED = {
     "pdserve_queue_time_seconds": LATENCY,
     "pdserve_request_stage_seconds": ("histogram", frozenset({"stage"})),
     "pdserve_router_inflight_requests": ("gauge", frozenset({"role"})),
+    # added since: what `pdserve up --autoscale` reports (no target until a decision is reported)
+    "pdserve_autoscale_decisions": ("counter", frozenset({"kind"})),
+    "pdserve_autoscale_target_nodes": ("gauge", frozenset()),
     "pdserve_node_kv_blocks_used": ("gauge", NODE),
     "pdserve_node_kv_blocks_cached": ("gauge", NODE),
     "pdserve_node_kv_blocks_total": ("gauge", NODE),

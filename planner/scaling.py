@@ -1,0 +1,246 @@
+"""Per-role scaling decisions from measured load: the planner's model picks the cluster shape, and
+hysteresis and a cooldown keep the choice from flapping.
+
+    Observation (a window of the router's metrics): arrivals, shed requests, prompt and output lengths
+      ─► demand: Poisson arrivals at the window's rate, lengths spread around its means (seeded)
+      ─► every shape within the node budget simulated on it (planner.recommend.rank)
+      ─► the best shape, where it beats the current one by ``margin`` of requests within the SLOs,
+         or meets the SLOs with fewer nodes while the measured window meets them too
+      ─► the same target on ``confirm`` windows in a row, and none within ``cooldown_s`` of a change
+      ─► Decision(kind, current, target, reason)
+
+The window's own SLO attainment (the router's TTFT and TPOT histograms) is reported beside the
+prediction and keeps the pool from shrinking while requests miss their targets; the shape itself
+is chosen by the model, as `pdserve plan recommend` chooses it. Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import random
+
+from bench_serve.metrics import Slo
+from planner.profile import Profile
+from planner.recommend import Candidate, rank, shapes
+from planner.simulate import Cluster, SimRequest
+from router.config import LOCAL_PREFILL_MARGIN_S  # a plain dataclass module: no torch
+
+HORIZON_S = 60.0  # the demand is simulated over this long ...
+MIN_SIM_REQUESTS, MAX_SIM_REQUESTS = 24, 240  # ... in this many requests
+LENGTH_SPREAD = 0.5  # lengths drawn uniformly within +-50% of the window's means
+
+
+class Kind(enum.StrEnum):
+    """What a decision did, and why in one word (a label on /metrics)."""
+
+    SCALE = "scale"  # change to the target shape
+    IDLE = "idle"  # too few requests in the window to judge
+    COOLDOWN = "cooldown"  # a change happened too recently
+    CONFIRMING = "confirming"  # a better shape, not yet seen on enough windows in a row
+    BEST = "best"  # the current shape is the best the model knows for this load
+    NO_GAIN = "no_gain"  # a better shape, but not by the margin
+    MISSING_SLO = "missing_slo"  # fewer nodes would do by the model, but the window missed the SLOs
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Observation:
+    """One window of the router's metrics (differences of two scrapes)."""
+
+    window_s: float  # seconds between the scrapes
+    num_finished: int  # samples that got a first token (TTFT observations)
+    num_shed: int  # requests refused with 429 (demand the cluster did not take)
+    mean_prompt_tokens: float  # of the finished samples
+    mean_output_tokens: float
+    ttft_met: float | None  # share of TTFT observations within the SLO (None: none in the window)
+    tpot_met: float | None
+    prefill_backlog_s: float  # summed over the prefill nodes, at the second scrape
+    decode_kv_use: float  # the fullest decode or colocated node's KV pool, 0..1
+
+    @property
+    def num_arrived(self) -> int:
+        return self.num_finished + self.num_shed
+
+    @property
+    def rate(self) -> float:
+        return self.num_arrived / self.window_s if self.window_s > 0 else 0.0
+
+    @property
+    def slo_met(self) -> float | None:
+        """The smaller of the two shares; shed requests count as missed."""
+        shares = [s for s in (self.ttft_met, self.tpot_met) if s is not None]
+        if not shares or not self.num_arrived:
+            return None
+        return min(shares) * self.num_finished / self.num_arrived
+
+    def describe(self) -> str:
+        met = "-" if self.slo_met is None else f"{self.slo_met:.0%}"
+        return (
+            f"{self.rate:.2f} req/s ({self.num_shed} shed), prompts ~{self.mean_prompt_tokens:.0f} "
+            f"tokens, outputs ~{self.mean_output_tokens:.0f}; SLO met {met}; prefill backlog "
+            f"{self.prefill_backlog_s:.1f} s; decode KV {self.decode_kv_use:.0%}"
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decision:
+    kind: Kind
+    current: Cluster
+    target: Cluster  # == current unless kind is SCALE
+    reason: str
+    predicted: dict[str, float]  # shape label -> predicted share of requests within the SLOs
+
+    def to_json(self) -> dict:
+        return {
+            "kind": str(self.kind),
+            "current": self.current.label,
+            "target": self.target.label,
+            "target_nodes": shape_counts(self.target),
+            "reason": self.reason,
+            "predicted_slo_fraction": {k: round(v, 3) for k, v in self.predicted.items()},
+        }
+
+
+def shape_counts(cluster: Cluster) -> dict[str, int]:
+    return {
+        "prefill": cluster.num_prefill,
+        "decode": cluster.num_decode,
+        "colocated": cluster.num_colocated,
+    }
+
+
+def demand(obs: Observation, seed: int = 0) -> list[SimRequest]:
+    """The window's load as simulated requests: Poisson arrivals at its rate over HORIZON_S."""
+    rng = random.Random(seed)
+    num = max(MIN_SIM_REQUESTS, min(MAX_SIM_REQUESTS, round(obs.rate * HORIZON_S)))
+    out, t = [], 0.0
+    for _ in range(num):
+        t += rng.expovariate(obs.rate)
+        out.append(SimRequest(t, _spread(rng, obs.mean_prompt_tokens), _spread(rng, obs.mean_output_tokens)))
+    return out
+
+
+def _spread(rng: random.Random, mean: float) -> int:
+    return max(1, round(mean * rng.uniform(1 - LENGTH_SPREAD, 1 + LENGTH_SPREAD)))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScalingSettings:
+    slo: Slo
+    max_nodes: int  # the node budget (the machine's cores and memory at one node per share)
+    min_nodes: int = 1  # never fewer (a node started later takes its model load's time)
+    min_fraction: float = 0.9  # a shape "meets" the SLOs when this share of requests does
+    margin: float = 0.05  # a change must win this share of requests over the current shape
+    confirm: int = 2  # windows in a row that must name the same target
+    cooldown_s: float = 30.0  # no change within this long of the last one
+    min_requests: int = 8  # a window with fewer arrivals is not judged
+    disagg_threshold: int = 64  # as the router's
+    local_prefill_margin_s: float = LOCAL_PREFILL_MARGIN_S  # as the router's
+    colocated: bool = True  # colocated shapes are candidates
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_nodes <= self.max_nodes or self.confirm < 1 or self.min_requests < 1:
+            raise ValueError("need 1 <= min_nodes <= max_nodes, and confirm and min_requests >= 1")
+        if not 0 < self.min_fraction <= 1 or not 0 <= self.margin < 1 or self.cooldown_s < 0:
+            raise ValueError("min_fraction in (0, 1], margin in [0, 1), cooldown_s >= 0")
+
+
+class ScalingPolicy:
+    """Decides one window at a time; remembers the pending target and the last change."""
+
+    def __init__(self, profile: Profile, settings: ScalingSettings) -> None:
+        self.profile = profile
+        self.settings = settings
+        self._pending: tuple[str, int] | None = None  # (target label, windows in a row)
+        self._last_change_s: float | None = None
+
+    def decide(self, obs: Observation, current: Cluster, now_s: float) -> Decision:
+        s = self.settings
+        if obs.num_arrived < s.min_requests or obs.rate <= 0:
+            self._pending = None
+            return Decision(Kind.IDLE, current, current, f"{obs.num_arrived} request(s) in the window", {})
+        ranked = rank(self.profile, demand(obs), s.slo, self._candidates(current), s.min_fraction)
+        predicted = {c.cluster.label: c.slo_fraction for c in ranked}
+        kind, target, why = self._choose(ranked, current, predicted, obs)
+        reason = f"{why}; observed {obs.describe()}"
+        if kind is not Kind.SCALE:
+            self._pending = None
+            return Decision(kind, current, current, reason, predicted)
+        return self._gate(target, current, reason, predicted, now_s)
+
+    def _candidates(self, current: Cluster) -> list[Cluster]:
+        s = self.settings
+        found = [
+            c
+            for c in shapes(s.max_nodes, s.disagg_threshold, s.colocated, s.local_prefill_margin_s)
+            if c.num_nodes >= s.min_nodes
+        ]
+        if not any(c.label == current.label for c in found):
+            found.append(current)  # a shape outside the search (P+D+C) is still compared
+        return found
+
+    def _choose(
+        self, ranked: list[Candidate], current: Cluster, predicted: dict[str, float], obs: Observation
+    ) -> tuple[Kind, Cluster, str]:
+        s = self.settings
+        best = ranked[0]
+        now = predicted[current.label]
+        gain = best.slo_fraction - now
+        mine = next(c for c in ranked if c.cluster.label == current.label)
+        tied = mine.meets(s.min_fraction) == best.meets(s.min_fraction) and gain <= 0
+        if tied and (mine.cluster.num_nodes == best.cluster.num_nodes or not best.meets(s.min_fraction)):
+            return Kind.BEST, current, f"{current.label} is the best shape (predicted {now:.0%} within SLO)"
+        fewer = best.cluster.num_nodes < current.num_nodes and best.meets(s.min_fraction)
+        if fewer and gain < s.margin:
+            measured = obs.slo_met
+            if measured is not None and measured < s.min_fraction:
+                return (
+                    Kind.MISSING_SLO,
+                    current,
+                    f"{best.cluster.label} would do with fewer nodes, but the window met the SLOs "
+                    f"for {measured:.0%} only",
+                )
+            return (
+                Kind.SCALE,
+                best.cluster,
+                f"{best.cluster.label} meets the SLOs with fewer nodes (predicted "
+                f"{best.slo_fraction:.0%}, {current.label} {now:.0%})",
+            )
+        if gain < s.margin:
+            return (
+                Kind.NO_GAIN,
+                current,
+                f"{best.cluster.label} predicted {best.slo_fraction:.0%} against {current.label}'s "
+                f"{now:.0%}: under the {s.margin:.0%} margin",
+            )
+        return (
+            Kind.SCALE,
+            best.cluster,
+            f"{best.cluster.label} predicted {best.slo_fraction:.0%} within SLO, {current.label} {now:.0%}",
+        )
+
+    def _gate(
+        self, target: Cluster, current: Cluster, reason: str, predicted: dict[str, float], now_s: float
+    ) -> Decision:
+        """Hysteresis (the same target on ``confirm`` windows) and the cooldown."""
+        s = self.settings
+        label, seen = self._pending or ("", 0)
+        seen = seen + 1 if label == target.label else 1
+        self._pending = (target.label, seen)
+        if self._last_change_s is not None and now_s - self._last_change_s < s.cooldown_s:
+            left = s.cooldown_s - (now_s - self._last_change_s)
+            return Decision(
+                Kind.COOLDOWN, current, current, f"{left:.0f} s of cooldown left; {reason}", predicted
+            )
+        if seen < s.confirm:
+            return Decision(
+                Kind.CONFIRMING, current, current, f"window {seen} of {s.confirm}; {reason}", predicted
+            )
+        self._pending = None
+        self._last_change_s = now_s
+        return Decision(Kind.SCALE, current, target, reason, predicted)
+
+    def changed(self, now_s: float) -> None:
+        """A change happened outside the policy (an operator's role switch): the cooldown starts."""
+        self._last_change_s = now_s
+        self._pending = None

@@ -1,0 +1,196 @@
+"""`pdserve up --autoscale`'s parts without a cluster: the policy's decisions on a hand-made
+profile (planner/scaling.py), the moves from one shape to another, the window read from two real
+router scrapes, and the router's /admin/autoscale endpoints and series (launcher/autoscale.py,
+router/scaling_log.py). tests/test_autoscale_cluster.py runs the controller on real processes."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from bench_serve.metrics import Slo
+from launcher.autoscale import Move, moves, observe, parse_metrics
+from planner.profile import DecodeStepGrid, PiecewiseLinear, Profile, TransferModel
+from planner.scaling import Kind, Observation, ScalingPolicy, ScalingSettings
+from planner.simulate import Cluster
+from router.metrics import RouterMetrics
+from tests.test_router_support import fake_cluster as router_with_fake_nodes
+from tests.test_router_support import fake_pair, run_async
+
+# 2 ms per prompt token; decode steps 10-24 ms by batch and context; a 5 ms transfer.
+PROFILE = Profile(
+    model="toy",
+    threads=1,
+    kv_bytes_per_token=1000,
+    max_num_batched_tokens=2048,
+    max_num_seqs=64,
+    prefill=PiecewiseLinear((1.0, 1000.0), (0.002, 2.0)),
+    decode=DecodeStepGrid((1.0, 16.0), (1.0, 1000.0), ((0.010, 0.016), (0.014, 0.024))),
+    transfer=TransferModel(0.005, 0.0),
+)
+SLO = Slo(ttft_s=2.0, tpot_s=0.03)
+PD, THREE = Cluster(1, 1), Cluster(0, 0, 3)
+PREFILL_HEAVY = (3.0, 200, 2)  # req/s, prompt tokens, output tokens
+DECODE_HEAVY = (1.0, 200, 60)
+
+
+def window(load, met: float | None = 1.0, seconds: float = 10.0, shed: int = 0) -> Observation:
+    rate, prompt, output = load
+    return Observation(seconds, round(rate * seconds), shed, prompt, output, met, met, 0.0, 0.2)
+
+
+def policy(**settings) -> ScalingPolicy:
+    return ScalingPolicy(PROFILE, ScalingSettings(**{"slo": SLO, "max_nodes": 3, **settings}))
+
+
+def test_a_prefill_heavy_load_grows_the_pools_to_the_shape_the_model_ranks_first():
+    d = policy(confirm=1).decide(window(PREFILL_HEAVY), PD, now_s=0.0)
+    assert d.kind is Kind.SCALE and d.target.label == "3 colocated"
+    # every shape in the budget was simulated; the chosen one wins by more than the margin
+    assert set(d.predicted) == {"1 colocated", "2 colocated", "3 colocated", "1P+1D", "1P+2D", "2P+1D"}
+    assert d.predicted["3 colocated"] - d.predicted["1P+1D"] > 0.2
+    assert "3 colocated predicted" in d.reason and "3.00 req/s" in d.reason
+    body = d.to_json()
+    assert body["target_nodes"] == {"prefill": 0, "decode": 0, "colocated": 3}
+    assert body["kind"] == "scale" and body["current"] == "1P+1D"
+
+
+def test_a_decode_heavy_load_shrinks_to_fewer_nodes_only_while_the_window_meets_the_slos():
+    d = policy(confirm=1).decide(window(DECODE_HEAVY), THREE, now_s=0.0)
+    assert d.kind is Kind.SCALE and d.target.label == "1P+1D"
+    assert "fewer nodes" in d.reason
+    held = policy(confirm=1).decide(window(DECODE_HEAVY, met=0.5), THREE, now_s=0.0)
+    assert held.kind is Kind.MISSING_SLO and held.target.label == "3 colocated"
+    assert "50% only" in held.reason
+
+
+def test_the_best_shape_holds_and_a_small_gain_is_not_worth_a_change():
+    assert policy().decide(window(PREFILL_HEAVY), THREE, now_s=0.0).kind is Kind.BEST
+    # with two nodes, 2 colocated and 1P+1D are predicted within the margin of each other
+    d = policy(max_nodes=2).decide(window(PREFILL_HEAVY), Cluster(0, 0, 2), now_s=0.0)
+    assert d.kind is Kind.NO_GAIN and d.target.label == "2 colocated"
+    assert abs(d.predicted["1P+1D"] - d.predicted["2 colocated"]) < 0.05
+
+
+def test_a_window_with_too_few_requests_is_not_judged():
+    d = policy(min_requests=8).decide(window((0.5, 200, 60)), PD, now_s=0.0)  # 5 requests
+    assert d.kind is Kind.IDLE and d.target == PD and d.predicted == {}
+
+
+def test_a_change_needs_the_same_target_on_confirm_windows_in_a_row():
+    p = policy(confirm=2, cooldown_s=0)
+    assert p.decide(window(PREFILL_HEAVY), PD, 0.0).kind is Kind.CONFIRMING
+    assert p.decide(window(PREFILL_HEAVY), PD, 5.0).kind is Kind.SCALE
+    # a window that names no change in between starts the count again
+    assert p.decide(window(PREFILL_HEAVY), PD, 10.0).kind is Kind.CONFIRMING
+    assert p.decide(window((0.1, 10, 2)), PD, 15.0).kind is Kind.IDLE
+    assert p.decide(window(PREFILL_HEAVY), PD, 20.0).kind is Kind.CONFIRMING
+
+
+def test_no_change_within_the_cooldown_of_the_last_one():
+    p = policy(confirm=1, cooldown_s=30)
+    assert p.decide(window(PREFILL_HEAVY), PD, 0.0).kind is Kind.SCALE
+    held = p.decide(window(DECODE_HEAVY), THREE, 10.0)
+    assert held.kind is Kind.COOLDOWN and "20 s of cooldown left" in held.reason
+    assert p.decide(window(DECODE_HEAVY), THREE, 31.0).kind is Kind.SCALE
+    p.changed(40.0)  # an operator's switch starts the cooldown too
+    assert p.decide(window(PREFILL_HEAVY), PD, 45.0).kind is Kind.COOLDOWN
+
+
+def test_min_nodes_keeps_smaller_shapes_out_of_the_search():
+    d = policy(confirm=1, min_nodes=3).decide(window(DECODE_HEAVY), THREE, now_s=0.0)
+    assert d.kind is Kind.BEST and set(d.predicted) == {"3 colocated", "1P+2D", "2P+1D"}
+
+
+def test_shed_requests_count_as_arrivals_and_as_missed():
+    obs = window(PREFILL_HEAVY, met=1.0, shed=10)  # 30 finished within the SLOs, 10 refused
+    assert obs.rate == pytest.approx(4.0) and obs.slo_met == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize(
+    ("roles", "target", "expected"),
+    [
+        (  # three colocated to 1P+1D: two keep their weights under a new role, the newest stops
+            {"colocated-0": "colocated", "colocated-1": "colocated", "colocated-2": "colocated"},
+            PD,
+            [
+                Move("switch", "prefill", "colocated-0"),
+                Move("switch", "decode", "colocated-1"),
+                Move("stop", "colocated", "colocated-2"),
+            ],
+        ),
+        (  # 1P+1D to three colocated: both switch, one more starts
+            {"prefill-0": "prefill", "decode-0": "decode"},
+            THREE,
+            [
+                Move("switch", "colocated", "prefill-0"),
+                Move("switch", "colocated", "decode-0"),
+                Move("start", "colocated"),
+            ],
+        ),
+        (  # 2P+1D to 1P+1D: the newest prefill node stops
+            {"prefill-0": "prefill", "prefill-1": "prefill", "decode-0": "decode"},
+            PD,
+            [Move("stop", "prefill", "prefill-1")],
+        ),
+        ({"prefill-0": "prefill", "decode-0": "decode"}, PD, []),
+    ],
+)
+def test_moves_switch_roles_before_stopping_or_starting_nodes(roles, target, expected):
+    assert moves(roles, target) == expected
+
+
+def test_a_window_is_read_from_two_scrapes_of_the_router():
+    metrics = RouterMetrics(lambda: [], lambda: {})
+    metrics.ttft.observe(0.5)  # before the window: not counted
+    before = parse_metrics(metrics.render().decode())
+    for ttft, tpot in ((0.5, 0.02), (1.0, 0.02), (1.5, 0.05), (9.0, 0.02)):  # 3 of 4 TTFTs, 3 TPOTs
+        metrics.ttft.observe(ttft)
+        metrics.tpot.observe(tpot)
+        metrics.e2e.observe(ttft + 1)
+    metrics.prompt_tokens.inc(4 * 300)
+    metrics.generation_tokens.inc(4 * 20)
+    metrics.shed.labels(reason="ttft_slo").inc(1)
+    after = parse_metrics(metrics.render().decode())
+    obs = observe(before, after, window_s=5.0, slo=Slo(ttft_s=2.5, tpot_s=0.025))  # on bucket bounds
+    assert (obs.num_finished, obs.num_shed, obs.num_arrived) == (4, 1, 5)
+    assert obs.rate == pytest.approx(1.0)
+    assert (obs.mean_prompt_tokens, obs.mean_output_tokens) == (300, 20)
+    assert obs.ttft_met == pytest.approx(0.75) and obs.tpot_met == pytest.approx(0.75)
+    assert obs.slo_met == pytest.approx(0.75 * 4 / 5)
+    # a target between bounds: the 1.0-2.5 s bucket's one observation counts by (2.0 - 1.0) / 1.5
+    between = observe(before, after, window_s=5.0, slo=SLO)
+    assert between.ttft_met == pytest.approx((2 + 1 / 1.5) / 4)
+    assert observe(after, after, 5.0, SLO).ttft_met is None  # nothing observed in the window
+
+
+def test_the_router_keeps_reported_decisions_on_metrics_and_refuses_malformed_ones(default_model_dir):
+    decision = policy(confirm=1).decide(window(PREFILL_HEAVY), PD, now_s=0.0).to_json()
+
+    async def go():
+        nodes = fake_pair([1, 2, 3])
+        async with router_with_fake_nodes(default_model_dir, nodes, api_key="k") as cluster:
+            url, auth = cluster.base_url, {"Authorization": "Bearer k"}
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                unauth = await http.post("/admin/autoscale", json=decision)
+                ok = await http.post("/admin/autoscale", json=decision, headers=auth)
+                extra = await http.post("/admin/autoscale", json={**decision, "surprise": 1}, headers=auth)
+                bad_kind = await http.post(
+                    "/admin/autoscale", json={**decision, "kind": "grow"}, headers=auth
+                )
+                listed = await http.get("/admin/autoscale", headers=auth)
+                scrape = await http.get("/metrics")
+        return unauth, ok, extra, bad_kind, listed, scrape
+
+    unauth, ok, extra, bad_kind, listed, scrape = run_async(go())
+    assert unauth.status_code == 401
+    assert ok.status_code == 200, ok.text
+    for refused, field in ((extra, "surprise"), (bad_kind, "kind")):
+        assert refused.status_code == 400 and field in refused.json()["error"]["message"], refused.text
+    [kept] = listed.json()["decisions"]
+    assert kept["target"] == "3 colocated" and kept["reason"] == decision["reason"]
+    samples = parse_metrics(scrape.text)
+    by_kind = {lab["kind"]: v for lab, v in samples["pdserve_autoscale_decisions_total"]}
+    assert by_kind["scale"] == 1 and by_kind["idle"] == 0 and len(by_kind) == len(Kind)
+    target = {lab["role"]: v for lab, v in samples["pdserve_autoscale_target_nodes"]}
+    assert target == {"prefill": 0, "decode": 0, "colocated": 3}
