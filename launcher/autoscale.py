@@ -215,6 +215,7 @@ class Autoscaler:
                 else:
                     name = self.cluster.add_node(move.role)
                     self._until_listed(self.cluster.node_id(name), self.cluster.plan.start_timeout_s)
+                    move = dataclasses.replace(move, node=name)
             except Exception as exc:  # noqa: BLE001 - one failed move is logged; the next tick re-plans
                 self._log({"event": "move_failed", **dataclasses.asdict(move), "error": str(exc)})
                 self.say(f"autoscale: {move.action} {move.node or move.role} failed: {exc}")
