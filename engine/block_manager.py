@@ -161,6 +161,15 @@ class BlockManager:
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
 
+    def truncate(self, seq: Sequence) -> None:
+        """Give back the blocks past ``seq.num_computed_tokens`` (slots of rejected speculative
+        drafts). They were appended after its last commit, so none holds a hashed block."""
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            assert self.blocks[block_id].block_hash is None, "a truncated block is in the prefix cache"
+            self._release(block_id)
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's blocks. Tail blocks go first, so they are evicted first."""
         for block_id in reversed(seq.block_table):

@@ -168,6 +168,16 @@ class EngineConfig:
         "profile run leave of it",
     )
     enforce_eager: bool = setting(False, "CUDA: no CUDA graphs for decode-only steps")
+    # engine.speculation: the decodes' draft tokens, verified in the step's one forward pass
+    speculative: str | None = setting(
+        None,
+        "speculative decoding: ngram proposes the tokens that followed the last occurrence of the "
+        "sequence's last tokens in its prompt or output (exact: output is what it would be without)",
+        choices=("ngram",),
+    )
+    num_speculative_tokens: int = setting(
+        4, "with --speculative: most draft tokens per sequence and step (fewer as acceptance falls)"
+    )
 
     def __post_init__(self) -> None:
         check_device_name(self.device)
@@ -187,6 +197,10 @@ class EngineConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.speculative not in (None, "ngram"):
+            raise ValueError(f"speculative must be ngram or None, got {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if self.max_step_s is not None and self.max_step_s <= 0:
             raise ValueError(f"max_step_s must be positive, got {self.max_step_s}")
         for name in ("num_kv_blocks", "kv_cache_memory_mb", "num_threads", "max_threads"):

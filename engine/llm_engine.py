@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable
 
@@ -33,6 +34,7 @@ from engine.sampler import Sampler, SamplerInput, prompt_logprobs
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from engine.sizing import EngineSizing, announce, measure_device, size_device_pool, size_engine
+from engine.speculation import Speculator
 from engine.step_budget import StepBudget
 from engine.step_stats import StepStats, step_tokens
 from engine.stop_rules import StopRules
@@ -85,6 +87,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}  # not yet done; held ones are the scheduler's (held)
         self.stop_rules = StopRules(tuple(self.model_config.eos_token_ids), self.max_model_len, tokenizer)
         self.step_stats = StepStats()  # steps by kind, for the node's metrics
+        self.speculator = Speculator(config.num_speculative_tokens) if config.speculative else None
         # each step's token budget, so that steps keep to a time target (chunks shrink when slow)
         min_tokens = min(config.max_num_batched_tokens, config.max_num_seqs + config.block_size)
         self.step_budget = StepBudget(config.max_step_s, config.max_num_batched_tokens, min_tokens)
@@ -308,6 +311,7 @@ class LLMEngine:
             num_queued_prefill_tokens=self.num_queued_prefill_tokens(),
             step_stats=self.step_stats.snapshot(),
             step_target_s=self.step_budget.target_s,
+            speculation=None if self.speculator is None else self.speculator.stats.to_dict(),
         )
 
     def warm_up_in_background(self) -> None:
@@ -325,7 +329,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.config.debug_checks:
             self.check_integrity()
-        start, sched = time.perf_counter(), self.scheduler.schedule(self.step_budget.tokens())
+        start = time.perf_counter()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.max_model_len)
+        sched = self.scheduler.schedule(self.step_budget.tokens())
         if sched.granted:
             self._granted(sched.granted)
         if not sched.scheduled:
@@ -337,25 +344,67 @@ class LLMEngine:
             self._score_prompt(seq, hidden)
         tokens = step_tokens(sched.scheduled)  # (prompt, decode), before they count as computed
         for item in sched.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.commit_computed(item.seq)
+            if not item.seq.draft_token_ids:  # a drafted decode's count waits for its verification
+                item.seq.num_computed_tokens += item.num_new_tokens
+                self.block_manager.commit_computed(item.seq)
+        # each sampled sequence's first logits row (a drafted one has one more row per draft)
+        first_rows = list(itertools.accumulate((1 + len(s.draft_token_ids) for s in sampled[:-1]), initial=0))
         rows, seqs = expand_forks(sampled, self.requests, self.block_manager, self.scheduler)
-        if len(seqs) != len(sampled):  # forks sample from their parent's row; else no copy of the logits
-            logits = logits[torch.tensor(rows, dtype=torch.int64, device=self.device)]
-        inputs = [SamplerInput(s, self.stop_rules.banned(s)) for s in seqs]
+        drafted = [(seq, first_rows[i]) for i, seq in enumerate(sampled) if seq.draft_token_ids]
+        all_logits = logits
+        if len(seqs) != len(sampled) or drafted:  # else every row is sampled once: no copy of the logits
+            picked = [first_rows[r] for r in rows]
+            logits = all_logits[torch.tensor(picked, dtype=torch.int64, device=self.device)]
         touched: dict[str, Request] = {}
-        for seq, (token_id, logprob) in zip(seqs, self.sampler.sample(logits, inputs), strict=True):
-            seq.token_ids.append(token_id)
-            if logprob is not None:
-                seq.logprobs.append(logprob)
-            self._check_stop(seq, token_id)
-            touched[seq.request_id] = self.requests[seq.request_id]
+        self._sample(logits, seqs, touched)
+        if drafted:
+            self._verify(all_logits, drafted, touched)
         outputs = [self._output(r) for r in touched.values()]
         seconds = time.perf_counter() - start
         self.step_stats.observe(*tokens, seconds)
         if tokens[0]:  # a step with prompt tokens: what the budget of the next chunk follows
             self.step_budget.observe(sum(tokens), seconds)
         return outputs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, Request]) -> None:
+        """Draw each sequence's next token from its row of ``logits``, append it, check the stop rules."""
+        inputs = [SamplerInput(s, self.stop_rules.banned(s)) for s in seqs]
+        for seq, (token_id, logprob) in zip(seqs, self.sampler.sample(logits, inputs), strict=True):
+            seq.token_ids.append(token_id)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            self._check_stop(seq, token_id)
+            touched[seq.request_id] = self.requests[seq.request_id]
+
+    def _verify(
+        self, logits: torch.Tensor, drafted: list[tuple[Sequence, int]], touched: dict[str, Request]
+    ) -> None:
+        """Speculative decodes, each with the token of its row 0 drawn: while the token drawn from
+        row j equals draft j + 1, draw from row j + 1 (engine/speculation.py). Then the KV of the
+        kept drafts counts as computed, and the blocks past it go back to the pool."""
+        checks = []  # (sequence, its drafts, its first row, its length before this step's tokens)
+        for seq, first in drafted:
+            checks.append((seq, seq.draft_token_ids, first, seq.num_tokens - 1))
+            seq.draft_token_ids = []
+        live, j = checks, 0
+        while True:
+            live = [
+                c for c in live if not c[0].is_finished and j < len(c[1]) and c[0].token_ids[-1] == c[1][j]
+            ]
+            if not live:
+                break
+            j += 1
+            picked = torch.tensor(
+                [first + j for _, _, first, _ in live], dtype=torch.int64, device=self.device
+            )
+            self._sample(logits[picked], [seq for seq, *_ in live], touched)
+        for seq, drafts, _, length in checks:
+            self.speculator.verified(seq, len(drafts), seq.num_tokens - length - 1)
+            if seq.is_finished:  # its blocks are freed (or held) already
+                continue
+            seq.num_computed_tokens = seq.num_tokens - 1  # the token drawn last has no KV yet
+            self.block_manager.truncate(seq)
+            self.block_manager.commit_computed(seq)
 
     def _score_prompt(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """Prompt logprobs of the positions ``hidden`` holds, the next ones ``seq`` is due."""
@@ -374,6 +423,8 @@ class LLMEngine:
         self.scheduler.finish(seq, status)  # a prefill-only sequence stays HELD_FOR_TRANSFER
         self.sampler.forget(seq)
         self.stop_rules.forget(seq)
+        if self.speculator is not None:
+            self.speculator.forget(seq)
 
     # ------------------------------------------------------------------ outputs
     def _output(self, request: Request) -> RequestOutput:

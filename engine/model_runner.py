@@ -31,7 +31,9 @@ class ModelInput:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    logits_rows: torch.Tensor  # [S] rows of the batch whose next token is sampled
+    # rows of the batch whose next token is sampled: one a sequence, and 1 + drafts for a decode
+    # with speculative drafts (its last token's row, then each draft's)
+    logits_rows: torch.Tensor  # [R]
     sampled_seqs: list[Sequence]  # the sequences those rows belong to, same order
     # Sequences due prompt logprobs: (sequence, first row, rows), the rows of prompt positions
     # len(seq.prompt_logprobs) onwards that this step computes (each predicts the next prompt token)
@@ -224,15 +226,22 @@ class ModelRunner:
         positions = np.arange(num_tokens) - q_start[row_seq] + computed[row_seq]  # [T]
         tables = _pad_tables([it.seq.block_table for it in items])  # [S, max_blocks] int32
         slots = tables[row_seq, positions // bs].astype(np.int64) * bs + positions % bs  # [T]
+        drafts = np.fromiter((len(it.seq.draft_token_ids) for it in items), np.int64, n)  # [S]
         input_ids = np.fromiter(
             itertools.chain.from_iterable(
-                it.seq.token_ids[c : c + k]
+                itertools.chain(it.seq.token_ids[c : c + k], it.seq.draft_token_ids)
                 for it, c, k in zip(items, computed.tolist(), num_new.tolist(), strict=True)
             ),
             np.int64,
             num_tokens,
         )
-        sampled_mask = ends == np.fromiter((it.seq.num_tokens for it in items), np.int64, n)  # [S]
+        num_tokens_ahead = np.fromiter((it.seq.num_tokens for it in items), np.int64, n) + drafts
+        sampled_mask = ends == num_tokens_ahead  # [S]
+        per_seq = np.where(sampled_mask, 1 + drafts, 0)  # [S] logits rows of each sequence
+        first_rows = np.repeat(q_start[1:] - per_seq, per_seq)  # [R]
+        logits_rows = (
+            first_rows + np.arange(len(first_rows)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+        )
         num_decodes = int(np.count_nonzero(num_new == 1))
         assert num_new[:num_decodes].max(initial=1) == 1, "decode rows must come first"
         dec, pre = slice(0, num_decodes), slice(num_decodes, n)
@@ -244,7 +253,7 @@ class ModelRunner:
             q_start=q_start.astype(np.int32),
             prefill_q_start=(q_start[num_decodes:] - num_decodes).astype(np.int32),
             ends=ends.astype(np.int32),
-            logits_rows=q_start[1:][sampled_mask] - 1,
+            logits_rows=logits_rows,
         )  # the device's copies: nothing below reads the host arrays
         meta = AttentionMetadata(
             slot_mapping=on["slots"],

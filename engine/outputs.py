@@ -77,3 +77,5 @@ class EngineStats:
     # the step-time target of steps that compute prompt tokens (engine.step_budget): what a running
     # decode's time per token stretches to while a prompt is prefilled beside it; None until known
     step_target_s: float | None = None
+    # speculative decoding's counts since start (engine.speculation.SpecStats); None when it is off
+    speculation: dict[str, int] | None = None

@@ -8,6 +8,8 @@ prefix hit simply starts with tokens already computed. Order of service:
      one token of the budget to each running decode after it, so every decode row runs every
      step however long the prompts beside it; when blocks run out, the newest running sequence is preempted (KV dropped,
      recomputed later) — the oldest always progresses, so there is no livelock;
+     A decode with speculative drafts (engine/speculation.py) runs them as more rows in the
+     same budget, trimmed first when the budget or the free blocks fall short;
   2. waiting sequences, FIFO, while budget, ``max_num_seqs`` and free blocks allow;
      the head of the queue is never skipped, so nothing starves.
 
@@ -128,7 +130,13 @@ class Scheduler:
             seq = self.running[i]
             is_decode = seq.num_uncomputed_tokens == 1
             pending_decodes -= is_decode
-            num_new = min(seq.num_uncomputed_tokens, budget if is_decode else budget - pending_decodes)
+            if is_decode:  # its drafts, if any, take only what the decodes after it leave
+                num_new = min(1 + len(seq.draft_token_ids), max(1, budget - pending_decodes))
+                del seq.draft_token_ids[num_new - 1 :]
+                if seq.draft_token_ids and not self.block_manager.can_append(seq, num_new):
+                    seq.draft_token_ids, num_new = [], 1  # no sequence is preempted for drafts
+            else:
+                num_new = min(seq.num_uncomputed_tokens, budget - pending_decodes)
             if num_new <= 0:  # a chunk with no budget left beside the decodes: it waits a step
                 i += 1
                 continue
@@ -162,8 +170,13 @@ class Scheduler:
         )
         assert len({s.seq.seq_id for s in out.scheduled}) == len(out.scheduled), "a sequence scheduled twice"
         assert all(
-            s.num_computed_tokens + n.num_new_tokens <= s.num_tokens for n in out.scheduled for s in (n.seq,)
+            s.num_computed_tokens + n.num_new_tokens <= s.num_tokens + len(s.draft_token_ids)
+            for n in out.scheduled
+            for s in (n.seq,)
         ), "more new tokens than the sequence has"
+        assert all(
+            n.num_new_tokens == 1 + len(n.seq.draft_token_ids) for n in out.scheduled if n.seq.draft_token_ids
+        ), "a drafted decode scheduled without all its drafts"
         assert not any(seq.block_table for seq in self.waiting), "a waiting sequence holds blocks"
         assert all(s.status is SequenceStatus.WAITING_FOR_KV and s.block_table for s in out.granted), (
             "granted a sequence that is not waiting for its KV"
@@ -221,6 +234,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -237,6 +251,7 @@ class Scheduler:
             self.receiving.remove(seq)
         self._stalled = False  # its slot and blocks may admit the waiting head
         seq.finish_status = status
+        seq.draft_token_ids = []
         if seq.hold_kv and status is not SequenceStatus.FINISHED_ABORTED:
             assert seq.request_id not in self.held, f"{seq.request_id} held twice"
             seq.status = SequenceStatus.HELD_FOR_TRANSFER

@@ -81,6 +81,8 @@ class Sequence:
     continues: bool = False
     first_token_sent: bool = False  # held: its first token reached the router (it stays with it)
     finish_status: SequenceStatus | None = None  # how it ended (a held sequence's, once released)
+    # speculative decoding: tokens proposed after token_ids for this step to verify (engine/speculation.py)
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -135,4 +135,5 @@ def node_status(
         device=stats.device,
         step_stats=stats.step_stats,
         step_target_s=stats.step_target_s,
+        speculation=stats.speculation,
     )

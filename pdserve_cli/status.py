@@ -18,6 +18,7 @@ COLUMNS = (
     "QUEUED",
     "RUNNING",
     "MEAN STEP",
+    "DRAFTS KEPT",
     "HEARTBEAT",
     "STATE",
 )
@@ -112,6 +113,7 @@ def _row(node, now: float) -> tuple[str, ...]:
         str(node.num_queued),
         str(node.num_running),
         _mean_steps(node),
+        _drafts_kept(node),
         f"{max(0.0, now - node.heartbeat_time):.1f}s ago",
         _state(node),
     )
@@ -135,6 +137,16 @@ def _mean_steps(node) -> str:
         if isinstance(steps, int) and steps > 0 and isinstance(seconds, int | float):
             parts.append(f"{kind} {seconds / steps * 1e3:.0f}ms")
     return ", ".join(parts) or "-"
+
+
+def _drafts_kept(node) -> str:
+    """Speculative decoding's acceptance since the node started, e.g. "62% of 1840"; "-" where it
+    is off or nothing was proposed yet."""
+    spec = node.speculation or {}
+    proposed, accepted = spec.get("proposed_tokens"), spec.get("accepted_tokens")
+    if not isinstance(proposed, int) or not isinstance(accepted, int) or proposed <= 0:
+        return "-"
+    return f"{accepted / proposed:.0%} of {proposed}"
 
 
 def _state(node) -> str:

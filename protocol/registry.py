@@ -70,6 +70,9 @@ class NodeInfo:
     # the node's step-time target for steps that compute prompt tokens (engine.step_budget): a
     # running decode's time per token while the node prefills a prompt; None until measured
     step_target_s: float | None = None
+    # speculative decoding since the node's start: proposed_tokens, accepted_tokens and drafted_steps
+    # (engine.speculation.SpecStats); None where it is off or the node does not say
+    speculation: dict[str, int] | None = None
     heartbeat_time: float = 0.0  # wall clock of this record
 
     def to_redis(self) -> dict[str, str]:

@@ -138,6 +138,7 @@ class LiveStateCollector(Collector):
         nodes = self._nodes()
         yield from _node_gauges(nodes)
         yield from node_step_metrics(nodes)
+        yield from node_speculation_metrics(nodes)
 
 
 _NODE_GAUGES = (
@@ -200,6 +201,30 @@ def _node_gauge(name: str, help_: str, samples: Iterable[tuple[NodeInfo, float]]
     for node, value in samples:
         gauge.add_metric(_node_labels(node), value)
     return gauge
+
+
+def node_speculation_metrics(nodes: Sequence[NodeInfo]) -> Iterator[CounterMetricFamily]:
+    """Speculative decoding's draft tokens, proposed and accepted, per node that speculates: the
+    acceptance rate is the ratio of their rates."""
+    families = (
+        (
+            "pdserve_node_spec_draft_tokens_total",
+            "Draft tokens verified (speculative decoding).",
+            "proposed_tokens",
+        ),
+        (
+            "pdserve_node_spec_accepted_tokens_total",
+            "Draft tokens accepted (speculative decoding).",
+            "accepted_tokens",
+        ),
+    )
+    for name, help_, key in families:
+        counter = CounterMetricFamily(name.removesuffix("_total"), help_, labels=NODE_LABELS)
+        for node in nodes:
+            value = (node.speculation or {}).get(key)
+            if isinstance(value, int):
+                counter.add_metric(_node_labels(node), value)
+        yield counter
 
 
 def node_step_metrics(nodes: Sequence[NodeInfo]) -> tuple[HistogramMetricFamily, CounterMetricFamily]:

@@ -68,6 +68,7 @@ def test_router_metrics_include_node_gauges_by_id_and_role():
             num_running=3,
             num_blocks_committed=45,
             torch_threads=1,
+            speculation={"proposed_tokens": 90, "accepted_tokens": 55, "drafted_steps": 30},
         ),
         node_info("p0", "prefill", num_queued=4),  # an older node: says neither
     ]
@@ -84,6 +85,9 @@ def test_router_metrics_include_node_gauges_by_id_and_role():
         for line in lines
     )
     assert 'pdserve_node_queued_requests{node_id="p0",role="prefill"} 4.0' in lines
+    assert 'pdserve_node_spec_draft_tokens_total{node_id="d0",role="decode"} 90.0' in lines
+    assert 'pdserve_node_spec_accepted_tokens_total{node_id="d0",role="decode"} 55.0' in lines
+    assert not any(line.startswith("pdserve_node_spec") and "p0" in line for line in lines)
     assert 'pdserve_router_inflight_requests{role="decode"} 2.0' in lines
     assert text.endswith("\n")
 
@@ -143,6 +147,9 @@ EXPECTED = {
     "pdserve_node_prefill_backlog_seconds": ("gauge", NODE),
     "pdserve_node_engine_step_seconds": ("histogram", NODE | {"kind"}),
     "pdserve_node_engine_tokens": ("counter", NODE | {"kind", "phase"}),
+    # speculative decoding (samples only from nodes that speculate: none in this run)
+    "pdserve_node_spec_draft_tokens": ("counter", frozenset()),
+    "pdserve_node_spec_accepted_tokens": ("counter", frozenset()),
 }
 
 

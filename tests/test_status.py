@@ -44,6 +44,7 @@ DECODE = dataclasses.replace(
         "decode": {"steps": 200, "seconds": 7.1, "prompt_tokens": 0, "decode_tokens": 1400},
         "mixed": {"steps": 10, "seconds": 1.914, "prompt_tokens": 2100, "decode_tokens": 70},
     },
+    speculation={"proposed_tokens": 1840, "accepted_tokens": 1141, "drafted_steps": 600},
 )
 
 
@@ -51,12 +52,12 @@ def test_render_groups_nodes_by_role_with_blocks_queue_running_heartbeat_and_sta
     assert render([DECODE, PREFILL], now=101.0) == "\n".join(
         [
             "prefill: 1 node(s), 1 serving, KV blocks 60/64 free",
-            "  NODE       ADDRESS              KV FREE/TOTAL  CACHED  COMMITTED  QUEUED  RUNNING  MEAN STEP      HEARTBEAT  STATE",
-            "  prefill-a  tcp://10.0.0.2:5001  60/64          12      25%        3       1        prefill 125ms  1.0s ago   serving",
+            "  NODE       ADDRESS              KV FREE/TOTAL  CACHED  COMMITTED  QUEUED  RUNNING  MEAN STEP      DRAFTS KEPT  HEARTBEAT  STATE",
+            "  prefill-a  tcp://10.0.0.2:5001  60/64          12      25%        3       1        prefill 125ms  -            1.0s ago   serving",
             "",
             "decode: 1 node(s), 0 serving, KV blocks 8/64 free",
-            "  NODE      ADDRESS              KV FREE/TOTAL  CACHED  COMMITTED  QUEUED  RUNNING  MEAN STEP                 HEARTBEAT  STATE",
-            "  decode-b  tcp://10.0.0.3:5002  8/64           0       -          0       7        decode 36ms, mixed 191ms  1.8s ago   draining",
+            "  NODE      ADDRESS              KV FREE/TOTAL  CACHED  COMMITTED  QUEUED  RUNNING  MEAN STEP                 DRAFTS KEPT  HEARTBEAT  STATE",
+            "  decode-b  tcp://10.0.0.3:5002  8/64           0       -          0       7        decode 36ms, mixed 191ms  62% of 1840  1.8s ago   draining",
         ]
     )
 
