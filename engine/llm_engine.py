@@ -358,7 +358,8 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         self._sample(logits, seqs, touched)
         if drafted:
-            self._verify(all_logits, drafted, touched)
+            sample = lambda rows, sequences: self._sample(rows, sequences, touched)  # noqa: E731
+            self.speculator.verify(all_logits, drafted, sample, self.block_manager)
         outputs = [self._output(r) for r in touched.values()]
         seconds = time.perf_counter() - start
         self.step_stats.observe(*tokens, seconds)
@@ -375,36 +376,6 @@ class LLMEngine:
                 seq.logprobs.append(logprob)
             self._check_stop(seq, token_id)
             touched[seq.request_id] = self.requests[seq.request_id]
-
-    def _verify(
-        self, logits: torch.Tensor, drafted: list[tuple[Sequence, int]], touched: dict[str, Request]
-    ) -> None:
-        """Speculative decodes, each with the token of its row 0 drawn: while the token drawn from
-        row j equals draft j + 1, draw from row j + 1 (engine/speculation.py). Then the KV of the
-        kept drafts counts as computed, and the blocks past it go back to the pool."""
-        checks = []  # (sequence, its drafts, its first row, its length before this step's tokens)
-        for seq, first in drafted:
-            checks.append((seq, seq.draft_token_ids, first, seq.num_tokens - 1))
-            seq.draft_token_ids = []
-        live, j = checks, 0
-        while True:
-            live = [
-                c for c in live if not c[0].is_finished and j < len(c[1]) and c[0].token_ids[-1] == c[1][j]
-            ]
-            if not live:
-                break
-            j += 1
-            picked = torch.tensor(
-                [first + j for _, _, first, _ in live], dtype=torch.int64, device=self.device
-            )
-            self._sample(logits[picked], [seq for seq, *_ in live], touched)
-        for seq, drafts, _, length in checks:
-            self.speculator.verified(seq, len(drafts), seq.num_tokens - length - 1)
-            if seq.is_finished:  # its blocks are freed (or held) already
-                continue
-            seq.num_computed_tokens = seq.num_tokens - 1  # the token drawn last has no KV yet
-            self.block_manager.truncate(seq)
-            self.block_manager.commit_computed(seq)
 
     def _score_prompt(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """Prompt logprobs of the positions ``hidden`` holds, the next ones ``seq`` is due."""

@@ -26,9 +26,12 @@ a, so drafts stop where a^k falls under ``MIN_DRAFT_PROB``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
+import torch
 
+from engine.block_manager import BlockManager
 from engine.sequence import Sequence
 
 SPECULATIVE_METHODS = ("ngram",)
@@ -108,6 +111,42 @@ class Speculator:
                 continue
             seq.draft_token_ids = ngram_lookup(self._tokens(seq), k)
             spare -= len(seq.draft_token_ids)
+
+    def verify(
+        self,
+        logits: torch.Tensor,
+        drafted: list[tuple[Sequence, int]],
+        sample: Callable[[torch.Tensor, list[Sequence]], None],
+        block_manager: BlockManager,
+    ) -> None:
+        """Finish the step's drafted decodes, each with the token of its row 0 drawn already
+        (``drafted``: the sequence and the index of that row in ``logits``). While the token drawn
+        from row j equals draft j + 1, ``sample`` draws from row j + 1 (appending the token and
+        checking the stop rules). Then the KV of the kept drafts counts as computed and the
+        blocks past it go back to the pool."""
+        checks = []  # (sequence, its drafts, its first row, its length before this step's tokens)
+        for seq, first in drafted:
+            checks.append((seq, seq.draft_token_ids, first, seq.num_tokens - 1))
+            seq.draft_token_ids = []
+        live, j = checks, 0
+        while True:
+            live = [
+                c for c in live if not c[0].is_finished and j < len(c[1]) and c[0].token_ids[-1] == c[1][j]
+            ]
+            if not live:
+                break
+            j += 1
+            rows = torch.tensor(
+                [first + j for _, _, first, _ in live], dtype=torch.int64, device=logits.device
+            )
+            sample(logits[rows], [seq for seq, *_ in live])
+        for seq, drafts, _, length in checks:
+            self.verified(seq, len(drafts), seq.num_tokens - length - 1)
+            if seq.is_finished:  # its blocks are freed (or held) already
+                continue
+            seq.num_computed_tokens = seq.num_tokens - 1  # the token drawn last has no KV yet
+            block_manager.truncate(seq)
+            block_manager.commit_computed(seq)
 
     def verified(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """Record one verification of ``proposed`` drafts, ``accepted`` of them kept."""
