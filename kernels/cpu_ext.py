@@ -145,6 +145,13 @@ def paged_attention(
     )
 
 
+def register_tiles() -> bool:
+    """Whether the kernel was built with its register-tiled paths (AVX-512 machines only)."""
+    if load() is None:
+        raise RuntimeError("the CPU paged-attention extension could not be built or loaded")
+    return bool(torch.ops.pdserve_cpu.register_tiles())
+
+
 # The dense per-layer ops (kernels/csrc/dense_cpu.cpp). The layers call them on CPU tensors
 # when ``enabled()``; each replaces several torch ops that each pass over the whole activation.
 

@@ -16,6 +16,17 @@ using pdserve::softmax_exp;
 // GCC vector types: AVX-512 registers here, split into narrower ones where -march has none.
 typedef float vf16 __attribute__((vector_size(64)));
 
+// The register-tiled paths (prefill score and value tiles, the decode items) keep up to 16
+// vectors of 16 floats live: AVX-512's 32 registers hold them. With only 256-bit registers
+// (AVX2: 16 of them) GCC keeps such vectors in memory, and on an AVX2 machine those paths ran
+// 5x (prefill) and 2x (decode) slower than the plain loops, which vectorise at the native width;
+// so they are compiled in only with AVX-512 (bench/README.md, "Attention on an AVX2 machine").
+#if defined(__AVX512F__)
+constexpr bool kRegisterTiles = true;
+#else
+constexpr bool kRegisterTiles = false;
+#endif
+
 inline vf16 load_vf16(const float *p) {
   vf16 v;
   std::memcpy(&v, p, sizeof v);

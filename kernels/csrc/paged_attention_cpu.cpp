@@ -54,7 +54,8 @@ struct Scratch {
 // From this many query rows in an item (prefill tiles), scores are computed against the chunk's
 // keys transposed to [D, keys]: the products then vectorise across keys, with no horizontal sum
 // per (row, key); the transpose costs one pass over the chunk, which few rows would not repay.
-constexpr int64_t kTransposedRows = 8;
+// (kRegisterTiles: only where AVX-512 holds the tiles' vectors, paged_attention_common.h)
+constexpr int64_t kTransposedRows = kRegisterTiles ? 8 : std::numeric_limits<int64_t>::max();
 
 template <typename T, int kD>
 void transposed_scores(const Problem &p, Scratch &sc, const int32_t *table, const T *kc, int64_t kv_head,
@@ -239,7 +240,7 @@ void run_item(const Problem &p, const Item &it, const T *query, const T *kc, con
         for (int64_t d = 0; d < D; ++d) a[d] *= correction;
       }
     }
-    if constexpr (kD == 32 || kD == 64 || kD == 128) {
+    if constexpr (kRegisterTiles && (kD == 32 || kD == 64 || kD == 128)) {
       if (nq >= kTransposedRows) {
         blocked_values<T, kD>(p, sc, table, vc, it.kv_head, nq, c0, c1);
         continue;
@@ -380,6 +381,8 @@ int64_t parallel_width() {
   return widest.load();
 }
 
+bool register_tiles() { return kRegisterTiles; }
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
@@ -387,6 +390,7 @@ TORCH_LIBRARY(pdserve_cpu, m) {
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor query_start_loc, Tensor context_lens, float scale, int window, float softcap) -> Tensor");
   m.def("parallel_width() -> int", &parallel_width);
+  m.def("register_tiles() -> bool", &register_tiles);
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -137,7 +137,7 @@ template <typename T>
 using DecodeFn = void (*)(const Problem &, const Item &, const T *, const T *, const T *, T *, float *, bool);
 
 template <typename T>
-constexpr bool kRegisterDecode = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+constexpr bool kRegisterDecode = kRegisterTiles && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
 
 template <typename T, int kD>
 DecodeFn<T> decode_fn_for(int64_t G) {
