@@ -30,7 +30,7 @@ import time
 REPO = pathlib.Path(os.environ.get("PDSERVE_REPO") or pathlib.Path(__file__).resolve().parent.parent)
 sys.path.insert(0, str(REPO))
 
-import engine  # noqa: E402,F401 - first, so the engine's OpenMP default applies as in a user's process
+import engine.llm  # noqa: E402,F401 - first: the engine's OpenMP default applies as in a user's process
 
 # isort: split
 import numpy as np  # noqa: E402

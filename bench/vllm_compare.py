@@ -6,6 +6,11 @@ both see the same machine state as nearly as a shared machine allows.
 
     python bench/vllm_compare.py --vllm-python /path/to/vllm-venv/bin/python --workload fixed
     python bench/vllm_compare.py --vllm-python /work/vllm-venv/bin/python --model default --workload mix32 --num-prompts 48
+    python bench/vllm_compare.py --vllm-python /work/vllm-venv/bin/python --model default --workload rep --speculative ngram
+
+``--speculative ngram`` runs pdserve twice, without speculation and with it (vLLM's CPU build
+refuses speculative decoding, so it runs without). The text workloads (``edit``, ``quote``,
+``rep``: bench/text_workloads.py) are chat prompts that ask the model to copy text it was given.
 
 pdserve runs with its defaults except ``max_num_seqs`` and the thread count, which both sides share.
 """
@@ -22,11 +27,12 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-import engine  # noqa: E402,F401 - before torch, so the engine's OpenMP default applies
+import engine.llm  # noqa: E402,F401 - before torch: the engine's OpenMP default applies (engine/cpu_env.py)
 
 # isort: split
 import torch  # noqa: E402
 
+from bench import text_workloads  # noqa: E402
 from bench.offline_throughput import MIXES, tiny_bench_model, workload  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
@@ -93,9 +99,10 @@ def run_vllm(
 
 
 def run_pdserve(
-    model: pathlib.Path, reqs, max_num_seqs: int, threads: int, dtype: str, passes: int
-) -> list[float]:
-    llm = LLM(str(model), max_num_seqs=max_num_seqs, num_threads=threads, dtype=dtype)
+    model: pathlib.Path, reqs, max_num_seqs: int, threads: int, dtype: str, passes: int, **engine_args
+) -> tuple[list[float], dict | None]:
+    """Output tokens/s of each pass, and the speculation counts (None without speculation)."""
+    llm = LLM(str(model), max_num_seqs=max_num_seqs, num_threads=threads, dtype=dtype, **engine_args)
     llm.generate([[11, 12, 13]], SamplingParams(temperature=0.0, max_tokens=4))
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in reqs]
     rates = []
@@ -103,17 +110,21 @@ def run_pdserve(
         start = time.perf_counter()
         outs = llm.generate([p for p, _ in reqs], params)
         rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
-    return rates
+    spec = llm.engine.stats().speculation
+    del llm
+    return rates, spec
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--vllm-python", required=True)
     ap.add_argument("--model", default="tiny", help="'tiny', 'default' or a model folder")
-    ap.add_argument("--workload", choices=["fixed", *MIXES], default="fixed")
+    ap.add_argument("--workload", choices=["fixed", *MIXES, *text_workloads.WORKLOADS], default="fixed")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--speculative", choices=["ngram"], help="pdserve also runs with this proposer")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both engines")
     ap.add_argument(
         "--passes",
@@ -131,11 +142,27 @@ def main() -> None:
         model = fetch_default_model(progress=False)
     else:
         model = pathlib.Path(args.model)
-    reqs = workload(
-        args.workload, args.num_prompts, json.loads((model / "config.json").read_text())["vocab_size"]
-    )
-    ours = run_pdserve(model, reqs, args.max_num_seqs, args.threads, args.dtype, args.passes)
+    if args.workload in text_workloads.WORKLOADS:
+        from transformers import AutoTokenizer
+
+        reqs = text_workloads.workload(args.workload, args.num_prompts, AutoTokenizer.from_pretrained(model))
+    else:
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        reqs = workload(args.workload, args.num_prompts, vocab)
+    run = (model, reqs, args.max_num_seqs, args.threads, args.dtype, args.passes)
+    ours, _ = run_pdserve(*run)
     print(f"[{args.workload}] pdserve: {', '.join(f'{r:.1f}' for r in ours)} tok/s", flush=True)
+    spec_rates, spec = None, None
+    if args.speculative:
+        spec_rates, spec = run_pdserve(
+            *run, speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens
+        )
+        kept = spec["accepted_tokens"] / max(1, spec["proposed_tokens"])
+        print(
+            f"[{args.workload}] pdserve --speculative {args.speculative}: "
+            f"{', '.join(f'{r:.1f}' for r in spec_rates)} tok/s; drafts kept {kept:.0%} of {spec['proposed_tokens']}",
+            flush=True,
+        )
     theirs = run_vllm(args.vllm_python, model, reqs, args.max_num_seqs, args.threads, args.dtype, args.passes)
     ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
     print(
@@ -143,6 +170,9 @@ def main() -> None:
         f"ratio {', '.join(f'{r:.2f}x' for r in ratios)}",
         flush=True,
     )
+    spec_ratios = None if spec_rates is None else [a / b for a, b in zip(spec_rates, theirs, strict=True)]
+    if spec_ratios:
+        print(f"[{args.workload}] speculative against vLLM: {', '.join(f'{r:.2f}x' for r in spec_ratios)}")
     print(
         json.dumps(
             {
@@ -152,6 +182,10 @@ def main() -> None:
                 "pdserve_tok_s": [round(r, 1) for r in ours],
                 "vllm_tok_s": [round(r, 1) for r in theirs],
                 "ratio": [round(r, 2) for r in ratios],
+                "speculative": args.speculative,
+                "pdserve_spec_tok_s": spec_rates and [round(r, 1) for r in spec_rates],
+                "spec_ratio": spec_ratios and [round(r, 2) for r in spec_ratios],
+                "spec_counts": spec,
             }
         )
     )

@@ -365,6 +365,8 @@ class LLMEngine:
         self.step_stats.observe(*tokens, seconds)
         if tokens[0]:  # a step with prompt tokens: what the budget of the next chunk follows
             self.step_budget.observe(sum(tokens), seconds)
+        elif self.speculator is not None:  # a decode step: what a draft row costs
+            self.speculator.observe_step(tokens[1], seconds)
         return outputs
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, Request]) -> None:

@@ -15,12 +15,14 @@ has the target distribution exactly, greedy output is the non-speculative output
 token, and a seeded request draws what it would without speculation (the sampler's seed is a
 function of the position, engine/sampler.py), on every path.
 
-What it costs: each draft row is one more row through the weights. On a CPU a decode step
-reads every weight once whatever its rows, so at small batches a row costs a few percent of
-the step, and past ``MAX_BATCH_ROWS`` rows the step is bound by compute and speculation no
-longer pays: proposals then stop (``budget``). Per sequence, the draft length follows its
-measured acceptance: the k-th draft is accepted with probability about a^k at acceptance rate
-a, so drafts stop where a^k falls under ``MIN_DRAFT_PROB``.
+What it costs: each draft row is one more row through the weights. A decode step on a CPU takes
+about W + c * rows: W for reading every weight once, whatever the rows, and c for each row's
+arithmetic. ``RowCost`` fits W and c to the node's own decode steps as they run. Adding a draft
+kept with probability p to a step that yields Y tokens in T seconds raises the step's tokens per
+second exactly when p > c * Y / T, so drafts are handed out in order of their probability while
+that holds: at small batches the step is all W and nearly any plausible draft pays; as the batch
+grows, c * Y / T nears 1 and speculation turns itself off. Per sequence, a draft's probability
+is a^k for the k-th draft at the sequence's measured per-token acceptance a.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ from engine.sequence import Sequence
 SPECULATIVE_METHODS = ("ngram",)
 MAX_NGRAM = 3  # longest suffix looked up
 MIN_NGRAM = 1  # shortest
-MAX_BATCH_ROWS = 32  # decode rows plus drafts in one step, past which no drafts are proposed
-MIN_DRAFT_PROB = 0.3  # a draft is proposed while its estimated acceptance stays at or above this
-EMA_WEIGHT = 0.3  # weight of the latest step in a sequence's acceptance rate
+MIN_DRAFT_PROB = 0.1  # never propose a draft less likely than this, however cheap rows are
+EMA_WEIGHT = 0.3  # weight of the latest verification in a sequence's acceptance rate
+PRIOR_ROWS_PER_STEP = 32  # before the fit: a row's arithmetic costs 1/32 of the weights' read
+ROW_COST_DECAY = 0.99  # weight of an older decode step in the row-cost fit, per later step
+MIN_FIT_STEPS = 16  # decode steps observed, with rows that vary, before the fit replaces the prior
 
 
 def ngram_lookup(tokens: np.ndarray, k: int, max_n: int = MAX_NGRAM, min_n: int = MIN_NGRAM) -> list[int]:
@@ -59,11 +63,38 @@ def ngram_lookup(tokens: np.ndarray, k: int, max_n: int = MAX_NGRAM, min_n: int 
     return []
 
 
+class RowCost:
+    """Decode steps' seconds as ``fixed + per_row * rows``: a least-squares fit over recent
+    decode-only steps, older ones decaying, so it follows what the node's steps cost now."""
+
+    def __init__(self) -> None:
+        self._n = self._x = self._y = self._xx = self._xy = 0.0
+        self._steps = 0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = ROW_COST_DECAY
+        self._n = d * self._n + 1
+        self._x = d * self._x + rows
+        self._y = d * self._y + seconds
+        self._xx = d * self._xx + rows * rows
+        self._xy = d * self._xy + rows * seconds
+        self._steps += 1
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per row), or None until enough steps with varied rows."""
+        var = self._xx / max(self._n, 1e-9) - (self._x / max(self._n, 1e-9)) ** 2
+        if self._steps < MIN_FIT_STEPS or var < 1.0:
+            return None
+        per_row = (self._xy - self._x * self._y / self._n) / (self._xx - self._x * self._x / self._n)
+        fixed = (self._y - per_row * self._x) / self._n
+        return max(fixed, 0.0), max(per_row, 0.0)
+
+
 @dataclasses.dataclass(slots=True)
 class _SeqState:
     tokens: np.ndarray  # the sequence's token ids so far (a growing buffer)
     length: int = 0  # how much of ``tokens`` is filled
-    acceptance: float = 1.0  # recent accepted drafts over proposed ones (starts optimistic)
+    acceptance: float = 1.0  # per-token chance that a draft is kept (the node's rate to start)
 
 
 @dataclasses.dataclass(slots=True)
@@ -82,35 +113,69 @@ class Speculator:
     def __init__(self, num_speculative_tokens: int) -> None:
         self.k = num_speculative_tokens
         self.stats = SpecStats()
+        self.row_cost = RowCost()
+        self.acceptance = 1.0  # the node's per-token acceptance, where new sequences start
         self._states: dict[int, _SeqState] = {}
 
-    def draft_length(self, seq: Sequence) -> int:
-        """How many drafts ``seq`` may get now: its acceptance rate, its output limit (the last
-        token is always drawn, never drafted) and the context limit."""
+    def acceptance_of(self, seq: Sequence) -> float:
         state = self._states.get(seq.seq_id)
-        a = 1.0 if state is None else state.acceptance
+        return self.acceptance if state is None else state.acceptance
+
+    def draft_length(self, seq: Sequence, threshold: float = MIN_DRAFT_PROB) -> int:
+        """How many drafts ``seq`` may get while each is kept with probability at least
+        ``threshold``, within its output limit (the last token is always drawn, never drafted)."""
+        a = self.acceptance_of(seq)
         k, prob = 0, 1.0
-        while k < self.k and prob * a >= MIN_DRAFT_PROB:
+        while k < self.k and prob * a >= max(threshold, MIN_DRAFT_PROB):
             prob *= a
             k += 1
         return max(0, min(k, seq.max_tokens - seq.num_output_tokens - 1))
 
+    def budget(self, num_decodes: int, drafts: list[tuple[Sequence, list[int]]]) -> dict[int, int]:
+        """How many of its ``drafts`` each sequence keeps for this step, of ``num_decodes``: the
+        drafts in order of their probability, each taken while it exceeds c * Y / T (the module's
+        docstring), Y and T growing with each taken."""
+        fitted = self.row_cost.fit()
+        fixed, per_row = (PRIOR_ROWS_PER_STEP, 1.0) if fitted is None else fitted
+        tokens, seconds = float(num_decodes), fixed + per_row * num_decodes
+        candidates = []  # (probability, seq_id)
+        for seq, tokens_drafted in drafts:
+            a, prob = self.acceptance_of(seq), 1.0
+            for _ in tokens_drafted:
+                prob *= a
+                candidates.append((prob, seq.seq_id))
+        candidates.sort(key=lambda c: c[0], reverse=True)
+        counts: dict[int, int] = {}
+        for prob, seq_id in candidates:
+            if prob * seconds <= per_row * tokens:
+                break
+            counts[seq_id] = counts.get(seq_id, 0) + 1
+            tokens += prob
+            seconds += per_row
+        return counts
+
     def propose(self, running: list[Sequence], max_len: int) -> None:
         """Set ``draft_token_ids`` on the running decodes that may speculate; clear the rest."""
-        decodes = [s for s in running if s.num_uncomputed_tokens == 1]
-        spare = MAX_BATCH_ROWS - len(decodes)  # under load: no drafts at all
+        num_decodes, drafts = 0, []
         for seq in running:
             seq.draft_token_ids = []
-        for seq in decodes:
-            if spare <= 0:
-                break
-            if seq.params.has_logits_rules or seq.hold_kv:  # a grammar's state moves a token at a time
+            if seq.num_uncomputed_tokens != 1:
                 continue
-            k = min(self.draft_length(seq), spare, max_len - seq.num_tokens)
-            if k <= 0:
+            num_decodes += 1
+            # a grammar's state moves a token at a time; a prefill-only request ends at one token
+            if seq.params.has_logits_rules or seq.hold_kv:
                 continue
-            seq.draft_token_ids = ngram_lookup(self._tokens(seq), k)
-            spare -= len(seq.draft_token_ids)
+            k = min(self.draft_length(seq), max_len - seq.num_tokens)
+            found = ngram_lookup(self._tokens(seq), k) if k > 0 else []
+            if found:
+                drafts.append((seq, found))
+        counts = self.budget(num_decodes, drafts)
+        for seq, found in drafts:
+            seq.draft_token_ids = found[: counts.get(seq.seq_id, 0)]
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode-only step of ``rows`` rows (drafts included) took ``seconds``."""
+        self.row_cost.observe(rows, seconds)
 
     def verify(
         self,
@@ -126,6 +191,8 @@ class Speculator:
         blocks past it go back to the pool."""
         checks = []  # (sequence, its drafts, its first row, its length before this step's tokens)
         for seq, first in drafted:
+            if seq.is_finished:  # at its row 0 (a stop token): its drafts were never tried
+                continue
             checks.append((seq, seq.draft_token_ids, first, seq.num_tokens - 1))
             seq.draft_token_ids = []
         live, j = checks, 0
@@ -153,9 +220,14 @@ class Speculator:
         self.stats.proposed_tokens += proposed
         self.stats.accepted_tokens += accepted
         self.stats.drafted_steps += 1
+        # per-token acceptance: each kept draft a success, the first rejected one (if any) a
+        # failure; the drafts after it were never tried
+        assert 0 <= accepted <= proposed and proposed > 0, (accepted, proposed)
+        rate = accepted / (accepted + (accepted < proposed))
+        self.acceptance += EMA_WEIGHT * (rate - self.acceptance)
         state = self._states.get(seq.seq_id)
         if state is not None:
-            state.acceptance += EMA_WEIGHT * (accepted / proposed - state.acceptance)
+            state.acceptance += EMA_WEIGHT * (rate - state.acceptance)
 
     def forget(self, seq: Sequence) -> None:
         self._states.pop(seq.seq_id, None)
@@ -166,7 +238,8 @@ class Speculator:
         n = seq.num_tokens
         if state is None or state.length > n:  # new, or shorter (recomputed after a resume)
             capacity = max(64, 2 * n)
-            state = _SeqState(np.empty(capacity, np.int64), 0, 1.0 if state is None else state.acceptance)
+            acceptance = self.acceptance if state is None else state.acceptance
+            state = _SeqState(np.empty(capacity, np.int64), 0, acceptance)
             self._states[seq.seq_id] = state
         if n > len(state.tokens):
             grown = np.empty(2 * n, np.int64)

@@ -14,7 +14,7 @@ from engine import LLM, SamplingParams
 from engine.block_manager import BlockManager
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from engine.speculation import MAX_BATCH_ROWS, Speculator, ngram_lookup
+from engine.speculation import MIN_FIT_STEPS, RowCost, Speculator, ngram_lookup
 from tests.engine_helpers import hf_greedy
 from tests.tiny_models import make_tiny_model
 
@@ -161,23 +161,62 @@ def _seq(tokens: list[int], computed: int, max_tokens: int = 100) -> Sequence:
     return seq
 
 
-def test_drafts_adapt_to_acceptance_and_stop_under_load():
+def test_drafts_follow_acceptance_and_the_output_limit():
     spec = Speculator(4)
     seq = _seq([1, 2, 3, 1, 2, 3, 1, 2], 7)
     spec.propose([seq], max_len=512)
     assert seq.draft_token_ids == [3, 1, 2]  # all that follows the last "1 2" before the end
-    for _ in range(6):
+    for _ in range(8):
         spec.verified(seq, 4, 0)
     assert spec.draft_length(seq) == 0  # nothing is accepted: it stops drafting
     spec.propose([seq], max_len=512)
     assert seq.draft_token_ids == []
+    assert spec.acceptance < 0.1  # and new sequences start from the node's rate
+    fresh = Speculator(4)
     near_limit = _seq([4, 4, 4, 4], 3, max_tokens=2)
     near_limit.token_ids.append(4)  # one output token of two: the last is drawn, not drafted
-    spec.propose([near_limit], max_len=512)
+    fresh.propose([near_limit], max_len=512)
     assert near_limit.draft_token_ids == []
-    crowd = [_seq([4, 4, 4, 4], 3) for _ in range(MAX_BATCH_ROWS)]
+
+
+def _observe(cost, fixed: float, per_row: float) -> None:
+    for i in range(4 * MIN_FIT_STEPS):
+        rows = 1 + (7 * i) % 40
+        cost.observe(rows, fixed + per_row * rows)
+
+
+def test_row_cost_fit_recovers_the_fixed_and_per_row_parts():
+    cost = RowCost()
+    assert cost.fit() is None  # no steps yet: the prior
+    for _ in range(2 * MIN_FIT_STEPS):
+        cost.observe(8, 0.05)
+    assert cost.fit() is None  # rows that never vary cannot separate the two parts
+    cost = RowCost()
+    _observe(cost, 0.020, 0.002)
+    fixed, per_row = cost.fit()
+    assert fixed == pytest.approx(0.020, rel=0.05) and per_row == pytest.approx(0.002, rel=0.05)
+
+
+def test_speculation_turns_itself_off_where_rows_no_longer_pay():
+    """Steps of 20 ms + 2 ms a row: a draft kept 80% of the time pays while 0.8 > c * Y / T,
+    that is below 40 decodes (the first drafts) and not at 48."""
+    spec = Speculator(4)
+    _observe(spec.row_cost, 0.020, 0.002)
+    for _ in range(20):  # 4 of 5 drafts kept at each verification: per-token acceptance 0.8
+        spec.verified(_seq([1], 1), 5, 4)
+    assert spec.acceptance == pytest.approx(0.8, abs=0.01)
+    small = [_seq([4, 4, 4, 4], 3) for _ in range(4)]
+    spec.propose(small, max_len=512)
+    assert all(s.draft_token_ids for s in small)
+    crowd = [_seq([4, 4, 4, 4], 3) for _ in range(48)]
     spec.propose(crowd, max_len=512)
-    assert not any(s.draft_token_ids for s in crowd)  # a batch of MAX_BATCH_ROWS decodes: no drafts
+    assert not any(s.draft_token_ids for s in crowd)
+    # where the rows cost nothing, every draft the lookup finds pays (to the draft length)
+    cheap = Speculator(4)
+    _observe(cheap.row_cost, 0.020, 0.0)
+    crowd = [_seq([1, 2, 3, 1, 2], 4) for _ in range(48)]
+    cheap.propose(crowd, max_len=512)
+    assert all(s.draft_token_ids == [3, 1, 2] for s in crowd)
 
 
 def test_scheduler_counts_drafts_in_the_budget_and_trims_them():
