@@ -10,6 +10,8 @@
     .venv/bin/python bench/serve_studies.py vllm --vllm-python /work/vllm-venv/bin/python   # 1P+1D vs vLLM, 2 cores
     .venv/bin/python bench/serve_studies.py load --vllm-python /work/vllm-venv/bin/python --rounds 3
         # the same servers (and 1P+1D without local prefill) at 2, 4 and 8 req/s, 48 requests a rate
+    .venv/bin/python bench/serve_studies.py speculative --vllm-python /work/vllm-venv/bin/python
+        # 1P+1D without and with --speculative ngram, and vLLM, on the rep trace (edit/quote prompts)
 
 Every point starts a fresh cluster (default model, cores split evenly between its nodes), runs the
 workload at each rate (run k uses seed + k, fresh prompts), and stops the cluster. Where a profile
@@ -75,6 +77,25 @@ SHARED_PREFIX = {
     "input_len": 32,
     "output_len": 16,
 }
+
+
+# bench/text_workloads.py's rep prompts (chat-templated ids), written once by rep_trace()
+REP_TRACE_PATH = pathlib.Path("/tmp/pdserve-rep-trace-24.jsonl")
+REP_TRACE = {"kind": "file", "workload_file": str(REP_TRACE_PATH)}
+
+
+def rep_trace() -> None:
+    """The rep workload as a trace for `pdserve bench serve --workload file` (no arrival times)."""
+    if REP_TRACE_PATH.is_file():
+        return
+    from transformers import AutoTokenizer
+
+    from bench.text_workloads import workload
+    from engine.model_fetch import fetch_default_model
+
+    reqs = workload("rep", 24, AutoTokenizer.from_pretrained(fetch_default_model(progress=False)))
+    lines = [json.dumps({"prompt": ids, "output_len": out}) for ids, out in reqs]
+    REP_TRACE_PATH.write_text("\n".join(lines) + "\n")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -152,6 +173,17 @@ def studies() -> dict[str, list[Point]]:
             ),
             Point("pdserve 1P+1D, idle KV commit (default) mix", pd, MIX_48, LOAD_RATES),
             Point("vLLM server (2 cores) mix", colocated, MIX_48, LOAD_RATES, vllm=True),
+        ],
+        "speculative": [
+            Point("pdserve 1P+1D rep", pd, REP_TRACE, (0.5,)),
+            Point(
+                "pdserve 1P+1D, --speculative ngram, rep",
+                pd,
+                REP_TRACE,
+                (0.5,),
+                node_args="--speculative ngram",
+            ),
+            Point("vLLM server (2 cores) rep", colocated, REP_TRACE, (0.5,), vllm=True),
         ],
         "vllm": [
             Point("pdserve 1P+1D mix", pd, MIX, (0.5, 1.0, 2.0, 4.0)),
@@ -309,6 +341,8 @@ def main() -> None:
         "--only", nargs="+", default=None, metavar="LABEL", help="run only the points of these labels"
     )
     args = parser.parse_args()
+    if args.study == "speculative":
+        rep_trace()
     slo = Slo(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
     profiles = {t: Profile.load(p) for t, p in ((1, args.profile_1t), (2, args.profile_2t)) if p is not None}
     out_dir = args.out_dir / args.study

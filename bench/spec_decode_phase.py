@@ -1,0 +1,72 @@
+"""Speculative decoding's effect on the decode phase alone: the engine's steps after the last
+prompt chunk, without and with ``--speculative ngram``, on the same prompts, one after the other.
+
+    .venv/bin/python bench/spec_decode_phase.py --threads 1 --num-prompts 8 --workload rep
+
+Prints each engine's decode-phase seconds and steps, and for the speculative one its row-cost
+fit (W seconds, c seconds a row), its per-token acceptance and its draft counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import engine.llm  # noqa: E402,F401 - before torch: the engine's OpenMP default applies
+
+# isort: split
+from bench import text_workloads  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.model_fetch import fetch_default_model  # noqa: E402
+
+
+def decode_phase(model: str, reqs, threads: int, **engine_args) -> dict:
+    llm = LLM(model, max_num_seqs=64, num_threads=threads, **engine_args)
+    llm.generate([[11, 12, 13]], SamplingParams(temperature=0.0, max_tokens=4))
+    eng = llm.engine
+    for i, (prompt, n) in enumerate(reqs):
+        eng.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    sched = eng.scheduler
+    while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
+        eng.step()
+    start, steps = time.perf_counter(), 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+    result = {"seconds": round(time.perf_counter() - start, 2), "steps": steps}
+    if eng.speculator is not None:
+        fit = eng.speculator.row_cost.fit()
+        result |= {
+            "fit_w_s_c_s": fit and [round(x, 4) for x in fit],
+            "acceptance": round(eng.speculator.acceptance, 2),
+            **eng.speculator.stats.to_dict(),
+        }
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--workload", choices=text_workloads.WORKLOADS, default="rep")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    model = str(fetch_default_model(progress=False))
+    reqs = text_workloads.workload(args.workload, args.num_prompts, AutoTokenizer.from_pretrained(model))
+    plain = decode_phase(model, reqs, args.threads)
+    print("without speculation:", plain, flush=True)
+    spec = decode_phase(
+        model, reqs, args.threads, speculative="ngram", num_speculative_tokens=args.num_speculative_tokens
+    )
+    print("with --speculative ngram:", spec, flush=True)
+    print(f"decode phase: {plain['seconds'] / spec['seconds']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
