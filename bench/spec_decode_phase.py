@@ -24,12 +24,14 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.model_fetch import fetch_default_model  # noqa: E402
 
 
-def decode_phase(model: str, reqs, threads: int, **engine_args) -> dict:
+def decode_phase(model: str, reqs, threads: int, logprobs: int | None = None, **engine_args) -> dict:
     llm = LLM(model, max_num_seqs=64, num_threads=threads, **engine_args)
     llm.generate([[11, 12, 13]], SamplingParams(temperature=0.0, max_tokens=4))
     eng = llm.engine
     for i, (prompt, n) in enumerate(reqs):
-        eng.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        eng.add_request(
+            str(i), prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs)
+        )
     sched = eng.scheduler
     while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
         eng.step()
@@ -54,15 +56,23 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--workload", choices=text_workloads.WORKLOADS, default="rep")
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument(
+        "--logprobs", type=int, default=None, help="each request asks for this many (as bench serve does)"
+    )
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
     model = str(fetch_default_model(progress=False))
     reqs = text_workloads.workload(args.workload, args.num_prompts, AutoTokenizer.from_pretrained(model))
-    plain = decode_phase(model, reqs, args.threads)
+    plain = decode_phase(model, reqs, args.threads, args.logprobs)
     print("without speculation:", plain, flush=True)
     spec = decode_phase(
-        model, reqs, args.threads, speculative="ngram", num_speculative_tokens=args.num_speculative_tokens
+        model,
+        reqs,
+        args.threads,
+        args.logprobs,
+        speculative="ngram",
+        num_speculative_tokens=args.num_speculative_tokens,
     )
     print("with --speculative ngram:", spec, flush=True)
     print(f"decode phase: {plain['seconds'] / spec['seconds']:.2f}x")

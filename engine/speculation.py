@@ -154,11 +154,17 @@ class Speculator:
             seconds += per_row
         return counts
 
-    def propose(self, running: list[Sequence], max_len: int) -> None:
-        """Set ``draft_token_ids`` on the running decodes that may speculate; clear the rest."""
-        num_decodes, drafts = 0, []
+    def propose(self, running: list[Sequence], max_len: int, prompts_waiting: bool = False) -> None:
+        """Set ``draft_token_ids`` on the running decodes that may speculate; clear the rest.
+        None while prompt tokens wait (``prompts_waiting``, or a running prompt's next chunk):
+        drafts would take the step's token budget from them and lengthen their TTFT, and the
+        cost model, fitted to decode steps, does not price a mixed step."""
         for seq in running:
             seq.draft_token_ids = []
+        if prompts_waiting or any(s.num_uncomputed_tokens > 1 for s in running):
+            return
+        num_decodes, drafts = 0, []
+        for seq in running:
             if seq.num_uncomputed_tokens != 1:
                 continue
             num_decodes += 1

@@ -211,6 +211,12 @@ def test_speculation_turns_itself_off_where_rows_no_longer_pay():
     crowd = [_seq([4, 4, 4, 4], 3) for _ in range(48)]
     spec.propose(crowd, max_len=512)
     assert not any(s.draft_token_ids for s in crowd)
+    # none while prompt tokens wait, queued or as a running prompt's next chunk
+    spec.propose(small, max_len=512, prompts_waiting=True)
+    assert not any(s.draft_token_ids for s in small)
+    chunked = _seq([4] * 8, 4)  # half its prompt computed
+    spec.propose([*small, chunked], max_len=512)
+    assert not any(s.draft_token_ids for s in small)
     # where the rows cost nothing, every draft the lookup finds pays (to the draft length)
     cheap = Speculator(4)
     _observe(cheap.row_cost, 0.020, 0.0)
