@@ -331,9 +331,7 @@ class LLMEngine:
             self.check_integrity()
         start = time.perf_counter()
         if self.speculator is not None:
-            queue = self.scheduler
-            waiting = any(s.status is SequenceStatus.WAITING for s in queue.waiting)
-            self.speculator.propose(queue.running, self.max_model_len, prompts_waiting=waiting)
+            self.speculator.propose(self.scheduler.running, self.scheduler.waiting, self.max_model_len)
         sched = self.scheduler.schedule(self.step_budget.tokens())
         if sched.granted:
             self._granted(sched.granted)

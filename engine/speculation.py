@@ -28,13 +28,13 @@ is a^k for the k-th draft at the sequence's measured per-token acceptance a.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
 
 from engine.block_manager import BlockManager
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 
 SPECULATIVE_METHODS = ("ngram",)
 MAX_NGRAM = 3  # longest suffix looked up
@@ -154,14 +154,16 @@ class Speculator:
             seconds += per_row
         return counts
 
-    def propose(self, running: list[Sequence], max_len: int, prompts_waiting: bool = False) -> None:
+    def propose(self, running: list[Sequence], waiting: Iterable[Sequence], max_len: int) -> None:
         """Set ``draft_token_ids`` on the running decodes that may speculate; clear the rest.
-        None while prompt tokens wait (``prompts_waiting``, or a running prompt's next chunk):
+        None while prompt tokens wait (a queued local prompt, or a running prompt's next chunk):
         drafts would take the step's token budget from them and lengthen their TTFT, and the
         cost model, fitted to decode steps, does not price a mixed step."""
         for seq in running:
             seq.draft_token_ids = []
-        if prompts_waiting or any(s.num_uncomputed_tokens > 1 for s in running):
+        if any(s.num_uncomputed_tokens > 1 for s in running) or any(
+            s.status is SequenceStatus.WAITING for s in waiting
+        ):
             return
         num_decodes, drafts = 0, []
         for seq in running:

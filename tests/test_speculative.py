@@ -164,18 +164,18 @@ def _seq(tokens: list[int], computed: int, max_tokens: int = 100) -> Sequence:
 def test_drafts_follow_acceptance_and_the_output_limit():
     spec = Speculator(4)
     seq = _seq([1, 2, 3, 1, 2, 3, 1, 2], 7)
-    spec.propose([seq], max_len=512)
+    spec.propose([seq], waiting=[], max_len=512)
     assert seq.draft_token_ids == [3, 1, 2]  # all that follows the last "1 2" before the end
     for _ in range(8):
         spec.verified(seq, 4, 0)
     assert spec.draft_length(seq) == 0  # nothing is accepted: it stops drafting
-    spec.propose([seq], max_len=512)
+    spec.propose([seq], waiting=[], max_len=512)
     assert seq.draft_token_ids == []
     assert spec.acceptance < 0.1  # and new sequences start from the node's rate
     fresh = Speculator(4)
     near_limit = _seq([4, 4, 4, 4], 3, max_tokens=2)
     near_limit.token_ids.append(4)  # one output token of two: the last is drawn, not drafted
-    fresh.propose([near_limit], max_len=512)
+    fresh.propose([near_limit], waiting=[], max_len=512)
     assert near_limit.draft_token_ids == []
 
 
@@ -206,22 +206,22 @@ def test_speculation_turns_itself_off_where_rows_no_longer_pay():
         spec.verified(_seq([1], 1), 5, 4)
     assert spec.acceptance == pytest.approx(0.8, abs=0.01)
     small = [_seq([4, 4, 4, 4], 3) for _ in range(4)]
-    spec.propose(small, max_len=512)
+    spec.propose(small, waiting=[], max_len=512)
     assert all(s.draft_token_ids for s in small)
     crowd = [_seq([4, 4, 4, 4], 3) for _ in range(48)]
-    spec.propose(crowd, max_len=512)
+    spec.propose(crowd, waiting=[], max_len=512)
     assert not any(s.draft_token_ids for s in crowd)
     # none while prompt tokens wait, queued or as a running prompt's next chunk
-    spec.propose(small, max_len=512, prompts_waiting=True)
+    spec.propose(small, waiting=[_seq([4] * 8, 0)], max_len=512)  # a queued prompt
     assert not any(s.draft_token_ids for s in small)
     chunked = _seq([4] * 8, 4)  # half its prompt computed
-    spec.propose([*small, chunked], max_len=512)
+    spec.propose([*small, chunked], waiting=[], max_len=512)
     assert not any(s.draft_token_ids for s in small)
     # where the rows cost nothing, every draft the lookup finds pays (to the draft length)
     cheap = Speculator(4)
     _observe(cheap.row_cost, 0.020, 0.0)
     crowd = [_seq([1, 2, 3, 1, 2], 4) for _ in range(48)]
-    cheap.propose(crowd, max_len=512)
+    cheap.propose(crowd, waiting=[], max_len=512)
     assert all(s.draft_token_ids == [3, 1, 2] for s in crowd)
 
 
