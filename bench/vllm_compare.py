@@ -7,6 +7,7 @@ both see the same machine state as nearly as a shared machine allows.
     python bench/vllm_compare.py --vllm-python /path/to/vllm-venv/bin/python --workload fixed
     python bench/vllm_compare.py --vllm-python /work/vllm-venv/bin/python --model default --workload mix32 --num-prompts 48
     python bench/vllm_compare.py --vllm-python /work/vllm-venv/bin/python --model default --workload rep --speculative ngram
+    python bench/vllm_compare.py ... --kv-cache-dtype int8     # pdserve with the int8 KV cache
 
 ``--speculative ngram`` runs pdserve twice, without speculation and with it (vLLM's CPU build
 refuses speculative decoding, so it runs without). The text workloads (``edit``, ``quote``,
@@ -18,6 +19,7 @@ pdserve runs with its defaults except ``max_num_seqs`` and the thread count, whi
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import subprocess
@@ -98,7 +100,7 @@ def run_vllm(
     return [result["tokens"] / s for s in result["seconds"]]
 
 
-def run_pdserve(
+def _run_pdserve(
     model: pathlib.Path, reqs, max_num_seqs: int, threads: int, dtype: str, passes: int, **engine_args
 ) -> tuple[list[float], dict | None]:
     """Output tokens/s of each pass, and the speculation counts (None without speculation)."""
@@ -126,6 +128,7 @@ def main() -> None:
     ap.add_argument("--speculative", choices=["ngram"], help="pdserve also runs with this proposer")
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both engines")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto", help="pdserve's KV cache")
     ap.add_argument(
         "--passes",
         type=int,
@@ -150,6 +153,10 @@ def main() -> None:
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         reqs = workload(args.workload, args.num_prompts, vocab)
     run = (model, reqs, args.max_num_seqs, args.threads, args.dtype, args.passes)
+    if args.kv_cache_dtype != "auto":
+        run_pdserve = functools.partial(_run_pdserve, kv_cache_dtype=args.kv_cache_dtype)
+    else:
+        run_pdserve = _run_pdserve
     ours, _ = run_pdserve(*run)
     print(f"[{args.workload}] pdserve: {', '.join(f'{r:.1f}' for r in ours)} tok/s", flush=True)
     spec_rates, spec = None, None
@@ -179,6 +186,7 @@ def main() -> None:
                 "model": args.model,
                 "workload": args.workload,
                 "dtype": args.dtype,
+                "kv_cache_dtype": args.kv_cache_dtype,
                 "pdserve_tok_s": [round(r, 1) for r in ours],
                 "vllm_tok_s": [round(r, 1) for r in theirs],
                 "ratio": [round(r, 2) for r in ratios],

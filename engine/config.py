@@ -19,6 +19,7 @@ SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 KV_COMMIT_CHOICES = ("lazy", "idle", "startup")
 DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)  # auto: bfloat16 on CUDA, float32 on the CPU
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
+KV_CACHE_DTYPE_CHOICES = ("auto", "int8")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -109,6 +110,13 @@ class EngineConfig:
     )
     device: str = setting("auto", "auto, cpu, cuda or cuda:N (default: auto)")  # engine.device
     block_size: int = setting(16, "tokens per KV block")
+    kv_cache_dtype: str = setting(  # kernels/kv_int8.py
+        "auto",
+        "auto: the KV cache in --dtype; int8: each (token, head) row as int8 with its own fp32 "
+        "scale, about a quarter of fp32's memory and DRAM traffic (CPU only; small accuracy cost, "
+        "bench/README.md)",
+        choices=KV_CACHE_DTYPE_CHOICES,
+    )
     kv_cache_memory_mb: int | None = setting(
         None, "KV pool budget in MiB (default: a share of available memory, --kv-cache-memory-fraction)"
     )
@@ -179,6 +187,11 @@ class EngineConfig:
         4, "with --speculative: most draft tokens per sequence and step (fewer as acceptance falls)"
     )
 
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's dtype (protocol/kv_layout.py): --dtype, or int8."""
+        return "int8" if self.kv_cache_dtype == "int8" else self.dtype
+
     def __post_init__(self) -> None:
         check_device_name(self.device)
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -189,6 +202,12 @@ class EngineConfig:
             raise ValueError(f"kv_commit must be one of {KV_COMMIT_CHOICES}, got {self.kv_commit!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_dtype == "int8" and self.attention_backend == "triton":
+            raise ValueError("kv_cache_dtype int8 has CPU kernels only: not with attention_backend triton")
         for name in (
             "block_size",
             "max_num_batched_tokens",

@@ -50,6 +50,8 @@ class LLMEngine:
         self.platform = platform = resolve_platform(config.device)
         self.device = platform.device
         self.config = config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, self.device))
+        if config.kv_cache_dtype == "int8" and self.device.type != "cpu":
+            raise ValueError(f"kv_cache_dtype int8 has CPU kernels only, not on {self.device}")
         self.model_config = ModelConfig.from_path(config.model)
         model_class(self.model_config)  # unsupported architectures fail before any allocation
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -118,7 +120,7 @@ class LLMEngine:
     def _kv_spec(self) -> KVCacheSpec:
         m, c = self.model_config, self.config
         return KVCacheSpec(
-            m.num_layers, self.sizing.num_kv_blocks, c.block_size, m.num_kv_heads, m.head_dim, c.dtype
+            m.num_layers, self.sizing.num_kv_blocks, c.block_size, m.num_kv_heads, m.head_dim, c.kv_dtype
         )
 
     # ------------------------------------------------------------------ requests

@@ -19,11 +19,12 @@ from engine.platform import Platform
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.weights import load_weights
-from kernels import cpu_linear
+from kernels import cpu_linear, kv_int8
 from protocol.kv_layout import KVCacheSpec
 
 KVCacheFactory = Callable[[KVCacheSpec], list[tuple[torch.Tensor, torch.Tensor]]]
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_TORCH_DTYPES = {**TORCH_DTYPES, "int8": torch.int8}  # protocol/kv_layout.py's cache dtypes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -57,6 +58,8 @@ class ModelRunner:
         self.block_size = engine_config.block_size
         device = platform.device
         self.dtype = TORCH_DTYPES[resolve_dtype(engine_config.dtype, device)]
+        # the KV cache's: the model's, or int8 rows with their scales (kernels/kv_int8.py)
+        self.kv_dtype = torch.int8 if engine_config.kv_cache_dtype == "int8" else self.dtype
         self.attention_backend = resolve_attention_backend(engine_config.attention_backend, device)
         max_positions = engine_config.max_model_len or model_config.max_position_embeddings
         with torch.device(device):  # parameters and rotary tables are made where they compute
@@ -84,16 +87,16 @@ class ModelRunner:
     def allocate_kv(self, kv_spec: KVCacheSpec, kv_cache_factory: KVCacheFactory | None = None) -> None:
         """The KV pool. In host memory ``kv_cache_factory`` may place it (shared memory for the
         one-copy transfer); on a device it is one allocation, viewed per layer and K/V."""
-        assert TORCH_DTYPES[kv_spec.dtype] == self.dtype
+        assert KV_TORCH_DTYPES[kv_spec.dtype] == self.kv_dtype, (kv_spec.dtype, self.kv_dtype)
         self.kv_spec = s = kv_spec
         self.block_size = s.block_size
         if self.platform.device.type != "cpu":
-            shape = (s.num_layers, 2, s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
-            pool = torch.zeros(shape, dtype=self.dtype, device=self.platform.device)
+            shape = (s.num_layers, 2, s.num_blocks, *s.block_shape)
+            pool = torch.zeros(shape, dtype=self.kv_dtype, device=self.platform.device)
             self.kv_caches = [(pool[i, 0], pool[i, 1]) for i in range(s.num_layers)]
         elif kv_cache_factory is not None:
             self.kv_caches = kv_cache_factory(kv_spec)
-            assert len(self.kv_caches) == s.num_layers and self.kv_caches[0][0].dtype == self.dtype
+            assert len(self.kv_caches) == s.num_layers and self.kv_caches[0][0].dtype == self.kv_dtype
         else:
             self.kv_caches = [(self._empty_cache(), self._empty_cache()) for _ in range(s.num_layers)]
 
@@ -105,11 +108,11 @@ class ModelRunner:
         # numpy's zeros come from calloc: for a large pool the OS maps zero pages and commits each
         # page when a block is first written, so a pool sized from free memory costs only what is
         # used (torch.zeros would write every byte at start-up). bf16 rides as int16 bits.
-        s = self.kv_spec
-        shape = (s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
-        if self.dtype == torch.bfloat16:
+        shape = (self.kv_spec.num_blocks, *self.kv_spec.block_shape)
+        if self.kv_dtype == torch.bfloat16:
             return torch.from_numpy(np.zeros(shape, np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(np.zeros(shape, np.float16 if self.dtype == torch.float16 else np.float32))
+        numpy_dtype = {torch.int8: np.int8, torch.float16: np.float16}.get(self.kv_dtype, np.float32)
+        return torch.from_numpy(np.zeros(shape, numpy_dtype))
 
     @torch.inference_mode()
     def profile(self, num_tokens: int, num_seqs: int, max_model_len: int) -> None:
@@ -119,10 +122,11 @@ class ModelRunner:
         width of ``max_model_len`` (the split-K partials of the decode kernel grow with it), and
         the logits and sampler work of ``num_seqs`` rows. Every slot points into block 0."""
         m, bs, dev = self.model_config, self.block_size, self.platform.device
+        row = m.head_dim + (kv_int8.SCALE_BYTES if self.kv_dtype == torch.int8 else 0)
         cache = [
             (
-                torch.zeros((1, bs, m.num_kv_heads, m.head_dim), dtype=self.dtype, device=dev),
-                torch.zeros((1, bs, m.num_kv_heads, m.head_dim), dtype=self.dtype, device=dev),
+                torch.zeros((1, bs, m.num_kv_heads, row), dtype=self.kv_dtype, device=dev),
+                torch.zeros((1, bs, m.num_kv_heads, row), dtype=self.kv_dtype, device=dev),
             )
             for _ in range(m.num_layers)
         ]

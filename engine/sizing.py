@@ -42,7 +42,7 @@ class EngineSizing:
         return (
             f"engine: {self.num_threads} torch threads ({self.threads_source}); KV pool "
             f"{self.kv_pool_bytes / (1 << 20):.0f} MiB = {self.num_kv_blocks} blocks x {config.block_size} "
-            f"tokens ({self.kv_source}); max_num_seqs {config.max_num_seqs}; max_num_batched_tokens "
+            f"tokens ({self.kv_source}{', int8 rows' if config.kv_cache_dtype == 'int8' else ''}); max_num_seqs {config.max_num_seqs}; max_num_batched_tokens "
             f"{config.max_num_batched_tokens}{extra}"
         )
 
@@ -62,7 +62,7 @@ def size_engine(
         if config.max_threads is not None and config.max_threads < threads:
             threads, threads_source = config.max_threads, f"max_threads, of {threads} usable CPUs"
     probe = KVCacheSpec(
-        model.num_layers, 1, config.block_size, model.num_kv_heads, model.head_dim, config.dtype
+        model.num_layers, 1, config.block_size, model.num_kv_heads, model.head_dim, config.kv_dtype
     )
     block_bytes = probe.bytes_per_block
     if config.num_kv_blocks is not None:

@@ -17,12 +17,13 @@ from kernels import cpu_ext, torch_fast
 from kernels.checks import check_cache_pair, check_index_tensor
 
 
-def _use_triton(tensor: torch.Tensor, backend: str | None) -> bool:
+def _use_triton(tensor: torch.Tensor, backend: str | None, cache: torch.Tensor | None = None) -> bool:
     if backend not in (None, "triton", "torch"):
         raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
-    if backend is None:
-        return tensor.is_cuda
-    return backend == "triton"
+    triton = tensor.is_cuda if backend is None else backend == "triton"
+    if triton and cache is not None and cache.dtype == torch.int8:
+        raise NotImplementedError("the int8 KV cache has CPU kernels only (no Triton path yet)")
+    return triton
 
 
 def native_cpu(tensor: torch.Tensor, backend: str | None = None) -> bool:
@@ -94,10 +95,12 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend=Non
     """Scatter new tokens' K/V ([num_tokens, num_kv_heads, head_dim]) into their cache slots."""
     if _on_meta(key):
         return _fake_kv_write(key, value, key_cache, value_cache, slot_mapping)
-    if _use_triton(key, backend):
+    if _use_triton(key, backend, key_cache):
         from kernels.kv_write import write_kv_cache_triton
 
         return write_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping)
+    if key_cache.dtype == torch.int8 and native_cpu(key, backend):  # one pass, not ten torch ops
+        return cpu_ext.write_kv_int8_(key, value, key_cache, value_cache, slot_mapping)
     return torch_fast.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
@@ -125,7 +128,7 @@ def paged_prefill_attention(
             query_start_loc=query_start_loc,
             context_lens=context_lens,
         )
-    if _use_triton(query, backend):
+    if _use_triton(query, backend, key_cache):
         from kernels.paged_prefill import paged_prefill_attention_triton
 
         return paged_prefill_attention_triton(
@@ -180,7 +183,7 @@ def paged_decode_attention(
         return _fake_attention(
             query, key_cache, value_cache, block_tables=block_tables, context_lens=context_lens
         )
-    if _use_triton(query, backend):
+    if _use_triton(query, backend, key_cache):
         from kernels.paged_decode import paged_decode_attention_triton
 
         return paged_decode_attention_triton(

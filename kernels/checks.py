@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from kernels.kv_int8 import SCALE_BYTES
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+CACHE_DTYPES = (*FLOAT_DTYPES, torch.int8)  # int8: rows with their scales (kernels/kv_int8.py)
 
 
 def next_power_of_2(n: int) -> int:
@@ -18,7 +21,7 @@ def check_cache(cache: torch.Tensor, name: str = "cache") -> tuple[int, int, int
         f"{name} must be [num_blocks, block_size, num_kv_heads, head_dim], got {cache.shape}"
     )
     assert cache.is_contiguous(), f"{name} must be contiguous (protocol/kv_layout.py)"
-    assert cache.dtype in FLOAT_DTYPES, f"{name} dtype {cache.dtype} not in {FLOAT_DTYPES}"
+    assert cache.dtype in CACHE_DTYPES, f"{name} dtype {cache.dtype} not in {CACHE_DTYPES}"
     return tuple(cache.shape)
 
 
@@ -29,7 +32,8 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor, head_di
     assert value_cache.shape == key_cache.shape, (key_cache.shape, value_cache.shape)
     assert value_cache.dtype == key_cache.dtype, (key_cache.dtype, value_cache.dtype)
     assert value_cache.device == key_cache.device, (key_cache.device, value_cache.device)
-    assert shape[3] == head_dim, f"cache head_dim {shape[3]} != query head_dim {head_dim}"
+    width = head_dim + (SCALE_BYTES if key_cache.dtype == torch.int8 else 0)
+    assert shape[3] == width, f"cache rows of {shape[3]} != {width} for query head_dim {head_dim}"
     return shape
 
 

@@ -28,7 +28,13 @@ SOURCES = (  # one library, op namespace pdserve_cpu
     CSRC / "dense_cpu.cpp",
     CSRC / "kv_copy_cpu.cpp",
 )
-HEADERS = (CSRC / "cpu_math.h", CSRC / "paged_attention_common.h", CSRC / "paged_attention_decode.h")
+HEADERS = (
+    CSRC / "cpu_math.h",
+    CSRC / "paged_attention_common.h",
+    CSRC / "paged_attention_decode.h",
+    CSRC / "paged_attention_avx2.h",
+    CSRC / "paged_attention_tiles.h",
+)
 NAME = "pdserve_paged_attention_cpu"
 # Reassociation lets the dot products vectorize. Never -ffast-math / -Ofast: a shared object built
 # with them may turn on flush-to-zero for the whole process when loaded.
@@ -176,6 +182,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """In place on [T, heads, D]: x * cos + rotate_half(x) * sin, rows of cos/sin ([P, D] fp32) by position."""
     torch.ops.pdserve_cpu.rotary_(x, positions, cos, sin)
+
+
+def write_kv_int8_(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """New tokens' K/V [T, KVH, D] into their slots of int8 caches (slot -1: nowhere), the same
+    bytes as ``kernels.kv_int8.write_kv_cache``."""
+    torch.ops.pdserve_cpu.write_kv_int8_(key, value, key_cache, value_cache, slot_mapping)
 
 
 def copy_blocks_xxh3(

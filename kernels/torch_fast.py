@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import kv_int8
+
 
 def write_kv_cache(
     key: torch.Tensor,
@@ -19,6 +21,8 @@ def write_kv_cache(
 ) -> None:
     # key, value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens]; slot -1: a
     # padded row (a CUDA graph's batch of fixed size), written nowhere
+    if kv_int8.is_int8(key_cache):
+        return kv_int8.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     slots = slot_mapping.long()
     if slots.numel() and bool(slots.min() < 0):  # a host sync: this reference path is never graphed
@@ -33,7 +37,9 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len:
     block_size = cache.shape[1]
     num_blocks = (context_len + block_size - 1) // block_size
     blocks = cache.index_select(0, block_table[:num_blocks].long())
-    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:context_len]
+    if kv_int8.is_int8(cache):  # int8 rows (nbhd-q8-v1): their values in fp32
+        blocks = kv_int8.dequantize_rows(blocks)
+    return blocks.reshape(-1, blocks.shape[2], blocks.shape[3])[:context_len]
 
 
 def _causal_bias(
@@ -172,8 +178,11 @@ def _decode_padded(query, key_cache, value_cache, block_tables, context_lens, sc
     # [S, max_blocks, bs, KVH, D] -> [S, KVH, T, D]. index_select on the flat table is ~3x faster
     # than advanced indexing here; SDPA takes the transposed (strided) view without a copy.
     flat = block_tables[:, :max_blocks].reshape(-1).long()
-    k = key_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    v = value_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    k, v = key_cache.index_select(0, flat), value_cache.index_select(0, flat)
+    if kv_int8.is_int8(key_cache):  # int8 rows (nbhd-q8-v1): their values in fp32
+        k, v = kv_int8.dequantize_rows(k), kv_int8.dequantize_rows(v)
+    k = k.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = v.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     groups = num_heads // num_kv_heads
     q = query.reshape(num_seqs, num_kv_heads, groups, head_dim)  # [S, KVH, G, D]
     k_pos = torch.arange(k.shape[2], device=k.device).unsqueeze(0)  # [1, T]

@@ -115,7 +115,7 @@ class KVReceiver:
             reservations.num_blocks,
             fingerprint.block_size,
             fingerprint.num_kv_heads,
-            fingerprint.head_dim,
+            fingerprint.row_width,
         )
         assert all(tuple(c.shape) == expected for c in [*key_caches, *value_caches]), (
             "cache shape != fingerprint"

@@ -123,6 +123,8 @@ class KVSender:
         the ring is private): peers read only host memory."""
         self.fingerprint = fingerprint
         self.config = config or SenderConfig()
+        if fingerprint.dtype == "int8" and self.config.wire_format != WireFormat.NATIVE:
+            raise ValueError("an int8 KV cache travels as it is: wire_format must be native")
         self._copies = tensors.DeviceCopies(platform)
         self.cache_ref = cache_ref if self.config.shared_memory and self._copies.on_host else None
         self._channel = PeerChannel(address, context, decoder=decode, auth=auth)
@@ -189,7 +191,7 @@ class KVSender:
         block_table: the sender's blocks of the prompt, in token order.
         """
         fp = self.fingerprint
-        assert key_cache.shape[1:] == (fp.block_size, fp.num_kv_heads, fp.head_dim), (
+        assert key_cache.shape[1:] == (fp.block_size, fp.num_kv_heads, fp.row_width), (
             "cache shape != fingerprint"
         )
         assert len(block_table) == tx.num_held_blocks + tx.num_send_blocks, (

@@ -22,9 +22,15 @@ import xxhash
 
 from kv_transfer import memfd
 from kv_transfer.messages import CacheRef, KVFingerprint
-from protocol.kv_layout import KVCacheSpec
+from protocol.kv_layout import KVCacheSpec, row_width
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# a KV cache's dtype names (protocol/kv_layout.py); int8: rows with their scales (kernels/kv_int8.py)
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+}
 
 
 class SharedKVCache:
@@ -45,7 +51,14 @@ class SharedKVCache:
 def attach(ref: CacheRef, fingerprint: KVFingerprint) -> torch.Tensor:
     """Read-only view [L, 2, num_blocks, bs, kvh, d] of a peer's shared cache; OSError when not allowed."""
     fp = fingerprint
-    shape = (fp.num_layers, 2, ref.num_blocks, fp.block_size, fp.num_kv_heads, fp.head_dim)
+    shape = (
+        fp.num_layers,
+        2,
+        ref.num_blocks,
+        fp.block_size,
+        fp.num_kv_heads,
+        row_width(fp.head_dim, fp.dtype),
+    )
     dtype = TORCH_DTYPES[fp.dtype]
     mapped = memfd.attach(ref.pid, ref.fd, math.prod(shape) * dtype.itemsize)
     with warnings.catch_warnings():

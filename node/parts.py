@@ -16,7 +16,6 @@ from kv_transfer.shared_cache import SharedKVCache
 from node.log import EventLog
 from node.options import NodeOptions
 from node.runtime import NodeRuntime
-from protocol.kv_layout import KV_LAYOUT_NAME
 from protocol.messages import Message
 from protocol.registry import NodeInfo
 
@@ -33,7 +32,7 @@ class NodeParts:
 
     @property
     def fingerprint(self) -> KVFingerprint:
-        return KVFingerprint.from_spec(self.opts.model_id, self.engine.kv_spec, KV_LAYOUT_NAME)
+        return KVFingerprint.from_spec(self.opts.model_id, self.engine.kv_spec, self.engine.kv_spec.layout)
 
 
 class ServedRole(Protocol):

@@ -98,6 +98,8 @@ def render(nodes: Sequence, now: float) -> str:
         free = sum(n.num_blocks_free for n in pool)
         total = sum(n.num_blocks_total for n in pool)
         title = f"{role}: {len(pool)} node(s), {serving} serving, KV blocks {free}/{total} free"
+        int8 = sum(n.fingerprint.dtype == "int8" for n in pool)  # --kv-cache-dtype int8
+        title += f" ({int8} with int8 rows)" if int8 else ""
         rows = [_row(n, now) for n in pool]
         sections.append(title + ("\n" + _table(rows) if rows else ""))
     return "\n\n".join(sections)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from protocol.kv_layout import row_width
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class KVFingerprint:
@@ -31,6 +33,11 @@ class KVFingerprint:
         return cls(
             model_id, spec.dtype, spec.block_size, layout, spec.num_layers, spec.num_kv_heads, spec.head_dim
         )
+
+    @property
+    def row_width(self) -> int:
+        """Elements of one (token, head) cache row: head_dim, and an int8 row's scale bytes."""
+        return row_width(self.head_dim, self.dtype)
 
     def first_difference(self, other: KVFingerprint) -> str | None:
         """Name of the first field that differs, or None when compatible."""

@@ -78,7 +78,16 @@ async def _until_listed(backend: Backend, node_id: str, role: Role, deadline: fl
 
 
 def nodes_body(backend: Backend) -> dict:
-    """``GET /admin/nodes``: each usable node's id, role, addresses and load."""
+    """``GET /admin/nodes``: each usable node's id, role, addresses, load and KV cache format."""
     fields = ("node_id", "role", "draining", "control_addr", "kv_addr", "num_running", "num_queued")
     fields += ("num_blocks_free", "num_blocks_total")
-    return {"nodes": [{name: getattr(n, name) for name in fields} for n in backend.registry.snapshot()]}
+    return {
+        "nodes": [
+            {
+                **{name: getattr(n, name) for name in fields},
+                "kv_dtype": n.fingerprint.dtype,
+                "kv_layout": n.fingerprint.layout,
+            }
+            for n in backend.registry.snapshot()
+        ]
+    }

@@ -70,6 +70,14 @@ def test_render_lists_colocated_nodes_in_their_own_pool():
     assert lines[-1].startswith("  colocated-c  tcp://10.0.0.3:5002")
 
 
+def test_render_names_the_pools_with_an_int8_kv_cache():
+    fp = KVFingerprint("sha256:aa", "int8", 16, "nbhd-q8-v1", 2, 2, 16)
+    int8 = dataclasses.replace(DECODE, fingerprint=fp)
+    lines = render([PREFILL, int8], now=101.0).splitlines()
+    assert lines[0] == "prefill: 1 node(s), 1 serving, KV blocks 60/64 free"
+    assert "decode: 1 node(s), 0 serving, KV blocks 8/64 free (1 with int8 rows)" in lines
+
+
 def test_render_says_so_when_no_node_is_registered():
     assert render([], now=0.0) == "no nodes registered"
 

@@ -10,6 +10,8 @@
 //                                       HF's rotate-half convention, cos/sin rows picked by position
 //   argmax_rows(x)                      [rows, n] fp32 -> [rows] int64: torch.argmax(x, -1), the first
 //                                       maximum, a NaN counting as the maximum; the greedy sampler's
+//   write_kv_int8_(k, v, kc, vc, slots) new tokens' K/V [T, KVH, D] into int8 caches (nbhd-q8-v1):
+//                                       each row quantized alone, as kernels/kv_int8.quantize_rows
 //
 // Arithmetic is fp32 whatever the dtype, rounded where the torch expression it replaces rounds.
 #include <ATen/ATen.h>
@@ -230,6 +232,54 @@ at::Tensor argmax_rows(const at::Tensor &x) {
   return out;
 }
 
+// One (token, head) row into its int8 slot: scale = max|x| / 127, q = round-half-even(x / scale)
+// clamped to +-127, then the scale's bytes; all-zero rows get q = 0, scale 0. The same fp32
+// operations as kernels/kv_int8.quantize_rows, so both write the same bytes.
+template <typename T>
+void quantize_row(const T *x, int8_t *dst, int64_t d) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
+  const float scale = amax / 127.f;
+  for (int64_t i = 0; i < d; ++i) {
+    const float q = amax > 0.f ? std::nearbyint(static_cast<float>(x[i]) / scale) : 0.f;
+    dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+  }
+  std::memcpy(dst + d, &scale, sizeof scale);
+}
+
+void write_kv_int8_(const at::Tensor &key, const at::Tensor &value, at::Tensor &key_cache, at::Tensor &value_cache,
+                    const at::Tensor &slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.scalar_type() == value.scalar_type(),
+              "key and value must be [T, KVH, D] of one dtype");
+  TORCH_CHECK(key_cache.scalar_type() == at::kChar && value_cache.scalar_type() == at::kChar &&
+                  key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.sizes() == value_cache.sizes(),
+              "caches must be contiguous int8 [num_blocks, block_size, KVH, D + 4] of one shape");
+  const int64_t tokens = key.size(0), heads = key.size(1), d = key.size(2);
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.size(2) == heads && key_cache.size(3) == d + 4,
+              "cache rows must be head_dim + 4 bytes, one per KV head");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens, "one slot per token");
+  auto k = key.contiguous(), v = value.contiguous();
+  auto slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t *slot = slots.data_ptr<int64_t>();
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1), row = d + 4;
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= -1 && slot[t] < num_slots, "slot ", slot[t], " outside the cache");
+  int8_t *kc = key_cache.data_ptr<int8_t>(), *vc = value_cache.data_ptr<int8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_int8_", [&] {
+    const scalar_t *kp = k.data_ptr<scalar_t>(), *vp = v.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, row_grain(2 * heads * d), [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        if (slot[t] < 0) continue;  // a padded row: written nowhere
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t src = (t * heads + h) * d, dst = (slot[t] * heads + h) * row;
+          quantize_row(kp + src, kc + dst, d);
+          quantize_row(vp + src, vc + dst, d);
+        }
+      }
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
@@ -238,6 +288,7 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("write_kv_int8_(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slots) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
@@ -246,4 +297,5 @@ TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("rotary_", &rotary_);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("write_kv_int8_", &write_kv_int8_);
 }

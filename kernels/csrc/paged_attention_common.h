@@ -1,11 +1,14 @@
 // Shared by the CPU paged-attention kernel's paths (paged_attention_cpu.cpp): 16-float vectors
-// and their loads and stores in fp32 and bf16, the horizontal sums of 16 vectors at once, and a
-// call's problem and work item. Included by that one translation unit (internal linkage).
+// and their loads and stores in fp32 and bf16, the horizontal sums of 16 vectors at once, a call's
+// problem and work item, the cache's rows (float, or int8 with a scale) and an item's scratch.
+// Included by that one translation unit (internal linkage).
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "cpu_math.h"
 
@@ -87,6 +90,41 @@ struct Problem {
   float scale, softcap;
   int64_t q_stride0, q_stride1;
   const int32_t *tables, *starts, *lens;
+};
+
+template <typename T>
+inline float dot(const float *q, const T *k, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += q[i] * static_cast<float>(k[i]);
+  return s;
+}
+
+template <typename T>
+inline void axpy(float a, const T *v, float *acc, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += a * static_cast<float>(v[i]);
+}
+
+// A cache of int8 rows (layout nbhd-q8-v1, kernels/kv_int8.py): each (token, KV head) row is D int8
+// values and then its fp32 scale's 4 bytes; a float cache's rows are the D values alone.
+template <typename C>
+constexpr int64_t kRowExtra = std::is_same_v<C, int8_t> ? 4 : 0;
+
+template <typename C>
+inline float row_scale(const C *row, int64_t d) {
+  if constexpr (std::is_same_v<C, int8_t>) {
+    float s;
+    std::memcpy(&s, row + d, sizeof s);
+    return s;
+  } else {
+    return 1.f;
+  }
+}
+
+struct Scratch {
+  std::vector<float> q, scores, acc, row_max, row_sum, keys_t, values;
+  Scratch(int64_t nq, int64_t d)
+      : q(nq * d), scores(nq * kKeyChunk), acc(nq * d), row_max(nq), row_sum(nq), keys_t(d * kKeyChunk),
+        values(kKeyChunk * d) {}
 };
 
 }  // namespace

@@ -13,7 +13,8 @@
 // online softmax (running max and sum per query row), so no padded copy and no [Q, T] score
 // matrix is ever built. Items are handed out from an atomic counter, largest first: prefill tiles
 // differ in cost by orders of magnitude, and at::parallel_for's static split would leave a thread idle.
-// Accumulation is fp32 whatever the cache dtype.
+// Accumulation is fp32 whatever the cache dtype. An int8 cache (nbhd-q8-v1, kernels/kv_int8.py)
+// is read in place: a row's dot products and value updates take its scale once per row.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -27,150 +28,17 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "paged_attention_avx2.h"
 #include "paged_attention_common.h"
 #include "paged_attention_decode.h"
+#include "paged_attention_tiles.h"
 
 namespace {
 
-template <typename T>
-inline float dot(const float *q, const T *k, int64_t n) {
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += q[i] * static_cast<float>(k[i]);
-  return s;
-}
-
-template <typename T>
-inline void axpy(float a, const T *v, float *acc, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += a * static_cast<float>(v[i]);
-}
-
-struct Scratch {
-  std::vector<float> q, scores, acc, row_max, row_sum, keys_t, values;
-  Scratch(int64_t nq, int64_t d)
-      : q(nq * d), scores(nq * kKeyChunk), acc(nq * d), row_max(nq), row_sum(nq), keys_t(d * kKeyChunk),
-        values(kKeyChunk * d) {}
-};
-
-// From this many query rows in an item (prefill tiles), scores are computed against the chunk's
-// keys transposed to [D, keys]: the products then vectorise across keys, with no horizontal sum
-// per (row, key); the transpose costs one pass over the chunk, which few rows would not repay.
-// (kRegisterTiles: only where AVX-512 holds the tiles' vectors, paged_attention_common.h)
-constexpr int64_t kTransposedRows = kRegisterTiles ? 8 : std::numeric_limits<int64_t>::max();
-
-template <typename T, int kD>
-void transposed_scores(const Problem &p, Scratch &sc, const int32_t *table, const T *kc, int64_t kv_head,
-                       int64_t rows, int64_t G, int64_t first_pos, int64_t c0, int64_t c1) {
-  const int64_t D = kD > 0 ? kD : p.head_dim, n = c1 - c0, bs = p.block_size, token_stride = p.num_kv_heads * D;
-  const int64_t nq = rows * G;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  float *kt = sc.keys_t.data();  // [D, kKeyChunk]; columns past n hold stale values, never kept
-  for (int64_t t = c0; t < c1;) {
-    const int64_t block = t / bs, offset = t - block * bs, run = std::min(c1 - t, bs - offset);
-    const T *k = kc + ((table[block] * bs + offset) * p.num_kv_heads + kv_head) * D;
-    for (int64_t i = 0; i < run; ++i, ++t, k += token_stride)
-      for (int64_t d = 0; d < D; ++d) kt[d * kKeyChunk + (t - c0)] = static_cast<float>(k[d]);
-  }
-  // A register tile of 8 query rows x 32 keys (16 vector accumulators): each d loads two vectors
-  // of keys and feeds them 16 multiply-adds. Rows past the last multiple of 8 take the 4 x 16 tile.
-  int64_t full = 0;
-  for (; full + 8 <= nq; full += 8) {
-    for (int64_t t0 = 0; t0 < n; t0 += 32) {
-      vf16 acc[8][2] = {};
-      for (int64_t d = 0; d < D; ++d) {
-        const vf16 k0 = load_vf16(kt + d * kKeyChunk + t0), k1 = load_vf16(kt + d * kKeyChunk + t0 + 16);
-        for (int r = 0; r < 8; ++r) {
-          const float qd = sc.q[(full + r) * D + d];
-          acc[r][0] += qd * k0;
-          acc[r][1] += qd * k1;
-        }
-      }
-      const int64_t w = std::min<int64_t>(32, n - t0);
-      for (int r = 0; r < 8; ++r) {
-        float *dst = sc.scores.data() + (full + r) * kKeyChunk + t0;
-        if (w == 32) {
-          store_vf16(dst, acc[r][0]);
-          store_vf16(dst + 16, acc[r][1]);
-        } else {
-          for (int64_t i = 0; i < w; ++i) dst[i] = i < 16 ? acc[r][0][i] : acc[r][1][i - 16];
-        }
-      }
-    }
-  }
-  constexpr int64_t R = 4, W = 16;
-  for (int64_t r0 = full; r0 < nq; r0 += R) {
-    const int64_t nr = std::min(R, nq - r0);
-    for (int64_t t0 = 0; t0 < n; t0 += W) {
-      float acc[R][W] = {};
-      for (int64_t d = 0; d < D; ++d) {
-        const float *col = kt + d * kKeyChunk + t0;
-        for (int64_t r = 0; r < R; ++r) {
-          const float qd = r < nr ? sc.q[(r0 + r) * D + d] : 0.f;
-          for (int64_t i = 0; i < W; ++i) acc[r][i] += qd * col[i];
-        }
-      }
-      const int64_t w = std::min(W, n - t0);
-      for (int64_t r = 0; r < nr; ++r)
-        for (int64_t i = 0; i < w; ++i) sc.scores[(r0 + r) * kKeyChunk + t0 + i] = acc[r][i];
-    }
-  }
-  for (int64_t j = 0; j < rows; ++j) {  // causal and window mask, soft-capping
-    const int64_t pos = first_pos + j;
-    const int64_t lo = std::max<int64_t>(c0, p.window > 0 ? pos - p.window + 1 : c0) - c0;
-    const int64_t hi = std::min<int64_t>(c1, pos + 1) - c0;  // visible keys: [lo, hi) of the chunk
-    for (int64_t g = 0; g < G; ++g) {
-      float *s = sc.scores.data() + (j * G + g) * kKeyChunk;
-      for (int64_t t = 0; t < n; ++t) {
-        if (t < lo || t >= hi) s[t] = neg_inf;
-        else if (p.softcap > 0.f) s[t] = p.softcap * std::tanh(s[t] / p.softcap);
-      }
-    }
-  }
-}
-
-
-// P.V of a prefill tile's chunk as a small GEMM: the chunk's V rows are copied once into a
-// contiguous [keys, D] buffer, then for every 4 query rows the 4 x D accumulators stay in vector
-// registers across all the chunk's keys (each V row loaded once per 4 rows, 4 x D/16 FMAs on it).
-// Masked keys weigh exactly 0 (the softmax wrote them so), which adds nothing.
-template <typename T, int kD>
-void blocked_values(const Problem &p, Scratch &sc, const int32_t *table, const T *vc, int64_t kv_head, int64_t nq,
-                    int64_t c0, int64_t c1) {
-  constexpr int NV = kD / 16, R = 4;
-  const int64_t n = c1 - c0, bs = p.block_size, token_stride = p.num_kv_heads * kD;
-  float *vbuf = sc.values.data();
-  for (int64_t t = c0; t < c1;) {
-    const int64_t block = t / bs, offset = t - block * bs, run = std::min(c1 - t, bs - offset);
-    const T *v = vc + ((table[block] * bs + offset) * p.num_kv_heads + kv_head) * kD;
-    for (int64_t i = 0; i < run; ++i, ++t, v += token_stride)
-      for (int64_t d = 0; d < kD; ++d) vbuf[(t - c0) * kD + d] = static_cast<float>(v[d]);
-  }
-  int64_t r0 = 0;
-  for (; r0 + R <= nq; r0 += R) {
-    vf16 a[R][NV];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < NV; ++v) a[r][v] = load_vf16(sc.acc.data() + (r0 + r) * kD + 16 * v);
-    const float *w0 = sc.scores.data() + r0 * kKeyChunk;
-    for (int64_t t = 0; t < n; ++t) {
-      vf16 vv[NV];
-      for (int v = 0; v < NV; ++v) vv[v] = load_vf16(vbuf + t * kD + 16 * v);
-      for (int r = 0; r < R; ++r) {
-        const float w = w0[r * kKeyChunk + t];
-        for (int v = 0; v < NV; ++v) a[r][v] += w * vv[v];
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < NV; ++v) store_vf16(sc.acc.data() + (r0 + r) * kD + 16 * v, a[r][v]);
-  }
-  for (; r0 < nq; ++r0)  // the last nq % 4 rows
-    for (int64_t t = 0; t < n; ++t) {
-      const float w = sc.scores[r0 * kKeyChunk + t];
-      if (w != 0.f) axpy(w, vbuf + t * kD, sc.acc.data() + r0 * kD, kD);
-    }
-}
-
 // kD: head_dim fixed at compile time (the common 32 / 64 / 128 / 256: loops unroll fully), 0: runtime.
-template <typename T, int kD>
-void run_item(const Problem &p, const Item &it, const T *query, const T *kc, const T *vc, T *out,
+// T: the query's and output's dtype; C: the cache's (T itself, or int8 rows with their scales).
+template <typename T, int kD, typename C>
+void run_item(const Problem &p, const Item &it, const T *query, const C *kc, const C *vc, T *out,
               Scratch &sc) {
   const int64_t G = p.num_heads / p.num_kv_heads, D = kD > 0 ? kD : p.head_dim, bs = p.block_size;
   const int64_t rows = it.row1 - it.row0, nq = rows * G;
@@ -178,7 +46,8 @@ void run_item(const Problem &p, const Item &it, const T *query, const T *kc, con
   const int64_t q_len = p.starts[it.seq + 1] - q_begin;
   const int64_t first_pos = p.lens[it.seq] - q_len + it.row0;  // position of the tile's first row
   const int32_t *table = p.tables + it.seq * p.max_blocks;
-  const int64_t token_stride = p.num_kv_heads * D;  // from one token's K (or V) row to the next
+  const int64_t row_len = D + kRowExtra<C>;         // one (token, head) row of the cache
+  const int64_t token_stride = p.num_kv_heads * row_len;  // from one token's K (or V) row to the next
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   for (int64_t j = 0; j < rows; ++j)
@@ -197,13 +66,14 @@ void run_item(const Problem &p, const Item &it, const T *query, const T *kc, con
   for (int64_t c0 = key_lo; c0 < key_hi; c0 += kKeyChunk) {
     const int64_t c1 = std::min(key_hi, c0 + kKeyChunk);
     if (nq >= kTransposedRows) {
-      transposed_scores<T, kD>(p, sc, table, kc, it.kv_head, rows, G, first_pos, c0, c1);
+      transposed_scores<C, kD>(p, sc, table, kc, it.kv_head, rows, G, first_pos, c0, c1);
     } else {
     // scores: each K row once for all nq query rows; one block-table lookup per block run
     for (int64_t t = c0; t < c1;) {
       const int64_t block = t / bs, offset = t - block * bs, run = std::min(c1 - t, bs - offset);
-      const T *k = kc + ((table[block] * bs + offset) * p.num_kv_heads + it.kv_head) * D;
-      for (int64_t i = 0; i < run; ++i, ++t, k += token_stride)
+      const C *k = kc + ((table[block] * bs + offset) * p.num_kv_heads + it.kv_head) * row_len;
+      for (int64_t i = 0; i < run; ++i, ++t, k += token_stride) {
+        const float ks = row_scale(k, D);  // 1 for a float cache
         for (int64_t j = 0; j < rows; ++j) {
           const int64_t pos = first_pos + j;
           const bool visible = t <= pos && (p.window <= 0 || t > pos - p.window);
@@ -211,12 +81,13 @@ void run_item(const Problem &p, const Item &it, const T *query, const T *kc, con
           for (int64_t g = 0; g < G; ++g, s += kKeyChunk) {
             float v = neg_inf;
             if (visible) {
-              v = dot(sc.q.data() + (j * G + g) * D, k, D);
+              v = dot(sc.q.data() + (j * G + g) * D, k, D) * ks;
               if (p.softcap > 0.f) v = p.softcap * std::tanh(v / p.softcap);
             }
             *s = v;
           }
         }
+      }
     }
     }
     for (int64_t r = 0; r < nq; ++r) {  // online softmax: rescale what came before, weigh this chunk
@@ -242,18 +113,20 @@ void run_item(const Problem &p, const Item &it, const T *query, const T *kc, con
     }
     if constexpr (kRegisterTiles && (kD == 32 || kD == 64 || kD == 128)) {
       if (nq >= kTransposedRows) {
-        blocked_values<T, kD>(p, sc, table, vc, it.kv_head, nq, c0, c1);
+        blocked_values<C, kD>(p, sc, table, vc, it.kv_head, nq, c0, c1);
         continue;
       }
     }
     for (int64_t t = c0; t < c1;) {  // values: each V row once for all nq query rows
       const int64_t block = t / bs, offset = t - block * bs, run = std::min(c1 - t, bs - offset);
-      const T *v = vc + ((table[block] * bs + offset) * p.num_kv_heads + it.kv_head) * D;
-      for (int64_t i = 0; i < run; ++i, ++t, v += token_stride)
+      const C *v = vc + ((table[block] * bs + offset) * p.num_kv_heads + it.kv_head) * row_len;
+      for (int64_t i = 0; i < run; ++i, ++t, v += token_stride) {
+        const float vs = row_scale(v, D);
         for (int64_t r = 0; r < nq; ++r) {
           const float w = sc.scores[r * kKeyChunk + (t - c0)];  // 0 where masked
-          if (w != 0.f) axpy(w, v, sc.acc.data() + r * D, D);
+          if (w != 0.f) axpy(w * vs, v, sc.acc.data() + r * D, D);
         }
+      }
     }
   }
   for (int64_t j = 0; j < rows; ++j)
@@ -287,9 +160,17 @@ std::vector<Item> work_items(const Problem &p, int64_t num_seqs, bool whole_deco
   return items;
 }
 
-template <typename T, int kD>
-void run_all(const Problem &p, int64_t num_seqs, const T *q, const T *kc, const T *vc, T *o) {
-  const DecodeFn<T> decode = decode_fn<T, kD>(p);
+template <typename T, int kD, typename C>
+void run_all(const Problem &p, int64_t num_seqs, const T *q, const C *kc, const C *vc, T *o) {
+  constexpr bool register_decode = kRegisterDecode<T> && std::is_same_v<C, T>;  // float caches only
+  DecodeFn<T> decode = nullptr;
+  if constexpr (register_decode) decode = decode_fn<T, kD>(p);
+#if defined(__AVX2__) && defined(__FMA__)
+  // Decode rows without the register path (no AVX-512, or an int8 cache) take the 8-float path of
+  // paged_attention_avx2.h.
+  Avx2DecodeFn<T, C> avx2_decode = nullptr;
+  if constexpr (!register_decode) avx2_decode = avx2_decode_fn<T, C, kD>(p);
+#endif
   int64_t num_decodes = 0;
   for (int64_t s = 0; s < num_seqs; ++s) num_decodes += p.starts[s + 1] - p.starts[s] == 1;
   const std::vector<Item> items =
@@ -299,9 +180,18 @@ void run_all(const Problem &p, int64_t num_seqs, const T *q, const T *kc, const 
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch scratch(kQueryTile * (p.num_heads / p.num_kv_heads), p.head_dim);
+#if defined(__AVX2__) && defined(__FMA__)
+    std::vector<float> avx2_scratch(avx2_decode != nullptr ? kAvx2Scratch : 0);
+#endif
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
       const Item &it = items[i];
-      if constexpr (kRegisterDecode<T>) {
+#if defined(__AVX2__) && defined(__FMA__)
+      if (avx2_decode != nullptr && p.starts[it.seq + 1] - p.starts[it.seq] == 1) {
+        avx2_decode(p, it, q, kc, vc, o, avx2_scratch.data());
+        continue;
+      }
+#endif
+      if constexpr (register_decode) {
         if (it.kv_head < 0) {  // a whole decode sequence (work_items made these only for this path)
           for (int64_t h = 0; h < p.num_kv_heads; ++h)
             decode(p, Item{it.seq, h, 0, 1, 0}, q, kc, vc, o, scratch.scores.data(), h == 0);
@@ -312,9 +202,20 @@ void run_all(const Problem &p, int64_t num_seqs, const T *q, const T *kc, const 
           continue;
         }
       }
-      run_item<T, kD>(p, it, q, kc, vc, o, scratch);
+      run_item<T, kD, C>(p, it, q, kc, vc, o, scratch);
     }
   });
+}
+
+template <typename T, typename C>
+void dispatch_head_dim(const Problem &p, int64_t num_seqs, const T *q, const C *kc, const C *vc, T *o) {
+  switch (p.head_dim) {
+    case 32: return run_all<T, 32, C>(p, num_seqs, q, kc, vc, o);
+    case 64: return run_all<T, 64, C>(p, num_seqs, q, kc, vc, o);
+    case 128: return run_all<T, 128, C>(p, num_seqs, q, kc, vc, o);
+    case 256: return run_all<T, 256, C>(p, num_seqs, q, kc, vc, o);
+    default: return run_all<T, 0, C>(p, num_seqs, q, kc, vc, o);
+  }
 }
 
 at::Tensor paged_attention(const at::Tensor &query, const at::Tensor &key_cache, const at::Tensor &value_cache,
@@ -326,8 +227,10 @@ at::Tensor paged_attention(const at::Tensor &query, const at::Tensor &key_cache,
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim] (nbhd-v1)");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ in shape");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
-              "query and caches must share one dtype");
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "key and value caches differ in dtype");
+  const bool int8_cache = key_cache.scalar_type() == at::kChar;  // nbhd-q8-v1: int8 rows, fp32 scales
+  TORCH_CHECK(int8_cache || query.scalar_type() == key_cache.scalar_type(),
+              "query and caches must share one dtype (or the caches be int8 rows)");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
                   context_lens.scalar_type() == at::kInt,
               "block_tables, query_start_loc and context_lens must be int32");
@@ -335,8 +238,9 @@ at::Tensor paged_attention(const at::Tensor &query, const at::Tensor &key_cache,
   const int64_t num_seqs = context_lens.size(0);
   TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs,
               "one block table and one context length per sequence");
-  TORCH_CHECK(query.size(2) == key_cache.size(3) && query.size(1) % key_cache.size(2) == 0,
-              "head_dim must match and num_heads be a multiple of num_kv_heads");
+  TORCH_CHECK(query.size(2) + (int8_cache ? kRowExtra<int8_t> : 0) == key_cache.size(3) &&
+                  query.size(1) % key_cache.size(2) == 0,
+              "head_dim must match (int8 rows: head_dim + 4) and num_heads be a multiple of num_kv_heads");
   auto starts = query_start_loc.contiguous();
   auto lens = context_lens.contiguous();
   const Problem p{query.size(1), key_cache.size(2), query.size(2), key_cache.size(1), block_tables.size(1), window,
@@ -355,16 +259,10 @@ at::Tensor paged_attention(const at::Tensor &query, const at::Tensor &key_cache,
   auto out = at::empty({query.size(0), p.num_heads, p.head_dim}, query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_cpu", [&] {
     const scalar_t *q = query.data_ptr<scalar_t>();
-    const scalar_t *kc = key_cache.data_ptr<scalar_t>();
-    const scalar_t *vc = value_cache.data_ptr<scalar_t>();
     scalar_t *o = out.data_ptr<scalar_t>();
-    switch (p.head_dim) {
-      case 32: return run_all<scalar_t, 32>(p, num_seqs, q, kc, vc, o);
-      case 64: return run_all<scalar_t, 64>(p, num_seqs, q, kc, vc, o);
-      case 128: return run_all<scalar_t, 128>(p, num_seqs, q, kc, vc, o);
-      case 256: return run_all<scalar_t, 256>(p, num_seqs, q, kc, vc, o);
-      default: return run_all<scalar_t, 0>(p, num_seqs, q, kc, vc, o);
-    }
+    if (int8_cache)
+      return dispatch_head_dim(p, num_seqs, q, key_cache.data_ptr<int8_t>(), value_cache.data_ptr<int8_t>(), o);
+    dispatch_head_dim(p, num_seqs, q, key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(), o);
   });
   return out;
 }
