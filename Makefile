@@ -100,7 +100,7 @@ SOAK_MINUTES ?= 30
 soak: model
 	PATH="$(TEST_PATH)" $(PY) -m bench.soak --minutes $(SOAK_MINUTES) $(SOAK_ARGS)
 
-# The one-shot check on a lent GPU machine with the checkout copied and no network (bench/README.md,
+# The one-shot check on a lent GPU machine with the checkout copied and no network (bench/notes/gpu.md,
 # "GPU kernels"): the machine's python3, no venv; exits 3 where torch sees no CUDA device.
 .PHONY: gpu-oneshot
 gpu-oneshot:

@@ -4,7 +4,7 @@ time-to-first-token overhead at 1k tokens against that prompt's prefill time.
     .venv/bin/python bench/kv_transfer.py [--repeats 5] [--tokens 1024 8192]
 
 The receiver runs in a child process (its own decode-node-like loop); the sender runs here and
-times reserve → ack. The last line of output is one JSON object (see bench/README.md).
+times reserve → ack. The last line of output is one JSON object (see bench/notes/kv-transfer.md).
 """
 
 from __future__ import annotations

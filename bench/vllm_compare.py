@@ -7,7 +7,7 @@ both see the same machine state as nearly as a shared machine allows.
     python bench/vllm_compare.py --vllm-python /path/to/vllm-venv/bin/python --workload fixed
     python bench/vllm_compare.py --vllm-python /work/vllm-venv/bin/python --model default --workload mix32 --num-prompts 48
     python bench/vllm_compare.py --vllm-python /work/vllm-venv/bin/python --model default --workload rep --speculative ngram
-    python bench/vllm_compare.py ... --kv-cache-dtype int8     # pdserve with the int8 KV cache
+    python bench/vllm_compare.py ... --kv-cache-dtype auto,int8     # pdserve with each KV cache in turn
 
 ``--speculative ngram`` runs pdserve twice, without speculation and with it (vLLM's CPU build
 refuses speculative decoding, so it runs without). The text workloads (``edit``, ``quote``,
@@ -19,7 +19,6 @@ pdserve runs with its defaults except ``max_num_seqs`` and the thread count, whi
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import pathlib
 import subprocess
@@ -100,7 +99,7 @@ def run_vllm(
     return [result["tokens"] / s for s in result["seconds"]]
 
 
-def _run_pdserve(
+def run_pdserve(
     model: pathlib.Path, reqs, max_num_seqs: int, threads: int, dtype: str, passes: int, **engine_args
 ) -> tuple[list[float], dict | None]:
     """Output tokens/s of each pass, and the speculation counts (None without speculation)."""
@@ -128,7 +127,9 @@ def main() -> None:
     ap.add_argument("--speculative", choices=["ngram"], help="pdserve also runs with this proposer")
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both engines")
-    ap.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto", help="pdserve's KV cache")
+    ap.add_argument(
+        "--kv-cache-dtype", default="auto", help="pdserve's KV cache: auto, int8, or both (auto,int8) in turn"
+    )
     ap.add_argument(
         "--passes",
         type=int,
@@ -153,50 +154,34 @@ def main() -> None:
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         reqs = workload(args.workload, args.num_prompts, vocab)
     run = (model, reqs, args.max_num_seqs, args.threads, args.dtype, args.passes)
-    if args.kv_cache_dtype != "auto":
-        run_pdserve = functools.partial(_run_pdserve, kv_cache_dtype=args.kv_cache_dtype)
-    else:
-        run_pdserve = _run_pdserve
-    ours, _ = run_pdserve(*run)
-    print(f"[{args.workload}] pdserve: {', '.join(f'{r:.1f}' for r in ours)} tok/s", flush=True)
-    spec_rates, spec = None, None
-    if args.speculative:
-        spec_rates, spec = run_pdserve(
-            *run, speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens
-        )
-        kept = spec["accepted_tokens"] / max(1, spec["proposed_tokens"])
-        print(
-            f"[{args.workload}] pdserve --speculative {args.speculative}: "
-            f"{', '.join(f'{r:.1f}' for r in spec_rates)} tok/s; drafts kept {kept:.0%} of {spec['proposed_tokens']}",
-            flush=True,
-        )
-    theirs = run_vllm(args.vllm_python, model, reqs, args.max_num_seqs, args.threads, args.dtype, args.passes)
-    ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
-    print(
-        f"[{args.workload}] vLLM CPU: {', '.join(f'{r:.1f}' for r in theirs)} tok/s; "
-        f"ratio {', '.join(f'{r:.2f}x' for r in ratios)}",
-        flush=True,
-    )
-    spec_ratios = None if spec_rates is None else [a / b for a, b in zip(spec_rates, theirs, strict=True)]
-    if spec_ratios:
-        print(f"[{args.workload}] speculative against vLLM: {', '.join(f'{r:.2f}x' for r in spec_ratios)}")
-    print(
-        json.dumps(
-            {
-                "model": args.model,
-                "workload": args.workload,
-                "dtype": args.dtype,
-                "kv_cache_dtype": args.kv_cache_dtype,
-                "pdserve_tok_s": [round(r, 1) for r in ours],
-                "vllm_tok_s": [round(r, 1) for r in theirs],
-                "ratio": [round(r, 2) for r in ratios],
+    variants = []  # (label, engine arguments): each KV dtype asked for, without and with speculation
+    for kv in args.kv_cache_dtype.split(","):
+        base = {} if kv == "auto" else {"kv_cache_dtype": kv}
+        suffix = "" if kv == "auto" else f" --kv-cache-dtype {kv}"
+        variants.append(("pdserve" + suffix, base))
+        if args.speculative:
+            spec_args = {
                 "speculative": args.speculative,
-                "pdserve_spec_tok_s": spec_rates and [round(r, 1) for r in spec_rates],
-                "spec_ratio": spec_ratios and [round(r, 2) for r in spec_ratios],
-                "spec_counts": spec,
+                "num_speculative_tokens": args.num_speculative_tokens,
             }
+            variants.append((f"pdserve{suffix} --speculative {args.speculative}", {**base, **spec_args}))
+    results = {}
+    for label, engine_args in variants:
+        rates, spec = run_pdserve(*run, **engine_args)
+        kept = (
+            ""
+            if spec is None
+            else f"; drafts kept {spec['accepted_tokens'] / max(1, spec['proposed_tokens']):.0%}"
         )
-    )
+        print(f"[{args.workload}] {label}: {', '.join(f'{r:.1f}' for r in rates)} tok/s{kept}", flush=True)
+        results[label] = {"tok_s": [round(r, 1) for r in rates], "spec_counts": spec}
+    theirs = run_vllm(args.vllm_python, model, reqs, args.max_num_seqs, args.threads, args.dtype, args.passes)
+    print(f"[{args.workload}] vLLM CPU: {', '.join(f'{r:.1f}' for r in theirs)} tok/s", flush=True)
+    for label, result in results.items():
+        result["ratio"] = [round(a / b, 2) for a, b in zip(result["tok_s"], theirs, strict=True)]
+        print(f"[{args.workload}] {label} against vLLM: {', '.join(f'{r:.2f}x' for r in result['ratio'])}")
+    summary = {"model": args.model, "workload": args.workload, "dtype": args.dtype}
+    print(json.dumps({**summary, "vllm_tok_s": [round(r, 1) for r in theirs], "pdserve": results}))
 
 
 if __name__ == "__main__":

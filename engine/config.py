@@ -114,7 +114,7 @@ class EngineConfig:
         "auto",
         "auto: the KV cache in --dtype; int8: each (token, head) row as int8 with its own fp32 "
         "scale, about a quarter of fp32's memory and DRAM traffic (CPU only; small accuracy cost, "
-        "bench/README.md)",
+        "bench/notes/kv-int8.md)",
         choices=KV_CACHE_DTYPE_CHOICES,
     )
     kv_cache_memory_mb: int | None = setting(

@@ -2,7 +2,7 @@
 
 libgomp reads OMP_WAIT_POLICY / GOMP_SPINCOUNT once, when torch is imported. Its default lets
 idle threads spin for up to 300000 iterations before sleeping; beside another busy process on the
-same cores a 2-thread engine then lost 3-4x (bench/README.md, "OpenMP waiting"). Sleeping at once
+same cores a 2-thread engine then lost 3-4x (bench/notes/engine-cpu.md, "OpenMP waiting"). Sleeping at once
 (PASSIVE) never collapses but pays a wake-up in each of a decode step's ~500 parallel regions:
 20-30% of a quiet machine's speed. The engine's default spins briefly (GOMP_SPINCOUNT=10000, a few
 microseconds: long enough to bridge the gap between one op's parallel region and the next), and

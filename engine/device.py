@@ -52,7 +52,7 @@ def resolve_dtype(name: str, device: torch.device) -> str:
 
 def describe_dtype(dtype: torch.dtype, device: torch.device) -> str:
     """The start-up line's dtype, with a hint where an fp32 CPU engine leaves bf16 hardware idle:
-    with AVX512-BF16, oneDNN's bf16 matmuls run about twice as fast (bench/README.md, "bfloat16")."""
+    with AVX512-BF16, oneDNN's bf16 matmuls run about twice as fast (bench/notes/engine-cpu.md, "bfloat16")."""
     import torch
 
     name = str(dtype).removeprefix("torch.")

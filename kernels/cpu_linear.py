@@ -2,7 +2,7 @@
 
 torch's CPU ``F.linear`` on fp32 calls MKL's sgemm, which on this project's AMD machines runs
 2-4x slower than oneDNN's matmul on a weight already reordered into oneDNN's blocked layout
-(bench/README.md, "Linear layers"; the LM head at batch 1: 7.3 ms against 2.4 ms). torch ships
+(bench/notes/engine-cpu.md, "Linear layers"; the LM head at batch 1: 7.3 ms against 2.4 ms). torch ships
 both halves of that path as ops, the ones its inductor uses when it freezes a CPU model:
 ``mkldnn::_reorder_linear_weight`` packs a weight and ``mkldnn::_linear_pointwise`` runs the
 matmul on it. ``pack_linears`` swaps every ``nn.Linear`` of a loaded model for a

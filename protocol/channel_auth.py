@@ -13,7 +13,7 @@ key. The sockets that connect (DEALER, PUSH) use the same pair. What fails, and 
 A watcher thread per server socket reads its monitor events and says each refusal through
 ``log``, rate-limited (a peer may retry at every reconnect interval). Everything on an
 authenticated socket is encrypted too, KV frames included: CURVE has no MAC-only mode
-(bench/README.md, "Authenticated transport", has what it costs). Same-host shared-memory
+(bench/notes/kv-transfer.md, "Authenticated transport", has what it costs). Same-host shared-memory
 transfers do not ride the socket and keep their own checks.
 """
 

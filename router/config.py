@@ -13,8 +13,8 @@ from protocol.settings import cluster_key_file_setting, redis_password_file_sett
 
 # A decode node prefills a long prompt itself when it would wait this much longer behind the
 # shortest prefill queue than behind the decode node's own (router/policy.py). Half a second of
-# queueing: measured against off, 0.25 s and 1 s on two cores (bench/README.md, "Prefill on the
-# decode node when the prefill pool is backed up").
+# queueing: measured against off, 0.25 s and 1 s on two cores (bench/notes/serving.md, "Under load:
+# 48 requests a rate, three rounds", the margin).
 LOCAL_PREFILL_MARGIN_S = 0.5
 
 

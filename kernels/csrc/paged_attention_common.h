@@ -6,6 +6,8 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -23,7 +25,7 @@ typedef float vf16 __attribute__((vector_size(64)));
 // vectors of 16 floats live: AVX-512's 32 registers hold them. With only 256-bit registers
 // (AVX2: 16 of them) GCC keeps such vectors in memory, and on an AVX2 machine those paths ran
 // 5x (prefill) and 2x (decode) slower than the plain loops, which vectorise at the native width;
-// so they are compiled in only with AVX-512 (bench/README.md, "Attention on an AVX2 machine").
+// so they are compiled in only with AVX-512 (bench/notes/cpu-attention.md).
 #if defined(__AVX512F__)
 constexpr bool kRegisterTiles = true;
 #else
@@ -118,6 +120,26 @@ inline float row_scale(const C *row, int64_t d) {
   } else {
     return 1.f;
   }
+}
+
+// A decode row's chunk of n scores, soft-capped where the model caps, then weighed by the online
+// softmax: s[t] becomes exp(s[t] - max), the row's running max and sum move on, and the returned
+// factor rescales what the row accumulated before this chunk. (A decode row sees its own key, so
+// its max is finite from the first chunk on.)
+inline float decode_softmax_chunk(float *s, int64_t n, float softcap, float &row_max, float &row_sum) {
+  if (softcap > 0.f)
+    for (int64_t t = 0; t < n; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
+  float m = row_max;
+  for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+  const float correction = softmax_exp(row_max - m);
+  float total = 0.f;
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = softmax_exp(s[t] - m);
+    total += s[t];
+  }
+  row_sum = row_sum * correction + total;
+  row_max = m;
+  return correction;
 }
 
 struct Scratch {

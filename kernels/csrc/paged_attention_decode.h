@@ -93,24 +93,8 @@ void decode_item(const Problem &p, const Item &it, const T *query, const T *kc, 
         }
       }
     }
-    if (p.softcap > 0.f)
-      for (int g = 0; g < kG; ++g)
-        for (int64_t t = 0; t < n; ++t) {
-          float &sc = scores[g * kKeyChunk + t];
-          sc = p.softcap * std::tanh(sc / p.softcap);
-        }
     for (int g = 0; g < kG; ++g) {  // online softmax over the chunk
-      float *s = scores + g * kKeyChunk;
-      float m = row_max[g];
-      for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-      const float correction = softmax_exp(row_max[g] - m);
-      float total = 0.f;
-      for (int64_t t = 0; t < n; ++t) {
-        s[t] = softmax_exp(s[t] - m);
-        total += s[t];
-      }
-      row_sum[g] = row_sum[g] * correction + total;
-      row_max[g] = m;
+      const float correction = decode_softmax_chunk(scores + g * kKeyChunk, n, p.softcap, row_max[g], row_sum[g]);
       for (int v = 0; v < NV; ++v) acc[g][v] *= correction;
     }
     for (int64_t t = c0; t < c1;) {  // values
