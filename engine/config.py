@@ -206,8 +206,6 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, got {self.kv_cache_dtype!r}"
             )
-        if self.kv_cache_dtype == "int8" and self.attention_backend == "triton":
-            raise ValueError("kv_cache_dtype int8 has CPU kernels only: not with attention_backend triton")
         for name in (
             "block_size",
             "max_num_batched_tokens",

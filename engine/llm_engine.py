@@ -50,8 +50,10 @@ class LLMEngine:
         self.platform = platform = resolve_platform(config.device)
         self.device = platform.device
         self.config = config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, self.device))
-        if config.kv_cache_dtype == "int8" and self.device.type != "cpu":
-            raise ValueError(f"kv_cache_dtype int8 has CPU kernels only, not on {self.device}")
+        if config.kv_cache_dtype == "int8" and (
+            self.device.type != "cpu" or config.attention_backend == "triton"
+        ):
+            raise ValueError(f"kv_cache_dtype int8 has CPU kernels only, not on {self.device} or with Triton")
         self.model_config = ModelConfig.from_path(config.model)
         model_class(self.model_config)  # unsupported architectures fail before any allocation
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings

@@ -143,8 +143,15 @@ def test_an_int8_spec_is_its_own_layout_at_about_a_quarter_of_fp32s_bytes():
     assert a.first_difference(b) == "dtype" and b.row_width == 68  # never paired with an fp32 node
     assert EngineConfig(model="m", kv_cache_dtype="int8", dtype="float32").kv_dtype == "int8"
     assert EngineConfig(model="m", dtype="bfloat16").kv_dtype == "bfloat16"
-    with pytest.raises(ValueError, match="CPU kernels only"):
-        EngineConfig(model="m", kv_cache_dtype="int8", attention_backend="triton")
+    from engine.llm_engine import LLMEngine
+    from tests.tiny_models import make_tiny_model
+
+    with pytest.raises(ValueError, match="CPU kernels only"):  # before any allocation
+        LLMEngine(
+            EngineConfig(
+                model=str(make_tiny_model("llama")), kv_cache_dtype="int8", attention_backend="triton"
+            )
+        )
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(model="m", kv_cache_dtype="fp8")
 
