@@ -11,7 +11,8 @@
     .venv/bin/python bench/serve_studies.py load --vllm-python /work/vllm-venv/bin/python --rounds 3
         # the same servers (and 1P+1D without local prefill) at 2, 4 and 8 req/s, 48 requests a rate
     .venv/bin/python bench/serve_studies.py speculative --vllm-python /work/vllm-venv/bin/python
-        # 1P+1D without and with --speculative ngram, and vLLM, on the rep trace (edit/quote prompts)
+        # 1P+1D without and with --speculative ngram (and with the int8 KV cache too), and vLLM, on the
+        # rep trace (edit/quote prompts)
 
 Every point starts a fresh cluster (default model, cores split evenly between its nodes), runs the
 workload at each rate (run k uses seed + k, fresh prompts), and stops the cluster. Where a profile
@@ -182,6 +183,13 @@ def studies() -> dict[str, list[Point]]:
                 REP_TRACE,
                 (0.5,),
                 node_args="--speculative ngram",
+            ),
+            Point(
+                "pdserve 1P+1D, --kv-cache-dtype int8 --speculative ngram, rep",
+                pd,
+                REP_TRACE,
+                (0.5,),
+                node_args="--kv-cache-dtype int8 --speculative ngram",
             ),
             Point("vLLM server (2 cores) rep", colocated, REP_TRACE, (0.5,), vllm=True),
         ],
