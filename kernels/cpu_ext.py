@@ -192,7 +192,7 @@ def write_kv_int8_(
     slot_mapping: torch.Tensor,
 ) -> None:
     """New tokens' K/V [T, KVH, D] into their slots of int8 caches (slot -1: nowhere), the same
-    bytes as ``kernels.kv_int8.write_kv_cache``."""
+    bytes as the torch path (``kernels.torch_fast.write_kv_cache``)."""
     torch.ops.pdserve_cpu.write_kv_int8_(key, value, key_cache, value_cache, slot_mapping)
 
 

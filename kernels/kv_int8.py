@@ -50,20 +50,3 @@ def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> t
     d = rows.shape[-1] - SCALE_BYTES
     scale = rows[..., d:].contiguous().view(torch.float32)  # [..., 1]
     return (rows[..., :d].float() * scale).to(dtype)
-
-
-def write_kv_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Quantize new tokens' K/V ([T, KVH, D] float) into their slots of int8 caches (slot -1: skip)."""
-    num_kv_heads, width = key_cache.shape[2], key_cache.shape[3]
-    slots = slot_mapping.long()
-    if slots.numel() and bool(slots.min() < 0):
-        keep = slots >= 0
-        slots, key, value = slots[keep], key[keep], value[keep]
-    key_cache.view(-1, num_kv_heads, width).index_copy_(0, slots, quantize_rows(key))
-    value_cache.view(-1, num_kv_heads, width).index_copy_(0, slots, quantize_rows(value))

@@ -21,15 +21,15 @@ def write_kv_cache(
 ) -> None:
     # key, value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens]; slot -1: a
     # padded row (a CUDA graph's batch of fixed size), written nowhere
-    if kv_int8.is_int8(key_cache):
-        return kv_int8.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    num_kv_heads, width = key_cache.shape[2], key_cache.shape[3]
     slots = slot_mapping.long()
     if slots.numel() and bool(slots.min() < 0):  # a host sync: this reference path is never graphed
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(value_cache.dtype))
+    if kv_int8.is_int8(key_cache):  # rows of head_dim int8 values and their scale (nbhd-q8-v1)
+        key, value = kv_int8.quantize_rows(key), kv_int8.quantize_rows(value)
+    key_cache.view(-1, num_kv_heads, width).index_copy_(0, slots, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, width).index_copy_(0, slots, value.to(value_cache.dtype))
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:

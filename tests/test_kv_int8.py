@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import cpu_ext, kv_int8
+from kernels import cpu_ext, kv_int8, torch_fast
 from kernels.paged_prefill import paged_prefill_attention_ref
 from kernels.testing import query_start_loc, random_paged_kv
 
@@ -53,7 +53,7 @@ def test_the_kernel_writes_the_same_bytes_as_the_torch_rows(dtype):
     caches = [torch.zeros(8, 16, 3, 64 + kv_int8.SCALE_BYTES, dtype=torch.int8) for _ in range(4)]
     assert kernels.native_cpu(key)
     kernels.write_kv_cache(key, value, caches[0], caches[1], slots)  # the C++ op
-    kv_int8.write_kv_cache(key, value, caches[2], caches[3], slots)  # torch
+    torch_fast.write_kv_cache(key, value, caches[2], caches[3], slots)  # torch
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert caches[0].any()
 
