@@ -224,18 +224,22 @@ def test_a_captured_signed_record_written_back_is_refused_and_the_node_keeps_ser
     stop = threading.Event()
 
     def replay() -> None:
-        # In bursts: a replay is told only against a newer record the router has seen, and a
-        # writer that never paused, in phase with the router's polls, would hide every beat
-        # (the node would then look silent, and expire, rather than replayed). Bursts 0.55 s
-        # apart drift across the router's 0.5 s polls.
+        # In step with the node's own beats: a replay is told only against a newer record the
+        # router has seen, and a writer blind to the beats can hide them all (the node then looks
+        # silent and expires rather than replayed; timed bursts did that under CI's load). So the
+        # writer lets three of the node's beats stand (a second or more, two polls at least) and
+        # writes the capture back right after the third, where it stays until the next beat.
+        fresh_beats, last_stamp = 0, captured[b"heartbeat_time"]
         while not stop.is_set():
-            burst_ends = time.monotonic() + 0.2
-            while time.monotonic() < burst_ends and not stop.is_set():
-                client.hset(KEY_PREFIX + node_id, mapping=captured)
-                time.sleep(0.05)
-            stop.wait(0.35)
+            stamp = client.hget(KEY_PREFIX + node_id, "heartbeat_time")
+            if stamp is not None and stamp != last_stamp:
+                last_stamp = stamp
+                fresh_beats += stamp != captured[b"heartbeat_time"]
+                if fresh_beats >= 3:
+                    client.hset(KEY_PREFIX + node_id, mapping=captured)
+                    fresh_beats, last_stamp = 0, captured[b"heartbeat_time"]
+            stop.wait(0.01)
 
-    time.sleep(0.6)  # the node beats again: the capture is now its past
     writer = threading.Thread(target=replay, daemon=True)
     writer.start()
     refusal = f"refused node record {KEY_PREFIX}{node_id}: replayed: its heartbeat is"
