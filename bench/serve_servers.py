@@ -42,6 +42,7 @@ class Up:
         node_args: str = "",
         router_args: str = "",
         threads: int | None = None,  # torch threads per node; None: pdserve up's even split
+        extra: tuple[str, ...] = (),  # more `pdserve up` flags (--autoscale ...)
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -49,7 +50,12 @@ class Up:
         self.out_path = log_dir / "up.out"
         self._out = open(self.out_path, "w")
         cmd = up_argv(
-            self.port, log_dir, *up_flags(cluster), f"--node-args={node_args}", f"--router-args={router_args}"
+            self.port,
+            log_dir,
+            *up_flags(cluster),
+            f"--node-args={node_args}",
+            f"--router-args={router_args}",
+            *extra,
         )
         if threads:
             cmd += ["--threads", str(threads)]

@@ -183,9 +183,24 @@ class EngineConfig:
         "sequence's last tokens in its prompt or output (exact: output is what it would be without)",
         choices=("ngram",),
     )
-    num_speculative_tokens: int = setting(
-        4, "with --speculative: most draft tokens per sequence and step (fewer as acceptance falls)"
+    # engine.draft_model: a smaller model of the same tokenizer proposes, in a KV pool of its own
+    speculative_model: str | None = setting(
+        None,
+        "speculative decoding with a draft model: a Hugging Face folder of a smaller model with "
+        "this model's tokenizer, whose greedy tokens are verified (exact, as with ngram)",
+        metavar="DIR",
     )
+    num_speculative_tokens: int = setting(
+        4,
+        "with --speculative or --speculative-model: most draft tokens per sequence and step "
+        "(fewer as acceptance falls)",
+    )
+
+    @property
+    def speculative_method(self) -> str | None:
+        """How drafts are proposed: ngram, draft (a draft model), or None (no speculation). A
+        config may name both (every flag set at once is a valid config); the engine refuses it."""
+        return "draft" if self.speculative_model is not None else self.speculative
 
     @property
     def kv_dtype(self) -> str:

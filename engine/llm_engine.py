@@ -14,6 +14,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cpu_share import CpuShare
 from engine.cuda_graphs import why_eager
 from engine.device import describe_runtime, resolve_dtype
+from engine.draft_model import DraftModel, check_same_tokenizer, draft_engine_config, draft_model_config
 from engine.kv_prefault import KVPrefault
 from engine.logits_rules import LogitsRules
 from engine.model_runner import KVCacheFactory, ModelRunner
@@ -91,10 +92,28 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}  # not yet done; held ones are the scheduler's (held)
         self.stop_rules = StopRules(tuple(self.model_config.eos_token_ids), self.max_model_len, tokenizer)
         self.step_stats = StepStats()  # steps by kind, for the node's metrics
-        self.speculator = Speculator(config.num_speculative_tokens) if config.speculative else None
+        self.speculator = self._speculator()
         # each step's token budget, so that steps keep to a time target (chunks shrink when slow)
         min_tokens = min(config.max_num_batched_tokens, config.max_num_seqs + config.block_size)
         self.step_budget = StepBudget(config.max_step_s, config.max_num_batched_tokens, min_tokens)
+
+    def _speculator(self) -> Speculator | None:
+        """The speculator for ``--speculative`` or ``--speculative-model`` (None without), the
+        latter with a draft engine of its own (engine/draft_model.py)."""
+        c = self.config
+        if c.speculative_method is None:
+            return None
+        draft = None
+        if c.speculative_method == "draft":
+            if c.speculative is not None:
+                raise ValueError(
+                    "speculative_model: a draft model proposes instead of ngram; give --speculative "
+                    "ngram or --speculative-model, not both"
+                )
+            check_same_tokenizer(self.model_config, draft_model_config(c.speculative_model))
+            limits = (self.kv_spec.num_blocks, self.sizing.num_threads, self.max_model_len)
+            draft = DraftModel(LLMEngine(draft_engine_config(c, *limits)))
+        return Speculator(c.num_speculative_tokens, draft)
 
     def _graphs_off(self) -> str | None:
         """Why decode steps run eagerly on this engine; None where CUDA graphs capture them."""
@@ -239,8 +258,11 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def on_progress(self, callback) -> None:
-        """``callback()`` runs before each decoder layer of every step (a node's liveness stamp)."""
+        """``callback()`` runs before each decoder layer of every step (a node's liveness stamp),
+        the draft model's steps included."""
         self.runner.on_layer = callback
+        if self.speculator is not None and self.speculator.draft is not None:
+            self.speculator.draft.engine.on_progress(callback)
 
     def note_idle(self) -> None:
         """The caller has nothing for the engine now (a node about to wait for input): with

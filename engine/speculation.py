@@ -1,12 +1,13 @@
-"""Speculative decoding with n-gram prompt lookup: propose, then let one forward pass verify.
+"""Speculative decoding: propose draft tokens, then let one forward pass verify them.
 
-Before each step the engine asks ``Speculator.propose`` for draft tokens of every running decode:
-the tokens that followed the most recent earlier occurrence of the sequence's last n tokens
-(n from ``MAX_NGRAM`` down to ``MIN_NGRAM``), in its prompt or its output. The scheduler runs a
-drafted decode as 1 + k rows (the last token and the k drafts) under the same token budget as
-everything else, and trims the drafts when the budget is short. Row j's logits give the token
-after draft j, so the engine samples row 0 with the ordinary sampler and goes on to row j + 1
-only while the token it drew equals draft j + 1: each step yields 1 to k + 1 tokens.
+Before each step the engine asks ``Speculator.propose`` for draft tokens of every running decode.
+With ``--speculative ngram`` they are the tokens that followed the most recent earlier occurrence
+of the sequence's last n tokens (n from ``MAX_NGRAM`` down to ``MIN_NGRAM``), in its prompt or its
+output; with ``--speculative-model`` a draft model's greedy tokens (engine/draft_model.py). The
+scheduler runs a drafted decode as 1 + k rows (the last token and the k drafts) under the same
+token budget as everything else, and trims the drafts when the budget is short. Row j's logits
+give the token after draft j, so the engine samples row 0 with the ordinary sampler and goes on
+to row j + 1 only while the token it drew equals draft j + 1: each step yields 1 to k + 1 tokens.
 
 Drawing each position with the ordinary sampler and keeping the draft only when the draw equals
 it is rejection sampling for a proposer that puts all its mass on one token (accepted with
@@ -22,13 +23,15 @@ kept with probability p to a step that yields Y tokens in T seconds raises the s
 second exactly when p > c * Y / T, so drafts are handed out in order of their probability while
 that holds: at small batches the step is all W and nearly any plausible draft pays; as the batch
 grows, c * Y / T nears 1 and speculation turns itself off. Per sequence, a draft's probability
-is a^k for the k-th draft at the sequence's measured per-token acceptance a.
+is a^k for the k-th draft at the sequence's measured per-token acceptance a. A draft model's
+time counts in T (a step is timed from the proposal on), so its cost per draft lands in c.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sized
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -36,7 +39,9 @@ import torch
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
 
-SPECULATIVE_METHODS = ("ngram",)
+if TYPE_CHECKING:
+    from engine.draft_model import DraftModel
+
 MAX_NGRAM = 3  # longest suffix looked up
 MIN_NGRAM = 1  # shortest
 MIN_DRAFT_PROB = 0.1  # never propose a draft less likely than this, however cheap rows are
@@ -94,7 +99,6 @@ class RowCost:
 class _SeqState:
     tokens: np.ndarray  # the sequence's token ids so far (a growing buffer)
     length: int = 0  # how much of ``tokens`` is filled
-    acceptance: float = 1.0  # per-token chance that a draft is kept (the node's rate to start)
 
 
 @dataclasses.dataclass(slots=True)
@@ -110,16 +114,19 @@ class SpecStats:
 
 
 class Speculator:
-    def __init__(self, num_speculative_tokens: int) -> None:
+    """Drafts by n-gram lookup, or from ``draft`` (a draft model) where one is given."""
+
+    def __init__(self, num_speculative_tokens: int, draft: DraftModel | None = None) -> None:
         self.k = num_speculative_tokens
+        self.draft = draft
         self.stats = SpecStats()
         self.row_cost = RowCost()
         self.acceptance = 1.0  # the node's per-token acceptance, where new sequences start
-        self._states: dict[int, _SeqState] = {}
+        self._states: dict[int, _SeqState] = {}  # seq_id -> its tokens, for the n-gram lookup
+        self._acceptance: dict[int, float] = {}  # seq_id -> its per-token acceptance, once verified
 
     def acceptance_of(self, seq: Sequence) -> float:
-        state = self._states.get(seq.seq_id)
-        return self.acceptance if state is None else state.acceptance
+        return self._acceptance.get(seq.seq_id, self.acceptance)
 
     def draft_length(self, seq: Sequence, threshold: float = MIN_DRAFT_PROB) -> int:
         """How many drafts ``seq`` may get while each is kept with probability at least
@@ -131,7 +138,7 @@ class Speculator:
             k += 1
         return max(0, min(k, seq.max_tokens - seq.num_output_tokens - 1))
 
-    def budget(self, num_decodes: int, drafts: list[tuple[Sequence, list[int]]]) -> dict[int, int]:
+    def budget(self, num_decodes: int, drafts: list[tuple[Sequence, Sized]]) -> dict[int, int]:
         """How many of its ``drafts`` each sequence keeps for this step, of ``num_decodes``: the
         drafts in order of their probability, each taken while it exceeds c * Y / T (the module's
         docstring), Y and T growing with each taken."""
@@ -141,7 +148,7 @@ class Speculator:
         candidates = []  # (probability, seq_id)
         for seq, tokens_drafted in drafts:
             a, prob = self.acceptance_of(seq), 1.0
-            for _ in tokens_drafted:
+            for _ in range(len(tokens_drafted)):
                 prob *= a
                 candidates.append((prob, seq.seq_id))
         candidates.sort(key=lambda c: c[0], reverse=True)
@@ -165,7 +172,7 @@ class Speculator:
             s.status is SequenceStatus.WAITING for s in waiting
         ):
             return
-        num_decodes, drafts = 0, []
+        num_decodes, wanted = 0, []  # wanted: (sequence, most drafts it may get)
         for seq in running:
             if seq.num_uncomputed_tokens != 1:
                 continue
@@ -174,12 +181,20 @@ class Speculator:
             if seq.params.has_logits_rules or seq.hold_kv:
                 continue
             k = min(self.draft_length(seq), max_len - seq.num_tokens)
-            found = ngram_lookup(self._tokens(seq), k) if k > 0 else []
-            if found:
-                drafts.append((seq, found))
-        counts = self.budget(num_decodes, drafts)
-        for seq, found in drafts:
-            seq.draft_token_ids = found[: counts.get(seq.seq_id, 0)]
+            if k > 0:
+                wanted.append((seq, k))
+        if self.draft is None:  # a lookup is free: find the drafts, then price them
+            drafts = [(seq, found) for seq, k in wanted if (found := ngram_lookup(self._tokens(seq), k))]
+            counts = self.budget(num_decodes, drafts)
+        else:  # a draft model's tokens cost a pass each: price the drafts first (by position
+            # alone), then run it for the ones that pay
+            counts = self.budget(num_decodes, [(seq, range(k)) for seq, k in wanted])
+            found = self.draft.propose(
+                [(seq, counts[seq.seq_id]) for seq, _ in wanted if seq.seq_id in counts]
+            )
+            drafts = [(seq, found[seq.seq_id]) for seq, _ in wanted if seq.seq_id in found]
+        for seq, tokens in drafts:
+            seq.draft_token_ids = tokens[: counts.get(seq.seq_id, 0)]
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A decode-only step of ``rows`` rows (drafts included) took ``seconds``."""
@@ -232,13 +247,13 @@ class Speculator:
         # failure; the drafts after it were never tried
         assert 0 <= accepted <= proposed and proposed > 0, (accepted, proposed)
         rate = accepted / (accepted + (accepted < proposed))
+        own = self.acceptance_of(seq)  # a sequence starts from the node's rate
+        self._acceptance[seq.seq_id] = own + EMA_WEIGHT * (rate - own)
         self.acceptance += EMA_WEIGHT * (rate - self.acceptance)
-        state = self._states.get(seq.seq_id)
-        if state is not None:
-            state.acceptance += EMA_WEIGHT * (rate - state.acceptance)
 
     def forget(self, seq: Sequence) -> None:
         self._states.pop(seq.seq_id, None)
+        self._acceptance.pop(seq.seq_id, None)
 
     def _tokens(self, seq: Sequence) -> np.ndarray:
         """``seq.token_ids`` as an array, appended to rather than rebuilt each step."""
@@ -246,8 +261,7 @@ class Speculator:
         n = seq.num_tokens
         if state is None or state.length > n:  # new, or shorter (recomputed after a resume)
             capacity = max(64, 2 * n)
-            acceptance = self.acceptance if state is None else state.acceptance
-            state = _SeqState(np.empty(capacity, np.int64), 0, acceptance)
+            state = _SeqState(np.empty(capacity, np.int64), 0)
             self._states[seq.seq_id] = state
         if n > len(state.tokens):
             grown = np.empty(2 * n, np.int64)

@@ -1,8 +1,9 @@
-"""Speculative decoding through real processes: `pdserve up --node-args "--speculative ngram"`
-(1 prefill + 1 decode node, a private redis-server, the router), clients at once on both paths:
-prompts under the router's 64-token threshold prefill on the decode node, longer ones on the
-prefill node, and the decode node speculates either way. Every answer is checked against Hugging
-Face (greedy ids and logprobs) or the engine without speculation (seeded samples)."""
+"""Speculative decoding through real processes: `pdserve up --node-args "--speculative ngram"`,
+and again with a draft model (`--speculative-model DIR`); 1 prefill + 1 decode node, a private
+redis-server, the router. Clients at once on both paths: prompts under the router's 64-token
+threshold prefill on the decode node, longer ones on the prefill node, and the decode node
+speculates either way. Every answer is checked against Hugging Face (greedy ids and logprobs)
+or the engine without speculation (seeded samples)."""
 
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, default_model_dir):
+@pytest.fixture(scope="module", params=["ngram", "draft-model"])
+def cluster(request, tmp_path_factory, default_model_dir):
     tmp = tmp_path_factory.mktemp("speculative")
     model = tiny_model_with_tokenizer(default_model_dir)
-    with pdserve_up(model, tmp, "--node-args", "--speculative ngram --num-speculative-tokens 4") as url:
+    # the draft model: the model itself (same tokenizer; its greedy drafts are all kept)
+    method = "--speculative ngram" if request.param == "ngram" else f"--speculative-model {model}"
+    with pdserve_up(model, tmp, "--node-args", f"{method} --num-speculative-tokens 4") as url:
         name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         yield model, name, url
 
