@@ -94,7 +94,7 @@ def _vocabulary(path: pathlib.Path) -> tuple[object, object]:
 
 @dataclasses.dataclass(slots=True)
 class DraftStats:
-    """The draft engine's work since start, for the node's metrics and logs."""
+    """The draft engine's work since start (benchmarks read it; /metrics has the acceptance)."""
 
     rounds: int = 0  # propose calls that ran the draft engine
     steps: int = 0  # draft engine steps
@@ -123,7 +123,10 @@ class DraftModel:
                 continue
             request_id = f"draft-{next(self._ids)}"
             params = SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True)
-            self.engine.add_request(request_id, list(seq.token_ids), params)
+            try:
+                self.engine.add_request(request_id, list(seq.token_ids), params)
+            except ValueError:  # the draft engine cannot take it: no drafts, the step goes on
+                continue
             pending[request_id] = seq.seq_id
         drafts: dict[int, list[int]] = {}
         for _ in range(MAX_DRAFT_STEPS):

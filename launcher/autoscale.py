@@ -106,19 +106,34 @@ class Move:
     node: str | None = None  # the launcher's child name (None: a node to start)
 
 
+DECODING = ("decode", "colocated")  # roles that take requests; a switch between them needs no drain
+
+
 def moves(roles: Mapping[str, str], target: Cluster) -> list[Move]:
     """From the nodes' roles (child name -> role) to the target's counts: switches first (a node
-    keeps its weights), then stops (newest nodes first), then starts."""
+    keeps its weights), then stops (newest nodes first), then starts.
+
+    Surplus decode and colocated nodes take the missing decode and colocated roles first: such a
+    switch is instant, and it keeps a node that takes requests through the moves. A node that
+    switches to or from prefill drains first, so it goes after them (1 colocated -> 1P+1D: the
+    node becomes the decode node at once and a prefill node starts; the other way round it
+    would drain the only node that decodes, and requests would find none)."""
     want = {"prefill": target.num_prefill, "decode": target.num_decode, "colocated": target.num_colocated}
     by_role: dict[str, list[str]] = {r: [] for r in want}
     for name, role in roles.items():
         by_role[role].append(name)
     surplus = [n for r in want for n in sorted(by_role[r])[want[r] :]]  # the newest of each role
     short = [r for r in want for _ in range(max(0, want[r] - len(by_role[r])))]
-    out = [Move("switch", role, node) for node, role in zip(surplus, short, strict=False)]
-    out += [Move("stop", roles[node], node) for node in surplus[len(short) :]]
-    out += [Move("start", role) for role in short[len(surplus) :]]
-    return out
+    switches = []
+    for node in [n for n in surplus if roles[n] in DECODING]:
+        role = next((r for r in short if r in DECODING), None)
+        if role is not None:
+            switches.append(Move("switch", role, node))
+            surplus.remove(node)
+            short.remove(role)
+    switches += [Move("switch", role, node) for node, role in zip(surplus, short, strict=False)]
+    out = switches + [Move("stop", roles[node], node) for node in surplus[len(short) :]]
+    return out + [Move("start", role) for role in short[len(surplus) :]]
 
 
 # --------------------------------------------------------------------------- the controller

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from bench_serve.metrics import Slo
-from launcher.autoscale import Move, moves, observe, parse_metrics
+from launcher.autoscale import DECODING, Move, moves, observe, parse_metrics
 from planner.profile import DecodeStepGrid, PiecewiseLinear, Profile, TransferModel
 from planner.scaling import Kind, Observation, ScalingPolicy, ScalingSettings
 from planner.simulate import Cluster
@@ -110,23 +110,30 @@ def test_shed_requests_count_as_arrivals_and_as_missed():
 @pytest.mark.parametrize(
     ("roles", "target", "expected"),
     [
-        (  # three colocated to 1P+1D: two keep their weights under a new role, the newest stops
+        (  # three colocated to 1P+1D: two keep their weights under a new role (the instant switch
+            # to decode first), the newest stops
             {"colocated-0": "colocated", "colocated-1": "colocated", "colocated-2": "colocated"},
             PD,
             [
-                Move("switch", "prefill", "colocated-0"),
-                Move("switch", "decode", "colocated-1"),
+                Move("switch", "decode", "colocated-0"),
+                Move("switch", "prefill", "colocated-1"),
                 Move("stop", "colocated", "colocated-2"),
             ],
         ),
-        (  # 1P+1D to three colocated: both switch, one more starts
+        (  # 1P+1D to three colocated: both switch (the decode node at once), one more starts
             {"prefill-0": "prefill", "decode-0": "decode"},
             THREE,
             [
-                Move("switch", "colocated", "prefill-0"),
                 Move("switch", "colocated", "decode-0"),
+                Move("switch", "colocated", "prefill-0"),
                 Move("start", "colocated"),
             ],
+        ),
+        (  # one colocated to 1P+1D: it decodes at once, a prefill node starts (draining it to
+            # prefill first would leave no node that decodes)
+            {"colocated-0": "colocated"},
+            PD,
+            [Move("switch", "decode", "colocated-0"), Move("start", "prefill")],
         ),
         (  # 2P+1D to 1P+1D: the newest prefill node stops
             {"prefill-0": "prefill", "prefill-1": "prefill", "decode-0": "decode"},
@@ -138,6 +145,43 @@ def test_shed_requests_count_as_arrivals_and_as_missed():
 )
 def test_moves_switch_roles_before_stopping_or_starting_nodes(roles, target, expected):
     assert moves(roles, target) == expected
+
+
+def _serving_decoders(roles: dict[str, str]) -> int:
+    return sum(role in DECODING for role in roles.values())
+
+
+def _roles_of(target: Cluster) -> list[str]:
+    counts = {"colocated": target.num_colocated, "decode": target.num_decode, "prefill": target.num_prefill}
+    return [role for role, n in counts.items() for _ in range(n)]
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3])
+def test_every_move_keeps_a_node_that_decodes_taking_requests(budget):
+    # Every shape of up to ``budget`` nodes to every other: while a node drains to or from
+    # prefill, or stops, another that decodes takes requests.
+    shapes_ = [
+        Cluster(p, d, c) for p in range(budget + 1) for d in range(budget + 1) for c in range(budget + 1)
+        if 0 < p + d + c <= budget and d + c > 0
+    ]  # fmt: skip
+    for start in shapes_:
+        names = {f"p{i}": "prefill" for i in range(start.num_prefill)}
+        names |= {f"d{i}": "decode" for i in range(start.num_decode)}
+        names |= {f"c{i}": "colocated" for i in range(start.num_colocated)}
+        for target in shapes_:
+            roles = dict(names)
+            for move in moves(roles, target):
+                if move.action == "start":
+                    roles[f"new{len(roles)}"] = move.role
+                    continue
+                if move.action == "stop" or "prefill" in (roles[move.node], move.role):  # it drains
+                    others = {n: r for n, r in roles.items() if n != move.node}
+                    assert _serving_decoders(others) > 0, (start.label, target.label, move)
+                if move.action == "stop":
+                    del roles[move.node]
+                else:
+                    roles[move.node] = move.role
+            assert sorted(roles.values()) == _roles_of(target), (start.label, target.label)
 
 
 def test_a_window_is_read_from_two_scrapes_of_the_router():
