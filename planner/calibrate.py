@@ -81,7 +81,7 @@ def measure_engine(engine, grid: Grid, say: Callable[[str], None] = print) -> En
     )
 
 
-def _params(max_tokens: int):
+def _params(max_tokens: int | None):
     from protocol.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -104,9 +104,11 @@ def _decode_points(
 ) -> list[tuple[int, int, float]]:
     """(batch, context tokens in all, best step seconds) for each batch size, largest first."""
     request_ids = [f"cal-{next(_ids)}" for _ in prompts]
-    num_steps = (len(batches) + 1) * (NUM_DECODE_STEPS + 1) + 8
+    # Up to the context limit: the early prompts decode while the later ones prefill, for as many
+    # steps as the step budget cuts the prompts into (more on a slower machine); a fixed count
+    # let them finish before the last batch was timed. All are aborted at the end.
     for rid, prompt in zip(request_ids, prompts, strict=True):
-        engine.add_request(rid, prompt, _params(num_steps))
+        engine.add_request(rid, prompt, _params(None))
     while any(
         len(engine.requests[r].seqs[0].token_ids) == len(p) for r, p in zip(request_ids, prompts, strict=True)
     ):

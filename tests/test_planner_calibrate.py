@@ -43,3 +43,27 @@ def test_calibrate_writes_a_profile_of_the_measured_grid_and_a_transfer_that_gro
     ]
     assert profile.transfer_s(512) >= profile.transfer_s(64) > 0
     assert f"profile: {out}" in capsys.readouterr().out
+
+
+def test_decode_points_hold_every_request_while_a_small_budget_prefills_the_later_ones():
+    # 16 prompts of 60 tokens at 24 tokens a step: the first prompts decode for 40-odd steps
+    # while the last ones prefill (a slow machine's step budget cuts prompts as small); each
+    # batch is still timed with its requests running, not after they ran out of tokens
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from planner.calibrate import _decode_points
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(make_tiny_model("llama")),
+            num_kv_blocks=400,  # no preemption: 16 x (60 + 200) tokens
+            max_num_batched_tokens=24,
+            enable_prefix_caching=False,
+            max_step_s=10.0,
+        )
+    )
+    prompts = [[3 + (i * 7 + j) % 200 for j in range(60)] for i in range(16)]
+    points = _decode_points(engine, prompts, [16, 4, 1])
+    assert [batch for batch, _, _ in points] == [16, 4, 1]
+    assert all(context >= 60 * batch and seconds > 0 for batch, context, seconds in points)
+    assert not engine.has_unfinished_requests()
