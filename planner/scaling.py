@@ -6,7 +6,8 @@ hysteresis and a cooldown keep the choice from flapping.
       ─► every shape within the node budget simulated on it (planner.recommend.rank)
       ─► the best shape, where it beats the current one by ``margin`` of requests within the SLOs,
          or meets the SLOs with fewer nodes while the measured window meets them too
-      ─► the same target on ``confirm`` windows in a row, and none within ``cooldown_s`` of a change
+      ─► the same target on ``confirm`` windows in a row (``shrink_confirm`` for fewer nodes), and
+         none but growth within ``cooldown_s`` of a change
       ─► Decision(kind, current, target, reason)
 
 The window's own SLO attainment (the router's TTFT and TPOT histograms) is reported beside the
@@ -132,15 +133,23 @@ class ScalingSettings:
     min_fraction: float = 0.9  # a shape "meets" the SLOs when this share of requests does
     margin: float = 0.05  # a change must win this share of requests over the current shape
     confirm: int = 2  # windows in a row that must name the same target
-    cooldown_s: float = 30.0  # no change within this long of the last one
+    # ... and for a target of fewer nodes: a load's lull must last before a node goes (it takes a
+    # start to get back), while a shortage is acted on at once
+    shrink_confirm: int = 6
+    cooldown_s: float = 30.0  # no change within this long of the last one, but growth
     min_requests: int = 8  # a window with fewer arrivals is not judged
     disagg_threshold: int = 64  # as the router's
     local_prefill_margin_s: float = LOCAL_PREFILL_MARGIN_S  # as the router's
     colocated: bool = True  # colocated shapes are candidates
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_nodes <= self.max_nodes or self.confirm < 1 or self.min_requests < 1:
-            raise ValueError("need 1 <= min_nodes <= max_nodes, and confirm and min_requests >= 1")
+        if (
+            not 1 <= self.min_nodes <= self.max_nodes
+            or min(self.confirm, self.shrink_confirm, self.min_requests) < 1
+        ):
+            raise ValueError(
+                "need 1 <= min_nodes <= max_nodes, and confirm, shrink_confirm and min_requests >= 1"
+            )
         if not 0 < self.min_fraction <= 1 or not 0 <= self.margin < 1 or self.cooldown_s < 0:
             raise ValueError("min_fraction in (0, 1], margin in [0, 1), cooldown_s >= 0")
 
@@ -222,19 +231,22 @@ class ScalingPolicy:
     def _gate(
         self, target: Cluster, current: Cluster, reason: str, predicted: dict[str, float], now_s: float
     ) -> Decision:
-        """Hysteresis (the same target on ``confirm`` windows) and the cooldown."""
+        """Hysteresis (the same target on ``confirm`` windows, ``shrink_confirm`` for fewer nodes)
+        and the cooldown, which holds every change but growth."""
         s = self.settings
         label, seen = self._pending or ("", 0)
         seen = seen + 1 if label == target.label else 1
         self._pending = (target.label, seen)
-        if self._last_change_s is not None and now_s - self._last_change_s < s.cooldown_s:
+        grows = target.num_nodes > current.num_nodes
+        if not grows and self._last_change_s is not None and now_s - self._last_change_s < s.cooldown_s:
             left = s.cooldown_s - (now_s - self._last_change_s)
             return Decision(
                 Kind.COOLDOWN, current, current, f"{left:.0f} s of cooldown left; {reason}", predicted
             )
-        if seen < s.confirm:
+        needed = s.shrink_confirm if target.num_nodes < current.num_nodes else s.confirm
+        if seen < needed:
             return Decision(
-                Kind.CONFIRMING, current, current, f"window {seen} of {s.confirm}; {reason}", predicted
+                Kind.CONFIRMING, current, current, f"window {seen} of {needed}; {reason}", predicted
             )
         self._pending = None
         self._last_change_s = now_s

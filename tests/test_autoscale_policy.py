@@ -56,10 +56,10 @@ def test_a_prefill_heavy_load_grows_the_pools_to_the_shape_the_model_ranks_first
 
 
 def test_a_decode_heavy_load_shrinks_to_fewer_nodes_only_while_the_window_meets_the_slos():
-    d = policy(confirm=1).decide(window(DECODE_HEAVY), THREE, now_s=0.0)
+    d = policy(shrink_confirm=1).decide(window(DECODE_HEAVY), THREE, now_s=0.0)
     assert d.kind is Kind.SCALE and d.target.label == "1P+1D"
     assert "fewer nodes" in d.reason
-    held = policy(confirm=1).decide(window(DECODE_HEAVY, met=0.5), THREE, now_s=0.0)
+    held = policy(shrink_confirm=1).decide(window(DECODE_HEAVY, met=0.5), THREE, now_s=0.0)
     assert held.kind is Kind.MISSING_SLO and held.target.label == "3 colocated"
     assert "50% only" in held.reason
 
@@ -87,14 +87,28 @@ def test_a_change_needs_the_same_target_on_confirm_windows_in_a_row():
     assert p.decide(window(PREFILL_HEAVY), PD, 20.0).kind is Kind.CONFIRMING
 
 
-def test_no_change_within_the_cooldown_of_the_last_one():
-    p = policy(confirm=1, cooldown_s=30)
-    assert p.decide(window(PREFILL_HEAVY), PD, 0.0).kind is Kind.SCALE
-    held = p.decide(window(DECODE_HEAVY), THREE, 10.0)
+def test_no_change_but_growth_within_the_cooldown_of_the_last_one():
+    p = policy(confirm=1, shrink_confirm=1, cooldown_s=30, max_nodes=2)
+    light = (1.0, 20, 4)  # one node meets the SLOs
+    one = Cluster(0, 0, 1)
+    grown = p.decide(window(PREFILL_HEAVY), one, 0.0)
+    assert grown.kind is Kind.SCALE and grown.target.num_nodes == 2
+    held = p.decide(window(light), grown.target, 10.0)  # back to one node: held
     assert held.kind is Kind.COOLDOWN and "20 s of cooldown left" in held.reason
-    assert p.decide(window(DECODE_HEAVY), THREE, 31.0).kind is Kind.SCALE
+    shrunk = p.decide(window(light), grown.target, 31.0)
+    assert shrunk.kind is Kind.SCALE and shrunk.target.num_nodes == 1
+    again = p.decide(window(PREFILL_HEAVY), shrunk.target, 35.0)  # a shortage waits for nothing
+    assert again.kind is Kind.SCALE and again.target.num_nodes == 2
     p.changed(40.0)  # an operator's switch starts the cooldown too
-    assert p.decide(window(PREFILL_HEAVY), PD, 45.0).kind is Kind.COOLDOWN
+    assert p.decide(window(light), again.target, 45.0).kind is Kind.COOLDOWN
+
+
+def test_fewer_nodes_need_shrink_confirm_windows_in_a_row_and_growth_only_confirm():
+    p = policy(confirm=2, shrink_confirm=4, cooldown_s=0)
+    kinds = [p.decide(window(DECODE_HEAVY), THREE, 5.0 * k).kind for k in range(4)]
+    assert kinds == [Kind.CONFIRMING] * 3 + [Kind.SCALE]
+    kinds = [p.decide(window(PREFILL_HEAVY), PD, 100.0 + 5.0 * k).kind for k in range(2)]
+    assert kinds == [Kind.CONFIRMING, Kind.SCALE]
 
 
 def test_min_nodes_keeps_smaller_shapes_out_of_the_search():
