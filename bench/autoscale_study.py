@@ -3,7 +3,8 @@
     .venv/bin/python bench/autoscale_study.py --out-dir /tmp/autoscale [--phase-s 60] [--profile FILE]
 
 One seeded trace of the default model, its phases one after the other (PHASES): prefill-heavy
-(long prompts, few tokens out), decode-heavy (short prompts, long outputs), prefill-heavy again.
+(long prompts, few tokens out), decode-heavy (short prompts, long outputs), long prompts with long
+outputs, prefill-heavy again.
 It runs, one server after the other on a quiet machine, against `pdserve up` in each shape of
 SHAPES: the autoscaled cluster (starting 1P+1D, a budget of 2 nodes) and the fixed splits of 2
 nodes, each node a thread, every one with the same SLO flags (the router sheds by them). For
@@ -51,9 +52,13 @@ class Phase:
     output_len: tuple[int, int]
 
 
+# On the 2026-12-05 profile (one thread, a busy neighbour) the planner's best 2-node shape is
+# 2 colocated for the first phase, 1 colocated (fewer nodes) for the second, 1P+1D or 2 colocated
+# for the third (long prompts and long outputs), and 2 colocated for the last.
 PHASES = (
     Phase("prefill-heavy", 0.6, (384, 768), (2, 6)),
-    Phase("decode-heavy", 0.4, (16, 48), (96, 160)),
+    Phase("decode-heavy", 0.8, (16, 48), (96, 160)),
+    Phase("long in, long out", 0.45, (384, 768), (64, 128)),
     Phase("prefill-heavy", 0.6, (384, 768), (2, 6)),
 )
 TTFT_SLO_S, TPOT_SLO_S = 4.0, 0.25
@@ -65,10 +70,13 @@ class Shape:
     label: str
     cluster: Cluster  # the shape it starts in
     autoscale: bool = False
+    flags: tuple[str, ...] = ()  # more `pdserve up` flags
 
 
 SHAPES = (
     Shape("autoscaled (starts 1P+1D)", Cluster(1, 1), autoscale=True),
+    # at equal cores a node stopped leaves its core idle: this one keeps both nodes
+    Shape("autoscaled, --min-nodes 2", Cluster(1, 1), autoscale=True, flags=("--min-nodes", "2")),
     Shape("fixed 1P+1D", Cluster(1, 1)),
     Shape("fixed 2 colocated", Cluster(0, 0, 2)),
 )
@@ -123,7 +131,9 @@ def within_slo(record) -> bool:
 def measure(
     shape: Shape, items: list[tuple[WorkItem, str]], out: pathlib.Path, profile: pathlib.Path
 ) -> dict:
-    extra = (*SLO_FLAGS, "--autoscale", "--autoscale-profile", str(profile)) if shape.autoscale else SLO_FLAGS
+    extra = (*SLO_FLAGS, *shape.flags)
+    if shape.autoscale:
+        extra += ("--autoscale", "--autoscale-profile", str(profile))
     up = Up(shape.cluster, out / "logs", extra=extra)
     try:
         up.wait_up()
@@ -148,6 +158,8 @@ def measure(
             "met": within_slo(r),
             "ok": r.ok,
             "error": r.error_kind,
+            "ttft_s": r.ttft_s,
+            "tpot_s": r.tpot_s,
         }
         for r in result.records
     ]
@@ -191,16 +203,19 @@ def plot(results: list[dict], phase_s: float, window_s: float, path: pathlib.Pat
         windows = attainment(res["requests"], lambda r: int(r["sent_s"] // window_s))
         xs = [(w + 0.5) * window_s for w in windows]
         bottom.plot(xs, [100 * v for v in windows.values()], marker="o", label=res["label"])
-    auto = next(r for r in results if r["label"].startswith("autoscaled"))
+    auto = next((r for r in results if r["label"].startswith("autoscaled")), None)
+    if auto is None:
+        return
     times = [t for t, _ in auto["shapes"]]
-    for role in ("prefill", "decode", "colocated"):
-        top.step(times, [c[role] for _, c in auto["shapes"]], where="post", label=f"{role} nodes")
+    for role, lift in (("prefill", 0.04), ("decode", 0.0), ("colocated", -0.04)):  # apart where equal
+        counts = [c[role] + lift for _, c in auto["shapes"]]
+        top.step(times, counts, where="post", label=f"{role} nodes")
     for k in range(1, len(PHASES)):
         for ax in (top, bottom):
             ax.axvline(k * phase_s, color="grey", lw=0.8, ls="--")
     for k, phase in enumerate(PHASES):
         top.text((k + 0.5) * phase_s, 2.15, phase.name, ha="center", fontsize=8)
-    top.set_ylabel("autoscaled pool")
+    top.set_ylabel(f"pool: {auto['label']}", fontsize=8)
     top.set_ylim(-0.1, 2.4)
     top.legend(loc="center right", fontsize=8)
     bottom.set_ylabel(f"% within SLO ({window_s:g} s windows)")
@@ -223,10 +238,15 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out-dir", type=pathlib.Path, required=True)
-    parser.add_argument("--phase-s", type=float, default=60.0, help="seconds of each phase")
+    parser.add_argument("--phase-s", type=float, default=75.0, help="seconds of each phase")
     parser.add_argument("--window-s", type=float, default=20.0, help="SLO attainment windows")
     parser.add_argument("--profile", type=pathlib.Path, help="the planner's profile (default: calibrate)")
     parser.add_argument("--only", nargs="*", help="shape labels to run (default: all)")
+    parser.add_argument(
+        "--with-results",
+        type=pathlib.Path,
+        help="an earlier run's results.json: its other shapes join the table",
+    )
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     profile = args.profile or calibrate(args.out_dir)
@@ -241,23 +261,35 @@ def main() -> None:
             json.dumps({"label": res["label"], "overall": attainment(res["requests"], lambda r: 0)}),
             flush=True,
         )
+    if args.with_results:
+        ran = {r["label"] for r in results}
+        earlier = json.loads(args.with_results.read_text())
+        for res in earlier:
+            res["predicted_by_phase"] = {int(k): v for k, v in (res.get("predicted_by_phase") or {}).items()}
+        results += [r for r in earlier if r["label"] not in ran]
     (args.out_dir / "results.json").write_text(json.dumps(results, indent=1))
     plot(results, args.phase_s, args.window_s, args.out_dir / "autoscale.png")
     print(table(results, args.phase_s))
 
 
+def node_seconds(samples: list[tuple[float, dict]]) -> float:
+    """Seconds of routable nodes over the run, from the poller's samples (each held to the next)."""
+    return sum((b[0] - a[0]) * sum(a[1].values()) for a, b in zip(samples, samples[1:], strict=False))
+
+
 def table(results: list[dict], phase_s: float) -> str:
     head = " | ".join(f"{p.name} ({k * phase_s:.0f}-{(k + 1) * phase_s:.0f} s)" for k, p in enumerate(PHASES))
-    lines = [f"| shape | {head} | all |", "|---" * (len(PHASES) + 2) + "|"]
+    lines = [f"| shape | {head} | all | node-seconds |", "|---" * (len(PHASES) + 3) + "|"]
     for res in results:
         by_phase = attainment(res["requests"], lambda r: int(r["sent_s"] // phase_s))
         cells = [f"{100 * by_phase.get(k, 0):.0f}%" for k in range(len(PHASES))]
         overall = attainment(res["requests"], lambda r: 0)[0]
-        lines.append(f"| {res['label']} | {' | '.join(cells)} | **{100 * overall:.0f}%** |")
+        used = node_seconds(res["shapes"])
+        lines.append(f"| {res['label']} | {' | '.join(cells)} | **{100 * overall:.0f}%** | {used:.0f} |")
         predicted = res.get("predicted_by_phase") or {}
         if predicted:
             cells = [f"{100 * predicted[k]:.0f}%" if k in predicted else "-" for k in range(len(PHASES))]
-            lines.append(f"| planner's prediction for the shape it ran | {' | '.join(cells)} | |")
+            lines.append(f"| planner's prediction for the shape it ran | {' | '.join(cells)} | | |")
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """The results page's plots, from a `bench/serve_studies.py` output directory.
 
     .venv/bin/python bench/plot_results.py /tmp/pdserve-studies/vllm --rate 1 --out bench/plots
+    .venv/bin/python bench/plot_results.py /tmp/studies/autoscale --rate 1 --out bench/plots --prefix autoscale_
 
 Each point of the study (one server shape: pdserve 1P+1D, pdserve colocated, vLLM) left a
 ``point<i>/bench.json`` of `pdserve bench serve`'s runs, one per request rate. This draws
@@ -81,12 +82,17 @@ def main() -> None:
     ap.add_argument("study", type=pathlib.Path, help="a serve_studies output directory, e.g. .../vllm")
     ap.add_argument("--rate", type=float, default=1.0, help="the rate whose latencies are drawn")
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "plots")
+    ap.add_argument("--prefix", default="", help="before each file's name (another study's plots)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     points = load(args.study)
-    goodput_vs_rate(points, args.out / "goodput_vs_rate.png")
-    latency_cdf(points, args.rate, args.out / "latency_cdf.png")
-    print(f"wrote {args.out / 'goodput_vs_rate.png'} and {args.out / 'latency_cdf.png'}")
+    goodput, latency = (
+        args.out / f"{args.prefix}goodput_vs_rate.png",
+        args.out / f"{args.prefix}latency_cdf.png",
+    )
+    goodput_vs_rate(points, goodput)
+    latency_cdf(points, args.rate, latency)
+    print(f"wrote {goodput} and {latency}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@
     .venv/bin/python bench/serve_studies.py speculative --vllm-python /work/vllm-venv/bin/python
         # 1P+1D without and with --speculative ngram (and with the int8 KV cache too), and vLLM, on the
         # rep trace (edit/quote prompts)
+    .venv/bin/python bench/serve_studies.py autoscale --ttft-slo-ms 4000 --tpot-slo-ms 250 --profile-1t p1.json
+        # 1P+1D, 2 colocated, 1 colocated of 2 threads and pdserve up --autoscale, 0.25-2 req/s
 
 Every point starts a fresh cluster (default model, cores split evenly between its nodes), runs the
 workload at each rate (run k uses seed + k, fresh prompts), and stops the cluster. Where a profile
@@ -66,6 +68,7 @@ LONG_MIX = {
     "max_output_len": 64,
 }
 OVERLOAD_RATES = (0.5, 1.0, 2.0)
+AUTOSCALE_RATES = (0.25, 0.5, 1.0, 2.0)  # issue 32: 0.25x to 2x of about 1 req/s (2026-12-05 profile)
 SLO_ROUTER_ARGS = "--ttft-slo-s 4 --tpot-slo-s 0.25"  # the study's SLO: run it with the same in bench
 LOAD_RATES = (2.0, 4.0, 8.0)
 PREFILL_HEAVY = {"kind": "fixed", "num_requests": 16, "input_len": 512, "output_len": 16}
@@ -109,6 +112,7 @@ class Point:
     router_args: str = ""  # --router-args of pdserve up
     vllm: bool = False  # vLLM's OpenAI server on every core instead of pdserve up (cluster ignored)
     threads: int | None = None  # torch threads per node; None: pdserve up's even split of the cores
+    autoscale: bool = False  # pdserve up --autoscale from the cluster's shape, the --profile-1t profile
 
 
 def studies() -> dict[str, list[Point]]:
@@ -126,6 +130,14 @@ def studies() -> dict[str, list[Point]]:
             Point("1P+1D, SLO flags", pd, LONG_MIX, OVERLOAD_RATES, router_args=SLO_ROUTER_ARGS),
             Point("1 colocated", colocated, LONG_MIX, OVERLOAD_RATES),
             Point("1 colocated, SLO flags", colocated, LONG_MIX, OVERLOAD_RATES, router_args=SLO_ROUTER_ARGS),
+        ],
+        "autoscale": [  # run with --ttft-slo-ms 4000 --tpot-slo-ms 250 --profile-1t FILE
+            Point("1P+1D", pd, LONG_MIX, AUTOSCALE_RATES, router_args=SLO_ROUTER_ARGS),
+            Point("2 colocated", two_colocated, LONG_MIX, AUTOSCALE_RATES, router_args=SLO_ROUTER_ARGS),
+            Point(
+                "1 colocated, 2 threads", colocated, LONG_MIX, AUTOSCALE_RATES, router_args=SLO_ROUTER_ARGS
+            ),
+            Point("autoscaled, starts 1P+1D", pd, LONG_MIX, AUTOSCALE_RATES, autoscale=True),
         ],
         "ratio": [
             Point(f"{c.label} mix", c, MIX, (0.5, 1.0)) for c in (Cluster(1, 1), Cluster(1, 2), Cluster(2, 1))
@@ -215,7 +227,12 @@ def workload_spec(workload: dict) -> WorkloadSpec:
 
 
 def measure(
-    point: Point, out_dir: pathlib.Path, slo: Slo, vllm_python: str | None = None, warmup: int = 0
+    point: Point,
+    out_dir: pathlib.Path,
+    slo: Slo,
+    vllm_python: str | None = None,
+    warmup: int = 0,
+    profile: pathlib.Path | None = None,
 ) -> list[dict]:
     """One summary per rate, as `pdserve bench serve` wrote it, with the server's engine steps
     during the run under ``server_steps`` (none for vLLM)."""
@@ -224,7 +241,13 @@ def measure(
     if point.vllm:
         up = VllmServer(vllm_python, out_dir / "logs")
     else:
-        up = Up(point.cluster, out_dir / "logs", point.node_args, point.router_args, point.threads)
+        extra = ()
+        if point.autoscale:  # its SLO flags are the study's (the router sheds by them)
+            if profile is None:
+                raise SystemExit("an autoscaled point needs --profile-1t PATH (pdserve plan calibrate)")
+            slo_flags = ("--ttft-slo-s", f"{slo.ttft_s:g}", "--tpot-slo-s", f"{slo.tpot_s:g}")
+            extra = ("--autoscale", "--autoscale-profile", str(profile), *slo_flags)
+        up = Up(point.cluster, out_dir / "logs", point.node_args, point.router_args, point.threads, extra)
     try:
         up.wait_up()
         if not point.vllm:  # vLLM commits its KV cache before it answers
@@ -258,8 +281,8 @@ def predicted(point: Point, profiles: dict[int, Profile], slo: Slo) -> list[dict
     threads = point.threads or threads_per_node(usable_cores(), point.cluster.num_nodes)
     profile = profiles.get(threads)
     if (
-        profile is None or point.vllm or point.cluster.num_nodes > usable_cores()
-    ):  # shared cores: not modelled
+        profile is None or point.vllm or point.autoscale or point.cluster.num_nodes > usable_cores()
+    ):  # shared cores, or a shape that changes: not modelled
         return [None] * len(point.rates)
     spec = workload_spec(point.workload)
     return [
@@ -366,7 +389,9 @@ def main() -> None:
         ]
     for i, point in enumerate(points):
         started = time.monotonic()
-        measured = measure(point, out_dir / f"point{i}", slo, args.vllm_python, args.warmup_requests)
+        measured = measure(
+            point, out_dir / f"point{i}", slo, args.vllm_python, args.warmup_requests, args.profile_1t
+        )
         after = (
             {1: calibrate(out_dir / f"profile-after{i}.json", args.busy_neighbours)} if args.calibrate else {}
         )
