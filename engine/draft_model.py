@@ -26,12 +26,41 @@ import json
 import math
 import pathlib
 import time
+from collections.abc import Callable
 
 from engine.config import EngineConfig, ModelConfig
 from engine.sequence import Sequence
+from engine.speculation import Speculator
 from protocol.sampling_params import SamplingParams
 
 MAX_DRAFT_STEPS = 100_000  # a draft round that has not ended by then is a bug, not a slow step
+
+
+def speculator_for(
+    config: EngineConfig,
+    model: ModelConfig,
+    num_blocks: int,
+    num_threads: int,
+    max_model_len: int,
+    build_engine: Callable[[EngineConfig], object],
+) -> Speculator | None:
+    """The engine's speculator for ``--speculative`` or ``--speculative-model`` (None without);
+    the latter with a draft engine of its own, built by ``build_engine`` (LLMEngine) from
+    ``draft_engine_config`` with the target engine's pool size, threads and context."""
+    if config.speculative_method is None:
+        return None
+    draft = None
+    if config.speculative_method == "draft":
+        if config.speculative is not None:
+            raise ValueError(
+                "speculative_model: a draft model proposes instead of ngram; give --speculative "
+                "ngram or --speculative-model, not both"
+            )
+        draft_config = draft_model_config(config.speculative_model)
+        check_same_tokenizer(model, draft_config)
+        limits = (num_blocks, num_threads, min(max_model_len, draft_config.max_position_embeddings))
+        draft = DraftModel(build_engine(draft_engine_config(config, *limits)))
+    return Speculator(config.num_speculative_tokens, draft)
 
 
 def draft_engine_config(
@@ -40,9 +69,9 @@ def draft_engine_config(
     """The draft engine's settings: the target's device, dtype, block size and batch limits; a
     pool of as many tokens as the target's (it never holds more sequences than the target runs,
     each for as many tokens, plus k drafts each) committed only as it is used; the target's
-    thread count, fixed (the target's share of the CPUs decides it for both)."""
+    thread count, fixed (the target's share of the CPUs decides it for both); ``max_model_len``:
+    the shorter of the two models' contexts."""
     assert target.speculative_model is not None
-    draft_max_len = draft_model_config(target.speculative_model).max_position_embeddings
     extra_blocks = target.max_num_seqs * math.ceil((target.num_speculative_tokens + 1) / target.block_size)
     return EngineConfig(
         model=target.speculative_model,
@@ -52,7 +81,7 @@ def draft_engine_config(
         num_kv_blocks=num_target_blocks + extra_blocks,
         max_num_batched_tokens=target.max_num_batched_tokens,
         max_num_seqs=target.max_num_seqs,
-        max_model_len=min(max_model_len, draft_max_len),
+        max_model_len=max_model_len,
         num_threads=num_threads,
         kv_commit="lazy",
         attention_backend=target.attention_backend,

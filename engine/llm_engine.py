@@ -14,7 +14,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cpu_share import CpuShare
 from engine.cuda_graphs import why_eager
 from engine.device import describe_runtime, resolve_dtype
-from engine.draft_model import DraftModel, check_same_tokenizer, draft_engine_config, draft_model_config
+from engine.draft_model import speculator_for
 from engine.kv_prefault import KVPrefault
 from engine.logits_rules import LogitsRules
 from engine.model_runner import KVCacheFactory, ModelRunner
@@ -35,7 +35,6 @@ from engine.sampler import Sampler, SamplerInput, prompt_logprobs
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from engine.sizing import EngineSizing, announce, measure_device, size_device_pool, size_engine
-from engine.speculation import Speculator
 from engine.step_budget import StepBudget
 from engine.step_stats import StepStats, step_tokens
 from engine.stop_rules import StopRules
@@ -92,28 +91,11 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}  # not yet done; held ones are the scheduler's (held)
         self.stop_rules = StopRules(tuple(self.model_config.eos_token_ids), self.max_model_len, tokenizer)
         self.step_stats = StepStats()  # steps by kind, for the node's metrics
-        self.speculator = self._speculator()
+        limits = (self.kv_spec.num_blocks, self.sizing.num_threads, self.max_model_len)
+        self.speculator = speculator_for(config, self.model_config, *limits, build_engine=LLMEngine)
         # each step's token budget, so that steps keep to a time target (chunks shrink when slow)
         min_tokens = min(config.max_num_batched_tokens, config.max_num_seqs + config.block_size)
         self.step_budget = StepBudget(config.max_step_s, config.max_num_batched_tokens, min_tokens)
-
-    def _speculator(self) -> Speculator | None:
-        """The speculator for ``--speculative`` or ``--speculative-model`` (None without), the
-        latter with a draft engine of its own (engine/draft_model.py)."""
-        c = self.config
-        if c.speculative_method is None:
-            return None
-        draft = None
-        if c.speculative_method == "draft":
-            if c.speculative is not None:
-                raise ValueError(
-                    "speculative_model: a draft model proposes instead of ngram; give --speculative "
-                    "ngram or --speculative-model, not both"
-                )
-            check_same_tokenizer(self.model_config, draft_model_config(c.speculative_model))
-            limits = (self.kv_spec.num_blocks, self.sizing.num_threads, self.max_model_len)
-            draft = DraftModel(LLMEngine(draft_engine_config(c, *limits)))
-        return Speculator(c.num_speculative_tokens, draft)
 
     def _graphs_off(self) -> str | None:
         """Why decode steps run eagerly on this engine; None where CUDA graphs capture them."""

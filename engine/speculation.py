@@ -30,7 +30,7 @@ time counts in T (a step is timed from the proposal on), so its cost per draft l
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sized
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -138,17 +138,18 @@ class Speculator:
             k += 1
         return max(0, min(k, seq.max_tokens - seq.num_output_tokens - 1))
 
-    def budget(self, num_decodes: int, drafts: list[tuple[Sequence, Sized]]) -> dict[int, int]:
-        """How many of its ``drafts`` each sequence keeps for this step, of ``num_decodes``: the
+    def budget(self, num_decodes: int, drafts: list[tuple[Sequence, int]]) -> dict[int, int]:
+        """How many of its drafts (``drafts``: each sequence and how many it has) each keeps for
+        this step, of ``num_decodes``: the
         drafts in order of their probability, each taken while it exceeds c * Y / T (the module's
         docstring), Y and T growing with each taken."""
         fitted = self.row_cost.fit()
         fixed, per_row = (PRIOR_ROWS_PER_STEP, 1.0) if fitted is None else fitted
         tokens, seconds = float(num_decodes), fixed + per_row * num_decodes
         candidates = []  # (probability, seq_id)
-        for seq, tokens_drafted in drafts:
+        for seq, num_drafts in drafts:
             a, prob = self.acceptance_of(seq), 1.0
-            for _ in range(len(tokens_drafted)):
+            for _ in range(num_drafts):
                 prob *= a
                 candidates.append((prob, seq.seq_id))
         candidates.sort(key=lambda c: c[0], reverse=True)
@@ -185,10 +186,10 @@ class Speculator:
                 wanted.append((seq, k))
         if self.draft is None:  # a lookup is free: find the drafts, then price them
             drafts = [(seq, found) for seq, k in wanted if (found := ngram_lookup(self._tokens(seq), k))]
-            counts = self.budget(num_decodes, drafts)
+            counts = self.budget(num_decodes, [(seq, len(found)) for seq, found in drafts])
         else:  # a draft model's tokens cost a pass each: price the drafts first (by position
             # alone), then run it for the ones that pay
-            counts = self.budget(num_decodes, [(seq, range(k)) for seq, k in wanted])
+            counts = self.budget(num_decodes, wanted)
             found = self.draft.propose(
                 [(seq, counts[seq.seq_id]) for seq, _ in wanted if seq.seq_id in counts]
             )
