@@ -134,6 +134,14 @@ class EngineConfig:
         "the full budget's time at the speed of the first prefill steps, at most 1 s",
         flag="--max-step-seconds",
     )
+    max_decode_step_s: float | None = setting(  # engine.step_budget
+        None,
+        "step-time target of the steps that carry running decodes beside prompt chunks: those "
+        "chunks shrink so that such a step takes about this long, which bounds a running request's "
+        "time per token while prompts are prefilled beside it (set it within the TPOT SLO; "
+        "`pdserve up --tpot-slo-s` does); default: the step-time target",
+        flag="--max-decode-step-seconds",
+    )
     max_num_seqs: int = setting(64, "sequences in one forward pass")
     max_model_len: int | None = setting(None, "context limit in tokens (default: the model's)")
     enable_prefix_caching: bool = setting(
@@ -233,8 +241,9 @@ class EngineConfig:
             raise ValueError(f"speculative must be ngram or None, got {self.speculative!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
-        if self.max_step_s is not None and self.max_step_s <= 0:
-            raise ValueError(f"max_step_s must be positive, got {self.max_step_s}")
+        for name in ("max_step_s", "max_decode_step_s"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("num_kv_blocks", "kv_cache_memory_mb", "num_threads", "max_threads"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

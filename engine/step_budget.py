@@ -12,12 +12,19 @@ the chunk that takes the target (the update's slope there is a / T < 1, so it co
 
 ``target_s`` None: derived from the first measure, the time the full ``max_tokens`` budget
 takes at that speed, at most ``AUTO_MAX_STEP_S``: steps then never get longer than the first
-ones would have on that machine, and on a slow one they stay under a second. Torch-free.
+ones would have on that machine, and on a slow one they stay under a second.
+
+A node may keep a second budget for the steps that carry running decodes beside prompt chunks
+(``--max-decode-step-seconds``): those steps' time is every running request's time per token
+while prompts are prefilled beside it, so a TPOT SLO bounds them, where prompt-only steps may run
+to the longer target that prefills fastest. ``pdserve up --tpot-slo-s`` sets it on every node to
+``TPOT_SLO_STEP_SHARE`` of the SLO, leaving the rest for the steps' spread. Torch-free.
 """
 
 from __future__ import annotations
 
 AUTO_MAX_STEP_S = 1.0  # the derived target's ceiling
+TPOT_SLO_STEP_SHARE = 0.8  # `pdserve up --tpot-slo-s`: the decode-step target, as a share of the SLO
 MIN_MEASURED_TOKENS = 64  # the first measure needs a step at least this large
 DECAY = 0.7  # weight of the past at each observed step
 
@@ -45,9 +52,10 @@ class StepBudget:
         if self.target_s is None:
             self.target_s = min(AUTO_MAX_STEP_S, self.max_tokens * self._seconds / self._tokens)
 
-    def tokens(self) -> int:
-        """The next step's token budget."""
-        per_token = self.seconds_per_token
+    def tokens(self, fallback_per_token: float | None = None) -> int:
+        """The next step's token budget (at ``fallback_per_token`` seconds a token while this
+        budget has measured none)."""
+        per_token = self.seconds_per_token or fallback_per_token
         if per_token is None or self.target_s is None or per_token <= 0:
             return self.max_tokens
         return max(self.min_tokens, min(self.max_tokens, int(self.target_s / per_token)))

@@ -104,7 +104,8 @@ def _add_slo_flags(parser: argparse.ArgumentParser) -> None:
         "--tpot-slo-s",
         type=float,
         default=None,
-        help="time-per-output-token target (default: none; 0.25 with --autoscale)",
+        help="time-per-output-token target (default: none; 0.25 with --autoscale); the nodes keep "
+        "the steps that carry decodes beside prompt chunks within it",
     )
     slo.add_argument(
         "--autoscale",
@@ -231,7 +232,7 @@ def _plan(args: argparse.Namespace):
         _say(
             f"KV pools: {share:.1%} of available memory per node ({num_nodes} nodes share {LOCAL_KV_SHARE:.0%})"
         )
-    node_args = tuple(shlex.split(args.node_args))
+    node_args = (*shlex.split(args.node_args), *_slo_node_args(args))
     gpu_share = gpu_share_per_node(node_args, num_nodes)
     if gpu_share is not None:
         _say(f"GPU memory: {gpu_share:.1%} of {node_device(node_args)} per node ({num_nodes} nodes share it)")
@@ -288,6 +289,18 @@ def _slo_router_args(args: argparse.Namespace) -> tuple[str, ...]:
         if value is not None and not any(a == flag or a.startswith(flag + "=") for a in given):
             out += [flag, f"{value:g}"]
     return tuple(out)
+
+
+def _slo_node_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """With a TPOT SLO, every node's steps that carry decodes beside prompt chunks keep within it
+    (engine.step_budget), unless --node-args sets their target itself: any node may decode, after
+    a role switch if not at start."""
+    from engine.step_budget import TPOT_SLO_STEP_SHARE
+
+    flag = "--max-decode-step-seconds"
+    if args.tpot_slo_s is None or any(a == flag or a.startswith(flag + "=") for a in shlex.split(args.node_args)):
+        return ()
+    return (flag, f"{TPOT_SLO_STEP_SHARE * args.tpot_slo_s:g}")
 
 
 def _autoscale_options(args: argparse.Namespace, plan):

@@ -80,3 +80,40 @@ def test_prompt_chunks_shrink_to_the_step_time_target_when_the_machine_slows_dow
         assert sum(n for n, _ in steps) == 480
     assert len(steps) >= 2 and all(n <= 320 for n, _ in steps), steps  # ~0.2 s / 0.8 ms = 250
     assert all(seconds < 0.2 * 1.5 for _, seconds in steps), steps
+
+
+def test_steps_that_carry_decodes_keep_to_the_decode_step_target_and_prompt_only_steps_to_the_other():
+    model = make_tiny_model("llama-deep")
+    config = EngineConfig(
+        model=str(model),
+        num_kv_blocks=256,
+        block_size=8,
+        max_num_seqs=8,
+        max_step_s=0.3,
+        max_decode_step_s=0.06,
+    )
+    engine = LLMEngine(config)
+    assert engine.step_target_s == 0.06  # what the router checks a local prefill against
+    for layer in engine.runner.model.model.layers:  # 8 layers: 0.8 ms a token, 375 tokens in 0.3 s
+        layer.register_forward_pre_hook(lambda _m, args: time.sleep(100e-6 * args[0].shape[0]))
+    for seed in (3, 13):  # measure the speed (the first step pays for first-call allocations)
+        _prefill(engine, f"first-{seed}", [(seed * i) % 250 + 3 for i in range(480)])
+    steps = _prefill(engine, "alone", [(5 * i) % 250 + 3 for i in range(480)])
+    alone = steps[0][0]  # a prompt alone: chunks of the prompt-only target (0.3 s, ~375 tokens)
+    assert alone > 150, steps
+    engine.add_request("decoding", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    engine.step()  # its prefill; from here it decodes in every step
+    engine.add_request("long", [(7 * i) % 250 + 3 for i in range(480)], SamplingParams(max_tokens=1))
+    mixed = []
+    while "long" in engine.requests:
+        before = engine.step_stats.by_kind["mixed"].prompt_tokens
+        start = time.perf_counter()
+        engine.step()
+        mixed.append((engine.step_stats.by_kind["mixed"].prompt_tokens - before, time.perf_counter() - start))
+    assert sum(n for n, _ in mixed) == 480
+    # ~0.06 s / 0.8 ms = 75 tokens a step beside the decode, the decode row among them
+    assert len(mixed) >= 4 and all(2 * n <= alone for n, _ in mixed), (mixed, steps)
+    assert sorted(s for _, s in mixed)[len(mixed) // 2] < 0.06 * 1.5, mixed
+    engine.abort_request("decoding")
+    steps = _prefill(engine, "alone-again", [(11 * i) % 250 + 3 for i in range(480)])
+    assert steps[0][0] > 150, steps  # no decodes running: the prompt-only target again
