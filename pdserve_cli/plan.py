@@ -74,6 +74,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             default=LOCAL_PREFILL_MARGIN_S,
             help="as the router's flag",
         )
+        p.add_argument(
+            "--without-slo-flags",
+            action="store_true",
+            help="model a cluster started without --ttft-slo-s/--tpot-slo-s (default: with the SLO "
+            "targets above as its flags: the router sheds by them and the nodes keep steps that "
+            "carry decodes within the TPOT target)",
+        )
         p.add_argument("--json", type=pathlib.Path, default=None, help="write the predictions here")
         if name == "simulate":
             p.add_argument("--prefill", type=int, default=1, metavar="N")
@@ -192,7 +199,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         results = []
         for k, rate in enumerate(rates):  # run k: seed + k, as `pdserve bench serve` sweeps
             requests = sim_requests(workload.build(args.seed + k), rate, args.burstiness, args.seed + k)
-            summary = predict(profile, cluster, requests, slo)
+            summary = predict(profile, cluster, requests, slo, not args.without_slo_flags)
             print(table(f"{cluster.label}, {rate:g} req/s (predicted)", summary))
             results.append(
                 {
@@ -223,6 +230,7 @@ def run_recommend(args: argparse.Namespace) -> int:
             slo,
             shapes(args.max_nodes, args.disagg_threshold, not args.no_colocated, args.local_prefill_margin_s),
             args.min_slo_fraction,
+            not args.without_slo_flags,
         )
     except ValueError as exc:
         print(f"pdserve plan recommend: {exc}", file=sys.stderr)
@@ -232,9 +240,10 @@ def run_recommend(args: argparse.Namespace) -> int:
     )
     for c in ranked:
         s = c.summary
+        ms = lambda stats, q: f"{getattr(stats, q) * 1e3:>8.0f}ms" if stats else f"{'-':>10}"  # noqa: E731
         print(
             f"{c.cluster.label:14}{c.cluster.num_nodes:>6}{100 * c.slo_fraction:>8.0f}%{s.goodput:>9.3f}"
-            f"{s.output_throughput:>8.1f}{s.ttft.p50 * 1e3:>9.0f}ms{s.tpot.p50 * 1e3:>8.0f}ms{s.tpot.p99 * 1e3:>8.0f}ms"
+            f"{s.output_throughput:>8.1f} {ms(s.ttft, 'p50')}{ms(s.tpot, 'p50')}{ms(s.tpot, 'p99')}"
         )
     best = ranked[0]
     if best.meets(args.min_slo_fraction):

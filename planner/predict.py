@@ -37,6 +37,25 @@ def sim_requests(
 
 def to_record(index: int, outcome: SimOutcome) -> RequestRecord:
     req = outcome.request
+    if outcome.shed:  # as the client records a 429
+        return RequestRecord(
+            index=index,
+            conversation=None,
+            turn=0,
+            ok=False,
+            error_kind="http_429",
+            error="shed by the TTFT SLO (predicted)",
+            sent_s=req.arrival_s,
+            ttft_s=None,
+            e2e_s=None,
+            token_times_s=(),
+            event_tokens=(),
+            requested_tokens=req.output_len,
+            prompt_tokens=req.prompt_len,
+            usage_completion_tokens=None,
+            usage_cached_tokens=None,
+            finish_reason=None,
+        )
     times = tuple(t - req.arrival_s for t in outcome.token_times_s)
     return RequestRecord(
         index=index,
@@ -58,11 +77,15 @@ def to_record(index: int, outcome: SimOutcome) -> RequestRecord:
     )
 
 
-def predict(profile: Profile, cluster: Cluster, requests: Sequence[SimRequest], slo: Slo) -> Summary:
-    outcomes = simulate(profile, cluster, requests)
+def predict(
+    profile: Profile, cluster: Cluster, requests: Sequence[SimRequest], slo: Slo, slo_flags: bool = True
+) -> Summary:
+    """``slo_flags``: the cluster runs with ``slo`` as its SLO flags (`pdserve up --ttft-slo-s
+    --tpot-slo-s`, as --autoscale always does): its router sheds by them (planner.simulate)."""
+    outcomes = simulate(profile, cluster, requests, slo if slo_flags else None)
     records = [to_record(i, o) for i, o in enumerate(outcomes)]
     start = min(r.arrival_s for r in requests)
-    duration = max(o.token_times_s[-1] for o in outcomes) - start
+    duration = max(o.token_times_s[-1] if o.token_times_s else o.request.arrival_s for o in outcomes) - start
     return summarize(records, duration, slo)
 
 

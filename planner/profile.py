@@ -4,6 +4,7 @@
     decode_step_s(b, c)   one continuous-batching step of b sequences holding c context tokens in all,
                           interpolated on the measured (batch x context per sequence) grid
     transfer_s(bytes)     a prefill node -> decode node KV transfer on this host: base + per_byte * bytes
+    step_tokens           the tokens one engine step computes at most (its step-time target's budget)
 
 Torch-free: ``pdserve plan simulate`` reads it; ``pdserve plan calibrate`` writes it.
 """
@@ -15,6 +16,8 @@ import dataclasses
 import json
 import pathlib
 from typing import Any
+
+from engine.step_budget import AUTO_MAX_STEP_S  # torch-free
 
 VERSION = 1
 
@@ -92,9 +95,37 @@ class Profile:
     decode: DecodeStepGrid  # (running sequences, their context tokens) -> step seconds
     transfer: TransferModel
     measured: dict[str, Any] = dataclasses.field(default_factory=dict)  # raw samples, for the record
+    max_step_s: float | None = None  # the engine's step-time target (None: derived, as the engine does)
 
     def prefill_s(self, num_tokens: int) -> float:
         return self.prefill(num_tokens) if num_tokens > 0 else 0.0
+
+    @property
+    def step_target_s(self) -> float:
+        """The engine's step-time target: given, or derived from the speed as the engine does."""
+        if self.max_step_s is not None:
+            return self.max_step_s
+        return min(AUTO_MAX_STEP_S, self.prefill_s(self.max_num_batched_tokens))
+
+    @property
+    def min_step_tokens(self) -> int:
+        """The step budget's floor (the engine's: a token per sequence and a block more)."""
+        return min(self.max_num_batched_tokens, self.max_num_seqs + 16)
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens a step computes at most, prompt chunks and decode rows together: the engine's
+        step budget where it settles (engine.step_budget), the prompt length whose prefill takes
+        the step-time target, within ``max_num_batched_tokens``."""
+        return max(self.min_step_tokens, self.prefill_tokens_within(self.step_target_s))
+
+    def prefill_tokens_within(self, seconds: float) -> int:
+        """The most prompt tokens one prefill computes in ``seconds`` (0 to max_num_batched_tokens)."""
+        lo, hi = 0, self.max_num_batched_tokens  # prefill_s grows with n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.prefill_s(mid) <= seconds else (lo, mid - 1)
+        return lo
 
     def transfer_s(self, num_prompt_tokens: int) -> float:
         return self.transfer(num_prompt_tokens * self.kv_bytes_per_token)
@@ -120,6 +151,7 @@ class Profile:
             ),
             transfer=TransferModel(**body["transfer"]),
             measured=body.get("measured", {}),
+            max_step_s=body.get("max_step_s"),  # profiles written before it: derived
         )
 
     def save(self, path: pathlib.Path) -> None:

@@ -46,12 +46,13 @@ def rank(
     slo: Slo,
     clusters: Sequence[Cluster],
     min_fraction: float,
+    slo_flags: bool = True,
 ) -> list[Candidate]:
     """All candidates, best first: those meeting the SLOs (fewest nodes, then highest share),
-    then the others (highest share first)."""
+    then the others (highest share first). ``slo_flags``: as ``predict``'s."""
     candidates = []
     for cluster in clusters:
-        summary = predict(profile, cluster, requests, slo)
+        summary = predict(profile, cluster, requests, slo, slo_flags)
         candidates.append(Candidate(cluster, summary, slo_fraction(summary)))
 
     def key(c: Candidate) -> tuple[bool, int, float, str]:

@@ -4,14 +4,16 @@
                ├─ prompt >= disagg_threshold, a plain decode node and a prefill node exists, and
                │  the prompt would not wait local_prefill_margin_s longer behind the shortest
                │  prefill queue than behind the decode node's own local prompts:
-               │    prefill node queue (FIFO, batches up to the token budget, prefill_s(batch tokens))
+               │    prefill node queue (FIFO, steps of up to step_tokens: long prompts chunked,
+               │    short ones sharing a step; prefill_s(step tokens))
                │      ─► first token ─► transfer_s(prompt KV) ─► the decode node's waiting queue
                └─ otherwise (short prompt, colocated node, no prefill node, or the prefill pool
-                    backed up): the decode node's waiting queue, prefilled there in a step beside
-                    the running batch (first token at its end)
-    decode node: one step at a time: admit waiting requests up to max_num_seqs (local prefills up to
-                 the token budget), step time = decode_step_s(running, their context) + prefill_s(local
-                 prompt tokens); every running request gains one token at the step's end.
+                    backed up): the decode node's waiting queue, prefilled there in chunks beside
+                    the running batch (first token at the end of its last chunk)
+    decode node: one step at a time of up to step_tokens: every running request that decodes gains
+                 a token, local prompts take chunks of what is left, waiting requests join up to
+                 max_num_seqs; step time = decode_step_s(decoding, their context) + prefill_s(chunk
+                 tokens). So a decode shares its steps with other prompts' chunks, as on a real node.
 
 What it leaves out: prefix caching, the router's and HTTP's own latency, and nodes sharing cores
 (each node runs at the profile's speed). As in pdserve, the prefill node reports the first token
@@ -28,6 +30,8 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 
+from bench_serve.metrics import Slo
+from engine.step_budget import TPOT_SLO_STEP_SHARE  # torch-free
 from planner.profile import Profile
 from router.config import LOCAL_PREFILL_MARGIN_S  # a plain dataclass module: no torch
 from router.policy import place  # torch-free too
@@ -75,13 +79,18 @@ class SimRequest:
 class SimOutcome:
     request: SimRequest
     token_times_s: tuple[float, ...]  # when each output token came out (seconds after the start)
-    decode_node: str  # e.g. "decode-0", "colocated-1"
+    decode_node: str  # e.g. "decode-0", "colocated-1"; "" when shed
     prefill_node: str | None  # None: prefilled on its decode node
     decode_wait_s: float  # KV arrived (or, local: request arrived) -> its first step on the decode node
 
     @property
-    def ttft_s(self) -> float:
-        return self.token_times_s[0] - self.request.arrival_s
+    def shed(self) -> bool:
+        """Refused with 429 by the router's TTFT SLO (no token)."""
+        return not self.token_times_s
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_times_s[0] - self.request.arrival_s if self.token_times_s else None
 
     @property
     def tpot_s(self) -> float | None:
@@ -103,6 +112,12 @@ class _Live:
     decode_wait_s: float = 0.0
     decode_node: str = ""
     prefill_node: str | None = None
+    num_prefilled: int = 0  # prompt tokens computed (on whichever node prefills it)
+    shed: bool = False  # refused by the router
+
+    @property
+    def num_prompt_left(self) -> int:
+        return self.request.prompt_len - self.num_prefilled
 
     @property
     def num_left(self) -> int:
@@ -127,12 +142,16 @@ class _Clock:
 
 
 class _PrefillNode:
+    """FIFO prompts, computed in steps of at most ``step_tokens``: a long prompt is chunked over
+    several steps, and short ones share a step (the engine's chunked prefill and step budget)."""
+
     def __init__(
         self, name: str, profile: Profile, clock: _Clock, on_first_token: Callable[[_Live], None]
     ) -> None:
         self.name, self.profile, self.clock, self.on_first_token = name, profile, clock, on_first_token
+        self.step_tokens = profile.step_tokens
         self.queue: collections.deque[_Live] = collections.deque()
-        self.num_queued_tokens = 0  # prompt tokens queued or being computed (the router's key)
+        self.num_queued_tokens = 0  # prompt tokens not yet computed (the router's key)
         self.busy = False
 
     def submit(self, live: _Live) -> None:
@@ -144,27 +163,34 @@ class _PrefillNode:
     def _start(self) -> None:
         if self.busy or not self.queue:
             return
-        batch = [self.queue.popleft()]
-        num_tokens = batch[0].request.prompt_len
-        while (
-            self.queue
-            and num_tokens + self.queue[0].request.prompt_len <= self.profile.max_num_batched_tokens
-        ):
-            batch.append(self.queue.popleft())
-            num_tokens += batch[-1].request.prompt_len
+        chunks, budget = [], self.step_tokens
+        for live in self.queue:
+            if budget <= 0 or len(chunks) == self.profile.max_num_seqs:
+                break
+            take = min(live.num_prompt_left, budget)
+            chunks.append((live, take))
+            budget -= take
         self.busy = True
-        self.clock.at(self.clock.now + self.profile.prefill_s(num_tokens), lambda: self._done(batch))
+        step_s = self.profile.prefill_s(self.step_tokens - budget)
+        self.clock.at(self.clock.now + step_s, lambda: self._done(chunks))
 
-    def _done(self, batch: list[_Live]) -> None:
+    def _done(self, chunks: list[tuple[_Live, int]]) -> None:
         self.busy = False
-        for live in batch:
-            self.num_queued_tokens -= live.request.prompt_len
-            live.token_times.append(self.clock.now)
-            self.on_first_token(live)
+        for live, take in chunks:
+            live.num_prefilled += take
+            self.num_queued_tokens -= take
+            if live.num_prompt_left == 0:
+                self.queue.remove(live)
+                live.token_times.append(self.clock.now)
+                self.on_first_token(live)
         self._start()
 
 
 class _DecodeNode:
+    """Continuous batching as the engine's scheduler does it: each step, every decoding request
+    gains a token and local prompts get chunks of what the step budget leaves; prompts whose KV
+    came from a prefill node join without budget."""
+
     def __init__(
         self,
         name: str,
@@ -172,6 +198,7 @@ class _DecodeNode:
         profile: Profile,
         clock: _Clock,
         on_finished: Callable[[_Live], None],
+        decode_step_s: float | None = None,  # the target of steps that carry decodes (None: the other's)
     ) -> None:
         self.name, self.colocated, self.profile, self.clock, self.on_finished = (
             name,
@@ -180,18 +207,19 @@ class _DecodeNode:
             clock,
             on_finished,
         )
+        self.step_tokens = profile.step_tokens
+        self.decode_step_s = decode_step_s
+        # what the node reports: a running decode's time per token while prompts prefill beside it
+        self.step_target_s = min(profile.step_target_s, decode_step_s or math.inf)
         self.waiting: collections.deque[_Live] = collections.deque()  # KV arrived, or to prefill here
-        self.running: list[_Live] = []
+        self.running: list[_Live] = []  # decoding, or prefilling here in chunks
         self.num_outstanding_blocks = 0  # blocks of requests routed here and not finished (the router's key)
-        self.num_prefilling_tokens = 0  # local prompt tokens in the step under way
         self.busy = False
 
     @property
     def num_queued_tokens(self) -> int:
-        """Prompt tokens to prefill here, in the step under way or waiting (as nodes report them)."""
-        return self.num_prefilling_tokens + sum(
-            live.request.prompt_len for live in self.waiting if live.local
-        )
+        """Prompt tokens still to prefill here, running or waiting (as nodes report them)."""
+        return sum(live.num_prompt_left for live in (*self.running, *self.waiting) if live.local)
 
     def submit(self, live: _Live) -> None:
         """A request to prefill here, or one whose KV just arrived."""
@@ -202,47 +230,59 @@ class _DecodeNode:
     def _start(self) -> None:
         if self.busy:
             return
-        prefills = self._admit()
-        if not self.running and not prefills:
+        decoding = [live for live in self.running if not live.num_prompt_left]
+        budget = self.step_tokens - len(decoding)  # a decode row costs one token of the budget
+        if decoding and self.decode_step_s is not None:  # chunks beside decodes keep to their target
+            decode_s = self.profile.decode(len(decoding), sum(live.num_context for live in decoding))
+            floor = self.profile.min_step_tokens - len(decoding)
+            budget = min(budget, max(floor, self.profile.prefill_tokens_within(self.decode_step_s - decode_s)))
+        chunks = []
+        for live in self.running:
+            if live.num_prompt_left and budget > 0:
+                chunks.append((live, min(live.num_prompt_left, budget)))
+                budget -= chunks[-1][1]
+        budget = self._admit(decoding, chunks, budget)
+        if not decoding and not chunks:
             return
-        num_prefill_tokens = sum(live.request.prompt_len for live in prefills)
-        self.num_prefilling_tokens = num_prefill_tokens
         step_s = self.profile.decode(
-            len(self.running), sum(live.num_context for live in self.running)
-        ) + self.profile.prefill_s(num_prefill_tokens)
-        decoding = list(self.running)
+            len(decoding), sum(live.num_context for live in decoding)
+        ) + self.profile.prefill_s(sum(take for _, take in chunks))
         self.busy = True
-        self.clock.at(self.clock.now + step_s, lambda: self._done(decoding, prefills))
+        self.clock.at(self.clock.now + step_s, lambda: self._done(decoding, chunks))
 
-    def _admit(self) -> list[_Live]:
-        """Waiting requests that join this step, in arrival order: KV-ready ones into the running
-        batch, local ones as this step's prefills (within the token budget)."""
-        prefills: list[_Live] = []
-        budget = self.profile.max_num_batched_tokens - len(self.running)
-        while self.waiting and len(self.running) + len(prefills) < self.profile.max_num_seqs:
-            live = self.waiting[0]
-            if live.local and live.request.prompt_len > budget and (prefills or self.running):
-                break
-            self.waiting.popleft()
+    def _admit(self, decoding: list[_Live], chunks: list[tuple[_Live, int]], budget: int) -> int:
+        """Waiting requests into the running batch, in arrival order: KV-ready ones decode at
+        once (no budget); a local prompt takes a chunk of the budget left, and once one waits for
+        budget the local prompts behind it wait too, while KV-ready ones pass them."""
+        kept: collections.deque[_Live] = collections.deque()
+        prompts_wait = False
+        while self.waiting:
+            live = self.waiting.popleft()
+            if len(self.running) >= self.profile.max_num_seqs or (live.local and (prompts_wait or budget <= 0)):
+                prompts_wait = prompts_wait or live.local
+                kept.append(live)
+                continue
             live.decode_wait_s = self.clock.now - live.ready_at
+            self.running.append(live)
             if live.local:
-                prefills.append(live)
-                budget -= live.request.prompt_len
+                chunks.append((live, min(live.num_prompt_left, budget)))
+                budget -= chunks[-1][1]
             else:
                 live.num_context = live.request.prompt_len + 1  # the prompt and the first token
-                self.running.append(live)
-        return prefills
+                decoding.append(live)
+        self.waiting = kept
+        return budget
 
-    def _done(self, decoding: list[_Live], prefills: list[_Live]) -> None:
+    def _done(self, decoding: list[_Live], chunks: list[tuple[_Live, int]]) -> None:
         self.busy = False
-        self.num_prefilling_tokens = 0
         for live in decoding:
             live.token_times.append(self.clock.now)
             live.num_context += 1
-        for live in prefills:
-            live.token_times.append(self.clock.now)
-            live.num_context = live.request.prompt_len + 1
-            self.running.append(live)
+        for live, take in chunks:
+            live.num_prefilled += take
+            if not live.num_prompt_left:  # its last chunk: the first token
+                live.token_times.append(self.clock.now)
+                live.num_context = live.request.prompt_len + 1
         for live in [live for live in self.running if live.num_left == 0]:
             self.running.remove(live)
             self.finish(live)
@@ -253,20 +293,26 @@ class _DecodeNode:
         self.on_finished(live)
 
 
-def simulate(profile: Profile, cluster: Cluster, requests: Sequence[SimRequest]) -> list[SimOutcome]:
-    """Every request's token times, in request order."""
+def simulate(
+    profile: Profile, cluster: Cluster, requests: Sequence[SimRequest], slo_flags: Slo | None = None
+) -> list[SimOutcome]:
+    """Every request's token times, in request order. ``slo_flags``: the SLO targets the cluster
+    runs with (`pdserve up --ttft-slo-s --tpot-slo-s`): the router sheds a request whose first
+    token it predicts past the TTFT target (its outcome has no tokens) and lets a decode node with
+    requests running prefill locally only within the TPOT target, and every node keeps the steps
+    that carry decodes within ``TPOT_SLO_STEP_SHARE`` of it."""
     clock = _Clock()
     finished: dict[int, _Live] = {}
+    decode_step_s = None if slo_flags is None else TPOT_SLO_STEP_SHARE * slo_flags.tpot_s
 
     def on_finished(live: _Live) -> None:
         finished[live.index] = live
 
-    decoders = [
-        _DecodeNode(f"decode-{i}", False, profile, clock, on_finished) for i in range(cluster.num_decode)
-    ]
-    decoders += [
-        _DecodeNode(f"colocated-{i}", True, profile, clock, on_finished) for i in range(cluster.num_colocated)
-    ]
+    def decode_node(name: str, colocated: bool) -> _DecodeNode:
+        return _DecodeNode(name, colocated, profile, clock, on_finished, decode_step_s)
+
+    decoders = [decode_node(f"decode-{i}", False) for i in range(cluster.num_decode)]
+    decoders += [decode_node(f"colocated-{i}", True) for i in range(cluster.num_colocated)]
     by_name = {node.name: node for node in decoders}
 
     def on_first_token(live: _Live) -> None:  # from a prefill node
@@ -279,18 +325,24 @@ def simulate(profile: Profile, cluster: Cluster, requests: Sequence[SimRequest])
     prefills = [
         _PrefillNode(f"prefill-{i}", profile, clock, on_first_token) for i in range(cluster.num_prefill)
     ]
+    # the speed nodes report and the router turns prompt queues into seconds by
+    tokens_per_s = profile.step_tokens / profile.prefill_s(profile.step_tokens)
+
+    def local_fits(node: _DecodeNode) -> bool:  # RoutingPolicy.local_prefill_fits
+        return slo_flags is None or not node.running or node.step_target_s <= slo_flags.tpot_s
+
+    def choose_decode() -> _DecodeNode:  # RoutingPolicy._choose_decode, without a prefix cache
+        if all(node.colocated for node in decoders):
+            return min(decoders, key=lambda n: (n.num_queued_tokens, n.num_outstanding_blocks, n.name))
+        return min(decoders, key=lambda n: (n.num_outstanding_blocks, len(n.running), n.name))
 
     def arrive(live: _Live) -> None:
-        node = min(decoders, key=lambda n: (n.num_outstanding_blocks, len(n.running), n.name))
-        node.num_outstanding_blocks += live.num_blocks
-        live.decode_node = node.name
+        node = choose_decode()
         n = live.request.prompt_len
 
         def backed_up(prefill: _PrefillNode) -> bool:
-            wait_longer_s = profile.prefill_s(prefill.num_queued_tokens + n) - profile.prefill_s(
-                node.num_queued_tokens + n
-            )
-            return 0 <= cluster.local_prefill_margin_s < wait_longer_s
+            wait_longer_s = (prefill.num_queued_tokens - node.num_queued_tokens) / tokens_per_s
+            return 0 <= cluster.local_prefill_margin_s < wait_longer_s and local_fits(node)
 
         prefill, _ = place(  # the router's own rule (the simulation knows no prefix cache)
             colocated=node.colocated,
@@ -302,6 +354,13 @@ def simulate(profile: Profile, cluster: Cluster, requests: Sequence[SimRequest])
             ),
             backed_up=backed_up,
         )
+        queued = (node if prefill is None else prefill).num_queued_tokens + n
+        if slo_flags is not None and queued / tokens_per_s > slo_flags.ttft_s:  # shed_late_first_token
+            live.shed = True
+            finished[live.index] = live
+            return
+        node.num_outstanding_blocks += live.num_blocks
+        live.decode_node = node.name
         live.local = prefill is None
         (node if prefill is None else prefill).submit(live)
 

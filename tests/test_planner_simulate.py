@@ -93,10 +93,14 @@ def test_load_spreads_over_decode_nodes_by_outstanding_blocks():
 
 def test_prediction_counts_goodput_against_the_slos():
     requests = [SimRequest(0.0, 100, 3), SimRequest(10.0, 900, 3)]
-    summary = predict(PROFILE, PD, requests, Slo(ttft_s=0.5, tpot_s=0.1))
+    summary = predict(PROFILE, PD, requests, Slo(ttft_s=0.5, tpot_s=0.1), slo_flags=False)
     assert summary.num_ok == 2 and summary.ttft.p50 == pytest.approx(0.5)  # (0.1 + 0.9) / 2
     assert summary.duration_s == pytest.approx(10.0 + 0.9 + 0.025)
     assert slo_fraction(summary) == pytest.approx(0.5)  # the 900-token prompt misses the TTFT target
+    # With the SLO as the cluster's flags, the router sheds it: 0.9 s of queue at 1000 tokens/s.
+    summary = predict(PROFILE, PD, requests, Slo(ttft_s=0.5, tpot_s=0.1))
+    assert summary.num_ok == 1 and summary.errors == {"http_429": 1}
+    assert slo_fraction(summary) == pytest.approx(0.5)
 
 
 def test_recommend_picks_the_smallest_cluster_that_meets_the_slos():
