@@ -113,6 +113,9 @@ class Point:
     vllm: bool = False  # vLLM's OpenAI server on every core instead of pdserve up (cluster ignored)
     threads: int | None = None  # torch threads per node; None: pdserve up's even split of the cores
     autoscale: bool = False  # pdserve up --autoscale from the cluster's shape, the --profile-1t profile
+    # pdserve up --ttft-slo-s --tpot-slo-s with the study's SLO (always, with autoscale): the router
+    # sheds by them and the nodes keep the steps that carry decodes within the TPOT target
+    slo_flags: bool = False
 
 
 def studies() -> dict[str, list[Point]]:
@@ -132,11 +135,9 @@ def studies() -> dict[str, list[Point]]:
             Point("1 colocated, SLO flags", colocated, LONG_MIX, OVERLOAD_RATES, router_args=SLO_ROUTER_ARGS),
         ],
         "autoscale": [  # run with --ttft-slo-ms 4000 --tpot-slo-ms 250 --profile-1t FILE
-            Point("1P+1D", pd, LONG_MIX, AUTOSCALE_RATES, router_args=SLO_ROUTER_ARGS),
-            Point("2 colocated", two_colocated, LONG_MIX, AUTOSCALE_RATES, router_args=SLO_ROUTER_ARGS),
-            Point(
-                "1 colocated, 2 threads", colocated, LONG_MIX, AUTOSCALE_RATES, router_args=SLO_ROUTER_ARGS
-            ),
+            Point("1P+1D", pd, LONG_MIX, AUTOSCALE_RATES, slo_flags=True),
+            Point("2 colocated", two_colocated, LONG_MIX, AUTOSCALE_RATES, slo_flags=True),
+            Point("1 colocated, 2 threads", colocated, LONG_MIX, AUTOSCALE_RATES, slo_flags=True),
             Point("autoscaled, starts 1P+1D", pd, LONG_MIX, AUTOSCALE_RATES, autoscale=True),
         ],
         "ratio": [
@@ -241,12 +242,13 @@ def measure(
     if point.vllm:
         up = VllmServer(vllm_python, out_dir / "logs")
     else:
-        extra = ()
-        if point.autoscale:  # its SLO flags are the study's (the router sheds by them)
+        extra: tuple[str, ...] = ()
+        if point.slo_flags or point.autoscale:
+            extra = ("--ttft-slo-s", f"{slo.ttft_s:g}", "--tpot-slo-s", f"{slo.tpot_s:g}")
+        if point.autoscale:
             if profile is None:
                 raise SystemExit("an autoscaled point needs --profile-1t PATH (pdserve plan calibrate)")
-            slo_flags = ("--ttft-slo-s", f"{slo.ttft_s:g}", "--tpot-slo-s", f"{slo.tpot_s:g}")
-            extra = ("--autoscale", "--autoscale-profile", str(profile), *slo_flags)
+            extra = ("--autoscale", "--autoscale-profile", str(profile), *extra)
         up = Up(point.cluster, out_dir / "logs", point.node_args, point.router_args, point.threads, extra)
     try:
         up.wait_up()
@@ -285,8 +287,9 @@ def predicted(point: Point, profiles: dict[int, Profile], slo: Slo) -> list[dict
     ):  # shared cores, or a shape that changes: not modelled
         return [None] * len(point.rates)
     spec = workload_spec(point.workload)
+    flags = point.slo_flags or "--ttft-slo-s" in point.router_args  # the cluster runs with the SLO flags
     return [
-        dataclasses.asdict(predict(profile, point.cluster, sim_requests(spec.build(k), rate, 1.0, k), slo))
+        dataclasses.asdict(predict(profile, point.cluster, sim_requests(spec.build(k), rate, 1.0, k), slo, flags))
         for k, rate in enumerate(point.rates)
     ]
 

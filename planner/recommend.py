@@ -54,6 +54,12 @@ def rank(
     for cluster in clusters:
         summary = predict(profile, cluster, requests, slo, slo_flags)
         candidates.append(Candidate(cluster, summary, slo_fraction(summary)))
+    return order(candidates, min_fraction)
+
+
+def order(candidates: Sequence[Candidate], min_fraction: float) -> list[Candidate]:
+    """Best first: those meeting the SLOs (fewest nodes, then highest share), then the others
+    (highest share first)."""
 
     def key(c: Candidate) -> tuple[bool, int, float, str]:
         meets = c.meets(min_fraction)

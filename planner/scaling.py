@@ -3,7 +3,9 @@ hysteresis and a cooldown keep the choice from flapping.
 
     Observation (a window of the router's metrics): arrivals, shed requests, prompt and output lengths
       ─► demand: Poisson arrivals at the window's rate, lengths spread around its means (seeded)
-      ─► every shape within the node budget simulated on it (planner.recommend.rank)
+      ─► every shape within the node budget simulated on it (planner.recommend.rank), less what
+         was measured: a shape the model said meets the SLOs and the router's window saw miss them
+         counts at its measured share on loads at least as heavy, for MISS_MEMORY_S
       ─► the best shape, where it beats the current one by ``margin`` of requests within the SLOs,
          or meets the SLOs with fewer nodes while the measured window meets them too
       ─► the same target on ``confirm`` windows in a row (``shrink_confirm`` for fewer nodes), and
@@ -12,7 +14,11 @@ hysteresis and a cooldown keep the choice from flapping.
 
 The window's own SLO attainment (the router's TTFT and TPOT histograms) is reported beside the
 prediction and keeps the pool from shrinking while requests miss their targets; the shape itself
-is chosen by the model, as `pdserve plan recommend` chooses it. Torch-free.
+is chosen by the model, as `pdserve plan recommend` chooses it, except where the window refuted it:
+the model's figure for the shape the cluster runs can be checked, and where it said the SLOs are
+met and they were not, the measured share stands in for it (on that load or a heavier one), so
+the pool leaves a shape the model overrates, and does not come back to it while the load stays.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -23,13 +29,15 @@ import random
 
 from bench_serve.metrics import Slo
 from planner.profile import Profile
-from planner.recommend import Candidate, rank, shapes
+from planner.recommend import Candidate, order, rank, shapes
 from planner.simulate import Cluster, SimRequest
 from router.config import LOCAL_PREFILL_MARGIN_S  # a plain dataclass module: no torch
 
 HORIZON_S = 60.0  # the demand is simulated over this long ...
 MIN_SIM_REQUESTS, MAX_SIM_REQUESTS = 24, 240  # ... in this many requests
 LENGTH_SPREAD = 0.5  # lengths drawn uniformly within +-50% of the window's means
+MISS_MEMORY_S = 600.0  # how long a shape measured missing the SLOs counts at its measured share
+MISS_LOAD_SHARE = 0.9  # ... on a load of at least this share of the one it missed on (tokens/s in and out)
 
 
 class Kind(enum.StrEnum):
@@ -154,28 +162,78 @@ class ScalingSettings:
             raise ValueError("min_fraction in (0, 1], margin in [0, 1), cooldown_s >= 0")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Miss:
+    """A shape the model said meets the SLOs, measured missing them on a load."""
+
+    prompt_tokens_per_s: float
+    output_tokens_per_s: float
+    measured: float  # the window's share within the SLOs
+    at_s: float
+
+    def applies(self, obs: Observation, now_s: float) -> bool:
+        """Whether ``obs`` is a load at least as heavy, recently enough."""
+        return (
+            now_s - self.at_s <= MISS_MEMORY_S
+            and obs.rate * obs.mean_prompt_tokens >= MISS_LOAD_SHARE * self.prompt_tokens_per_s
+            and obs.rate * obs.mean_output_tokens >= MISS_LOAD_SHARE * self.output_tokens_per_s
+        )
+
+
 class ScalingPolicy:
-    """Decides one window at a time; remembers the pending target and the last change."""
+    """Decides one window at a time; remembers the pending target, the last change, and the
+    shapes measured missing the SLOs where the model said they meet them."""
 
     def __init__(self, profile: Profile, settings: ScalingSettings) -> None:
         self.profile = profile
         self.settings = settings
         self._pending: tuple[str, int] | None = None  # (target label, windows in a row)
         self._last_change_s: float | None = None
+        self.misses: dict[str, Miss] = {}  # shape label -> its latest refuted prediction
 
     def decide(self, obs: Observation, current: Cluster, now_s: float) -> Decision:
         s = self.settings
         if obs.num_arrived < s.min_requests or obs.rate <= 0:
             self._pending = None
             return Decision(Kind.IDLE, current, current, f"{obs.num_arrived} request(s) in the window", {})
-        ranked = rank(self.profile, demand(obs), s.slo, self._candidates(current), s.min_fraction)
-        predicted = {c.cluster.label: c.slo_fraction for c in ranked}
-        kind, target, why = self._choose(ranked, current, predicted, obs)
+        modelled = rank(self.profile, demand(obs), s.slo, self._candidates(current), s.min_fraction)
+        predicted = {c.cluster.label: c.slo_fraction for c in modelled}  # the model's, as reported
+        self._check(obs, current, predicted[current.label], now_s)
+        ranked = order(
+            [
+                dataclasses.replace(c, slo_fraction=min(c.slo_fraction, miss.measured))
+                if (miss := self.misses.get(c.cluster.label)) and miss.applies(obs, now_s)
+                else c
+                for c in modelled
+            ],
+            s.min_fraction,
+        )
+        kind, target, why = self._choose(ranked, current, {c.cluster.label: c.slo_fraction for c in ranked}, obs)
         reason = f"{why}; observed {obs.describe()}"
+        refuted = [
+            f"{label} {miss.measured:.0%}"
+            for label, miss in self.misses.items()
+            if label in predicted and miss.applies(obs, now_s)
+        ]
+        if refuted:
+            reason += f"; measured, not modelled, on as heavy a load: {', '.join(refuted)}"
         if kind is not Kind.SCALE:
             self._pending = None
             return Decision(kind, current, current, reason, predicted)
         return self._gate(target, current, reason, predicted, now_s)
+
+    def _check(self, obs: Observation, current: Cluster, predicted: float, now_s: float) -> None:
+        """Hold the model to what the window measured on the shape it ran (after the cooldown of a
+        change: the requests of the shape before it finish in the first windows after)."""
+        measured, s = obs.slo_met, self.settings
+        settling = self._last_change_s is not None and now_s - self._last_change_s < s.cooldown_s
+        if measured is None or settling:
+            return
+        if measured < s.min_fraction <= predicted:
+            load = (obs.rate * obs.mean_prompt_tokens, obs.rate * obs.mean_output_tokens)
+            self.misses[current.label] = Miss(*load, measured, now_s)
+        elif measured >= s.min_fraction and (miss := self.misses.get(current.label)) and miss.applies(obs, now_s):
+            del self.misses[current.label]  # it met them on as heavy a load: the miss was passing
 
     def _candidates(self, current: Cluster) -> list[Cluster]:
         s = self.settings
@@ -192,8 +250,20 @@ class ScalingPolicy:
         self, ranked: list[Candidate], current: Cluster, predicted: dict[str, float], obs: Observation
     ) -> tuple[Kind, Cluster, str]:
         s = self.settings
-        best = ranked[0]
         now = predicted[current.label]
+        measured = obs.slo_met
+        if measured is not None and measured < s.min_fraction and ranked[0].cluster.num_nodes < current.num_nodes:
+            # never fewer nodes while the window misses the SLOs: the best shape of as many or more
+            more = [c for c in ranked if c.cluster.num_nodes >= current.num_nodes]
+            if more[0].cluster.label == current.label or more[0].slo_fraction - now < s.margin:
+                return (
+                    Kind.MISSING_SLO,
+                    current,
+                    f"{ranked[0].cluster.label} would do with fewer nodes, but the window met the "
+                    f"SLOs for {measured:.0%} only",
+                )
+            ranked = more
+        best = ranked[0]
         gain = best.slo_fraction - now
         mine = next(c for c in ranked if c.cluster.label == current.label)
         tied = mine.meets(s.min_fraction) == best.meets(s.min_fraction) and gain <= 0
@@ -201,14 +271,6 @@ class ScalingPolicy:
             return Kind.BEST, current, f"{current.label} is the best shape (predicted {now:.0%} within SLO)"
         fewer = best.cluster.num_nodes < current.num_nodes and best.meets(s.min_fraction)
         if fewer and gain < s.margin:
-            measured = obs.slo_met
-            if measured is not None and measured < s.min_fraction:
-                return (
-                    Kind.MISSING_SLO,
-                    current,
-                    f"{best.cluster.label} would do with fewer nodes, but the window met the SLOs "
-                    f"for {measured:.0%} only",
-                )
             return (
                 Kind.SCALE,
                 best.cluster,

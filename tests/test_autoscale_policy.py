@@ -59,9 +59,38 @@ def test_a_decode_heavy_load_shrinks_to_fewer_nodes_only_while_the_window_meets_
     d = policy(shrink_confirm=1).decide(window(DECODE_HEAVY), THREE, now_s=0.0)
     assert d.kind is Kind.SCALE and d.target.label == "1P+1D"
     assert "fewer nodes" in d.reason
-    held = policy(shrink_confirm=1).decide(window(DECODE_HEAVY, met=0.5), THREE, now_s=0.0)
+    # (a shape of as many nodes would do no better than the measured 98% by the margin)
+    held = policy(shrink_confirm=1, min_fraction=0.99).decide(window(DECODE_HEAVY, met=0.98), THREE, now_s=0.0)
     assert held.kind is Kind.MISSING_SLO and held.target.label == "3 colocated"
-    assert "50% only" in held.reason
+    assert "98% only" in held.reason
+
+
+def test_a_shape_measured_missing_the_slos_counts_at_its_measured_share_on_as_heavy_a_load():
+    p = policy(confirm=1, max_nodes=2)
+    two = Cluster(0, 0, 2)
+    assert p.decide(window(DECODE_HEAVY), two, now_s=0.0).predicted["2 colocated"] >= 0.9
+    # The window refutes the model: the pool goes to the 2-node shape the model ranks next (never
+    # to fewer nodes while the SLOs are missed), and the measured share is reported.
+    d = p.decide(window(DECODE_HEAVY, met=0.5), two, now_s=0.0)
+    assert d.kind is Kind.SCALE and d.target.label == "1P+1D"
+    assert d.predicted["2 colocated"] >= 0.9  # the model's own figure, as reported
+    assert "measured, not modelled, on as heavy a load: 2 colocated 50%" in d.reason
+    # On 1P+1D, as heavy a load or heavier does not bring it back; a lighter one is the model's again.
+    heavier = (DECODE_HEAVY[0] * 1.5, *DECODE_HEAVY[1:])
+    for load in (DECODE_HEAVY, heavier):
+        assert "2 colocated 50%" in p.decide(window(load), PD, now_s=100.0).reason
+    lighter = (DECODE_HEAVY[0] * 0.8, *DECODE_HEAVY[1:])
+    assert "measured" not in p.decide(window(lighter), PD, now_s=100.0).reason
+    # ... and so is any load once the miss is old
+    assert "measured" not in p.decide(window(DECODE_HEAVY), PD, now_s=700.0).reason
+    # A window that meets the SLOs on the shape, on as heavy a load, clears it; but not within
+    # the cooldown of a change, whose first windows hold the requests of the shape before.
+    assert p.decide(window(DECODE_HEAVY, met=0.5), two, now_s=800.0).kind is Kind.SCALE
+    assert "2 colocated" in p.misses
+    p.decide(window(DECODE_HEAVY, met=0.2), PD, now_s=810.0)
+    assert "1P+1D" not in p.misses  # 10 s after the change: not judged
+    p.decide(window(DECODE_HEAVY), two, now_s=840.0)
+    assert "2 colocated" not in p.misses
 
 
 def test_the_best_shape_holds_and_a_small_gain_is_not_worth_a_change():

@@ -64,6 +64,22 @@ def test_local_prefill_lengthens_the_running_batch_step():
     assert outs[1].decode_wait_s == pytest.approx(0.005)
 
 
+def test_a_long_prompt_is_chunked_by_the_step_budget_and_a_running_decode_shares_its_steps():
+    # The toy profile's step-time target: 1 s (the full 2048-token budget would take 2 s), so steps
+    # of up to 1000 tokens. A decodes; B's 2500-token prompt arrives during A's second step.
+    requests = [SimRequest(0.0, 10, 5), SimRequest(0.015, 2500, 1)]
+    a, b = simulate(PROFILE, Cluster(0, 0, 1), requests)
+    # each of A's next steps carries B's chunk of what A's decode row leaves: 999, 999, 502 tokens
+    assert a.token_times_s == pytest.approx((0.010, 0.020, 1.029, 2.038, 2.550))
+    assert b.token_times_s == pytest.approx((2.550,))  # the end of its last chunk
+    # With a TPOT SLO of 0.1 s as the cluster's flag, steps that carry a decode keep to 0.08 s
+    # (0.8 of it): B's chunks beside A shrink to the budget's floor (80 tokens less A's row).
+    a, b = simulate(PROFILE, Cluster(0, 0, 1), requests, Slo(ttft_s=10.0, tpot_s=0.1))
+    assert a.tpot_s == pytest.approx((0.010 + 0.079) * 3 / 4 + 0.010 / 4) and a.tpot_s < 0.1
+    # then alone: 2500 - 3 * 79 tokens in steps of 1000
+    assert b.token_times_s == pytest.approx((a.token_times_s[-1] + 1.0 + 1.0 + 0.263,))
+
+
 def test_a_backed_up_prefill_pool_sends_long_prompts_to_the_decode_nodes_own_queue():
     requests = [SimRequest(0.0, 300, 2) for _ in range(4)]  # 0.3 s of prefill each, all at once
     # Each goes where it waits less, unless the prefill node is less than 0.2 s worse: 1st: 0.3
