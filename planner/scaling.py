@@ -5,7 +5,8 @@ hysteresis and a cooldown keep the choice from flapping.
       ─► demand: Poisson arrivals at the window's rate, lengths spread around its means (seeded)
       ─► every shape within the node budget simulated on it (planner.recommend.rank), less what
          was measured: a shape the model said meets the SLOs and the router's window saw miss them
-         counts at its measured share on loads at least as heavy, for MISS_MEMORY_S
+         counts at its measured share on loads at least as heavy, for MISS_MEMORY_S, where that
+         means growing out of it or not shrinking back into it
       ─► the best shape, where it beats the current one by ``margin`` of requests within the SLOs,
          or meets the SLOs with fewer nodes while the measured window meets them too
       ─► the same target on ``confirm`` windows in a row (``shrink_confirm`` for fewer nodes), and
@@ -16,8 +17,9 @@ The window's own SLO attainment (the router's TTFT and TPOT histograms) is repor
 prediction and keeps the pool from shrinking while requests miss their targets; the shape itself
 is chosen by the model, as `pdserve plan recommend` chooses it, except where the window refuted it:
 the model's figure for the shape the cluster runs can be checked, and where it said the SLOs are
-met and they were not, the measured share stands in for it (on that load or a heavier one), so
-the pool leaves a shape the model overrates, and does not come back to it while the load stays.
+met and they were not, the measured share stands in for it (on that load or a heavier one): the
+pool grows out of a shape the model overrates, and does not shrink back into it while the load
+stays. Between shapes of as many nodes the model alone decides.
 Torch-free.
 """
 
@@ -199,15 +201,7 @@ class ScalingPolicy:
         modelled = rank(self.profile, demand(obs), s.slo, self._candidates(current), s.min_fraction)
         predicted = {c.cluster.label: c.slo_fraction for c in modelled}  # the model's, as reported
         self._check(obs, current, predicted[current.label], now_s)
-        ranked = order(
-            [
-                dataclasses.replace(c, slo_fraction=min(c.slo_fraction, miss.measured))
-                if (miss := self.misses.get(c.cluster.label)) and miss.applies(obs, now_s)
-                else c
-                for c in modelled
-            ],
-            s.min_fraction,
-        )
+        ranked = self._measured(modelled, obs, current, now_s)
         kind, target, why = self._choose(ranked, current, {c.cluster.label: c.slo_fraction for c in ranked}, obs)
         reason = f"{why}; observed {obs.describe()}"
         refuted = [
@@ -221,6 +215,29 @@ class ScalingPolicy:
             self._pending = None
             return Decision(kind, current, current, reason, predicted)
         return self._gate(target, current, reason, predicted, now_s)
+
+    def _measured(
+        self, modelled: list[Candidate], obs: Observation, current: Cluster, now_s: float
+    ) -> list[Candidate]:
+        """The candidates as the window's measurements correct them: a shape of fewer nodes than
+        the current one, measured missing the SLOs on as heavy a load, counts at its measured
+        share (no shrinking back into it); and so does the current shape where it can grow, but
+        then only the shapes of more nodes may replace it. Shapes of as many nodes are compared by
+        the model alone: against the current shape's measured share every unmeasured one would
+        look better, and the pool would go round them under a load none of them meets."""
+        s = self.settings
+        refuted = lambda c: (m := self.misses.get(c.cluster.label)) is not None and m.applies(obs, now_s)  # noqa: E731
+        grow = refuted(next(c for c in modelled if c.cluster.label == current.label))
+        grow = grow and current.num_nodes < s.max_nodes
+        out = []
+        for c in modelled:
+            mine = c.cluster.label == current.label
+            if grow and not mine and c.cluster.num_nodes <= current.num_nodes:
+                continue
+            if refuted(c) and (c.cluster.num_nodes < current.num_nodes or (mine and grow)):
+                c = dataclasses.replace(c, slo_fraction=min(c.slo_fraction, self.misses[c.cluster.label].measured))
+            out.append(c)
+        return order(out, s.min_fraction)
 
     def _check(self, obs: Observation, current: Cluster, predicted: float, now_s: float) -> None:
         """Hold the model to what the window measured on the shape it ran (after the cooldown of a

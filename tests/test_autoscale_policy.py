@@ -65,33 +65,41 @@ def test_a_decode_heavy_load_shrinks_to_fewer_nodes_only_while_the_window_meets_
     assert "98% only" in held.reason
 
 
-def test_a_shape_measured_missing_the_slos_counts_at_its_measured_share_on_as_heavy_a_load():
+def test_a_shape_measured_missing_the_slos_grows_and_is_not_shrunk_back_into_on_as_heavy_a_load():
     p = policy(confirm=1, max_nodes=2)
-    two = Cluster(0, 0, 2)
-    assert p.decide(window(DECODE_HEAVY), two, now_s=0.0).predicted["2 colocated"] >= 0.9
-    # The window refutes the model: the pool goes to the 2-node shape the model ranks next (never
-    # to fewer nodes while the SLOs are missed), and the measured share is reported.
-    d = p.decide(window(DECODE_HEAVY, met=0.5), two, now_s=0.0)
-    assert d.kind is Kind.SCALE and d.target.label == "1P+1D"
-    assert d.predicted["2 colocated"] >= 0.9  # the model's own figure, as reported
-    assert "measured, not modelled, on as heavy a load: 2 colocated 50%" in d.reason
-    # On 1P+1D, as heavy a load or heavier does not bring it back; a lighter one is the model's again.
-    heavier = (DECODE_HEAVY[0] * 1.5, *DECODE_HEAVY[1:])
-    for load in (DECODE_HEAVY, heavier):
-        assert "2 colocated 50%" in p.decide(window(load), PD, now_s=100.0).reason
-    lighter = (DECODE_HEAVY[0] * 0.8, *DECODE_HEAVY[1:])
-    assert "measured" not in p.decide(window(lighter), PD, now_s=100.0).reason
-    # ... and so is any load once the miss is old
-    assert "measured" not in p.decide(window(DECODE_HEAVY), PD, now_s=700.0).reason
-    # A window that meets the SLOs on the shape, on as heavy a load, clears it; but not within
-    # the cooldown of a change, whose first windows hold the requests of the shape before.
-    assert p.decide(window(DECODE_HEAVY, met=0.5), two, now_s=800.0).kind is Kind.SCALE
-    assert "2 colocated" in p.misses
-    p.decide(window(DECODE_HEAVY, met=0.2), PD, now_s=810.0)
-    assert "1P+1D" not in p.misses  # 10 s after the change: not judged
-    p.decide(window(DECODE_HEAVY), two, now_s=840.0)
-    assert "2 colocated" not in p.misses
+    one, two = Cluster(0, 0, 1), Cluster(0, 0, 2)
+    load = (1.0, 100, 60)  # the model: 1 colocated meets the SLOs (98%), so do both 2-node shapes
+    assert p.decide(window(load), one, now_s=0.0).kind is Kind.BEST
+    # The window refutes the model: the pool grows, to the model's best shape of more nodes.
+    d = p.decide(window(load, met=0.5), one, now_s=0.0)
+    assert d.kind is Kind.SCALE and d.target.num_nodes == 2
+    assert d.predicted["1 colocated"] >= 0.9  # the model's own figure, as reported
+    assert "measured, not modelled, on as heavy a load: 1 colocated 50%" in d.reason
+    # On two nodes, as heavy a load or heavier does not shrink it back (the model alone would);
+    # a lighter one is the model's again, and so is any load once the miss is old.
+    shrink = policy(confirm=1, max_nodes=2, shrink_confirm=1)
+    assert shrink.decide(window(load), two, now_s=0.0).target == one  # the model alone
+    shrink.misses = dict(p.misses)
+    for now_s, heavy in ((100.0, load), (130.0, (1.5, 100, 60))):
+        assert shrink.decide(window(heavy), two, now_s=now_s).kind is not Kind.SCALE
+    assert shrink.decide(window((0.8, 100, 60)), two, now_s=200.0).target == one
+    assert shrink.decide(window(load), two, now_s=800.0).target == one
+    # A window that meets the SLOs on the shape, on as heavy a load, clears the miss; but not
+    # within the cooldown of a change, whose first windows hold the requests of the shape before.
+    p = policy(confirm=1, max_nodes=2)
+    assert p.decide(window(load, met=0.5), one, now_s=0.0).kind is Kind.SCALE
+    p.decide(window(load, met=0.2), two, now_s=10.0)
+    assert set(p.misses) == {"1 colocated"}  # 10 s after the change: not judged
+    p.decide(window(load), one, now_s=40.0)
+    assert not p.misses
 
+
+def test_shapes_of_as_many_nodes_are_compared_by_the_model_alone():
+    # At the node budget, a measured miss moves nothing: against the current shape's measured
+    # share any unmeasured shape would look better, and the pool would go round them all.
+    p = policy(confirm=1, max_nodes=2)
+    d = p.decide(window((1.0, 100, 60), met=0.5), Cluster(0, 0, 2), now_s=0.0)
+    assert d.kind is not Kind.SCALE and d.target.label == "2 colocated" and "2 colocated" in p.misses
 
 def test_the_best_shape_holds_and_a_small_gain_is_not_worth_a_change():
     assert policy().decide(window(PREFILL_HEAVY), THREE, now_s=0.0).kind is Kind.BEST
