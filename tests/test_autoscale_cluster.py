@@ -211,4 +211,6 @@ def test_the_pools_follow_a_load_that_shifts_and_no_request_is_lost(cluster):
         time.sleep(0.2)
     client.close()
     assert len(nodes) == 2 and not any(held.values()), held
+    # --tpot-slo-s 0.025 gave every node, the one started late too, a decode-step target of 0.8 of it
+    assert [n.step_target_s for n in nodes] == [pytest.approx(0.02)] * 2, nodes
     assert "autoscale: 1P+1D -> 2 colocated" in launcher.output()
