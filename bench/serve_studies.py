@@ -289,7 +289,9 @@ def predicted(point: Point, profiles: dict[int, Profile], slo: Slo) -> list[dict
     spec = workload_spec(point.workload)
     flags = point.slo_flags or "--ttft-slo-s" in point.router_args  # the cluster runs with the SLO flags
     return [
-        dataclasses.asdict(predict(profile, point.cluster, sim_requests(spec.build(k), rate, 1.0, k), slo, flags))
+        dataclasses.asdict(
+            predict(profile, point.cluster, sim_requests(spec.build(k), rate, 1.0, k), slo, flags)
+        )
         for k, rate in enumerate(point.rates)
     ]
 

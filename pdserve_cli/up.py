@@ -298,7 +298,9 @@ def _slo_node_args(args: argparse.Namespace) -> tuple[str, ...]:
     from engine.step_budget import TPOT_SLO_STEP_SHARE
 
     flag = "--max-decode-step-seconds"
-    if args.tpot_slo_s is None or any(a == flag or a.startswith(flag + "=") for a in shlex.split(args.node_args)):
+    if args.tpot_slo_s is None or any(
+        a == flag or a.startswith(flag + "=") for a in shlex.split(args.node_args)
+    ):
         return ()
     return (flag, f"{TPOT_SLO_STEP_SHARE * args.tpot_slo_s:g}")
 

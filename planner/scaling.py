@@ -202,7 +202,9 @@ class ScalingPolicy:
         predicted = {c.cluster.label: c.slo_fraction for c in modelled}  # the model's, as reported
         self._check(obs, current, predicted[current.label], now_s)
         ranked = self._measured(modelled, obs, current, now_s)
-        kind, target, why = self._choose(ranked, current, {c.cluster.label: c.slo_fraction for c in ranked}, obs)
+        kind, target, why = self._choose(
+            ranked, current, {c.cluster.label: c.slo_fraction for c in ranked}, obs
+        )
         reason = f"{why}; observed {obs.describe()}"
         refuted = [
             f"{label} {miss.measured:.0%}"
@@ -235,7 +237,9 @@ class ScalingPolicy:
             if grow and not mine and c.cluster.num_nodes <= current.num_nodes:
                 continue
             if refuted(c) and (c.cluster.num_nodes < current.num_nodes or (mine and grow)):
-                c = dataclasses.replace(c, slo_fraction=min(c.slo_fraction, self.misses[c.cluster.label].measured))
+                c = dataclasses.replace(
+                    c, slo_fraction=min(c.slo_fraction, self.misses[c.cluster.label].measured)
+                )
             out.append(c)
         return order(out, s.min_fraction)
 
@@ -249,7 +253,11 @@ class ScalingPolicy:
         if measured < s.min_fraction <= predicted:
             load = (obs.rate * obs.mean_prompt_tokens, obs.rate * obs.mean_output_tokens)
             self.misses[current.label] = Miss(*load, measured, now_s)
-        elif measured >= s.min_fraction and (miss := self.misses.get(current.label)) and miss.applies(obs, now_s):
+        elif (
+            measured >= s.min_fraction
+            and (miss := self.misses.get(current.label))
+            and miss.applies(obs, now_s)
+        ):
             del self.misses[current.label]  # it met them on as heavy a load: the miss was passing
 
     def _candidates(self, current: Cluster) -> list[Cluster]:
@@ -269,7 +277,11 @@ class ScalingPolicy:
         s = self.settings
         now = predicted[current.label]
         measured = obs.slo_met
-        if measured is not None and measured < s.min_fraction and ranked[0].cluster.num_nodes < current.num_nodes:
+        if (
+            measured is not None
+            and measured < s.min_fraction
+            and ranked[0].cluster.num_nodes < current.num_nodes
+        ):
             # never fewer nodes while the window misses the SLOs: the best shape of as many or more
             more = [c for c in ranked if c.cluster.num_nodes >= current.num_nodes]
             if more[0].cluster.label == current.label or more[0].slo_fraction - now < s.margin:

@@ -235,7 +235,9 @@ class _DecodeNode:
         if decoding and self.decode_step_s is not None:  # chunks beside decodes keep to their target
             decode_s = self.profile.decode(len(decoding), sum(live.num_context for live in decoding))
             floor = self.profile.min_step_tokens - len(decoding)
-            budget = min(budget, max(floor, self.profile.prefill_tokens_within(self.decode_step_s - decode_s)))
+            budget = min(
+                budget, max(floor, self.profile.prefill_tokens_within(self.decode_step_s - decode_s))
+            )
         chunks = []
         for live in self.running:
             if live.num_prompt_left and budget > 0:
@@ -258,7 +260,9 @@ class _DecodeNode:
         prompts_wait = False
         while self.waiting:
             live = self.waiting.popleft()
-            if len(self.running) >= self.profile.max_num_seqs or (live.local and (prompts_wait or budget <= 0)):
+            if len(self.running) >= self.profile.max_num_seqs or (
+                live.local and (prompts_wait or budget <= 0)
+            ):
                 prompts_wait = prompts_wait or live.local
                 kept.append(live)
                 continue

@@ -60,7 +60,9 @@ def test_a_decode_heavy_load_shrinks_to_fewer_nodes_only_while_the_window_meets_
     assert d.kind is Kind.SCALE and d.target.label == "1P+1D"
     assert "fewer nodes" in d.reason
     # (a shape of as many nodes would do no better than the measured 98% by the margin)
-    held = policy(shrink_confirm=1, min_fraction=0.99).decide(window(DECODE_HEAVY, met=0.98), THREE, now_s=0.0)
+    held = policy(shrink_confirm=1, min_fraction=0.99).decide(
+        window(DECODE_HEAVY, met=0.98), THREE, now_s=0.0
+    )
     assert held.kind is Kind.MISSING_SLO and held.target.label == "3 colocated"
     assert "98% only" in held.reason
 
@@ -101,11 +103,14 @@ def test_shapes_of_as_many_nodes_are_compared_by_the_model_alone():
     d = p.decide(window((1.0, 100, 60), met=0.5), Cluster(0, 0, 2), now_s=0.0)
     assert d.kind is not Kind.SCALE and d.target.label == "2 colocated" and "2 colocated" in p.misses
 
+
 def test_the_best_shape_holds_and_a_small_gain_is_not_worth_a_change():
     assert policy().decide(window(PREFILL_HEAVY), THREE, now_s=0.0).kind is Kind.BEST
     # with two nodes, 2 colocated and 1P+1D are predicted within the margin of each other
     d = policy(max_nodes=2).decide(window(PREFILL_HEAVY), PD, now_s=0.0)
-    assert d.kind is Kind.NO_GAIN and d.target == PD and max(d.predicted, key=d.predicted.get) == "2 colocated"
+    assert (
+        d.kind is Kind.NO_GAIN and d.target == PD and max(d.predicted, key=d.predicted.get) == "2 colocated"
+    )
     assert abs(d.predicted["1P+1D"] - d.predicted["2 colocated"]) < 0.05
 
 

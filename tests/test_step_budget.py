@@ -101,7 +101,9 @@ def test_steps_that_carry_decodes_keep_to_the_decode_step_target_and_prompt_only
     steps = _prefill(engine, "alone", [(5 * i) % 250 + 3 for i in range(480)])
     alone = steps[0][0]  # a prompt alone: chunks of the prompt-only target (0.3 s, ~375 tokens)
     assert alone > 150, steps
-    engine.add_request("decoding", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    engine.add_request(
+        "decoding", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    )
     engine.step()  # its prefill; from here it decodes in every step
     engine.add_request("long", [(7 * i) % 250 + 3 for i in range(480)], SamplingParams(max_tokens=1))
     mixed = []
