@@ -35,7 +35,7 @@ from engine.sampler import Sampler, SamplerInput, prompt_logprobs
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from engine.sizing import EngineSizing, announce, measure_device, size_device_pool, size_engine
-from engine.step_budget import StepBudget
+from engine.step_budget import StepBudgets
 from engine.step_stats import StepStats, step_tokens
 from engine.stop_rules import StopRules
 from protocol.kv_layout import KVCacheSpec
@@ -95,12 +95,8 @@ class LLMEngine:
         self.speculator = speculator_for(config, self.model_config, *limits, build_engine=LLMEngine)
         # each step's token budget, so that steps keep to a time target (chunks shrink when slow)
         min_tokens = min(config.max_num_batched_tokens, config.max_num_seqs + config.block_size)
-        self.step_budget = StepBudget(config.max_step_s, config.max_num_batched_tokens, min_tokens)
-        # ... and, with its own target, of the steps that carry decodes beside prompt chunks
-        self.decode_step_budget = (
-            None
-            if config.max_decode_step_s is None
-            else StepBudget(config.max_decode_step_s, config.max_num_batched_tokens, min_tokens)
+        self.step_budget = StepBudgets(
+            config.max_step_s, config.max_decode_step_s, config.max_num_batched_tokens, min_tokens
         )
 
     def _graphs_off(self) -> str | None:
@@ -324,7 +320,7 @@ class LLMEngine:
             num_held=len(sched.held),
             num_queued_prefill_tokens=self.num_queued_prefill_tokens(),
             step_stats=self.step_stats.snapshot(),
-            step_target_s=self.step_target_s,
+            step_target_s=self.step_budget.target_s,
             speculation=None if self.speculator is None else self.speculator.stats.to_dict(),
         )
 
@@ -340,30 +336,14 @@ class LLMEngine:
         holders = [*sched.running, *sched.receiving, *sched.held.values()]
         self.block_manager.check_integrity(holders)
 
-    def _step_tokens(self) -> int:
-        """This step's token budget: the step-time target's, and the decode-step target's where
-        running requests decode in it (measured on such steps; until one ran, at the speed of the
-        others)."""
-        budget = self.step_budget.tokens()
-        decode = self.decode_step_budget
-        if decode is None or not any(s.num_uncomputed_tokens == 1 for s in self.scheduler.running):
-            return budget
-        return min(budget, decode.tokens(self.step_budget.seconds_per_token))
-
-    @property
-    def step_target_s(self) -> float | None:
-        """What a running request's time per token stretches to while prompts are prefilled
-        beside it; None until known."""
-        targets = [b.target_s for b in (self.step_budget, self.decode_step_budget) if b and b.target_s]
-        return min(targets, default=None)
-
     def step(self) -> list[RequestOutput]:
         if self.config.debug_checks:
             self.check_integrity()
         start = time.perf_counter()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.scheduler.waiting, self.max_model_len)
-        sched = self.scheduler.schedule(self._step_tokens())
+        decoding = any(s.num_uncomputed_tokens == 1 for s in self.scheduler.running)
+        sched = self.scheduler.schedule(self.step_budget.tokens(decoding))
         if sched.granted:
             self._granted(sched.granted)
         if not sched.scheduled:
@@ -395,9 +375,7 @@ class LLMEngine:
         seconds = time.perf_counter() - start
         self.step_stats.observe(*tokens, seconds)
         if tokens[0]:  # a step with prompt tokens: what the budget of the next chunk follows
-            self.step_budget.observe(sum(tokens), seconds)
-            if tokens[1] and self.decode_step_budget is not None:
-                self.decode_step_budget.observe(sum(tokens), seconds)
+            self.step_budget.observe(*tokens, seconds)
         elif self.speculator is not None:  # a decode step: what a draft row costs
             self.speculator.observe_step(tokens[1], seconds)
         return outputs

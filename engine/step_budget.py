@@ -59,3 +59,37 @@ class StepBudget:
         if per_token is None or self.target_s is None or per_token <= 0:
             return self.max_tokens
         return max(self.min_tokens, min(self.max_tokens, int(self.target_s / per_token)))
+
+
+class StepBudgets:
+    """A node's budgets: every step's, and, with ``decode_target_s``, that of the steps that
+    carry running decodes beside prompt chunks (measured on such steps only; until one ran, at the
+    speed of the others)."""
+
+    def __init__(
+        self, target_s: float | None, decode_target_s: float | None, max_tokens: int, min_tokens: int
+    ) -> None:
+        self.steps = StepBudget(target_s, max_tokens, min_tokens)
+        self.decode_steps = (
+            None if decode_target_s is None else StepBudget(decode_target_s, max_tokens, min_tokens)
+        )
+
+    def tokens(self, decoding: bool) -> int:
+        """The next step's token budget; ``decoding``: running requests decode in it."""
+        budget = self.steps.tokens()
+        if not decoding or self.decode_steps is None:
+            return budget
+        return min(budget, self.decode_steps.tokens(self.steps.seconds_per_token))
+
+    def observe(self, prompt_tokens: int, decode_tokens: int, seconds: float) -> None:
+        """A step that computed prompt tokens, and the decode rows beside them."""
+        self.steps.observe(prompt_tokens + decode_tokens, seconds)
+        if decode_tokens and self.decode_steps is not None:
+            self.decode_steps.observe(prompt_tokens + decode_tokens, seconds)
+
+    @property
+    def target_s(self) -> float | None:
+        """What a running request's time per token stretches to while prompts are prefilled
+        beside it; None until known."""
+        budgets = (self.steps, self.decode_steps)
+        return min((b.target_s for b in budgets if b is not None and b.target_s), default=None)

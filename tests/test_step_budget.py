@@ -93,7 +93,7 @@ def test_steps_that_carry_decodes_keep_to_the_decode_step_target_and_prompt_only
         max_decode_step_s=0.06,
     )
     engine = LLMEngine(config)
-    assert engine.step_target_s == 0.06  # what the router checks a local prefill against
+    assert engine.step_budget.target_s == 0.06  # what the router checks a local prefill against
     for layer in engine.runner.model.model.layers:  # 8 layers: 0.8 ms a token, 375 tokens in 0.3 s
         layer.register_forward_pre_hook(lambda _m, args: time.sleep(100e-6 * args[0].shape[0]))
     for seed in (3, 13):  # measure the speed (the first step pays for first-call allocations)
