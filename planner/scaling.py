@@ -201,16 +201,13 @@ class ScalingPolicy:
         modelled = rank(self.profile, demand(obs), s.slo, self._candidates(current), s.min_fraction)
         predicted = {c.cluster.label: c.slo_fraction for c in modelled}  # the model's, as reported
         self._check(obs, current, predicted[current.label], now_s)
-        ranked = self._measured(modelled, obs, current, now_s)
+        measured = {label: m.measured for label, m in self.misses.items() if m.applies(obs, now_s)}
+        ranked = self._measured(modelled, measured, current)
         kind, target, why = self._choose(
             ranked, current, {c.cluster.label: c.slo_fraction for c in ranked}, obs
         )
         reason = f"{why}; observed {obs.describe()}"
-        refuted = [
-            f"{label} {miss.measured:.0%}"
-            for label, miss in self.misses.items()
-            if label in predicted and miss.applies(obs, now_s)
-        ]
+        refuted = [f"{label} {share:.0%}" for label, share in measured.items() if label in predicted]
         if refuted:
             reason += f"; measured, not modelled, on as heavy a load: {', '.join(refuted)}"
         if kind is not Kind.SCALE:
@@ -219,27 +216,23 @@ class ScalingPolicy:
         return self._gate(target, current, reason, predicted, now_s)
 
     def _measured(
-        self, modelled: list[Candidate], obs: Observation, current: Cluster, now_s: float
+        self, modelled: list[Candidate], measured: dict[str, float], current: Cluster
     ) -> list[Candidate]:
-        """The candidates as the window's measurements correct them: a shape of fewer nodes than
+        """The candidates as the measured shares (of misses that apply to this load) correct them: a shape of fewer nodes than
         the current one, measured missing the SLOs on as heavy a load, counts at its measured
         share (no shrinking back into it); and so does the current shape where it can grow, but
         then only the shapes of more nodes may replace it. Shapes of as many nodes are compared by
         the model alone: against the current shape's measured share every unmeasured one would
         look better, and the pool would go round them under a load none of them meets."""
         s = self.settings
-        refuted = lambda c: (m := self.misses.get(c.cluster.label)) is not None and m.applies(obs, now_s)  # noqa: E731
-        grow = refuted(next(c for c in modelled if c.cluster.label == current.label))
-        grow = grow and current.num_nodes < s.max_nodes
+        grow = current.label in measured and current.num_nodes < s.max_nodes
         out = []
         for c in modelled:
-            mine = c.cluster.label == current.label
-            if grow and not mine and c.cluster.num_nodes <= current.num_nodes:
+            mine, nodes = c.cluster.label == current.label, c.cluster.num_nodes
+            if grow and not mine and nodes <= current.num_nodes:
                 continue
-            if refuted(c) and (c.cluster.num_nodes < current.num_nodes or (mine and grow)):
-                c = dataclasses.replace(
-                    c, slo_fraction=min(c.slo_fraction, self.misses[c.cluster.label].measured)
-                )
+            if c.cluster.label in measured and (nodes < current.num_nodes or (mine and grow)):
+                c = dataclasses.replace(c, slo_fraction=min(c.slo_fraction, measured[c.cluster.label]))
             out.append(c)
         return order(out, s.min_fraction)
 
