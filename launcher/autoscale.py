@@ -76,6 +76,7 @@ def observe(before: Samples, after: Samples, window_s: float, slo: Slo) -> Obser
         return _total(after, name, **labels) - _total(before, name, **labels)
 
     finished = delta("pdserve_e2e_request_latency_seconds_count")
+    first_tokens = delta("pdserve_time_to_first_token_seconds_count")
     kv_use = [
         used / total
         for (lab, used) in after.get("pdserve_node_kv_blocks_used", ())
@@ -85,7 +86,7 @@ def observe(before: Samples, after: Samples, window_s: float, slo: Slo) -> Obser
     ]
     return Observation(
         window_s=window_s,
-        num_finished=int(delta("pdserve_time_to_first_token_seconds_count")),
+        num_finished=int(first_tokens),
         num_shed=int(delta("pdserve_shed_total")),
         mean_prompt_tokens=delta("pdserve_prompt_tokens_total") / finished if finished else 0.0,
         mean_output_tokens=delta("pdserve_generation_tokens_total") / finished if finished else 0.0,
@@ -93,6 +94,7 @@ def observe(before: Samples, after: Samples, window_s: float, slo: Slo) -> Obser
         tpot_met=_met(before, after, "pdserve_time_per_output_token_seconds", slo.tpot_s),
         prefill_backlog_s=_total(after, "pdserve_node_prefill_backlog_seconds"),
         decode_kv_use=max(kv_use, default=0.0),
+        mean_ttft_s=delta("pdserve_time_to_first_token_seconds_sum") / first_tokens if first_tokens else None,
     )
 
 
@@ -290,6 +292,7 @@ class AutoscaleOptions:
     interval_s: float = 5.0
     cooldown_s: float = 30.0
     min_slo_fraction: float = 0.9
+    correct_prefill: bool = True  # planner.correction (off: --autoscale-trust-profile)
 
 
 def router_settings(router_args: tuple[str, ...]) -> dict:
@@ -351,6 +354,7 @@ def make_autoscaler(cluster, options: AutoscaleOptions, profile_path: pathlib.Pa
         min_nodes=options.min_nodes,
         min_fraction=options.min_slo_fraction,
         cooldown_s=options.cooldown_s,
+        correct_prefill=options.correct_prefill,
         disagg_threshold=router["disagg_threshold"],
         local_prefill_margin_s=router["local_prefill_margin_s"],
     )

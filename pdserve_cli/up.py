@@ -134,6 +134,13 @@ def _add_slo_flags(parser: argparse.ArgumentParser) -> None:
         "--autoscale-cooldown", type=float, default=None, help="seconds between two changes (default: 30)"
     )
     slo.add_argument(
+        "--autoscale-trust-profile",
+        action="store_true",
+        default=None,  # None: not given (AUTOSCALE_ONLY)
+        help="decide on the profile as calibrated; by default its prefill times are corrected, per "
+        "shape family, by the TTFT the cluster measures",
+    )
+    slo.add_argument(
         "--min-slo-fraction",
         type=float,
         default=None,
@@ -143,6 +150,7 @@ def _add_slo_flags(parser: argparse.ArgumentParser) -> None:
 
 AUTOSCALE_ONLY = (
     "autoscale_profile", "max_nodes", "min_nodes", "autoscale_interval", "autoscale_cooldown", "min_slo_fraction",
+    "autoscale_trust_profile",
 )  # fmt: skip
 
 
@@ -335,6 +343,7 @@ def _autoscale_options(args: argparse.Namespace, plan):
         interval_s=interval,
         cooldown_s=cooldown,
         min_slo_fraction=fraction,
+        correct_prefill=not args.autoscale_trust_profile,
     )
 
 

@@ -127,6 +127,13 @@ class Profile:
             lo, hi = (mid, hi) if self.prefill_s(mid) <= seconds else (lo, mid - 1)
         return lo
 
+    def with_prefill_scale(self, scale: float) -> Profile:
+        """This profile with every prefill ``scale`` times as long (planner.correction's fit)."""
+        if scale == 1.0:
+            return self
+        ys = tuple(y * scale for y in self.prefill.ys)
+        return dataclasses.replace(self, prefill=PiecewiseLinear(self.prefill.xs, ys))
+
     def transfer_s(self, num_prompt_tokens: int) -> float:
         return self.transfer(num_prompt_tokens * self.kv_bytes_per_token)
 

@@ -3,7 +3,10 @@ hysteresis and a cooldown keep the choice from flapping.
 
     Observation (a window of the router's metrics): arrivals, shed requests, prompt and output lengths
       ─► demand: Poisson arrivals at the window's rate, lengths spread around its means (seeded)
-      ─► every shape within the node budget simulated on it (planner.recommend.rank), less what
+      ─► the current shape's family's prefill scale refitted to the window's mean TTFT
+         (planner.correction: the model's prefill times as this cluster measures them)
+      ─► every shape within the node budget simulated on it (planner.recommend.rank) with its
+         family's prefill scale, less what
          was measured: a shape the model said meets the SLOs and the router's window saw miss them
          counts at its measured share on loads at least as heavy, for MISS_MEMORY_S, where that
          means growing out of it or not shrinking back into it
@@ -30,6 +33,7 @@ import enum
 import random
 
 from bench_serve.metrics import Slo
+from planner.correction import Corrections, family
 from planner.profile import Profile
 from planner.recommend import Candidate, order, rank, shapes
 from planner.simulate import Cluster, SimRequest
@@ -67,6 +71,7 @@ class Observation:
     tpot_met: float | None
     prefill_backlog_s: float  # summed over the prefill nodes, at the second scrape
     decode_kv_use: float  # the fullest decode or colocated node's KV pool, 0..1
+    mean_ttft_s: float | None = None  # of the TTFT observations (None: none in the window)
 
     @property
     def num_arrived(self) -> int:
@@ -100,6 +105,7 @@ class Decision:
     target: Cluster  # == current unless kind is SCALE
     reason: str
     predicted: dict[str, float]  # shape label -> predicted share of requests within the SLOs
+    prefill_scale: dict[str, float] = dataclasses.field(default_factory=dict)  # planner.correction's
 
     def to_json(self) -> dict:
         return {
@@ -109,6 +115,7 @@ class Decision:
             "target_nodes": shape_counts(self.target),
             "reason": self.reason,
             "predicted_slo_fraction": {k: round(v, 3) for k, v in self.predicted.items()},
+            "prefill_scale": {k: round(v, 3) for k, v in self.prefill_scale.items()},
         }
 
 
@@ -151,6 +158,7 @@ class ScalingSettings:
     disagg_threshold: int = 64  # as the router's
     local_prefill_margin_s: float = LOCAL_PREFILL_MARGIN_S  # as the router's
     colocated: bool = True  # colocated shapes are candidates
+    correct_prefill: bool = True  # refit the families' prefill scales to the windows' TTFT
 
     def __post_init__(self) -> None:
         if (
@@ -192,13 +200,24 @@ class ScalingPolicy:
         self._pending: tuple[str, int] | None = None  # (target label, windows in a row)
         self._last_change_s: float | None = None
         self.misses: dict[str, Miss] = {}  # shape label -> its latest refuted prediction
+        self.corrections = Corrections()  # the model's prefill times as the windows measure them
 
     def decide(self, obs: Observation, current: Cluster, now_s: float) -> Decision:
         s = self.settings
         if obs.num_arrived < s.min_requests or obs.rate <= 0:
             self._pending = None
-            return Decision(Kind.IDLE, current, current, f"{obs.num_arrived} request(s) in the window", {})
-        modelled = rank(self.profile, demand(obs), s.slo, self._candidates(current), s.min_fraction)
+            return self._decision(
+                Kind.IDLE, current, current, f"{obs.num_arrived} request(s) in the window", {}
+            )
+        requests = demand(obs)
+        if (
+            s.correct_prefill
+            and obs.mean_ttft_s is not None
+            and obs.num_finished >= s.min_requests
+            and not self._settling(now_s)
+        ):
+            self.corrections.update(self.profile, current, requests, s.slo, obs.mean_ttft_s)
+        modelled = self._rank(requests, current)
         predicted = {c.cluster.label: c.slo_fraction for c in modelled}  # the model's, as reported
         self._check(obs, current, predicted[current.label], now_s)
         measured = {label: m.measured for label, m in self.misses.items() if m.applies(obs, now_s)}
@@ -210,10 +229,41 @@ class ScalingPolicy:
         refuted = [f"{label} {share:.0%}" for label, share in measured.items() if label in predicted]
         if refuted:
             reason += f"; measured, not modelled, on as heavy a load: {', '.join(refuted)}"
+        reason += f"; prefill times as measured: {self.corrections.describe()}"
         if kind is not Kind.SCALE:
             self._pending = None
-            return Decision(kind, current, current, reason, predicted)
+            return self._decision(kind, current, current, reason, predicted)
         return self._gate(target, current, reason, predicted, now_s)
+
+    def _decision(
+        self, kind: Kind, current: Cluster, target: Cluster, reason: str, predicted: dict[str, float]
+    ) -> Decision:
+        scale = dict(self.corrections.prefill_scale)
+        return Decision(kind, current, target, reason, predicted, scale)
+
+    def _rank(self, requests: list[SimRequest], current: Cluster) -> list[Candidate]:
+        """Every candidate simulated on the profile its family's measured prefill scale corrects."""
+        s = self.settings
+        by_family: dict[str, list[Cluster]] = {}
+        for cluster in self._candidates(current):
+            by_family.setdefault(family(cluster), []).append(cluster)
+        found = [
+            candidate
+            for clusters in by_family.values()
+            for candidate in rank(
+                self.corrections.profile_for(self.profile, clusters[0]),
+                requests,
+                s.slo,
+                clusters,
+                s.min_fraction,
+            )
+        ]
+        return order(found, s.min_fraction)
+
+    def _settling(self, now_s: float) -> bool:
+        """Within the cooldown of a change: the shape before it still finishes its requests."""
+        last = self._last_change_s
+        return last is not None and now_s - last < self.settings.cooldown_s
 
     def _measured(
         self, modelled: list[Candidate], measured: dict[str, float], current: Cluster
@@ -240,8 +290,7 @@ class ScalingPolicy:
         """Hold the model to what the window measured on the shape it ran (after the cooldown of a
         change: the requests of the shape before it finish in the first windows after)."""
         measured, s = obs.slo_met, self.settings
-        settling = self._last_change_s is not None and now_s - self._last_change_s < s.cooldown_s
-        if measured is None or settling:
+        if measured is None or self._settling(now_s):
             return
         if measured < s.min_fraction <= predicted:
             load = (obs.rate * obs.mean_prompt_tokens, obs.rate * obs.mean_output_tokens)
@@ -324,17 +373,17 @@ class ScalingPolicy:
         grows = target.num_nodes > current.num_nodes
         if not grows and self._last_change_s is not None and now_s - self._last_change_s < s.cooldown_s:
             left = s.cooldown_s - (now_s - self._last_change_s)
-            return Decision(
+            return self._decision(
                 Kind.COOLDOWN, current, current, f"{left:.0f} s of cooldown left; {reason}", predicted
             )
         needed = s.shrink_confirm if target.num_nodes < current.num_nodes else s.confirm
         if seen < needed:
-            return Decision(
+            return self._decision(
                 Kind.CONFIRMING, current, current, f"window {seen} of {needed}; {reason}", predicted
             )
         self._pending = None
         self._last_change_s = now_s
-        return Decision(Kind.SCALE, current, target, reason, predicted)
+        return self._decision(Kind.SCALE, current, target, reason, predicted)
 
     def changed(self, now_s: float) -> None:
         """A change happened outside the policy (an operator's role switch): the cooldown starts."""

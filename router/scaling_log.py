@@ -16,6 +16,7 @@ from protocol.registry import Role
 
 KINDS = ("scale", "idle", "cooldown", "confirming", "best", "no_gain", "missing_slo")  # planner.scaling.Kind
 RoleName = Literal["prefill", "decode", "colocated"]  # protocol.registry.Role's values
+FamilyName = Literal["disaggregated", "colocated"]  # planner.correction.FAMILIES
 MAX_KEPT = 200  # decisions GET /admin/autoscale lists
 
 
@@ -28,6 +29,7 @@ class DecisionBody(pydantic.BaseModel):
     target_nodes: dict[RoleName, pydantic.NonNegativeInt]
     reason: str = pydantic.Field(max_length=2000)
     predicted_slo_fraction: dict[str, float] = pydantic.Field(default_factory=dict, max_length=64)
+    prefill_scale: dict[FamilyName, pydantic.PositiveFloat] = pydantic.Field(default_factory=dict)
 
 
 class ScalingLog:
@@ -50,12 +52,22 @@ class ScalingLog:
             registry=registry,
         )
 
+        self._prefill_scale = Gauge(
+            "pdserve_autoscale_prefill_scale",
+            "The autoscaler's model correction: measured prefill time over the profile's, by shape "
+            "family (disaggregated: shapes with prefill nodes; colocated), from its windows' TTFT.",
+            ["family"],
+            registry=registry,
+        )
+
     def record(self, body: DecisionBody) -> dict:
         entry = {"time": round(time.time(), 3), **body.model_dump(mode="json")}
         self._kept.append(entry)
         self._decisions.labels(kind=body.kind).inc()
         for role in Role:
             self._target.labels(role=role.value).set(body.target_nodes.get(role.value, 0))
+        for name, scale in body.prefill_scale.items():
+            self._prefill_scale.labels(family=name).set(scale)
         return entry
 
     def body(self) -> dict:

@@ -3,7 +3,8 @@ two (this machine's cores at one thread each), and an open-loop load that shifts
 prefill-heavy to decode-heavy and back, then goes light, then heavy again.
 
 The controller decides with a hand-made profile (a 5 ms/token prefill, 20-24 ms decode steps),
-so its choices follow the load's shape and not this machine's speed, while the nodes serve the
+taken as it is (--autoscale-trust-profile: no correction by the measured TTFT), so its choices
+follow the load's shape and not this machine's speed, while the nodes serve the
 load for real. The router sends every prompt over 16 tokens to a prefill node and never has a
 decode node prefill for a backed-up one, so 1P+1D is pure disaggregation, and the model's
 answers are clear-cut:
@@ -55,6 +56,7 @@ FLAGS = (
     "--tpot-slo-s", "0.025",
     "--autoscale-interval", "1.5",
     "--autoscale-cooldown", "3",
+    "--autoscale-trust-profile",  # the hand-made profile decides, not this machine's speed
     "--router-args", "--disagg-threshold 16 --local-prefill-margin-s 100",
 )  # fmt: skip
 WORDS = FILLER.split()

@@ -5,13 +5,16 @@ router/scaling_log.py). tests/test_autoscale_cluster.py runs the controller on r
 
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 import pytest
 
 from bench_serve.metrics import Slo
 from launcher.autoscale import DECODING, Move, moves, observe, parse_metrics
+from planner.correction import mean_ttft_s
 from planner.profile import DecodeStepGrid, PiecewiseLinear, Profile, TransferModel
-from planner.scaling import Kind, Observation, ScalingPolicy, ScalingSettings
+from planner.scaling import Kind, Observation, ScalingPolicy, ScalingSettings, demand
 from planner.simulate import Cluster
 from router.metrics import RouterMetrics
 from tests.test_router_support import fake_cluster as router_with_fake_nodes
@@ -112,6 +115,28 @@ def test_the_best_shape_holds_and_a_small_gain_is_not_worth_a_change():
         d.kind is Kind.NO_GAIN and d.target == PD and max(d.predicted, key=d.predicted.get) == "2 colocated"
     )
     assert abs(d.predicted["1P+1D"] - d.predicted["2 colocated"]) < 0.05
+
+
+def test_prefill_times_measured_slower_than_modelled_move_the_pool_off_the_family_that_ran_them():
+    # At two nodes the model ties 1P+1D and 2 colocated on this load (66% each); the windows on
+    # 1P+1D measure the mean TTFT the model gives it with prefills twice as long.
+    p = policy(max_nodes=2, confirm=1)
+    load = PREFILL_HEAVY
+    slow = mean_ttft_s(PROFILE.with_prefill_scale(2.0), PD, demand(window(load)), SLO)
+    assert p.decide(window(load), PD, now_s=0.0).kind is Kind.NO_GAIN  # no TTFT measured: the model
+    d = p.decide(dataclasses.replace(window(load, met=0.66), mean_ttft_s=slow), PD, now_s=0.0)
+    assert d.kind is Kind.SCALE and d.target.label == "2 colocated"
+    scale = d.prefill_scale["disaggregated"]
+    assert scale == pytest.approx(2.0**0.25, rel=0.02) and d.prefill_scale["colocated"] == 1.0
+    assert d.predicted["1P+1D"] < d.predicted["2 colocated"] - 0.05
+    assert f"disaggregated x{scale:.2f}" in d.reason and d.to_json()["prefill_scale"]["disaggregated"] > 1.1
+    # windows within the cooldown of that change refit nothing (the requests of the shape before
+    # it are still finishing); after it the running shape's family is refitted
+    fast = mean_ttft_s(PROFILE.with_prefill_scale(0.6), Cluster(0, 0, 2), demand(window(load)), SLO)
+    for now_s, expected in ((10.0, 1.0), (40.0, 0.6**0.25)):
+        d = p.decide(dataclasses.replace(window(load), mean_ttft_s=fast), Cluster(0, 0, 2), now_s=now_s)
+        assert d.prefill_scale["colocated"] == pytest.approx(expected, rel=0.02)
+        assert d.prefill_scale["disaggregated"] == scale
 
 
 def test_a_window_with_too_few_requests_is_not_judged():
@@ -258,6 +283,7 @@ def test_a_window_is_read_from_two_scrapes_of_the_router():
     assert (obs.mean_prompt_tokens, obs.mean_output_tokens) == (300, 20)
     assert obs.ttft_met == pytest.approx(0.75) and obs.tpot_met == pytest.approx(0.75)
     assert obs.slo_met == pytest.approx(0.75 * 4 / 5)
+    assert obs.mean_ttft_s == pytest.approx((0.5 + 1.0 + 1.5 + 9.0) / 4)
     # a target between bounds: the 1.0-2.5 s bucket's one observation counts by (2.0 - 1.0) / 1.5
     between = observe(before, after, window_s=5.0, slo=SLO)
     assert between.ttft_met == pytest.approx((2 + 1 / 1.5) / 4)
@@ -294,3 +320,5 @@ def test_the_router_keeps_reported_decisions_on_metrics_and_refuses_malformed_on
     assert by_kind["scale"] == 1 and by_kind["idle"] == 0 and len(by_kind) == len(Kind)
     target = {lab["role"]: v for lab, v in samples["pdserve_autoscale_target_nodes"]}
     assert target == {"prefill": 0, "decode": 0, "colocated": 3}
+    scales = {lab["family"]: v for lab, v in samples["pdserve_autoscale_prefill_scale"]}
+    assert scales == {"disaggregated": 1.0, "colocated": 1.0}

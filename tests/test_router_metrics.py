@@ -134,6 +134,7 @@ EXPECTED = {
     # added since: what `pdserve up --autoscale` reports (no target until a decision is reported)
     "pdserve_autoscale_decisions": ("counter", frozenset({"kind"})),
     "pdserve_autoscale_target_nodes": ("gauge", frozenset()),
+    "pdserve_autoscale_prefill_scale": ("gauge", frozenset()),
     "pdserve_node_kv_blocks_used": ("gauge", NODE),
     "pdserve_node_kv_blocks_cached": ("gauge", NODE),
     "pdserve_node_kv_blocks_total": ("gauge", NODE),

@@ -1,0 +1,68 @@
+"""planner/correction.py: the prefill scale under which the model's mean TTFT is the measured one,
+and the running mean each shape family keeps of its fits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from planner.correction import (
+    SCALE_MAX,
+    SCALE_MIN,
+    WEIGHT,
+    Corrections,
+    family,
+    fit_prefill_scale,
+    mean_ttft_s,
+)
+from planner.scaling import demand
+from planner.simulate import Cluster
+from tests.test_autoscale_policy import PD, PROFILE, SLO, window
+
+LIGHT = (1.0, 200, 2)  # req/s, prompt tokens, output tokens: the prefill node is 40% busy
+
+
+@pytest.mark.parametrize("true_scale", [0.7, 1.6, 2.5])
+@pytest.mark.parametrize("cluster", [PD, Cluster(0, 0, 2)])
+def test_the_fit_recovers_the_scale_a_measured_ttft_came_from(true_scale, cluster):
+    requests = demand(window(LIGHT))
+    measured = mean_ttft_s(PROFILE.with_prefill_scale(true_scale), cluster, requests, SLO)
+    assert fit_prefill_scale(PROFILE, cluster, requests, SLO, measured) == pytest.approx(true_scale, rel=0.03)
+
+
+def test_a_fit_stays_within_its_bounds():
+    requests = demand(window(LIGHT))
+    assert fit_prefill_scale(PROFILE, PD, requests, SLO, 100.0) == pytest.approx(SCALE_MAX, rel=0.02)
+    assert fit_prefill_scale(PROFILE, PD, requests, SLO, 1e-3) == pytest.approx(SCALE_MIN, rel=0.02)
+
+
+def test_each_family_keeps_a_running_geometric_mean_of_its_fits():
+    corrections = Corrections()
+    requests = demand(window(LIGHT))
+    measured = mean_ttft_s(PROFILE.with_prefill_scale(2.0), PD, requests, SLO)
+    fits = [corrections.update(PROFILE, PD, requests, SLO, measured) for _ in range(3)]
+    assert fits == pytest.approx([2.0] * 3, rel=0.03)
+    expected = math.exp(math.log(fits[0]) * (1 - (1 - WEIGHT) ** 3))  # from 1 towards the fit
+    assert corrections.prefill_scale["disaggregated"] == pytest.approx(expected, rel=1e-6)
+    assert corrections.prefill_scale["colocated"] == 1.0  # a family the cluster has not run
+    assert family(Cluster(1, 2)) == family(Cluster(2, 1, 1)) == "disaggregated"
+    assert family(Cluster(0, 0, 3)) == "colocated"
+    # the corrected profile: every prefill that many times as long, nothing else changed
+    corrected = corrections.profile_for(PROFILE, Cluster(2, 1))
+    scale = corrections.prefill_scale["disaggregated"]
+    assert corrected.prefill_s(500) == pytest.approx(PROFILE.prefill_s(500) * scale)
+    assert corrected.decode == PROFILE.decode and corrected.transfer == PROFILE.transfer
+    assert corrections.profile_for(PROFILE, Cluster(0, 0, 1)) is PROFILE
+
+
+def test_pdserve_up_takes_the_profile_as_calibrated_only_when_told_and_only_with_autoscale():
+    from pdserve_cli.main import build_parser
+    from pdserve_cli.up import _node_budget
+
+    parser = build_parser()
+    assert parser.parse_args(["up"]).autoscale_trust_profile is None  # corrected by default
+    args = parser.parse_args(["up", "--autoscale-trust-profile"])
+    assert args.autoscale_trust_profile is True
+    with pytest.raises(ValueError, match="--autoscale-trust-profile: only with --autoscale"):
+        _node_budget(args, num_started=2, cores=2)
