@@ -292,7 +292,7 @@ class AutoscaleOptions:
     interval_s: float = 5.0
     cooldown_s: float = 30.0
     min_slo_fraction: float = 0.9
-    correct_prefill: bool = True  # planner.correction (off: --autoscale-trust-profile)
+    correct_prefill: bool = True  # rank on planner.correction's scales (off: --autoscale-trust-profile)
 
 
 def router_settings(router_args: tuple[str, ...]) -> dict:

@@ -138,7 +138,7 @@ def _add_slo_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,  # None: not given (AUTOSCALE_ONLY)
         help="decide on the profile as calibrated; by default its prefill times are corrected, per "
-        "shape family, by the TTFT the cluster measures",
+        "shape family, by the TTFT the cluster measures (measured and reported either way)",
     )
     slo.add_argument(
         "--min-slo-fraction",

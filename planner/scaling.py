@@ -158,7 +158,7 @@ class ScalingSettings:
     disagg_threshold: int = 64  # as the router's
     local_prefill_margin_s: float = LOCAL_PREFILL_MARGIN_S  # as the router's
     colocated: bool = True  # colocated shapes are candidates
-    correct_prefill: bool = True  # refit the families' prefill scales to the windows' TTFT
+    correct_prefill: bool = True  # rank on the measured prefill scales (else: measured, reported only)
 
     def __post_init__(self) -> None:
         if (
@@ -210,12 +210,7 @@ class ScalingPolicy:
                 Kind.IDLE, current, current, f"{obs.num_arrived} request(s) in the window", {}
             )
         requests = demand(obs)
-        if (
-            s.correct_prefill
-            and obs.mean_ttft_s is not None
-            and obs.num_finished >= s.min_requests
-            and not self._settling(now_s)
-        ):
+        if obs.mean_ttft_s is not None and obs.num_finished >= s.min_requests and not self._settling(now_s):
             self.corrections.update(self.profile, current, requests, s.slo, obs.mean_ttft_s)
         modelled = self._rank(requests, current)
         predicted = {c.cluster.label: c.slo_fraction for c in modelled}  # the model's, as reported
@@ -251,7 +246,9 @@ class ScalingPolicy:
             candidate
             for clusters in by_family.values()
             for candidate in rank(
-                self.corrections.profile_for(self.profile, clusters[0]),
+                self.corrections.profile_for(self.profile, clusters[0])
+                if s.correct_prefill
+                else self.profile,
                 requests,
                 s.slo,
                 clusters,

@@ -3,7 +3,8 @@ two (this machine's cores at one thread each), and an open-loop load that shifts
 prefill-heavy to decode-heavy and back, then goes light, then heavy again.
 
 The controller decides with a hand-made profile (a 5 ms/token prefill, 20-24 ms decode steps),
-taken as it is (--autoscale-trust-profile: no correction by the measured TTFT), so its choices
+taken as it is (--autoscale-trust-profile: the prefill scales fitted to the measured TTFT are
+reported, not used), so its choices
 follow the load's shape and not this machine's speed, while the nodes serve the
 load for real. The router sends every prompt over 16 tokens to a prefill node and never has a
 decode node prefill for a backed-up one, so 1P+1D is pure disaggregation, and the model's
@@ -202,6 +203,12 @@ def test_the_pools_follow_a_load_that_shifts_and_no_request_is_lost(cluster):
     scrape = httpx.get(launcher.url + "/metrics", timeout=5).text
     assert 'pdserve_autoscale_decisions_total{kind="scale"} 5.0' in scrape
     assert 'pdserve_autoscale_target_nodes{role="colocated"} 2.0' in scrape
+    # The windows measured TTFTs of milliseconds where the profile says 0.5 s for these prompts:
+    # both families' prefill scales fell to its floor's side (reported; the profile decides)
+    last = [r for r in log if r["event"] == "decision"][-1]["prefill_scale"]
+    assert last["colocated"] < 0.7 and last["disaggregated"] < 0.7, last
+    for family, scale in last.items():
+        assert f'pdserve_autoscale_prefill_scale{{family="{family}"}} {scale}' in scrape
 
     client = redis.Redis.from_url(launcher.redis_url())
     deadline = time.monotonic() + 10

@@ -130,6 +130,10 @@ def test_prefill_times_measured_slower_than_modelled_move_the_pool_off_the_famil
     assert scale == pytest.approx(2.0**0.25, rel=0.02) and d.prefill_scale["colocated"] == 1.0
     assert d.predicted["1P+1D"] < d.predicted["2 colocated"] - 0.05
     assert f"disaggregated x{scale:.2f}" in d.reason and d.to_json()["prefill_scale"]["disaggregated"] > 1.1
+    # told to trust the profile, the policy measures and reports the scale but ranks as calibrated
+    trusting = policy(max_nodes=2, confirm=1, correct_prefill=False)
+    held = trusting.decide(dataclasses.replace(window(load, met=0.66), mean_ttft_s=slow), PD, now_s=0.0)
+    assert held.kind is Kind.NO_GAIN and held.prefill_scale["disaggregated"] == pytest.approx(scale)
     # windows within the cooldown of that change refit nothing (the requests of the shape before
     # it are still finishing); after it the running shape's family is refitted
     fast = mean_ttft_s(PROFILE.with_prefill_scale(0.6), Cluster(0, 0, 2), demand(window(load)), SLO)
