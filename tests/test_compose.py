@@ -284,3 +284,19 @@ def test_compose_client_accepts_the_file():
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_the_slo_variables_the_compose_file_names_are_flags_of_their_services():
+    header = (ROOT / "docker-compose.yml").read_text().split("x-pdserve-image")[0]
+    named = set(re.findall(r"PDSERVE_(?:TTFT_SLO_S|TPOT_SLO_S|MAX_DECODE_STEP_SECONDS)", header))
+    assert named == {"PDSERVE_TTFT_SLO_S", "PDSERVE_TPOT_SLO_S", "PDSERVE_MAX_DECODE_STEP_SECONDS"}
+    router = flags_from_env("router", {"PDSERVE_TTFT_SLO_S": "4", "PDSERVE_TPOT_SLO_S": "0.25"})
+    assert sorted(zip(router[::2], router[1::2], strict=True)) == [
+        ("--tpot-slo-s", "0.25"),
+        ("--ttft-slo-s", "4"),
+    ]
+    for node in ("prefill", "decode"):
+        assert flags_from_env(node, {"PDSERVE_MAX_DECODE_STEP_SECONDS": "0.2"}) == [
+            "--max-decode-step-seconds",
+            "0.2",
+        ]
