@@ -139,6 +139,14 @@ def studies() -> dict[str, list[Point]]:
             Point("2 colocated", two_colocated, LONG_MIX, AUTOSCALE_RATES, slo_flags=True),
             Point("1 colocated, 2 threads", colocated, LONG_MIX, AUTOSCALE_RATES, slo_flags=True),
             Point("autoscaled, starts 1P+1D", pd, LONG_MIX, AUTOSCALE_RATES, autoscale=True),
+            Point(  # each node may take both cores while the other leaves them idle (engine.cpu_share)
+                "autoscaled, starts 1P+1D, --max-threads 2",
+                pd,
+                LONG_MIX,
+                AUTOSCALE_RATES,
+                autoscale=True,
+                node_args="--max-threads 2",
+            ),
         ],
         "ratio": [
             Point(f"{c.label} mix", c, MIX, (0.5, 1.0)) for c in (Cluster(1, 1), Cluster(1, 2), Cluster(2, 1))
