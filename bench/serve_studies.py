@@ -21,7 +21,8 @@ workload at each rate (run k uses seed + k, fresh prompts), and stops the cluste
 for the nodes' thread count is given, the point's prediction by `pdserve plan simulate` is shown
 beside it. Results (every summary, the tables) go to --out-dir. ``check --calibrate`` measures a
 1-thread profile right before and right after the measured runs and shows both predictions: on a
-shared machine the gap between the two is the drift of the machine itself.
+shared machine the gap between the two is the drift of the machine itself. The points of every
+study are in bench/serve_points.py.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from serve_points import Point, rep_trace, studies  # noqa: E402
 from serve_servers import Up, VllmServer  # noqa: E402
 
 from bench_serve.metrics import Slo  # noqa: E402
@@ -47,179 +49,6 @@ from launcher.commands import pdserve_argv  # noqa: E402
 from launcher.plan import threads_per_node, usable_cores  # noqa: E402
 from planner.predict import predict, sim_requests  # noqa: E402
 from planner.profile import Profile  # noqa: E402
-from planner.simulate import Cluster  # noqa: E402
-
-MIX = {
-    "kind": "mix",
-    "num_requests": 16,
-    "input_len": 128,
-    "output_len": 48,
-    "max_input_len": 512,
-    "max_output_len": 128,
-}
-MIX_48 = {**MIX, "num_requests": 48}
-# issue 32's overload workload: prompts of 256-768 tokens (long-tailed around 384), 64 out
-LONG_MIX = {
-    "kind": "mix",
-    "num_requests": 32,
-    "input_len": 384,
-    "output_len": 64,
-    "max_input_len": 768,
-    "max_output_len": 64,
-}
-OVERLOAD_RATES = (0.5, 1.0, 2.0)
-AUTOSCALE_RATES = (0.25, 0.5, 1.0, 2.0)  # issue 32: 0.25x to 2x of about 1 req/s (2026-12-05 profile)
-SLO_ROUTER_ARGS = "--ttft-slo-s 4 --tpot-slo-s 0.25"  # the study's SLO: run it with the same in bench
-LOAD_RATES = (2.0, 4.0, 8.0)
-PREFILL_HEAVY = {"kind": "fixed", "num_requests": 16, "input_len": 512, "output_len": 16}
-SHARED_PREFIX = {
-    "kind": "shared-prefix",
-    "num_requests": 16,
-    "num_groups": 4,
-    "questions_per_group": 4,
-    "prefix_len": 384,
-    "input_len": 32,
-    "output_len": 16,
-}
-
-
-# bench/text_workloads.py's rep prompts (chat-templated ids), written once by rep_trace()
-REP_TRACE_PATH = pathlib.Path("/tmp/pdserve-rep-trace-24.jsonl")
-REP_TRACE = {"kind": "file", "workload_file": str(REP_TRACE_PATH)}
-
-
-def rep_trace() -> None:
-    """The rep workload as a trace for `pdserve bench serve --workload file` (no arrival times)."""
-    if REP_TRACE_PATH.is_file():
-        return
-    from transformers import AutoTokenizer
-
-    from bench.text_workloads import workload
-    from engine.model_fetch import fetch_default_model
-
-    reqs = workload("rep", 24, AutoTokenizer.from_pretrained(fetch_default_model(progress=False)))
-    lines = [json.dumps({"prompt": ids, "output_len": out}) for ids, out in reqs]
-    REP_TRACE_PATH.write_text("\n".join(lines) + "\n")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Point:
-    label: str  # the row's name
-    cluster: Cluster  # node counts (and the router's threshold)
-    workload: dict  # WorkloadSpec fields; "kind" is the --workload name
-    rates: tuple[float, ...]
-    node_args: str = ""  # --node-args of pdserve up
-    router_args: str = ""  # --router-args of pdserve up
-    vllm: bool = False  # vLLM's OpenAI server on every core instead of pdserve up (cluster ignored)
-    threads: int | None = None  # torch threads per node; None: pdserve up's even split of the cores
-    autoscale: bool = False  # pdserve up --autoscale from the cluster's shape, the --profile-1t profile
-    # pdserve up --ttft-slo-s --tpot-slo-s with the study's SLO (always, with autoscale): the router
-    # sheds by them and the nodes keep the steps that carry decodes within the TPOT target
-    slo_flags: bool = False
-
-
-def studies() -> dict[str, list[Point]]:
-    pd, colocated = Cluster(1, 1), Cluster(0, 0, 1)
-    two_colocated = Cluster(0, 0, 2)
-    return {
-        "check": [Point("1P+1D mix", pd, MIX, (0.5, 1.0))],
-        "colocated": [
-            Point(f"{c.label} {name}", c, w, (0.5, 1.0))
-            for name, w in (("mix", MIX), ("prefill-heavy", PREFILL_HEAVY))
-            for c in (pd, colocated)
-        ],
-        "overload": [  # run with --ttft-slo-ms 4000 --tpot-slo-ms 250
-            Point("1P+1D", pd, LONG_MIX, OVERLOAD_RATES),
-            Point("1P+1D, SLO flags", pd, LONG_MIX, OVERLOAD_RATES, router_args=SLO_ROUTER_ARGS),
-            Point("1 colocated", colocated, LONG_MIX, OVERLOAD_RATES),
-            Point("1 colocated, SLO flags", colocated, LONG_MIX, OVERLOAD_RATES, router_args=SLO_ROUTER_ARGS),
-        ],
-        "autoscale": [  # run with --ttft-slo-ms 4000 --tpot-slo-ms 250 --profile-1t FILE
-            Point("1P+1D", pd, LONG_MIX, AUTOSCALE_RATES, slo_flags=True),
-            Point("2 colocated", two_colocated, LONG_MIX, AUTOSCALE_RATES, slo_flags=True),
-            Point("1 colocated, 2 threads", colocated, LONG_MIX, AUTOSCALE_RATES, slo_flags=True),
-            Point("autoscaled, starts 1P+1D", pd, LONG_MIX, AUTOSCALE_RATES, autoscale=True),
-            Point(  # each node may take both cores while the other leaves them idle (engine.cpu_share)
-                "autoscaled, starts 1P+1D, --max-threads 2",
-                pd,
-                LONG_MIX,
-                AUTOSCALE_RATES,
-                autoscale=True,
-                node_args="--max-threads 2",
-            ),
-        ],
-        "ratio": [
-            Point(f"{c.label} mix", c, MIX, (0.5, 1.0)) for c in (Cluster(1, 1), Cluster(1, 2), Cluster(2, 1))
-        ],
-        "prefix": [
-            Point("2 colocated, cache on, prefix routing on", two_colocated, SHARED_PREFIX, (1.0,)),
-            Point(
-                "2 colocated, cache on, prefix routing off",
-                two_colocated,
-                SHARED_PREFIX,
-                (1.0,),
-                router_args="--no-prefix-routing",
-            ),
-            Point(
-                "2 colocated, cache off",
-                two_colocated,
-                SHARED_PREFIX,
-                (1.0,),
-                node_args="--no-prefix-caching",
-            ),
-        ],
-        "colocated-threads": [
-            Point("1 colocated, 2 threads, mix", colocated, MIX, (0.5,)),
-            Point("1 colocated, 1 thread, mix", colocated, MIX, (0.5,), threads=1),
-        ],
-        "load": [  # the vllm study's servers, 48 requests a rate, at rates that load them
-            Point("pdserve 1P+1D mix", pd, MIX_48, LOAD_RATES),
-            Point(
-                "pdserve 1P+1D, no local prefill, mix",
-                pd,
-                MIX_48,
-                LOAD_RATES,
-                router_args="--local-prefill-margin-s=-1",
-            ),
-            Point("pdserve 1 colocated (2 threads) mix", colocated, MIX_48, LOAD_RATES),
-            Point("vLLM server (2 cores) mix", colocated, MIX_48, LOAD_RATES, vllm=True),
-        ],
-        "commit": [  # the load study's servers, by how the KV pool is committed, beside vLLM
-            Point("pdserve 1 colocated, idle KV commit (default) mix", colocated, MIX_48, LOAD_RATES),
-            Point(
-                "pdserve 1 colocated, --kv-commit lazy, mix",
-                colocated,
-                MIX_48,
-                LOAD_RATES,
-                node_args="--kv-commit lazy",
-            ),
-            Point("pdserve 1P+1D, idle KV commit (default) mix", pd, MIX_48, LOAD_RATES),
-            Point("vLLM server (2 cores) mix", colocated, MIX_48, LOAD_RATES, vllm=True),
-        ],
-        "speculative": [
-            Point("pdserve 1P+1D rep", pd, REP_TRACE, (0.5,)),
-            Point(
-                "pdserve 1P+1D, --speculative ngram, rep",
-                pd,
-                REP_TRACE,
-                (0.5,),
-                node_args="--speculative ngram",
-            ),
-            Point(
-                "pdserve 1P+1D, --kv-cache-dtype int8 --speculative ngram, rep",
-                pd,
-                REP_TRACE,
-                (0.5,),
-                node_args="--kv-cache-dtype int8 --speculative ngram",
-            ),
-            Point("vLLM server (2 cores) rep", colocated, REP_TRACE, (0.5,), vllm=True),
-        ],
-        "vllm": [
-            Point("pdserve 1P+1D mix", pd, MIX, (0.5, 1.0, 2.0, 4.0)),
-            Point("pdserve 1 colocated (2 threads) mix", colocated, MIX, (0.5, 1.0, 2.0, 4.0)),
-            Point("vLLM server (2 cores) mix", colocated, MIX, (0.5, 1.0, 2.0, 4.0), vllm=True),
-        ],
-    }
 
 
 def workload_flags(workload: dict) -> list[str]:
