@@ -99,6 +99,11 @@ class RouterConfig:
     max_migrations: int = setting(
         2, "resumptions of a sample on another decode node, on top of --max-attempts (default: %(default)s)"
     )
+    reroute_wait_s: float = setting(
+        5.0,
+        "seconds a sample whose node failed or left waits for a usable node before its 503 (a "
+        "record that lapsed for a moment, a restart) (default: %(default)s)",
+    )
     poll_interval_s: float = setting(
         0.5, "seconds between registry refreshes (Redis scan or StatusQuery round) (default: %(default)s)"
     )
@@ -135,6 +140,7 @@ class RouterConfig:
         for name in (
             "chunk_timeout_s",
             "request_ttl_s",
+            "reroute_wait_s",
             "poll_interval_s",
             "node_expiry_s",
             "max_record_skew_s",

@@ -5,7 +5,9 @@
 
 This is the router's one retry loop, with request ids ``{id}``, ``{id}.r1``, ``{id}.r2``...
 Before an attempt's first token, a retryable RequestFailed, a timeout or a node leaving sends the
-sample to another pair (the node to blame excluded), ``max_attempts`` tries in all. After tokens,
+sample to another pair (the node to blame excluded; one that only left the registry may take it
+again should its record come back), ``max_attempts`` tries in all. A sample under way that finds
+no usable node waits up to ``reroute_wait_s`` for one before its 503. After tokens,
 when the decode node dies or stalls, the sample *migrates* (up to ``max_migrations`` times): a
 decode node elsewhere gets the prompt plus every token already relayed
 (``GenerateRequest.output_token_ids``), recomputes their KV and goes on, so the client's stream
@@ -62,9 +64,10 @@ class Sample:
 
 
 class _Retry(Exception):
-    def __init__(self, node_id: str, reason: str) -> None:
+    def __init__(self, node_id: str, reason: str, blame: bool = True) -> None:
         super().__init__(reason)
-        self.node_id = node_id  # excluded from the next attempts
+        self.node_id = node_id
+        self.blame = blame  # excluded from the next attempts; not a node that only left the registry
 
 
 def _node_error(failed: pm.RequestFailed, after_tokens: bool) -> APIError:
@@ -93,6 +96,7 @@ class Retry:
 
     node_id: str
     reason: str
+    blame: bool = True  # False: the node left the registry; should its record come back, it may serve
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -137,23 +141,35 @@ def _choose(backend: Backend, sample: Sample, relayed: list[int], excluded: set[
     )
 
 
-def _route(backend: Backend, sample: Sample, progress: _Progress) -> Route:
-    """The next attempt's pair; APIError when there is none."""
+async def _route(backend: Backend, sample: Sample, progress: _Progress) -> Route:
+    """The next attempt's pair; APIError when there is none. A sample already under way (its
+    node failed or left) waits up to ``reroute_wait_s`` for one: a node whose record lapsed for a
+    moment, or every record at once when a paused machine's wall clock steps and Redis expires
+    them, is back within a heartbeat."""
+    under_way = bool(progress.relayed or progress.num_retries or progress.migrating)
+    deadline = time.monotonic() + (backend.config.reroute_wait_s if under_way else 0.0)
+    while (route := _usable_route(backend, sample, progress)) is None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            if progress.migrating is not None:
+                raise progress.migrating.error
+            raise APIError(503, f"no usable decode node ({progress.last_error})", None, "no_nodes", 1)
+        await asyncio.sleep(min(remaining, backend.config.poll_interval_s))
+    if not under_way:
+        nodes = backend.registry.snapshot()
+        predicted = backend.policy.predicted_ttft_s(route, len(sample.prompt_ids), nodes)
+        config = backend.config
+        shed_late_first_token(predicted, config.ttft_slo_s, config.chunk_timeout_s, backend.metrics.shed)
+    return route
+
+
+def _usable_route(backend: Backend, sample: Sample, progress: _Progress) -> Route | None:
     route = _choose(backend, sample, progress.relayed, progress.excluded)
     if route is None and progress.migrating is not None:
         # No other node: the one that failed may serve its own migration if it still lives.
         progress.excluded.discard(progress.migrating.node_id)
         route = _choose(backend, sample, progress.relayed, progress.excluded)
-    if route is not None:
-        config = backend.config
-        if not (progress.relayed or progress.num_retries or progress.migrating):
-            nodes = backend.registry.snapshot()
-            predicted = backend.policy.predicted_ttft_s(route, len(sample.prompt_ids), nodes)
-            shed_late_first_token(predicted, config.ttft_slo_s, config.chunk_timeout_s, backend.metrics.shed)
-        return route
-    if progress.migrating is not None:
-        raise progress.migrating.error
-    raise APIError(503, f"no usable decode node ({progress.last_error})", None, "no_nodes", 1)
+    return route
 
 
 async def run_sample(
@@ -163,7 +179,7 @@ async def run_sample(
     of the replay, when ``replay_after_tokens`` and migration is off); APIError on failure."""
     progress = _Progress(replayable=replay_after_tokens)
     for attempt in itertools.count():
-        route = _route(backend, sample, progress)
+        route = await _route(backend, sample, progress)
         request_id = sample.request_id if attempt == 0 else f"{sample.request_id}.r{attempt}"
         outcome: list[Outcome] = []
         async for chunk in _attempt(backend, route, request_id, sample, ticket, progress, outcome):
@@ -205,7 +221,7 @@ async def _attempt(
             yield chunk
         outcome.append(Done())
     except _Retry as retry:
-        outcome.append(Retry(retry.node_id, str(retry)))
+        outcome.append(Retry(retry.node_id, str(retry), retry.blame))
     except APIError as exc:  # after tokens: the decode node died or stalled
         outcome.append(_after_tokens(backend.config, route, progress, exc))
     finally:
@@ -245,11 +261,13 @@ def _count(backend: Backend, sample: Sample, progress: _Progress, result: Outcom
     else:
         progress.last_error = result.reason
         progress.num_retries += 1
-        progress.excluded.add(result.node_id)
+        if result.blame:
+            progress.excluded.add(result.node_id)
         metrics.retries.inc()
         if progress.num_retries >= backend.config.max_attempts:
             return False
-        how = f"failed before its first token ({result.reason}); trying another pair"
+        again = "trying another pair" if result.blame else "routing it again"
+        how = f"failed before its first token ({result.reason}); {again}"
     log.warning("sample %s: attempt %d %s", name, attempt + 1, how)
     return True
 
@@ -381,7 +399,7 @@ async def _next_reply(
         if gone is not None and queue.empty():
             if after_tokens:
                 raise APIError(502, f"decode node {gone.node_id} went away mid-stream", None, "node_lost")
-            raise _Retry(gone.node_id, f"{gone.node_id} left the registry")
+            raise _Retry(gone.node_id, f"{gone.node_id} left the registry", blame=False)
 
 
 def _abort(backend: Backend, route: Route, request_id: str) -> None:

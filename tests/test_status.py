@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from pdserve_cli.main import build_parser, main
 from pdserve_cli.status import render
@@ -92,7 +93,8 @@ def test_status_reads_the_nodes_registered_in_redis(tmp_path, capsys):
         redis.stop()
     out = capsys.readouterr().out
     assert out.index("prefill-a") < out.index("decode: 1 node(s), 0 serving") < out.index("decode-b")
-    assert "s ago   draining" in out
+    # The age is the clock's to say (a stepped wall clock makes it long): only its shape is checked.
+    assert re.search(r"\d+\.\ds ago +draining", out), out
 
 
 def test_status_with_the_cluster_key_lists_signed_records_and_says_which_it_refused(tmp_path, capsys):

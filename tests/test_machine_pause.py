@@ -1,0 +1,108 @@
+"""The whole machine pauses (every node stopped at once, longer than the heartbeat TTL: a VM
+paused or migrated, after which the wall clock steps and Redis expires every record): the nodes'
+records lapse, the router drops them all, and the samples under way wait for them to come back
+instead of failing with 503 "no usable decode node". 1 prefill + 1 decode node, their heartbeat
+and the router's expiry at the defaults; concurrent, mixed lengths, streamed and not, with
+logprobs; every sample equal to Hugging Face and no block held after."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import random
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.cluster import NodeProcess, RedisServer
+from tests.engine_helpers import hf_greedy
+from tests.test_router_cluster import RouterProcess, _used_blocks, tiny_model_with_tokenizer
+
+pytestmark = pytest.mark.slow
+PAUSE_S = 4.5  # past the nodes' default heartbeat TTL (3 s) and a router poll
+
+
+@pytest.fixture
+def cluster(tmp_path, default_model_dir):
+    model = tiny_model_with_tokenizer(default_model_dir, max_position_embeddings=2048)
+    redis = RedisServer(tmp_path)
+    nodes = [NodeProcess(role, str(model), tmp_path, redis.url) for role in ("prefill", "decode")]
+    router = RouterProcess(model, redis.url, tmp_path, "--disagg-threshold", "8")
+    try:
+        for node in nodes:
+            node.wait_ready()
+        router.wait_healthy()
+        yield model, router, nodes
+    finally:
+        router.close()
+        for node in nodes:
+            if node.proc.poll() is None:
+                os.kill(node.proc.pid, signal.SIGCONT)
+            node.close()
+        redis.stop()
+
+
+def _tokens(router, model, prompt: list[int], max_tokens: int, stream: bool) -> list[int]:
+    """The sample's token ids (from its logprobs), streamed or whole; asserts a 200."""
+    body = {
+        "model": model.name,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+        "logprobs": 1,
+        "return_tokens_as_token_ids": True,
+    }
+    if not stream:
+        reply = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        found = reply.json()["choices"][0]["logprobs"]["tokens"]
+        return [int(t.removeprefix("token_id:")) for t in found]
+    tokens = []
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as reply:
+        assert reply.status_code == 200, reply.read()
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                found = (event["choices"][0]["logprobs"] or {}).get("tokens", [])
+                tokens += [int(t.removeprefix("token_id:")) for t in found]
+    return tokens
+
+
+def test_samples_under_way_when_every_node_pauses_past_its_ttl_complete_exact(cluster):
+    model, router, nodes = cluster
+    rng = random.Random(11)
+    work = [  # (prompt, max_tokens, streamed): long enough to be under way through the pause
+        (
+            [rng.randrange(100, 40000) for _ in range(rng.randrange(4, 300))],
+            rng.randrange(300, 700),
+            i % 2 == 0,
+        )
+        for i in range(8)
+    ]
+    with concurrent.futures.ThreadPoolExecutor(len(work)) as pool:
+        futures = [pool.submit(_tokens, router, model, *w) for w in work[:6]]
+        time.sleep(0.5)  # the first six are decoding
+        for node in nodes:
+            os.kill(node.proc.pid, signal.SIGSTOP)
+        futures += [pool.submit(_tokens, router, model, *w) for w in work[6:]]  # sent to paused nodes
+        time.sleep(PAUSE_S)
+        for node in nodes:
+            os.kill(node.proc.pid, signal.SIGCONT)
+        results = [f.result() for f in futures]
+    resumed_at = time.time()
+    for (prompt, max_tokens, _), tokens in zip(work, results, strict=True):
+        assert tokens == hf_greedy(str(model), prompt, max_tokens)
+    log = router.log_path.read_text()
+    assert "left the registry" in log or "went away mid-stream" in log, log[-4000:]
+    deadline = time.monotonic() + 15
+    used = _used_blocks(router, computed_after=resumed_at)
+    while time.monotonic() < deadline and (len(used) < 2 or any(used.values())):
+        time.sleep(0.1)
+        used = _used_blocks(router, computed_after=resumed_at)
+    assert len(used) == 2 and not any(used.values()), used
