@@ -12,12 +12,19 @@ each family keeps a running (geometric) mean of its fits:
     every disaggregated shape is then ranked on the profile with its prefills x scale
 
 The families: shapes with prefill nodes (their TTFT is the prefill pool's) and shapes of colocated
-nodes only. A family the cluster has not run keeps scale 1 (the profile as measured).
+nodes only. The error depends on the load's mix as well (a colocated node's prefills wait on
+decode steps only when outputs are long), so a fit holds for loads near the one it was measured
+on: each fit keeps its window's mean prompt and output lengths, and a window's scale per family
+is the running mean of that family's fits within a factor NEAR of its own lengths in both. A
+family with no fit near the load keeps scale 1 (the profile as measured): a scale fitted while
+outputs were long does not hold a shape back once they are short again.
 Torch-free.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -29,6 +36,8 @@ SCALE_MIN, SCALE_MAX = 0.5, 3.0  # a fit is kept within these
 FIT_STEPS = 7  # bisection steps in log space: within 1.5% of the fit
 WEIGHT = 0.25  # a window's share of the running mean (about eight windows to settle)
 FAMILIES = ("disaggregated", "colocated")
+NEAR = 1.5  # loads whose mean prompt and output lengths are both within this factor share fits
+MEMORY = 64  # fits kept per family (at one a window: minutes of load)
 
 
 def family(cluster: Cluster) -> str:
@@ -58,11 +67,30 @@ def fit_prefill_scale(
     return math.exp((lo + hi) / 2)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Load:
+    """A window's mix: its mean prompt and output lengths in tokens."""
+
+    prompt_tokens: float
+    output_tokens: float
+
+    def near(self, other: Load) -> bool:
+        return all(
+            abs(math.log(max(a, 1.0) / max(b, 1.0))) <= math.log(NEAR)
+            for a, b in ((self.prompt_tokens, other.prompt_tokens), (self.output_tokens, other.output_tokens))
+        )
+
+
 class Corrections:
-    """The families' prefill scales, each a running geometric mean of its windows' fits."""
+    """Each family's fits, with the load each was measured on; ``prefill_scale``: the families'
+    scales at the load last focused on (``focus``), each a running geometric mean of its near fits."""
 
     def __init__(self) -> None:
+        self._fits: dict[str, collections.deque[tuple[Load, float]]] = {
+            name: collections.deque(maxlen=MEMORY) for name in FAMILIES
+        }
         self.prefill_scale: dict[str, float] = dict.fromkeys(FAMILIES, 1.0)
+        self.num_near: dict[str, int] = dict.fromkeys(FAMILIES, 0)  # the fits behind each scale
 
     def update(
         self,
@@ -71,17 +99,29 @@ class Corrections:
         requests: Sequence[SimRequest],
         slo: Slo,
         measured_ttft_s: float,
+        load: Load,
     ) -> float:
-        """Fold a window's fit into the cluster's family; returns the fit."""
+        """Keep a window's fit for the cluster's family, and focus on its load; returns the fit."""
         fit = fit_prefill_scale(profile, cluster, requests, slo, measured_ttft_s)
-        key = family(cluster)
-        self.prefill_scale[key] = math.exp(
-            (1 - WEIGHT) * math.log(self.prefill_scale[key]) + WEIGHT * math.log(fit)
-        )
+        self._fits[family(cluster)].append((load, fit))
+        self.focus(load)
         return fit
+
+    def focus(self, load: Load) -> None:
+        """Set each family's scale to the running mean (from 1, oldest first) of its fits near ``load``."""
+        for name, fits in self._fits.items():
+            log_scale, num = 0.0, 0
+            for at, fit in fits:
+                if at.near(load):
+                    log_scale = (1 - WEIGHT) * log_scale + WEIGHT * math.log(fit)
+                    num += 1
+            self.prefill_scale[name], self.num_near[name] = math.exp(log_scale), num
 
     def profile_for(self, profile: Profile, cluster: Cluster) -> Profile:
         return profile.with_prefill_scale(self.prefill_scale[family(cluster)])
 
     def describe(self) -> str:
-        return ", ".join(f"{k} x{v:.2f}" for k, v in self.prefill_scale.items())
+        return ", ".join(
+            f"{name} x{scale:.2f} ({self.num_near[name]} fit(s) near this load)"
+            for name, scale in self.prefill_scale.items()
+        )

@@ -33,7 +33,7 @@ import enum
 import random
 
 from bench_serve.metrics import Slo
-from planner.correction import Corrections, family
+from planner.correction import Corrections, Load, family
 from planner.profile import Profile
 from planner.recommend import Candidate, order, rank, shapes
 from planner.simulate import Cluster, SimRequest
@@ -210,8 +210,11 @@ class ScalingPolicy:
                 Kind.IDLE, current, current, f"{obs.num_arrived} request(s) in the window", {}
             )
         requests = demand(obs)
+        load = Load(obs.mean_prompt_tokens, obs.mean_output_tokens)
         if obs.mean_ttft_s is not None and obs.num_finished >= s.min_requests and not self._settling(now_s):
-            self.corrections.update(self.profile, current, requests, s.slo, obs.mean_ttft_s)
+            self.corrections.update(self.profile, current, requests, s.slo, obs.mean_ttft_s, load)
+        else:
+            self.corrections.focus(load)
         modelled = self._rank(requests, current)
         predicted = {c.cluster.label: c.slo_fraction for c in modelled}  # the model's, as reported
         self._check(obs, current, predicted[current.label], now_s)

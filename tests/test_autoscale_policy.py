@@ -326,3 +326,24 @@ def test_the_router_keeps_reported_decisions_on_metrics_and_refuses_malformed_on
     assert target == {"prefill": 0, "decode": 0, "colocated": 3}
     scales = {lab["family"]: v for lab, v in samples["pdserve_autoscale_prefill_scale"]}
     assert scales == {"disaggregated": 1.0, "colocated": 1.0}
+
+
+def test_a_prefill_scale_fitted_on_long_outputs_does_not_hold_a_shape_back_once_they_are_short():
+    # Run 8 of the shifting-load study: windows on 2 colocated measured its prefills slow while
+    # outputs were long; when the load turned prefill-heavy again, that scale kept the pool on
+    # 1P+1D. Fits hold near the mix they were measured on (planner.correction.NEAR).
+    p, two = policy(max_nodes=2, confirm=1, cooldown_s=0.0), Cluster(0, 0, 2)
+    slow = mean_ttft_s(PROFILE.with_prefill_scale(2.0), two, demand(window(DECODE_HEAVY)), SLO)
+    for now_s in (0.0, 10.0, 20.0, 30.0):
+        d = p.decide(dataclasses.replace(window(DECODE_HEAVY), mean_ttft_s=slow), two, now_s=now_s)
+    long_scale = d.prefill_scale["colocated"]
+    assert long_scale > 1.4 and "4 fit(s) near this load" in d.reason
+    tilted = p.corrections.profile_for(PROFILE, two)  # the long-output scale, were it to apply
+    assert mean_ttft_s(tilted, two, demand(window(PREFILL_HEAVY)), SLO) > 1.4 * mean_ttft_s(
+        PROFILE, two, demand(window(PREFILL_HEAVY)), SLO
+    )
+    d = p.decide(window(PREFILL_HEAVY), two, now_s=40.0)
+    assert d.prefill_scale == {"disaggregated": 1.0, "colocated": 1.0}
+    assert d.kind is not Kind.SCALE and d.target == two
+    d = p.decide(window(DECODE_HEAVY), two, now_s=50.0)  # outputs long again: the fits apply again
+    assert d.prefill_scale["colocated"] == pytest.approx(long_scale)

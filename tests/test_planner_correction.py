@@ -12,6 +12,7 @@ from planner.correction import (
     SCALE_MIN,
     WEIGHT,
     Corrections,
+    Load,
     family,
     fit_prefill_scale,
     mean_ttft_s,
@@ -41,7 +42,7 @@ def test_each_family_keeps_a_running_geometric_mean_of_its_fits():
     corrections = Corrections()
     requests = demand(window(LIGHT))
     measured = mean_ttft_s(PROFILE.with_prefill_scale(2.0), PD, requests, SLO)
-    fits = [corrections.update(PROFILE, PD, requests, SLO, measured) for _ in range(3)]
+    fits = [corrections.update(PROFILE, PD, requests, SLO, measured, Load(200, 2)) for _ in range(3)]
     assert fits == pytest.approx([2.0] * 3, rel=0.03)
     expected = math.exp(math.log(fits[0]) * (1 - (1 - WEIGHT) ** 3))  # from 1 towards the fit
     assert corrections.prefill_scale["disaggregated"] == pytest.approx(expected, rel=1e-6)
@@ -54,6 +55,33 @@ def test_each_family_keeps_a_running_geometric_mean_of_its_fits():
     assert corrected.prefill_s(500) == pytest.approx(PROFILE.prefill_s(500) * scale)
     assert corrected.decode == PROFILE.decode and corrected.transfer == PROFILE.transfer
     assert corrections.profile_for(PROFILE, Cluster(0, 0, 1)) is PROFILE
+
+
+def test_a_fit_holds_for_loads_near_the_one_it_was_measured_on():
+    """Run 8 of the shifting-load study: the colocated windows' TTFT was 1.57x the model's while
+    outputs were long; that scale must not hold 2 colocated back once outputs are short again."""
+    corrections = Corrections()
+    requests = demand(window(LIGHT))
+    long_out, short_out = Load(576, 96), Load(576, 4)
+    slow = mean_ttft_s(PROFILE.with_prefill_scale(1.6), Cluster(0, 0, 2), requests, SLO)
+    fits = [corrections.update(PROFILE, Cluster(0, 0, 2), requests, SLO, slow, long_out) for _ in range(4)]
+    scale = corrections.prefill_scale["colocated"]
+    assert (
+        scale == pytest.approx(math.exp(math.log(fits[0]) * (1 - (1 - WEIGHT) ** 4)), rel=0.02)
+        and scale > 1.3
+    )
+    assert "colocated x" in corrections.describe() and "(4 fit(s) near this load)" in corrections.describe()
+    corrections.focus(short_out)  # prompts as long, outputs 24x shorter: no fit applies
+    assert corrections.prefill_scale == {"disaggregated": 1.0, "colocated": 1.0}
+    assert corrections.profile_for(PROFILE, Cluster(0, 0, 2)).prefill_s(500) == PROFILE.prefill_s(500)
+    corrections.focus(Load(700, 80))  # within 1.5x of the long-output load in both: its fits apply
+    assert corrections.prefill_scale["colocated"] == pytest.approx(scale)
+    fast = mean_ttft_s(PROFILE.with_prefill_scale(0.8), Cluster(0, 0, 2), requests, SLO)
+    corrections.update(PROFILE, Cluster(0, 0, 2), requests, SLO, fast, short_out)
+    assert corrections.prefill_scale["colocated"] == pytest.approx(0.8**WEIGHT, rel=0.02)  # its own fit only
+    corrections.focus(long_out)
+    assert corrections.prefill_scale["colocated"] == pytest.approx(scale)  # kept for when it returns
+    assert Load(0, 0).near(Load(1, 1))  # empty windows count as one token
 
 
 def test_pdserve_up_takes_the_profile_as_calibrated_only_when_told_and_only_with_autoscale():
