@@ -27,7 +27,6 @@ import collections
 import contextlib
 import dataclasses
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,8 @@ from pathlib import Path
 
 from launcher.ports import free_port
 from scripts import compose_engine as ce
-from scripts.compose_traffic import CLEAN, Load, Outcome, Result, mixed_specs
+from scripts.compose_rogue import phase_rogue
+from scripts.compose_traffic import CLEAN, Load, Outcome, Result, all_clean_ok, mixed_specs
 
 NODE_SERVICES = ("prefill", "decode")
 # Set in compose's environment; the compose file must pass them through to every node.
@@ -108,10 +108,6 @@ class Harness:
     def _pools(self) -> dict[str, int]:
         now = ce.pools(self.url)
         return {role: len(now.get(role, [])) for role in ("prefill", "decode")}
-
-
-def all_clean_ok(results: list[Result]) -> bool:
-    return all(r.outcome is Outcome.OK for r in results)
 
 
 def phase_mixed(h: Harness) -> None:
@@ -200,88 +196,6 @@ def phase_scale_down(h: Harness, name: str, service: str, num_prefill: int, num_
         f"compose took {took:.0f} s; removed {', '.join(c[:12] for c in removed)}, which took "
         f"{took_on} and drained in " + ", ".join("?" if d is None else f"{d:.1f} s" for d in drains)
     )
-
-
-# Run in the rogue container (the project's image, no secrets): each attempt, and how it ended.
-ROGUE = r"""
-import json, sys, time
-import redis
-from kv_transfer.errors import KVTimeout
-from kv_transfer.messages import KVFingerprint
-from kv_transfer.sender import KVSender, SenderConfig
-from protocol import messages as pm
-from protocol.channel import PeerChannel, PushChannel
-from protocol.kv_layout import KV_LAYOUT_NAME
-from protocol.reasons import FinishReason
-from protocol.sampling_params import SamplingParams
-decode, reply = sys.argv[1], sys.argv[2]
-out = {}
-try:
-    redis.Redis(host="redis", socket_timeout=3).hset("pdserve:node:rogue", "role", '"decode"')
-    out["redis"] = "written"
-except redis.exceptions.RedisError as exc:
-    out["redis"] = f"refused: {exc}"
-control = PeerChannel(f"tcp://{decode}:7000", decoder=pm.decode_frames)
-control.send(pm.GenerateRequest("rogue-1", (5, 6, 7), SamplingParams(max_tokens=4), reply, None, time.time() + 30))
-push = PushChannel(reply)
-push.send(pm.TokenChunk("rogue-chunk", "rogue", (1,), (), FinishReason.STOP, 3, 0))
-time.sleep(2.0)  # each socket keeps trying its handshake meanwhile
-sender = KVSender(f"tcp://{decode}:7001", KVFingerprint("rogue", "float32", 16, KV_LAYOUT_NAME, 30, 3, 64),
-                  SenderConfig(grant_timeout_s=3.0, shared_memory=False))
-try:
-    sender.reserve("rogue-kv", [1, 2, 3], SamplingParams(max_tokens=2))
-    out["kv"] = "granted"
-except KVTimeout:
-    out["kv"] = "no answer"
-time.sleep(1.0)
-print(json.dumps(out))
-"""
-
-
-def phase_rogue(h: Harness) -> None:
-    start, wall = time.monotonic(), time.time()
-    (decode, *_) = h.project.containers("decode")
-    (router,) = h.project.containers("router")
-    reply = re.search(r"nodes push replies to (tcp://\S+)", h.project.logs_since(router, 0)).group(1)
-    load = h.load(h.args.num_requests)
-    hostname = ce.docker("inspect", "-f", "{{.Config.Hostname}}", decode).strip()
-    rogue = ce.docker(
-        "run",
-        "--rm",
-        "--network",
-        f"{h.project.name}_default",
-        "--entrypoint",
-        "python",
-        "pdserve:local",
-        "-c",
-        ROGUE,
-        hostname,
-        reply,
-        timeout_s=120,
-    )
-    results = load.results()
-    said = json.loads(rogue.strip().splitlines()[-1])
-
-    def refused(container: str, socket_name: str) -> bool:
-        return f"refused a peer on the {socket_name} socket" in h.project.logs_since(container, wall)
-
-    with contextlib.suppress(RuntimeError):  # the checks below say which one is missing
-        ce.wait_for(
-            "the refusals in the logs", lambda: refused(router, "reply") and refused(decode, "kv"), 15
-        )
-    phase = h.record(
-        "rogue peer (no secrets)",
-        results,
-        start,
-        all_ok=all_clean_ok(results),
-        redis_refused=said["redis"].startswith("refused"),
-        kv_offer_unanswered=said["kv"] == "no answer",
-        control_refused_and_logged=refused(decode, "control"),
-        kv_refused_and_logged=refused(decode, "kv"),
-        reply_refused_and_logged=refused(router, "reply"),
-        no_rogue_request_taken='"request_id": "rogue-1"' not in h.project.logs_since(decode, wall),
-    )
-    phase.notes.append(f"redis: {said['redis'][:40]}; kv: {said['kv']}")
 
 
 # The log event of a request a node takes on: a prefill node's intake, a decode node's adopted KV.

@@ -53,6 +53,10 @@ class Result:
     detail: str = ""  # the error message, or what was wrong
 
 
+def all_clean_ok(results: list[Result]) -> bool:
+    return all(r.outcome is Outcome.OK for r in results)
+
+
 def mixed_specs(num: int, max_tokens: int, stream_only: bool = False) -> list[Spec]:
     """``num`` requests cycling chat/completion x streamed/not (streamed only when asked)."""
     kinds = (

@@ -27,7 +27,13 @@ from tests.test_cluster_concurrent import _prompts, _stream
 from tests.test_router_cluster import RouterProcess, serving, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.slow
-FIELDS = json.loads((pathlib.Path(__file__).parent / "data" / "request_fields.json").read_text())
+DATA = pathlib.Path(__file__).parent / "data"
+FIELDS = json.loads((DATA / "request_fields.json").read_text())
+# A sample value for every field of both schemas, in one of two tables. Honoured: the request runs
+# (200); refused: a 400 naming the field. The walk fails on a field in neither, so a field the
+# schemas gain must be classified before it passes. (null: the walk sets the field itself.)
+SAMPLES = json.loads((DATA / "request_field_samples.json").read_text())
+HONOURED, REFUSED = SAMPLES["honoured"], SAMPLES["refused"]
 ATOL = 1e-4  # logprobs through JSON: fp32 sums of a 49k-way softmax
 
 
@@ -401,101 +407,6 @@ def test_tokenize_detokenize_and_version(cluster):
     assert _post(router, "/tokenize", {"prompt": "x", "messages": []}, 400)["error"]["param"]
     assert _post(router, "/tokenize", {"prompt": "x", "bogus": 1}, 400)["error"]["param"] == "bogus"
     assert httpx.get(router.url + "/version", timeout=10).json()["version"]
-
-
-# A sample value for every field of both schemas, in one of two tables. Honoured: the request
-# runs (200); refused: a 400 naming the field. The walk fails on a field in neither, so a field
-# the schemas gain must be classified before this passes.
-HONOURED = {
-    "model": None,
-    "prompt": None,
-    "messages": None,  # set by the walk itself
-    "best_of": 1,
-    "echo": True,
-    "frequency_penalty": 0.5,
-    "presence_penalty": 0.5,
-    "logit_bias": {"5": 1.0},
-    "logprobs": 2,
-    "max_tokens": 2,
-    "max_completion_tokens": 2,
-    "n": 2,
-    "seed": 5,
-    "stop": ["zz"],
-    "stream_options": {"include_usage": True},
-    "stream": True,
-    "temperature": 0.5,
-    "top_p": 0.9,
-    "user": "u1",
-    "add_special_tokens": False,
-    "allowed_token_ids": [5, 6, 7],
-    "bad_words": ["zz"],
-    "ignore_eos": True,
-    "min_p": 0.1,
-    "min_tokens": 1,
-    "prompt_logprobs": 1,
-    "repetition_penalty": 1.1,
-    "request_id": "abc",
-    "response_format": {"type": "text"},
-    "return_token_ids": True,
-    "return_tokens_as_token_ids": True,
-    "stop_token_ids": [9],
-    "structured_outputs": {"choice": ["a", "b"]},
-    "top_k": 5,
-    "truncate_prompt_tokens": 3,
-    "truncation_side": "right",
-    "metadata": {"k": "v"},
-    "safety_identifier": "s",
-    "prompt_cache_key": "k",
-    "prompt_cache_retention": "in_memory",
-    "session_id": "x",
-    "parallel_tool_calls": True,
-    "tool_choice": "none",
-    "tools": [{"type": "function", "function": {"name": "f"}}],
-    "top_logprobs": 2,
-    "add_generation_prompt": True,
-    "chat_template_kwargs": {"enable_thinking": False},
-    "continue_final_message": False,
-    "return_mm_kwargs": False,
-}
-REFUSED = {
-    "suffix": "x",
-    "cache_salt": "salt",
-    "ec_transfer_params": {},
-    "include_stop_str_in_output": True,
-    "kv_transfer_params": {},
-    "length_penalty": 0.5,
-    "logprob_token_ids": [5],
-    "priority": 1,
-    "prompt_embeds": "AAAA",
-    "repetition_detection": {},
-    "routed_experts_prompt_start": 3,
-    "return_token_offsets": True,
-    "skip_special_tokens": False,
-    "spaces_between_special_tokens": False,
-    "stream_interval": 4,
-    "thinking_token_budget": 10,
-    "use_beam_search": True,
-    "vllm_xargs": {"a": 1},
-    "watermarking": True,
-    "audio": {},
-    "function_call": "auto",
-    "functions": [{"name": "f"}],
-    "modalities": ["audio"],
-    "moderation": {},
-    "prediction": {},
-    "prompt_cache_options": {},
-    "reasoning_effort": "high",
-    "service_tier": "flex",
-    "store": True,
-    "verbosity": "low",
-    "web_search_options": {},
-    "chat_template": "x",
-    "documents": [{"a": "b"}],
-    "include_reasoning": False,
-    "media_io_kwargs": {},
-    "mm_processor_kwargs": {},
-    "return_prompt_text": True,
-}
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
