@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import enum
 import json
+import threading
 import time
 
 from protocol.cluster_key import MAC_FIELD, record_mac, record_problem
@@ -104,13 +105,23 @@ def connect(url: str, password_file: str | None = None, **options):
     return redis.Redis.from_url(url, **options)
 
 
-# Heartbeat stamps: the wall clock when this process started, advanced by the monotonic clock, so
-# that a node's stamps never go back (an NTP step would otherwise make its own records look replayed).
-_WALL_AT_START, _MONOTONIC_AT_START = time.time(), time.monotonic()
+# Heartbeat stamps never go back (an NTP step back would otherwise make a node's own records look
+# replayed) and follow the wall clock forward: a machine paused, then stepped ahead (a VM resumed),
+# must not stamp from its old time, or a reader started after the step would take its records for
+# stale captures. A step back is absorbed: stamps go on at the monotonic clock's pace from the last.
+_wall_clock = time.time  # the machine's wall clock (a test gives a node a skewed one)
+_stamp_lock = threading.Lock()
+_last_stamp: tuple[float, float] = (time.time(), time.monotonic())  # (stamp, monotonic clock then)
 
 
 def heartbeat_clock() -> float:
-    return _WALL_AT_START + (time.monotonic() - _MONOTONIC_AT_START)
+    global _last_stamp
+    with _stamp_lock:
+        stamp, at = _last_stamp
+        now = time.monotonic()
+        stamp = max(_wall_clock(), stamp + (now - at))
+        _last_stamp = (stamp, now)
+        return stamp
 
 
 def publish(client, info: NodeInfo, ttl_s: float, key: bytes | None = None) -> None:

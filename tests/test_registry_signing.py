@@ -146,5 +146,25 @@ def test_a_live_nodes_heartbeat_stamps_never_go_back_even_when_the_wall_clock_do
     from protocol import registry
 
     first = registry.heartbeat_clock()
-    monkeypatch.setattr(time, "time", lambda: 0.0)  # an NTP step back to 1970
+    monkeypatch.setattr(registry, "_wall_clock", lambda: 0.0)  # an NTP step back to 1970
     assert registry.heartbeat_clock() >= first
+    time.sleep(0.05)
+    assert registry.heartbeat_clock() >= first + 0.05  # and go on at the monotonic clock's pace
+
+
+def test_heartbeat_stamps_follow_the_wall_clock_forward_after_a_pause(monkeypatch):
+    """A VM paused and resumed: its wall clock steps ahead of where the monotonic clock took the
+    stamps (CI saw 21.8 s). Stamps from the old time would make a router started after the step
+    refuse the node's records as stale captures (ReplayGuard's skew allowance, 60 s)."""
+    from protocol import registry
+
+    before = registry.heartbeat_clock()
+    stepped = time.time() + 600.0
+    monkeypatch.setattr(registry, "_wall_clock", lambda: stepped)
+    after = registry.heartbeat_clock()
+    assert after == stepped and after - before > 599.0
+    guard = registry.ReplayGuard(60.0)  # a router started after the step, its clock at `stepped`
+    node = node_info("d1", "decode", heartbeat_time=after)
+    assert guard.check(node, stepped + 1.0, listed_before=False) is None
+    stale = node_info("d2", "decode", heartbeat_time=before)  # as the old clock would have stamped
+    assert "behind this clock" in guard.check(stale, stepped + 1.0, listed_before=False)

@@ -115,7 +115,8 @@ def test_a_node_with_a_skewed_clock_stays_in_the_pool_through_real_redis_polls(t
 
     # The node's records are stamped by a wall clock an hour slow; the router's is right.
     # (Unsigned: under a cluster key a node first seen an hour behind is refused, see ReplayGuard.)
-    monkeypatch.setattr(records, "_WALL_AT_START", records._WALL_AT_START - 3600.0)
+    monkeypatch.setattr(records, "_wall_clock", lambda: time.time() - 3600.0)
+    monkeypatch.setattr(records, "_last_stamp", (time.time() - 3600.0, time.monotonic()))
 
     async def check(registry, redis):
         node = node_info("d1", "decode")
