@@ -187,6 +187,17 @@ class NodeProcess:
         self._log.close()
 
 
+def close_all(router, nodes: list[NodeProcess], redis: RedisServer) -> None:
+    """Tear a cluster down: the router, then every node (continued first if a test left it
+    stopped: a stopped process cannot take its SIGTERM), then Redis."""
+    router.close()
+    for node in nodes:
+        if node.proc.poll() is None:
+            os.kill(node.proc.pid, signal.SIGCONT)
+        node.close()
+    redis.stop()
+
+
 class Client:
     """A bare node client (no router): sends GenerateRequests, collects TokenChunks."""
 

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.cluster import Client, NodeProcess, RedisServer
+from tests.cluster import Client, NodeProcess, RedisServer, close_all
 from tests.engine_helpers import hf_greedy
 from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
 
@@ -85,9 +85,4 @@ def test_requests_refused_by_a_draining_decode_node_are_retried_on_another(tmp_p
         assert draining.proc.wait(30) == 0
     finally:
         client.close()
-        router.close()
-        for node in (prefill, draining, other):
-            if node.proc.poll() is None:
-                os.kill(node.proc.pid, signal.SIGCONT)
-            node.close()
-        redis.stop()
+        close_all(router, [prefill, draining, other], redis)

@@ -17,9 +17,9 @@ import time
 import httpx
 import pytest
 
-from tests.cluster import NodeProcess, RedisServer
+from tests.cluster import NodeProcess, RedisServer, close_all
 from tests.engine_helpers import hf_greedy
-from tests.test_router_cluster import RouterProcess, _used_blocks, tiny_model_with_tokenizer
+from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer, wait_blocks_freed
 
 pytestmark = pytest.mark.slow
 PAUSE_S = 4.5  # past the nodes' default heartbeat TTL (3 s) and a router poll
@@ -37,12 +37,7 @@ def cluster(tmp_path, default_model_dir):
         router.wait_healthy()
         yield model, router, nodes
     finally:
-        router.close()
-        for node in nodes:
-            if node.proc.poll() is None:
-                os.kill(node.proc.pid, signal.SIGCONT)
-            node.close()
-        redis.stop()
+        close_all(router, nodes, redis)
 
 
 def _tokens(router, model, prompt: list[int], max_tokens: int, stream: bool) -> list[int]:
@@ -100,9 +95,5 @@ def test_samples_under_way_when_every_node_pauses_past_its_ttl_complete_exact(cl
         assert tokens == hf_greedy(str(model), prompt, max_tokens)
     log = router.log_path.read_text()
     assert "left the registry" in log or "went away mid-stream" in log, log[-4000:]
-    deadline = time.monotonic() + 15
-    used = _used_blocks(router, computed_after=resumed_at)
-    while time.monotonic() < deadline and (len(used) < 2 or any(used.values())):
-        time.sleep(0.1)
-        used = _used_blocks(router, computed_after=resumed_at)
+    used = wait_blocks_freed(router, after=resumed_at)
     assert len(used) == 2 and not any(used.values()), used

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import re
-import signal
 import time
 
 import httpx
 import pytest
 
-from tests.cluster import NodeProcess, RedisServer
+from tests.cluster import NodeProcess, RedisServer, close_all
 from tests.engine_helpers import hf_greedy
 from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
 
@@ -44,12 +42,7 @@ def cluster(tmp_path, default_model_dir):
             time.sleep(0.1)
         yield model, router, nodes, infos
     finally:
-        router.close()
-        for node in nodes:
-            if node.proc.poll() is None:
-                os.kill(node.proc.pid, signal.SIGCONT)
-            node.close()
-        redis.stop()
+        close_all(router, nodes, redis)
 
 
 def _requests(model) -> list[dict]:

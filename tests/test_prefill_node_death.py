@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tests.cluster import NodeProcess, RedisServer
+from tests.cluster import NodeProcess, RedisServer, close_all
 from tests.engine_helpers import hf_greedy
 from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
 
@@ -43,12 +43,7 @@ def cluster(tmp_path, default_model_dir):
             time.sleep(0.1)
         yield model, router, nodes
     finally:
-        router.close()
-        for node in nodes:
-            if node.proc.poll() is None:
-                os.kill(node.proc.pid, signal.SIGCONT)
-            node.close()
-        redis.stop()
+        close_all(router, nodes, redis)
 
 
 def _stream_tokens(router, model, prompt: list[int]) -> list[int]:

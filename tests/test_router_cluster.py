@@ -264,6 +264,17 @@ def _used_blocks(router, computed_after: float = 0.0) -> dict[str, int]:
     return {node: num for node, num in used.items() if at.get(node, 0.0) > computed_after}
 
 
+def wait_blocks_freed(router, after: float, num_nodes: int = 2, timeout_s: float = 15.0) -> dict[str, int]:
+    """Blocks in use per node, once every node's status computed after ``after`` shows none (or
+    the deadline passes): the registry lags by a heartbeat, which a loaded machine stretches."""
+    deadline = time.monotonic() + timeout_s
+    used = _used_blocks(router, computed_after=after)
+    while time.monotonic() < deadline and (len(used) < num_nodes or any(used.values())):
+        time.sleep(0.1)
+        used = _used_blocks(router, computed_after=after)
+    return used
+
+
 def test_client_disconnect_frees_the_blocks(cluster):
     model, router, nodes = cluster
     ids = []
@@ -286,13 +297,7 @@ def test_client_disconnect_frees_the_blocks(cluster):
 
     asyncio.run(stream_then_leave())
     left_at = time.time()
-    # Only a status both nodes computed after the client left can show the blocks freed; the
-    # registry lags by a heartbeat, which a loaded machine stretches.
-    deadline = time.monotonic() + 15
-    used = _used_blocks(router, computed_after=left_at)
-    while time.monotonic() < deadline and (len(used) < 2 or any(used.values())):
-        time.sleep(0.1)
-        used = _used_blocks(router, computed_after=left_at)
+    used = wait_blocks_freed(router, after=left_at)  # statuses both nodes computed after the client left
     decode_log = next(n for n in nodes if n.role == "decode").log()
     node_request = f'"request_id": "{ids[0]}-0"'
     events = [json.loads(line)["event"] for line in decode_log.splitlines() if node_request in line]
@@ -362,10 +367,5 @@ def test_a_burst_past_the_ttft_slo_is_shed_with_429_and_what_is_admitted_stays_e
         assert f'pdserve_shed_total{{reason="ttft_slo"}} {float(len(shed))}' in scraped
     finally:
         shedding.close()
-    done_at = time.time()
-    deadline = time.monotonic() + 15
-    used = _used_blocks(router, computed_after=done_at)
-    while time.monotonic() < deadline and (len(used) < 2 or any(used.values())):
-        time.sleep(0.1)
-        used = _used_blocks(router, computed_after=done_at)
+    used = wait_blocks_freed(router, after=time.time())
     assert len(used) == 2 and not any(used.values()), used
