@@ -82,7 +82,9 @@ def phase_rogue(h: Harness) -> None:
 
     with contextlib.suppress(RuntimeError):  # the checks below say which one is missing
         ce.wait_for(
-            "the refusals in the logs", lambda: refused(router, "reply") and refused(decode, "kv"), 15
+            "the refusals in the logs",
+            lambda: refused(router, "reply") and refused(decode, "kv") and refused(decode, "control"),
+            15,
         )
     phase = h.record(
         "rogue peer (no secrets)",

@@ -182,7 +182,7 @@ def phase_scale_down(h: Harness, name: str, service: str, num_prefill: int, num_
         follower.wait(timeout=10)
     removed = [c for c in before if c not in h.project.containers(service)]
     logs = [(h.tmp / f"{c}.log").read_text() for c in removed]
-    took_on = sum(log.count(f'"event": "{STARTED_EVENT[service]}"') for log in logs)
+    took_on = sum(log.count(f'"event": "{event}"') for log in logs for event in STARTED_EVENTS[service])
     drains = [drain_seconds(log) for log in logs]
     phase = h.record(
         name,
@@ -198,8 +198,9 @@ def phase_scale_down(h: Harness, name: str, service: str, num_prefill: int, num_
     )
 
 
-# The log event of a request a node takes on: a prefill node's intake, a decode node's adopted KV.
-STARTED_EVENT = {"prefill": "request_added", "decode": "kv_adopted"}
+# The log events of a request a node takes on: a prefill node's intake; a decode node's adopted KV,
+# or a request it prefills itself (a short prompt, or a cached prefix, goes to a decode node alone).
+STARTED_EVENTS = {"prefill": ("request_added",), "decode": ("kv_adopted", "request_added")}
 
 
 def drain_seconds(log: str) -> float | None:
