@@ -3,7 +3,9 @@ thread split, 1 torch thread a node on 2 cores, the default model, registry or n
 streamed completions of 1,500-token prompts, one prefill node killed 1 s in; quiet, and with two
 busy processes on the same cores. Every request must complete and no node may hold a KV block
 afterwards. The stuck-loop cases in test_chaos_node_faults.py check the other side: a hung engine
-still leaves the pool. ``make chaos`` only: each case starts a cluster of the default model."""
+still leaves the pool. And a whole machine paused past the heartbeat TTL (every node stopped at
+once): no request lost, each equal to HF. ``make chaos`` only: each case starts a cluster of the
+default model."""
 
 from __future__ import annotations
 
@@ -86,3 +88,62 @@ def test_a_killed_prefill_node_under_long_prompts_loses_no_request_with_up_defau
         assert all(n == 0 for _, n in used), used
         expired = re.findall(r"node (\S+) \(\w+\) expired", (tmp_path / "router.log").read_text())
         assert set(expired) <= {ready["node_id"]}, expired  # busy survivors never left the pool
+
+
+def _tokens(url: str, model: str, prompt: list[int], max_tokens: int, stream: bool) -> list[int]:
+    """The sample's token ids, from its logprobs, streamed or whole; asserts a 200 and no error."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body |= {"stream": stream, "logprobs": 0, "return_tokens_as_token_ids": True}
+    if not stream:
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=300)
+        assert reply.status_code == 200, reply.text
+        return [int(t.removeprefix("token_id:")) for t in reply.json()["choices"][0]["logprobs"]["tokens"]]
+    tokens = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as reply:
+        assert reply.status_code == 200, reply.read()
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                found = (event["choices"][0]["logprobs"] or {}).get("tokens", [])
+                tokens += [int(t.removeprefix("token_id:")) for t in found]
+    return tokens
+
+
+def test_every_node_paused_past_its_ttl_loses_no_request_with_up_defaults(default_model_dir, tmp_path):
+    """A machine paused (a VM stopped or migrated), as `pdserve up` starts it (1P+1D, its Redis):
+    both nodes stopped 4.5 s, past their heartbeat TTL, with samples decoding and more arriving;
+    the records lapse, the router drops both, and every sample waits for them to come back
+    (--reroute-wait-s) and completes equal to Hugging Face's greedy output."""
+    from tests.engine_helpers import hf_greedy
+
+    rng = random.Random(47)
+    work = [  # (prompt, max_tokens, streamed): mixed lengths, under way through the pause
+        ([rng.randrange(100, 40000) for _ in range(rng.randrange(8, 400))], rng.randrange(24, 48), i % 2 == 0)
+        for i in range(6)
+    ]
+    with pdserve_up(default_model_dir, tmp_path) as url:
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        pids = [
+            json.loads((tmp_path / f"{n}.ready.json").read_text())["pid"] for n in ("prefill-0", "decode-0")
+        ]
+        with concurrent.futures.ThreadPoolExecutor(len(work)) as pool:
+            futures = [pool.submit(_tokens, url, model, *w) for w in work[:4]]
+            time.sleep(2.0)  # prefilled, decoding
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            futures += [pool.submit(_tokens, url, model, *w) for w in work[4:]]
+            time.sleep(4.5)
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+            results = [f.result() for f in futures]
+        router_log = (tmp_path / "router.log").read_text()
+        assert "left the registry" in router_log or "went away mid-stream" in router_log
+        deadline = time.monotonic() + 30
+        used = _used_blocks(url)
+        while any(n for _, n in used) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            used = _used_blocks(url)
+        assert sorted(role for role, _ in used) == ["decode", "prefill"] and not any(n for _, n in used), used
+    for (prompt, max_tokens, _), tokens in zip(work, results, strict=True):
+        assert tokens == hf_greedy(str(default_model_dir), prompt, max_tokens)
