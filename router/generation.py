@@ -148,13 +148,19 @@ async def _route(backend: Backend, sample: Sample, progress: _Progress) -> Route
     them, is back within a heartbeat."""
     under_way = bool(progress.relayed or progress.num_retries or progress.migrating)
     deadline = time.monotonic() + (backend.config.reroute_wait_s if under_way else 0.0)
+    waited = False
     while (route := _usable_route(backend, sample, progress)) is None:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
+            if waited:
+                backend.metrics.node_waits.labels(outcome="gave_up").inc()
             if progress.migrating is not None:
                 raise progress.migrating.error
             raise APIError(503, f"no usable decode node ({progress.last_error})", None, "no_nodes", 1)
+        waited = True
         await asyncio.sleep(min(remaining, backend.config.poll_interval_s))
+    if waited:
+        backend.metrics.node_waits.labels(outcome="found").inc()
     if not under_way:
         nodes = backend.registry.snapshot()
         predicted = backend.policy.predicted_ttft_s(route, len(sample.prompt_ids), nodes)

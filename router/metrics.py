@@ -76,6 +76,17 @@ class RouterMetrics:
             "Samples resumed on another decode node after tokens were sent.",
             registry=reg,
         )
+        self.node_waits = Counter(
+            "pdserve_node_waits_total",
+            "Samples under way (retried or migrating) that found no usable node and waited for one "
+            "(--reroute-wait-s), by outcome: found (a node came back or joined), gave_up (the "
+            "sample failed). A burst of them is the whole pool's records lapsing at once: a paused "
+            "machine, a Redis outage.",
+            ["outcome"],
+            registry=reg,
+        )
+        for outcome in ("found", "gave_up"):
+            self.node_waits.labels(outcome=outcome)
         self.shed = Counter(
             "pdserve_shed_total",
             "Requests refused with 429 before any node took them, by reason: inflight_limit (the "

@@ -11,6 +11,7 @@ import concurrent.futures
 import json
 import os
 import random
+import re
 import signal
 import time
 
@@ -95,5 +96,9 @@ def test_samples_under_way_when_every_node_pauses_past_its_ttl_complete_exact(cl
         assert tokens == hf_greedy(str(model), prompt, max_tokens)
     log = router.log_path.read_text()
     assert "left the registry" in log or "went away mid-stream" in log, log[-4000:]
+    scraped = httpx.get(router.url + "/metrics", timeout=10).text
+    found = re.search(r'^pdserve_node_waits_total\{outcome="found"\} (\S+)$', scraped, re.M)
+    assert found and float(found[1]) >= 1, scraped  # samples waited for the nodes, and found them
+    assert 'pdserve_node_waits_total{outcome="gave_up"} 0.0' in scraped
     used = wait_blocks_freed(router, after=resumed_at)
     assert len(used) == 2 and not any(used.values()), used

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 
 import httpx
 import pytest
@@ -227,3 +228,31 @@ def test_with_migration_off_a_stream_fails_and_a_whole_answer_replays_from_scrat
     assert json.loads(lines[-2][6:])["error"]["code"] == "internal"
     assert whole.status_code == 200 and whole.json()["choices"][0]["text"] == TEXT
     assert all(not r.output_token_ids for r in prefill.received + decode.received)
+
+
+def test_a_sample_with_no_node_left_waits_its_reroute_time_then_fails_with_503(default_model_dir, tokens):
+    """Its only decode node hangs: the retry finds no usable node, waits --reroute-wait-s for one,
+    and then the client gets a 503 naming why; the wait is counted as given up on /metrics."""
+
+    async def go():
+        hung = FakeNode("d0", "decode", tokens)
+        hung.silent = True
+        async with (
+            fake_cluster(default_model_dir, [hung], chunk_timeout_s=0.5, reroute_wait_s=0.6) as cluster,
+            httpx.AsyncClient() as http,
+        ):
+            started = time.monotonic()
+            reply = await http.post(
+                cluster.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}
+            )
+            took = time.monotonic() - started
+            scraped = (await http.get(cluster.base_url + "/metrics")).text
+        return reply, took, scraped
+
+    reply, took, scraped = run_async(go())
+    assert reply.status_code == 503 and "no usable decode node" in reply.json()["error"]["message"], (
+        reply.text
+    )
+    assert took >= 0.5 + 0.6  # the reply timeout, then the whole reroute wait
+    assert 'pdserve_node_waits_total{outcome="gave_up"} 1.0' in scraped
+    assert 'pdserve_node_waits_total{outcome="found"} 0.0' in scraped

@@ -122,6 +122,7 @@ EXPECTED = {
     "pdserve_generation_tokens": ("counter", frozenset()),
     "pdserve_retries": ("counter", frozenset()),
     "pdserve_shed": ("counter", frozenset({"reason"})),
+    "pdserve_node_waits": ("counter", frozenset({"outcome"})),
     "pdserve_migrations": ("counter", frozenset()),
     "pdserve_kv_transfer_bytes": ("counter", frozenset()),
     "pdserve_routes": ("counter", frozenset({"prefill"})),
