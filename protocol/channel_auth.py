@@ -24,6 +24,7 @@ import hashlib
 import hmac
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import zmq
@@ -44,6 +45,7 @@ _FAILURES = (
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
 _WATCH_POLL_MS = 500  # how often a watcher looks whether it should stop
+_ZAP_BIND_WAIT_S = 2.0  # how long a new ZAP handler waits for the last one's address to be freed
 _LOG_BURST, _LOG_WINDOW_S = 5, 30.0
 
 
@@ -112,8 +114,19 @@ class ChannelAuth:
         with self._lock:
             if context.underlying in self._zap:
                 return
-            handler = ThreadAuthenticator(context, log=logging.getLogger(__name__ + ".zap"))
-            handler.start()
+            deadline = time.monotonic() + _ZAP_BIND_WAIT_S
+            while True:
+                handler = ThreadAuthenticator(context, log=logging.getLogger(__name__ + ".zap"))
+                try:
+                    handler.start()
+                    break
+                except zmq.ZMQError as exc:
+                    # A ZAP handler stopped just before on this context: its socket's close is
+                    # asynchronous, and its inproc address is free only once libzmq has reaped it.
+                    handler.stop()
+                    if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.01)
             handler.configure_curve_callback(ZAP_DOMAIN, self)
             self._zap[context.underlying] = handler
 

@@ -42,6 +42,7 @@ class RouterMetrics:
         self.registry = CollectorRegistry()  # one per router: tests run several in a process
         self._declare_counters()
         self._declare_outcomes()
+        self._declare_waits()
         self._declare_latencies()
         self.registry.register(LiveStateCollector(nodes, num_inflight))
         self.scaling = ScalingLog(self.registry)  # what an autoscaler reports (POST /admin/autoscale)
@@ -76,17 +77,6 @@ class RouterMetrics:
             "Samples resumed on another decode node after tokens were sent.",
             registry=reg,
         )
-        self.node_waits = Counter(
-            "pdserve_node_waits_total",
-            "Samples under way (retried or migrating) that found no usable node and waited for one "
-            "(--reroute-wait-s), by outcome: found (a node came back or joined), gave_up (the "
-            "sample failed). A burst of them is the whole pool's records lapsing at once: a paused "
-            "machine, a Redis outage.",
-            ["outcome"],
-            registry=reg,
-        )
-        for outcome in ("found", "gave_up"):
-            self.node_waits.labels(outcome=outcome)
         self.shed = Counter(
             "pdserve_shed_total",
             "Requests refused with 429 before any node took them, by reason: inflight_limit (the "
@@ -107,6 +97,19 @@ class RouterMetrics:
             ["prefill"],
             registry=reg,
         )
+
+    def _declare_waits(self) -> None:
+        self.node_waits = Counter(
+            "pdserve_node_waits_total",
+            "Samples under way (retried or migrating) that found no usable node and waited for one "
+            "(--reroute-wait-s), by outcome: found (a node came back or joined), gave_up (the "
+            "sample failed). A burst of them is the whole pool's records lapsing at once: a paused "
+            "machine, a Redis outage.",
+            ["outcome"],
+            registry=self.registry,
+        )
+        for outcome in ("found", "gave_up"):
+            self.node_waits.labels(outcome=outcome)
 
     def _declare_latencies(self) -> None:
         reg = self.registry

@@ -171,3 +171,13 @@ def test_a_captured_valid_message_replayed_on_a_new_connection_is_refused():
         server.close()
         listener.close()
         auth.close()
+
+
+def test_a_cluster_key_set_up_again_right_after_one_was_closed_starts_its_zap_handler():
+    """On one context, a ZAP handler's socket close is asynchronous: the next handler's bind of
+    the same inproc address could find it still taken (CI, 2026-12-05). Ten set-ups in a row."""
+    for _ in range(10):
+        auth = ChannelAuth(b"k" * 32, lambda _: None)
+        server = ListenChannel("tcp://127.0.0.1:0", decoder=pm.decode_frames, auth=auth)
+        server.close()
+        auth.close()
