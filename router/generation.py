@@ -33,6 +33,7 @@ from protocol import messages as pm
 from protocol.reasons import FailureCode
 from protocol.sampling_params import SamplingParams
 from router.admission import Stage, Ticket, shed_late_first_token
+from router.attempts import Done, Migrate, Outcome, Progress, Replay, Retry
 from router.config import RouterConfig
 from router.errors import APIError
 from router.metrics import RouterMetrics
@@ -85,52 +86,6 @@ def _node_error(failed: pm.RequestFailed, after_tokens: bool) -> APIError:
     )
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Done:
-    """The attempt relayed the sample's last chunk."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Retry:
-    """Failed before its first token: another pair, without ``node_id``."""
-
-    node_id: str
-    reason: str
-    blame: bool = True  # False: the node left the registry; should its record come back, it may serve
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Migrate:
-    """The decode node died or stalled after tokens: the sample resumes on another one."""
-
-    node_id: str
-    error: APIError  # what the client gets if no node can take it
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Replay:
-    """After tokens, with migration off, a non-streamed sample starts over elsewhere. run_sample
-    yields it to its caller: what came so far is void."""
-
-    reason: str
-
-
-Outcome = Done | Retry | Migrate | Replay
-
-
-@dataclasses.dataclass(slots=True)
-class _Progress:
-    """What a sample's attempts carry from one to the next."""
-
-    relayed: list[int] = dataclasses.field(default_factory=list)  # output tokens the caller has
-    excluded: set[str] = dataclasses.field(default_factory=set)  # nodes the next routes avoid
-    num_retries: int = 0
-    num_migrations: int = 0
-    last_error: str = "no attempt made"
-    migrating: Migrate | None = None  # why the sample is migrating
-    replayable: bool = False  # after tokens and without migration, it may start over (not streamed)
-
-
 def _choose(backend: Backend, sample: Sample, relayed: list[int], excluded: set[str]) -> Route | None:
     return backend.policy.choose(
         backend.registry.snapshot(),
@@ -141,7 +96,7 @@ def _choose(backend: Backend, sample: Sample, relayed: list[int], excluded: set[
     )
 
 
-async def _route(backend: Backend, sample: Sample, progress: _Progress) -> Route:
+async def _route(backend: Backend, sample: Sample, progress: Progress) -> Route:
     """The next attempt's pair; APIError when there is none. A sample already under way (its
     node failed or left) waits up to ``reroute_wait_s`` for one: a node whose record lapsed for a
     moment, or every record at once when a paused machine's wall clock steps and Redis expires
@@ -169,7 +124,7 @@ async def _route(backend: Backend, sample: Sample, progress: _Progress) -> Route
     return route
 
 
-def _usable_route(backend: Backend, sample: Sample, progress: _Progress) -> Route | None:
+def _usable_route(backend: Backend, sample: Sample, progress: Progress) -> Route | None:
     route = _choose(backend, sample, progress.relayed, progress.excluded)
     if route is None and progress.migrating is not None:
         # No other node: the one that failed may serve its own migration if it still lives.
@@ -183,7 +138,7 @@ async def run_sample(
 ) -> AsyncIterator[pm.TokenChunk | Replay]:
     """The sample's chunks, in order, the last with a finish_reason (or a Replay, then the chunks
     of the replay, when ``replay_after_tokens`` and migration is off); APIError on failure."""
-    progress = _Progress(replayable=replay_after_tokens)
+    progress = Progress(replayable=replay_after_tokens)
     for attempt in itertools.count():
         route = await _route(backend, sample, progress)
         request_id = sample.request_id if attempt == 0 else f"{sample.request_id}.r{attempt}"
@@ -212,7 +167,7 @@ async def _attempt(
     request_id: str,
     sample: Sample,
     ticket: Ticket,
-    progress: _Progress,
+    progress: Progress,
     outcome: list[Outcome],
 ) -> AsyncIterator[pm.TokenChunk]:
     """One attempt's chunks; its outcome goes in ``outcome`` (APIError: the sample fails)."""
@@ -237,7 +192,7 @@ async def _attempt(
             _abort(backend, route, request_id)
 
 
-def _after_tokens(config: RouterConfig, route: Route, progress: _Progress, exc: APIError) -> Outcome:
+def _after_tokens(config: RouterConfig, route: Route, progress: Progress, exc: APIError) -> Outcome:
     """What a failure after tokens leads to: a migration, a replay, or (raised) the error."""
     if exc.status not in (502, 504):
         raise exc
@@ -248,7 +203,7 @@ def _after_tokens(config: RouterConfig, route: Route, progress: _Progress, exc: 
     return Replay(exc.message)
 
 
-def _count(backend: Backend, sample: Sample, progress: _Progress, result: Outcome, attempt: int) -> bool:
+def _count(backend: Backend, sample: Sample, progress: Progress, result: Outcome, attempt: int) -> bool:
     """Book a failed attempt; False when no attempt is left."""
     metrics, name = backend.metrics, sample.request_id
     if isinstance(result, Migrate):

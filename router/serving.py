@@ -30,8 +30,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from protocol.reasons import FinishReason
 from router import responses as rs
 from router.admission import Admission, Stage, Ticket
+from router.attempts import Replay
 from router.errors import APIError
-from router.generation import Backend, Replay, Sample, run_sample
+from router.generation import Backend, Sample, run_sample
 from router.jobs import Job, Prompt
 from router.sample_state import SampleDelta, SampleState
 from router.structured import tool_calls

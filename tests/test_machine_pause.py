@@ -41,10 +41,10 @@ def cluster(tmp_path, default_model_dir):
         close_all(router, nodes, redis)
 
 
-def _tokens(router, model, prompt: list[int], max_tokens: int, stream: bool) -> list[int]:
+def sample_tokens(url: str, model: str, prompt: list[int], max_tokens: int, stream: bool) -> list[int]:
     """The sample's token ids (from its logprobs), streamed or whole; asserts a 200."""
     body = {
-        "model": model.name,
+        "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -54,12 +54,12 @@ def _tokens(router, model, prompt: list[int], max_tokens: int, stream: bool) -> 
         "return_tokens_as_token_ids": True,
     }
     if not stream:
-        reply = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=300)
         assert reply.status_code == 200, reply.text
         found = reply.json()["choices"][0]["logprobs"]["tokens"]
         return [int(t.removeprefix("token_id:")) for t in found]
     tokens = []
-    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as reply:
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as reply:
         assert reply.status_code == 200, reply.read()
         for line in reply.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -82,11 +82,13 @@ def test_samples_under_way_when_every_node_pauses_past_its_ttl_complete_exact(cl
         for i in range(8)
     ]
     with concurrent.futures.ThreadPoolExecutor(len(work)) as pool:
-        futures = [pool.submit(_tokens, router, model, *w) for w in work[:6]]
+        futures = [pool.submit(sample_tokens, router.url, model.name, *w) for w in work[:6]]
         time.sleep(0.5)  # the first six are decoding
         for node in nodes:
             os.kill(node.proc.pid, signal.SIGSTOP)
-        futures += [pool.submit(_tokens, router, model, *w) for w in work[6:]]  # sent to paused nodes
+        futures += [
+            pool.submit(sample_tokens, router.url, model.name, *w) for w in work[6:]
+        ]  # sent to paused nodes
         time.sleep(PAUSE_S)
         for node in nodes:
             os.kill(node.proc.pid, signal.SIGCONT)

@@ -90,32 +90,13 @@ def test_a_killed_prefill_node_under_long_prompts_loses_no_request_with_up_defau
         assert set(expired) <= {ready["node_id"]}, expired  # busy survivors never left the pool
 
 
-def _tokens(url: str, model: str, prompt: list[int], max_tokens: int, stream: bool) -> list[int]:
-    """The sample's token ids, from its logprobs, streamed or whole; asserts a 200 and no error."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    body |= {"stream": stream, "logprobs": 0, "return_tokens_as_token_ids": True}
-    if not stream:
-        reply = httpx.post(url + "/v1/completions", json=body, timeout=300)
-        assert reply.status_code == 200, reply.text
-        return [int(t.removeprefix("token_id:")) for t in reply.json()["choices"][0]["logprobs"]["tokens"]]
-    tokens = []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as reply:
-        assert reply.status_code == 200, reply.read()
-        for line in reply.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                event = json.loads(line[6:])
-                assert "error" not in event, event
-                found = (event["choices"][0]["logprobs"] or {}).get("tokens", [])
-                tokens += [int(t.removeprefix("token_id:")) for t in found]
-    return tokens
-
-
 def test_every_node_paused_past_its_ttl_loses_no_request_with_up_defaults(default_model_dir, tmp_path):
     """A machine paused (a VM stopped or migrated), as `pdserve up` starts it (1P+1D, its Redis):
     both nodes stopped 4.5 s, past their heartbeat TTL, with samples decoding and more arriving;
     the records lapse, the router drops both, and every sample waits for them to come back
     (--reroute-wait-s) and completes equal to Hugging Face's greedy output."""
     from tests.engine_helpers import hf_greedy
+    from tests.test_machine_pause import sample_tokens
 
     rng = random.Random(47)
     work = [  # (prompt, max_tokens, streamed): mixed lengths, under way through the pause
@@ -128,11 +109,11 @@ def test_every_node_paused_past_its_ttl_loses_no_request_with_up_defaults(defaul
             json.loads((tmp_path / f"{n}.ready.json").read_text())["pid"] for n in ("prefill-0", "decode-0")
         ]
         with concurrent.futures.ThreadPoolExecutor(len(work)) as pool:
-            futures = [pool.submit(_tokens, url, model, *w) for w in work[:4]]
+            futures = [pool.submit(sample_tokens, url, model, *w) for w in work[:4]]
             time.sleep(2.0)  # prefilled, decoding
             for pid in pids:
                 os.kill(pid, signal.SIGSTOP)
-            futures += [pool.submit(_tokens, url, model, *w) for w in work[4:]]
+            futures += [pool.submit(sample_tokens, url, model, *w) for w in work[4:]]
             time.sleep(4.5)
             for pid in pids:
                 os.kill(pid, signal.SIGCONT)
