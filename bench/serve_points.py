@@ -47,6 +47,26 @@ SHARED_PREFIX = {
 # bench/text_workloads.py's rep prompts (chat-templated ids), written once by rep_trace()
 REP_TRACE_PATH = pathlib.Path("/tmp/pdserve-rep-trace-24.jsonl")
 REP_TRACE = {"kind": "file", "workload_file": str(REP_TRACE_PATH)}
+REP_RATES = (0.5, 1.0, 2.0, 4.0)  # issue 33's serving goal is at 1-2 req/s; 4: past both servers' capacity
+# the rep study's servers on 2 cores: (label, --node-args, SLO flags, vLLM)
+REP_SERVERS = (
+    ("pdserve 1 colocated rep", "", False, False),
+    ("pdserve 1 colocated, --speculative ngram, rep", "--speculative ngram", False, False),
+    (
+        "pdserve 1 colocated, --kv-cache-dtype int8 --speculative ngram, rep",
+        "--kv-cache-dtype int8 --speculative ngram",
+        False,
+        False,
+    ),
+    (
+        "pdserve 1 colocated, --kv-cache-dtype int8 --speculative ngram, SLO flags, rep",
+        "--kv-cache-dtype int8 --speculative ngram",
+        True,
+        False,
+    ),
+    ("vLLM server (2 cores) rep", "", False, True),
+    ("vLLM server (2 cores), --kv-cache-dtype fp8, rep", "--kv-cache-dtype fp8", False, True),
+)
 
 
 def rep_trace() -> None:
@@ -69,7 +89,7 @@ class Point:
     cluster: Cluster  # node counts (and the router's threshold)
     workload: dict  # WorkloadSpec fields; "kind" is the --workload name
     rates: tuple[float, ...]
-    node_args: str = ""  # --node-args of pdserve up
+    node_args: str = ""  # --node-args of pdserve up (vLLM's server's own arguments, for vLLM)
     router_args: str = ""  # --router-args of pdserve up
     vllm: bool = False  # vLLM's OpenAI server on every core instead of pdserve up (cluster ignored)
     threads: int | None = None  # torch threads per node; None: pdserve up's even split of the cores
@@ -143,6 +163,21 @@ def studies() -> dict[str, list[Point]]:
                 router_args="--local-prefill-margin-s=-1",
             ),
             Point("pdserve 1 colocated (2 threads) mix", colocated, MIX_48, LOAD_RATES),
+            Point(
+                "pdserve 1 colocated (2 threads), --speculative ngram, mix",
+                colocated,
+                MIX_48,
+                LOAD_RATES,
+                node_args="--speculative ngram",
+            ),
+            Point(  # the router sheds what would miss the study's SLO (run with its default SLO)
+                "pdserve 1 colocated (2 threads), --speculative ngram, SLO flags, mix",
+                colocated,
+                MIX_48,
+                LOAD_RATES,
+                node_args="--speculative ngram",
+                slo_flags=True,
+            ),
             Point("vLLM server (2 cores) mix", colocated, MIX_48, LOAD_RATES, vllm=True),
         ],
         "commit": [  # the load study's servers, by how the KV pool is committed, beside vLLM
@@ -173,7 +208,13 @@ def studies() -> dict[str, list[Point]]:
                 (0.5,),
                 node_args="--kv-cache-dtype int8 --speculative ngram",
             ),
-            Point("vLLM server (2 cores) rep", colocated, REP_TRACE, (0.5,), vllm=True),
+            # a fresh server for each rate, the servers in turn: the trace's prompts are the same at every rate, and a
+            # server that kept them in its prefix cache would skip their prefill at the next one
+            *(
+                Point(label, colocated, REP_TRACE, (rate,), node_args=args, slo_flags=slo, vllm=vllm)
+                for rate in REP_RATES
+                for label, args, slo, vllm in REP_SERVERS
+            ),
         ],
         "vllm": [
             Point("pdserve 1P+1D mix", pd, MIX, (0.5, 1.0, 2.0, 4.0)),

@@ -109,7 +109,7 @@ class Up:
 class VllmServer(Up):
     """vLLM's OpenAI server (CPU build, its own venv) on the default model, every core, until stop()."""
 
-    def __init__(self, vllm_python: str, log_dir: pathlib.Path) -> None:
+    def __init__(self, vllm_python: str, log_dir: pathlib.Path, args: str = "") -> None:
         from engine.model_fetch import fetch_default_model
 
         self.port = free_port()
@@ -129,6 +129,7 @@ class VllmServer(Up):
             str(self.port),
             "--host",
             "127.0.0.1",
+            *args.split(),
         ]
         cores = usable_cores()
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "VLLM_CPU_KVCACHE_SPACE": "2"}

@@ -77,7 +77,7 @@ def measure(
     if point.vllm and not vllm_python:
         raise SystemExit("the vllm study needs --vllm-python PATH (a venv with vLLM's CPU build)")
     if point.vllm:
-        up = VllmServer(vllm_python, out_dir / "logs")
+        up = VllmServer(vllm_python, out_dir / "logs", point.node_args)
     else:
         extra: tuple[str, ...] = ()
         if point.slo_flags or point.autoscale:
@@ -213,6 +213,9 @@ def main() -> None:
     parser.add_argument(
         "--only", nargs="+", default=None, metavar="LABEL", help="run only the points of these labels"
     )
+    parser.add_argument(
+        "--rates", type=float, nargs="+", default=None, help="run only these of the points' rates"
+    )
     args = parser.parse_args()
     if args.study == "speculative":
         rep_trace()
@@ -223,6 +226,9 @@ def main() -> None:
         profiles[1] = calibrate(out_dir / "profile-before.json", args.busy_neighbours)
     lines, results = [HEADER], []
     points = [p for p in studies()[args.study] if args.only is None or p.label in args.only]
+    if args.rates is not None:
+        points = [dataclasses.replace(p, rates=tuple(r for r in p.rates if r in args.rates)) for p in points]
+        points = [p for p in points if p.rates]
     if args.rounds > 1:
         points = [
             dataclasses.replace(p, label=f"{p.label} (round {k + 1})")

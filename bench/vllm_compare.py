@@ -8,6 +8,7 @@ both see the same machine state as nearly as a shared machine allows.
     python bench/vllm_compare.py --vllm-python /work/vllm-venv/bin/python --model default --workload mix32 --num-prompts 48
     python bench/vllm_compare.py --vllm-python /work/vllm-venv/bin/python --model default --workload rep --speculative ngram
     python bench/vllm_compare.py ... --kv-cache-dtype auto,int8     # pdserve with each KV cache in turn
+    python bench/vllm_compare.py ... --vllm-kv-cache-dtype auto,fp8  # vLLM too; ratios are to its best
 
 ``--speculative ngram`` runs pdserve twice, without speculation and with it (vLLM's CPU build
 refuses speculative decoding, so it runs without). The text workloads (``edit``, ``quote``,
@@ -44,11 +45,13 @@ def main():
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, gpu_memory_utilization=0.5, dtype=spec["dtype"],
-              max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"], seed=0)
+              max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"], seed=0,
+              kv_cache_dtype=spec["kv_cache_dtype"])
     prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in spec["reqs"]]
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True, detokenize=False)
               for _, o in spec["reqs"]]
-    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    # warm-up on a prompt of its own: the workload's would sit in vLLM's prefix cache
+    llm.generate([TokensPrompt(prompt_token_ids=[11, 12, 13])], SamplingParams(max_tokens=4), use_tqdm=False)
     seconds = []
     for _ in range(spec["passes"]):
         start = time.perf_counter()
@@ -62,7 +65,14 @@ if __name__ == "__main__":
 
 
 def run_vllm(
-    python: str, model: pathlib.Path, reqs, max_num_seqs: int, threads: int, dtype: str, passes: int
+    python: str,
+    model: pathlib.Path,
+    reqs,
+    max_num_seqs: int,
+    threads: int,
+    dtype: str,
+    passes: int,
+    kv_cache_dtype: str = "auto",
 ) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
         spec = pathlib.Path(tmp, "spec.json")
@@ -75,6 +85,7 @@ def run_vllm(
                     "max_model_len": 1024,
                     "dtype": dtype,
                     "passes": passes,
+                    "kv_cache_dtype": kv_cache_dtype,
                 }
             )
         )
@@ -116,6 +127,31 @@ def run_pdserve(
     return rates, spec
 
 
+def prefill_bound(run: tuple, vllm_best: list[float], name: str, vllm_python: str) -> dict:
+    """Each engine's time for the prompts alone (1 token out each), and the output tokens/s pdserve
+    would reach if every output token after the first cost nothing, against vLLM's best."""
+    model, reqs, *rest = run
+    prompts_only = [(p, 1) for p, _ in reqs]
+    rates, _ = run_pdserve(model, prompts_only, *rest)
+    seconds = [len(reqs) / r for r in rates]
+    theirs = [len(reqs) / r for r in run_vllm(vllm_python, model, prompts_only, *rest)]
+    ceiling = [sum(o for _, o in reqs) / s for s in seconds]
+    ratio = [c / v for c, v in zip(ceiling, vllm_best, strict=True)]
+    print(
+        f"[{name}] the prompts alone: pdserve {', '.join(f'{s:.1f}' for s in seconds)} s, vLLM "
+        f"{', '.join(f'{s:.1f}' for s in theirs)} s; pdserve with decoding free: "
+        f"{', '.join(f'{c:.1f}' for c in ceiling)} tok/s, at most {', '.join(f'{r:.2f}x' for r in ratio)} "
+        "vLLM's best",
+        flush=True,
+    )
+    return {
+        "seconds": [round(s, 2) for s in seconds],
+        "vllm_seconds": [round(s, 2) for s in theirs],
+        "tok_s": [round(c, 1) for c in ceiling],
+        "ratio": [round(r, 2) for r in ratio],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--vllm-python", required=True)
@@ -129,6 +165,17 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both engines")
     ap.add_argument(
         "--kv-cache-dtype", default="auto", help="pdserve's KV cache: auto, int8, or both (auto,int8) in turn"
+    )
+    ap.add_argument(
+        "--vllm-kv-cache-dtype",
+        default="auto",
+        help="vLLM's KV cache: auto, fp8 (its quantized cache on CPU, AVX-512 or AMX), or both in turn",
+    )
+    ap.add_argument(
+        "--prefill-bound",
+        action="store_true",
+        help="also time pdserve on the prompts alone (1 token out each): the workload's output over "
+        "that time is the most any decoding, speculative or not, could reach",
     )
     ap.add_argument(
         "--passes",
@@ -175,13 +222,24 @@ def main() -> None:
         )
         print(f"[{args.workload}] {label}: {', '.join(f'{r:.1f}' for r in rates)} tok/s{kept}", flush=True)
         results[label] = {"tok_s": [round(r, 1) for r in rates], "spec_counts": spec}
-    theirs = run_vllm(args.vllm_python, model, reqs, args.max_num_seqs, args.threads, args.dtype, args.passes)
-    print(f"[{args.workload}] vLLM CPU: {', '.join(f'{r:.1f}' for r in theirs)} tok/s", flush=True)
+    vllm = {}  # KV dtype -> tok/s of each pass
+    for kv in args.vllm_kv_cache_dtype.split(","):
+        vllm[kv] = run_vllm(args.vllm_python, *run, kv_cache_dtype=kv)
+        print(
+            f"[{args.workload}] vLLM CPU, KV {kv}: {', '.join(f'{r:.1f}' for r in vllm[kv])} tok/s",
+            flush=True,
+        )
+    best = max(vllm.values(), key=lambda rates: sum(rates))  # vLLM at its best setting
     for label, result in results.items():
-        result["ratio"] = [round(a / b, 2) for a, b in zip(result["tok_s"], theirs, strict=True)]
-        print(f"[{args.workload}] {label} against vLLM: {', '.join(f'{r:.2f}x' for r in result['ratio'])}")
+        result["ratio"] = [round(a / b, 2) for a, b in zip(result["tok_s"], best, strict=True)]
+        print(
+            f"[{args.workload}] {label} against vLLM's best: {', '.join(f'{r:.2f}x' for r in result['ratio'])}"
+        )
     summary = {"model": args.model, "workload": args.workload, "dtype": args.dtype}
-    print(json.dumps({**summary, "vllm_tok_s": [round(r, 1) for r in theirs], "pdserve": results}))
+    if args.prefill_bound:
+        summary["prefill_bound"] = prefill_bound(run, best, args.workload, args.vllm_python)
+    vllm_tok_s = {kv: [round(r, 1) for r in rates] for kv, rates in vllm.items()}
+    print(json.dumps({**summary, "vllm_tok_s": vllm_tok_s, "pdserve": results}))
 
 
 if __name__ == "__main__":
