@@ -9,6 +9,7 @@ both see the same machine state as nearly as a shared machine allows.
     python bench/vllm_compare.py --vllm-python /work/vllm-venv/bin/python --model default --workload rep --speculative ngram
     python bench/vllm_compare.py ... --kv-cache-dtype auto,int8     # pdserve with each KV cache in turn
     python bench/vllm_compare.py ... --vllm-kv-cache-dtype auto,fp8  # vLLM too; ratios are to its best
+    python bench/vllm_compare.py ... --workload edit --num-prompts 8 --output-len 256,256   # a few long edits
 
 ``--speculative ngram`` runs pdserve twice, without speculation and with it (vLLM's CPU build
 refuses speculative decoding, so it runs without). The text workloads (``edit``, ``quote``,
@@ -164,6 +165,12 @@ def main() -> None:
     ap.add_argument("--workload", choices=["fixed", *MIXES, *text_workloads.WORKLOADS], default="fixed")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument(
+        "--output-len",
+        default="64,192",
+        metavar="LO,HI",
+        help="the text workloads' output lengths, drawn uniformly from [LO, HI] (seeded)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--speculative", choices=["ngram"], help="pdserve also runs with this proposer")
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
@@ -209,7 +216,9 @@ def main() -> None:
     if args.workload in text_workloads.WORKLOADS:
         from transformers import AutoTokenizer
 
-        reqs = text_workloads.workload(args.workload, args.num_prompts, AutoTokenizer.from_pretrained(model))
+        lo, hi = (int(n) for n in args.output_len.split(","))
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        reqs = text_workloads.workload(args.workload, args.num_prompts, tokenizer, out_lo=lo, out_hi=hi)
     else:
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         reqs = workload(args.workload, args.num_prompts, vocab)
