@@ -48,25 +48,25 @@ SHARED_PREFIX = {
 REP_TRACE_PATH = pathlib.Path("/tmp/pdserve-rep-trace-24.jsonl")
 REP_TRACE = {"kind": "file", "workload_file": str(REP_TRACE_PATH)}
 REP_RATES = (0.5, 1.0, 2.0, 4.0)  # issue 33's serving goal is at 1-2 req/s; 4: past both servers' capacity
-# the rep study's servers on 2 cores: (label, --node-args, SLO flags, vLLM)
+# the rep study's servers on 2 cores: (--node-args, or vLLM's server's own; SLO flags; vLLM)
 REP_SERVERS = (
-    ("pdserve 1 colocated rep", "", False, False),
-    ("pdserve 1 colocated, --speculative ngram, rep", "--speculative ngram", False, False),
-    (
-        "pdserve 1 colocated, --kv-cache-dtype int8 --speculative ngram, rep",
-        "--kv-cache-dtype int8 --speculative ngram",
-        False,
-        False,
-    ),
-    (
-        "pdserve 1 colocated, --kv-cache-dtype int8 --speculative ngram, SLO flags, rep",
-        "--kv-cache-dtype int8 --speculative ngram",
-        True,
-        False,
-    ),
-    ("vLLM server (2 cores) rep", "", False, True),
-    ("vLLM server (2 cores), --kv-cache-dtype fp8, rep", "--kv-cache-dtype fp8", False, True),
+    ("", False, False),
+    ("--speculative ngram", False, False),
+    ("--kv-cache-dtype int8 --speculative ngram", False, False),
+    ("--kv-cache-dtype int8 --speculative ngram", True, False),
+    ("", False, True),
+    ("--kv-cache-dtype fp8", False, True),
 )
+
+
+def rep_label(args: str, slo: bool, vllm: bool) -> str:
+    """'pdserve 1 colocated, ARGS, SLO flags, rep' or 'vLLM server (2 cores), ARGS, rep'."""
+    parts = [
+        p
+        for p in ("vLLM server (2 cores)" if vllm else "pdserve 1 colocated", args, slo and "SLO flags")
+        if p
+    ]
+    return ", ".join(parts) + (", rep" if len(parts) > 1 else " rep")
 
 
 def rep_trace() -> None:
@@ -211,9 +211,11 @@ def studies() -> dict[str, list[Point]]:
             # a fresh server for each rate, the servers in turn: the trace's prompts are the same at every rate, and a
             # server that kept them in its prefix cache would skip their prefill at the next one
             *(
-                Point(label, colocated, REP_TRACE, (rate,), node_args=args, slo_flags=slo, vllm=vllm)
+                Point(
+                    rep_label(args, slo, vllm), colocated, REP_TRACE, (rate,), args, slo_flags=slo, vllm=vllm
+                )
                 for rate in REP_RATES
-                for label, args, slo, vllm in REP_SERVERS
+                for args, slo, vllm in REP_SERVERS
             ),
         ],
         "vllm": [
