@@ -6,7 +6,7 @@ One seeded trace of the default model, its phases one after the other (PHASES): 
 (long prompts, few tokens out), decode-heavy (short prompts, long outputs), long prompts with long
 outputs, prefill-heavy again.
 It runs, one server after the other on a quiet machine, against `pdserve up` in each shape of
-SHAPES: the autoscaled cluster (starting 1P+1D, a budget of 2 nodes) and the fixed splits of 2
+SHAPES: the autoscaled cluster (starting 1P+1D or 2 colocated, a budget of 2 nodes) and the fixed splits of 2
 nodes, each node a thread, every one with the same SLO flags (the router sheds by them). For
 each: the share of requests within both SLOs (a shed or failed request is a miss) per window of
 --window-s by send time and per phase, the pool's shape over time (the router's /admin/nodes,
@@ -77,6 +77,14 @@ SHAPES = (
     Shape("autoscaled (starts 1P+1D)", Cluster(1, 1), autoscale=True),
     # at equal cores a node stopped leaves its core idle: this one keeps both nodes
     Shape("autoscaled, --min-nodes 2", Cluster(1, 1), autoscale=True, flags=("--min-nodes", "2")),
+    # pdserve up --autoscale's own start without shape flags (pdserve_cli.up.start_shape)
+    Shape("autoscaled (starts 2 colocated)", Cluster(0, 0, 2), autoscale=True),
+    Shape(
+        "autoscaled, starts 2 colocated, --min-nodes 2",
+        Cluster(0, 0, 2),
+        autoscale=True,
+        flags=("--min-nodes", "2"),
+    ),
     Shape("fixed 1P+1D", Cluster(1, 1)),
     Shape("fixed 2 colocated", Cluster(0, 0, 2)),
 )

@@ -97,6 +97,7 @@ class Point:
     # pdserve up --ttft-slo-s --tpot-slo-s with the study's SLO (always, with autoscale): the router
     # sheds by them and the nodes keep the steps that carry decodes within the TPOT target
     slo_flags: bool = False
+    flags: tuple[str, ...] = ()  # more pdserve up flags (--min-nodes 2)
 
 
 def studies() -> dict[str, list[Point]]:
@@ -120,6 +121,14 @@ def studies() -> dict[str, list[Point]]:
             Point("2 colocated", two_colocated, LONG_MIX, AUTOSCALE_RATES, slo_flags=True),
             Point("1 colocated, 2 threads", colocated, LONG_MIX, AUTOSCALE_RATES, slo_flags=True),
             Point("autoscaled, starts 1P+1D", pd, LONG_MIX, AUTOSCALE_RATES, autoscale=True),
+            Point(  # pdserve up --autoscale's own start, both cores always in use
+                "autoscaled, starts 2 colocated, --min-nodes 2",
+                two_colocated,
+                LONG_MIX,
+                AUTOSCALE_RATES,
+                autoscale=True,
+                flags=("--min-nodes", "2"),
+            ),
             Point(  # each node may take both cores while the other leaves them idle (engine.cpu_share)
                 "autoscaled, starts 1P+1D, --max-threads 2",
                 pd,

@@ -86,6 +86,7 @@ def measure(
             if profile is None:
                 raise SystemExit("an autoscaled point needs --profile-1t PATH (pdserve plan calibrate)")
             extra = ("--autoscale", "--autoscale-profile", str(profile), *extra)
+        extra += point.flags
         up = Up(point.cluster, out_dir / "logs", point.node_args, point.router_args, point.threads, extra)
     try:
         up.wait_up()

@@ -32,21 +32,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="prefill node processes (default: 1, or 0 with --colocated)",
+        help="prefill node processes (default: 1, or 0 with --colocated or with --autoscale alone)",
     )
     parser.add_argument(
         "--decode",
         type=int,
         default=None,
         metavar="M",
-        help="decode node processes (default: 1, or 0 with --colocated)",
+        help="decode node processes (default: 1, or 0 with --colocated or with --autoscale alone)",
     )
     parser.add_argument(
         "--colocated",
         type=int,
         default=0,
         metavar="C",
-        help="node processes that prefill and decode themselves, no KV transfer (default: 0)",
+        help="node processes that prefill and decode themselves, no KV transfer (default: 0; 2 with "
+        "--autoscale and no --prefill or --decode: the controller splits them when the load says so)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="router's HTTP bind address (default: loopback)")
     parser.add_argument("--port", type=int, default=8000, help="router's HTTP port (default: 8000)")
@@ -218,11 +219,9 @@ def _plan(args: argparse.Namespace):
     if args.autoscale:  # the targets it sizes the pools for, and the router sheds by
         args.ttft_slo_s = 4.0 if args.ttft_slo_s is None else args.ttft_slo_s
         args.tpot_slo_s = 0.25 if args.tpot_slo_s is None else args.tpot_slo_s
-    default = 0 if args.colocated else 1
-    num_prefill = default if args.prefill is None else args.prefill
-    num_decode = default if args.decode is None else args.decode
+    num_prefill, num_decode, num_colocated = start_shape(args)
     cores = usable_cores()
-    num_nodes = _node_budget(args, num_prefill + num_decode + args.colocated, cores)
+    num_nodes = _node_budget(args, num_prefill + num_decode + num_colocated, cores)
     model = args.model or _fetch_default_model()
     if not (pathlib.Path(model) / "config.json").is_file():
         raise ValueError(f"--model {model}: not a Hugging Face model folder (no config.json)")
@@ -265,10 +264,28 @@ def _plan(args: argparse.Namespace):
         node_args=node_args,
         start_timeout_s=args.start_timeout,
         stop_timeout_s=args.stop_timeout,
-        num_colocated=args.colocated,
+        num_colocated=num_colocated,
         router_args=(*shlex.split(args.router_args), *_slo_router_args(args)),
         max_nodes=num_nodes if args.autoscale else 0,
     )
+
+
+AUTOSCALE_START_NODES = 2  # colocated, without shape flags (or --max-nodes, if fewer)
+
+
+def start_shape(args: argparse.Namespace) -> tuple[int, int, int]:
+    """The prefill, decode and colocated nodes it starts: as the shape flags say, else 1P+1D (0
+    of each with --colocated); with --autoscale and no shape flag, colocated nodes. Before the
+    controller has measured a load, a colocated node serves any mix of prompt and output lengths
+    without a KV transfer or a second hop, and the controller disaggregates when the measured
+    windows say a split pays (on this project's 2-core machines 2 colocated was at or above 1P+1D
+    at most rates and phases, bench/notes/autoscaling.md)."""
+    if args.autoscale and args.prefill is None and args.decode is None and not args.colocated:
+        return 0, 0, min(AUTOSCALE_START_NODES, args.max_nodes or AUTOSCALE_START_NODES)
+    default = 0 if args.colocated else 1
+    num_prefill = default if args.prefill is None else args.prefill
+    num_decode = default if args.decode is None else args.decode
+    return num_prefill, num_decode, args.colocated
 
 
 def _node_budget(args: argparse.Namespace, num_started: int, cores: int) -> int:

@@ -92,6 +92,25 @@ def test_plan_of_colocated_nodes_alone_is_complete(tmp_path):
     assert plan.num_nodes == 2 and plan.describe() == "2 colocated"
 
 
+@pytest.mark.parametrize(
+    ("flags", "shape"),
+    [
+        ((), (1, 1, 0)),
+        (("--colocated", "3"), (0, 0, 3)),
+        (("--autoscale",), (0, 0, 2)),  # before a load is measured: nodes that serve any mix
+        (("--autoscale", "--max-nodes", "4"), (0, 0, 2)),
+        (("--autoscale", "--max-nodes", "1"), (0, 0, 1)),
+        (("--autoscale", "--prefill", "1", "--decode", "1"), (1, 1, 0)),  # the user's shape wins
+        (("--autoscale", "--decode", "2"), (1, 2, 0)),
+        (("--autoscale", "--colocated", "1"), (0, 0, 1)),
+    ],
+)
+def test_the_shape_it_starts_in(flags, shape):
+    from pdserve_cli.up import start_shape
+
+    assert start_shape(build_parser().parse_args(["up", *flags])) == shape
+
+
 @pytest.mark.parametrize(("fixed", "flag"), [(False, "--max-threads"), (True, "--threads")])
 def test_a_nodes_share_of_the_cores_is_its_ceiling_unless_threads_were_set(model, tmp_path, fixed, flag):
     """Without --threads a node's share is a ceiling it gives way under (engine.cpu_share)."""
