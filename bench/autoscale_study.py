@@ -74,12 +74,18 @@ class Shape:
 
 
 SHAPES = (
-    Shape("autoscaled (starts 1P+1D)", Cluster(1, 1), autoscale=True),
+    # stops a node in a lull (--min-nodes defaults to the nodes started since 2026-12-05 evening)
+    Shape("autoscaled (starts 1P+1D)", Cluster(1, 1), autoscale=True, flags=("--min-nodes", "1")),
     # at equal cores a node stopped leaves its core idle: this one keeps both nodes
     Shape("autoscaled, --min-nodes 2", Cluster(1, 1), autoscale=True, flags=("--min-nodes", "2")),
     # pdserve up --autoscale's own start without shape flags (pdserve_cli.up.start_shape)
-    Shape("autoscaled (starts 2 colocated)", Cluster(0, 0, 2), autoscale=True),
     Shape(
+        "autoscaled, starts 2 colocated, --min-nodes 1",
+        Cluster(0, 0, 2),
+        autoscale=True,
+        flags=("--min-nodes", "1"),
+    ),
+    Shape(  # pdserve up --autoscale's defaults
         "autoscaled, starts 2 colocated, --min-nodes 2",
         Cluster(0, 0, 2),
         autoscale=True,

@@ -120,8 +120,15 @@ def studies() -> dict[str, list[Point]]:
             Point("1P+1D", pd, LONG_MIX, AUTOSCALE_RATES, slo_flags=True),
             Point("2 colocated", two_colocated, LONG_MIX, AUTOSCALE_RATES, slo_flags=True),
             Point("1 colocated, 2 threads", colocated, LONG_MIX, AUTOSCALE_RATES, slo_flags=True),
-            Point("autoscaled, starts 1P+1D", pd, LONG_MIX, AUTOSCALE_RATES, autoscale=True),
-            Point(  # pdserve up --autoscale's own start, both cores always in use
+            Point(  # stops a node in a lull
+                "autoscaled, starts 1P+1D",
+                pd,
+                LONG_MIX,
+                AUTOSCALE_RATES,
+                autoscale=True,
+                flags=("--min-nodes", "1"),
+            ),
+            Point(  # pdserve up --autoscale's defaults: its own start, both cores always in use
                 "autoscaled, starts 2 colocated, --min-nodes 2",
                 two_colocated,
                 LONG_MIX,
@@ -136,6 +143,7 @@ def studies() -> dict[str, list[Point]]:
                 AUTOSCALE_RATES,
                 autoscale=True,
                 node_args="--max-threads 2",
+                flags=("--min-nodes", "1"),
             ),
         ],
         "ratio": [

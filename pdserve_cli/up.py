@@ -127,7 +127,14 @@ def _add_slo_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="node budget (default: the nodes it starts with); threads and memory are split by it",
     )
-    slo.add_argument("--min-nodes", type=int, default=None, help="never fewer nodes (default: 1)")
+    slo.add_argument(
+        "--min-nodes",
+        type=int,
+        default=None,
+        help="never fewer nodes (default: the nodes it starts with: the nodes' threads split this "
+        "machine's cores at start, so a node stopped leaves its cores to other work, not to the "
+        "nodes left); fewer lets the controller stop nodes in a lull",
+    )
     slo.add_argument(
         "--autoscale-interval", type=float, default=None, help="seconds of metrics per decision (default: 5)"
     )
@@ -341,7 +348,7 @@ def _autoscale_options(args: argparse.Namespace, plan):
         raise ValueError("--autoscale switches roles through the Redis registry: drop --no-redis")
     if args.autoscale_profile is not None and not args.autoscale_profile.is_file():
         raise ValueError(f"--autoscale-profile {args.autoscale_profile}: no such file")
-    min_nodes = 1 if args.min_nodes is None else args.min_nodes
+    min_nodes = plan.num_nodes if args.min_nodes is None else args.min_nodes
     if not 1 <= min_nodes <= plan.node_budget:
         raise ValueError(f"need 1 <= --min-nodes ({min_nodes}) <= --max-nodes ({plan.node_budget})")
     interval = 5.0 if args.autoscale_interval is None else args.autoscale_interval

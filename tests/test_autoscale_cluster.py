@@ -54,6 +54,7 @@ PROFILE = Profile(
 FLAGS = (
     "--autoscale",
     "--prefill", "1", "--decode", "1",  # its default start is 2 colocated (pdserve_cli.up.start_shape)
+    "--min-nodes", "1",  # by default it keeps the nodes it starts with
     "--ttft-slo-s", "3",
     "--tpot-slo-s", "0.025",
     "--autoscale-interval", "1.5",

@@ -111,6 +111,28 @@ def test_the_shape_it_starts_in(flags, shape):
     assert start_shape(build_parser().parse_args(["up", *flags])) == shape
 
 
+@pytest.mark.parametrize(
+    ("flags", "nodes"),
+    [
+        ((), (2, 2)),  # (min, max): a node stopped would leave its core idle
+        (("--max-nodes", "4"), (2, 4)),  # it may grow, and shrink back to where it started
+        (("--min-nodes", "1"), (1, 2)),  # stopping nodes in a lull is asked for
+    ],
+)
+def test_autoscale_keeps_the_nodes_it_starts_with_unless_told(tmp_path, flags, nodes):
+    from pdserve_cli.up import _autoscale_options
+
+    argv = ["up", "--autoscale", "--ttft-slo-s", "4", "--tpot-slo-s", "0.25", *flags]
+    args = build_parser().parse_args(argv)
+    plan = plan_of(tmp_path, num_prefill=0, num_decode=0, num_colocated=2, max_nodes=args.max_nodes or 2)
+    options = _autoscale_options(args, plan)
+    assert (options.min_nodes, options.max_nodes) == nodes
+    with pytest.raises(ValueError, match="need 1 <= --min-nodes"):
+        _autoscale_options(
+            build_parser().parse_args([*argv, "--min-nodes", "3"]), plan_of(tmp_path, max_nodes=2)
+        )
+
+
 @pytest.mark.parametrize(("fixed", "flag"), [(False, "--max-threads"), (True, "--threads")])
 def test_a_nodes_share_of_the_cores_is_its_ceiling_unless_threads_were_set(model, tmp_path, fixed, flag):
     """Without --threads a node's share is a ceiling it gives way under (engine.cpu_share)."""
