@@ -34,9 +34,14 @@ class PiecewiseLinear:
             raise ValueError("a piecewise-linear curve needs >= 2 points with distinct ascending xs")
 
     def __call__(self, x: float) -> float:
-        i = min(max(bisect.bisect_right(self.xs, x), 1), len(self.xs) - 1)  # segment [i-1, i]
-        x0, x1, y0, y1 = self.xs[i - 1], self.xs[i], self.ys[i - 1], self.ys[i]
-        return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+        return _interpolate(self.xs, self.ys, x)
+
+
+def _interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
+    """PiecewiseLinear's y(x), for points already checked (the simulator calls it per step)."""
+    i = min(max(bisect.bisect_right(xs, x), 1), len(xs) - 1)  # segment [i-1, i]
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,8 +64,8 @@ class DecodeStepGrid:
     def __call__(self, num_seqs: int, num_context_tokens: int) -> float:
         if num_seqs == 0:
             return 0.0
-        by_context = tuple(PiecewiseLinear(self.batches, row)(num_seqs) for row in self.seconds)
-        return PiecewiseLinear(self.contexts, by_context)(num_context_tokens / num_seqs)
+        by_context = tuple(_interpolate(self.batches, row, num_seqs) for row in self.seconds)
+        return _interpolate(self.contexts, by_context, num_context_tokens / num_seqs)
 
     @classmethod
     def constant(cls, seconds: float) -> DecodeStepGrid:

@@ -232,7 +232,11 @@ class _DecodeNode:
             return
         decoding = [live for live in self.running if not live.num_prompt_left]
         budget = self.step_tokens - len(decoding)  # a decode row costs one token of the budget
-        if decoding and self.decode_step_s is not None:  # chunks beside decodes keep to their target
+        # chunks beside decodes keep to their target (only prompt chunks need the budget)
+        prompts = any(live.num_prompt_left for live in self.running) or any(
+            live.local for live in self.waiting
+        )
+        if prompts and decoding and self.decode_step_s is not None:
             decode_s = self.profile.decode(len(decoding), sum(live.num_context for live in decoding))
             floor = self.profile.min_step_tokens - len(decoding)
             budget = min(
