@@ -15,9 +15,17 @@ The families: shapes with prefill nodes (their TTFT is the prefill pool's) and s
 nodes only. The error depends on the load's mix as well (a colocated node's prefills wait on
 decode steps only when outputs are long), so a fit holds for loads near the one it was measured
 on: each fit keeps its window's mean prompt and output lengths, and a window's scale per family
-is the running mean of that family's fits within a factor NEAR of its own lengths in both. A
-family with no fit near the load keeps scale 1 (the profile as measured): a scale fitted while
-outputs were long does not hold a shape back once they are short again.
+is the running mean of that family's fits within a factor NEAR of its own lengths in both: a
+scale fitted while outputs were long does not hold a shape back once they are short again.
+
+A family with no fit near the load takes the scale of the family that has them, or 1 (the profile
+as calibrated) when neither has. Only the family the cluster runs is ever measured, and what
+makes it slower than its profile (the machine's state, its neighbours, the router's own work)
+is as likely to hold for the other: giving the unmeasured family the profile's own speed would
+make it look better for being unmeasured, and the pool would move to it whenever the shape it
+runs measures slow (run 12 of the shifting-load study: 2 colocated measured x1.64 in its first
+windows, 1P+1D was ranked at x1.00, and the pool moved to 1P+1D and stayed). The families are told
+apart by their own fits once the pool has run both on a load like this one.
 Torch-free.
 """
 
@@ -108,7 +116,8 @@ class Corrections:
         return fit
 
     def focus(self, load: Load) -> None:
-        """Set each family's scale to the running mean (from 1, oldest first) of its fits near ``load``."""
+        """Set each family's scale to the running mean (from 1, oldest first) of its fits near
+        ``load``; a family without one takes the scale of the family with them."""
         for name, fits in self._fits.items():
             log_scale, num = 0.0, 0
             for at, fit in fits:
@@ -116,12 +125,24 @@ class Corrections:
                     log_scale = (1 - WEIGHT) * log_scale + WEIGHT * math.log(fit)
                     num += 1
             self.prefill_scale[name], self.num_near[name] = math.exp(log_scale), num
+        measured = [name for name in FAMILIES if self.num_near[name]]
+        if len(measured) == 1:
+            for name in FAMILIES:
+                self.prefill_scale[name] = self.prefill_scale[measured[0]]
+
+    def lender(self, name: str) -> str | None:
+        """The family whose scale ``name`` took, having no fit of its own near the load (None: its own)."""
+        if self.num_near[name]:
+            return None
+        return next((other for other in FAMILIES if self.num_near[other]), None)
 
     def profile_for(self, profile: Profile, cluster: Cluster) -> Profile:
         return profile.with_prefill_scale(self.prefill_scale[family(cluster)])
 
     def describe(self) -> str:
         return ", ".join(
-            f"{name} x{scale:.2f} ({self.num_near[name]} fit(s) near this load)"
+            f"{name} x{scale:.2f} ({self.num_near[name]} fit(s) near this load"
+            + (f"; {lender}'s" if (lender := self.lender(name)) else "")
+            + ")"
             for name, scale in self.prefill_scale.items()
         )

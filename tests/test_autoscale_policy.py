@@ -118,16 +118,24 @@ def test_the_best_shape_holds_and_a_small_gain_is_not_worth_a_change():
 
 
 def test_prefill_times_measured_slower_than_modelled_move_the_pool_off_the_family_that_ran_them():
-    # At two nodes the model ties 1P+1D and 2 colocated on this load (66% each); the windows on
-    # 1P+1D measure the mean TTFT the model gives it with prefills twice as long.
+    # At two nodes the model ties 1P+1D and 2 colocated on this load (66% each). Windows on 2
+    # colocated measured the profile's own speed; then windows on 1P+1D measure the mean TTFT the
+    # model gives it with prefills twice as long.
     p = policy(max_nodes=2, confirm=1)
-    load = PREFILL_HEAVY
+    load, two = PREFILL_HEAVY, Cluster(0, 0, 2)
+    at_profile = mean_ttft_s(PROFILE, two, demand(window(load)), SLO)
+    d = p.decide(dataclasses.replace(window(load, met=0.66), mean_ttft_s=at_profile), two, now_s=0.0)
+    assert d.kind is not Kind.SCALE and d.prefill_scale == pytest.approx(
+        {"disaggregated": 1.0, "colocated": 1.0}, rel=0.02
+    )
     slow = mean_ttft_s(PROFILE.with_prefill_scale(2.0), PD, demand(window(load)), SLO)
-    assert p.decide(window(load), PD, now_s=0.0).kind is Kind.NO_GAIN  # no TTFT measured: the model
-    d = p.decide(dataclasses.replace(window(load, met=0.66), mean_ttft_s=slow), PD, now_s=0.0)
+    assert p.decide(window(load), PD, now_s=100.0).kind is Kind.NO_GAIN  # no TTFT measured: the model
+    d = p.decide(dataclasses.replace(window(load, met=0.66), mean_ttft_s=slow), PD, now_s=100.0)
     assert d.kind is Kind.SCALE and d.target.label == "2 colocated"
     scale = d.prefill_scale["disaggregated"]
-    assert scale == pytest.approx(2.0**0.25, rel=0.02) and d.prefill_scale["colocated"] == 1.0
+    assert scale == pytest.approx(2.0**0.25, rel=0.02) and d.prefill_scale["colocated"] == pytest.approx(
+        1.0, rel=0.02
+    )
     assert d.predicted["1P+1D"] < d.predicted["2 colocated"] - 0.05
     assert f"disaggregated x{scale:.2f}" in d.reason and d.to_json()["prefill_scale"]["disaggregated"] > 1.1
     # told to trust the profile, the policy measures and reports the scale but ranks as calibrated
@@ -136,11 +144,27 @@ def test_prefill_times_measured_slower_than_modelled_move_the_pool_off_the_famil
     assert held.kind is Kind.NO_GAIN and held.prefill_scale["disaggregated"] == pytest.approx(scale)
     # windows within the cooldown of that change refit nothing (the requests of the shape before
     # it are still finishing); after it the running shape's family is refitted
-    fast = mean_ttft_s(PROFILE.with_prefill_scale(0.6), Cluster(0, 0, 2), demand(window(load)), SLO)
-    for now_s, expected in ((10.0, 1.0), (40.0, 0.6**0.25)):
-        d = p.decide(dataclasses.replace(window(load), mean_ttft_s=fast), Cluster(0, 0, 2), now_s=now_s)
-        assert d.prefill_scale["colocated"] == pytest.approx(expected, rel=0.02)
+    fast = mean_ttft_s(PROFILE.with_prefill_scale(0.6), two, demand(window(load)), SLO)
+    colocated = d.prefill_scale["colocated"]
+    for now_s, expected in ((110.0, colocated), (140.0, colocated * (0.6 / colocated) ** 0.25)):
+        d = p.decide(dataclasses.replace(window(load), mean_ttft_s=fast), two, now_s=now_s)
+        assert d.prefill_scale["colocated"] == pytest.approx(expected, rel=0.03)
         assert d.prefill_scale["disaggregated"] == scale
+
+
+def test_a_family_measured_slow_alone_does_not_make_the_other_look_better_for_being_unmeasured():
+    # Run 12 of the shifting-load study: the first windows on 2 colocated measured its prefills
+    # 1.64x the profile's, 1P+1D (never run) was ranked at the profile's speed, and the pool moved
+    # to it and stayed. What slows the shape that runs is as likely to slow the other: both are
+    # ranked at the measured scale until each has been measured on this load.
+    p, two = policy(max_nodes=2, confirm=1), Cluster(0, 0, 2)
+    load = PREFILL_HEAVY
+    slow = mean_ttft_s(PROFILE.with_prefill_scale(2.0), two, demand(window(load)), SLO)
+    for now_s in (0.0, 5.0, 10.0):
+        d = p.decide(dataclasses.replace(window(load, met=0.5), mean_ttft_s=slow), two, now_s=now_s)
+        assert d.kind is not Kind.SCALE and d.target == two, d.reason
+    assert d.prefill_scale["disaggregated"] == d.prefill_scale["colocated"] > 1.3
+    assert "(0 fit(s) near this load; colocated's)" in d.reason
 
 
 def test_a_window_with_too_few_requests_is_not_judged():

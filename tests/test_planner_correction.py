@@ -46,7 +46,11 @@ def test_each_family_keeps_a_running_geometric_mean_of_its_fits():
     assert fits == pytest.approx([2.0] * 3, rel=0.03)
     expected = math.exp(math.log(fits[0]) * (1 - (1 - WEIGHT) ** 3))  # from 1 towards the fit
     assert corrections.prefill_scale["disaggregated"] == pytest.approx(expected, rel=1e-6)
-    assert corrections.prefill_scale["colocated"] == 1.0  # a family the cluster has not run
+    # a family the cluster has not run on this load takes the measured one's scale: it is not
+    # ranked faster for being unmeasured
+    assert corrections.prefill_scale["colocated"] == corrections.prefill_scale["disaggregated"]
+    assert corrections.lender("colocated") == "disaggregated" and corrections.lender("disaggregated") is None
+    assert "colocated x1.50 (0 fit(s) near this load; disaggregated's)" in corrections.describe()
     assert family(Cluster(1, 2)) == family(Cluster(2, 1, 1)) == "disaggregated"
     assert family(Cluster(0, 0, 3)) == "colocated"
     # the corrected profile: every prefill that many times as long, nothing else changed
@@ -54,7 +58,10 @@ def test_each_family_keeps_a_running_geometric_mean_of_its_fits():
     scale = corrections.prefill_scale["disaggregated"]
     assert corrected.prefill_s(500) == pytest.approx(PROFILE.prefill_s(500) * scale)
     assert corrected.decode == PROFILE.decode and corrected.transfer == PROFILE.transfer
-    assert corrections.profile_for(PROFILE, Cluster(0, 0, 1)) is PROFILE
+    assert corrections.profile_for(PROFILE, Cluster(0, 0, 1)).prefill_s(500) == pytest.approx(
+        PROFILE.prefill_s(500) * scale
+    )
+    assert Corrections().profile_for(PROFILE, Cluster(0, 0, 1)) is PROFILE  # nothing measured
 
 
 def test_a_fit_holds_for_loads_near_the_one_it_was_measured_on():
