@@ -78,7 +78,7 @@ SHAPES = (
     Shape("autoscaled (starts 1P+1D)", Cluster(1, 1), autoscale=True, flags=("--min-nodes", "1")),
     # at equal cores a node stopped leaves its core idle: this one keeps both nodes
     Shape("autoscaled, --min-nodes 2", Cluster(1, 1), autoscale=True, flags=("--min-nodes", "2")),
-    # pdserve up --autoscale's own start without shape flags (pdserve_cli.up.start_shape)
+    # pdserve up --autoscale's own start without shape flags (pdserve_cli.up_slo.start_shape)
     Shape(
         "autoscaled, starts 2 colocated, --min-nodes 1",
         Cluster(0, 0, 2),

@@ -53,7 +53,7 @@ PROFILE = Profile(
 )
 FLAGS = (
     "--autoscale",
-    "--prefill", "1", "--decode", "1",  # its default start is 2 colocated (pdserve_cli.up.start_shape)
+    "--prefill", "1", "--decode", "1",  # its default start is 2 colocated (pdserve_cli.up_slo.start_shape)
     "--min-nodes", "1",  # by default it keeps the nodes it starts with
     "--ttft-slo-s", "3",
     "--tpot-slo-s", "0.025",

@@ -93,11 +93,11 @@ def test_a_fit_holds_for_loads_near_the_one_it_was_measured_on():
 
 def test_pdserve_up_takes_the_profile_as_calibrated_only_when_told_and_only_with_autoscale():
     from pdserve_cli.main import build_parser
-    from pdserve_cli.up import _node_budget
+    from pdserve_cli.up_slo import node_budget
 
     parser = build_parser()
     assert parser.parse_args(["up"]).autoscale_trust_profile is None  # corrected by default
     args = parser.parse_args(["up", "--autoscale-trust-profile"])
     assert args.autoscale_trust_profile is True
     with pytest.raises(ValueError, match="--autoscale-trust-profile: only with --autoscale"):
-        _node_budget(args, num_started=2, cores=2)
+        node_budget(args, num_started=2, cores=2)

@@ -106,7 +106,7 @@ def test_plan_of_colocated_nodes_alone_is_complete(tmp_path):
     ],
 )
 def test_the_shape_it_starts_in(flags, shape):
-    from pdserve_cli.up import start_shape
+    from pdserve_cli.up_slo import start_shape
 
     assert start_shape(build_parser().parse_args(["up", *flags])) == shape
 
@@ -120,15 +120,15 @@ def test_the_shape_it_starts_in(flags, shape):
     ],
 )
 def test_autoscale_keeps_the_nodes_it_starts_with_unless_told(tmp_path, flags, nodes):
-    from pdserve_cli.up import _autoscale_options
+    from pdserve_cli.up_slo import autoscale_options
 
     argv = ["up", "--autoscale", "--ttft-slo-s", "4", "--tpot-slo-s", "0.25", *flags]
     args = build_parser().parse_args(argv)
     plan = plan_of(tmp_path, num_prefill=0, num_decode=0, num_colocated=2, max_nodes=args.max_nodes or 2)
-    options = _autoscale_options(args, plan)
+    options = autoscale_options(args, plan)
     assert (options.min_nodes, options.max_nodes) == nodes
     with pytest.raises(ValueError, match="need 1 <= --min-nodes"):
-        _autoscale_options(
+        autoscale_options(
             build_parser().parse_args([*argv, "--min-nodes", "3"]), plan_of(tmp_path, max_nodes=2)
         )
 

@@ -1,0 +1,177 @@
+"""`pdserve up`'s targets and --autoscale: their flags, the shape the cluster starts in, the node
+budget threads and memory are split by, the targets each child is given, and the controller's
+options (launcher/autoscale.py runs it)."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import shlex
+
+
+def add_slo_flags(parser: argparse.ArgumentParser) -> None:
+    slo = parser.add_argument_group(
+        "targets and autoscaling",
+        "The cluster's SLO targets: the router sheds by them and guards decode nodes' local "
+        "prefills by them; with --autoscale a controller in this launcher resizes the pools for "
+        "them (launcher/autoscale.py).",
+    )
+    slo.add_argument(
+        "--ttft-slo-s",
+        type=float,
+        default=None,
+        help="time-to-first-token target (default: none; 4 with --autoscale)",
+    )
+    slo.add_argument(
+        "--tpot-slo-s",
+        type=float,
+        default=None,
+        help="time-per-output-token target (default: none; 0.25 with --autoscale); the nodes keep "
+        "the steps that carry decodes beside prompt chunks within it",
+    )
+    slo.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="switch node roles, and start and drain nodes, from the router's measured load "
+        "(needs the Redis registry)",
+    )
+    slo.add_argument(
+        "--autoscale-profile",
+        type=pathlib.Path,
+        default=None,
+        metavar="FILE",
+        help="the planner's engine profile (`pdserve plan calibrate`; default: calibrate at launch, about a minute)",
+    )
+    slo.add_argument(
+        "--max-nodes",
+        type=int,
+        default=None,
+        help="node budget (default: the nodes it starts with); threads and memory are split by it",
+    )
+    slo.add_argument(
+        "--min-nodes",
+        type=int,
+        default=None,
+        help="never fewer nodes (default: the nodes it starts with: the nodes' threads split this "
+        "machine's cores at start, so a node stopped leaves its cores to other work, not to the "
+        "nodes left); fewer lets the controller stop nodes in a lull",
+    )
+    slo.add_argument(
+        "--autoscale-interval", type=float, default=None, help="seconds of metrics per decision (default: 5)"
+    )
+    slo.add_argument(
+        "--autoscale-cooldown", type=float, default=None, help="seconds between two changes (default: 30)"
+    )
+    slo.add_argument(
+        "--autoscale-trust-profile",
+        action="store_true",
+        default=None,  # None: not given (AUTOSCALE_ONLY)
+        help="decide on the profile as calibrated; by default its prefill times are corrected, per "
+        "shape family, by the TTFT the cluster measures (measured and reported either way)",
+    )
+    slo.add_argument(
+        "--min-slo-fraction",
+        type=float,
+        default=None,
+        help="a shape meets the targets when this share of requests does (default: 0.9)",
+    )
+
+
+AUTOSCALE_ONLY = (
+    "autoscale_profile", "max_nodes", "min_nodes", "autoscale_interval", "autoscale_cooldown", "min_slo_fraction",
+    "autoscale_trust_profile",
+)  # fmt: skip
+
+
+AUTOSCALE_START_NODES = 2  # colocated, without shape flags (or --max-nodes, if fewer)
+
+
+def start_shape(args: argparse.Namespace) -> tuple[int, int, int]:
+    """The prefill, decode and colocated nodes it starts: as the shape flags say, else 1P+1D (0
+    of each with --colocated); with --autoscale and no shape flag, colocated nodes. Before the
+    controller has measured a load, a colocated node serves any mix of prompt and output lengths
+    without a KV transfer or a second hop, and the controller disaggregates when the measured
+    windows say a split pays (on this project's 2-core machines 2 colocated was at or above 1P+1D
+    at most rates and phases, bench/notes/autoscaling.md)."""
+    if args.autoscale and args.prefill is None and args.decode is None and not args.colocated:
+        return 0, 0, min(AUTOSCALE_START_NODES, args.max_nodes or AUTOSCALE_START_NODES)
+    default = 0 if args.colocated else 1
+    num_prefill = default if args.prefill is None else args.prefill
+    num_decode = default if args.decode is None else args.decode
+    return num_prefill, num_decode, args.colocated
+
+
+def node_budget(args: argparse.Namespace, num_started: int, cores: int) -> int:
+    """The nodes threads and memory are split by: those started, or --autoscale's budget."""
+    given = [f"--{name.replace('_', '-')}" for name in AUTOSCALE_ONLY if getattr(args, name) is not None]
+    if not args.autoscale:
+        if given:
+            raise ValueError(f"{', '.join(given)}: only with --autoscale")
+        return num_started
+    budget = args.max_nodes or num_started
+    if budget < num_started:
+        raise ValueError(f"--max-nodes {budget}: fewer than the {num_started} nodes it starts with")
+    if budget * (args.threads or 1) > cores:
+        raise ValueError(
+            f"--max-nodes {budget} at {args.threads or 1} thread(s) each needs {budget * (args.threads or 1)} "
+            f"cores; {cores} are usable here"
+        )
+    return budget
+
+
+def slo_router_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """--ttft-slo-s / --tpot-slo-s for the router, unless --router-args sets them itself."""
+    given = shlex.split(args.router_args)
+    out: list[str] = []
+    for flag, value in (("--ttft-slo-s", args.ttft_slo_s), ("--tpot-slo-s", args.tpot_slo_s)):
+        if value is not None and not any(a == flag or a.startswith(flag + "=") for a in given):
+            out += [flag, f"{value:g}"]
+    return tuple(out)
+
+
+def slo_node_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """With a TPOT SLO, every node's steps that carry decodes beside prompt chunks keep within it
+    (engine.step_budget), unless --node-args sets their target itself: any node may decode, after
+    a role switch if not at start."""
+    from engine.step_budget import TPOT_SLO_STEP_SHARE
+
+    flag = "--max-decode-step-seconds"
+    if args.tpot_slo_s is None or any(
+        a == flag or a.startswith(flag + "=") for a in shlex.split(args.node_args)
+    ):
+        return ()
+    return (flag, f"{TPOT_SLO_STEP_SHARE * args.tpot_slo_s:g}")
+
+
+def autoscale_options(args: argparse.Namespace, plan):
+    """--autoscale's options, checked; None without --autoscale."""
+    from bench_serve.metrics import Slo
+    from launcher.autoscale import AutoscaleOptions
+
+    if not args.autoscale:
+        return None
+    if not plan.use_redis:
+        raise ValueError("--autoscale switches roles through the Redis registry: drop --no-redis")
+    if args.autoscale_profile is not None and not args.autoscale_profile.is_file():
+        raise ValueError(f"--autoscale-profile {args.autoscale_profile}: no such file")
+    min_nodes = plan.num_nodes if args.min_nodes is None else args.min_nodes
+    if not 1 <= min_nodes <= plan.node_budget:
+        raise ValueError(f"need 1 <= --min-nodes ({min_nodes}) <= --max-nodes ({plan.node_budget})")
+    interval = 5.0 if args.autoscale_interval is None else args.autoscale_interval
+    cooldown = 30.0 if args.autoscale_cooldown is None else args.autoscale_cooldown
+    fraction = 0.9 if args.min_slo_fraction is None else args.min_slo_fraction
+    if min(interval, args.ttft_slo_s, args.tpot_slo_s) <= 0 or cooldown < 0 or not 0 < fraction <= 1:
+        raise ValueError(
+            "SLO targets and --autoscale-interval must be > 0, --autoscale-cooldown >= 0, "
+            "--min-slo-fraction in (0, 1]"
+        )
+    return AutoscaleOptions(
+        slo=Slo(args.ttft_slo_s, args.tpot_slo_s),
+        profile=args.autoscale_profile,
+        max_nodes=plan.node_budget,
+        min_nodes=min_nodes,
+        interval_s=interval,
+        cooldown_s=cooldown,
+        min_slo_fraction=fraction,
+        correct_prefill=not args.autoscale_trust_profile,
+    )
