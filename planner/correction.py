@@ -125,10 +125,9 @@ class Corrections:
                     log_scale = (1 - WEIGHT) * log_scale + WEIGHT * math.log(fit)
                     num += 1
             self.prefill_scale[name], self.num_near[name] = math.exp(log_scale), num
-        measured = [name for name in FAMILIES if self.num_near[name]]
-        if len(measured) == 1:
-            for name in FAMILIES:
-                self.prefill_scale[name] = self.prefill_scale[measured[0]]
+        for name in FAMILIES:
+            if (lender := self.lender(name)) is not None:
+                self.prefill_scale[name] = self.prefill_scale[lender]
 
     def lender(self, name: str) -> str | None:
         """The family whose scale ``name`` took, having no fit of its own near the load (None: its own)."""
