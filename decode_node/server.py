@@ -25,7 +25,7 @@ from engine.llm_engine import LLMEngine
 from engine.requests import Aborted, QueueFullError, RemoteReservation
 from kv_transfer.receiver import KVReceiver, ReceivedKV
 from node.parts import NodeParts
-from node.streams import PrefillRate, Stream, engine_logprob, local_deadline, next_chunk, node_status
+from node.streams import Stream, engine_logprob, local_deadline, next_chunk, node_status
 from protocol.messages import AbortRequest, GenerateRequest
 from protocol.reasons import FailureCode
 from protocol.sampling_params import SamplingParams
@@ -81,8 +81,6 @@ class DecodeNode:
         )
         self.kv_addr = f"tcp://{self.opts.advertise_host}:{self.receiver.address.rsplit(':', 1)[1]}"
         self.streams: dict[str, Stream] = {}  # adopted or prefilled here: where the tokens go
-        # its local prefills' speed, for the router's TTFT prediction (steps decoding beside them count)
-        self.prefill_rate = PrefillRate()
 
     def status(self):
         return node_status(
@@ -92,7 +90,6 @@ class DecodeNode:
             self.kv_addr,
             self.fingerprint,
             self.runtime.closing,
-            self.prefill_rate.tokens_per_s,
         )
 
     def start_draining(self) -> None:
@@ -131,7 +128,7 @@ class DecodeNode:
                     retryable=False,
                 )
         if self.engine.has_work():  # its schedule grants queued reservations (KVGrant goes out)
-            for out in self.prefill_rate.timed_step(self.engine):
+            for out in self.engine.step():
                 self._emit(out)
         self._expire()
         self.runtime.refresh_status(self.status)

@@ -320,6 +320,7 @@ class LLMEngine:
             num_held=len(sched.held),
             num_queued_prefill_tokens=self.num_queued_prefill_tokens(),
             step_stats=self.step_stats.snapshot(),
+            prefill_tokens_per_s=self.step_stats.prefill_rate.tokens_per_s,
             step_target_s=self.step_budget.target_s,
             speculation=None if self.speculator is None else self.speculator.stats.to_dict(),
         )

@@ -74,6 +74,8 @@ class EngineStats:
     num_held: int  # prefill-only requests whose KV is held for a transfer
     num_queued_prefill_tokens: int  # prompt tokens not computed yet
     step_stats: dict  # engine steps by kind since start (engine/step_stats.py)
+    # prompt tokens per second of its recent large prompt steps (step_stats.PrefillRate); None until one
+    prefill_tokens_per_s: float | None = None
     # the step-time target of steps that compute prompt tokens (engine.step_budget): what a running
     # decode's time per token stretches to while a prompt is prefilled beside it; None until known
     step_target_s: float | None = None

@@ -21,6 +21,12 @@ from protocol.registry import STEP_BUCKETS_S
 
 KINDS = ("prefill", "decode", "mixed")
 BUCKETS_S = STEP_BUCKETS_S  # the step-time buckets, part of the node record's contract
+# The prefill speed counts steps with at least this many prompt tokens: a queue long enough to
+# wait for drains in steps of many tokens, and a step of a few (a short prompt beside the running
+# decodes) measures the step's fixed cost and those decodes, not how fast prompts go. Counting
+# them put a decode node's speed at 225-300 tokens/s where its large steps ran 8,000-20,000, and
+# the router then shed new requests after a kill moved a dead node's requests onto it.
+RATE_MIN_PROMPT_TOKENS = 64
 
 
 @dataclasses.dataclass(slots=True)
@@ -48,14 +54,42 @@ def step_tokens(scheduled) -> tuple[int, int]:
     return prompt, decode
 
 
+class PrefillRate:
+    """Prompt tokens computed per second of engine step: a decaying average over recent steps of
+    at least ``min_tokens`` prompt tokens (decode rows beside them count in their seconds).
+
+    Both sums decay by ``decay`` at every step counted, so the rate follows the node's current
+    batch mix within tens of steps and never divides by an idle gap. None until a step counted.
+    """
+
+    def __init__(self, decay: float = 0.9, min_tokens: int = RATE_MIN_PROMPT_TOKENS) -> None:
+        assert 0.0 < decay < 1.0
+        self.decay = decay
+        self.min_tokens = min_tokens
+        self.num_tokens = 0.0  # decayed prompt tokens computed
+        self.seconds = 0.0  # decayed seconds of the steps that computed them
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens < max(1, self.min_tokens) or seconds <= 0.0:
+            return
+        self.num_tokens = self.num_tokens * self.decay + num_tokens
+        self.seconds = self.seconds * self.decay + seconds
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.num_tokens / self.seconds if self.seconds > 0.0 else None
+
+
 class StepStats:
     def __init__(self) -> None:
         self.by_kind = {kind: StepCounts() for kind in KINDS}
+        self.prefill_rate = PrefillRate()
 
     def observe(self, prompt: int, decode: int, seconds: float) -> None:
         """One step that computed ``prompt`` prompt tokens and ``decode`` decode rows (step_tokens)."""
         if prompt + decode == 0:
             return
+        self.prefill_rate.observe(prompt, seconds)
         counts = self.by_kind["mixed" if prompt and decode else "prefill" if prompt else "decode"]
         counts.steps += 1
         counts.seconds += seconds

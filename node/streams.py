@@ -73,37 +73,6 @@ def engine_logprob(lp: TokenLogprobs) -> TokenLogprob:
     return TokenLogprob(lp.token_id, lp.logprob, tuple(zip(lp.top_token_ids, lp.top_logprobs, strict=True)))
 
 
-class PrefillRate:
-    """Prompt tokens computed per second of engine step: a decaying average over recent steps.
-
-    Both sums decay by ``decay`` at every step that computed prompt tokens, so the rate follows
-    the node's current batch mix within tens of steps and never divides by an idle gap.
-    """
-
-    def __init__(self, decay: float = 0.9) -> None:
-        assert 0.0 < decay < 1.0
-        self.decay = decay
-        self.num_tokens = 0.0  # decayed prompt tokens computed
-        self.seconds = 0.0  # decayed seconds of the steps that computed them
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens <= 0 or seconds <= 0.0:  # a decode-only step, or a preemption put tokens back
-            return
-        self.num_tokens = self.num_tokens * self.decay + num_tokens
-        self.seconds = self.seconds * self.decay + seconds
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        return self.num_tokens / self.seconds if self.seconds > 0.0 else None
-
-    def timed_step(self, engine: LLMEngine) -> list:
-        """One engine step, its prompt tokens and seconds counted in."""
-        num_queued, start = engine.num_queued_prefill_tokens(), time.perf_counter()
-        outs = engine.step()
-        self.observe(num_queued - engine.num_queued_prefill_tokens(), time.perf_counter() - start)
-        return outs
-
-
 def node_status(
     opts: NodeOptions,
     engine: LLMEngine,
@@ -111,7 +80,6 @@ def node_status(
     kv_addr: str | None,
     fingerprint: KVFingerprint,
     draining: bool,
-    prefill_tokens_per_s: float | None = None,
 ) -> NodeInfo:
     stats = engine.stats()  # the one snapshot of the engine a node reads
     return NodeInfo(
@@ -131,7 +99,7 @@ def node_status(
         num_queued_prefill_tokens=stats.num_queued_prefill_tokens,
         draining=draining,
         heartbeat_time=time.time(),
-        prefill_tokens_per_s=prefill_tokens_per_s,
+        prefill_tokens_per_s=stats.prefill_tokens_per_s,
         device=stats.device,
         step_stats=stats.step_stats,
         step_target_s=stats.step_target_s,

@@ -19,7 +19,6 @@ import time
 from kv_transfer.messages import KVShipment
 from node.parts import NodeParts
 from node.streams import (
-    PrefillRate,
     Stream,
     local_deadline,
     next_chunk,
@@ -61,7 +60,6 @@ class PrefillNode:
             auth=self.runtime.auth,
         )
         self.pending: dict[str, _Pending] = {}  # computing or shipping: where the reply goes
-        self.prefill_rate = PrefillRate()  # for the registry: autoscalers divide the backlog by it
 
     def status(self):
         return node_status(
@@ -71,7 +69,6 @@ class PrefillNode:
             None,
             self.fingerprint,
             self.runtime.closing,
-            prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
         )
 
     def busy(self) -> bool:
@@ -97,7 +94,7 @@ class PrefillNode:
 
     def work(self) -> None:
         if self.engine.has_unfinished_requests():
-            for out in self._timed_step():
+            for out in self.engine.step():
                 if out.finished:
                     self._prefilled(out)
         elif self.pending:
@@ -109,10 +106,6 @@ class PrefillNode:
                 break
         self._expire()
         self.runtime.refresh_status(self.status)
-
-    def _timed_step(self) -> list:
-        """One engine step, its prompt tokens and seconds counted into ``prefill_rate``."""
-        return self.prefill_rate.timed_step(self.engine)
 
     def on_control(self, msg) -> None:
         if isinstance(msg, GenerateRequest):

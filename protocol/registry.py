@@ -54,8 +54,8 @@ class NodeInfo:
     num_queued: int  # requests waiting (for blocks, KV or a slot)
     num_queued_prefill_tokens: int  # prompt tokens not yet computed
     draining: bool = False  # finishing in-flight work, takes no new requests
-    # prompt tokens computed per second of engine step, a recent average (node.streams.PrefillRate);
-    # None until the node has computed a prompt token
+    # prompt tokens computed per second of engine step, a recent average of its steps of many prompt
+    # tokens (engine.step_stats.PrefillRate); None until the node has run one
     prefill_tokens_per_s: float | None = None
     device: str = "cpu"  # the torch device the node's engine computes on
     integrity_error: str | None = None  # a failed invariant check: the node stopped serving (see its log)

@@ -1,6 +1,6 @@
 """A node's measured prefill speed, and the backlog gauge the router derives from it for autoscaling.
 
-Chain: the prefill node times each engine step (node.streams.PrefillRate) and publishes the rate
+Chain: the engine times each step (engine.step_stats.PrefillRate), its node publishes the rate
 in its NodeInfo; the router's /metrics divides each node's queued prompt tokens by it
 (``pdserve_node_prefill_backlog_seconds``, deploy/k8s/README.md).
 """
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from node.streams import PrefillRate
+from engine.step_stats import RATE_MIN_PROMPT_TOKENS, PrefillRate, StepStats
 from protocol.registry import NodeInfo
 from router.metrics import RouterMetrics, prefill_backlog_seconds
 from tests.cluster import Client, NodeProcess
@@ -20,18 +20,29 @@ from tests.tiny_models import make_tiny_model
 
 
 def test_prefill_rate_is_none_until_a_step_computed_prompt_tokens():
-    rate = PrefillRate()
+    rate = PrefillRate(min_tokens=1)
     rate.observe(0, 0.5)  # a step that only decoded
-    rate.observe(-3, 0.5)  # a preemption put tokens back
     assert rate.tokens_per_s is None
 
 
 def test_prefill_rate_is_the_ratio_of_decayed_token_and_second_sums():
-    rate = PrefillRate(decay=0.5)
+    rate = PrefillRate(decay=0.5, min_tokens=1)
     rate.observe(100, 1.0)
     assert rate.tokens_per_s == 100.0
     rate.observe(300, 1.0)  # (100 * 0.5 + 300) / (1 * 0.5 + 1) = 350 / 1.5
     assert rate.tokens_per_s == pytest.approx(350 / 1.5)
+
+
+def test_prefill_rate_leaves_out_steps_of_few_prompt_tokens():
+    """A short prompt beside running decodes: the step's time is its fixed cost and the decodes,
+    and counted it would put the node's speed at a small share of what its queue drains at (a
+    decode node measured 225 tokens/s so, and the router shed new requests as 10 s late)."""
+    stats = StepStats()
+    stats.observe(20, 8, 0.09)  # 20 prompt tokens, 8 decode rows: 222 tokens/s if counted
+    assert stats.prefill_rate.tokens_per_s is None
+    stats.observe(RATE_MIN_PROMPT_TOKENS * 8, 8, 0.05)
+    stats.observe(20, 8, 0.09)
+    assert stats.prefill_rate.tokens_per_s == pytest.approx(RATE_MIN_PROMPT_TOKENS * 8 / 0.05)
 
 
 def test_prefill_rate_round_trips_through_the_redis_record():
@@ -85,14 +96,15 @@ def test_nodes_publish_their_measured_prefill_speed_after_a_prefill(tmp_path):
         prefill, decode = (n.wait_ready() for n in nodes)
         assert client.status(prefill)["prefill_tokens_per_s"] is None
         client.generate(
-            prefill, "r0", list(range(3, 43)), {"temperature": 0.0, "max_tokens": 4}, decode=decode
+            prefill, "r0", list(range(3, 83)), {"temperature": 0.0, "max_tokens": 4}, decode=decode
         )
         assert client.collect(["r0"])["r0"]["finish"] == "length"
         deadline = time.monotonic() + 5  # the node recomputes its status record every 0.1 s
         while client.status(prefill)["prefill_tokens_per_s"] is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert client.status(prefill)["prefill_tokens_per_s"] > 0
-        client.generate(decode, "r1", list(range(3, 43)), {"temperature": 0.0, "max_tokens": 4})
+        # tokens r0 did not have: its prefix would come from the decode node's cache, not a prefill
+        client.generate(decode, "r1", list(range(103, 183)), {"temperature": 0.0, "max_tokens": 4})
         assert client.collect(["r1"])["r1"]["finish"] == "length"
         deadline = time.monotonic() + 5
         while client.status(decode)["prefill_tokens_per_s"] is None and time.monotonic() < deadline:
