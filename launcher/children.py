@@ -76,7 +76,8 @@ class Child:
         return code
 
     def log_tail(self, num_lines: int = 20) -> str:
-        self._log.flush()
+        if not self._log.closed:  # reaped: closed, and all of it written
+            self._log.flush()
         lines = self.log_path.read_bytes().decode(errors="replace").splitlines()
         return "\n".join(lines[-num_lines:])
 

@@ -130,6 +130,13 @@ def run_calibrate(args: argparse.Namespace) -> int:
         num_threads=args.threads,
     )
     engine = LLMEngine(config)
+    fitted = grid.within(engine.max_model_len)
+    if fitted != grid:
+        print(
+            f"the model's context is {engine.max_model_len} tokens: prompts {list(fitted.prefill_lens)}, "
+            f"decode contexts {list(fitted.decode_contexts)}"
+        )
+    grid = fitted
     with neighbours(args.busy_neighbours):
         timings = measure_engine(engine, grid)
     spec = engine.kv_spec

@@ -21,6 +21,9 @@ from collections.abc import Callable, Sequence
 from planner.profile import DecodeStepGrid, PiecewiseLinear
 
 NUM_DECODE_STEPS = 5  # timed steps per (batch, context) point
+# Tokens a decode context leaves below the model's limit: the early prompts decode while the later
+# ones prefill, then 1 + NUM_DECODE_STEPS steps per batch size (``_decode_points``)
+DECODE_HEADROOM = 64
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,6 +45,21 @@ class Grid:
                 raise ValueError("decode batches and contexts: >= 2 distinct positive values each")
         if self.repeats < 1:
             raise ValueError("repeats must be >= 1")
+
+    def within(self, max_model_len: int) -> Grid:
+        """This grid with its prompts cut to what a model of ``max_model_len`` tokens takes: a
+        prefill prompt leaves room for its one token, a decode context for the steps timed on
+        it (DECODE_HEADROOM). Lengths a model cannot take are never asked of it. ValueError
+        when fewer than two distinct lengths are left on an axis."""
+        prefill = sorted({min(n, max_model_len - 1) for n in self.prefill_lens})
+        contexts = sorted({min(c, max_model_len - DECODE_HEADROOM) for c in self.decode_contexts})
+        if len(prefill) < 2 or min(contexts) < 1 or len(contexts) < 2:
+            raise ValueError(
+                f"a model context of {max_model_len} tokens is too short to calibrate "
+                f"(prompts {list(self.prefill_lens)}, decode contexts {list(self.decode_contexts)} "
+                f"+ {DECODE_HEADROOM} tokens generated)"
+            )
+        return dataclasses.replace(self, prefill_lens=tuple(prefill), decode_contexts=tuple(contexts))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

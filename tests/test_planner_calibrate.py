@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pdserve_cli.main import main
+from planner.calibrate import DECODE_HEADROOM, Grid
 from planner.profile import Profile
 from tests.tiny_models import make_tiny_model
 
@@ -67,3 +70,26 @@ def test_decode_points_hold_every_request_while_a_small_budget_prefills_the_late
     assert [batch for batch, _, _ in points] == [16, 4, 1]
     assert all(context >= 60 * batch and seconds > 0 for batch, context, seconds in points)
     assert not engine.has_unfinished_requests()
+
+
+def test_the_grid_is_cut_to_the_models_context():
+    """`pdserve up --autoscale` calibrates the served model with the default grid: on a model of
+    512 tokens its 512-token prompt was refused and the launch failed."""
+    grid = Grid().within(512)
+    assert grid.prefill_lens == (16, 64, 128, 256, 511)
+    assert grid.decode_contexts == (64, 512 - DECODE_HEADROOM)
+    assert Grid().within(8192) == Grid()
+    with pytest.raises(ValueError, match="too short to calibrate"):
+        Grid().within(100)  # decode contexts 36 and 36: one length left
+
+
+def test_calibrate_measures_what_a_short_context_model_takes(tmp_path, capsys):
+    model = make_tiny_model("llama", tmp_path)  # 512 positions
+    out = tmp_path / "profile.json"
+    argv = ["plan", "calibrate", "--model", str(model), "--out", str(out), "--prefill-lens", "8,4096"]
+    argv += ["--decode-batches", "1,2", "--decode-contexts", "16,4096", "--repeats", "1", "--no-transfer"]
+    assert main(argv) == 0
+    profile = Profile.load(out)
+    assert profile.prefill.xs == (8.0, 511.0)
+    assert profile.decode.contexts == (16.0, 512.0 - DECODE_HEADROOM)
+    assert "the model's context is 512 tokens" in capsys.readouterr().out

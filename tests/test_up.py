@@ -191,6 +191,15 @@ def test_stop_all_kills_a_child_that_ignores_sigterm_and_everything_it_started(t
     assert not psutil.wait_procs(grandchildren, timeout=5)[1]
 
 
+def test_a_reaped_childs_log_tail_is_still_read(tmp_path):
+    """A child that failed is stopped, then its log quoted: a calibration that failed was
+    reported as "flush of closed file", its own error lost."""
+    child = Child("failing", ["bash", "-c", "echo the cause; exit 3"], tmp_path / "f.log", dict(os.environ))
+    wait_for(lambda: child.exit_code() is not None, 10, "the child's exit")
+    stop_all([child], timeout_s=1)
+    assert child.log_tail() == "the cause"
+
+
 @pytest.fixture(scope="module")
 def model(default_model_dir, tmp_path_factory) -> pathlib.Path:
     return tiny_model_with_tokenizer(default_model_dir, tmp_path_factory.mktemp("model"))
