@@ -36,7 +36,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from engine.sizing import EngineSizing, announce, measure_device, size_device_pool, size_engine
 from engine.step_budget import StepBudgets
-from engine.step_stats import StepStats, step_tokens
+from engine.step_stats import PREFILL_PROBE_TOKENS, StepStats, step_tokens
 from engine.stop_rules import StopRules
 from protocol.kv_layout import KVCacheSpec
 from protocol.sampling_params import SamplingParams
@@ -324,6 +324,16 @@ class LLMEngine:
             step_target_s=self.step_budget.target_s,
             speculation=None if self.speculator is None else self.speculator.stats.to_dict(),
         )
+
+    def measure_prefill_speed(self, num_tokens: int = PREFILL_PROBE_TOKENS) -> float:
+        """Time a prompt of ``num_tokens`` (within a step's budget and the context) through the
+        model, off the pool, as the prefill speed's first measure: a node reports a speed from
+        its first record, so a router divides a first burst's queue by a measured speed rather
+        than by none (ModelRunner.time_prefill). Tokens per second."""
+        n = max(1, min(num_tokens, self.config.max_num_batched_tokens, self.max_model_len - 1))
+        seconds = self.runner.time_prefill(n)
+        self.step_stats.prefill_rate.seed(n, seconds)
+        return n / seconds
 
     def warm_up_in_background(self) -> None:
         """Build what the first request of a kind would otherwise wait for (the grammar engine)."""

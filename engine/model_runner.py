@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -121,44 +122,11 @@ class ModelRunner:
         of ``num_tokens`` tokens, a decode of ``num_seqs`` rows whose block tables have the full
         width of ``max_model_len`` (the split-K partials of the decode kernel grow with it), and
         the logits and sampler work of ``num_seqs`` rows. Every slot points into block 0."""
-        m, bs, dev = self.model_config, self.block_size, self.platform.device
-        row = m.head_dim + (kv_int8.SCALE_BYTES if self.kv_dtype == torch.int8 else 0)
-        cache = [
-            (
-                torch.zeros((1, bs, m.num_kv_heads, row), dtype=self.kv_dtype, device=dev),
-                torch.zeros((1, bs, m.num_kv_heads, row), dtype=self.kv_dtype, device=dev),
-            )
-            for _ in range(m.num_layers)
-        ]
-        width = -(-max_model_len // bs)
-
-        def meta(
-            rows: int, num_decodes: int, tables: torch.Tensor, q_start: torch.Tensor, lens: torch.Tensor
-        ):
-            return AttentionMetadata(
-                slot_mapping=torch.arange(rows, device=dev) % bs,
-                num_decode_tokens=num_decodes,
-                decode_block_tables=tables[:num_decodes],
-                decode_context_lens=lens[:num_decodes],
-                prefill_block_tables=tables[num_decodes:],
-                prefill_query_start_loc=q_start[num_decodes:] - q_start[num_decodes],
-                prefill_context_lens=lens[num_decodes:],
-                block_tables=tables,
-                query_start_loc=q_start,
-                context_lens=lens,
-                backend=self.attention_backend,
-            )
-
-        prefill = meta(
-            num_tokens,
-            0,
-            torch.zeros((1, -(-num_tokens // bs)), dtype=torch.int32, device=dev),
-            torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
-            torch.tensor([num_tokens], dtype=torch.int32, device=dev),
-        )
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
-        self.model(ids, torch.arange(num_tokens, device=dev), cache, prefill)
-        decode = meta(
+        dev = self.platform.device
+        cache = self._scratch_cache()
+        ids = self._scratch_prefill(cache, num_tokens)
+        width = -(-max_model_len // self.block_size)
+        decode = self._scratch_meta(
             num_seqs,
             num_seqs,
             torch.zeros((num_seqs, width), dtype=torch.int32, device=dev),
@@ -169,6 +137,65 @@ class ModelRunner:
         hidden = self.model(ids[:num_seqs], positions, cache, decode)
         torch.log_softmax(self.model.compute_logits(hidden), dim=-1)  # what the sampler holds
         self.platform.synchronize()
+
+    @torch.inference_mode()
+    def time_prefill(self, num_tokens: int) -> float:
+        """Seconds of a prompt of ``num_tokens`` tokens through the model and its last row's
+        logits, on ``profile``'s throwaway pool: the pool, blocks and caches of the engine are
+        left as they were. A short pass first pays the first call's costs."""
+        cache = self._scratch_cache()
+        self._scratch_prefill(cache, min(num_tokens, 16))
+        self.platform.synchronize()
+        start = time.perf_counter()
+        self._scratch_prefill(cache, num_tokens)
+        self.platform.synchronize()
+        return time.perf_counter() - start
+
+    def _scratch_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A one-block KV pool per layer, for passes whose KV nobody reads."""
+        m, bs, dev = self.model_config, self.block_size, self.platform.device
+        row = m.head_dim + (kv_int8.SCALE_BYTES if self.kv_dtype == torch.int8 else 0)
+        shape = (1, bs, m.num_kv_heads, row)
+        return [
+            (
+                torch.zeros(shape, dtype=self.kv_dtype, device=dev),
+                torch.zeros(shape, dtype=self.kv_dtype, device=dev),
+            )
+            for _ in range(m.num_layers)
+        ]
+
+    def _scratch_prefill(self, cache, num_tokens: int) -> torch.Tensor:
+        """A prompt of ``num_tokens`` zeros through the model on ``cache`` (every slot in block 0),
+        and its last row's logits; returns the ids."""
+        dev, bs = self.platform.device, self.block_size
+        meta = self._scratch_meta(
+            num_tokens,
+            0,
+            torch.zeros((1, -(-num_tokens // bs)), dtype=torch.int32, device=dev),
+            torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        hidden = self.model(ids, torch.arange(num_tokens, device=dev), cache, meta)
+        self.model.compute_logits(hidden[-1:])
+        return ids
+
+    def _scratch_meta(
+        self, rows: int, num_decodes: int, tables: torch.Tensor, q_start: torch.Tensor, lens: torch.Tensor
+    ) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=torch.arange(rows, device=self.platform.device) % self.block_size,
+            num_decode_tokens=num_decodes,
+            decode_block_tables=tables[:num_decodes],
+            decode_context_lens=lens[:num_decodes],
+            prefill_block_tables=tables[num_decodes:],
+            prefill_query_start_loc=q_start[num_decodes:] - q_start[num_decodes],
+            prefill_context_lens=lens[num_decodes:],
+            block_tables=tables,
+            query_start_loc=q_start,
+            context_lens=lens,
+            backend=self.attention_backend,
+        )
 
     @torch.inference_mode()
     def execute(

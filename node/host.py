@@ -65,6 +65,8 @@ class NodeHost:
         # host memory; a device pool (and a private one) leaves the cache None.
         factory = self._shared_cache if opts.role is Role.PREFILL else None
         self.parts.engine = LLMEngine(engine_config, kv_cache_factory=factory)
+        speed = self.parts.engine.measure_prefill_speed()  # its first record says how fast it prefills
+        log("prefill_speed_measured", tokens_per_s=round(speed))
         self.parts.runtime = NodeRuntime(opts, log)
         # busy is not dead: the engine's layers vouch for the node
         self.parts.engine.on_progress(self.parts.runtime.in_step)

@@ -26,6 +26,7 @@ import concurrent.futures
 import itertools
 import json
 import random
+import re
 import threading
 import time
 
@@ -231,3 +232,56 @@ def test_the_pools_follow_a_load_that_shifts_and_no_request_is_lost(cluster):
     # --tpot-slo-s 0.025 gave every node, the one started late too, a decode-step target of 0.8 of it
     assert [n.step_target_s for n in nodes] == [pytest.approx(0.02)] * 2, nodes
     assert "autoscale: 1P+1D -> 2 colocated" in launcher.output()
+
+
+def test_bare_autoscale_calibrates_starts_two_colocated_and_keeps_them_under_load(
+    default_model_dir, tmp_path
+):
+    """`pdserve up --autoscale` with nothing else, as a newcomer types it (the nodes' own pool
+    sizes too): it calibrates the planner's profile at launch, starts two colocated nodes (its
+    default SLOs: TTFT 4 s, TPOT 0.25 s), serves a concurrent mix of lengths, streaming and
+    logprobs exactly, decides every 5 s, reported on /metrics, and keeps its two nodes (the floor
+    defaults to them) with no block held after."""
+    model = tiny_model_with_tokenizer(default_model_dir, tmp_path / "model")
+    (tmp_path / "up").mkdir()
+    launcher = Launcher(tmp_path / "up", model, "--autoscale", node_args="")
+    tokenizer = Tokenizer(model)
+    cases = [(prompt(k, words), max_tokens) for k, (words, max_tokens) in enumerate(
+        [(2, 12), (60, 3), (30, 24), (8, 1), (45, 16), (14, 8), (70, 6), (20, 20)] * 2
+    )]  # fmt: skip
+    expected = {c: tokenizer.decode(hf_greedy(str(model), tokenizer.encode(c[0]), c[1])) for c in set(cases)}
+
+    def one(n: int) -> str:
+        text, max_tokens = cases[n]
+        body = {"prompt": text, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+        if n % 4 == 1:
+            body["logprobs"] = 2
+        return completion_text(launcher.url, body, stream=n % 2 == 0)
+
+    try:
+        launcher.wait_up(timeout_s=240)  # calibration first: a few seconds on the tiny model
+        assert "calibrating the engine for the planner" in launcher.output()
+        assert roles(launcher) == ["colocated", "colocated"]
+        with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+            got = list(pool.map(one, range(len(cases))))
+        assert got == [expected[c] for c in cases]
+        deadline = time.monotonic() + 30  # a decision every 5 s, its window the load's
+        while not (decided := httpx.get(launcher.url + "/admin/autoscale", timeout=5).json()["decisions"]):
+            assert time.monotonic() < deadline, f"no decision reported:\n{decisions_text(launcher)[-2000:]}"
+            time.sleep(0.5)
+        assert all(sum(d["target_nodes"].values()) == 2 for d in decided), decided  # never below the floor
+        scrape = httpx.get(launcher.url + "/metrics", timeout=5).text
+        counted = re.findall(r'^pdserve_autoscale_decisions_total\{kind="\w+"\} (\S+)$', scrape, re.M)
+        assert sum(map(float, counted)) >= len(decided), scrape
+        log = [json.loads(line) for line in decisions_text(launcher).splitlines()]
+        assert not [r for r in log if r["event"] in ("move_failed", "scrape_failed", "report_failed")], log
+        client = redis.Redis.from_url(launcher.redis_url())
+        deadline = time.monotonic() + 10
+        while any(n.num_blocks_total != n.num_blocks_free for n in list_nodes(client)):
+            assert time.monotonic() < deadline, list_nodes(client)
+            time.sleep(0.2)
+        nodes = list_nodes(client)
+        client.close()
+        assert len(nodes) == 2, nodes
+    finally:
+        launcher.close()

@@ -178,6 +178,21 @@ def test_the_profile_run_executes_and_leaves_the_pool_untouched():
     assert all(not k.any() and not v.any() for k, v in runner.kv_caches)
 
 
+def test_the_prefill_probe_seeds_the_speed_and_leaves_the_engine_as_it_was():
+    """A node times a prompt before it serves (its first record has a prefill speed); the
+    engine's pool, blocks, prefix cache and step counts are as a fresh engine's after it."""
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(make_tiny_model("llama")), num_kv_blocks=32, block_size=4))
+    assert engine.stats().prefill_tokens_per_s is None
+    speed = engine.measure_prefill_speed()
+    stats = engine.stats()
+    assert stats.prefill_tokens_per_s == speed > 0
+    assert (stats.num_blocks_free, stats.num_blocks_cached, stats.step_stats) == (32, 0, {})
+    assert engine.block_manager.high_water == 0
+    assert all(not k.any() and not v.any() for k, v in engine.runner.kv_caches)
+
+
 def test_padded_decode_equals_unpadded_and_padding_writes_nothing():
     """The eager form of the CUDA graphs' decode (engine/cuda_graphs.py) on the CPU: the same
     tokens as unpadded steps (and HF), and the same KV pool bit for bit."""
