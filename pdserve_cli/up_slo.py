@@ -111,10 +111,16 @@ def node_budget(args: argparse.Namespace, num_started: int, cores: int) -> int:
     budget = args.max_nodes or num_started
     if budget < num_started:
         raise ValueError(f"--max-nodes {budget}: fewer than the {num_started} nodes it starts with")
-    if budget * (args.threads or 1) > cores:
+    threads = args.threads or 1
+    if budget * threads > cores:
+        # each node of the budget has cores of its own, so that a node the controller starts
+        # finds them free (without --autoscale, nodes may share cores)
+        asked = (
+            f"--max-nodes {budget}" if args.max_nodes else f"--autoscale with {num_started} nodes to start"
+        )
         raise ValueError(
-            f"--max-nodes {budget} at {args.threads or 1} thread(s) each needs {budget * (args.threads or 1)} "
-            f"cores; {cores} are usable here"
+            f"{asked} at {threads} thread(s) each needs {budget * threads} cores; {cores} are usable "
+            "here: start fewer nodes (an autoscaled node has cores of its own)"
         )
     return budget
 

@@ -112,6 +112,22 @@ def test_the_shape_it_starts_in(flags, shape):
 
 
 @pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--prefill", "2", "--decode", "1"), "--autoscale with 3 nodes to start at 1 thread"),
+        (("--max-nodes", "3"), "--max-nodes 3 at 1 thread"),
+        (("--colocated", "2", "--threads", "2"), "--autoscale with 2 nodes to start at 2 thread"),
+    ],
+)
+def test_an_autoscale_budget_beyond_the_cores_is_refused_naming_what_asked_for_it(flags, message):
+    from pdserve_cli.up_slo import node_budget, start_shape
+
+    args = build_parser().parse_args(["up", "--autoscale", *flags])
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}.*2 are usable here: start fewer nodes"):
+        node_budget(args, num_started=sum(start_shape(args)), cores=2)
+
+
+@pytest.mark.parametrize(
     ("flags", "nodes"),
     [
         ((), (2, 2)),  # (min, max): a node stopped would leave its core idle
