@@ -196,12 +196,14 @@ def _node_gauges(nodes: Sequence[NodeInfo]) -> Iterator[GaugeMetricFamily]:
         "Torch threads the node's engine computes with now (fewer while other processes load its CPUs).",
         ((n, n.torch_threads) for n in nodes if n.torch_threads is not None),
     )
-    prefills = [n for n in nodes if n.role is Role.PREFILL]
     yield _node_gauge(
         "pdserve_node_prefill_tokens_per_second",
-        "Prompt tokens a prefill node computes per second of engine step, as it measured them recently.",
-        ((n, n.prefill_tokens_per_s) for n in prefills if n.prefill_tokens_per_s),
+        "Prompt tokens a node computes per second of engine step, as it measured them recently (a "
+        "prompt timed at start, then its steps of 64+ prompt tokens): what the router divides the "
+        "node's prompt queue by to predict a first token, and sheds by.",
+        ((n, n.prefill_tokens_per_s) for n in nodes if n.prefill_tokens_per_s),
     )
+    prefills = [n for n in nodes if n.role is Role.PREFILL]
     yield _node_gauge(
         "pdserve_node_prefill_backlog_seconds",
         "Queued prompt tokens over the node's measured "

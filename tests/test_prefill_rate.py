@@ -71,15 +71,21 @@ def test_backlog_has_no_sample_for_a_queue_when_no_node_measured_a_speed():
     assert [(n.node_id, s) for n, s in prefill_backlog_seconds(nodes)] == [("p1", 0.0)]
 
 
-def test_router_metrics_export_prefill_speed_and_backlog_for_prefill_nodes_only():
+def test_router_metrics_export_every_nodes_prefill_speed_and_the_backlog_of_prefill_nodes():
+    """The speed of every node the router may have prefill (a decode node's local prefills, a
+    colocated node's prompts): what it sheds by, so a 429 can be traced to the speed behind it.
+    The backlog, what autoscalers scale the prefill pool by, is the prefill nodes' only."""
     nodes = [
         node_info("p0", "prefill", num_queued_prefill_tokens=250, prefill_tokens_per_s=100.0),
         node_info("d0", "decode", num_queued_prefill_tokens=80, prefill_tokens_per_s=40.0),
+        node_info("d1", "decode"),  # no speed: no sample
     ]
     lines = RouterMetrics(lambda: nodes, lambda: {}).render().decode().splitlines()
     assert 'pdserve_node_prefill_tokens_per_second{node_id="p0",role="prefill"} 100.0' in lines
+    assert 'pdserve_node_prefill_tokens_per_second{node_id="d0",role="decode"} 40.0' in lines
     assert 'pdserve_node_prefill_backlog_seconds{node_id="p0",role="prefill"} 2.5' in lines
-    assert not [line for line in lines if line.startswith("pdserve_node_prefill_") and "d0" in line]
+    assert [line for line in lines if line.startswith("pdserve_node_prefill_") and "d1" in line] == []
+    assert [line for line in lines if line.startswith("pdserve_node_prefill_backlog") and "d0" in line] == []
 
 
 @pytest.mark.slow
