@@ -124,7 +124,7 @@ class ModelRunner:
         the logits and sampler work of ``num_seqs`` rows. Every slot points into block 0."""
         dev = self.platform.device
         cache = self._scratch_cache()
-        ids = self._scratch_prefill(cache, num_tokens)
+        self._scratch_prefill(cache, num_tokens)
         width = -(-max_model_len // self.block_size)
         decode = self._scratch_meta(
             num_seqs,
@@ -134,7 +134,8 @@ class ModelRunner:
             torch.full((num_seqs,), max_model_len, dtype=torch.int32, device=dev),
         )
         positions = torch.full((num_seqs,), max_model_len - 1, dtype=torch.int64, device=dev)
-        hidden = self.model(ids[:num_seqs], positions, cache, decode)
+        ids = torch.zeros(num_seqs, dtype=torch.int64, device=dev)
+        hidden = self.model(ids, positions, cache, decode)
         torch.log_softmax(self.model.compute_logits(hidden), dim=-1)  # what the sampler holds
         self.platform.synchronize()
 
@@ -164,9 +165,9 @@ class ModelRunner:
             for _ in range(m.num_layers)
         ]
 
-    def _scratch_prefill(self, cache, num_tokens: int) -> torch.Tensor:
+    def _scratch_prefill(self, cache, num_tokens: int) -> None:
         """A prompt of ``num_tokens`` zeros through the model on ``cache`` (every slot in block 0),
-        and its last row's logits; returns the ids."""
+        and its last row's logits."""
         dev, bs = self.platform.device, self.block_size
         meta = self._scratch_meta(
             num_tokens,
@@ -178,7 +179,6 @@ class ModelRunner:
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
         hidden = self.model(ids, torch.arange(num_tokens, device=dev), cache, meta)
         self.model.compute_logits(hidden[-1:])
-        return ids
 
     def _scratch_meta(
         self, rows: int, num_decodes: int, tables: torch.Tensor, q_start: torch.Tensor, lens: torch.Tensor

@@ -67,14 +67,14 @@ class PrefillRate:
     """
 
     def __init__(self, decay: float = 0.9, min_tokens: int = RATE_MIN_PROMPT_TOKENS) -> None:
-        assert 0.0 < decay < 1.0
+        assert 0.0 < decay < 1.0 and min_tokens >= 1
         self.decay = decay
         self.min_tokens = min_tokens
         self.num_tokens = 0.0  # decayed prompt tokens computed
         self.seconds = 0.0  # decayed seconds of the steps that computed them
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens < max(1, self.min_tokens) or seconds <= 0.0:
+        if num_tokens < self.min_tokens or seconds <= 0.0:
             return
         self.num_tokens = self.num_tokens * self.decay + num_tokens
         self.seconds = self.seconds * self.decay + seconds
