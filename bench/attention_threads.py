@@ -20,8 +20,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from kernels import cpu_ext  # noqa: E402
-from kernels.testing import query_start_loc, random_paged_kv  # noqa: E402
+from pdserve.kernels import cpu_ext  # noqa: E402
+from pdserve.kernels.testing import query_start_loc, random_paged_kv  # noqa: E402
 
 CASES = [(32, 256), (32, 1024), (8, 1024), (1, 4096)]  # (batch, context)
 

@@ -37,11 +37,11 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from bench.serve_servers import Up  # noqa: E402
-from bench_serve.client import Api, Endpoint  # noqa: E402
-from bench_serve.runner import Limits, run  # noqa: E402
-from bench_serve.workload import WorkItem  # noqa: E402
-from launcher.commands import pdserve_argv  # noqa: E402
-from planner.simulate import Cluster  # noqa: E402
+from pdserve.bench_serve.client import Api, Endpoint  # noqa: E402
+from pdserve.bench_serve.runner import Limits, run  # noqa: E402
+from pdserve.bench_serve.workload import WorkItem  # noqa: E402
+from pdserve.launcher.commands import pdserve_argv  # noqa: E402
+from pdserve.planner.simulate import Cluster  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,7 +78,7 @@ SHAPES = (
     Shape("autoscaled (starts 1P+1D)", Cluster(1, 1), autoscale=True, flags=("--min-nodes", "1")),
     # at equal cores a node stopped leaves its core idle: this one keeps both nodes
     Shape("autoscaled, --min-nodes 2", Cluster(1, 1), autoscale=True, flags=("--min-nodes", "2")),
-    # pdserve up --autoscale's own start without shape flags (pdserve_cli.up_slo.start_shape)
+    # pdserve up --autoscale's own start without shape flags (pdserve.cli.up_slo.start_shape)
     Shape(
         "autoscaled, starts 2 colocated, --min-nodes 1",
         Cluster(0, 0, 2),

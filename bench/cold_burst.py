@@ -1,7 +1,7 @@
 """A burst of concurrent chat requests at a cluster that has just come up: how many the router
 sheds (429) before any node has served a prompt. Start the cluster first, e.g.
 
-    .venv/bin/python -m pdserve_cli up --autoscale --port 8125
+    .venv/bin/python -m pdserve up --autoscale --port 8125
     .venv/bin/python bench/cold_burst.py --url http://127.0.0.1:8125
 
 Prompts of 5-250 words, 8-64 tokens out, greedy; one line per request (status, seconds, the

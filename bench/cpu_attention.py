@@ -24,8 +24,8 @@ sys.path.insert(0, os.environ.get("PDSERVE_REPO") or str(pathlib.Path(__file__).
 
 import torch  # noqa: E402
 
-from kernels import cpu_ext, kv_int8, torch_fast  # noqa: E402
-from kernels.testing import query_start_loc, random_paged_kv  # noqa: E402
+from pdserve.kernels import cpu_ext, kv_int8, torch_fast  # noqa: E402
+from pdserve.kernels.testing import query_start_loc, random_paged_kv  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 DECODES = [(1, 256), (1, 4096), (8, 1024), (32, 256), (32, 1024)]  # (batch, context)

@@ -30,18 +30,18 @@ import time
 REPO = pathlib.Path(os.environ.get("PDSERVE_REPO") or pathlib.Path(__file__).resolve().parent.parent)
 sys.path.insert(0, str(REPO))
 
-import engine.llm  # noqa: E402,F401 - first: the engine's OpenMP default applies as in a user's process
+import pdserve.engine.llm  # noqa: E402,F401 - first: the engine's OpenMP default applies as in a user's process
 
 # isort: split
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from engine import SamplingParams  # noqa: E402
-from engine.config import EngineConfig, ModelConfig  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
-from engine.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
-from engine.sequence import Sequence  # noqa: E402
-from protocol.kv_layout import KVCacheSpec  # noqa: E402
+from pdserve.engine import SamplingParams  # noqa: E402
+from pdserve.engine.config import EngineConfig, ModelConfig  # noqa: E402
+from pdserve.engine.model_runner import ModelRunner  # noqa: E402
+from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
+from pdserve.engine.sequence import Sequence  # noqa: E402
+from pdserve.protocol.kv_layout import KVCacheSpec  # noqa: E402
 
 BLOCK_SIZE = 16
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise"}
@@ -57,7 +57,7 @@ ATTENTION_OPS = {
 
 def model_path(arg: str) -> pathlib.Path:
     if arg == "default":
-        from engine.model_fetch import fetch_default_model
+        from pdserve.engine.model_fetch import fetch_default_model
 
         return fetch_default_model(progress=False)
     return pathlib.Path(arg)

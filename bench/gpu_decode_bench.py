@@ -43,7 +43,7 @@ def copy_bandwidth_gbs(num_bytes: int, warmup: int, iters: int) -> float:
 
 
 def bench_decode(batch: int, context: int, args: argparse.Namespace, dtype: torch.dtype) -> tuple[float, int]:
-    from kernels import paged_decode_attention
+    from pdserve.kernels.ops import paged_decode_attention
 
     blocks_per_seq = -(-context // args.block_size)
     cache_shape = (batch * blocks_per_seq, args.block_size, args.kv_heads, args.head_dim)

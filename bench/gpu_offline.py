@@ -98,7 +98,7 @@ def hf_tokens_per_s(model, prompts: list[list[int]], output_len: int, batch: int
 
 
 def pdserve_tokens_per_s(folder: pathlib.Path, prompts, output_len: int, engine_options: dict) -> float:
-    from engine import LLM, SamplingParams  # here: --skip-pdserve needs no engine (nor llguidance)
+    from pdserve.engine import LLM, SamplingParams  # here: --skip-pdserve needs no engine (nor llguidance)
 
     llm = LLM(str(folder), **engine_options)
     llm.generate([[11, 12, 13]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up

@@ -134,7 +134,7 @@ step decode "$LIMIT_DECODE" "$PY" bench/gpu_decode_bench.py
 
 probe_ok=0
 step probe "$LIMIT_PROBE" "$PY" - <<'EOF' && probe_ok=1
-from engine import LLM, SamplingParams
+from pdserve import LLM, SamplingParams
 from tests.tiny_models import make_tiny_model
 
 llm = LLM(str(make_tiny_model("llama")), device="cuda")

@@ -38,9 +38,9 @@ def child(hugepages: bool, batch: int, context: int, steps: int) -> dict:
     import numpy as np
 
     np._core.multiarray._set_madvise_hugepage(hugepages)
-    import engine.llm  # noqa: F401 - the engine's OpenMP default, before torch loads
-    from engine import LLM, SamplingParams
-    from engine.model_fetch import fetch_default_model
+    import pdserve.engine.llm  # noqa: F401 - the engine's OpenMP default, before torch loads
+    from pdserve.engine import LLM, SamplingParams
+    from pdserve.engine.model_fetch import fetch_default_model
 
     llm = LLM(str(fetch_default_model(progress=False)), num_threads=1, max_num_seqs=batch, kv_commit="lazy")
     eng, rng = llm.engine, random.Random(0)

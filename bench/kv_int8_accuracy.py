@@ -30,10 +30,10 @@ sys.path.insert(0, str(ROOT / "bench"))  # text_workloads
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-import engine.llm  # noqa: E402,F401  (first: the engine's OpenMP default)
-from engine.llm import LLM  # noqa: E402
-from engine.model_fetch import default_model_dir  # noqa: E402
-from protocol.sampling_params import SamplingParams  # noqa: E402
+import pdserve.engine.llm  # noqa: E402,F401  (first: the engine's OpenMP default)
+from pdserve.engine.llm import LLM  # noqa: E402
+from pdserve.engine.model_fetch import default_model_dir  # noqa: E402
+from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
 
 TINY_KINDS = [
     "llama",

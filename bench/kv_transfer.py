@@ -26,10 +26,10 @@ sys.path[:] = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() !=
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from engine.block_manager import BlockManager  # noqa: E402
-from engine.pool_reservations import PoolReservations  # noqa: E402  (the engine's side, without a model)
-from kv_transfer.messages import KVFingerprint, WireFormat  # noqa: E402
-from protocol.kv_layout import KV_LAYOUT_NAME, KVCacheSpec  # noqa: E402
+from pdserve.engine.block_manager import BlockManager  # noqa: E402
+from pdserve.engine.pool_reservations import PoolReservations  # noqa: E402  (the engine's side, without a model)
+from pdserve.kv_transfer.messages import KVFingerprint, WireFormat  # noqa: E402
+from pdserve.protocol.kv_layout import KV_LAYOUT_NAME, KVCacheSpec  # noqa: E402
 
 # Default model (SmolLM2-135M): 30 layers x 3 KV heads x 64 dims, fp32, 16-token blocks.
 SPEC_ARGS = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")
@@ -48,8 +48,8 @@ def make_caches(num_blocks: int, random: bool) -> tuple[list[torch.Tensor], list
 
 def serve(address: str, num_blocks: int, ready: mp.Queue, stop: mp.Event, key: bytes | None = None) -> None:
     """key: the cluster key, for CURVE on the socket (bench/kv_auth.py)."""
-    from kv_transfer.receiver import KVReceiver
-    from protocol.channel_auth import ChannelAuth
+    from pdserve.kv_transfer.receiver import KVReceiver
+    from pdserve.protocol.channel_auth import ChannelAuth
 
     torch.set_num_threads(1)
     keys, values = make_caches(num_blocks, random=False)
@@ -76,9 +76,9 @@ def time_transfers(
 
     direct: the sender's cache lives in shared memory (as a prefill node's does) and the
     receiver copies the blocks straight out of it."""
-    from kv_transfer.sender import KVSender, SenderConfig
-    from kv_transfer.shared_cache import SharedKVCache
-    from protocol.channel_auth import ChannelAuth
+    from pdserve.kv_transfer.sender import KVSender, SenderConfig
+    from pdserve.kv_transfer.shared_cache import SharedKVCache
+    from pdserve.protocol.channel_auth import ChannelAuth
 
     num_blocks = -(-num_tokens // SPEC_ARGS["block_size"])
     cache_ref = None

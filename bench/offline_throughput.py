@@ -34,7 +34,7 @@ import transformers
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from engine import LLM, SamplingParams  # noqa: E402
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
 
 
 def tiny_bench_model() -> pathlib.Path:
@@ -75,7 +75,7 @@ def workload(kind: str, n: int, vocab: int, seed: int = 0) -> list[tuple[list[in
 
 CHILD = """
 import json, sys, time
-from engine import LLM, SamplingParams  # first: the engine's OpenMP default applies
+from pdserve.engine import LLM, SamplingParams  # first: the engine's OpenMP default applies
 spec = json.load(open(sys.argv[1]))
 llm = LLM(spec["model"])
 llm.generate([[11, 12, 13]], SamplingParams(temperature=0.0, max_tokens=4))
@@ -168,7 +168,7 @@ def main() -> None:
     if args.model == "tiny":
         path = tiny_bench_model()
     elif args.model == "default":
-        from engine.model_fetch import fetch_default_model
+        from pdserve.engine.model_fetch import fetch_default_model
 
         path = fetch_default_model(progress=False)
     else:

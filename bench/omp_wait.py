@@ -23,8 +23,8 @@ import sys
 
 CHILD = """
 import os, random, sys, time
-from engine import LLM, SamplingParams
-from engine.model_fetch import fetch_default_model
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.model_fetch import fetch_default_model
 threads = os.environ.get("BENCH_THREADS")
 llm = LLM(model=str(fetch_default_model(progress=False)), num_threads=int(threads) if threads else None)
 rng = random.Random(0)

@@ -54,7 +54,7 @@ def run_pdserve(args: argparse.Namespace, seed: int, out: pathlib.Path) -> dict[
     cmd = [
         sys.executable,
         "-m",
-        "pdserve_cli",
+        "pdserve",
         "bench",
         "serve",
         "--base-url",

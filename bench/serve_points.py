@@ -8,7 +8,7 @@ import dataclasses
 import json
 import pathlib
 
-from planner.simulate import Cluster
+from pdserve.planner.simulate import Cluster
 
 MIX = {
     "kind": "mix",
@@ -76,7 +76,7 @@ def rep_trace() -> None:
     from transformers import AutoTokenizer
 
     from bench.text_workloads import workload
-    from engine.model_fetch import fetch_default_model
+    from pdserve.engine.model_fetch import fetch_default_model
 
     reqs = workload("rep", 24, AutoTokenizer.from_pretrained(fetch_default_model(progress=False)))
     lines = [json.dumps({"prompt": ids, "output_len": out}) for ids, out in reqs]

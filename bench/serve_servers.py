@@ -11,10 +11,10 @@ import subprocess
 import time
 import urllib.request
 
-from launcher.commands import up_argv
-from launcher.plan import usable_cores
-from launcher.ports import free_port
-from planner.simulate import Cluster
+from pdserve.launcher.commands import up_argv
+from pdserve.launcher.plan import usable_cores
+from pdserve.launcher.ports import free_port
+from pdserve.planner.simulate import Cluster
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 COMMITTED_GAUGE = re.compile(r"^pdserve_node_kv_blocks_committed\{[^}]*\} (\S+)", re.M)
@@ -110,7 +110,7 @@ class VllmServer(Up):
     """vLLM's OpenAI server (CPU build, its own venv) on the default model, every core, until stop()."""
 
     def __init__(self, vllm_python: str, log_dir: pathlib.Path, args: str = "") -> None:
-        from engine.model_fetch import fetch_default_model
+        from pdserve.engine.model_fetch import fetch_default_model
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

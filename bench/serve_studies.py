@@ -42,13 +42,13 @@ sys.path.insert(0, str(ROOT))
 from serve_points import Point, rep_trace, studies  # noqa: E402
 from serve_servers import Up, VllmServer  # noqa: E402
 
-from bench_serve.metrics import Slo  # noqa: E402
-from bench_serve.spec import WorkloadKind, WorkloadSpec  # noqa: E402
-from bench_serve.workload import PromptStyle  # noqa: E402
-from launcher.commands import pdserve_argv  # noqa: E402
-from launcher.plan import threads_per_node, usable_cores  # noqa: E402
-from planner.predict import predict, sim_requests  # noqa: E402
-from planner.profile import Profile  # noqa: E402
+from pdserve.bench_serve.metrics import Slo  # noqa: E402
+from pdserve.bench_serve.spec import WorkloadKind, WorkloadSpec  # noqa: E402
+from pdserve.bench_serve.workload import PromptStyle  # noqa: E402
+from pdserve.launcher.commands import pdserve_argv  # noqa: E402
+from pdserve.launcher.plan import threads_per_node, usable_cores  # noqa: E402
+from pdserve.planner.predict import predict, sim_requests  # noqa: E402
+from pdserve.planner.profile import Profile  # noqa: E402
 
 
 def workload_flags(workload: dict) -> list[str]:

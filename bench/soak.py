@@ -33,7 +33,7 @@ import time
 import httpx
 import psutil
 
-from launcher.commands import up_argv  # bench.soak runs from the checkout (make soak)
+from pdserve.launcher.commands import up_argv  # bench.soak runs from the checkout (make soak)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 _USED = re.compile(r'^pdserve_node_kv_blocks_used\{node_id="([^"]+)",role="\w+"\} (\d+)(?:\.0)?$', re.M)

@@ -22,12 +22,12 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-import engine.llm  # noqa: E402,F401 - before torch: the engine's OpenMP default applies
+import pdserve.engine.llm  # noqa: E402,F401 - before torch: the engine's OpenMP default applies
 
 # isort: split
 from bench import text_workloads  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.model_fetch import fetch_default_model  # noqa: E402
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
+from pdserve.engine.model_fetch import fetch_default_model  # noqa: E402
 
 
 def decode_phase(model: str, reqs, threads: int, logprobs: int | None = None, **engine_args) -> dict:

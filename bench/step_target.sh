@@ -17,11 +17,11 @@ for threads in 1 2; do
     args="--max-step-seconds 1000"
     [ "$target" = auto ] && args=""
     port=$((8300 + threads * 10 + ${#target}))
-    $PY -m pdserve_cli up --colocated 1 --threads "$threads" --port "$port" --no-redis \
+    $PY -m pdserve up --colocated 1 --threads "$threads" --port "$port" --no-redis \
       --node-args="--kv-commit startup $args" --log-dir "$OUT/logs-$threads-$target" >"$OUT/up-$threads-$target.log" 2>&1 &
     up=$!
     for _ in $(seq 240); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.5; done
-    $PY -m pdserve_cli bench serve --base-url "http://127.0.0.1:$port" --workload mix --input-len 1024 \
+    $PY -m pdserve bench serve --base-url "http://127.0.0.1:$port" --workload mix --input-len 1024 \
       --max-input-len 1800 --output-len 48 --num-requests "$NUM" --request-rate "$RATE" --seed 31 \
       --warmup-requests 2 --no-progress --result-json "$OUT/$threads-$target.json" >"$OUT/bench-$threads-$target.log" 2>&1
     kill -TERM $up; wait $up || true  # (a background job ignores SIGINT)

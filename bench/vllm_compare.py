@@ -34,14 +34,14 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-import engine.llm  # noqa: E402,F401 - before torch: the engine's OpenMP default applies (engine/cpu_env.py)
+import pdserve.engine.llm  # noqa: E402,F401 - before torch: the engine's OpenMP default applies (engine/cpu_env.py)
 
 # isort: split
 import torch  # noqa: E402
 
 from bench import text_workloads  # noqa: E402
 from bench.offline_throughput import MIXES, tiny_bench_model, workload  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
 
 VLLM_WORKER = r"""
 import json, sys, time
@@ -208,7 +208,7 @@ def main() -> None:
     if args.model == "tiny":
         model = tiny_bench_model()
     elif args.model == "default":
-        from engine.model_fetch import fetch_default_model
+        from pdserve.engine.model_fetch import fetch_default_model
 
         model = fetch_default_model(progress=False)
     else:

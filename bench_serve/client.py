@@ -21,8 +21,8 @@ from typing import Any
 
 import httpx
 
-from bench_serve.records import RequestRecord
-from bench_serve.workload import ChatMessage, WorkItem, prompt_len
+from pdserve.bench_serve.records import RequestRecord
+from pdserve.bench_serve.workload import ChatMessage, WorkItem, prompt_len
 
 
 class Api(enum.Enum):

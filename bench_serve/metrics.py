@@ -17,7 +17,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from bench_serve.records import RequestRecord
+from pdserve.bench_serve.records import RequestRecord
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -9,8 +9,8 @@ import math
 import pathlib
 from collections.abc import Sequence
 
-from bench_serve.records import RequestRecord
-from bench_serve.report import RunReport
+from pdserve.bench_serve.records import RequestRecord
+from pdserve.bench_serve.report import RunReport
 
 LATENCIES = (  # title, the values of one record
     ("TTFT", lambda r: [r.ttft_s] if r.ttft_s is not None else []),

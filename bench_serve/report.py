@@ -9,9 +9,9 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-from bench_serve.metrics import Stats, Summary
-from bench_serve.runner import RunResult
-from bench_serve.server_steps import StepLine, describe
+from pdserve.bench_serve.metrics import Stats, Summary
+from pdserve.bench_serve.runner import RunResult
+from pdserve.bench_serve.server_steps import StepLine, describe
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 import httpx
 from tqdm import tqdm
 
-from bench_serve.client import Endpoint, send
-from bench_serve.records import RequestRecord
-from bench_serve.workload import WorkItem
+from pdserve.bench_serve.client import Endpoint, send
+from pdserve.bench_serve.records import RequestRecord
+from pdserve.bench_serve.workload import WorkItem
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -7,9 +7,9 @@ import enum
 import math
 import pathlib
 
-from bench_serve import trace, workload
-from bench_serve.client import Api
-from bench_serve.workload import LengthMix, PromptStyle, TokenSpace, WorkItem
+from pdserve.bench_serve import trace, workload
+from pdserve.bench_serve.client import Api
+from pdserve.bench_serve.workload import LengthMix, PromptStyle, TokenSpace, WorkItem
 
 
 class WorkloadKind(enum.Enum):

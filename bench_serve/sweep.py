@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from bench_serve import runner, server_steps
-from bench_serve.arrivals import Arrivals, replayed_times
-from bench_serve.client import Endpoint
-from bench_serve.metrics import Slo, summarize
-from bench_serve.report import RunReport, table
-from bench_serve.spec import WorkloadSpec
-from bench_serve.workload import WorkItem
+from pdserve.bench_serve import runner, server_steps
+from pdserve.bench_serve.arrivals import Arrivals, replayed_times
+from pdserve.bench_serve.client import Endpoint
+from pdserve.bench_serve.metrics import Slo, summarize
+from pdserve.bench_serve.report import RunReport, table
+from pdserve.bench_serve.spec import WorkloadSpec
+from pdserve.bench_serve.workload import WorkItem
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ import pathlib
 from collections.abc import Iterable
 from typing import Any
 
-from bench_serve.workload import ChatMessage, Prompt, WorkItem
+from pdserve.bench_serve.workload import ChatMessage, Prompt, WorkItem
 
 
 def item_to_json(item: WorkItem) -> dict[str, Any]:

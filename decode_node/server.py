@@ -21,14 +21,14 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from engine.llm_engine import LLMEngine
-from engine.requests import Aborted, QueueFullError, RemoteReservation
-from kv_transfer.receiver import KVReceiver, ReceivedKV
-from node.parts import NodeParts
-from node.streams import Stream, engine_logprob, local_deadline, next_chunk, node_status
-from protocol.messages import AbortRequest, GenerateRequest
-from protocol.reasons import FailureCode
-from protocol.sampling_params import SamplingParams
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.requests import Aborted, QueueFullError, RemoteReservation
+from pdserve.kv_transfer.receiver import KVReceiver, ReceivedKV
+from pdserve.node.parts import NodeParts
+from pdserve.node.streams import Stream, engine_logprob, local_deadline, next_chunk, node_status
+from pdserve.protocol.messages import AbortRequest, GenerateRequest
+from pdserve.protocol.reasons import FailureCode
+from pdserve.protocol.sampling_params import SamplingParams
 
 # Longest sleep of an idle loop: any message wakes it at once; this bounds how late deadlines
 # (transfer chunk timeouts, request TTLs) and the status refresh are looked at.

@@ -1,9 +1,9 @@
 """pdserve's one-process LLM core: models, paged KV cache, block manager, scheduler, sampler.
 
-``from engine import LLM, SamplingParams`` works as in vLLM. The names load lazily so that
+``from pdserve.engine import LLM, SamplingParams`` works as in vLLM (``from pdserve import ...`` too). The names load lazily so that
 torch-free modules can be imported without pulling in torch. Importing it has no side effect:
 the OpenMP wait default (engine/cpu_env.py) is set by the process entry points, the ``pdserve``
-command and ``engine.llm`` (offline use), before they load torch.
+command and ``pdserve.engine.llm`` (offline use), before they load torch.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "LLM": "engine.llm",
-    "SamplingParams": "protocol.sampling_params",
-    "RequestOutput": "engine.outputs",
-    "CompletionOutput": "engine.outputs",
+    "LLM": "pdserve.engine.llm",
+    "SamplingParams": "pdserve.protocol.sampling_params",
+    "RequestOutput": "pdserve.engine.outputs",
+    "CompletionOutput": "pdserve.engine.outputs",
 }
 
 __all__ = list(_EXPORTS)
@@ -23,4 +23,4 @@ __all__ = list(_EXPORTS)
 def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    raise AttributeError(f"module 'pdserve.engine' has no attribute {name!r}")

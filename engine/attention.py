@@ -6,7 +6,7 @@ first and prefill rows (chunks of prompts, possibly after a cached prefix) follo
     query rows: [ d0 d1 d2 | p0 p0 p0 p0 p1 p1 ]
                   decodes     prefills (varlen, causal)
 
-Decodes go to ``kernels.paged_decode_attention``; prefills to ``kernels.paged_prefill_attention``;
+Decodes go to ``ops.paged_decode_attention``; prefills to ``ops.paged_prefill_attention``;
 on CPU with the native kernel (kernels/cpu_ext.py), all rows go to one varlen call. Every path
 reads the cache through block tables, after this step's K/V were written into their slots.
 """
@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-import kernels
+from pdserve.kernels import ops
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,9 +48,9 @@ def paged_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     # query: [T, H, D]; key, value: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D]
-    kernels.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping, backend=meta.backend)
-    if kernels.native_cpu(query, meta.backend):  # one call for decodes and prefill chunks alike
-        return kernels.paged_varlen_attention(
+    ops.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping, backend=meta.backend)
+    if ops.native_cpu(query, meta.backend):  # one call for decodes and prefill chunks alike
+        return ops.paged_varlen_attention(
             query,
             key_cache,
             value_cache,
@@ -63,7 +63,7 @@ def paged_attention(
         )
     num_decodes = meta.num_decode_tokens
     if num_decodes == query.shape[0]:
-        return kernels.paged_decode_attention(
+        return ops.paged_decode_attention(
             query,
             key_cache,
             value_cache,
@@ -74,7 +74,7 @@ def paged_attention(
             softcap,
             backend=meta.backend,
         )
-    prefill_out = kernels.paged_prefill_attention(
+    prefill_out = ops.paged_prefill_attention(
         query[num_decodes:],
         key_cache,
         value_cache,
@@ -88,7 +88,7 @@ def paged_attention(
     )
     if num_decodes == 0:
         return prefill_out
-    decode_out = kernels.paged_decode_attention(
+    decode_out = ops.paged_decode_attention(
         query[:num_decodes],
         key_cache,
         value_cache,

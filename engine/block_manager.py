@@ -16,8 +16,8 @@ import dataclasses
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from engine.sequence import Sequence
-from protocol.block_hash import hash_block
+from pdserve.engine.sequence import Sequence
+from pdserve.protocol.block_hash import hash_block
 
 
 @dataclasses.dataclass(slots=True)

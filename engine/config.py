@@ -7,8 +7,8 @@ import json
 import pathlib
 from typing import TYPE_CHECKING
 
-from engine.device import check_device_name
-from protocol.settings import setting
+from pdserve.engine.device import check_device_name
+from pdserve.protocol.settings import setting
 
 # transformers loads where a config.json is read (ModelConfig.from_dict): what reads only
 # EngineConfig's settings, such as the container entrypoint (launcher/env_flags.py), needs none of it.

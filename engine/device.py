@@ -63,10 +63,10 @@ def describe_dtype(dtype: torch.dtype, device: torch.device) -> str:
 
 def describe_runtime(runner, device: torch.device, adapts_threads: bool) -> str:
     """The start-up line's account of how this engine computes: kernels, dtype, CPU settings."""
-    import kernels
-    from engine import cpu_env
+    from pdserve.engine import cpu_env
+    from pdserve.kernels import ops
 
-    native = kernels.native_cpu(runner.kv_caches[0][0], runner.attention_backend)
+    native = ops.native_cpu(runner.kv_caches[0][0], runner.attention_backend)
     attention = "C++ CPU kernel" if native else "torch/Triton"
     linear = "oneDNN, packed weights" if runner.packed_linear else "F.linear"
     adapts = "; fewer torch threads while other processes load these CPUs" * adapts_threads

@@ -28,10 +28,10 @@ import pathlib
 import time
 from collections.abc import Callable
 
-from engine.config import EngineConfig, ModelConfig
-from engine.sequence import Sequence
-from engine.speculation import Speculator
-from protocol.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.speculation import Speculator
+from pdserve.protocol.sampling_params import SamplingParams
 
 MAX_DRAFT_STEPS = 100_000  # a draft round that has not ended by then is a bug, not a slow step
 

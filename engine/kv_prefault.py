@@ -42,9 +42,9 @@ import time
 
 import torch
 
-from engine.config import EngineConfig
-from engine.resources import available_memory_bytes
-from engine.sizing import announce
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.resources import available_memory_bytes
+from pdserve.engine.sizing import announce
 
 log = logging.getLogger(__name__)
 

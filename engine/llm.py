@@ -6,14 +6,14 @@ import itertools
 import pathlib
 from collections.abc import Sequence as Seq
 
-from engine.cpu_env import apply_openmp_defaults
+from pdserve.engine.cpu_env import apply_openmp_defaults
 
 apply_openmp_defaults()  # offline use's entry point: before the engine below loads torch
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.outputs import RequestOutput  # noqa: E402
-from protocol.sampling_params import SamplingParams  # noqa: E402
+from pdserve.engine.config import EngineConfig  # noqa: E402
+from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.engine.outputs import RequestOutput  # noqa: E402
+from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
 
 Prompt = str | list[int]
 

@@ -9,19 +9,19 @@ from collections.abc import Callable
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig, ModelConfig
-from engine.cpu_share import CpuShare
-from engine.cuda_graphs import why_eager
-from engine.device import describe_runtime, resolve_dtype
-from engine.draft_model import speculator_for
-from engine.kv_prefault import KVPrefault
-from engine.logits_rules import LogitsRules
-from engine.model_runner import KVCacheFactory, ModelRunner
-from engine.models import model_class
-from engine.outputs import EngineStats, RequestOutput, completion_output
-from engine.platform import UNVERIFIED_CUDA, resolve_platform
-from engine.requests import (
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.cpu_share import CpuShare
+from pdserve.engine.cuda_graphs import why_eager
+from pdserve.engine.device import describe_runtime, resolve_dtype
+from pdserve.engine.draft_model import speculator_for
+from pdserve.engine.kv_prefault import KVPrefault
+from pdserve.engine.logits_rules import LogitsRules
+from pdserve.engine.model_runner import KVCacheFactory, ModelRunner
+from pdserve.engine.models import model_class
+from pdserve.engine.outputs import EngineStats, RequestOutput, completion_output
+from pdserve.engine.platform import UNVERIFIED_CUDA, resolve_platform
+from pdserve.engine.requests import (
     Aborted,
     QueueFullError,
     RemoteReservation,
@@ -30,16 +30,16 @@ from engine.requests import (
     check_resume,
     expand_forks,
 )
-from engine.resources import usable_cpus
-from engine.sampler import Sampler, SamplerInput, prompt_logprobs
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus, TokenLogprob
-from engine.sizing import EngineSizing, announce, measure_device, size_device_pool, size_engine
-from engine.step_budget import StepBudgets
-from engine.step_stats import PREFILL_PROBE_TOKENS, StepStats, step_tokens
-from engine.stop_rules import StopRules
-from protocol.kv_layout import KVCacheSpec
-from protocol.sampling_params import SamplingParams
+from pdserve.engine.resources import usable_cpus
+from pdserve.engine.sampler import Sampler, SamplerInput, prompt_logprobs
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from pdserve.engine.sizing import EngineSizing, announce, measure_device, size_device_pool, size_engine
+from pdserve.engine.step_budget import StepBudgets
+from pdserve.engine.step_stats import PREFILL_PROBE_TOKENS, StepStats, step_tokens
+from pdserve.engine.stop_rules import StopRules
+from pdserve.protocol.kv_layout import KVCacheSpec
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 class LLMEngine:

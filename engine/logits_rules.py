@@ -20,9 +20,9 @@ import llguidance
 import numpy as np
 import torch
 
-from engine.sequence import Sequence
-from grammar import GrammarCompiler
-from protocol.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
+from pdserve.grammar import GrammarCompiler
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass(slots=True)

@@ -10,18 +10,18 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.config import EngineConfig, ModelConfig
-from engine.cuda_graphs import DecodeGraphs
-from engine.device import resolve_attention_backend, resolve_dtype
-from engine.layers import moe
-from engine.models import model_class
-from engine.platform import Platform
-from engine.scheduler import SchedulerOutput
-from engine.sequence import Sequence
-from engine.weights import load_weights
-from kernels import cpu_linear, kv_int8
-from protocol.kv_layout import KVCacheSpec
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.device import resolve_attention_backend, resolve_dtype
+from pdserve.engine.layers import moe
+from pdserve.engine.models import model_class
+from pdserve.engine.platform import Platform
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.weights import load_weights
+from pdserve.kernels import cpu_linear, kv_int8
+from pdserve.protocol.kv_layout import KVCacheSpec
 
 KVCacheFactory = Callable[[KVCacheSpec], list[tuple[torch.Tensor, torch.Tensor]]]
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

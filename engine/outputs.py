@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.sequence import Sequence, SequenceStatus, TokenLogprob
-from protocol.reasons import FinishReason
+from pdserve.engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from pdserve.protocol.reasons import FinishReason
 
 
 @dataclasses.dataclass(slots=True)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.device import check_device_name
+from pdserve.engine.device import check_device_name
 
 log = logging.getLogger(__name__)
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.block_manager import BlockManager
-from engine.requests import RemoteReservation
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
-from protocol.sampling_params import SamplingParams
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.requests import RemoteReservation
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 class PoolReservations:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from engine.block_manager import BlockManager
-from engine.logits_rules import LogitsRules
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from protocol.sampling_params import SamplingParams
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.logits_rules import LogitsRules
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 class QueueFullError(RuntimeError):

@@ -9,10 +9,10 @@ import struct
 import torch
 import xxhash
 
-from engine.logits_rules import LogitsRules
-from engine.sequence import Sequence, TokenLogprob
-from kernels import cpu_ext
-from protocol.sampling_params import SamplingParams
+from pdserve.engine.logits_rules import LogitsRules
+from pdserve.engine.sequence import Sequence, TokenLogprob
+from pdserve.kernels import cpu_ext
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 def first_max(logits: torch.Tensor) -> torch.Tensor:

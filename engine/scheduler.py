@@ -33,8 +33,8 @@ import dataclasses
 import time
 from collections import deque
 
-from engine.block_manager import BlockCopy, BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.block_manager import BlockCopy, BlockManager
+from pdserve.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -6,8 +6,8 @@ import dataclasses
 import enum
 import itertools
 
-from protocol.reasons import FinishReason
-from protocol.sampling_params import SamplingParams
+from pdserve.protocol.reasons import FinishReason
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

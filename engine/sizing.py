@@ -21,9 +21,9 @@ import dataclasses
 import logging
 import sys
 
-from engine import resources
-from engine.config import EngineConfig, ModelConfig
-from protocol.kv_layout import KVCacheSpec
+from pdserve.engine import resources
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.protocol.kv_layout import KVCacheSpec
 
 log = logging.getLogger("pdserve.engine")
 

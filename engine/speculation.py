@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from engine.draft_model import DraftModel
+    from pdserve.engine.draft_model import DraftModel
 
 MAX_NGRAM = 3  # longest suffix looked up
 MIN_NGRAM = 1  # shortest

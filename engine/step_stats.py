@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
-from protocol.registry import STEP_BUCKETS_S
+from pdserve.protocol.registry import STEP_BUCKETS_S
 
 KINDS = ("prefill", "decode", "mixed")
 BUCKETS_S = STEP_BUCKETS_S  # the step-time buckets, part of the node record's contract

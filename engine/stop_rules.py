@@ -4,8 +4,8 @@ and the model's context. One object per engine; it keeps each sequence's stop-st
 
 from __future__ import annotations
 
-from detok import StopStrings
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.detok import StopStrings
+from pdserve.engine.sequence import Sequence, SequenceStatus
 
 
 class StopRules:

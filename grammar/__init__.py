@@ -18,7 +18,7 @@ import threading
 
 import llguidance
 
-from protocol.sampling_params import GuidedDecoding, GuidedKind
+from pdserve.protocol.sampling_params import GuidedDecoding, GuidedKind
 
 DEFAULT_CACHE_SIZE = 64  # compiled specs kept per process
 _JSON_OPTIONS = {"whitespace_flexible": False}

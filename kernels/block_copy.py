@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_cache, check_index_tensor
+from pdserve.kernels.checks import check_cache, check_index_tensor
 
 _CHUNK = 1024  # elements per program
 

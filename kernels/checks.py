@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_int8 import SCALE_BYTES
+from pdserve.kernels.kv_int8 import SCALE_BYTES
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import FLOAT_DTYPES, next_power_of_2
+from pdserve.kernels.checks import FLOAT_DTYPES, next_power_of_2
 
 
 @triton.jit

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import FLOAT_DTYPES, check_cache_pair, check_index_tensor, next_power_of_2
+from pdserve.kernels.checks import FLOAT_DTYPES, check_cache_pair, check_index_tensor, next_power_of_2
 
 
 @triton.jit
@@ -43,7 +43,7 @@ def write_kv_cache_triton(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Triton KV write; arguments as ``kernels.write_kv_cache``. key/value may be strided views."""
+    """Triton KV write; arguments as ``ops.write_kv_cache``. key/value may be strided views."""
     num_tokens, num_kv_heads, head_dim = key.shape
     _, _, cache_heads, _ = check_cache_pair(key_cache, value_cache, head_dim)
     assert cache_heads == num_kv_heads, (key.shape, key_cache.shape)

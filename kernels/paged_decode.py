@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_cache_pair, check_index_tensor, next_power_of_2
+from pdserve.kernels.checks import check_cache_pair, check_index_tensor, next_power_of_2
 
 # A window wider than any context: key k is visible iff context_len - window <= k.
 _NO_WINDOW = 1 << 30
@@ -128,7 +128,7 @@ def paged_decode_attention_triton(
     block_n: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton paged decode attention; arguments as ``kernels.paged_decode_attention``.
+    """Triton paged decode attention; arguments as ``ops.paged_decode_attention``.
 
     A sequence with context_len 0 gets a zero output. ``partition_size`` tokens per split-K
     program; ``block_n`` tokens per inner tile (power of two, default from head size and group);

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_cache_pair, check_index_tensor, next_power_of_2
+from pdserve.kernels.checks import check_cache_pair, check_index_tensor, next_power_of_2
 
 _NO_WINDOW = 1 << 30  # wider than any context
 _LOG2E = 1.4426950408889634
@@ -101,7 +101,7 @@ def paged_prefill_attention_triton(
     block_n: int = 64,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton paged prefill attention; arguments as ``kernels.paged_prefill_attention``.
+    """Triton paged prefill attention; arguments as ``ops.paged_prefill_attention``.
 
     K/V tiles are cast to the query dtype before the dot products (as the torch path does);
     ``out`` (like query) to write into.

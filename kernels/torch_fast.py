@@ -1,6 +1,6 @@
 """Fast pure-torch paths for the paged-KV operations, used on CPU tensors.
 
-They take the same arguments as the Triton kernels (see ``kernels/__init__.py``) and read
+They take the same arguments as the Triton kernels (see ``kernels/ops.py``) and read
 the cache in the layout of ``protocol/kv_layout.py``: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import kv_int8
+from pdserve.kernels import kv_int8
 
 
 def write_kv_cache(

@@ -10,9 +10,9 @@ import math
 
 import torch
 
-from kv_transfer import tensors
-from kv_transfer.messages import KVChunk, KVFingerprint, KVReserve
-from protocol.block_hash import hash_full_blocks
+from pdserve.kv_transfer import tensors
+from pdserve.kv_transfer.messages import KVChunk, KVFingerprint, KVReserve
+from pdserve.protocol.block_hash import hash_full_blocks
 
 
 def reserve_problem(

@@ -10,8 +10,8 @@ import enum
 from collections.abc import Sequence
 from typing import ClassVar
 
-from protocol import codec
-from protocol.codec import (  # noqa: F401  (re-exported: the KV protocol's users name them here)
+from pdserve.protocol import codec
+from pdserve.protocol.codec import (  # noqa: F401  (re-exported: the KV protocol's users name them here)
     DEFAULT_MAX_FRAME_BYTES,
     MAX_HEADER_BYTES,
     PROTOCOL_VERSION,
@@ -19,9 +19,9 @@ from protocol.codec import (  # noqa: F401  (re-exported: the KV protocol's user
     ProtocolError,
     encode,
 )
-from protocol.fingerprint import KVFingerprint
-from protocol.messages import RequestMeta, TokenLogprobs
-from protocol.sampling_params import SamplingParams
+from pdserve.protocol.fingerprint import KVFingerprint
+from pdserve.protocol.messages import RequestMeta, TokenLogprobs
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 class WireFormat(enum.StrEnum):

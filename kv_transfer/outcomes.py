@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from kv_transfer.errors import KVTransferError
-from kv_transfer.messages import RequestMeta, TokenLogprobs
+from pdserve.kv_transfer.errors import KVTransferError
+from pdserve.kv_transfer.messages import RequestMeta, TokenLogprobs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 import xxhash
 
-from kernels import cpu_ext
-from kv_transfer import memfd, shared_cache, staging
-from kv_transfer.messages import KVFingerprint, KVReserve
+from pdserve.kernels import cpu_ext
+from pdserve.kv_transfer import memfd, shared_cache, staging
+from pdserve.kv_transfer.messages import KVFingerprint, KVReserve
 
 MAX_MAPPINGS = 64  # per kind: sender rings and sender caches kept mapped
 # The direct copy hashes what it copied one tile at a time, while the tile is still in the CPU's

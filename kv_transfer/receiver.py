@@ -29,10 +29,10 @@ from collections.abc import Callable, Sequence
 import torch
 import zmq
 
-from kv_transfer import tensors
-from kv_transfer.checks import chunk_problem, reserve_problem, ring_frames
-from kv_transfer.errors import KVAborted, KVTimeout, KVTransferError
-from kv_transfer.messages import (
+from pdserve.kv_transfer import tensors
+from pdserve.kv_transfer.checks import chunk_problem, reserve_problem, ring_frames
+from pdserve.kv_transfer.errors import KVAborted, KVTimeout, KVTransferError
+from pdserve.kv_transfer.messages import (
     Abort,
     Error,
     KVAck,
@@ -48,11 +48,11 @@ from kv_transfer.messages import (
     ProtocolError,
     decode,
 )
-from kv_transfer.outcomes import PollResult, ReceivedKV, TransferFailure
-from kv_transfer.peer_memory import DirectCopy, PeerMemory
-from kv_transfer.reservations import BlockReservations, Reservation
-from protocol.channel import Inbound, ListenChannel, PeerUnavailable
-from protocol.channel_auth import ChannelAuth
+from pdserve.kv_transfer.outcomes import PollResult, ReceivedKV, TransferFailure
+from pdserve.kv_transfer.peer_memory import DirectCopy, PeerMemory
+from pdserve.kv_transfer.reservations import BlockReservations, Reservation
+from pdserve.protocol.channel import Inbound, ListenChannel, PeerUnavailable
+from pdserve.protocol.channel_auth import ChannelAuth
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from protocol.sampling_params import SamplingParams
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 class Reservation(Protocol):

@@ -25,9 +25,9 @@ from collections.abc import Callable, Sequence
 import torch
 import zmq
 
-from kv_transfer import shared_cache, tensors
-from kv_transfer.errors import KVAborted, KVRejected, KVTimeout, KVTransferError
-from kv_transfer.messages import (
+from pdserve.kv_transfer import shared_cache, tensors
+from pdserve.kv_transfer.errors import KVAborted, KVRejected, KVTimeout, KVTransferError
+from pdserve.kv_transfer.messages import (
     Abort,
     CacheRef,
     Error,
@@ -45,13 +45,13 @@ from kv_transfer.messages import (
     WireFormat,
     decode,
 )
-from kv_transfer.sender_records import OutgoingTransfer, SenderConfig, TransferStats
-from kv_transfer.staging import StagingRing, host_id, peer_is_local
-from protocol.block_hash import hash_full_blocks
-from protocol.channel import PeerChannel, PeerUnavailable
-from protocol.channel_auth import ChannelAuth
-from protocol.messages import RequestMeta
-from protocol.sampling_params import SamplingParams
+from pdserve.kv_transfer.sender_records import OutgoingTransfer, SenderConfig, TransferStats
+from pdserve.kv_transfer.staging import StagingRing, host_id, peer_is_local
+from pdserve.protocol.block_hash import hash_full_blocks
+from pdserve.protocol.channel import PeerChannel, PeerUnavailable
+from pdserve.protocol.channel_auth import ChannelAuth
+from pdserve.protocol.messages import RequestMeta
+from pdserve.protocol.sampling_params import SamplingParams
 
 # Fault injection for the chaos tests, off unless set: every Nth transfer of this process goes out
 # with one checksum bit flipped, as if a byte had changed on the way; the receiver must catch it.

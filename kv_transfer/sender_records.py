@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kv_transfer.messages import WireFormat
+from pdserve.kv_transfer.messages import WireFormat
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

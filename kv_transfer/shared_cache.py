@@ -20,9 +20,9 @@ import warnings
 import torch
 import xxhash
 
-from kv_transfer import memfd
-from kv_transfer.messages import CacheRef, KVFingerprint
-from protocol.kv_layout import KVCacheSpec, row_width
+from pdserve.kv_transfer import memfd
+from pdserve.kv_transfer.messages import CacheRef, KVFingerprint
+from pdserve.protocol.kv_layout import KVCacheSpec, row_width
 
 # a KV cache's dtype names (protocol/kv_layout.py); int8: rows with their scales (kernels/kv_int8.py)
 TORCH_DTYPES = {

@@ -27,9 +27,9 @@ from collections import deque
 
 import torch
 
-from kv_transfer import memfd
-from kv_transfer.messages import RingRef
-from kv_transfer.tensors import DevicePlatform
+from pdserve.kv_transfer import memfd
+from pdserve.kv_transfer.messages import RingRef
+from pdserve.kv_transfer.tensors import DevicePlatform
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A chunk is one layer's K and V for a run of blocks. Frames per chunk:
 
     native:  K [n, block_size, kv_heads, head_dim] (cache dtype),  V (same)
     int8:    Kq [n, block_size, kv_heads, head_dim] int8,  Ks [n, kv_heads] float32,  Vq,  Vs
-             (kernels.quantize_kv_int8: one symmetric scale per (block, head))
+             (ops.quantize_kv_int8: one symmetric scale per (block, head))
 
 Every frame carries an xxh3_64 checksum in the chunk header.
 
@@ -27,8 +27,8 @@ from typing import Protocol
 import torch
 import xxhash
 
-import kernels
-from kv_transfer.messages import WireFormat
+from pdserve.kernels import ops
+from pdserve.kv_transfer.messages import WireFormat
 
 FRAME_ALIGN = 64
 
@@ -145,8 +145,8 @@ def pack_layer(
                 torch.index_select(rows, 0, block_ids, out=out)
         return frames
     parts = [
-        *kernels.quantize_kv_int8(key_cache.index_select(0, block_ids)),
-        *kernels.quantize_kv_int8(value_cache.index_select(0, block_ids)),
+        *ops.quantize_kv_int8(key_cache.index_select(0, block_ids)),
+        *ops.quantize_kv_int8(value_cache.index_select(0, block_ids)),
     ]
     for part, frame in zip(parts, frames, strict=True):
         frame.view(part.dtype).view(part.shape).copy_(part)
@@ -175,8 +175,8 @@ def _pack_from_device(
             parts = [_select(cache.view(cache.shape[0], -1), run, ids) for cache in (key_cache, value_cache)]
         else:
             parts = [
-                *kernels.quantize_kv_int8(_select(key_cache, run, ids)),
-                *kernels.quantize_kv_int8(_select(value_cache, run, ids)),
+                *ops.quantize_kv_int8(_select(key_cache, run, ids)),
+                *ops.quantize_kv_int8(_select(value_cache, run, ids)),
             ]
         for part, frame in zip(parts, frames, strict=True):
             platform.copy(frame.view(part.dtype).view(part.shape), part, stream)  # device to host
@@ -248,10 +248,10 @@ def _chunk_kv(
         return k, v
     scale_shape = (n, shape[2])  # [n, kv_heads]
     kq, ks, vq, vs = frames
-    k = kernels.dequantize_kv_int8(
+    k = ops.dequantize_kv_int8(
         typed(kq, torch.int8, shape), typed(ks, torch.float32, scale_shape), key_cache.dtype
     )
-    v = kernels.dequantize_kv_int8(
+    v = ops.dequantize_kv_int8(
         typed(vq, torch.int8, shape), typed(vs, torch.float32, scale_shape), key_cache.dtype
     )
     return k, v

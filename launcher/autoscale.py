@@ -26,9 +26,9 @@ from collections.abc import Callable, Mapping
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench_serve.metrics import Slo
-from planner.scaling import Decision, Kind, Observation, ScalingPolicy
-from planner.simulate import Cluster
+from pdserve.bench_serve.metrics import Slo
+from pdserve.planner.scaling import Decision, Kind, Observation, ScalingPolicy
+from pdserve.planner.simulate import Cluster
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]  # metric sample name -> (labels, value)
 HTTP_TIMEOUT_S = 5.0
@@ -300,8 +300,8 @@ def router_settings(router_args: tuple[str, ...]) -> dict:
     router's defaults)."""
     import argparse
 
-    from protocol.settings import flags
-    from router.config import RouterConfig
+    from pdserve.protocol.settings import flags
+    from pdserve.router.config import RouterConfig
 
     parser = argparse.ArgumentParser(add_help=False)
     names = ("api_key", "disagg_threshold", "local_prefill_margin_s")
@@ -314,10 +314,10 @@ def router_settings(router_args: tuple[str, ...]) -> dict:
 def calibrate(plan, out: pathlib.Path, say: Callable[[str], None]) -> pathlib.Path:
     """`pdserve plan calibrate` for this cluster's model and threads, in a child process, before
     the nodes start (they would slow it down)."""
-    from launcher.children import Child, stop_all
-    from launcher.cluster import LaunchError, child_env
-    from launcher.commands import pdserve_argv
-    from launcher.plan import usable_cores
+    from pdserve.launcher.children import Child, stop_all
+    from pdserve.launcher.cluster import LaunchError, child_env
+    from pdserve.launcher.commands import pdserve_argv
+    from pdserve.launcher.plan import usable_cores
 
     neighbours = max(0, min(plan.num_nodes, usable_cores() // plan.threads_per_node) - 1)
     argv = pdserve_argv(
@@ -337,8 +337,8 @@ def calibrate(plan, out: pathlib.Path, say: Callable[[str], None]) -> pathlib.Pa
 
 
 def make_autoscaler(cluster, options: AutoscaleOptions, profile_path: pathlib.Path, say) -> Autoscaler:
-    from planner.profile import Profile
-    from planner.scaling import ScalingSettings
+    from pdserve.planner.profile import Profile
+    from pdserve.planner.scaling import ScalingSettings
 
     plan = cluster.plan
     router = router_settings(plan.router_args)

@@ -18,13 +18,15 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 
-from launcher.children import Child, stop_all
-from launcher.commands import pdserve_argv
-from launcher.plan import ClusterPlan, gpu_share_per_node, kv_fraction_per_node
-from launcher.registry import find_redis_server, start_redis
-from protocol.cluster_key import write_new_key
+import pdserve
+from pdserve.launcher.children import Child, stop_all
+from pdserve.launcher.commands import pdserve_argv
+from pdserve.launcher.plan import ClusterPlan, gpu_share_per_node, kv_fraction_per_node
+from pdserve.launcher.registry import find_redis_server, start_redis
+from pdserve.protocol.cluster_key import write_new_key
 
-SOURCE_ROOT = pathlib.Path(__file__).resolve().parent.parent  # holds pdserve_cli, node, router, ...
+# The folder that holds pdserve/: a checkout's root (its children import it uninstalled) or site-packages.
+SOURCE_ROOT = pathlib.Path(pdserve.__file__).resolve().parent.parent
 
 
 def child_env(threads: int) -> dict[str, str]:

@@ -9,7 +9,7 @@ import sys
 
 def pdserve_argv(*args: str) -> list[str]:
     """``pdserve ARGS`` with this interpreter (a checkout need not be installed)."""
-    return [sys.executable, "-m", "pdserve_cli", *args]
+    return [sys.executable, "-m", "pdserve", *args]
 
 
 def up_argv(

@@ -9,7 +9,7 @@ PDSERVE_ variable that names no flag of the command is an error, so a typo stops
 instead of being ignored. The commands that take them are the container's services, router,
 prefill and decode, whose flags their config dataclasses declare (protocol/settings.py); any other
 command runs as given, and reads the PDSERVE_ variables it knows itself (``status`` its
-PDSERVE_REDIS). Usage: python -m launcher.env_flags COMMAND [more flags]
+PDSERVE_REDIS). Usage: python -m pdserve.launcher.env_flags COMMAND [more flags]
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
-from node.options import node_flags
-from protocol.settings import Flag, flags
-from router.config import RouterConfig
+from pdserve.node.options import node_flags
+from pdserve.protocol.settings import Flag, flags
+from pdserve.router.config import RouterConfig
 
 PREFIX = "PDSERVE_"
 # Read from the environment by the code itself, not command-line flags: the model cache directory
@@ -79,14 +79,14 @@ def flags_from_env(command: str, env: Mapping[str, str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
-        raise SystemExit("usage: python -m launcher.env_flags COMMAND [flags]")
+        raise SystemExit("usage: python -m pdserve.launcher.env_flags COMMAND [flags]")
     try:
         flags = flags_from_env(args[0], os.environ)
     except ValueError as exc:
         raise SystemExit(f"pdserve: {exc}") from None
     # Exec rather than import the CLI: this process (a container's PID 1, which SIGTERM reaches)
     # becomes `pdserve`, and the launcher depends on no command module.
-    command = [sys.executable, "-m", "pdserve_cli", args[0], *flags, *args[1:]]
+    command = [sys.executable, "-m", "pdserve", args[0], *flags, *args[1:]]
     os.execv(command[0], command)
 
 

@@ -7,8 +7,8 @@ import shutil
 import sys
 import time
 
-from launcher.children import Child, stop_all
-from launcher.ports import free_port
+from pdserve.launcher.children import Child, stop_all
+from pdserve.launcher.ports import free_port
 
 
 def find_redis_server() -> str | None:

@@ -24,15 +24,15 @@ import time
 
 import torch
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from kv_transfer.shared_cache import TORCH_DTYPES, SharedKVCache
-from node.log import EventLog, forward_own_logs
-from node.options import NodeOptions
-from node.parts import NodeParts, ServedRole
-from node.runtime import NodeRuntime
-from protocol.messages import RoleChange, SetRole
-from protocol.registry import Role
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv_transfer.shared_cache import TORCH_DTYPES, SharedKVCache
+from pdserve.node.log import EventLog, forward_own_logs
+from pdserve.node.options import NodeOptions
+from pdserve.node.parts import NodeParts, ServedRole
+from pdserve.node.runtime import NodeRuntime
+from pdserve.protocol.messages import RoleChange, SetRole
+from pdserve.protocol.registry import Role
 
 
 @dataclasses.dataclass(slots=True)
@@ -47,10 +47,10 @@ class _Switch:
 
 def build_role(parts: NodeParts) -> ServedRole:
     if parts.opts.role is Role.PREFILL:
-        from prefill_node.server import PrefillNode
+        from pdserve.prefill_node.server import PrefillNode
 
         return PrefillNode(parts)
-    from decode_node.server import DecodeNode
+    from pdserve.decode_node.server import DecodeNode
 
     return DecodeNode(parts)
 

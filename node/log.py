@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from protocol.throttle import Throttle
+from pdserve.protocol.throttle import Throttle
 
 # Events a peer can cause at any rate (bad frames) are logged at most BURST times per window;
 # the first line of a later window says how many were left out.
@@ -50,10 +50,10 @@ class EventLog:
         self(event, request_id, **fields)
 
 
-# The loggers of pdserve's own modules (engine.cpu_share, kernels.cpu_ext, ...). Their INFO records
+# The loggers of pdserve's own modules (pdserve.engine.cpu_share, pdserve.kernels.cpu_ext, ...). Their INFO records
 # (a torch thread given up under load, a kernel built, a prefault turned off) matter in a node's
 # log, and with no logging configured Python would print only warnings, as bare text.
-OWN_LOGGERS = ("engine", "kernels")
+OWN_LOGGERS = ("pdserve.engine", "pdserve.kernels")
 
 
 class ForwardedLogs(logging.Handler):

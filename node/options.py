@@ -8,11 +8,11 @@ import os
 import socket
 import uuid
 
-from engine.config import EngineConfig
-from protocol.addresses import advertised_host, is_loopback, key_needed
-from protocol.model_digest import model_digest
-from protocol.registry import Role
-from protocol.settings import (
+from pdserve.engine.config import EngineConfig
+from pdserve.protocol.addresses import advertised_host, is_loopback, key_needed
+from pdserve.protocol.model_digest import model_digest
+from pdserve.protocol.registry import Role
+from pdserve.protocol.settings import (
     Flag,
     cluster_key_file_setting,
     flags,

@@ -10,14 +10,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
-from engine.llm_engine import LLMEngine
-from kv_transfer.messages import KVFingerprint
-from kv_transfer.shared_cache import SharedKVCache
-from node.log import EventLog
-from node.options import NodeOptions
-from node.runtime import NodeRuntime
-from protocol.messages import Message
-from protocol.registry import NodeInfo
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv_transfer.messages import KVFingerprint
+from pdserve.kv_transfer.shared_cache import SharedKVCache
+from pdserve.node.log import EventLog
+from pdserve.node.options import NodeOptions
+from pdserve.node.runtime import NodeRuntime
+from pdserve.protocol.messages import Message
+from pdserve.protocol.registry import NodeInfo
 
 
 @dataclasses.dataclass(slots=True)

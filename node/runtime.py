@@ -28,16 +28,16 @@ import time
 
 import zmq
 
-from engine.llm_engine import LLMEngine
-from engine.requests import QueueFullError
-from node.log import EventLog
-from node.options import NodeOptions
-from protocol import registry
-from protocol.channel import ListenChannel, PushChannels
-from protocol.channel_auth import ChannelAuth
-from protocol.cluster_key import load_key
-from protocol.codec import ProtocolError
-from protocol.messages import (
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.requests import QueueFullError
+from pdserve.node.log import EventLog
+from pdserve.node.options import NodeOptions
+from pdserve.protocol import registry
+from pdserve.protocol.channel import ListenChannel, PushChannels
+from pdserve.protocol.channel_auth import ChannelAuth
+from pdserve.protocol.cluster_key import load_key
+from pdserve.protocol.codec import ProtocolError
+from pdserve.protocol.messages import (
     GenerateRequest,
     Message,
     NodeStatus,
@@ -46,8 +46,8 @@ from protocol.messages import (
     decode_frames,
     reply_address_of,
 )
-from protocol.reasons import FailureCode
-from protocol.sampling_params import SamplingParams
+from pdserve.protocol.reasons import FailureCode
+from pdserve.protocol.sampling_params import SamplingParams
 
 MAX_REPLY_CHANNELS = 64  # routers a node talks back to at once (LRU beyond)
 IN_STEP_SERVICE_S = 0.05  # how often a step's layers answer status queries

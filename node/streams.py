@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput
-from engine.sequence import TokenLogprob
-from node.options import NodeOptions
-from protocol.fingerprint import KVFingerprint
-from protocol.messages import TokenChunk, TokenLogprobs
-from protocol.registry import NodeInfo
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import CompletionOutput
+from pdserve.engine.sequence import TokenLogprob
+from pdserve.node.options import NodeOptions
+from pdserve.protocol.fingerprint import KVFingerprint
+from pdserve.protocol.messages import TokenChunk, TokenLogprobs
+from pdserve.protocol.registry import NodeInfo
 
 
 @dataclasses.dataclass(slots=True)

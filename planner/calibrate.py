@@ -18,7 +18,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
-from planner.profile import DecodeStepGrid, PiecewiseLinear
+from pdserve.planner.profile import DecodeStepGrid, PiecewiseLinear
 
 NUM_DECODE_STEPS = 5  # timed steps per (batch, context) point
 # Tokens a decode context leaves below the model's limit: the early prompts decode while the later
@@ -100,7 +100,7 @@ def measure_engine(engine, grid: Grid, say: Callable[[str], None] = print) -> En
 
 
 def _params(max_tokens: int | None):
-    from protocol.sampling_params import SamplingParams
+    from pdserve.protocol.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 

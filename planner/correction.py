@@ -36,9 +36,9 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from bench_serve.metrics import Slo
-from planner.profile import Profile
-from planner.simulate import Cluster, SimRequest, simulate
+from pdserve.bench_serve.metrics import Slo
+from pdserve.planner.profile import Profile
+from pdserve.planner.simulate import Cluster, SimRequest, simulate
 
 SCALE_MIN, SCALE_MAX = 0.5, 3.0  # a fit is kept within these
 FIT_STEPS = 7  # bisection steps in log space: within 1.5% of the fit

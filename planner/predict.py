@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bench_serve.arrivals import Arrivals
-from bench_serve.metrics import Slo, Summary, summarize
-from bench_serve.records import RequestRecord
-from bench_serve.workload import WorkItem, prompt_len
-from planner.profile import Profile
-from planner.simulate import Cluster, SimOutcome, SimRequest, simulate
+from pdserve.bench_serve.arrivals import Arrivals
+from pdserve.bench_serve.metrics import Slo, Summary, summarize
+from pdserve.bench_serve.records import RequestRecord
+from pdserve.bench_serve.workload import WorkItem, prompt_len
+from pdserve.planner.profile import Profile
+from pdserve.planner.simulate import Cluster, SimOutcome, SimRequest, simulate
 
 
 def sim_requests(

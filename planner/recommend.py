@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from bench_serve.metrics import Slo, Summary
-from planner.predict import predict, slo_fraction
-from planner.profile import Profile
-from planner.simulate import Cluster, SimRequest
-from router.config import LOCAL_PREFILL_MARGIN_S
+from pdserve.bench_serve.metrics import Slo, Summary
+from pdserve.planner.predict import predict, slo_fraction
+from pdserve.planner.profile import Profile
+from pdserve.planner.simulate import Cluster, SimRequest
+from pdserve.router.config import LOCAL_PREFILL_MARGIN_S
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

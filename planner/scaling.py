@@ -32,12 +32,12 @@ import dataclasses
 import enum
 import random
 
-from bench_serve.metrics import Slo
-from planner.correction import Corrections, Load, family
-from planner.profile import Profile
-from planner.recommend import Candidate, order, rank, shapes
-from planner.simulate import Cluster, SimRequest
-from router.config import LOCAL_PREFILL_MARGIN_S  # a plain dataclass module: no torch
+from pdserve.bench_serve.metrics import Slo
+from pdserve.planner.correction import Corrections, Load, family
+from pdserve.planner.profile import Profile
+from pdserve.planner.recommend import Candidate, order, rank, shapes
+from pdserve.planner.simulate import Cluster, SimRequest
+from pdserve.router.config import LOCAL_PREFILL_MARGIN_S  # a plain dataclass module: no torch
 
 HORIZON_S = 60.0  # the demand is simulated over this long ...
 MIN_SIM_REQUESTS, MAX_SIM_REQUESTS = 24, 240  # ... in this many requests

@@ -12,10 +12,10 @@ import multiprocessing as mp
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.pool_reservations import PoolReservations
-from kv_transfer.messages import KVFingerprint
-from protocol.kv_layout import KV_LAYOUT_NAME, KVCacheSpec
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.pool_reservations import PoolReservations
+from pdserve.kv_transfer.messages import KVFingerprint
+from pdserve.protocol.kv_layout import KV_LAYOUT_NAME, KVCacheSpec
 
 
 def _fingerprint(spec: KVCacheSpec) -> KVFingerprint:
@@ -23,7 +23,7 @@ def _fingerprint(spec: KVCacheSpec) -> KVFingerprint:
 
 
 def _receive(spec: KVCacheSpec, ready: mp.Queue, stop) -> None:
-    from kv_transfer.receiver import KVReceiver
+    from pdserve.kv_transfer.receiver import KVReceiver
 
     torch.set_num_threads(1)
     keys = [
@@ -43,8 +43,8 @@ def measure_transfer(
     spec: KVCacheSpec, sizes: tuple[int, int] = (64, 512), repeats: int = 3
 ) -> list[tuple[int, float]]:
     """(KV bytes, best seconds) of a transfer of each prompt size; fp32 caches only."""
-    from kv_transfer.sender import KVSender, SenderConfig
-    from kv_transfer.shared_cache import SharedKVCache
+    from pdserve.kv_transfer.sender import KVSender, SenderConfig
+    from pdserve.kv_transfer.shared_cache import SharedKVCache
 
     num_blocks = -(-max(sizes) // spec.block_size)
     probe = KVCacheSpec(

@@ -16,19 +16,19 @@ import dataclasses
 import queue
 import time
 
-from kv_transfer.messages import KVShipment
-from node.parts import NodeParts
-from node.streams import (
+from pdserve.kv_transfer.messages import KVShipment
+from pdserve.node.parts import NodeParts
+from pdserve.node.streams import (
     Stream,
     local_deadline,
     next_chunk,
     node_status,
     wire_logprob,
 )
-from prefill_node.shipper import FirstToken, Granted, Outcome, Shipment, Shipper
-from protocol.messages import AbortRequest, GenerateRequest, RequestMeta
-from protocol.reasons import FailureCode
-from protocol.sampling_params import SamplingParams
+from pdserve.prefill_node.shipper import FirstToken, Granted, Outcome, Shipment, Shipper
+from pdserve.protocol.messages import AbortRequest, GenerateRequest, RequestMeta
+from pdserve.protocol.reasons import FailureCode
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass(slots=True)

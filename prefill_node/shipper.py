@@ -18,13 +18,13 @@ from collections.abc import Callable
 
 import torch
 
-from engine.platform import Platform
-from kv_transfer.errors import KVRejected, KVTimeout, KVTransferError
-from kv_transfer.messages import CacheRef, KVFingerprint, KVShipment
-from kv_transfer.sender import KVSender, SenderConfig, TransferStats
-from protocol.channel import PushChannels
-from protocol.channel_auth import ChannelAuth
-from protocol.messages import TokenChunk
+from pdserve.engine.platform import Platform
+from pdserve.kv_transfer.errors import KVRejected, KVTimeout, KVTransferError
+from pdserve.kv_transfer.messages import CacheRef, KVFingerprint, KVShipment
+from pdserve.kv_transfer.sender import KVSender, SenderConfig, TransferStats
+from pdserve.protocol.channel import PushChannels
+from pdserve.protocol.channel_auth import ChannelAuth
+from pdserve.protocol.messages import TokenChunk
 
 _MAX_REPLY_CHANNELS = 16  # routers one worker talks back to at once (LRU beyond)
 

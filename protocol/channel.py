@@ -28,9 +28,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from protocol import codec
-from protocol.channel_auth import ChannelAuth
-from protocol.codec import Message, ProtocolError
+from pdserve.protocol import codec
+from pdserve.protocol.channel_auth import ChannelAuth
+from pdserve.protocol.codec import Message, ProtocolError
 
 _SEND_TIMEOUT_MS = 5000
 _SERVERS = (zmq.ROUTER, zmq.PULL)  # the sockets that bind: CURVE servers under a cluster key

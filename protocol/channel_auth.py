@@ -32,7 +32,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
-from protocol.throttle import Throttle
+from pdserve.protocol.throttle import Throttle
 
 ZAP_DOMAIN = "pdserve"
 _CONTEXT = b"pdserve-curve-v1"

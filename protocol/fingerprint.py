@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from protocol.kv_layout import row_width
+from pdserve.protocol.kv_layout import row_width
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -18,10 +18,10 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from protocol import codec
-from protocol.reasons import FailureCode, FinishReason
-from protocol.registry import NodeInfo, Role
-from protocol.sampling_params import SamplingParams
+from pdserve.protocol import codec
+from pdserve.protocol.reasons import FailureCode, FinishReason
+from pdserve.protocol.registry import NodeInfo, Role
+from pdserve.protocol.sampling_params import SamplingParams
 
 Message = codec.Message
 ProtocolError = codec.ProtocolError

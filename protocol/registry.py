@@ -17,8 +17,8 @@ import json
 import threading
 import time
 
-from protocol.cluster_key import MAC_FIELD, record_mac, record_problem
-from protocol.fingerprint import KVFingerprint
+from pdserve.protocol.cluster_key import MAC_FIELD, record_mac, record_problem
+from pdserve.protocol.fingerprint import KVFingerprint
 
 KEY_PREFIX = "pdserve:node:"
 

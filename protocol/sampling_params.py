@@ -10,7 +10,7 @@ import json
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-from protocol.codec import SIGNED
+from pdserve.protocol.codec import SIGNED
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI: each bias in [-100, 100]

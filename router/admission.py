@@ -12,7 +12,7 @@ import dataclasses
 import enum
 import math
 
-from router.errors import APIError
+from pdserve.router.errors import APIError
 
 
 class Stage(enum.StrEnum):

@@ -19,20 +19,26 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from protocol.channel_auth import ChannelAuth
-from protocol.cluster_key import load_key
-from protocol.model_digest import model_digest, weight_files
-from protocol.registry import Role
-from router import jobs, metrics, policy, roles, serving, tokenize_api
-from router.admission import Admission, Stage
-from router.config import RouterConfig
-from router.errors import APIError
-from router.generation import Backend
-from router.node_client import NodeClient
-from router.openai_schema import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, validation_error
-from router.registry_client import NodeRegistry, RedisRegistry, StaticRegistry
-from router.scaling_log import DecisionBody
-from router.tokenizer import Tokenizer
+from pdserve.protocol.channel_auth import ChannelAuth
+from pdserve.protocol.cluster_key import load_key
+from pdserve.protocol.model_digest import model_digest, weight_files
+from pdserve.protocol.registry import Role
+from pdserve.router import jobs, metrics, policy, roles, serving, tokenize_api
+from pdserve.router.admission import Admission, Stage
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import APIError
+from pdserve.router.generation import Backend
+from pdserve.router.node_client import NodeClient
+from pdserve.router.openai_schema import (
+    ChatBody,
+    CompletionBody,
+    DetokenizeBody,
+    TokenizeBody,
+    validation_error,
+)
+from pdserve.router.registry_client import NodeRegistry, RedisRegistry, StaticRegistry
+from pdserve.router.scaling_log import DecisionBody
+from pdserve.router.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from router.errors import APIError
+from pdserve.router.errors import APIError
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,15 +1,15 @@
 """The router's configuration: one frozen dataclass, validated on construction.
 
 Every field declared with ``setting`` is a ``pdserve router`` flag (protocol/settings.py,
-pdserve_cli/router_cmd.py) and a PDSERVE_* variable of the router's container (launcher/env_flags.py).
+pdserve/cli/router_cmd.py) and a PDSERVE_* variable of the router's container (launcher/env_flags.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from protocol.addresses import is_loopback, key_needed
-from protocol.settings import cluster_key_file_setting, redis_password_file_setting, setting
+from pdserve.protocol.addresses import is_loopback, key_needed
+from pdserve.protocol.settings import cluster_key_file_setting, redis_password_file_setting, setting
 
 # A decode node prefills a long prompt itself when it would wait this much longer behind the
 # shortest prefill queue than behind the decode node's own (router/policy.py). Half a second of

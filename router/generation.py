@@ -29,17 +29,17 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from protocol import messages as pm
-from protocol.reasons import FailureCode
-from protocol.sampling_params import SamplingParams
-from router.admission import Stage, Ticket, shed_late_first_token
-from router.attempts import Done, Migrate, Outcome, Progress, Replay, Retry
-from router.config import RouterConfig
-from router.errors import APIError
-from router.metrics import RouterMetrics
-from router.node_client import NodeClient, NodeUnavailable
-from router.policy import Route, RoutingPolicy
-from router.registry_client import NodeRegistry
+from pdserve.protocol import messages as pm
+from pdserve.protocol.reasons import FailureCode
+from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.router.admission import Stage, Ticket, shed_late_first_token
+from pdserve.router.attempts import Done, Migrate, Outcome, Progress, Replay, Retry
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import APIError
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.node_client import NodeClient, NodeUnavailable
+from pdserve.router.policy import Route, RoutingPolicy
+from pdserve.router.registry_client import NodeRegistry
 
 log = logging.getLogger(__name__)
 _LIVENESS_CHECK_S = 0.2  # how often a waiting sample checks that its nodes are still alive

@@ -11,11 +11,11 @@ import dataclasses
 import re
 from typing import Any
 
-from protocol.sampling_params import MAX_LOGPROBS, SamplingParams
-from router.errors import APIError, bad_request
-from router.openai_schema import UNSUPPORTED, ChatBody, CompletionBody, _SamplingFields
-from router.structured import Structured, ToolCallPlan, check_token_rules, structured
-from router.tokenizer import ChatTemplateError, Tokenizer
+from pdserve.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdserve.router.errors import APIError, bad_request
+from pdserve.router.openai_schema import UNSUPPORTED, ChatBody, CompletionBody, _SamplingFields
+from pdserve.router.structured import Structured, ToolCallPlan, check_token_rules, structured
+from pdserve.router.tokenizer import ChatTemplateError, Tokenizer
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

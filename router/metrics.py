@@ -13,9 +13,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from protocol.registry import STEP_BUCKETS_S as BUCKETS_S
-from protocol.registry import NodeInfo, Role
-from router.scaling_log import ScalingLog
+from pdserve.protocol.registry import STEP_BUCKETS_S as BUCKETS_S
+from pdserve.protocol.registry import NodeInfo, Role
+from pdserve.router.scaling_log import ScalingLog
 
 # What generate_latest writes. Not CONTENT_TYPE_LATEST: since prometheus-client 0.22 that says
 # version=1.0.0 (UTF-8 names), which some scrapers refuse, and the library itself answers with

@@ -24,13 +24,13 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from protocol import messages as pm
-from protocol.addresses import advertised_host, zmq_host
-from protocol.channel import AsyncDealerChannel, AsyncPullChannel
-from protocol.channel_auth import ChannelAuth
-from protocol.reasons import FailureCode
-from protocol.registry import Role
-from protocol.throttle import Throttle
+from pdserve.protocol import messages as pm
+from pdserve.protocol.addresses import advertised_host, zmq_host
+from pdserve.protocol.channel import AsyncDealerChannel, AsyncPullChannel
+from pdserve.protocol.channel_auth import ChannelAuth
+from pdserve.protocol.reasons import FailureCode
+from pdserve.protocol.registry import Role
+from pdserve.protocol.throttle import Throttle
 
 log = logging.getLogger(__name__)
 _SEND_RETRY_S = 0.01  # while a node's connection is being set up

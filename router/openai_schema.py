@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import pydantic
 
-from router.errors import APIError, bad_request
+from pdserve.router.errors import APIError, bad_request
 
 _CONFIG = pydantic.ConfigDict(strict=True, extra="forbid")
 

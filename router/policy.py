@@ -40,9 +40,9 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from protocol.block_hash import hash_full_blocks
-from protocol.fingerprint import KVFingerprint
-from protocol.registry import NodeInfo, Role
+from pdserve.protocol.block_hash import hash_full_blocks
+from pdserve.protocol.fingerprint import KVFingerprint
+from pdserve.protocol.registry import NodeInfo, Role
 
 T = TypeVar("T")
 

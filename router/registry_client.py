@@ -25,10 +25,10 @@ import logging
 import time
 from collections.abc import Sequence
 
-from protocol import messages as pm
-from protocol.registry import KEY_PREFIX, NodeInfo, ReplayGuard, Role, connect, list_nodes
-from protocol.throttle import Throttle
-from router.node_client import NodeClient
+from pdserve.protocol import messages as pm
+from pdserve.protocol.registry import KEY_PREFIX, NodeInfo, ReplayGuard, Role, connect, list_nodes
+from pdserve.protocol.throttle import Throttle
+from pdserve.router.node_client import NodeClient
 
 log = logging.getLogger(__name__)
 # Refused registry records are found again by every poll: at most this many lines per window.

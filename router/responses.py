@@ -7,9 +7,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from protocol.messages import TokenLogprobs
-from protocol.reasons import FinishReason
-from router.tokenizer import Tokenizer
+from pdserve.protocol.messages import TokenLogprobs
+from pdserve.protocol.reasons import FinishReason
+from pdserve.router.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -13,9 +13,9 @@ import time
 
 import pydantic
 
-from protocol.registry import Role
-from router.errors import APIError
-from router.generation import Backend
+from pdserve.protocol.registry import Role
+from pdserve.router.errors import APIError
+from pdserve.router.generation import Backend
 
 
 class RoleBody(pydantic.BaseModel):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from detok import StopStrings
-from protocol import messages as pm
-from protocol.reasons import FinishReason
-from router.tokenizer import Tokenizer
+from pdserve.detok import StopStrings
+from pdserve.protocol import messages as pm
+from pdserve.protocol.reasons import FinishReason
+from pdserve.router.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

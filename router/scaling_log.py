@@ -12,7 +12,7 @@ from typing import Literal
 import pydantic
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from protocol.registry import Role
+from pdserve.protocol.registry import Role
 
 KINDS = ("scale", "idle", "cooldown", "confirming", "best", "no_gain", "missing_slo")  # planner.scaling.Kind
 RoleName = Literal["prefill", "decode", "colocated"]  # protocol.registry.Role's values

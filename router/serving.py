@@ -27,16 +27,16 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from protocol.reasons import FinishReason
-from router import responses as rs
-from router.admission import Admission, Stage, Ticket
-from router.attempts import Replay
-from router.errors import APIError
-from router.generation import Backend, Sample, run_sample
-from router.jobs import Job, Prompt
-from router.sample_state import SampleDelta, SampleState
-from router.structured import tool_calls
-from router.tokenizer import Tokenizer
+from pdserve.protocol.reasons import FinishReason
+from pdserve.router import responses as rs
+from pdserve.router.admission import Admission, Stage, Ticket
+from pdserve.router.attempts import Replay
+from pdserve.router.errors import APIError
+from pdserve.router.generation import Backend, Sample, run_sample
+from pdserve.router.jobs import Job, Prompt
+from pdserve.router.sample_state import SampleDelta, SampleState
+from pdserve.router.structured import tool_calls
+from pdserve.router.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 _EVENT_QUEUE_SIZE = 64  # deltas buffered for the HTTP side, across a request's samples

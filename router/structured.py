@@ -19,11 +19,11 @@ import json
 import uuid
 from typing import Any
 
-from grammar import GrammarError
-from protocol.sampling_params import MAX_LOGIT_BIAS, GuidedDecoding, LogitBias
-from router.errors import bad_request
-from router.openai_schema import ChatBody, NamedToolChoice, _SamplingFields
-from router.tokenizer import Tokenizer
+from pdserve.grammar import GrammarError
+from pdserve.protocol.sampling_params import MAX_LOGIT_BIAS, GuidedDecoding, LogitBias
+from pdserve.router.errors import bad_request
+from pdserve.router.openai_schema import ChatBody, NamedToolChoice, _SamplingFields
+from pdserve.router.tokenizer import Tokenizer
 
 AUTO_TOOL_CHOICE_MESSAGE = (
     'tool_choice "auto" is not supported: pdserve has no parser for this model\'s own tool-call '

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.errors import bad_request
-from router.openai_schema import DetokenizeBody, TokenizeBody
-from router.tokenizer import ChatTemplateError, Tokenizer
+from pdserve.router.errors import bad_request
+from pdserve.router.openai_schema import DetokenizeBody, TokenizeBody
+from pdserve.router.tokenizer import ChatTemplateError, Tokenizer
 
 
 def tokenize(body: TokenizeBody, tokenizer: Tokenizer, max_model_len: int) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
-from grammar import GrammarCompiler
+from pdserve.grammar import GrammarCompiler
 
 
 class ChatTemplateError(ValueError):

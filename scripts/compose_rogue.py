@@ -21,14 +21,14 @@ if TYPE_CHECKING:
 ROGUE = r"""
 import json, sys, time
 import redis
-from kv_transfer.errors import KVTimeout
-from kv_transfer.messages import KVFingerprint
-from kv_transfer.sender import KVSender, SenderConfig
-from protocol import messages as pm
-from protocol.channel import PeerChannel, PushChannel
-from protocol.kv_layout import KV_LAYOUT_NAME
-from protocol.reasons import FinishReason
-from protocol.sampling_params import SamplingParams
+from pdserve.kv_transfer.errors import KVTimeout
+from pdserve.kv_transfer.messages import KVFingerprint
+from pdserve.kv_transfer.sender import KVSender, SenderConfig
+from pdserve.protocol import messages as pm
+from pdserve.protocol.channel import PeerChannel, PushChannel
+from pdserve.protocol.kv_layout import KV_LAYOUT_NAME
+from pdserve.protocol.reasons import FinishReason
+from pdserve.protocol.sampling_params import SamplingParams
 decode, reply = sys.argv[1], sys.argv[2]
 out = {}
 try:

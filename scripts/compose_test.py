@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from launcher.ports import free_port
+from pdserve.launcher.ports import free_port
 from scripts import compose_engine as ce
 from scripts.compose_rogue import phase_rogue
 from scripts.compose_traffic import CLEAN, Load, Outcome, Result, all_clean_ok, mixed_specs

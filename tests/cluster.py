@@ -14,9 +14,9 @@ import time
 
 import zmq
 
-from launcher.commands import pdserve_argv, up_argv
-from launcher.ports import free_port
-from protocol.messages import (
+from pdserve.launcher.commands import pdserve_argv, up_argv
+from pdserve.launcher.ports import free_port
+from pdserve.protocol.messages import (
     AbortRequest,
     GenerateRequest,
     NodeStatus,

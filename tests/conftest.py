@@ -36,6 +36,6 @@ def default_model_dir() -> pathlib.Path:
     Converted once into the shared cache ($PDSERVE_CACHE or ~/.cache/pdserve, about 30 s and
     520 MB the first time); later sessions find it there.
     """
-    from engine.model_fetch import fetch_default_model
+    from pdserve.engine.model_fetch import fetch_default_model
 
     return fetch_default_model(progress=False)

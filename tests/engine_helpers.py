@@ -7,14 +7,14 @@ import functools
 import torch
 import transformers
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig, ModelConfig
-from engine.model_runner import ModelRunner
-from engine.platform import resolve_platform
-from engine.scheduler import ScheduledSeq, SchedulerOutput
-from engine.sequence import Sequence
-from protocol.kv_layout import KVCacheSpec
-from protocol.sampling_params import SamplingParams
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.platform import resolve_platform
+from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pdserve.engine.sequence import Sequence
+from pdserve.protocol.kv_layout import KVCacheSpec
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 @functools.cache

@@ -11,12 +11,12 @@ import time
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.pool_reservations import PoolReservations  # noqa: F401  (re-exported for the tests)
-from engine.sequence import Sequence
-from kv_transfer.messages import KVFingerprint
-from protocol.kv_layout import KV_LAYOUT_NAME
-from protocol.sampling_params import SamplingParams
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.pool_reservations import PoolReservations  # noqa: F401  (re-exported for the tests)
+from pdserve.engine.sequence import Sequence
+from pdserve.kv_transfer.messages import KVFingerprint
+from pdserve.protocol.kv_layout import KV_LAYOUT_NAME
+from pdserve.protocol.sampling_params import SamplingParams
 
 NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 3, 4, 2, 8
 
@@ -65,7 +65,7 @@ def prefill_side(token_ids: list[int], num_blocks: int, skip: int = 0) -> tuple[
 
 
 def _send_half(address: str) -> None:
-    from kv_transfer.sender import KVSender, SenderConfig
+    from pdserve.kv_transfer.sender import KVSender, SenderConfig
 
     tokens = list(range(1, 4 * BLOCK_SIZE + 2))
     _, seq = prefill_side(tokens, 16)
@@ -79,7 +79,7 @@ def _send_half(address: str) -> None:
 
 
 def _receive(address: str) -> None:
-    from kv_transfer.receiver import KVReceiver
+    from pdserve.kv_transfer.receiver import KVReceiver
 
     keys, values = make_caches(16, seed=None)
     receiver = KVReceiver(

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import torch
 
-from router.tokenizer import Tokenizer
+from pdserve.router.tokenizer import Tokenizer
 from tests.cluster import NodeProcess, RedisServer
 from tests.engine_helpers import hf_greedy, hf_logits
 from tests.test_cluster_concurrent import _prompts, _stream

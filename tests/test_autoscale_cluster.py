@@ -34,9 +34,9 @@ import httpx
 import pytest
 import redis
 
-from planner.profile import DecodeStepGrid, PiecewiseLinear, Profile, TransferModel
-from protocol.registry import list_nodes
-from router.tokenizer import Tokenizer
+from pdserve.planner.profile import DecodeStepGrid, PiecewiseLinear, Profile, TransferModel
+from pdserve.protocol.registry import list_nodes
+from pdserve.router.tokenizer import Tokenizer
 from tests.engine_helpers import hf_greedy
 from tests.up_launcher import FILLER, Launcher, completion_text, tiny_model_with_tokenizer
 
@@ -54,7 +54,7 @@ PROFILE = Profile(
 )
 FLAGS = (
     "--autoscale",
-    "--prefill", "1", "--decode", "1",  # its default start is 2 colocated (pdserve_cli.up_slo.start_shape)
+    "--prefill", "1", "--decode", "1",  # its default start is 2 colocated (pdserve.cli.up_slo.start_shape)
     "--min-nodes", "1",  # by default it keeps the nodes it starts with
     "--ttft-slo-s", "3",
     "--tpot-slo-s", "0.025",

@@ -10,13 +10,13 @@ import dataclasses
 import httpx
 import pytest
 
-from bench_serve.metrics import Slo
-from launcher.autoscale import DECODING, Move, moves, observe, parse_metrics
-from planner.correction import mean_ttft_s
-from planner.profile import DecodeStepGrid, PiecewiseLinear, Profile, TransferModel
-from planner.scaling import Kind, Observation, ScalingPolicy, ScalingSettings, demand
-from planner.simulate import Cluster
-from router.metrics import RouterMetrics
+from pdserve.bench_serve.metrics import Slo
+from pdserve.launcher.autoscale import DECODING, Move, moves, observe, parse_metrics
+from pdserve.planner.correction import mean_ttft_s
+from pdserve.planner.profile import DecodeStepGrid, PiecewiseLinear, Profile, TransferModel
+from pdserve.planner.scaling import Kind, Observation, ScalingPolicy, ScalingSettings, demand
+from pdserve.planner.simulate import Cluster
+from pdserve.router.metrics import RouterMetrics
 from tests.test_router_support import fake_cluster as router_with_fake_nodes
 from tests.test_router_support import fake_pair, run_async
 

@@ -10,9 +10,9 @@ import time
 import httpx
 import pytest
 
-from bench_serve.client import Api, Endpoint, send
-from bench_serve.runner import Limits, run
-from bench_serve.workload import ChatMessage, WorkItem
+from pdserve.bench_serve.client import Api, Endpoint, send
+from pdserve.bench_serve.runner import Limits, run
+from pdserve.bench_serve.workload import ChatMessage, WorkItem
 
 COMPLETIONS = Endpoint("http://bench.test", Api.COMPLETIONS, "m")
 CHAT = Endpoint("http://bench.test", Api.CHAT, "m")

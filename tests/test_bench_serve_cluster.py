@@ -35,7 +35,7 @@ def bench_serve(url: str, out: pathlib.Path, *flags: str) -> dict:
     cmd = [
         sys.executable,
         "-m",
-        "pdserve_cli",
+        "pdserve",
         "bench",
         "serve",
         "--base-url",
@@ -191,10 +191,10 @@ def test_a_warm_up_is_served_but_not_counted(up, tmp_path):
 
 
 def test_warm_up_prompts_are_not_the_runs_and_a_negative_count_is_refused():
-    from bench_serve.metrics import Slo
-    from bench_serve.runner import Limits
-    from bench_serve.spec import PromptStyle, WorkloadKind, WorkloadSpec
-    from bench_serve.sweep import WARMUP_SEED, SweepSpec
+    from pdserve.bench_serve.metrics import Slo
+    from pdserve.bench_serve.runner import Limits
+    from pdserve.bench_serve.spec import PromptStyle, WorkloadKind, WorkloadSpec
+    from pdserve.bench_serve.sweep import WARMUP_SEED, SweepSpec
 
     spec = WorkloadSpec(WorkloadKind.FIXED, PromptStyle.TOKEN_IDS, num_requests=4, input_len=16, output_len=4)
     runs = [item.prompt for k in range(3) for item in spec.build(k)]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench_serve.metrics import Slo, percentile, summarize
-from bench_serve.records import RequestRecord
+from pdserve.bench_serve.metrics import Slo, percentile, summarize
+from pdserve.bench_serve.records import RequestRecord
 
 
 def record(

@@ -8,10 +8,10 @@ import statistics
 
 import pytest
 
-from bench_serve import trace, workload
-from bench_serve.arrivals import Arrivals, replayed_times
-from bench_serve.spec import WorkloadKind, WorkloadSpec, parse_rates
-from bench_serve.workload import ChatMessage, LengthMix, PromptStyle, WorkItem
+from pdserve.bench_serve import trace, workload
+from pdserve.bench_serve.arrivals import Arrivals, replayed_times
+from pdserve.bench_serve.spec import WorkloadKind, WorkloadSpec, parse_rates
+from pdserve.bench_serve.workload import ChatMessage, LengthMix, PromptStyle, WorkItem
 
 IDS, TEXT, CHAT = PromptStyle.TOKEN_IDS, PromptStyle.TEXT, PromptStyle.CHAT
 

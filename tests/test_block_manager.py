@@ -8,10 +8,10 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockCopy, BlockManager
-from engine.sequence import Sequence
-from protocol.block_hash import hash_full_blocks
-from protocol.sampling_params import SamplingParams
+from pdserve.engine.block_manager import BlockCopy, BlockManager
+from pdserve.engine.sequence import Sequence
+from pdserve.protocol.block_hash import hash_full_blocks
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 def _seq(tokens: list[int]) -> Sequence:
@@ -110,7 +110,7 @@ def test_fork_then_write_copies_the_shared_partial_block():
 
 def test_block_hashes_are_identical_in_another_process():
     tokens = list(range(100, 140))
-    code = f"from protocol.block_hash import hash_full_blocks; print(hash_full_blocks({tokens}, 16))"
+    code = f"from pdserve.protocol.block_hash import hash_full_blocks; print(hash_full_blocks({tokens}, 16))"
     out = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

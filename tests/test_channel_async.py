@@ -9,9 +9,9 @@ import msgpack
 import pytest
 import zmq.asyncio
 
-from protocol import messages as pm
-from protocol.channel import AsyncDealerChannel, AsyncPullChannel, ListenChannel, PushChannel
-from protocol.codec import PROTOCOL_VERSION, ProtocolError
+from pdserve.protocol import messages as pm
+from pdserve.protocol.channel import AsyncDealerChannel, AsyncPullChannel, ListenChannel, PushChannel
+from pdserve.protocol.codec import PROTOCOL_VERSION, ProtocolError
 from tests.cluster import free_port
 
 pytestmark = pytest.mark.timeout(30)

@@ -11,9 +11,9 @@ import time
 import zmq
 import zmq.asyncio
 
-from protocol import messages as pm
-from protocol.channel import AsyncPullChannel, ListenChannel, PeerChannel, PushChannel
-from protocol.channel_auth import ChannelAuth
+from pdserve.protocol import messages as pm
+from pdserve.protocol.channel import AsyncPullChannel, ListenChannel, PeerChannel, PushChannel
+from pdserve.protocol.channel_auth import ChannelAuth
 
 
 def _status(nonce: int) -> pm.StatusQuery:

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.model_fetch import COMPLETE_MARKER, CONVERTER_VERSION, DEFAULT_MODEL_NAME
+from pdserve.engine.model_fetch import COMPLETE_MARKER, CONVERTER_VERSION, DEFAULT_MODEL_NAME
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _SCRIPT = Path(sys.executable).parent / "pdserve"
 # The installed console script when this venv has one (make test installs it), else the module.
-PDSERVE = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "pdserve_cli"]
+PDSERVE = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "pdserve"]
 
 
 def pdserve(*args: str) -> subprocess.CompletedProcess[str]:
@@ -50,7 +50,7 @@ def test_model_fetch_honours_cache_dir(tmp_path: Path):
 
 
 def _require_engine_llm() -> None:
-    engine = pytest.importorskip("engine")
+    engine = pytest.importorskip("pdserve.engine")
     if not hasattr(engine, "LLM"):
         pytest.skip("engine.LLM is not available yet")
 
@@ -58,7 +58,7 @@ def _require_engine_llm() -> None:
 def test_chat_prompt_ids_apply_the_models_template(default_model_dir: Path):
     from transformers import AutoTokenizer
 
-    from pdserve_cli.generate import chat_prompt_ids
+    from pdserve.cli.generate import chat_prompt_ids
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     ids = chat_prompt_ids(tokenizer, "Hi")
@@ -71,7 +71,7 @@ def test_generate_prints_the_greedy_completion_of_hf(default_model_dir: Path, ca
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pdserve_cli.main import main
+    from pdserve.cli.main import main
 
     prompt, max_tokens = "The capital of France is", 8
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)

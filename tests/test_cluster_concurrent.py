@@ -18,7 +18,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.tokenizer import Tokenizer
+from pdserve.router.tokenizer import Tokenizer
 from tests.cluster import NodeProcess, RedisServer
 from tests.engine_helpers import hf_greedy, hf_logits
 from tests.test_router_cluster import RouterProcess, serving, tiny_model_with_tokenizer
@@ -228,7 +228,7 @@ def test_chats_sharing_a_system_prompt_count_the_shared_blocks(cluster):
 
 
 def test_a_seeded_sample_is_the_same_offline_through_prefill_and_decode_and_decode_only(cluster):
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     model, routers, _ = cluster
     prompts = _prompts(11, [90, 200, 130])

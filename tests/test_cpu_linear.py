@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from engine.config import EngineConfig, ModelConfig
-from engine.model_runner import ModelRunner
-from kernels import cpu_linear
-from protocol.kv_layout import KVCacheSpec
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.kernels import cpu_linear
+from pdserve.protocol.kv_layout import KVCacheSpec
 from tests.engine_helpers import hf_logits, paged_logits
 from tests.tiny_models import make_tiny_model
 

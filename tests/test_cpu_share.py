@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.cpu_share import CLOCK_TICKS, CpuShare, busy_seconds, threads_for
-from engine.resources import usable_cpus
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.cpu_share import CLOCK_TICKS, CpuShare, busy_seconds, threads_for
+from pdserve.engine.resources import usable_cpus
 from tests.tiny_models import make_tiny_model
 
 STAT = """cpu  900 0 300 5000 10 0 5 0 0 0

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from launcher.env_flags import flags_from_env
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.launcher.env_flags import flags_from_env
 from tests.engine_helpers import hf_greedy
 from tests.tiny_models import make_tiny_model
 
@@ -59,7 +59,7 @@ def test_node_status_names_its_device(tmp_path, default_model_dir):
 
 
 def test_the_default_dtype_follows_the_device():
-    from engine.device import resolve_dtype
+    from pdserve.engine.device import resolve_dtype
 
     assert EngineConfig(model="m").dtype == "auto"
     assert resolve_dtype("auto", torch.device("cpu")) == "float32"
@@ -72,7 +72,7 @@ def test_the_default_dtype_follows_the_device():
 
 
 def test_the_start_up_line_names_the_dtype_and_offers_bf16_where_the_cpu_has_it():
-    from engine.device import describe_dtype
+    from pdserve.engine.device import describe_dtype
 
     cpu = torch.device("cpu")
     fp32 = describe_dtype(torch.float32, cpu)

@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-import kernels
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.requests import Aborted
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.engine import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.requests import Aborted
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.kernels import ops
 from tests.engine_helpers import grant_remote, hf_greedy
 from tests.tiny_models import make_tiny_model
 
@@ -25,8 +25,8 @@ def _move_kv(src: LLMEngine, dst: LLMEngine, seq: Sequence, request_id: str) -> 
     held = reservation.num_held_blocks
     src_k = [k for k, _ in src.runner.kv_caches]
     src_v = [v for _, v in src.runner.kv_caches]
-    buf = kernels.gather_blocks(src_k, src_v, torch.tensor(seq.block_table[held:]))
-    kernels.scatter_blocks(
+    buf = ops.gather_blocks(src_k, src_v, torch.tensor(seq.block_table[held:]))
+    ops.scatter_blocks(
         buf,
         [k for k, _ in dst.runner.kv_caches],
         [v for _, v in dst.runner.kv_caches],

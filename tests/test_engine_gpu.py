@@ -17,8 +17,8 @@ import pytest
 import torch
 import transformers
 
-from engine import LLM
-from protocol.sampling_params import SamplingParams
+from pdserve.engine import LLM
+from pdserve.protocol.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_model
 
 pytestmark = [

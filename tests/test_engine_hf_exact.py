@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.engine_helpers import hf_greedy, hf_logits, paged_logits
 from tests.tiny_models import CONFIGS, make_tiny_model
 

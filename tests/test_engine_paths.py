@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
 from tests.engine_helpers import hf_greedy
 from tests.tiny_models import make_tiny_model
 

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from engine import resources
-from engine.config import EngineConfig, ModelConfig
-from engine.sizing import size_engine
-from protocol.kv_layout import KVCacheSpec
+from pdserve.engine import resources
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.sizing import size_engine
+from pdserve.protocol.kv_layout import KVCacheSpec
 from tests.tiny_models import make_tiny_model
 
 GIB = 1 << 30
@@ -117,30 +117,35 @@ def _child(code: str, **env: str) -> subprocess.CompletedProcess:
 SHOW = "import os, torch; print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))"
 
 
-@pytest.mark.parametrize("entry", ["from engine import LLM", "import pdserve_cli.main"])
+@pytest.mark.parametrize("entry", ["from pdserve.engine import LLM", "import pdserve.cli.main"])
 def test_the_entry_points_set_a_short_spin_before_torch(entry):
     assert _child(f"{entry}\n{SHOW}").stdout.strip() == "10000 None"
 
 
 def test_importing_engine_modules_sets_nothing():
     # the router's torch-free imports, and the package itself, leave OpenMP alone
-    assert _child(f"import engine, engine.config, protocol.block_hash\n{SHOW}").stdout.strip() == "None None"
+    assert (
+        _child(
+            f"import pdserve.engine, pdserve.engine.config, pdserve.protocol.block_hash\n{SHOW}"
+        ).stdout.strip()
+        == "None None"
+    )
 
 
 def test_an_explicit_openmp_setting_is_left_alone():
-    code = "from engine import LLM; import os; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
+    code = "from pdserve.engine import LLM; import os; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
     assert _child(code, GOMP_SPINCOUNT="1000").stdout.strip() == "None 1000"
     assert _child(code, OMP_WAIT_POLICY="PASSIVE").stdout.strip() == "PASSIVE None"
 
 
 def test_after_torch_loaded_the_engine_sets_nothing():
-    code = "import torch, os\nfrom engine import LLM\nprint(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
+    code = "import torch, os\nfrom pdserve.engine import LLM\nprint(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
     assert _child(code).stdout.strip() == "None None"
 
 
 def test_engine_start_prints_its_chosen_sizes_once():
     code = (
-        "from engine import LLM\n"
+        "from pdserve.engine import LLM\n"
         f"LLM({str(make_tiny_model('llama'))!r}, max_num_seqs=2, max_model_len=64, kv_cache_memory_fraction=0.01)\n"
     )
     lines = [line for line in _child(code).stderr.splitlines() if line.startswith("engine: ")]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.env_flags import flags_from_env
+from pdserve.launcher.env_flags import flags_from_env
 
 
 @pytest.mark.parametrize("command", ["prefill", "decode", "router"])

@@ -1,6 +1,7 @@
 """ARCHITECTURE.md's import rules, read from the source: the router, the transfer and the shared
 contracts import no engine module (anywhere, function-level imports included), so the router
-stays torch-free and the contracts live in protocol/."""
+stays torch-free and the contracts live in protocol/; and every import of the project's own code
+goes through the one installed name, ``pdserve``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import ast
 import pathlib
 
 import pytest
+
+import pdserve
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NO_ENGINE = ("router", "kv_transfer", "protocol", "grammar", "detok", "launcher")
@@ -29,15 +32,33 @@ def test_package_imports_no_engine_module(package):
         f"{path.relative_to(ROOT)}: {module}"
         for path in sorted((ROOT / package).rglob("*.py"))
         for module in sorted(imported_modules(path))
-        if module == "engine" or module.startswith("engine.")
+        if module == "pdserve.engine" or module.startswith("pdserve.engine.")
+    ]
+    assert not offenders, offenders
+
+
+def _python_files() -> list[pathlib.Path]:
+    skip = {".venv", ".git", "build"}
+    return sorted(p for p in ROOT.rglob("*.py") if not skip & set(p.relative_to(ROOT).parts))
+
+
+def test_no_module_imports_a_project_package_by_its_bare_folder_name():
+    # From the repository root `import router` would work (the folder is on sys.path) and load a
+    # second copy of the module beside pdserve.router; installed, it fails. Only pdserve.X is real.
+    bare = set(pdserve.SUBPACKAGES) | {"pdserve_cli"}
+    offenders = [
+        f"{path.relative_to(ROOT)}: {module}"
+        for path in _python_files()
+        for module in sorted(imported_modules(path))
+        if module.split(".")[0] in bare
     ]
     assert not offenders, offenders
 
 
 def test_the_rule_sees_a_function_level_import(tmp_path):
     sample = tmp_path / "m.py"
-    sample.write_text("def f():\n    from engine.sampler import Sampler\n    import engine\n")
-    assert imported_modules(sample) == {"engine.sampler", "engine"}
+    sample.write_text("def f():\n    from pdserve.engine.sampler import Sampler\n    import pdserve.engine\n")
+    assert imported_modules(sample) == {"pdserve.engine.sampler", "pdserve.engine"}
 
 
 def test_no_router_function_is_longer_than_40_lines():

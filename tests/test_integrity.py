@@ -7,14 +7,14 @@ import dataclasses
 
 import pytest
 
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from node.log import EventLog
-from node.options import NodeOptions
-from node.runtime import NodeRuntime
-from pdserve_cli.status import render
-from protocol.registry import list_nodes
+from pdserve.cli.status import render
+from pdserve.engine import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.node.log import EventLog
+from pdserve.node.options import NodeOptions
+from pdserve.node.runtime import NodeRuntime
+from pdserve.protocol.registry import list_nodes
 from tests.cluster import RedisServer
 from tests.test_status import PREFILL
 from tests.tiny_models import make_tiny_model

@@ -20,9 +20,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from launcher.env_flags import flags_from_env
-from pdserve_cli.main import build_parser
-from router.metrics import RouterMetrics
+from pdserve.cli.main import build_parser
+from pdserve.launcher.env_flags import flags_from_env
+from pdserve.router.metrics import RouterMetrics
 from tests.cluster import ROOT
 from tests.test_router_support import node_info
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers.mlp import GatedMLP
-from engine.layers.norms import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
-from kernels import cpu_ext
+from pdserve.engine.layers.mlp import GatedMLP
+from pdserve.engine.layers.norms import RMSNorm
+from pdserve.engine.layers.rotary import RotaryEmbedding
+from pdserve.kernels import cpu_ext
 
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2}}

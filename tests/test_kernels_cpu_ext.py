@@ -9,11 +9,10 @@ import sys
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_ext, torch_fast
-from kernels.paged_decode import paged_decode_attention_ref
-from kernels.paged_prefill import paged_prefill_attention_ref
-from kernels.testing import query_start_loc, random_paged_kv
+from pdserve.kernels import cpu_ext, ops, torch_fast
+from pdserve.kernels.paged_decode import paged_decode_attention_ref
+from pdserve.kernels.paged_prefill import paged_prefill_attention_ref
+from pdserve.kernels.testing import query_start_loc, random_paged_kv
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,8 +49,8 @@ def test_decode_dispatch_matches_decode_reference(block_size):
     kv = random_paged_kv(lens, block_size, 2, 64, seed=5)
     q = torch.randn(len(lens), 8, 64)
     args = (q, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, 0.125, 7)
-    assert kernels.native_cpu(q)
-    torch.testing.assert_close(kernels.paged_decode_attention(*args), paged_decode_attention_ref(*args))
+    assert ops.native_cpu(q)
+    torch.testing.assert_close(ops.paged_decode_attention(*args), paged_decode_attention_ref(*args))
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (6, 3), (9, 3), (10, 2), (16, 2), (16, 1)])
@@ -158,14 +157,14 @@ def test_more_query_rows_than_context_is_a_clear_error():
 
 
 FALLBACK = """
-import torch, kernels
-from kernels import torch_fast
-from kernels.testing import random_paged_kv
+import torch
+from pdserve.kernels import ops, torch_fast
+from pdserve.kernels.testing import random_paged_kv
 kv = random_paged_kv([7, 20], 4, 2, 8)
 q = torch.randn(2, 4, 8)
 args = (q, kv.key_cache, kv.value_cache, kv.block_tables, kv.context_lens, 0.3)
-assert not kernels.native_cpu(q)
-assert torch.equal(kernels.paged_decode_attention(*args), torch_fast.paged_decode_attention(*args))
+assert not ops.native_cpu(q)
+assert torch.equal(ops.paged_decode_attention(*args), torch_fast.paged_decode_attention(*args))
 print("torch path")
 """
 
@@ -194,5 +193,5 @@ def test_torch_path_is_unchanged_by_the_switch():
     q, kv, qsl = _varlen(1, [3], [9], 4, 2, 8, 4)
     args = (q, kv.key_cache, kv.value_cache, kv.block_tables, qsl, kv.context_lens, 0.4)
     assert torch.equal(
-        kernels.paged_prefill_attention(*args, backend="torch"), torch_fast.paged_prefill_attention(*args)
+        ops.paged_prefill_attention(*args, backend="torch"), torch_fast.paged_prefill_attention(*args)
     )

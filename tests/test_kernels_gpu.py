@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import (
+from pdserve.kernels.ops import (
     dequantize_kv_int8,
     paged_decode_attention,
     paged_prefill_attention,
     quantize_kv_int8,
     torch_fast,
 )
-from kernels.testing import query_start_loc, random_paged_kv
+from pdserve.kernels.testing import query_start_loc, random_paged_kv
 
 pytestmark = [
     pytest.mark.gpu,

@@ -6,7 +6,7 @@ import pytest
 import torch
 import xxhash
 
-from kernels import cpu_ext
+from pdserve.kernels import cpu_ext
 
 
 @pytest.fixture(scope="module", autouse=True)

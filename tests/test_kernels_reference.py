@@ -7,13 +7,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import dequantize_kv_int8, gather_blocks, quantize_kv_int8, scatter_blocks, torch_fast
-from kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
-from kernels.kv_quant import dequantize_kv_int8_ref, quantize_kv_int8_ref
-from kernels.kv_write import write_kv_cache_ref
-from kernels.paged_decode import paged_decode_attention_ref
-from kernels.paged_prefill import paged_prefill_attention_ref
-from kernels.testing import query_start_loc, random_paged_kv
+from pdserve.kernels import torch_fast
+from pdserve.kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
+from pdserve.kernels.kv_quant import dequantize_kv_int8_ref, quantize_kv_int8_ref
+from pdserve.kernels.kv_write import write_kv_cache_ref
+from pdserve.kernels.ops import dequantize_kv_int8, gather_blocks, quantize_kv_int8, scatter_blocks
+from pdserve.kernels.paged_decode import paged_decode_attention_ref
+from pdserve.kernels.paged_prefill import paged_prefill_attention_ref
+from pdserve.kernels.testing import query_start_loc, random_paged_kv
 
 
 def test_decode_ref_over_one_token_returns_its_value():

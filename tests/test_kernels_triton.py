@@ -24,7 +24,10 @@ if not (ON_GPU or INTERPRETED):
     )
 DEVICE = "cuda" if ON_GPU else "cpu"
 
-from kernels import (  # noqa: E402
+from pdserve.kernels.block_copy import gather_blocks_ref, gather_blocks_triton, scatter_blocks_ref  # noqa: E402
+from pdserve.kernels.kv_quant import dequantize_kv_int8_ref, quantize_kv_int8_ref, quantize_kv_int8_triton  # noqa: E402
+from pdserve.kernels.kv_write import write_kv_cache_ref  # noqa: E402
+from pdserve.kernels.ops import (  # noqa: E402
     dequantize_kv_int8,
     gather_blocks,
     paged_decode_attention,
@@ -33,12 +36,9 @@ from kernels import (  # noqa: E402
     scatter_blocks,
     write_kv_cache,
 )
-from kernels.block_copy import gather_blocks_ref, gather_blocks_triton, scatter_blocks_ref  # noqa: E402
-from kernels.kv_quant import dequantize_kv_int8_ref, quantize_kv_int8_ref, quantize_kv_int8_triton  # noqa: E402
-from kernels.kv_write import write_kv_cache_ref  # noqa: E402
-from kernels.paged_decode import paged_decode_attention_ref, paged_decode_attention_triton  # noqa: E402
-from kernels.paged_prefill import paged_prefill_attention_ref, paged_prefill_attention_triton  # noqa: E402
-from kernels.testing import query_start_loc, random_paged_kv  # noqa: E402
+from pdserve.kernels.paged_decode import paged_decode_attention_ref, paged_decode_attention_triton  # noqa: E402
+from pdserve.kernels.paged_prefill import paged_prefill_attention_ref, paged_prefill_attention_triton  # noqa: E402
+from pdserve.kernels.testing import query_start_loc, random_paged_kv  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 

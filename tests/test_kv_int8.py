@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_ext, kv_int8, torch_fast
-from kernels.paged_prefill import paged_prefill_attention_ref
-from kernels.testing import query_start_loc, random_paged_kv
+from pdserve.kernels import cpu_ext, kv_int8, ops, torch_fast
+from pdserve.kernels.paged_prefill import paged_prefill_attention_ref
+from pdserve.kernels.testing import query_start_loc, random_paged_kv
 
 
 def test_rows_hold_values_within_half_a_step_and_their_scale_last():
@@ -31,9 +30,9 @@ def test_a_write_never_changes_the_rows_before_it():
     key_cache = torch.zeros(4, 8, 2, 32 + kv_int8.SCALE_BYTES, dtype=torch.int8)
     value_cache = torch.zeros_like(key_cache)
     first = torch.randn(5, 2, 32)
-    kernels.write_kv_cache(first, first, key_cache, value_cache, torch.arange(8, 13))
+    ops.write_kv_cache(first, first, key_cache, value_cache, torch.arange(8, 13))
     before = key_cache.clone()
-    kernels.write_kv_cache(first[:2] * 1000, first[:2], key_cache, value_cache, torch.tensor([13, -1]))
+    ops.write_kv_cache(first[:2] * 1000, first[:2], key_cache, value_cache, torch.tensor([13, -1]))
     assert torch.equal(key_cache.view(-1, 2, 36)[:13], before.view(-1, 2, 36)[:13])
     assert not torch.equal(key_cache.view(-1, 2, 36)[13], before.view(-1, 2, 36)[13])
     assert torch.equal(key_cache.view(-1, 2, 36)[14:], before.view(-1, 2, 36)[14:])  # slot -1: nowhere
@@ -51,8 +50,8 @@ def test_the_kernel_writes_the_same_bytes_as_the_torch_rows(dtype):
     slots = torch.randperm(8 * 16, generator=gen)[:40]
     slots[[3, 17]] = -1  # padded rows
     caches = [torch.zeros(8, 16, 3, 64 + kv_int8.SCALE_BYTES, dtype=torch.int8) for _ in range(4)]
-    assert kernels.native_cpu(key)
-    kernels.write_kv_cache(key, value, caches[0], caches[1], slots)  # the C++ op
+    assert ops.native_cpu(key)
+    ops.write_kv_cache(key, value, caches[0], caches[1], slots)  # the C++ op
     torch_fast.write_kv_cache(key, value, caches[2], caches[3], slots)  # torch
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert caches[0].any()
@@ -100,10 +99,10 @@ def test_bf16_queries_read_an_int8_cache():
 def test_torch_path_reads_int8_rows_like_the_kernel():
     q, kv, k8, v8, qsl = _int8_problem(4, [1, 1, 12], [33, 150, 12], 6, 2, 64)
     native = cpu_ext.paged_attention(q, k8, v8, kv.block_tables, qsl, kv.context_lens, 0.125)
-    decode = kernels.paged_decode_attention(
+    decode = ops.paged_decode_attention(
         q[:2], k8, v8, kv.block_tables[:2], kv.context_lens[:2], 0.125, backend="torch"
     )
-    prefill = kernels.paged_prefill_attention(
+    prefill = ops.paged_prefill_attention(
         q[2:], k8, v8, kv.block_tables[2:], qsl[2:] - 2, kv.context_lens[2:], 0.125, backend="torch"
     )
     torch.testing.assert_close(torch.cat([decode, prefill]), native, atol=2e-6, rtol=1e-5)
@@ -126,13 +125,13 @@ def test_cache_rows_of_the_wrong_width_are_a_clear_error():
 def test_triton_refuses_an_int8_cache():
     q, kv, k8, v8, qsl = _int8_problem(6, [1], [10], 4, 2, 32)
     with pytest.raises(NotImplementedError, match="int8 KV cache"):
-        kernels.paged_decode_attention(q, k8, v8, kv.block_tables, kv.context_lens, 0.1, backend="triton")
+        ops.paged_decode_attention(q, k8, v8, kv.block_tables, kv.context_lens, 0.1, backend="triton")
 
 
 def test_an_int8_spec_is_its_own_layout_at_about_a_quarter_of_fp32s_bytes():
-    from engine.config import EngineConfig
-    from protocol.fingerprint import KVFingerprint
-    from protocol.kv_layout import KVCacheSpec
+    from pdserve.engine.config import EngineConfig
+    from pdserve.protocol.fingerprint import KVFingerprint
+    from pdserve.protocol.kv_layout import KVCacheSpec
 
     fp32 = KVCacheSpec(30, 100, 16, 3, 64, "float32")
     int8 = KVCacheSpec(30, 100, 16, 3, 64, "int8")
@@ -143,7 +142,7 @@ def test_an_int8_spec_is_its_own_layout_at_about_a_quarter_of_fp32s_bytes():
     assert a.first_difference(b) == "dtype" and b.row_width == 68  # never paired with an fp32 node
     assert EngineConfig(model="m", kv_cache_dtype="int8", dtype="float32").kv_dtype == "int8"
     assert EngineConfig(model="m", dtype="bfloat16").kv_dtype == "bfloat16"
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.llm_engine import LLMEngine
     from tests.tiny_models import make_tiny_model
 
     with pytest.raises(ValueError, match="CPU kernels only"):  # before any allocation
@@ -161,7 +160,7 @@ def test_engine_on_an_int8_cache_stays_near_hf_fp32(kind):
     # windows (mistral), soft-capping (gemma2), head_dim 32 (qwen3), MHA with biases (gpt2):
     # teacher-forced through the engine, chunked (a 24-token budget), every row reads its context
     # from int8 rows; a wrong row stride or a lost scale would be off by whole nats, not hundredths
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
     from tests.engine_helpers import hf_logits
     from tests.tiny_models import make_tiny_model
 

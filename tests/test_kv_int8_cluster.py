@@ -50,7 +50,7 @@ def test_both_paths_at_once_give_the_offline_int8_engine_greedy_and_seeded(clust
 
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         got = list(pool.map(run, jobs))
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     llm = LLM(str(model), num_kv_blocks=256, kv_cache_dtype="int8")
     for (prompt, params, _), (ids, values) in zip(jobs, got, strict=True):

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from engine import LLM, SamplingParams, kv_prefault
-from engine.kv_prefault import PAGE, KVPrefault, populate
+from pdserve.engine import LLM, SamplingParams, kv_prefault
+from pdserve.engine.kv_prefault import PAGE, KVPrefault, populate
 from tests.engine_helpers import grant_remote, hf_greedy
 from tests.tiny_models import make_tiny_model
 
@@ -145,8 +145,8 @@ def test_kv_commit_startup_commits_the_whole_pool_before_the_first_request(monke
 def test_kv_commit_is_idle_by_default_checked_and_a_node_flag():
     import argparse
 
-    from engine.config import EngineConfig
-    from node.options import add_node_args, options_from_args
+    from pdserve.engine.config import EngineConfig
+    from pdserve.node.options import add_node_args, options_from_args
 
     assert EngineConfig(model="m").kv_commit == "idle"
     with pytest.raises(ValueError, match="kv_commit"):

@@ -21,14 +21,14 @@ from kv_transfer_peer import (
     prefill_side,
 )
 
-from engine.block_manager import BlockManager
-from engine.platform import Platform, SplitPlatform
-from engine.sequence import Sequence, SequenceStatus
-from kv_transfer.errors import KVRejected, KVTimeout
-from kv_transfer.messages import WireFormat
-from kv_transfer.receiver import KVReceiver, PollResult, ReceiverConfig
-from kv_transfer.sender import KVSender, SenderConfig
-from protocol.sampling_params import SamplingParams
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.platform import Platform, SplitPlatform
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.kv_transfer.errors import KVRejected, KVTimeout
+from pdserve.kv_transfer.messages import WireFormat
+from pdserve.kv_transfer.receiver import KVReceiver, PollResult, ReceiverConfig
+from pdserve.kv_transfer.sender import KVSender, SenderConfig
+from pdserve.protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(30)
 NUM_BLOCKS = 16

@@ -14,13 +14,13 @@ import torch
 from kv_transfer_peer import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, make_fingerprint, prefill_side
 from test_kv_transfer import make_caches, make_receiver, poll_until
 
-from engine.platform import FakeEvent, Platform, SplitPlatform
-from kv_transfer import shared_cache, tensors
-from kv_transfer.messages import KVShipment, WireFormat
-from kv_transfer.sender import KVSender, SenderConfig
-from kv_transfer.staging import StagingRing
-from prefill_node.shipper import Shipment, Shipper
-from protocol.kv_layout import KVCacheSpec
+from pdserve.engine.platform import FakeEvent, Platform, SplitPlatform
+from pdserve.kv_transfer import shared_cache, tensors
+from pdserve.kv_transfer.messages import KVShipment, WireFormat
+from pdserve.kv_transfer.sender import KVSender, SenderConfig
+from pdserve.kv_transfer.staging import StagingRing
+from pdserve.prefill_node.shipper import Shipment, Shipper
+from pdserve.protocol.kv_layout import KVCacheSpec
 from tests.cluster import free_port
 
 pytestmark = pytest.mark.timeout(30)

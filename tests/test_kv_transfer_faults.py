@@ -19,13 +19,13 @@ from hypothesis import strategies as st
 from kv_transfer_peer import BLOCK_SIZE, make_caches, make_fingerprint, prefill_side
 from test_kv_transfer import NUM_BLOCKS, make_receiver, poll_until
 
-from kv_transfer import tensors
-from kv_transfer.errors import KVAborted, KVTimeout
-from kv_transfer.messages import Abort, Error, KVChunk, KVGrant, KVReserve, WireFormat, decode
-from kv_transfer.receiver import KVReceiver
-from kv_transfer.sender import KVSender, SenderConfig
-from protocol.block_hash import hash_full_blocks
-from protocol.channel import PeerChannel
+from pdserve.kv_transfer import tensors
+from pdserve.kv_transfer.errors import KVAborted, KVTimeout
+from pdserve.kv_transfer.messages import Abort, Error, KVChunk, KVGrant, KVReserve, WireFormat, decode
+from pdserve.kv_transfer.receiver import KVReceiver
+from pdserve.kv_transfer.sender import KVSender, SenderConfig
+from pdserve.protocol.block_hash import hash_full_blocks
+from pdserve.protocol.channel import PeerChannel
 
 pytestmark = pytest.mark.timeout(40)
 PEER_SCRIPT = Path(__file__).with_name("kv_transfer_peer.py")

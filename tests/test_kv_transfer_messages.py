@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_transfer import messages
-from kv_transfer.messages import (
+from pdserve.kv_transfer import messages
+from pdserve.kv_transfer.messages import (
     PROTOCOL_VERSION,
     Abort,
     Error,
@@ -25,7 +25,7 @@ from kv_transfer.messages import (
     RingRef,
     WireFormat,
 )
-from protocol.sampling_params import SamplingParams
+from pdserve.protocol.sampling_params import SamplingParams
 
 FP = KVFingerprint("smollm2-135m", "float32", 16, "nbhd-v1", 30, 3, 64)
 EXAMPLES = [

@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from kv_transfer import memfd, staging
-from kv_transfer.sender import KVSender, SenderConfig
+from pdserve.kv_transfer import memfd, staging
+from pdserve.kv_transfer.sender import KVSender, SenderConfig
 from tests.test_kv_transfer import make_caches, make_fingerprint, make_receiver, poll_until, prefill_side
 
 
@@ -71,7 +71,7 @@ def test_no_shared_memory_falls_back_to_the_socket_with_a_log_line(monkeypatch, 
 
     monkeypatch.setattr(memfd, "create", no_memory)  # the fault a full tmpfs or cgroup would cause
     receiver = make_receiver("tcp://127.0.0.1:0")
-    with caplog.at_level(logging.WARNING, logger="kv_transfer.staging"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.kv_transfer.staging"):
         sender = KVSender(receiver.address, make_fingerprint(), SenderConfig(staging_bytes=1 << 20))
     try:
         assert sender._ring.ref is None
@@ -86,7 +86,7 @@ def test_no_shared_memory_falls_back_to_the_socket_with_a_log_line(monkeypatch, 
 def test_ring_bytes_that_change_after_the_check_never_land(monkeypatch):
     """A sender that rewrites a slot between the receiver's checksum and its copy (a reset ring
     reused by the next request) must not get unchecked bytes into the receiver's cache."""
-    import kv_transfer.receiver as receiver_module
+    import pdserve.kv_transfer.receiver as receiver_module
 
     receiver = make_receiver("tcp://127.0.0.1:0")
     sender = KVSender(receiver.address, make_fingerprint(), SenderConfig(staging_bytes=1 << 20))

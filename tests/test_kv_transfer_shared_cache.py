@@ -13,12 +13,12 @@ import torch
 from kv_transfer_peer import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, make_fingerprint, prefill_side
 from test_kv_transfer import make_receiver, poll_until
 
-from engine.sequence import Sequence
-from kv_transfer import shared_cache
-from kv_transfer.messages import CacheRef
-from kv_transfer.sender import KVSender, SenderConfig
-from protocol.kv_layout import KVCacheSpec
-from protocol.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
+from pdserve.kv_transfer import shared_cache
+from pdserve.kv_transfer.messages import CacheRef
+from pdserve.kv_transfer.sender import KVSender, SenderConfig
+from pdserve.protocol.kv_layout import KVCacheSpec
+from pdserve.protocol.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(30)
 NUM_BLOCKS = 16
@@ -166,8 +166,8 @@ def test_the_cache_is_readable_from_another_process():
     code = textwrap.dedent(f"""
         import sys; sys.path.insert(0, "tests")
         from kv_transfer_peer import make_fingerprint
-        from kv_transfer import shared_cache
-        from kv_transfer.messages import CacheRef
+        from pdserve.kv_transfer import shared_cache
+        from pdserve.kv_transfer.messages import CacheRef
         view = shared_cache.attach(CacheRef({cache.ref.pid}, {cache.ref.fd}, {NUM_BLOCKS}), make_fingerprint())
         print(float(view[1, 0, 3].sum()), float(view[2, 1, 7, 1].sum()))
     """)
@@ -196,8 +196,8 @@ def test_layer_checksum_depends_on_the_bytes_not_on_where_the_blocks_sit():
     [(True, 0), (False, 1), (False, 3 * 4 * 2 * 8 * 4), (False, 1 << 20)],  # torch path: a block, 3, all
 )
 def test_copy_direct_lands_the_bytes_and_checks_them_tile_by_tile(monkeypatch, native, tile_bytes):
-    from kernels import cpu_ext
-    from kv_transfer import peer_memory
+    from pdserve.kernels import cpu_ext
+    from pdserve.kv_transfer import peer_memory
 
     fused_calls = []
     if native:  # the C++ copy-and-hash: counted, so that the test knows it ran
@@ -230,9 +230,9 @@ def test_copy_direct_lands_the_bytes_and_checks_them_tile_by_tile(monkeypatch, n
 def test_a_new_ring_on_a_reused_descriptor_is_mapped_afresh():
     """A sender that closes its staging ring and makes another often gets the same descriptor
     number back: the receiver must map the new ring, not read the old one's pages."""
-    from kv_transfer import staging
-    from kv_transfer.messages import KVReserve
-    from kv_transfer.peer_memory import PeerMemory
+    from pdserve.kv_transfer import staging
+    from pdserve.kv_transfer.messages import KVReserve
+    from pdserve.kv_transfer.peer_memory import PeerMemory
 
     peer = PeerMemory(make_fingerprint(), enabled=True)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv_transfer import tensors
-from kv_transfer.messages import WireFormat
-from kv_transfer.staging import StagingRing
+from pdserve.kv_transfer import tensors
+from pdserve.kv_transfer.messages import WireFormat
+from pdserve.kv_transfer.staging import StagingRing
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

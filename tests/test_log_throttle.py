@@ -9,9 +9,9 @@ import json
 import logging
 import time
 
-from node.log import EventLog
-from protocol.messages import ProtocolError
-from router import node_client
+from pdserve.node.log import EventLog
+from pdserve.protocol.messages import ProtocolError
+from pdserve.router import node_client
 
 
 def _records(stream: io.StringIO) -> list[dict]:
@@ -41,7 +41,7 @@ def test_the_router_logs_a_burst_of_malformed_node_messages_and_then_a_count(cap
     monkeypatch.setattr(node_client, "_BAD_LOG_WINDOW_S", 0.2)
     client = node_client.NodeClient()
     try:
-        with caplog.at_level(logging.WARNING, logger="router.node_client"):
+        with caplog.at_level(logging.WARNING, logger="pdserve.router.node_client"):
             for i in range(500):
                 client._log_malformed(ProtocolError(f"frame {i}"))
             time.sleep(0.25)
@@ -57,16 +57,16 @@ def test_the_router_logs_a_burst_of_malformed_node_messages_and_then_a_count(cap
 
 
 def test_a_nodes_own_module_logs_reach_its_event_log_from_info_up():
-    from node.log import OWN_LOGGERS, forward_own_logs
+    from pdserve.node.log import OWN_LOGGERS, forward_own_logs
 
     stream = io.StringIO()
     handler = forward_own_logs(EventLog("node-1", stream))
     try:
-        logging.getLogger("engine.cpu_share").info(
+        logging.getLogger("pdserve.engine.cpu_share").info(
             "engine: %d torch threads (other processes took %.1f)", 1, 0.9
         )
-        logging.getLogger("kernels.cpu_ext").warning("CPU paged attention: no C++ compiler")
-        logging.getLogger("engine.cpu_share").debug("not this")
+        logging.getLogger("pdserve.kernels.cpu_ext").warning("CPU paged attention: no C++ compiler")
+        logging.getLogger("pdserve.engine.cpu_share").debug("not this")
         logging.getLogger("httpx").warning("nor another package's")
     finally:
         for name in OWN_LOGGERS:
@@ -77,14 +77,14 @@ def test_a_nodes_own_module_logs_reach_its_event_log_from_info_up():
             "node": "node-1",
             "event": "log",
             "level": "info",
-            "logger": "engine.cpu_share",
+            "logger": "pdserve.engine.cpu_share",
             "message": "engine: 1 torch threads (other processes took 0.9)",
         },
         {
             "node": "node-1",
             "event": "log",
             "level": "warning",
-            "logger": "kernels.cpu_ext",
+            "logger": "pdserve.kernels.cpu_ext",
             "message": "CPU paged attention: no C++ compiler",
         },
     ]

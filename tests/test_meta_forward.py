@@ -3,7 +3,7 @@
 Meta tensors have shapes but no data, so two faults that would show only on a GPU fail here, on
 the CPU: a non-scalar host tensor mixed with device tensors (a factory without ``device=``)
 raises, and so does any host sync (``.tolist()``, ``.item()``, ``int(t)``, ``bool(t)``), which a
-CUDA graph cannot capture. The kernels' meta fakes (kernels/__init__.py) stand in for the KV
+CUDA graph cannot capture. The kernels' meta fakes (kernels/ops.py) stand in for the KV
 write and the attention. The model is built as engine/model_runner.py builds it, from the tiny
 configs alone (no weights), in the CUDA default dtype. GPU_PLAN.md section 3, "Meta forward".
 """
@@ -15,10 +15,10 @@ import torch
 from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-import kernels
-from engine.attention import AttentionMetadata
-from engine.config import ModelConfig
-from engine.models import model_class
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.models import model_class
+from pdserve.kernels import ops
 from tests.tiny_families import FAMILY_CONFIGS
 from tests.tiny_models import CONFIGS
 
@@ -119,8 +119,8 @@ def test_the_meta_fakes_assert_devices_as_the_kernels_do():
     # A host slot_mapping beside meta caches would read host memory from the device.
     key, caches = _meta(2, 2, 16, dtype=DTYPE), [_meta(4, 8, 2, 16, dtype=DTYPE) for _ in range(2)]
     with pytest.raises(AssertionError, match="slot_mapping is on cpu"):
-        kernels.write_kv_cache(key, key, *caches, torch.zeros(2, dtype=torch.int64))
+        ops.write_kv_cache(key, key, *caches, torch.zeros(2, dtype=torch.int64))
     with pytest.raises(AssertionError, match="context_lens is on cpu"):
-        kernels.paged_decode_attention(
+        ops.paged_decode_attention(
             key.repeat(1, 2, 1), *caches, _meta(2, 1), torch.ones(2, dtype=torch.int32), 1.0
         )

@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 import shutil
 
-from protocol.model_digest import model_digest
-from router.node_client import NodeClient
-from router.registry_client import NodeRegistry
+from pdserve.protocol.model_digest import model_digest
+from pdserve.router.node_client import NodeClient
+from pdserve.router.registry_client import NodeRegistry
 from tests.test_router_support import FINGERPRINT, node_info
 from tests.tiny_models import make_tiny_model
 
@@ -56,7 +56,7 @@ def test_a_node_whose_fingerprint_pairs_with_none_is_logged_naming_the_field(cap
         decode = node_info("d1", "decode")
         prefill = node_info("p1", "prefill", fingerprint=dataclasses.replace(FINGERPRINT, block_size=32))
         twin = node_info("p2", "prefill")
-        with caplog.at_level("ERROR", logger="router.registry_client"):
+        with caplog.at_level("ERROR", logger="pdserve.router.registry_client"):
             registry.update([decode], now=1.0)
             registry.update([decode, prefill, twin], now=2.0)
             registry.update([decode, prefill, twin], now=3.0)  # once per node, not per poll

@@ -10,10 +10,10 @@ import shutil
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig, ModelConfig
-from engine.model_runner import ModelRunner
-from protocol.kv_layout import KVCacheSpec
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.protocol.kv_layout import KVCacheSpec
 from tests.engine_helpers import hf_greedy, hf_logits, hf_model, paged_logits
 from tests.tiny_models import make_tiny_model
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import model_fetch
-from engine.model_fetch import (
+from pdserve.engine import model_fetch
+from pdserve.engine.model_fetch import (
     COMPLETE_MARKER,
     CONVERTER_VERSION,
     DEFAULT_MODEL_NAME,

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from engine import SamplingParams
-from engine.config import EngineConfig, ModelConfig
-from engine.model_runner import ModelRunner
-from engine.scheduler import ScheduledSeq, SchedulerOutput
-from engine.sequence import Sequence
-from protocol.kv_layout import KVCacheSpec
+from pdserve.engine import SamplingParams
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pdserve.engine.sequence import Sequence
+from pdserve.protocol.kv_layout import KVCacheSpec
 from tests.tiny_models import make_tiny_model
 
 

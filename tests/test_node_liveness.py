@@ -6,14 +6,14 @@ from __future__ import annotations
 import threading
 import time
 
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from node.log import EventLog
-from node.options import NodeOptions
-from node.runtime import NodeRuntime
-from protocol.channel import PeerChannel
-from protocol.messages import NodeStatus, StatusQuery, decode_frames
+from pdserve.engine import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.node.log import EventLog
+from pdserve.node.options import NodeOptions
+from pdserve.node.runtime import NodeRuntime
+from pdserve.protocol.channel import PeerChannel
+from pdserve.protocol.messages import NodeStatus, StatusQuery, decode_frames
 from tests.test_status import PREFILL
 from tests.tiny_models import make_tiny_model
 

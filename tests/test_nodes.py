@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from protocol.registry import KEY_PREFIX, list_nodes
+from pdserve.protocol.registry import KEY_PREFIX, list_nodes
 from tests.cluster import Client, NodeProcess, RedisServer
 from tests.engine_helpers import hf_greedy
 from tests.tiny_models import make_tiny_model
@@ -119,8 +119,8 @@ def test_bad_messages_get_an_error_and_the_node_keeps_serving(pair, client, mode
     sock = client._dealer(decode["control_addr"])
     sock.send(b"\x93\x01\xa3not a real message")
     assert sock.poll(5000), "no answer to a malformed message"
-    from protocol.messages import RequestFailed
-    from protocol.messages import decode as decode_msg
+    from pdserve.protocol.messages import RequestFailed
+    from pdserve.protocol.messages import decode as decode_msg
 
     answer = decode_msg(sock.recv())
     assert isinstance(answer, RequestFailed) and answer.code == "bad_message"
@@ -177,11 +177,11 @@ def test_sigterm_drains_and_deregisters(model, redis_server, tmp_path):
 def test_kv_that_never_arrives_is_reported_to_the_router_and_its_blocks_freed(pair, client):
     """A prefill node that reserves and then goes silent (as if killed): the decode node frees
     the grant at its chunk deadline and tells the waiting router instead of leaving it hanging."""
-    from kv_transfer.messages import KVFingerprint
-    from kv_transfer.sender import KVSender, SenderConfig
-    from protocol.kv_layout import KV_LAYOUT_NAME
-    from protocol.messages import RequestFailed, RequestMeta
-    from protocol.sampling_params import SamplingParams
+    from pdserve.kv_transfer.messages import KVFingerprint
+    from pdserve.kv_transfer.sender import KVSender, SenderConfig
+    from pdserve.protocol.kv_layout import KV_LAYOUT_NAME
+    from pdserve.protocol.messages import RequestFailed, RequestMeta
+    from pdserve.protocol.sampling_params import SamplingParams
 
     _, _, prefill, decode = pair
     fp = KVFingerprint(**client.status(decode)["fingerprint"])
@@ -209,11 +209,11 @@ def test_an_abort_reaches_reservations_queued_in_the_decode_engine_and_granted_o
     every block comes back (no tombstones left behind)."""
     import concurrent.futures
 
-    from kv_transfer.errors import KVAborted
-    from kv_transfer.messages import KVFingerprint
-    from kv_transfer.sender import KVSender, SenderConfig
-    from protocol.messages import RequestMeta
-    from protocol.sampling_params import SamplingParams
+    from pdserve.kv_transfer.errors import KVAborted
+    from pdserve.kv_transfer.messages import KVFingerprint
+    from pdserve.kv_transfer.sender import KVSender, SenderConfig
+    from pdserve.protocol.messages import RequestMeta
+    from pdserve.protocol.sampling_params import SamplingParams
 
     _, _, _, decode = pair
     fp = KVFingerprint(**client.status(decode)["fingerprint"])

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from protocol.registry import list_nodes
+from pdserve.protocol.registry import list_nodes
 from tests.cluster import Client, NodeProcess, RedisServer
 from tests.engine_helpers import hf_greedy
 from tests.tiny_models import make_tiny_model

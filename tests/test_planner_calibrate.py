@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve_cli.main import main
-from planner.calibrate import DECODE_HEADROOM, Grid
-from planner.profile import Profile
+from pdserve.cli.main import main
+from pdserve.planner.calibrate import DECODE_HEADROOM, Grid
+from pdserve.planner.profile import Profile
 from tests.tiny_models import make_tiny_model
 
 
@@ -52,9 +52,9 @@ def test_decode_points_hold_every_request_while_a_small_budget_prefills_the_late
     # 16 prompts of 60 tokens at 24 tokens a step: the first prompts decode for 40-odd steps
     # while the last ones prefill (a slow machine's step budget cuts prompts as small); each
     # batch is still timed with its requests running, not after they ran out of tokens
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from planner.calibrate import _decode_points
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.planner.calibrate import _decode_points
 
     engine = LLMEngine(
         EngineConfig(

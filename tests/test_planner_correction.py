@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from planner.correction import (
+from pdserve.planner.correction import (
     SCALE_MAX,
     SCALE_MIN,
     WEIGHT,
@@ -17,8 +17,8 @@ from planner.correction import (
     fit_prefill_scale,
     mean_ttft_s,
 )
-from planner.scaling import demand
-from planner.simulate import Cluster
+from pdserve.planner.scaling import demand
+from pdserve.planner.simulate import Cluster
 from tests.test_autoscale_policy import PD, PROFILE, SLO, window
 
 LIGHT = (1.0, 200, 2)  # req/s, prompt tokens, output tokens: the prefill node is 40% busy
@@ -92,8 +92,8 @@ def test_a_fit_holds_for_loads_near_the_one_it_was_measured_on():
 
 
 def test_pdserve_up_takes_the_profile_as_calibrated_only_when_told_and_only_with_autoscale():
-    from pdserve_cli.main import build_parser
-    from pdserve_cli.up_slo import node_budget
+    from pdserve.cli.main import build_parser
+    from pdserve.cli.up_slo import node_budget
 
     parser = build_parser()
     assert parser.parse_args(["up"]).autoscale_trust_profile is None  # corrected by default

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from bench_serve.metrics import Slo
-from planner.predict import predict, slo_fraction
-from planner.profile import DecodeStepGrid, PiecewiseLinear, Profile, TransferModel
-from planner.recommend import rank, shapes
-from planner.simulate import Cluster, SimRequest, simulate
+from pdserve.bench_serve.metrics import Slo
+from pdserve.planner.predict import predict, slo_fraction
+from pdserve.planner.profile import DecodeStepGrid, PiecewiseLinear, Profile, TransferModel
+from pdserve.planner.recommend import rank, shapes
+from pdserve.planner.simulate import Cluster, SimRequest, simulate
 
 PROFILE = Profile(
     model="toy",
@@ -152,7 +152,7 @@ def test_profile_round_trips_through_json(tmp_path):
 
 
 def test_simulate_command_replays_a_bench_workload_through_the_model(tmp_path, capsys):
-    from pdserve_cli.main import main
+    from pdserve.cli.main import main
 
     PROFILE.save(tmp_path / "p.json")
     args = [

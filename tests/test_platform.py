@@ -12,12 +12,12 @@ import sys
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig, ModelConfig
-from engine.model_runner import ModelRunner, StepInputs
-from engine.platform import TEST_PLATFORM_ENV, CUDAPlatform, Platform, SplitPlatform, resolve_platform
-from engine.sizing import DeviceMemory, size_device_pool, size_engine
-from protocol.kv_layout import KVCacheSpec
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.model_runner import ModelRunner, StepInputs
+from pdserve.engine.platform import TEST_PLATFORM_ENV, CUDAPlatform, Platform, SplitPlatform, resolve_platform
+from pdserve.engine.sizing import DeviceMemory, size_device_pool, size_engine
+from pdserve.protocol.kv_layout import KVCacheSpec
 from tests.engine_helpers import hf_greedy
 from tests.tiny_models import make_tiny_model
 
@@ -123,7 +123,7 @@ def test_cuda_starts_with_a_warning_that_it_has_not_run_on_a_gpu(monkeypatch, ca
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(CUDAPlatform, "activate", lambda self: None)
-    with caplog.at_level("WARNING", logger="engine.platform"):
+    with caplog.at_level("WARNING", logger="pdserve.engine.platform"):
         platform = resolve_platform("cuda:1")
         assert isinstance(platform, CUDAPlatform) and platform.device == torch.device("cuda", 1)
         assert "has not yet run on a GPU" in caplog.text
@@ -181,7 +181,7 @@ def test_the_profile_run_executes_and_leaves_the_pool_untouched():
 def test_the_prefill_probe_seeds_the_speed_and_leaves_the_engine_as_it_was():
     """A node times a prompt before it serves (its first record has a prefill speed); the
     engine's pool, blocks, prefix cache and step counts are as a fresh engine's after it."""
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=str(make_tiny_model("llama")), num_kv_blocks=32, block_size=4))
     assert engine.stats().prefill_tokens_per_s is None

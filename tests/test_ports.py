@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from launcher import ports
+from pdserve.launcher import ports
 
 
 def test_free_ports_lie_below_the_ephemeral_range_and_are_never_handed_out_twice():

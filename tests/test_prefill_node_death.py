@@ -22,7 +22,7 @@ from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.slow
 HEARTBEAT_TTL_S = 3.0  # the nodes' default
-RETRY_RE = re.compile(r"^(\d+\.\d+) WARNING router\.generation: sample \S+: attempt 1 failed", re.M)
+RETRY_RE = re.compile(r"^(\d+\.\d+) WARNING pdserve\.router\.generation: sample \S+: attempt 1 failed", re.M)
 
 
 @pytest.fixture

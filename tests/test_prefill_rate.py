@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from engine.step_stats import RATE_MIN_PROMPT_TOKENS, PrefillRate, StepStats
-from protocol.registry import NodeInfo
-from router.metrics import RouterMetrics, prefill_backlog_seconds
+from pdserve.engine.step_stats import RATE_MIN_PROMPT_TOKENS, PrefillRate, StepStats
+from pdserve.protocol.registry import NodeInfo
+from pdserve.router.metrics import RouterMetrics, prefill_backlog_seconds
 from tests.cluster import Client, NodeProcess
 from tests.test_router_support import node_info
 from tests.tiny_models import make_tiny_model

@@ -9,13 +9,13 @@ import json
 import msgpack
 import pytest
 
-from kv_transfer import messages as km
-from kv_transfer.messages import KVFingerprint, KVReserve
-from protocol import messages as pm
-from protocol.codec import PROTOCOL_VERSION, ProtocolError
-from protocol.messages import GenerateRequest, NodeStatus, RequestMeta
-from protocol.registry import NodeInfo, Role
-from protocol.sampling_params import GuidedDecoding, LogitBias, SamplingParams
+from pdserve.kv_transfer import messages as km
+from pdserve.kv_transfer.messages import KVFingerprint, KVReserve
+from pdserve.protocol import messages as pm
+from pdserve.protocol.codec import PROTOCOL_VERSION, ProtocolError
+from pdserve.protocol.messages import GenerateRequest, NodeStatus, RequestMeta
+from pdserve.protocol.registry import NodeInfo, Role
+from pdserve.protocol.sampling_params import GuidedDecoding, LogitBias, SamplingParams
 
 EVERY_FIELD_SET = SamplingParams(
     n=1,
@@ -181,7 +181,7 @@ def test_prompt_logprobs_ride_the_first_chunk_with_their_ranks():
 
 
 def test_finish_reasons_and_failure_codes_are_typed_on_the_wire():
-    from protocol.reasons import FailureCode, FinishReason
+    from pdserve.protocol.reasons import FailureCode, FinishReason
 
     chunk = pm.decode(pm.encode(pm.TokenChunk("r1", "d0", (5,), (), FinishReason.LENGTH, 3, 0)))
     assert chunk.finish_reason is FinishReason.LENGTH and chunk.finish_reason == "length"

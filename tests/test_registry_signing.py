@@ -10,8 +10,8 @@ import time
 import pytest
 import redis
 
-from protocol.cluster_key import ClusterKeyError, load_key, write_new_key
-from protocol.registry import KEY_PREFIX, list_nodes, publish
+from pdserve.protocol.cluster_key import ClusterKeyError, load_key, write_new_key
+from pdserve.protocol.registry import KEY_PREFIX, list_nodes, publish
 from tests.cluster import RedisServer
 from tests.test_router_support import node_info
 
@@ -63,9 +63,9 @@ def test_a_key_file_is_checked_when_read(tmp_path):
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "decode-0.example"])
 def test_a_process_bound_beyond_loopback_refuses_to_start_without_the_key(host, tmp_path):
-    from node.options import NodeOptions
-    from protocol.registry import Role
-    from router.config import RouterConfig
+    from pdserve.node.options import NodeOptions
+    from pdserve.protocol.registry import Role
+    from pdserve.router.config import RouterConfig
 
     with pytest.raises(ValueError, match="--cluster-key-file PATH"):
         NodeOptions(role=Role.DECODE, host=host, model_id="m")
@@ -87,8 +87,8 @@ def test_a_signed_record_written_back_later_is_refused_as_a_replay(client, tmp_p
     why; the live node keeps its newest record meanwhile, and the node that left stays gone."""
     import asyncio
 
-    from router.node_client import NodeClient
-    from router.registry_client import RedisRegistry
+    from pdserve.router.node_client import NodeClient
+    from pdserve.router.registry_client import RedisRegistry
 
     client.flushdb()
     key_file = tmp_path / "k"
@@ -99,7 +99,7 @@ def test_a_signed_record_written_back_later_is_refused_as_a_replay(client, tmp_p
     async def go():
         nodes = NodeClient()
         registry = RedisRegistry(redis_url, nodes, 0.1, 30.0, key)
-        caplog.set_level("WARNING", logger="router.registry_client")
+        caplog.set_level("WARNING", logger="pdserve.router.registry_client")
 
         def refused() -> list[str]:
             return [r.getMessage() for r in caplog.records if "refused node record" in r.getMessage()]
@@ -143,7 +143,7 @@ def test_a_signed_record_written_back_later_is_refused_as_a_replay(client, tmp_p
 
 
 def test_a_live_nodes_heartbeat_stamps_never_go_back_even_when_the_wall_clock_does(monkeypatch):
-    from protocol import registry
+    from pdserve.protocol import registry
 
     first = registry.heartbeat_clock()
     monkeypatch.setattr(registry, "_wall_clock", lambda: 0.0)  # an NTP step back to 1970
@@ -156,7 +156,7 @@ def test_heartbeat_stamps_follow_the_wall_clock_forward_after_a_pause(monkeypatc
     """A VM paused and resumed: its wall clock steps ahead of where the monotonic clock took the
     stamps (CI saw 21.8 s). Stamps from the old time would make a router started after the step
     refuse the node's records as stale captures (ReplayGuard's skew allowance, 60 s)."""
-    from protocol import registry
+    from pdserve.protocol import registry
 
     before = registry.heartbeat_clock()
     stepped = time.time() + 600.0

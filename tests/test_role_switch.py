@@ -22,7 +22,7 @@ import httpx
 import pytest
 import redis
 
-from protocol.registry import list_nodes
+from pdserve.protocol.registry import list_nodes
 from tests.cluster import ROOT
 from tests.engine_helpers import hf_greedy
 from tests.up_launcher import FILLER, Launcher, completion_text, tiny_model_with_tokenizer
@@ -52,7 +52,7 @@ class Load:
     """Three clients sending requests back to back until stopped, each checked against HF."""
 
     def __init__(self, model, launcher: Launcher) -> None:
-        from router.tokenizer import Tokenizer
+        from pdserve.router.tokenizer import Tokenizer
 
         tokenizer = Tokenizer(model)
         self.url = launcher.url
@@ -143,7 +143,7 @@ def test_pdserve_role_switches_a_node_and_refuses_what_it_cannot_do(cluster):
     mover = node_id(launcher, "decode-1")
 
     def pdserve_role(*args: str) -> subprocess.CompletedProcess:
-        argv = [sys.executable, "-m", "pdserve_cli", "role", *args, "--router", launcher.url]
+        argv = [sys.executable, "-m", "pdserve", "role", *args, "--router", launcher.url]
         return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
     done = pdserve_role(mover, "prefill")

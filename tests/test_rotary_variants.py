@@ -8,7 +8,7 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.layers.rotary import rotary_frequencies
+from pdserve.engine.layers.rotary import rotary_frequencies
 
 LLAMA3 = {
     "rope_type": "llama3",

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from router.tokenizer import Tokenizer
+from pdserve.router.tokenizer import Tokenizer
 from tests.test_router_support import config_for, node_info, running_app
 
 
@@ -267,15 +267,15 @@ def test_models_health_and_metrics(tokenizer, default_model_dir):
 def test_router_app_never_imports_torch(default_model_dir):
     code = (
         "import sys, asyncio\n"
-        "from router.app import create_app\n"
-        "from router.config import RouterConfig\n"
+        "from pdserve.router.app import create_app\n"
+        "from pdserve.router.config import RouterConfig\n"
         f"app = create_app(RouterConfig(model={str(default_model_dir)!r}, decode_addrs=('tcp://127.0.0.1:1',)))\n"
         "async def go():\n"
         "    async with app.router.lifespan_context(app):\n"
         "        pass\n"
         "asyncio.run(go())\n"
-        "import pdserve_cli.main\n"
-        "pdserve_cli.main.build_parser()\n"
+        "import pdserve.cli.main\n"
+        "pdserve.cli.main.build_parser()\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -13,8 +13,8 @@ import types
 
 import pytest
 
-from router import generation
-from router.config import RouterConfig
+from pdserve.router import generation
+from pdserve.router.config import RouterConfig
 
 
 def _backend_and_route():

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from protocol.cluster_key import write_new_key
+from pdserve.protocol.cluster_key import write_new_key
 from tests.cluster import ROOT, NodeProcess, RedisServer, free_port
 from tests.engine_helpers import hf_greedy
 
@@ -79,7 +79,7 @@ class RouterProcess:
         cmd = [
             sys.executable,
             "-m",
-            "pdserve_cli",
+            "pdserve",
             "router",
             "--model",
             str(model),
@@ -173,7 +173,7 @@ def test_greedy_completion_equals_hf_and_streaming_equals_whole(cluster, default
             **GREEDY,
         )
     )
-    from router.tokenizer import Tokenizer
+    from pdserve.router.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(model)
     prompt_ids = tokenizer.encode(LONG_PROMPT)
@@ -317,7 +317,7 @@ def test_a_burst_past_the_ttft_slo_is_shed_with_429_and_what_is_admitted_stays_e
     counted on /metrics; and the nodes hold no block after."""
     import concurrent.futures
 
-    from router.tokenizer import Tokenizer
+    from pdserve.router.tokenizer import Tokenizer
 
     model, router, nodes = cluster
     tokenizer = Tokenizer(model)

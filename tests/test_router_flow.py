@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from router.tokenizer import Tokenizer
+from pdserve.router.tokenizer import Tokenizer
 from tests.test_router_support import LONG_PROMPT, TEXT, fake_cluster, fake_pair, run_async
 
 
@@ -217,8 +217,8 @@ def test_chunks_are_relayed_by_their_output_position_and_repeats_dropped():
     node sent them, and a chunk seen already is dropped (a migrated attempt starts past 0)."""
     import types
 
-    from protocol import messages as pm
-    from router.generation import _in_order
+    from pdserve.protocol import messages as pm
+    from pdserve.router.generation import _in_order
 
     def chunk(position: int, *ids: int, finish=None) -> pm.TokenChunk:
         return pm.TokenChunk("r", "d0", ids, (), finish, 3, 0, position=position)

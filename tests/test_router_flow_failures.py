@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from protocol import messages as pm
-from router.tokenizer import Tokenizer
+from pdserve.protocol import messages as pm
+from pdserve.router.tokenizer import Tokenizer
 from tests.test_router_support import LONG_PROMPT, TEXT, FakeNode, fake_cluster, fake_pair, run_async
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.tokenizer import Tokenizer
+from pdserve.router.tokenizer import Tokenizer
 from tests.test_router_support import config_for, running_app
 
 FIELDS = [

@@ -9,9 +9,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.step_stats import BUCKETS_S
-from router.metrics import LATENCY_BUCKETS, RouterMetrics
-from router.tokenizer import Tokenizer
+from pdserve.engine.step_stats import BUCKETS_S
+from pdserve.router.metrics import LATENCY_BUCKETS, RouterMetrics
+from pdserve.router.tokenizer import Tokenizer
 from tests.test_router_support import LONG_PROMPT, TEXT, FakeNode, fake_cluster, node_info, run_async
 
 Series = tuple[str, frozenset[tuple[str, str]]]  # sample name, labels

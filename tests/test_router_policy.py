@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from protocol.block_hash import hash_full_blocks
-from router.admission import Admission, Stage, Ticket
-from router.errors import APIError
-from router.policy import PrefixMap, RoutingPolicy
+from pdserve.protocol.block_hash import hash_full_blocks
+from pdserve.router.admission import Admission, Stage, Ticket
+from pdserve.router.errors import APIError
+from pdserve.router.policy import PrefixMap, RoutingPolicy
 from tests.test_router_support import FINGERPRINT, node_info
 
 PROMPT = tuple(range(40))  # 10 full blocks of 4
@@ -321,7 +321,7 @@ def test_ticket_releases_each_role_once():
 def test_a_first_token_predicted_too_late_is_shed_with_429_and_retry_after(predicted, slo, shed):
     from prometheus_client import CollectorRegistry, Counter
 
-    from router.admission import shed_late_first_token
+    from pdserve.router.admission import shed_late_first_token
 
     counter = Counter("shed", "", ["reason"], registry=CollectorRegistry())
     if shed is None:

@@ -6,8 +6,8 @@ import asyncio
 import dataclasses
 import time
 
-from router.node_client import NodeClient
-from router.registry_client import NodeRegistry
+from pdserve.router.node_client import NodeClient
+from pdserve.router.registry_client import NodeRegistry
 from tests.test_router_support import node_info
 
 
@@ -78,7 +78,7 @@ def test_a_new_router_is_ready_only_once_its_first_nodes_answered_through_the_re
 
 def _with_redis_registry(tmp_path, expiry_s: float, check) -> None:
     """``check(registry)`` against a RedisRegistry on a real redis-server; closes both after."""
-    from router.registry_client import RedisRegistry
+    from pdserve.router.registry_client import RedisRegistry
     from tests.cluster import RedisServer
 
     redis = RedisServer(tmp_path)
@@ -111,7 +111,7 @@ def test_a_redis_record_is_fresh_while_its_heartbeat_changes_whatever_the_clocks
 
 
 def test_a_node_with_a_skewed_clock_stays_in_the_pool_through_real_redis_polls(tmp_path, monkeypatch):
-    from protocol import registry as records
+    from pdserve.protocol import registry as records
 
     # The node's records are stamped by a wall clock an hour slow; the router's is right.
     # (Unsigned: under a cluster key a node first seen an hour behind is refused, see ReplayGuard.)
@@ -134,9 +134,9 @@ def test_a_node_streaming_a_request_nobody_waits_for_is_told_to_abort_it():
     """An abort can beat a request's KV to its decode node, which then adopts and decodes it: its
     first stray chunk at the router sends an AbortRequest back to that node, over real sockets.
     Chunks of a waiting request, a last chunk and a prefill node's first token send none."""
-    from protocol import messages as pm
-    from protocol.channel import ListenChannel, PushChannel
-    from protocol.reasons import FinishReason
+    from pdserve.protocol import messages as pm
+    from pdserve.protocol.channel import ListenChannel, PushChannel
+    from pdserve.protocol.reasons import FinishReason
 
     node = ListenChannel("tcp://127.0.0.1:0", decoder=pm.decode_frames)
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from protocol.cluster_key import write_new_key
+from pdserve.protocol.cluster_key import write_new_key
 from tests.cluster import NodeProcess, RedisServer
 from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.structured import ToolCallPlan, tool_calls
-from router.tokenizer import Tokenizer
+from pdserve.router.structured import ToolCallPlan, tool_calls
+from pdserve.router.tokenizer import Tokenizer
 from tests.test_router_api import CHAT, _assert_error, _post
 
 

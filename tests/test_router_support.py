@@ -13,16 +13,16 @@ import uvicorn
 import zmq
 import zmq.asyncio
 
-from launcher.ports import free_port
-from protocol import messages as pm
-from protocol.fingerprint import KVFingerprint
-from protocol.model_digest import model_digest
-from protocol.registry import NodeInfo, Role
-from router.app import create_app
-from router.config import RouterConfig
-from router.node_client import NodeClient
-from router.registry_client import NodeRegistry
-from router.tokenizer import Tokenizer
+from pdserve.launcher.ports import free_port
+from pdserve.protocol import messages as pm
+from pdserve.protocol.fingerprint import KVFingerprint
+from pdserve.protocol.model_digest import model_digest
+from pdserve.protocol.registry import NodeInfo, Role
+from pdserve.router.app import create_app
+from pdserve.router.config import RouterConfig
+from pdserve.router.node_client import NodeClient
+from pdserve.router.registry_client import NodeRegistry
+from pdserve.router.tokenizer import Tokenizer
 
 FINGERPRINT = KVFingerprint("tiny", "float32", 4, "test", 2, 2, 16)
 

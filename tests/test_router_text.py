@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from detok import IncrementalDetokenizer, StopStringMatcher
-from protocol.messages import TokenChunk
-from router.sample_state import SampleState
-from router.tokenizer import Tokenizer
+from pdserve.detok import IncrementalDetokenizer, StopStringMatcher
+from pdserve.protocol.messages import TokenChunk
+from pdserve.router.sample_state import SampleState
+from pdserve.router.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

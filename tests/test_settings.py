@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-from engine.config import EngineConfig
-from launcher.env_flags import NOT_FLAGS, command_flags, flags_from_env
-from pdserve_cli.main import build_parser
-from protocol.settings import Flag, flags, from_args, setting
+from pdserve.cli.main import build_parser
+from pdserve.engine.config import EngineConfig
+from pdserve.launcher.env_flags import NOT_FLAGS, command_flags, flags_from_env
+from pdserve.protocol.settings import Flag, flags, from_args, setting
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -152,7 +152,9 @@ def test_other_commands_run_as_given_and_read_their_own_variables():
 
 
 def test_the_entrypoint_imports_no_cli_module():
-    code = "import launcher.env_flags, sys; assert 'pdserve_cli' not in sys.modules, sorted(sys.modules)"
+    code = (
+        "import pdserve.launcher.env_flags, sys; assert 'pdserve.cli' not in sys.modules, sorted(sys.modules)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
 
 
@@ -160,7 +162,7 @@ def test_the_entrypoint_execs_the_command_with_the_mapped_flags():
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_") or k in NOT_FLAGS}
     env |= {"PDSERVE_MODEL": "/m", "PDSERVE_DECODE": "tcp://a:1", "PDSERVE_PORT": "eighty"}
     result = subprocess.run(
-        [sys.executable, "-m", "launcher.env_flags", "router"],
+        [sys.executable, "-m", "pdserve.launcher.env_flags", "router"],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -9,9 +9,9 @@ import time
 
 import torch
 
-from kv_transfer.messages import KVShipment
-from kv_transfer.sender import SenderConfig
-from prefill_node.shipper import Shipment, Shipper
+from pdserve.kv_transfer.messages import KVShipment
+from pdserve.kv_transfer.sender import SenderConfig
+from pdserve.prefill_node.shipper import Shipment, Shipper
 from tests.cluster import free_port
 from tests.kv_transfer_peer import make_fingerprint
 

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.speculation import MIN_FIT_STEPS, RowCost, Speculator, ngram_lookup
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.speculation import MIN_FIT_STEPS, RowCost, Speculator, ngram_lookup
 from tests.engine_helpers import hf_greedy
 from tests.tiny_models import make_tiny_model
 

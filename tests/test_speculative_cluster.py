@@ -115,7 +115,7 @@ def test_greedy_answers_on_both_paths_at_once_equal_hf_with_drafts_accepted(clus
 
 
 def test_seeded_samples_on_both_paths_are_the_engine_without_speculation(cluster):
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     model, name, url = cluster
     prompts = [_repetitive(50 + i, n) for i, n in enumerate((30, 180, 45, 260))]

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.engine_helpers import hf_greedy
 from tests.test_speculative import _prompts, _tokens
 from tests.tiny_models import make_tiny_model

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from pdserve_cli.main import build_parser, main
-from pdserve_cli.status import render
-from protocol.fingerprint import KVFingerprint
-from protocol.registry import NodeInfo, Role, publish
+from pdserve.cli.main import build_parser, main
+from pdserve.cli.status import render
+from pdserve.protocol.fingerprint import KVFingerprint
+from pdserve.protocol.registry import NodeInfo, Role, publish
 from tests.cluster import RedisServer, free_port
 
 PREFILL = NodeInfo(
@@ -98,7 +98,7 @@ def test_status_reads_the_nodes_registered_in_redis(tmp_path, capsys):
 
 
 def test_status_with_the_cluster_key_lists_signed_records_and_says_which_it_refused(tmp_path, capsys):
-    from protocol.cluster_key import write_new_key
+    from pdserve.protocol.cluster_key import write_new_key
 
     key = write_new_key(tmp_path / "cluster.key")
     redis = RedisServer(tmp_path)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.step_budget import AUTO_MAX_STEP_S, StepBudget
+from pdserve.engine import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.step_budget import AUTO_MAX_STEP_S, StepBudget
 from tests.tiny_models import make_tiny_model
 
 

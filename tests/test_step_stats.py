@@ -6,12 +6,12 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench_serve.server_steps import StepLine, difference, parse
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.step_stats import BUCKETS_S, StepStats
-from router.metrics import RouterMetrics
+from pdserve.bench_serve.server_steps import StepLine, difference, parse
+from pdserve.engine import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.step_stats import BUCKETS_S, StepStats
+from pdserve.router.metrics import RouterMetrics
 from tests.test_router_support import node_info
 from tests.tiny_models import make_tiny_model
 

@@ -13,9 +13,9 @@ import jsonschema
 import openai
 import pytest
 
-from engine import LLM, SamplingParams
-from protocol.sampling_params import GuidedDecoding
-from router.tokenizer import Tokenizer
+from pdserve.engine import LLM, SamplingParams
+from pdserve.protocol.sampling_params import GuidedDecoding
+from pdserve.router.tokenizer import Tokenizer
 from tests.cluster import Client, NodeProcess, RedisServer
 from tests.structured_cases import CHOICE_CASES, REGEX_CASES, json_schema_cases
 from tests.test_router_cluster import RouterProcess

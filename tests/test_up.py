@@ -21,12 +21,12 @@ import httpx
 import psutil
 import pytest
 
-from launcher.children import Child, stop_all
-from launcher.cluster import LocalCluster
-from launcher.plan import ClusterPlan, threads_per_node
-from node.options import options_from_args
-from pdserve_cli.main import build_parser
-from protocol.registry import Role
+from pdserve.cli.main import build_parser
+from pdserve.launcher.children import Child, stop_all
+from pdserve.launcher.cluster import LocalCluster
+from pdserve.launcher.plan import ClusterPlan, threads_per_node
+from pdserve.node.options import options_from_args
+from pdserve.protocol.registry import Role
 from tests.cluster import NodeProcess
 from tests.engine_helpers import hf_greedy
 from tests.up_launcher import FILLER, NODE_ARGS, Launcher, tiny_model_with_tokenizer
@@ -106,7 +106,7 @@ def test_plan_of_colocated_nodes_alone_is_complete(tmp_path):
     ],
 )
 def test_the_shape_it_starts_in(flags, shape):
-    from pdserve_cli.up_slo import start_shape
+    from pdserve.cli.up_slo import start_shape
 
     assert start_shape(build_parser().parse_args(["up", *flags])) == shape
 
@@ -120,7 +120,7 @@ def test_the_shape_it_starts_in(flags, shape):
     ],
 )
 def test_an_autoscale_budget_beyond_the_cores_is_refused_naming_what_asked_for_it(flags, message):
-    from pdserve_cli.up_slo import node_budget, start_shape
+    from pdserve.cli.up_slo import node_budget, start_shape
 
     args = build_parser().parse_args(["up", "--autoscale", *flags])
     with pytest.raises(ValueError, match=f"^{re.escape(message)}.*2 are usable here: start fewer nodes"):
@@ -136,7 +136,7 @@ def test_an_autoscale_budget_beyond_the_cores_is_refused_naming_what_asked_for_i
     ],
 )
 def test_autoscale_keeps_the_nodes_it_starts_with_unless_told(tmp_path, flags, nodes):
-    from pdserve_cli.up_slo import autoscale_options
+    from pdserve.cli.up_slo import autoscale_options
 
     argv = ["up", "--autoscale", "--ttft-slo-s", "4", "--tpot-slo-s", "0.25", *flags]
     args = build_parser().parse_args(argv)
@@ -233,7 +233,7 @@ def up(model, tmp_path_factory):
 
 @pytest.mark.slow
 def test_forty_concurrent_requests_match_hf_and_use_both_nodes_of_each_role(up, model):
-    from router.tokenizer import Tokenizer
+    from pdserve.router.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(model)
     prompts = [f"Request {i}: {FILLER}" for i in range(40)]
@@ -331,8 +331,8 @@ def test_sigterm_to_the_launcher_stops_every_child_and_frees_every_port(up, mode
 def test_colocated_nodes_serve_concurrent_requests_equal_to_hf_on_both_nodes_without_kv(
     model, tmp_path, capsys
 ):
-    from pdserve_cli.main import main
-    from router.tokenizer import Tokenizer
+    from pdserve.cli.main import main
+    from pdserve.router.tokenizer import Tokenizer
 
     launcher = Launcher(tmp_path, model, "--colocated", "2")
     try:

@@ -24,9 +24,9 @@ import httpx
 import pytest
 import redis
 
-from protocol.addresses import is_loopback
-from protocol.cluster_key import write_new_key
-from protocol.registry import KEY_PREFIX
+from pdserve.protocol.addresses import is_loopback
+from pdserve.protocol.cluster_key import write_new_key
+from pdserve.protocol.registry import KEY_PREFIX
 from tests.cluster import NodeProcess
 from tests.engine_helpers import hf_greedy
 from tests.up_launcher import FILLER, NODE_ARGS, Launcher, completion_text, tiny_model_with_tokenizer
@@ -79,7 +79,7 @@ def router_log(launcher: Launcher) -> str:
 def load_stays_exact(model, launcher: Launcher, num_requests: int = 12):
     """Runs ``num_requests`` concurrent requests through the router while the block runs, and
     checks each against HF's greedy output after it."""
-    from router.tokenizer import Tokenizer
+    from pdserve.router.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(model)
     # short prompts prefill on the decode node, long ones go prefill node -> decode node
@@ -142,14 +142,14 @@ def test_peers_without_the_key_are_refused_on_every_socket_while_the_cluster_ser
     """CURVE under the cluster key: a process without it sends a GenerateRequest to the decode node
     and to the prefill node, offers KV, and pushes token chunks to the router's reply port, all at
     their network addresses. Each is refused at the handshake and logged; none of it is taken."""
-    from kv_transfer.errors import KVTimeout
-    from kv_transfer.messages import KVFingerprint
-    from kv_transfer.sender import KVSender, SenderConfig
-    from protocol import messages as pm
-    from protocol.channel import PeerChannel, PushChannel
-    from protocol.kv_layout import KV_LAYOUT_NAME
-    from protocol.reasons import FinishReason
-    from protocol.sampling_params import SamplingParams
+    from pdserve.kv_transfer.errors import KVTimeout
+    from pdserve.kv_transfer.messages import KVFingerprint
+    from pdserve.kv_transfer.sender import KVSender, SenderConfig
+    from pdserve.protocol import messages as pm
+    from pdserve.protocol.channel import PeerChannel, PushChannel
+    from pdserve.protocol.kv_layout import KV_LAYOUT_NAME
+    from pdserve.protocol.reasons import FinishReason
+    from pdserve.protocol.sampling_params import SamplingParams
 
     model, launcher = exposed
     decode, prefill = ready(launcher, "decode-0"), ready(launcher, "prefill-0")

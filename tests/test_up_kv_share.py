@@ -8,12 +8,12 @@ import dataclasses
 
 import pytest
 
-from engine.config import EngineConfig
-from launcher.cluster import LocalCluster
-from launcher.plan import LOCAL_KV_SHARE, kv_fraction_per_node
-from node.options import options_from_args
-from pdserve_cli.main import build_parser
-from protocol.registry import Role
+from pdserve.cli.main import build_parser
+from pdserve.engine.config import EngineConfig
+from pdserve.launcher.cluster import LocalCluster
+from pdserve.launcher.plan import LOCAL_KV_SHARE, kv_fraction_per_node
+from pdserve.node.options import options_from_args
+from pdserve.protocol.registry import Role
 from tests.test_up import plan_of
 from tests.tiny_models import make_tiny_model
 

@@ -11,10 +11,10 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from engine import LLM
-from engine.config import EngineConfig, ModelConfig
-from engine.model_runner import ModelRunner
-from protocol.kv_layout import KVCacheSpec
+from pdserve.engine import LLM
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.protocol.kv_layout import KVCacheSpec
 from tests.engine_helpers import hf_logits, paged_logits
 from tests.tiny_models import make_tiny_model
 

@@ -10,12 +10,10 @@ import os
 
 import pytest
 
-import kernels.kv_write
-import kernels.paged_decode
-import kernels.paged_prefill
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from pdserve.engine import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kernels import kv_write, paged_decode, paged_prefill
 from tests.engine_helpers import hf_greedy
 from tests.tiny_models import make_tiny_model
 
@@ -28,9 +26,9 @@ def count_kernel_calls(monkeypatch):
     """Count the Triton entry points the engine reaches (they are looked up at each call)."""
     CALLS.clear()
     for module, name in (
-        (kernels.kv_write, "write_kv_cache_triton"),
-        (kernels.paged_decode, "paged_decode_attention_triton"),
-        (kernels.paged_prefill, "paged_prefill_attention_triton"),
+        (kv_write, "write_kv_cache_triton"),
+        (paged_decode, "paged_decode_attention_triton"),
+        (paged_prefill, "paged_prefill_attention_triton"),
     ):
         real = getattr(module, name)
 

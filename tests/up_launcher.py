@@ -53,7 +53,7 @@ class Launcher:
         cmd = [
             sys.executable,
             "-m",
-            "pdserve_cli",
+            "pdserve",
             "up",
             "--model",
             str(model),

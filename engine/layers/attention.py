@@ -8,8 +8,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
-from engine.layers.rotary import RotaryEmbedding
+from pdserve.engine.attention import AttentionMetadata, paged_attention
+from pdserve.engine.layers.rotary import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [num_blocks, block_size, KVH, D]
 

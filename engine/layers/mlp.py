@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers.activations import activation
-from kernels import cpu_ext
+from pdserve.engine.layers.activations import activation
+from pdserve.kernels import cpu_ext
 
 
 class GatedMLP(nn.Module):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.activations import activation
+from pdserve.engine.layers.activations import activation
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import cpu_ext
+from pdserve.kernels import cpu_ext
 
 LayerNorm = nn.LayerNorm  # GPT-2 and StableLM: mean and variance, weight and bias
 

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from kernels import cpu_ext
+from pdserve.kernels import cpu_ext
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

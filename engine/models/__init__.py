@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from engine.config import ModelConfig
-from engine.models.gemma import GemmaForCausalLM
-from engine.models.gemma2 import Gemma2ForCausalLM
-from engine.models.gpt2 import GPT2LMHeadModel
-from engine.models.llama import LlamaForCausalLM
-from engine.models.mixtral import MixtralForCausalLM
-from engine.models.olmo2 import Olmo2ForCausalLM
-from engine.models.phi3 import Phi3ForCausalLM
-from engine.models.qwen2_moe import Qwen2MoeForCausalLM
-from engine.models.qwen3 import Qwen3ForCausalLM
-from engine.models.stablelm import StableLmForCausalLM
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.models.gemma import GemmaForCausalLM
+from pdserve.engine.models.gemma2 import Gemma2ForCausalLM
+from pdserve.engine.models.gpt2 import GPT2LMHeadModel
+from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.mixtral import MixtralForCausalLM
+from pdserve.engine.models.olmo2 import Olmo2ForCausalLM
+from pdserve.engine.models.phi3 import Phi3ForCausalLM
+from pdserve.engine.models.qwen2_moe import Qwen2MoeForCausalLM
+from pdserve.engine.models.qwen3 import Qwen3ForCausalLM
+from pdserve.engine.models.stablelm import StableLmForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,  # Llama 2/3, SmolLM2

@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata
-from engine.config import ModelConfig
-from engine.layers.attention import AttentionSpec, KVCache
-from engine.layers.norms import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.layers.attention import AttentionSpec, KVCache
+from pdserve.engine.layers.norms import RMSNorm
+from pdserve.engine.layers.rotary import RotaryEmbedding
 
 
 class PreNormLayer(nn.Module):

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata
-from engine.config import ModelConfig
-from engine.layers.activations import activation
-from engine.layers.attention import AttentionSpec, KVCache, attend, split_heads
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.layers.activations import activation
+from pdserve.engine.layers.attention import AttentionSpec, KVCache, attend, split_heads
 
 
 class Conv1D(nn.Module):

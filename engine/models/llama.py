@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from engine.config import ModelConfig
-from engine.layers.attention import SelfAttention
-from engine.layers.mlp import GatedMLP
-from engine.layers.norms import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
-from engine.models.decoder import CausalLM, PreNormLayer, attention_spec, rotary
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.layers.attention import SelfAttention
+from pdserve.engine.layers.mlp import GatedMLP
+from pdserve.engine.layers.norms import RMSNorm
+from pdserve.engine.layers.rotary import RotaryEmbedding
+from pdserve.engine.models.decoder import CausalLM, PreNormLayer, attention_spec, rotary
 
 
 def llama_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> PreNormLayer:

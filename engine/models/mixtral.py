@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.layers.attention import SelfAttention
-from engine.layers.moe import Experts, TopKRouter
-from engine.layers.norms import RMSNorm
-from engine.models.decoder import CausalLM, PreNormLayer, attention_spec, rotary
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.layers.attention import SelfAttention
+from pdserve.engine.layers.moe import Experts, TopKRouter
+from pdserve.engine.layers.norms import RMSNorm
+from pdserve.engine.models.decoder import CausalLM, PreNormLayer, attention_spec, rotary
 
 
 class MixtralSparseBlock(nn.Module):

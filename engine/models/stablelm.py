@@ -4,12 +4,12 @@ a parallel residual (attention and MLP read the same normed input)."""
 
 from __future__ import annotations
 
-from engine.config import ModelConfig
-from engine.layers.attention import SelfAttention
-from engine.layers.mlp import GatedMLP
-from engine.layers.norms import LayerNorm, PerHeadLayerNorm
-from engine.layers.rotary import RotaryEmbedding
-from engine.models.decoder import CausalLM, ParallelLayer, PreNormLayer, attention_spec, rotary
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.layers.attention import SelfAttention
+from pdserve.engine.layers.mlp import GatedMLP
+from pdserve.engine.layers.norms import LayerNorm, PerHeadLayerNorm
+from pdserve.engine.layers.rotary import RotaryEmbedding
+from pdserve.engine.models.decoder import CausalLM, ParallelLayer, PreNormLayer, attention_spec, rotary
 
 
 def stablelm_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> PreNormLayer | ParallelLayer:

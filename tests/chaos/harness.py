@@ -57,7 +57,7 @@ class Router:
     def start(self) -> None:
         self.log_path = self.tmp / f"router-{self.port}-{time.monotonic_ns()}.log"
         self._log = open(self.log_path, "w")
-        cmd = [sys.executable, "-m", "pdserve_cli", "router", "--model", str(self.model), "--port"]
+        cmd = [sys.executable, "-m", "pdserve", "router", "--model", str(self.model), "--port"]
         cmd += [str(self.port), *(["--redis", self.redis_url] if self.redis_url else [])]
         cmd += ["--poll-interval-s", "0.2", *self.extra]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}

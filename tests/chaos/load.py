@@ -189,7 +189,7 @@ class Expected:
     """Hugging Face greedy outputs, each computed once."""
 
     def __init__(self, model: pathlib.Path) -> None:
-        from router.tokenizer import Tokenizer
+        from pdserve.router.tokenizer import Tokenizer
 
         self.model = model
         self.tokenizer = Tokenizer(model)

@@ -18,10 +18,10 @@ import msgpack
 import pytest
 import zmq
 
-from kv_transfer import messages as kvm
-from protocol import messages as pm
-from protocol.codec import PROTOCOL_VERSION
-from protocol.sampling_params import SamplingParams
+from pdserve.kv_transfer import messages as kvm
+from pdserve.protocol import messages as pm
+from pdserve.protocol.codec import PROTOCOL_VERSION
+from pdserve.protocol.sampling_params import SamplingParams
 from tests.chaos.load import Spec, request_once, write_report_row
 from tests.cluster import free_port
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from protocol.registry import KEY_PREFIX
+from pdserve.protocol.registry import KEY_PREFIX
 from tests.chaos.harness import restart_redis
 from tests.chaos.test_chaos_node_faults import run_fault
 

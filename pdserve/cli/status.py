@@ -57,8 +57,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_status(args: argparse.Namespace) -> int:
     import redis
 
-    from protocol.cluster_key import ClusterKeyError, load_key
-    from protocol.registry import connect, list_nodes
+    from pdserve.protocol.cluster_key import ClusterKeyError, load_key
+    from pdserve.protocol.registry import connect, list_nodes
 
     try:
         key = load_key(args.cluster_key_file) if args.cluster_key_file else None

@@ -9,8 +9,8 @@ import math
 import pathlib
 import sys
 
-from pdserve_cli.bench import add_workload_args, workload_spec
-from router.config import LOCAL_PREFILL_MARGIN_S  # a plain dataclass module: cheap to import
+from pdserve.cli.bench import add_workload_args, workload_spec
+from pdserve.router.config import LOCAL_PREFILL_MARGIN_S  # a plain dataclass module: cheap to import
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -106,18 +106,18 @@ def _ints(text: str) -> tuple[int, ...]:
 def run_calibrate(args: argparse.Namespace) -> int:
     import time
 
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from planner.calibrate import Grid, measure_engine
-    from planner.contention import neighbours
-    from planner.profile import Profile, TransferModel
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.planner.calibrate import Grid, measure_engine
+    from pdserve.planner.contention import neighbours
+    from pdserve.planner.profile import Profile, TransferModel
 
     started = time.monotonic()
     grid = Grid(
         _ints(args.prefill_lens), _ints(args.decode_batches), _ints(args.decode_contexts), args.repeats
     )
     if args.model is None:
-        from engine.model_fetch import fetch_default_model
+        from pdserve.engine.model_fetch import fetch_default_model
 
         args.model = str(fetch_default_model())
     num_tokens = max(grid.decode_batches) * (max(grid.decode_contexts) + 64) + max(grid.prefill_lens)
@@ -143,7 +143,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     kv_bytes_per_token = spec.bytes_per_block // spec.block_size
     transfer, transfer_samples = TransferModel(0.0, 0.0), []
     if not args.no_transfer:
-        from planner.transfer_probe import measure_transfer
+        from pdserve.planner.transfer_probe import measure_transfer
 
         transfer_samples = measure_transfer(spec)
         transfer = TransferModel.through(transfer_samples[0], transfer_samples[-1])
@@ -175,10 +175,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 
 def _inputs(args: argparse.Namespace):
-    from bench_serve.metrics import Slo
-    from bench_serve.spec import parse_rates
-    from bench_serve.workload import PromptStyle
-    from planner.profile import Profile
+    from pdserve.bench_serve.metrics import Slo
+    from pdserve.bench_serve.spec import parse_rates
+    from pdserve.bench_serve.workload import PromptStyle
+    from pdserve.planner.profile import Profile
 
     profile = Profile.load(args.profile)
     workload = workload_spec(args, PromptStyle.TOKEN_IDS)
@@ -191,8 +191,8 @@ def _inputs(args: argparse.Namespace):
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from planner.predict import predict, sim_requests, table
-    from planner.simulate import Cluster
+    from pdserve.planner.predict import predict, sim_requests, table
+    from pdserve.planner.simulate import Cluster
 
     try:
         profile, workload, rates, slo = _inputs(args)
@@ -223,8 +223,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def run_recommend(args: argparse.Namespace) -> int:
-    from planner.predict import sim_requests
-    from planner.recommend import rank, shapes
+    from pdserve.planner.predict import sim_requests
+    from pdserve.planner.recommend import rank, shapes
 
     try:
         profile, workload, rates, slo = _inputs(args)

@@ -29,8 +29,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
-    from engine.model_fetch import fetch_default_model
+    from pdserve.engine import LLM, SamplingParams
+    from pdserve.engine.model_fetch import fetch_default_model
 
     model = args.model if args.model is not None else str(fetch_default_model())
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)

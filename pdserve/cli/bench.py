@@ -10,9 +10,9 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported in the handler only, so that `pdserve --help` stays fast
-    from bench_serve.client import Endpoint
-    from bench_serve.spec import WorkloadSpec
-    from bench_serve.sweep import SweepSpec
+    from pdserve.bench_serve.client import Endpoint
+    from pdserve.bench_serve.spec import WorkloadSpec
+    from pdserve.bench_serve.sweep import SweepSpec
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -159,11 +159,11 @@ def _add_output(p: argparse.ArgumentParser) -> None:
 
 
 def _specs(args: argparse.Namespace) -> tuple[WorkloadSpec, SweepSpec, Endpoint]:
-    from bench_serve.client import Api, Endpoint, served_model
-    from bench_serve.metrics import Slo
-    from bench_serve.runner import Limits
-    from bench_serve.spec import parse_rates, style_for
-    from bench_serve.sweep import SweepSpec
+    from pdserve.bench_serve.client import Api, Endpoint, served_model
+    from pdserve.bench_serve.metrics import Slo
+    from pdserve.bench_serve.runner import Limits
+    from pdserve.bench_serve.spec import parse_rates, style_for
+    from pdserve.bench_serve.sweep import SweepSpec
 
     api = Api(args.api)
     workload = workload_spec(args, style_for(api, args.text_prompts))
@@ -185,8 +185,8 @@ def _specs(args: argparse.Namespace) -> tuple[WorkloadSpec, SweepSpec, Endpoint]
 
 def workload_spec(args: argparse.Namespace, style) -> WorkloadSpec:
     """The workload flags of ``add_workload_args`` as a WorkloadSpec of prompts in ``style``."""
-    from bench_serve.spec import WorkloadKind, WorkloadSpec
-    from bench_serve.workload import TokenSpace
+    from pdserve.bench_serve.spec import WorkloadKind, WorkloadSpec
+    from pdserve.bench_serve.workload import TokenSpace
 
     low, high = (int(x) for x in args.token_id_range.split(","))
     return WorkloadSpec(
@@ -216,8 +216,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     except ImportError:
         print("pdserve bench serve needs httpx: pip install 'pdserve[bench]'", file=sys.stderr)
         return 1
-    from bench_serve import report, trace
-    from bench_serve.sweep import sweep
+    from pdserve.bench_serve import report, trace
+    from pdserve.bench_serve.sweep import sweep
 
     try:
         workload, spec, endpoint = _specs(args)
@@ -233,7 +233,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     report.write_json(args.result_json, _config(args, endpoint.model), runs)
     print(f"records: {args.result_json}")
     if args.plot_dir:
-        from bench_serve.plots import write_plots
+        from pdserve.bench_serve.plots import write_plots
 
         for path in write_plots(args.plot_dir, runs):
             print(f"plot: {path}")

@@ -16,11 +16,11 @@ import io
 import sys
 from collections.abc import Sequence
 
-from engine.cpu_env import apply_openmp_defaults
+from pdserve.engine.cpu_env import apply_openmp_defaults
 
 apply_openmp_defaults()  # the process entry point: before any handler loads torch (engine/cpu_env.py)
 
-from pdserve_cli import bench, generate, model, nodes, plan, role, router_cmd, status, up  # noqa: E402
+from pdserve.cli import bench, generate, model, nodes, plan, role, router_cmd, status, up  # noqa: E402
 
 COMMAND_MODULES = (model, generate, nodes, router_cmd, up, status, role, bench, plan)
 

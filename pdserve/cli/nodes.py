@@ -11,7 +11,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ("decode", "run a decode node (continuous-batching decode)"),
     ):
         parser = subparsers.add_parser(role, help=help_text, description=help_text)
-        from node.options import add_node_args
+        from pdserve.node.options import add_node_args
 
         add_node_args(parser, role)  # decode adds --colocated
         parser.set_defaults(run=_runner(role))
@@ -19,12 +19,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _runner(role: str):
     def run(args: argparse.Namespace) -> int:
-        from node.options import options_from_args
-        from protocol.registry import Role
+        from pdserve.node.options import options_from_args
+        from pdserve.protocol.registry import Role
 
         colocated = getattr(args, "colocated", False)
         opts, engine_config = options_from_args(Role.COLOCATED if colocated else Role(role), args)
-        from node.host import NodeHost
+        from pdserve.node.host import NodeHost
 
         return NodeHost(opts, engine_config).serve(opts.ready_file)
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_ext, torch_fast
-from kernels.checks import check_cache_pair, check_index_tensor
+from pdserve.kernels import cpu_ext, torch_fast
+from pdserve.kernels.checks import check_cache_pair, check_index_tensor
 
 
 def _use_triton(tensor: torch.Tensor, backend: str | None, cache: torch.Tensor | None = None) -> bool:
@@ -96,7 +96,7 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend=Non
     if _on_meta(key):
         return _fake_kv_write(key, value, key_cache, value_cache, slot_mapping)
     if _use_triton(key, backend, key_cache):
-        from kernels.kv_write import write_kv_cache_triton
+        from pdserve.kernels.kv_write import write_kv_cache_triton
 
         return write_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping)
     if key_cache.dtype == torch.int8 and native_cpu(key, backend):  # one pass, not ten torch ops
@@ -129,7 +129,7 @@ def paged_prefill_attention(
             context_lens=context_lens,
         )
     if _use_triton(query, backend, key_cache):
-        from kernels.paged_prefill import paged_prefill_attention_triton
+        from pdserve.kernels.paged_prefill import paged_prefill_attention_triton
 
         return paged_prefill_attention_triton(
             query,
@@ -184,7 +184,7 @@ def paged_decode_attention(
             query, key_cache, value_cache, block_tables=block_tables, context_lens=context_lens
         )
     if _use_triton(query, backend, key_cache):
-        from kernels.paged_decode import paged_decode_attention_triton
+        from pdserve.kernels.paged_decode import paged_decode_attention_triton
 
         return paged_decode_attention_triton(
             query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window, softcap
@@ -207,7 +207,7 @@ def gather_blocks(
 ) -> torch.Tensor:
     """Pack blocks ``block_ids`` of all layers into one [num_layers, 2, n, block_size, kv_heads, head_dim]."""
     if _use_triton(key_caches[0], backend):
-        from kernels.block_copy import gather_blocks_triton
+        from pdserve.kernels.block_copy import gather_blocks_triton
 
         return gather_blocks_triton(key_caches, value_caches, block_ids)
     return torch_fast.gather_blocks(key_caches, value_caches, block_ids)
@@ -222,7 +222,7 @@ def scatter_blocks(
 ) -> None:
     """Write a ``gather_blocks`` buffer into blocks ``block_ids`` (any ids) of all layers."""
     if _use_triton(buffer, backend):
-        from kernels.block_copy import scatter_blocks_triton
+        from pdserve.kernels.block_copy import scatter_blocks_triton
 
         return scatter_blocks_triton(buffer, key_caches, value_caches, block_ids)
     return torch_fast.scatter_blocks(buffer, key_caches, value_caches, block_ids)
@@ -231,7 +231,7 @@ def scatter_blocks(
 def quantize_kv_int8(x: torch.Tensor, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[n, block_size, kv_heads, head_dim] float -> (int8 like x, fp32 scales [n, kv_heads])."""
     if _use_triton(x, backend):
-        from kernels.kv_quant import quantize_kv_int8_triton
+        from pdserve.kernels.kv_quant import quantize_kv_int8_triton
 
         return quantize_kv_int8_triton(x)
     return torch_fast.quantize_kv_int8(x)
@@ -242,7 +242,7 @@ def dequantize_kv_int8(
 ) -> torch.Tensor:
     """Inverse of ``quantize_kv_int8``: q * scale per (block, head), as ``dtype``."""
     if _use_triton(q, backend):
-        from kernels.kv_quant import dequantize_kv_int8_triton
+        from pdserve.kernels.kv_quant import dequantize_kv_int8_triton
 
         return dequantize_kv_int8_triton(q, scales, dtype)
     return torch_fast.dequantize_kv_int8(q, scales, dtype)

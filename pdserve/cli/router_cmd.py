@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from protocol.settings import flags, from_args
-from router.config import RouterConfig  # a plain dataclass module: cheap to import, no torch
+from pdserve.protocol.settings import flags, from_args
+from pdserve.router.config import RouterConfig  # a plain dataclass module: cheap to import, no torch
 
 NODE_SOURCES = ("--redis", "--decode")  # where the router finds decode nodes: exactly one of them
 
@@ -37,7 +37,7 @@ def run_router(args: argparse.Namespace) -> int:
         level=config.log_level.upper(), format="%(created).3f %(levelname)s %(name)s: %(message)s"
     )
 
-    from router.app import create_app
+    from pdserve.router.app import create_app
 
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level)
     return 0

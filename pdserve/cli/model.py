@@ -28,7 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_fetch(args: argparse.Namespace) -> int:
-    from engine.model_fetch import fetch_default_model
+    from pdserve.engine.model_fetch import fetch_default_model
 
     path = fetch_default_model(cache_dir=args.cache_dir, progress=not args.no_progress)
     print(path, flush=True)

@@ -139,7 +139,7 @@ def slo_node_args(args: argparse.Namespace) -> tuple[str, ...]:
     """With a TPOT SLO, every node's steps that carry decodes beside prompt chunks keep within it
     (engine.step_budget), unless --node-args sets their target itself: any node may decode, after
     a role switch if not at start."""
-    from engine.step_budget import TPOT_SLO_STEP_SHARE
+    from pdserve.engine.step_budget import TPOT_SLO_STEP_SHARE
 
     flag = "--max-decode-step-seconds"
     if args.tpot_slo_s is None or any(
@@ -151,8 +151,8 @@ def slo_node_args(args: argparse.Namespace) -> tuple[str, ...]:
 
 def autoscale_options(args: argparse.Namespace, plan):
     """--autoscale's options, checked; None without --autoscale."""
-    from bench_serve.metrics import Slo
-    from launcher.autoscale import AutoscaleOptions
+    from pdserve.bench_serve.metrics import Slo
+    from pdserve.launcher.autoscale import AutoscaleOptions
 
     if not args.autoscale:
         return None

@@ -15,7 +15,7 @@ import signal
 import sys
 import tempfile
 
-from pdserve_cli.up_slo import (
+from pdserve.cli.up_slo import (
     add_slo_flags,
     autoscale_options,
     node_budget,
@@ -106,7 +106,7 @@ def _raise_stop(signum: int, _frame) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    from launcher.cluster import LaunchError, LocalCluster
+    from pdserve.launcher.cluster import LaunchError, LocalCluster
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_stop)
@@ -116,7 +116,7 @@ def run_up(args: argparse.Namespace) -> int:
         options = autoscale_options(args, plan)
         profile = None
         if options is not None:
-            from launcher.autoscale import calibrate
+            from pdserve.launcher.autoscale import calibrate
 
             profile = options.profile or calibrate(plan, plan.log_dir / "profile.json", _say)
         cluster = LocalCluster(plan, say=_say)
@@ -124,7 +124,7 @@ def run_up(args: argparse.Namespace) -> int:
         _banner(cluster)
         if options is None:
             return cluster.watch()
-        from launcher.autoscale import make_autoscaler
+        from pdserve.launcher.autoscale import make_autoscaler
 
         autoscaler = make_autoscaler(cluster, options, profile, _say)
         _say(f"autoscale: on, every {options.interval_s:g} s; decisions in {autoscaler.log_path}")
@@ -148,7 +148,7 @@ def _say(text: str) -> None:
 
 
 def _plan(args: argparse.Namespace):
-    from launcher.plan import (
+    from pdserve.launcher.plan import (
         LOCAL_KV_SHARE,
         ClusterPlan,
         gpu_share_per_node,
@@ -213,7 +213,7 @@ def _plan(args: argparse.Namespace):
 
 
 def _fetch_default_model() -> str:
-    from engine.model_fetch import fetch_default_model
+    from pdserve.engine.model_fetch import fetch_default_model
 
     _say("model: the default model (SmolLM2-135M-Instruct), converted once into the cache")
     return str(fetch_default_model(progress=True))
