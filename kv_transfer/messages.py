@@ -29,7 +29,7 @@ class WireFormat(enum.StrEnum):
     INT8 = "int8"  # symmetric int8 per (token, head) row with float32 scales; lossy
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class CacheRef:
     """Where a peer on the same host finds a node's shared KV cache (kv_transfer.shared_cache)."""
 
@@ -38,7 +38,7 @@ class CacheRef:
     num_blocks: int  # blocks per layer in that cache
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RingRef:
     """Where a peer on the same host finds a sender's staging ring (kv_transfer.staging)."""
 
@@ -63,7 +63,7 @@ class KVShipment:
     first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asked for logprobs
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class KVReserve(Message):
     """Prefill → decode: please hold blocks for this prompt's KV."""
 
@@ -84,7 +84,7 @@ class KVReserve(Message):
     cache_block_ids: tuple[int, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class KVGrant(Message):
     """Decode → prefill: blocks are held; send the KV of the blocks from num_held_blocks on."""
 
@@ -97,7 +97,7 @@ class KVGrant(Message):
     direct: bool = False  # the receiver mapped the sender's cache: no chunks, KVDone names the blocks
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class KVWait(Message):
     """Decode → prefill: no room yet; the reservation is queued until its ttl."""
 
@@ -106,7 +106,7 @@ class KVWait(Message):
     queue_position: int  # 0 = next to be granted
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class KVReject(Message):
     """Decode → prefill: the reservation will never be granted."""
 
@@ -116,7 +116,7 @@ class KVReject(Message):
     field: str | None = None  # the fingerprint / reserve field at fault, if any
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class KVChunk(Message):
     """Prefill → decode: one layer's K and V for a run of the granted blocks."""
 
@@ -132,7 +132,7 @@ class KVChunk(Message):
     )
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class KVCredit(Message):
     """Decode → prefill: chunk bytes consumed; the sender may have that many more in flight."""
 
@@ -141,7 +141,7 @@ class KVCredit(Message):
     num_bytes: int
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class KVDone(Message):
     """Prefill → decode: all chunks sent; here is the first sampled token."""
 
@@ -155,7 +155,7 @@ class KVDone(Message):
     first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asked for logprobs
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class KVAck(Message):
     """Decode → prefill: the KV landed and the request is the decode node's now."""
 
@@ -163,7 +163,7 @@ class KVAck(Message):
     request_id: str
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Abort(Message):
     """Either way: drop this request and free what it holds."""
 
@@ -172,7 +172,7 @@ class Abort(Message):
     reason: str
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Error(Message):
     """Either way: a message could not be handled (request_id None when it could not be read)."""
 

@@ -192,7 +192,7 @@ class KVReceiver:
         transfer = self._transfers.pop(request_id, None)
         if transfer is None:
             return False
-        self._reply(transfer.peer, Abort(request_id, reason))
+        self._reply(transfer.peer, Abort(request_id=request_id, reason=reason))
         return True
 
     def close(self) -> None:
@@ -207,14 +207,17 @@ class KVReceiver:
         try:
             return self._channel.recv(timeout_s)
         except ProtocolError as exc:
-            self._reply(getattr(exc, "peer", b""), Error(None, "malformed", str(exc)))
+            self._reply(getattr(exc, "peer", b""), Error(request_id=None, code="malformed", message=str(exc)))
             return None
 
     def _handle(self, inbound: Inbound) -> None:
         handler = self._handlers.get(type(inbound.msg))
         if handler is None:
             self._reply(
-                inbound.peer, Error(None, "unexpected", f"a receiver does not take {inbound.msg.TAG}")
+                inbound.peer,
+                Error(
+                    request_id=None, code="unexpected", message=f"a receiver does not take {inbound.msg.TAG}"
+                ),
             )
             return
         handler(inbound.peer, inbound.msg, inbound.frames)
@@ -226,9 +229,10 @@ class KVReceiver:
             msg, self.fingerprint, self.reservations.num_blocks, self.draining, duplicate
         )
         if problem is None and self.num_queued >= self.config.max_waiting:
-            problem = ("receiver busy: too many reservations waiting for blocks",)
+            problem = ("receiver busy: too many reservations waiting for blocks", None)
         if problem is not None:
-            self._reply(peer, KVReject(rid, *problem))
+            reason, field = problem
+            self._reply(peer, KVReject(request_id=rid, reason=reason, field=field))
             return
         ttl = min(msg.ttl_s, self.config.max_ttl_s)
         transfer = self._transfers[rid] = _Transfer(peer, msg, time.monotonic() + ttl)
@@ -240,9 +244,9 @@ class KVReceiver:
             reason = "receiver busy: wait queue full"
         if position is None:
             del self._transfers[rid]
-            self._reply(peer, KVReject(rid, reason))
+            self._reply(peer, KVReject(request_id=rid, reason=reason))
         elif transfer.landing is None:
-            self._reply(peer, KVWait(rid, position))
+            self._reply(peer, KVWait(request_id=rid, queue_position=position))
 
     def _granted(self, reservation: Reservation) -> None:
         """The engine's scheduler granted blocks: tell the sender where its KV goes."""
@@ -264,7 +268,12 @@ class KVReceiver:
         )
         transfer.deadline = time.monotonic() + self.config.chunk_timeout_s
         grant = KVGrant(
-            rid, num_held, tuple(send_ids), self.config.window_bytes, ring is not None, direct_src is not None
+            request_id=rid,
+            num_held_blocks=num_held,
+            block_ids=tuple(send_ids),
+            window_bytes=self.config.window_bytes,
+            shm=ring is not None,
+            direct=direct_src is not None,
         )
         self._reply(transfer.peer, grant)
         if landing.direct is not None:  # copy now, while the sender hashes; KVDone only compares
@@ -282,7 +291,7 @@ class KVReceiver:
         finally:
             # Credit every chunk, landed or not, once its bytes are no longer read (the sender
             # reuses a shared slot on credit), so the sender's window never leaks.
-            self._reply(peer, KVCredit(msg.request_id, sum(len(f) for f in frames)))
+            self._reply(peer, KVCredit(request_id=msg.request_id, num_bytes=sum(len(f) for f in frames)))
 
     def _land_chunk(self, transfer: _Transfer, msg: KVChunk, frames: list[memoryview]) -> None:
         wire, state = transfer.reserve.wire_format, transfer.landing
@@ -322,7 +331,14 @@ class KVReceiver:
         transfer = self._transfers.get(msg.request_id)
         state = transfer.landing if transfer is not None and transfer.peer == peer else None
         if state is None:
-            self._reply(peer, Error(msg.request_id, "unknown_request", "no transfer in progress for this id"))
+            self._reply(
+                peer,
+                Error(
+                    request_id=msg.request_id,
+                    code="unknown_request",
+                    message="no transfer in progress for this id",
+                ),
+            )
             return
         if state.direct is not None:
             problem = state.direct.at_done(
@@ -341,7 +357,7 @@ class KVReceiver:
             self._fail(msg.request_id, KVAborted(msg.request_id, "done before every chunk landed"))
             return
         del self._transfers[msg.request_id]
-        self._reply(peer, KVAck(msg.request_id))
+        self._reply(peer, KVAck(request_id=msg.request_id))
         self._result.completed.append(
             ReceivedKV(
                 msg.request_id,
@@ -368,7 +384,10 @@ class KVReceiver:
             if transfer.landing is not None:
                 self._fail(request_id, KVTimeout(request_id, "chunk"))
                 continue
-            self._reply(transfer.peer, KVReject(request_id, "timed out waiting for blocks", "ttl_s"))
+            self._reply(
+                transfer.peer,
+                KVReject(request_id=request_id, reason="timed out waiting for blocks", field="ttl_s"),
+            )
             self._fail(request_id, KVTimeout(request_id, "grant"), notify=False)
 
     def _next_expiry(self) -> float:
@@ -381,7 +400,7 @@ class KVReceiver:
             return
         self.reservations.abort(request_id)
         if notify:
-            self._reply(transfer.peer, Abort(request_id, str(error)))
+            self._reply(transfer.peer, Abort(request_id=request_id, reason=str(error)))
         self._result.failed.append(TransferFailure(request_id, error, transfer.reserve.request_meta))
 
     def _reply(self, peer: bytes, msg: Message) -> None:

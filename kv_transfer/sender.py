@@ -110,18 +110,18 @@ class KVSender:
         start copying at the grant (see ``transfer``)."""
         fp = self.fingerprint
         msg = KVReserve(
-            request_id,
-            tuple(token_ids),
-            tuple(hash_full_blocks(token_ids, fp.block_size)),
-            fp,
-            self.config.grant_timeout_s,
-            self.config.wire_format,
-            sampling_params,
-            self._ring.ref,
-            host_id(),
-            request_meta,
-            self.cache_ref,
-            tuple(block_table) if self.cache_ref is not None else (),
+            request_id=request_id,
+            token_ids=tuple(token_ids),
+            block_hashes=tuple(hash_full_blocks(token_ids, fp.block_size)),
+            fingerprint=fp,
+            ttl_s=self.config.grant_timeout_s,
+            wire_format=self.config.wire_format,
+            sampling_params=sampling_params,
+            ring_ref=self._ring.ref,
+            host_id=host_id(),
+            request_meta=request_meta,
+            cache_ref=self.cache_ref,
+            cache_block_ids=tuple(block_table) if self.cache_ref is not None else (),
         )
         self._inbox[request_id] = deque()
         started = time.monotonic()
@@ -178,13 +178,13 @@ class KVSender:
         """Send KVDone and wait for KVAck; then the caller may free its blocks. Direct grants
         name the blocks to copy (``src_block_ids``) with a checksum per layer."""
         done = KVDone(
-            tx.request_id,
-            first_token,
-            tx.num_prompt_tokens,
-            num_cached_tokens,
-            src_block_ids,
-            layer_checksums,
-            first_logprobs,
+            request_id=tx.request_id,
+            first_token=first_token,
+            num_prompt_tokens=tx.num_prompt_tokens,
+            num_cached_tokens=num_cached_tokens,
+            src_block_ids=src_block_ids,
+            layer_checksums=layer_checksums,
+            first_logprobs=first_logprobs,
         )
         self._send_or_fail(tx.request_id, done)
         self._wait_for(tx.request_id, KVAck, "ack", time.monotonic() + self.config.reply_timeout_s)
@@ -203,7 +203,7 @@ class KVSender:
         """Tell the decode node to drop the request (best effort) and forget it here."""
         self._inbox.pop(request_id, None)
         try:
-            self._channel.send(Abort(request_id, reason))
+            self._channel.send(Abort(request_id=request_id, reason=reason))
         except PeerUnavailable:
             pass
 
@@ -310,11 +310,27 @@ class KVSender:
             checksums = _as_corrupted(checksums)
         if tx.shm:
             self._send_or_fail(
-                tx.request_id, KVChunk(tx.request_id, layer, block_start, len(ids), checksums, offset)
+                tx.request_id,
+                KVChunk(
+                    request_id=tx.request_id,
+                    layer=layer,
+                    block_start=block_start,
+                    num_blocks=len(ids),
+                    checksums=checksums,
+                    shm_offset=offset,
+                ),
             )
         else:
             self._send_or_fail(
-                tx.request_id, KVChunk(tx.request_id, layer, block_start, len(ids), checksums), views
+                tx.request_id,
+                KVChunk(
+                    request_id=tx.request_id,
+                    layer=layer,
+                    block_start=block_start,
+                    num_blocks=len(ids),
+                    checksums=checksums,
+                ),
+                views,
             )
         tx.bytes_sent += sum(sizes)
 

@@ -41,7 +41,7 @@ class SharedKVCache:
         shape = (spec.num_layers, 2, spec.num_blocks, *spec.block_shape)
         self.fd, self._map = memfd.create("pdserve-kv-cache", spec.num_blocks * spec.bytes_per_block)
         self.tensor = torch.frombuffer(self._map, dtype=dtype).view(shape)  # [L, 2, NB, bs, kvh, d]
-        self.ref = CacheRef(os.getpid(), self.fd, spec.num_blocks)
+        self.ref = CacheRef(pid=os.getpid(), fd=self.fd, num_blocks=spec.num_blocks)
 
     def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(key_cache, value_cache) per layer, each [num_blocks, block_size, kv_heads, head_dim]."""

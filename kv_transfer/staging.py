@@ -62,7 +62,7 @@ class StagingRing:
         if shared and not on_device:
             try:
                 self._fd, self._map = memfd.create("pdserve-kv-ring", num_bytes)
-                self.ref = RingRef(os.getpid(), self._fd, num_bytes)
+                self.ref = RingRef(pid=os.getpid(), fd=self._fd, num_bytes=num_bytes)
             except OSError as exc:
                 log.warning("staging ring in private memory, chunks go over the socket: %s", exc)
         self.buffer = (

@@ -123,7 +123,10 @@ class NodeHost:
     # ----------------------------------------------------------------- role switches
     def _answer(self, msg: SetRole, phase: str, error: str | None = None) -> None:
         self.parts.runtime.reply(
-            msg.reply_addr, RoleChange(msg.nonce, self.parts.opts.node_id, msg.role, phase, error)
+            msg.reply_addr,
+            RoleChange(
+                nonce=msg.nonce, node_id=self.parts.opts.node_id, role=msg.role, phase=phase, error=error
+            ),
         )
 
     def _on_set_role(self, msg: SetRole) -> None:

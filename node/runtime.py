@@ -250,7 +250,14 @@ class NodeRuntime:
                 self.log.throttled("bad_message", error=str(exc))
                 peer = getattr(exc, "peer", b"")
                 self._safe_send(
-                    peer, RequestFailed("", self.opts.node_id, FailureCode.BAD_MESSAGE, str(exc), False)
+                    peer,
+                    RequestFailed(
+                        request_id="",
+                        node_id=self.opts.node_id,
+                        code=FailureCode.BAD_MESSAGE,
+                        message=str(exc),
+                        retryable=False,
+                    ),
                 )
                 named = reply_address_of(getattr(exc, "header", b""))
                 if named is not None:  # a request the router waits on: end it now, naming the field
@@ -262,9 +269,9 @@ class NodeRuntime:
             if isinstance(inbound.msg, StatusQuery):
                 info = self._status
                 if inbound.msg.reply_addr is None:
-                    self._safe_send(inbound.peer, NodeStatus(inbound.msg.nonce, info))
+                    self._safe_send(inbound.peer, NodeStatus(nonce=inbound.msg.nonce, info=info))
                 else:
-                    self.reply(inbound.msg.reply_addr, NodeStatus(inbound.msg.nonce, info))
+                    self.reply(inbound.msg.reply_addr, NodeStatus(nonce=inbound.msg.nonce, info=info))
             else:
                 out.append(inbound.msg)
         return out
@@ -288,7 +295,16 @@ class NodeRuntime:
     ) -> None:
         """Tell the router a request ended in error here (``retryable``: it may go elsewhere)."""
         self.log("request_failed", request_id, code=code, message=message)
-        self.reply(reply_addr, RequestFailed(request_id, self.opts.node_id, code, message, retryable))
+        self.reply(
+            reply_addr,
+            RequestFailed(
+                request_id=request_id,
+                node_id=self.opts.node_id,
+                code=code,
+                message=message,
+                retryable=retryable,
+            ),
+        )
 
     def admit(
         self, engine: LLMEngine, msg: GenerateRequest, prefill_only: bool = False

@@ -50,23 +50,25 @@ def next_chunk(
     position, stream.num_sent = stream.num_sent, len(out.token_ids)
     timings = dict(stream.timings) if out.finish_reason is not None else None
     return TokenChunk(
-        stream.request_id,
-        node_id,
-        tuple(new),
-        logprobs,
-        out.finish_reason,
-        stream.num_prompt_tokens,
-        stream.num_cached_tokens,
-        is_first,
-        timings,
-        tuple(wire_logprob(lp) for lp in prompt_logprobs or ()),
-        position,
+        request_id=stream.request_id,
+        node_id=node_id,
+        token_ids=tuple(new),
+        logprobs=logprobs,
+        finish_reason=out.finish_reason,
+        num_prompt_tokens=stream.num_prompt_tokens,
+        num_cached_tokens=stream.num_cached_tokens,
+        is_first=is_first,
+        timings=timings,
+        prompt_logprobs=tuple(wire_logprob(lp) for lp in prompt_logprobs or ()),
+        position=position,
     )
 
 
 def wire_logprob(lp: TokenLogprob) -> TokenLogprobs:
     top_ids, top_values = tuple(t for t, _ in lp.top), tuple(v for _, v in lp.top)
-    return TokenLogprobs(lp.token_id, lp.logprob, top_ids, top_values, lp.rank)
+    return TokenLogprobs(
+        token_id=lp.token_id, logprob=lp.logprob, top_token_ids=top_ids, top_logprobs=top_values, rank=lp.rank
+    )
 
 
 def engine_logprob(lp: TokenLogprobs) -> TokenLogprob:

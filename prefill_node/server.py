@@ -174,7 +174,12 @@ class PrefillNode:
             completion.token_ids[0],
             out.num_cached_tokens,
             pending.params,
-            RequestMeta(stream.reply_addr, pending.deadline, time.time(), dict(stream.timings)),
+            RequestMeta(
+                reply_addr=stream.reply_addr,
+                deadline=pending.deadline,
+                shipped_at=time.time(),
+                timings=dict(stream.timings),
+            ),
             wire_logprob(completion.logprobs[0]) if completion.logprobs else None,
         )
         shipment = Shipment(kv, pending.decode_addr, FirstToken(stream.reply_addr, first_chunk))

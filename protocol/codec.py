@@ -8,7 +8,10 @@ A message on the wire is one ZeroMQ multipart message:
 
 Decoding is strict: an unknown tag, another protocol version, a missing, extra or wrongly typed
 field, a frame count that does not match the header, or an oversized frame raises
-``ProtocolError`` (naming the field where there is one). Nothing is ever pickled.
+``ProtocolError`` (naming the field where there is one). Nothing is ever pickled. The version is
+checked first, before any field: processes of two pdserve versions refuse each other's messages
+as ``VersionMismatch``, naming the node that sent one where its fields say, and never
+half-understand them (a field added with a default would otherwise read as that default).
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from typing import Any, ClassVar
 
 import msgpack
 
-# 4: prompt logprobs (SamplingParams, TokenChunk); 3: typed SamplingParams (guided decoding),
-# resumed outputs; 2: memfd rings
-PROTOCOL_VERSION = 4
+# Every change to a message's fields (or to a registry record's) moves this, and
+# tests/test_wire_version.py pins a digest of each version's fields.
+# 5: TokenChunk.position; registry records name their version; 4: prompt logprobs (SamplingParams,
+# TokenChunk); 3: typed SamplingParams (guided decoding), resumed outputs; 2: memfd rings
+PROTOCOL_VERSION = 5
 MAX_HEADER_BYTES = 8 << 20  # a 1M-token prompt's token ids and hashes fit
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
 SIGNED = "signed"  # ``Annotated[int, SIGNED]``: a field that may be negative (plain ints may not)
@@ -37,6 +42,35 @@ class ProtocolError(ValueError):
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field  # the offending header field, when there is one
+
+
+class VersionMismatch(ProtocolError):
+    """A message or registry record of another protocol version than this process speaks."""
+
+    def __init__(self, what: str, version: Any, sender: str | None) -> None:
+        who = f"node {sender}" if sender else "a peer"
+        said = (
+            "names no protocol version (4 or older)"
+            if version is None
+            else f"speaks pdserve protocol {version!r}"
+        )
+        super().__init__(
+            f"{what} from {who} {said}; this process speaks protocol {PROTOCOL_VERSION}: run one "
+            "pdserve version across the cluster",
+            "version",
+        )
+        self.version = version  # what the peer's message or record said
+        self.sender = sender  # the peer's node id, where the message names one
+
+
+def sender_of(fields: Any) -> str | None:
+    """The node id a message's or record's fields name (TokenChunk, RequestFailed, NodeStatus, a
+    registry record), best effort over fields that may be of another version."""
+    if not isinstance(fields, dict):
+        return None
+    info = fields.get("info")
+    node_id = fields.get("node_id", info.get("node_id") if isinstance(info, dict) else None)
+    return node_id if isinstance(node_id, str) else None
 
 
 class Message:
@@ -81,7 +115,7 @@ def decode_with(
         raise ProtocolError("header must be [version, tag, fields]")
     version, tag, fields = obj
     if version != PROTOCOL_VERSION or isinstance(version, bool):
-        raise ProtocolError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}", "version")
+        raise VersionMismatch(f"message {tag!r}", version, sender_of(fields))
     cls = tag_to_type.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message tag {tag!r}", "tag")

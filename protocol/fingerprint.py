@@ -12,7 +12,7 @@ from typing import Any
 from pdserve.protocol.kv_layout import row_width
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class KVFingerprint:
     """What must match for one node's KV blocks to be meaningful in another's cache."""
 
@@ -31,7 +31,13 @@ class KVFingerprint:
     def from_spec(cls, model_id: str, spec: Any, layout: str) -> KVFingerprint:
         """From an ``protocol.kv_layout.KVCacheSpec`` (num_blocks is local and not part of it)."""
         return cls(
-            model_id, spec.dtype, spec.block_size, layout, spec.num_layers, spec.num_kv_heads, spec.head_dim
+            model_id=model_id,
+            dtype=spec.dtype,
+            block_size=spec.block_size,
+            layout=layout,
+            num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
         )
 
     @property

@@ -27,7 +27,7 @@ Message = codec.Message
 ProtocolError = codec.ProtocolError
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class TokenLogprobs:
     """One generated token's log-probability and its top alternatives."""
 
@@ -38,7 +38,7 @@ class TokenLogprobs:
     rank: int | None = None  # prompt tokens: 1 + how many tokens were more likely
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RequestMeta:
     """What a decode node needs of a prefilled request besides its prompt and KV; it rides in
     ``kv_transfer.messages.KVReserve``, which does not look inside."""
@@ -49,7 +49,7 @@ class RequestMeta:
     timings: dict[str, float] = dataclasses.field(default_factory=dict)  # prefill stages, seconds
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class GenerateRequest(Message):
     """Router → node: run this prompt."""
 
@@ -69,7 +69,7 @@ class GenerateRequest(Message):
     output_token_ids: tuple[int, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class TokenChunk(Message):
     """Node → router: new tokens of a request (the first from the prefill node)."""
 
@@ -91,7 +91,7 @@ class TokenChunk(Message):
     position: int = 0
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RequestFailed(Message):
     """Node → router: the request cannot go on on this node."""
 
@@ -103,7 +103,7 @@ class RequestFailed(Message):
     retryable: bool  # no token was emitted by this node, the router may try elsewhere
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class AbortRequest(Message):
     """Router → node: stop this request and free its blocks."""
 
@@ -112,7 +112,7 @@ class AbortRequest(Message):
     reason: str
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class StatusQuery(Message):
     """Router → node: reply with a NodeStatus, on the same socket or through ``reply_addr``."""
 
@@ -123,7 +123,7 @@ class StatusQuery(Message):
     reply_addr: str | None = None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class NodeStatus(Message):
     """Node → router: the record the node publishes to Redis (protocol.registry.NodeInfo); empty
     before the node has one."""
@@ -133,7 +133,7 @@ class NodeStatus(Message):
     info: NodeInfo | None  # None while the node has no record yet
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SetRole(Message):
     """Router → node: serve as ``role`` (prefill, decode or colocated) from now on, keeping the
     weights: the node drains what its present role holds, then re-registers. Answered with a
@@ -145,7 +145,7 @@ class SetRole(Message):
     reply_addr: str
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RoleChange(Message):
     """Node → router: where a SetRole stands. ``phase``: "draining" (taken: the old role's
     work finishes first), "done" (serving as ``role``, registered so) or "refused" (``error``

@@ -17,10 +17,12 @@ import json
 import threading
 import time
 
+from pdserve.protocol import codec
 from pdserve.protocol.cluster_key import MAC_FIELD, record_mac, record_problem
 from pdserve.protocol.fingerprint import KVFingerprint
 
 KEY_PREFIX = "pdserve:node:"
+VERSION_FIELD = "protocol_version"  # every record's first check: the wire version its node speaks
 
 
 # Upper bounds (seconds) of a node's step-time buckets in NodeInfo.step_stats (+Inf is the step
@@ -39,7 +41,7 @@ class Role(enum.StrEnum):
         return self is not Role.PREFILL
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class NodeInfo:
     node_id: str  # unique per process, e.g. "decode-<host>-<pid>-<random>"
     role: Role
@@ -78,13 +80,18 @@ class NodeInfo:
 
     def to_redis(self) -> dict[str, str]:
         record = dataclasses.asdict(self)  # the fingerprint as a map; the role as its string
+        record[VERSION_FIELD] = codec.PROTOCOL_VERSION
         return {name: json.dumps(value) for name, value in record.items()}
 
     @classmethod
     def from_redis(cls, raw: dict[bytes | str, bytes | str]) -> NodeInfo:
-        """A record written by ``to_redis``; fields this version does not know are ignored, and a
+        """A record written by ``to_redis`` of this protocol version (``codec.VersionMismatch``,
+        naming the node, for another); fields this version does not know are ignored, and a
         record it cannot read raises TypeError or ValueError."""
         fields = {(k.decode() if isinstance(k, bytes) else k): json.loads(v) for k, v in raw.items()}
+        version = fields.pop(VERSION_FIELD, None)
+        if version != codec.PROTOCOL_VERSION or isinstance(version, bool):
+            raise codec.VersionMismatch("registry record", version, codec.sender_of(fields))
         names = {f.name for f in dataclasses.fields(cls)}
         known = {k: v for k, v in fields.items() if k in names}
         if not isinstance(known.get("fingerprint"), dict):
@@ -143,7 +150,8 @@ def withdraw(client, node_id: str) -> None:
 
 def list_nodes(client, key: bytes | None = None, refused: list[str] | None = None) -> list[NodeInfo]:
     """Every live node record (expired ones are gone already). With the cluster key, only those
-    signed under it; each record left out for that is said in ``refused``."""
+    signed under it; each record left out for that, or for its protocol version, is said in
+    ``refused``."""
     nodes = []
     for redis_key in client.scan_iter(match=KEY_PREFIX + "*", count=100):
         raw = client.hgetall(redis_key)
@@ -162,8 +170,11 @@ def list_nodes(client, key: bytes | None = None, refused: list[str] | None = Non
         fields.pop(MAC_FIELD, None)
         try:
             nodes.append(NodeInfo.from_redis(fields))
+        except codec.VersionMismatch as exc:
+            if refused is not None:
+                refused.append(f"{name}: {exc}")
         except (TypeError, ValueError):
-            continue  # a record from an incompatible version: ignore rather than crash
+            continue  # a record that cannot be read: ignore rather than crash
     return sorted(nodes, key=lambda n: n.node_id)
 
 

@@ -23,7 +23,7 @@ class GuidedKind(enum.Enum):
     GRAMMAR = "grammar"  # text: an EBNF (GBNF) or Lark grammar
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class GuidedDecoding:
     """A constraint on the whole output (grammar compiles it into a token mask per step)."""
 
@@ -47,7 +47,7 @@ class GuidedDecoding:
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | str) -> GuidedDecoding:
         text = schema if isinstance(schema, str) else json.dumps(schema)  # key order: property order
-        return cls(GuidedKind.JSON, text)
+        return cls(kind=GuidedKind.JSON, text=text)
 
     @classmethod
     def json_object(cls) -> GuidedDecoding:
@@ -56,24 +56,24 @@ class GuidedDecoding:
 
     @classmethod
     def regex(cls, pattern: str) -> GuidedDecoding:
-        return cls(GuidedKind.REGEX, pattern)
+        return cls(kind=GuidedKind.REGEX, text=pattern)
 
     @classmethod
     def choice(cls, choices: list[str] | tuple[str, ...]) -> GuidedDecoding:
-        return cls(GuidedKind.CHOICE, choices=tuple(choices))
+        return cls(kind=GuidedKind.CHOICE, choices=tuple(choices))
 
     @classmethod
     def grammar(cls, text: str) -> GuidedDecoding:
-        return cls(GuidedKind.GRAMMAR, text)
+        return cls(kind=GuidedKind.GRAMMAR, text=text)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class LogitBias:
     token_id: int  # the token whose logit moves
     bias: float  # added to its logit before sampling, in [-100, 100]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
     n: int = 1  # independent samples of the same prompt (they share its KV blocks)
     temperature: float = 1.0  # 0 means greedy
@@ -117,7 +117,7 @@ class SamplingParams:
             set_(
                 self,
                 "logit_bias",
-                tuple(LogitBias(int(t), float(b)) for t, b in sorted(self.logit_bias.items())),
+                tuple(LogitBias(token_id=int(t), bias=float(b)) for t, b in sorted(self.logit_bias.items())),
             )
         else:
             set_(self, "logit_bias", tuple(self.logit_bias or ()))

@@ -245,14 +245,14 @@ async def _send(
     if resume:  # the client has the prompt logprobs: they came with the first token
         params = dataclasses.replace(params, prompt_logprobs=None)
     request = pm.GenerateRequest(
-        request_id,
-        sample.prompt_ids,
-        params,
-        backend.nodes.reply_addr,
-        route.decode.kv_addr if route.prefill else None,
-        sample.arrival_time + backend.config.request_ttl_s,
-        sample.arrival_time,
-        resume,
+        request_id=request_id,
+        token_ids=sample.prompt_ids,
+        sampling_params=params,
+        reply_addr=backend.nodes.reply_addr,
+        decode_addr=route.decode.kv_addr if route.prefill else None,
+        deadline=sample.arrival_time + backend.config.request_ttl_s,
+        arrival_time=sample.arrival_time,
+        output_token_ids=resume,
     )
     now = time.time()
     backend.policy.record(
@@ -366,7 +366,9 @@ async def _next_reply(
 def _abort(backend: Backend, route: Route, request_id: str) -> None:
     for node in (route.prefill, route.decode):
         if node is not None:
-            backend.nodes.send_nowait(node.control_addr, pm.AbortRequest(request_id, "router"))
+            backend.nodes.send_nowait(
+                node.control_addr, pm.AbortRequest(request_id=request_id, reason="router")
+            )
 
 
 def _observe_timings(metrics: RouterMetrics, timings: dict | None) -> None:

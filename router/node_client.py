@@ -130,11 +130,11 @@ class NodeClient:
                 queue.get_nowait()
             queue.put_nowait(
                 pm.RequestFailed(
-                    msg.request_id,
-                    msg.node_id,
-                    FailureCode.OVERFLOW,
-                    "the client is not reading the output fast enough",
-                    False,
+                    request_id=msg.request_id,
+                    node_id=msg.node_id,
+                    code=FailureCode.OVERFLOW,
+                    message="the client is not reading the output fast enough",
+                    retryable=False,
                 )
             )
 
@@ -209,7 +209,7 @@ class NodeClient:
         waiter: asyncio.Future[pm.NodeStatus] = asyncio.get_running_loop().create_future()
         self._status_waiters[nonce] = waiter
         try:
-            await self.send(addr, pm.StatusQuery(nonce, self.reply_addr))
+            await self.send(addr, pm.StatusQuery(nonce=nonce, reply_addr=self.reply_addr))
             async with asyncio.timeout(timeout_s):  # not wait_for: it can swallow a cancellation
                 return await waiter
         except (TimeoutError, NodeUnavailable):
@@ -225,7 +225,7 @@ class NodeClient:
         self._role_waiters[nonce] = answers
         last = None
         try:
-            await self.send(addr, pm.SetRole(nonce, role, self.reply_addr))
+            await self.send(addr, pm.SetRole(nonce=nonce, role=role, reply_addr=self.reply_addr))
             async with asyncio.timeout(timeout_s):
                 while last is None or last.phase == "draining":
                     last = await answers.get()

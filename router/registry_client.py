@@ -61,7 +61,7 @@ class NodeRegistry:
         node = self._by_id.get(chunk.node_id)
         if node is not None:
             self._nodes.send_nowait(
-                node.control_addr, pm.AbortRequest(chunk.request_id, "nobody waits for it")
+                node.control_addr, pm.AbortRequest(request_id=chunk.request_id, reason="nobody waits for it")
             )
 
     def snapshot(self) -> list[NodeInfo]:

@@ -167,7 +167,9 @@ def _logit_bias(body: _SamplingFields, vocab_size: int) -> tuple[LogitBias, ...]
         raise bad_request(
             f"logit_bias values must be in [-100, 100], got {', '.join(bad_values)}", "logit_bias"
         )
-    return tuple(sorted((LogitBias(int(k), float(b)) for k, b in items), key=lambda b: b.token_id))
+    return tuple(
+        sorted((LogitBias(token_id=int(k), bias=float(b)) for k, b in items), key=lambda b: b.token_id)
+    )
 
 
 def check_token_rules(body: _SamplingFields, vocab_size: int) -> None:

@@ -120,6 +120,7 @@ class NodeProcess:
         extra: list[str] | None = None,
         threads: int | None = 1,  # None: the node's automatic count (engine/cpu_share.py)
         cpus: set[int] | None = None,  # the CPUs the node may use; None: this process's
+        pythonpath: tuple[str, ...] = (),  # folders ahead of the checkout on the node's PYTHONPATH
     ) -> None:
         self.role = role
         self.redis_url = redis_url
@@ -136,7 +137,7 @@ class NodeProcess:
         ]
         if redis_url:
             cmd += ["--redis", redis_url]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([*pythonpath, str(ROOT)])}
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
         self._log = open(self.log_path, "w")
@@ -232,7 +233,13 @@ class Client:
             self._via_prefill.add(request_id)
         now = time.time()
         msg = GenerateRequest(
-            request_id, tuple(token_ids), params, self.reply_addr, decode_addr, now + ttl_s, now
+            request_id=request_id,
+            token_ids=tuple(token_ids),
+            sampling_params=params,
+            reply_addr=self.reply_addr,
+            decode_addr=decode_addr,
+            deadline=now + ttl_s,
+            arrival_time=now,
         )
         self._dealer(node["control_addr"]).send(encode(msg))
 
@@ -240,7 +247,7 @@ class Client:
         """The node's NodeInfo fields, asked over its control socket (static mode)."""
         sock = self._dealer(node["control_addr"])
         nonce = time.monotonic_ns() & 0xFFFFFFFF
-        sock.send(encode(StatusQuery(nonce)))
+        sock.send(encode(StatusQuery(nonce=nonce)))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if sock.poll(100):
@@ -259,7 +266,7 @@ class Client:
             time.sleep(0.05)
 
     def abort(self, node: dict, request_id: str) -> None:
-        self._dealer(node["control_addr"]).send(encode(AbortRequest(request_id, "test")))
+        self._dealer(node["control_addr"]).send(encode(AbortRequest(request_id=request_id, reason="test")))
 
     def collect(self, request_ids: list[str], timeout_s: float = 60.0) -> dict[str, dict]:
         """Until every request finished or failed: tokens, finish reason, chunk arrival times.

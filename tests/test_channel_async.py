@@ -22,17 +22,19 @@ def test_dealer_refuses_sends_until_connected_and_reports_the_link_dropping():
         context = zmq.asyncio.Context()
         port = free_port()  # nobody listens there yet
         dealer = AsyncDealerChannel(context, f"tcp://127.0.0.1:{port}", decoder=pm.decode_frames)
-        assert not dealer.try_send(pm.AbortRequest("r", "test"))  # never queued for a missing peer
+        assert not dealer.try_send(
+            pm.AbortRequest(request_id="r", reason="test")
+        )  # never queued for a missing peer
         node = ListenChannel(f"tcp://127.0.0.1:{port}", decoder=pm.decode_frames)
         assert await asyncio.wait_for(dealer.next_link_event(), 10) is True
         deadline = time.monotonic() + 5  # the pipe attaches just after the handshake event
-        while not dealer.try_send(pm.StatusQuery(5)):
+        while not dealer.try_send(pm.StatusQuery(nonce=5)):
             assert time.monotonic() < deadline, "connected, yet sends are refused"
             await asyncio.sleep(0.01)
         inbound = await asyncio.to_thread(node.recv, 5.0)
-        assert inbound.msg == pm.StatusQuery(5)
-        node.send(inbound.peer, pm.NodeStatus(5, None))
-        assert await asyncio.wait_for(dealer.recv(), 5) == pm.NodeStatus(5, None)
+        assert inbound.msg == pm.StatusQuery(nonce=5)
+        node.send(inbound.peer, pm.NodeStatus(nonce=5, info=None))
+        assert await asyncio.wait_for(dealer.recv(), 5) == pm.NodeStatus(nonce=5, info=None)
         node.close()  # the node's process is gone: the connection drops
         assert await asyncio.wait_for(dealer.next_link_event(), 10) is False
         dealer.close()
@@ -46,7 +48,15 @@ def test_pull_receives_typed_replies_and_raises_on_malformed_ones():
         context = zmq.asyncio.Context()
         pull = AsyncPullChannel(context, "tcp://127.0.0.1:*", decoder=pm.decode_frames)
         push = PushChannel(f"tcp://127.0.0.1:{pull.port}")
-        chunk = pm.TokenChunk("r1", "d0", (4, 5), (), None, 3, 0)
+        chunk = pm.TokenChunk(
+            request_id="r1",
+            node_id="d0",
+            token_ids=(4, 5),
+            logprobs=(),
+            finish_reason=None,
+            num_prompt_tokens=3,
+            num_cached_tokens=0,
+        )
         assert push.send(chunk)
         assert await asyncio.wait_for(pull.recv(), 5) == chunk
         raw = zmq.Context.instance().socket(zmq.PUSH)

@@ -17,7 +17,7 @@ from pdserve.protocol.channel_auth import ChannelAuth
 
 
 def _status(nonce: int) -> pm.StatusQuery:
-    return pm.StatusQuery(nonce, None)
+    return pm.StatusQuery(nonce=nonce, reply_addr=None)
 
 
 def _own_pair_dealer(address: str, server_public: bytes) -> PeerChannel:

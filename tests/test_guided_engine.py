@@ -181,7 +181,7 @@ def test_each_spec_compiles_once(llm):
     ("spec", "message"),
     [
         (GuidedDecoding.json_schema({"type": "objekt"}), "guided_decoding"),
-        (GuidedDecoding(GuidedDecoding.json_object().kind, "{not json"), "guided_decoding"),
+        (GuidedDecoding(kind=GuidedDecoding.json_object().kind, text="{not json"), "guided_decoding"),
         (GuidedDecoding.regex("a(b"), "guided_decoding"),
         (GuidedDecoding.regex(r"[^\s\S]"), "guided_decoding"),  # compiles to a grammar matching nothing
         (GuidedDecoding.grammar("root ::= undefined_rule"), "guided_decoding"),

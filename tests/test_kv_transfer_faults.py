@@ -35,7 +35,15 @@ ROOT = PEER_SCRIPT.parent.parent
 def raw_grant(receiver: KVReceiver, peer: PeerChannel, request_id: str, tokens: list[int]) -> KVGrant:
     """Reserve by hand and poll the receiver until the grant comes back."""
     hashes = tuple(hash_full_blocks(tokens, BLOCK_SIZE))
-    peer.send(KVReserve(request_id, tuple(tokens), hashes, make_fingerprint(), 5.0))
+    peer.send(
+        KVReserve(
+            request_id=request_id,
+            token_ids=tuple(tokens),
+            block_hashes=hashes,
+            fingerprint=make_fingerprint(),
+            ttl_s=5.0,
+        )
+    )
     receiver.poll(0.2)
     grant = peer.recv(2.0)
     assert grant is not None and isinstance(grant.msg, KVGrant)
@@ -75,7 +83,10 @@ def test_corrupted_frame_fails_the_request_and_the_node_keeps_serving():
     packed = tensors.pack_layer(keys[0], values[0], src_ids, WireFormat.NATIVE, slot)
     frames = [tensors.as_frame(t) for t in packed]
     sums = [tensors.checksum(f) for f in frames]
-    peer.send(KVChunk("bad", 0, 0, 1, (sums[0], sums[1] ^ 1)), frames)
+    peer.send(
+        KVChunk(request_id="bad", layer=0, block_start=0, num_blocks=1, checksums=(sums[0], sums[1] ^ 1)),
+        frames,
+    )
 
     got = poll_until(receiver, lambda r: bool(r.failed))
     assert isinstance(got.failed[0].error, KVAborted) and "checksum" in got.failed[0].error.reason
@@ -105,7 +116,10 @@ def test_oversized_frame_is_refused_and_the_node_keeps_serving():
     receiver = make_receiver("tcp://127.0.0.1:0", max_frame_bytes=4096, chunk_timeout_s=0.3)
     peer = PeerChannel(receiver.address, decoder=decode)
     raw_grant(receiver, peer, "huge", list(range(1, BLOCK_SIZE + 1)))
-    peer.send(KVChunk("huge", 0, 0, 1, (0, 0)), [b"x" * 5000, b"y"])
+    peer.send(
+        KVChunk(request_id="huge", layer=0, block_start=0, num_blocks=1, checksums=(0, 0)),
+        [b"x" * 5000, b"y"],
+    )
     got = poll_until(receiver, lambda r: bool(r.failed))  # its grant runs out: nothing else came
     assert got.failed[0].request_id == "huge"
     assert_all_blocks_free(receiver)

@@ -27,25 +27,47 @@ from pdserve.kv_transfer.messages import (
 )
 from pdserve.protocol.sampling_params import SamplingParams
 
-FP = KVFingerprint("smollm2-135m", "float32", 16, "nbhd-v1", 30, 3, 64)
+FP = KVFingerprint(
+    model_id="smollm2-135m",
+    dtype="float32",
+    block_size=16,
+    layout="nbhd-v1",
+    num_layers=30,
+    num_kv_heads=3,
+    head_dim=64,
+)
 EXAMPLES = [
     KVReserve(
-        "r1", (1, 2, 3), (2**64 - 1,), FP, 2.5, WireFormat.INT8, SamplingParams(temperature=0.0, stop=("x",))
+        request_id="r1",
+        token_ids=(1, 2, 3),
+        block_hashes=(2**64 - 1,),
+        fingerprint=FP,
+        ttl_s=2.5,
+        wire_format=WireFormat.INT8,
+        sampling_params=SamplingParams(temperature=0.0, stop=("x",)),
     ),
-    KVReserve("r2", (5,), (), FP, 1.0),
-    KVGrant("r1", 2, (7, 3, 9), 1 << 26),
-    KVGrant("r1", 0, (1,), 4096, shm=True),
-    KVReserve("r3", (5, 6), (), FP, 3.0, ring_ref=RingRef(41, 7, 1 << 20), host_id="h/boot"),
-    KVWait("r1", 4),
-    KVReject("r1", "fingerprint mismatch", "head_dim"),
-    KVReject("r1", "busy"),
-    KVChunk("r1", 29, 3, 2, (11, 2**64 - 1)),
-    KVChunk("r1", 0, 0, 1, (1, 2), shm_offset=4096),
-    KVCredit("r1", 123456),
-    KVDone("r1", 42, 1000, 256),
-    KVAck("r1"),
-    Abort("r1", "client left"),
-    Error(None, "malformed", "not msgpack"),
+    KVReserve(request_id="r2", token_ids=(5,), block_hashes=(), fingerprint=FP, ttl_s=1.0),
+    KVGrant(request_id="r1", num_held_blocks=2, block_ids=(7, 3, 9), window_bytes=1 << 26),
+    KVGrant(request_id="r1", num_held_blocks=0, block_ids=(1,), window_bytes=4096, shm=True),
+    KVReserve(
+        request_id="r3",
+        token_ids=(5, 6),
+        block_hashes=(),
+        fingerprint=FP,
+        ttl_s=3.0,
+        ring_ref=RingRef(pid=41, fd=7, num_bytes=1 << 20),
+        host_id="h/boot",
+    ),
+    KVWait(request_id="r1", queue_position=4),
+    KVReject(request_id="r1", reason="fingerprint mismatch", field="head_dim"),
+    KVReject(request_id="r1", reason="busy"),
+    KVChunk(request_id="r1", layer=29, block_start=3, num_blocks=2, checksums=(11, 2**64 - 1)),
+    KVChunk(request_id="r1", layer=0, block_start=0, num_blocks=1, checksums=(1, 2), shm_offset=4096),
+    KVCredit(request_id="r1", num_bytes=123456),
+    KVDone(request_id="r1", first_token=42, num_prompt_tokens=1000, num_cached_tokens=256),
+    KVAck(request_id="r1"),
+    Abort(request_id="r1", reason="client left"),
+    Error(request_id=None, code="malformed", message="not msgpack"),
 ]
 
 
@@ -95,14 +117,14 @@ def test_bool_is_not_an_int_and_negative_counts_are_refused():
 
 
 def test_chunk_frame_count_must_match_its_checksums():
-    header = messages.encode(KVChunk("r", 0, 0, 1, (1, 2)))
+    header = messages.encode(KVChunk(request_id="r", layer=0, block_start=0, num_blocks=1, checksums=(1, 2)))
     with pytest.raises(ProtocolError) as info:
         messages.decode(header, [memoryview(b"only one")])
     assert info.value.field == "frames"
 
 
 def test_oversized_frame_is_rejected():
-    header = messages.encode(KVChunk("r", 0, 0, 1, (1, 2)))
+    header = messages.encode(KVChunk(request_id="r", layer=0, block_start=0, num_blocks=1, checksums=(1, 2)))
     with pytest.raises(ProtocolError):
         messages.decode(header, [memoryview(b"x" * 65), memoryview(b"x")], max_frame_bytes=64)
 
@@ -113,7 +135,15 @@ def test_oversized_header_is_rejected():
 
 
 def test_fingerprint_names_its_first_difference():
-    other = KVFingerprint("smollm2-135m", "float32", 16, "nbhd-v1", 30, 3, 128)
+    other = KVFingerprint(
+        model_id="smollm2-135m",
+        dtype="float32",
+        block_size=16,
+        layout="nbhd-v1",
+        num_layers=30,
+        num_kv_heads=3,
+        head_dim=128,
+    )
     assert FP.first_difference(other) == "head_dim" and FP.first_difference(FP) is None
 
 

@@ -143,7 +143,7 @@ def test_a_cache_ref_that_cannot_be_opened_falls_back_to_chunks():
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     )
-    bogus = CacheRef(int(dead.stdout), 3, NUM_BLOCKS)  # that process is gone
+    bogus = CacheRef(pid=int(dead.stdout), fd=3, num_blocks=NUM_BLOCKS)  # that process is gone
     from kv_transfer_peer import make_caches
 
     keys, values = make_caches(NUM_BLOCKS, seed=5)
@@ -168,7 +168,7 @@ def test_the_cache_is_readable_from_another_process():
         from kv_transfer_peer import make_fingerprint
         from pdserve.kv_transfer import shared_cache
         from pdserve.kv_transfer.messages import CacheRef
-        view = shared_cache.attach(CacheRef({cache.ref.pid}, {cache.ref.fd}, {NUM_BLOCKS}), make_fingerprint())
+        view = shared_cache.attach(CacheRef(pid={cache.ref.pid}, fd={cache.ref.fd}, num_blocks={NUM_BLOCKS}), make_fingerprint())
         print(float(view[1, 0, 3].sum()), float(view[2, 1, 7, 1].sum()))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -237,7 +237,15 @@ def test_a_new_ring_on_a_reused_descriptor_is_mapped_afresh():
     peer = PeerMemory(make_fingerprint(), enabled=True)
 
     def reserve(ring):
-        return KVReserve("r", (1,), (), make_fingerprint(), 5.0, ring_ref=ring.ref, host_id=peer.host_id)
+        return KVReserve(
+            request_id="r",
+            token_ids=(1,),
+            block_hashes=(),
+            fingerprint=make_fingerprint(),
+            ttl_s=5.0,
+            ring_ref=ring.ref,
+            host_id=peer.host_id,
+        )
 
     old = staging.StagingRing(1 << 16, shared=True)
     old.buffer[:4] = torch.tensor([1, 1, 1, 1], dtype=torch.uint8)

@@ -65,7 +65,7 @@ def test_a_node_in_a_step_longer_than_its_stall_timeout_stays_live_and_answers_s
         while not done.is_set():
             ttls.append(runtime.beat_ttl_s(time.monotonic()))
             nonce += 1
-            peer.send(StatusQuery(nonce))
+            peer.send(StatusQuery(nonce=nonce))
             reply = peer.recv(timeout_s=STALL_S)
             if reply is not None and isinstance(reply.msg, NodeStatus) and reply.msg.nonce == nonce:
                 answers.append(time.monotonic())
@@ -97,7 +97,7 @@ def test_a_node_whose_engine_makes_no_progress_expires_after_its_stall_timeout()
         assert runtime.beat_ttl_s(now) is not None
         assert runtime.beat_ttl_s(now + STALL_S + 0.01) is None  # no layer, no loop round since
         peer = PeerChannel(runtime.control.address, decoder=decode_frames)
-        peer.send(StatusQuery(1))
+        peer.send(StatusQuery(nonce=1))
         assert peer.recv(timeout_s=0.3) is None  # nothing answers while the engine does not move
         runtime.in_step()  # it moves again: the status goes out
         for _ in range(50):

@@ -192,7 +192,7 @@ def test_kv_that_never_arrives_is_reported_to_the_router_and_its_blocks_freed(pa
             "silent",
             list(range(200, 227)),
             SamplingParams(max_tokens=4),
-            RequestMeta(client.reply_addr, time.time() + 30, time.time()),
+            RequestMeta(reply_addr=client.reply_addr, deadline=time.time() + 30, shipped_at=time.time()),
         )
         assert tx.num_send_blocks == 4
         failed = client.collect(["silent"], timeout_s=15)["silent"]["failed"]
@@ -217,7 +217,7 @@ def test_an_abort_reaches_reservations_queued_in_the_decode_engine_and_granted_o
 
     _, _, _, decode = pair
     fp = KVFingerprint(**client.status(decode)["fingerprint"])
-    meta = RequestMeta(client.reply_addr, time.time() + 30, time.time())
+    meta = RequestMeta(reply_addr=client.reply_addr, deadline=time.time() + 30, shipped_at=time.time())
     senders = [KVSender(decode["kv_addr"], fp, SenderConfig(shared_memory=False)) for _ in range(2)]
     prompts = {
         rid: [(7 * i + k) % 250 + 3 for i in range(n)]

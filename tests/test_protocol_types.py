@@ -34,17 +34,33 @@ EVERY_FIELD_SET = SamplingParams(
     ignore_eos=True,
     logprobs=5,
     prompt_logprobs=3,
-    logit_bias=(LogitBias(5, -100.0), LogitBias(9, 2.5)),
+    logit_bias=(LogitBias(token_id=5, bias=-100.0), LogitBias(token_id=9, bias=2.5)),
     allowed_token_ids=(1, 5, 9),
     bad_words=("foo", "bar baz"),
 )
 # guided decoding excludes ignore_eos and min_tokens, so it rides in a set of its own
 GUIDED = SamplingParams(temperature=0, guided_decoding=GuidedDecoding.json_schema({"type": "object"}))
-FP = KVFingerprint("sha256:abc", "float32", 16, "nbhd-v1", 4, 2, 16)
+FP = KVFingerprint(
+    model_id="sha256:abc",
+    dtype="float32",
+    block_size=16,
+    layout="nbhd-v1",
+    num_layers=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
 
 
 def _generate(params: SamplingParams) -> GenerateRequest:
-    return GenerateRequest("r1", (1, 2, 3), params, "tcp://127.0.0.1:5", None, 1e9, 5.0)
+    return GenerateRequest(
+        request_id="r1",
+        token_ids=(1, 2, 3),
+        sampling_params=params,
+        reply_addr="tcp://127.0.0.1:5",
+        decode_addr=None,
+        deadline=1e9,
+        arrival_time=5.0,
+    )
 
 
 @pytest.mark.parametrize(
@@ -106,16 +122,36 @@ def test_bad_sampling_params_on_the_wire_are_protocol_errors(sampling):
 
 def test_request_meta_rides_in_kv_reserve_and_round_trips():
     meta = RequestMeta(
-        "tcp://10.0.0.2:7000", 1.7e9, 1.7e9 - 0.5, {"prefill_queue": 0.01, "prefill_compute": 0.2}
+        reply_addr="tcp://10.0.0.2:7000",
+        deadline=1.7e9,
+        shipped_at=1.7e9 - 0.5,
+        timings={"prefill_queue": 0.01, "prefill_compute": 0.2},
     )
-    msg = KVReserve("r1", (1, 2, 3), (), FP, 5.0, sampling_params=EVERY_FIELD_SET, request_meta=meta)
+    msg = KVReserve(
+        request_id="r1",
+        token_ids=(1, 2, 3),
+        block_hashes=(),
+        fingerprint=FP,
+        ttl_s=5.0,
+        sampling_params=EVERY_FIELD_SET,
+        request_meta=meta,
+    )
     decoded = km.decode(km.encode(msg))
     assert decoded == msg
     assert type(decoded.request_meta) is RequestMeta and type(decoded.sampling_params) is SamplingParams
 
 
 def test_request_meta_needs_its_reply_address():
-    header = km.encode(KVReserve("r1", (1,), (), FP, 5.0, request_meta=RequestMeta("tcp://x:1", 1.0, 1.0)))
+    header = km.encode(
+        KVReserve(
+            request_id="r1",
+            token_ids=(1,),
+            block_hashes=(),
+            fingerprint=FP,
+            ttl_s=5.0,
+            request_meta=RequestMeta(reply_addr="tcp://x:1", deadline=1.0, shipped_at=1.0),
+        )
+    )
     version, tag, fields = msgpack.unpackb(header)
     del fields["request_meta"]["reply_addr"]
     with pytest.raises(ProtocolError) as info:
@@ -147,14 +183,14 @@ def _node(role: Role) -> NodeInfo:
 def test_node_records_round_trip_through_redis_and_the_wire_typed(role):
     info = _node(role)
     from_redis = NodeInfo.from_redis({k.encode(): v.encode() for k, v in info.to_redis().items()})
-    from_wire = pm.decode(pm.encode(NodeStatus(7, info))).info
+    from_wire = pm.decode(pm.encode(NodeStatus(nonce=7, info=info))).info
     for decoded in (from_redis, from_wire):
         assert decoded == info
         assert type(decoded.role) is Role and type(decoded.fingerprint) is KVFingerprint
 
 
 def test_node_status_before_a_record_exists_is_none():
-    assert pm.decode(pm.encode(NodeStatus(1, None))).info is None
+    assert pm.decode(pm.encode(NodeStatus(nonce=1, info=None))).info is None
 
 
 @pytest.mark.parametrize(
@@ -173,24 +209,79 @@ def test_roles_name_what_they_decode():
 
 
 def test_prompt_logprobs_ride_the_first_chunk_with_their_ranks():
-    entries = (pm.TokenLogprobs(7, -1.5, (3, 7), (-0.2, -1.5), 2), pm.TokenLogprobs(9, -0.1, (), (), 1))
-    chunk = pm.TokenChunk("r1", "p0", (4,), (), None, 3, 0, True, None, entries)
+    entries = (
+        pm.TokenLogprobs(token_id=7, logprob=-1.5, top_token_ids=(3, 7), top_logprobs=(-0.2, -1.5), rank=2),
+        pm.TokenLogprobs(token_id=9, logprob=-0.1, top_token_ids=(), top_logprobs=(), rank=1),
+    )
+    chunk = pm.TokenChunk(
+        request_id="r1",
+        node_id="p0",
+        token_ids=(4,),
+        logprobs=(),
+        finish_reason=None,
+        num_prompt_tokens=3,
+        num_cached_tokens=0,
+        is_first=True,
+        timings=None,
+        prompt_logprobs=entries,
+    )
     decoded = pm.decode(pm.encode(chunk))
     assert decoded == chunk and decoded.prompt_logprobs[0].rank == 2
-    assert pm.decode(pm.encode(pm.TokenChunk("r1", "d0", (5,), (), None, 3, 0))).prompt_logprobs == ()
+    assert (
+        pm.decode(
+            pm.encode(
+                pm.TokenChunk(
+                    request_id="r1",
+                    node_id="d0",
+                    token_ids=(5,),
+                    logprobs=(),
+                    finish_reason=None,
+                    num_prompt_tokens=3,
+                    num_cached_tokens=0,
+                )
+            )
+        ).prompt_logprobs
+        == ()
+    )
 
 
 def test_finish_reasons_and_failure_codes_are_typed_on_the_wire():
     from pdserve.protocol.reasons import FailureCode, FinishReason
 
-    chunk = pm.decode(pm.encode(pm.TokenChunk("r1", "d0", (5,), (), FinishReason.LENGTH, 3, 0)))
+    chunk = pm.decode(
+        pm.encode(
+            pm.TokenChunk(
+                request_id="r1",
+                node_id="d0",
+                token_ids=(5,),
+                logprobs=(),
+                finish_reason=FinishReason.LENGTH,
+                num_prompt_tokens=3,
+                num_cached_tokens=0,
+            )
+        )
+    )
     assert chunk.finish_reason is FinishReason.LENGTH and chunk.finish_reason == "length"
-    failed = pm.decode(pm.encode(pm.RequestFailed("r1", "d0", FailureCode.TIMEOUT, "late", False)))
+    failed = pm.decode(
+        pm.encode(
+            pm.RequestFailed(
+                request_id="r1", node_id="d0", code=FailureCode.TIMEOUT, message="late", retryable=False
+            )
+        )
+    )
     assert failed.code is FailureCode.TIMEOUT
     # a value outside the enum does not decode: a typo'd or foreign code is a protocol error
     for msg in (
-        pm.TokenChunk("r1", "d0", (5,), (), "done", 3, 0),
-        pm.RequestFailed("r1", "d0", "kaboom", "?", False),
+        pm.TokenChunk(
+            request_id="r1",
+            node_id="d0",
+            token_ids=(5,),
+            logprobs=(),
+            finish_reason="done",
+            num_prompt_tokens=3,
+            num_cached_tokens=0,
+        ),
+        pm.RequestFailed(request_id="r1", node_id="d0", code="kaboom", message="?", retryable=False),
     ):
         with pytest.raises(ProtocolError, match="unknown value"):
             pm.decode(pm.encode(msg))

@@ -221,7 +221,16 @@ def test_chunks_are_relayed_by_their_output_position_and_repeats_dropped():
     from pdserve.router.generation import _in_order
 
     def chunk(position: int, *ids: int, finish=None) -> pm.TokenChunk:
-        return pm.TokenChunk("r", "d0", ids, (), finish, 3, 0, position=position)
+        return pm.TokenChunk(
+            request_id="r",
+            node_id="d0",
+            token_ids=ids,
+            logprobs=(),
+            finish_reason=finish,
+            num_prompt_tokens=3,
+            num_cached_tokens=0,
+            position=position,
+        )
 
     async def order(start: int, chunks: list[pm.TokenChunk]) -> list[tuple[int, ...]]:
         queue: asyncio.Queue = asyncio.Queue()

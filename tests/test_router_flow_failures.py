@@ -25,7 +25,9 @@ def tokens(default_model_dir) -> list[int]:
 def test_retryable_failure_before_any_token_retries_on_another_prefill(default_model_dir, tokens):
     async def go():
         bad = FakeNode("p0", "prefill", tokens, num_queued_prefill_tokens=0)
-        bad.fail_with = pm.RequestFailed("", "p0", "kv_transfer", "decode refused", True)
+        bad.fail_with = pm.RequestFailed(
+            request_id="", node_id="p0", code="kv_transfer", message="decode refused", retryable=True
+        )
         good = FakeNode("p1", "prefill", tokens, num_queued_prefill_tokens=10)
         nodes = [bad, good, FakeNode("d0", "decode", tokens)]
         async with fake_cluster(default_model_dir, nodes) as cluster, httpx.AsyncClient() as http:
@@ -67,7 +69,9 @@ def test_hung_prefill_times_out_and_retries_elsewhere(default_model_dir, tokens)
 def test_non_retryable_failure_is_a_json_error_not_an_empty_200(default_model_dir, tokens):
     async def go():
         nodes = fake_pair(tokens)
-        nodes[0].fail_with = pm.RequestFailed("", "p0", "bad_request", "prompt rejected", False)
+        nodes[0].fail_with = pm.RequestFailed(
+            request_id="", node_id="p0", code="bad_request", message="prompt rejected", retryable=False
+        )
         async with fake_cluster(default_model_dir, nodes) as cluster, httpx.AsyncClient() as http:
             return await http.post(
                 cluster.base_url + "/v1/completions",

@@ -142,7 +142,7 @@ def test_a_node_streaming_a_request_nobody_waits_for_is_told_to_abort_it():
 
     def chunk(request_id: str, **fields) -> pm.TokenChunk:
         base = dict(logprobs=(), finish_reason=None, num_prompt_tokens=3, num_cached_tokens=0)
-        return pm.TokenChunk(request_id, "d1", (7,), **{**base, **fields})
+        return pm.TokenChunk(request_id=request_id, node_id="d1", token_ids=(7,), **{**base, **fields})
 
     async def go() -> tuple[list[str], int]:
         nodes = NodeClient()

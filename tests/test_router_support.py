@@ -24,7 +24,9 @@ from pdserve.router.node_client import NodeClient
 from pdserve.router.registry_client import NodeRegistry
 from pdserve.router.tokenizer import Tokenizer
 
-FINGERPRINT = KVFingerprint("tiny", "float32", 4, "test", 2, 2, 16)
+FINGERPRINT = KVFingerprint(
+    model_id="tiny", dtype="float32", block_size=4, layout="test", num_layers=2, num_kv_heads=2, head_dim=16
+)
 
 
 def node_info(node_id: str, role: str, **fields) -> NodeInfo:
@@ -141,7 +143,7 @@ class FakeNode:
                 identity, header = await router.recv_multipart()
                 msg = pm.decode(header)
                 if isinstance(msg, pm.StatusQuery):
-                    reply = pm.NodeStatus(msg.nonce, self.info)
+                    reply = pm.NodeStatus(nonce=msg.nonce, info=self.info)
                     if msg.reply_addr is None:
                         await router.send_multipart([identity, pm.encode(reply)])
                     else:
@@ -178,15 +180,19 @@ class FakeNode:
         logprobs = ()
         if req.sampling_params.logprobs is not None:
             top = tuple(self.tokens[(index + k) % len(self.tokens)] for k in range(1, 3))
-            logprobs = (pm.TokenLogprobs(token, -0.5, (token, *top), (-0.5, -1.5, -2.5)),)
+            logprobs = (
+                pm.TokenLogprobs(
+                    token_id=token, logprob=-0.5, top_token_ids=(token, *top), top_logprobs=(-0.5, -1.5, -2.5)
+                ),
+            )
         return pm.TokenChunk(
-            req.request_id,
-            self.info.node_id,
-            (token,),
-            logprobs,
-            finish,
-            len(req.token_ids),
-            self.num_cached_tokens,
+            request_id=req.request_id,
+            node_id=self.info.node_id,
+            token_ids=(token,),
+            logprobs=logprobs,
+            finish_reason=finish,
+            num_prompt_tokens=len(req.token_ids),
+            num_cached_tokens=self.num_cached_tokens,
             is_first=is_first,
             position=index,
         )
@@ -217,7 +223,13 @@ class FakeNode:
             if self.fail_after is not None and index >= self.fail_after:
                 if self.fail_once:
                     self.fail_after = None
-                failed = pm.RequestFailed(req.request_id, self.info.node_id, "internal", "boom", False)
+                failed = pm.RequestFailed(
+                    request_id=req.request_id,
+                    node_id=self.info.node_id,
+                    code="internal",
+                    message="boom",
+                    retryable=False,
+                )
                 await self._send(req.reply_addr, failed)
                 return
             chunk = self._chunk(req, index, is_first=False)

@@ -93,7 +93,16 @@ def test_no_stop_strings_sends_everything_at_once():
 
 
 def _chunk(ids, finish=None):
-    return TokenChunk("r", "n", tuple(ids), (), finish, 5, 2, is_first=False)
+    return TokenChunk(
+        request_id="r",
+        node_id="n",
+        token_ids=tuple(ids),
+        logprobs=(),
+        finish_reason=finish,
+        num_prompt_tokens=5,
+        num_cached_tokens=2,
+        is_first=False,
+    )
 
 
 def test_stop_string_inside_a_chunk_ends_the_sample_and_counts_tokens_up_to_it(tokenizer):

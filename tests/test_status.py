@@ -16,7 +16,15 @@ PREFILL = NodeInfo(
     role=Role.PREFILL,
     control_addr="tcp://10.0.0.2:5001",
     kv_addr=None,
-    fingerprint=KVFingerprint("sha256:aa", "float32", 16, "nbhd-v1", 2, 2, 16),
+    fingerprint=KVFingerprint(
+        model_id="sha256:aa",
+        dtype="float32",
+        block_size=16,
+        layout="nbhd-v1",
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=16,
+    ),
     max_model_len=512,
     num_blocks_total=64,
     num_blocks_free=60,
@@ -72,7 +80,15 @@ def test_render_lists_colocated_nodes_in_their_own_pool():
 
 
 def test_render_names_the_pools_with_an_int8_kv_cache():
-    fp = KVFingerprint("sha256:aa", "int8", 16, "nbhd-q8-v1", 2, 2, 16)
+    fp = KVFingerprint(
+        model_id="sha256:aa",
+        dtype="int8",
+        block_size=16,
+        layout="nbhd-q8-v1",
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=16,
+    )
     int8 = dataclasses.replace(DECODE, fingerprint=fp)
     lines = render([PREFILL, int8], now=101.0).splitlines()
     assert lines[0] == "prefill: 1 node(s), 1 serving, KV blocks 60/64 free"

@@ -162,18 +162,36 @@ def test_peers_without_the_key_are_refused_on_every_socket_while_the_cluster_ser
             control = PeerChannel(addr, decoder=pm.decode_frames)
             opened.append(control)
             request = pm.GenerateRequest(
-                request_id,
-                (5, 6, 7),
-                SamplingParams(max_tokens=4),
-                "tcp://127.0.0.1:1",
-                None,
-                time.time() + 30,
+                request_id=request_id,
+                token_ids=(5, 6, 7),
+                sampling_params=SamplingParams(max_tokens=4),
+                reply_addr="tcp://127.0.0.1:1",
+                decode_addr=None,
+                deadline=time.time() + 30,
             )
             control.send(request)
         push = PushChannel(reply_addr)
         opened.append(push)
-        push.send(pm.TokenChunk("anything", "rogue", (1,), (), FinishReason.STOP, 3, 0))
-        fingerprint = KVFingerprint("rogue", "float32", 8, KV_LAYOUT_NAME, 2, 2, 16)
+        push.send(
+            pm.TokenChunk(
+                request_id="anything",
+                node_id="rogue",
+                token_ids=(1,),
+                logprobs=(),
+                finish_reason=FinishReason.STOP,
+                num_prompt_tokens=3,
+                num_cached_tokens=0,
+            )
+        )
+        fingerprint = KVFingerprint(
+            model_id="rogue",
+            dtype="float32",
+            block_size=8,
+            layout=KV_LAYOUT_NAME,
+            num_layers=2,
+            num_kv_heads=2,
+            head_dim=16,
+        )
         sender = KVSender(
             decode["kv_addr"], fingerprint, SenderConfig(grant_timeout_s=1.0, shared_memory=False)
         )

@@ -170,7 +170,7 @@ def _bad_frames(seed: int) -> list[list[bytes]]:
     frames: list[list[bytes]] = [
         [rng.randbytes(rng.randrange(0, 200)) for _ in range(rng.randrange(1, 4))] for _ in range(40)
     ]
-    chunk = kvm.KVChunk("nobody", 0, 0, 1, (1, 2))
+    chunk = kvm.KVChunk(request_id="nobody", layer=0, block_start=0, num_blocks=1, checksums=(1, 2))
     frames += [
         [b""],
         [kvm.encode(chunk)],  # two checksums, no data frame
@@ -194,17 +194,50 @@ def _bad_frames(seed: int) -> list[list[bytes]]:
 def _valid_for_unknown_requests(dead_reply: str) -> list[list[bytes]]:
     orphan_params = SamplingParams(temperature=0.0, max_tokens=4)
     return [
-        [pm.encode(pm.AbortRequest("never-seen", "test"))],
-        [kvm.encode(kvm.KVChunk("never-seen", 0, 0, 1, (1, 2))), b"k" * 64, b"v" * 64],
-        [kvm.encode(kvm.KVDone("never-seen", 5, 8, 0))],
-        [kvm.encode(kvm.KVAck("never-seen"))],
-        [kvm.encode(kvm.Abort("never-seen", "test"))],
-        [pm.encode(pm.TokenChunk("never-seen", "n", (1, 2), (), None, 3, 0))],
-        [pm.encode(pm.RequestFailed("never-seen", "n", "x", "y", True))],
+        [pm.encode(pm.AbortRequest(request_id="never-seen", reason="test"))],
+        [
+            kvm.encode(
+                kvm.KVChunk(request_id="never-seen", layer=0, block_start=0, num_blocks=1, checksums=(1, 2))
+            ),
+            b"k" * 64,
+            b"v" * 64,
+        ],
+        [
+            kvm.encode(
+                kvm.KVDone(request_id="never-seen", first_token=5, num_prompt_tokens=8, num_cached_tokens=0)
+            )
+        ],
+        [kvm.encode(kvm.KVAck(request_id="never-seen"))],
+        [kvm.encode(kvm.Abort(request_id="never-seen", reason="test"))],
+        [
+            pm.encode(
+                pm.TokenChunk(
+                    request_id="never-seen",
+                    node_id="n",
+                    token_ids=(1, 2),
+                    logprobs=(),
+                    finish_reason=None,
+                    num_prompt_tokens=3,
+                    num_cached_tokens=0,
+                )
+            )
+        ],
+        [
+            pm.encode(
+                pm.RequestFailed(request_id="never-seen", node_id="n", code="x", message="y", retryable=True)
+            )
+        ],
         # A real request whose router is gone: computed, its replies dropped, its blocks freed.
         [
             pm.encode(
-                pm.GenerateRequest("orphan", (5,) * 40, orphan_params, dead_reply, None, time.time() + 30)
+                pm.GenerateRequest(
+                    request_id="orphan",
+                    token_ids=(5,) * 40,
+                    sampling_params=orphan_params,
+                    reply_addr=dead_reply,
+                    decode_addr=None,
+                    deadline=time.time() + 30,
+                )
             )
         ],
     ]
