@@ -37,11 +37,14 @@ try:
 except redis.exceptions.RedisError as exc:
     out["redis"] = f"refused: {exc}"
 control = PeerChannel(f"tcp://{decode}:7000", decoder=pm.decode_frames)
-control.send(pm.GenerateRequest("rogue-1", (5, 6, 7), SamplingParams(max_tokens=4), reply, None, time.time() + 30))
+control.send(pm.GenerateRequest(request_id="rogue-1", token_ids=(5, 6, 7), sampling_params=SamplingParams(max_tokens=4),
+                                 reply_addr=reply, decode_addr=None, deadline=time.time() + 30))
 push = PushChannel(reply)
-push.send(pm.TokenChunk("rogue-chunk", "rogue", (1,), (), FinishReason.STOP, 3, 0))
+push.send(pm.TokenChunk(request_id="rogue-chunk", node_id="rogue", token_ids=(1,), logprobs=(), finish_reason=FinishReason.STOP,
+                        num_prompt_tokens=3, num_cached_tokens=0))
 time.sleep(2.0)  # each socket keeps trying its handshake meanwhile
-sender = KVSender(f"tcp://{decode}:7001", KVFingerprint("rogue", "float32", 16, KV_LAYOUT_NAME, 30, 3, 64),
+sender = KVSender(f"tcp://{decode}:7001", KVFingerprint(model_id="rogue", dtype="float32", block_size=16, layout=KV_LAYOUT_NAME,
+                                                                  num_layers=30, num_kv_heads=3, head_dim=64),
                   SenderConfig(grant_timeout_s=3.0, shared_memory=False))
 try:
     sender.reserve("rogue-kv", [1, 2, 3], SamplingParams(max_tokens=2))
