@@ -179,7 +179,7 @@ class DecodeNode:
             num_sent=1,
             num_cached_tokens=received.prefill_cached_tokens,
         )
-        stream.timings = dict(meta.timings)  # wall clocks of one host (or NTP-close hosts):
+        stream.timings = meta.timings.known()  # wall clocks of one host (or NTP-close hosts):
         stream.timings["transfer"] = round(max(0.0, time.time() - meta.shipped_at), 6)
         stream.timings["kv_bytes"] = received.bytes_received
         stream.adopted_at = time.monotonic()

@@ -31,7 +31,7 @@ from pdserve.node.log import EventLog, forward_own_logs
 from pdserve.node.options import NodeOptions
 from pdserve.node.parts import NodeParts, ServedRole
 from pdserve.node.runtime import NodeRuntime
-from pdserve.protocol.messages import RoleChange, SetRole
+from pdserve.protocol.messages import RoleChange, RolePhase, SetRole
 from pdserve.protocol.registry import Role
 
 
@@ -121,7 +121,7 @@ class NodeHost:
             self._finish_switch(switch)
 
     # ----------------------------------------------------------------- role switches
-    def _answer(self, msg: SetRole, phase: str, error: str | None = None) -> None:
+    def _answer(self, msg: SetRole, phase: RolePhase, error: str | None = None) -> None:
         self.parts.runtime.reply(
             msg.reply_addr,
             RoleChange(
@@ -132,18 +132,18 @@ class NodeHost:
     def _on_set_role(self, msg: SetRole) -> None:
         runtime, current = self.parts.runtime, self.parts.opts.role
         if runtime.draining.is_set():
-            return self._answer(msg, "refused", "the node is shutting down")
+            return self._answer(msg, RolePhase.REFUSED, "the node is shutting down")
         if self.switch is not None:
             if self.switch.role is not msg.role:
-                return self._answer(msg, "refused", f"a switch to {self.switch.role} is under way")
+                return self._answer(msg, RolePhase.REFUSED, f"a switch to {self.switch.role} is under way")
             self.switch.asked.append(msg)
-            return self._answer(msg, "draining")
+            return self._answer(msg, RolePhase.DRAINING)
         if msg.role is current:
-            return self._answer(msg, "done")
+            return self._answer(msg, RolePhase.DONE)
         if msg.role.decodes and current.decodes:  # decode <-> colocated: the same work, renamed
             self._become(msg.role, keep_role=True)
             self.parts.log("role_switched", previous=current, role=msg.role, seconds=0.0, forced=False)
-            return self._answer(msg, "done")
+            return self._answer(msg, RolePhase.DONE)
         now = time.monotonic()
         seen_draining = now + 2 * self.parts.opts.heartbeat_interval_s  # a beat, and a router's poll
         self.switch = _Switch(msg.role, [msg], now, seen_draining, now + self.parts.opts.drain_timeout_s)
@@ -151,7 +151,7 @@ class NodeHost:
         self.role.start_draining()
         runtime.publish_soon()
         self.parts.log("role_switch_started", previous=current, role=msg.role)
-        self._answer(msg, "draining")
+        self._answer(msg, RolePhase.DRAINING)
 
     def _finish_switch(self, switch: _Switch) -> None:
         previous, forced = self.parts.opts.role, self.role.busy()
@@ -167,7 +167,7 @@ class NodeHost:
             forced=forced,
         )
         for msg in switch.asked:
-            self._answer(msg, "done")
+            self._answer(msg, RolePhase.DONE)
 
     def _empty_engine(self) -> None:
         """Nothing of the old role's requests may stay: the new role starts on a pool whose every

@@ -10,7 +10,7 @@ from pdserve.engine.outputs import CompletionOutput
 from pdserve.engine.sequence import TokenLogprob
 from pdserve.node.options import NodeOptions
 from pdserve.protocol.fingerprint import KVFingerprint
-from pdserve.protocol.messages import TokenChunk, TokenLogprobs
+from pdserve.protocol.messages import StageTimings, TokenChunk, TokenLogprobs
 from pdserve.protocol.registry import NodeInfo
 
 
@@ -23,7 +23,9 @@ class Stream:
     num_sent: int = 0  # output tokens already sent to the router (by this node or the prefill node)
     num_resumed: int = 0  # of those, the ones a migrated request came with (no logprobs here)
     num_cached_tokens: int = 0  # usage: prompt tokens from a prefix cache
-    timings: dict = dataclasses.field(default_factory=dict)  # seconds per stage, sent with the last chunk
+    timings: dict = dataclasses.field(
+        default_factory=dict
+    )  # StageTimings fields so far, sent with the last chunk
     started: float = dataclasses.field(default_factory=time.monotonic)  # arrival on this node
     adopted_at: float | None = None  # decode nodes: when the transferred KV was adopted
 
@@ -48,7 +50,7 @@ def next_chunk(
         return None
     logprobs = tuple(wire_logprob(lp) for lp in (out.logprobs or [])[stream.num_sent - stream.num_resumed :])
     position, stream.num_sent = stream.num_sent, len(out.token_ids)
-    timings = dict(stream.timings) if out.finish_reason is not None else None
+    timings = StageTimings(**stream.timings) if out.finish_reason is not None else None
     return TokenChunk(
         request_id=stream.request_id,
         node_id=node_id,

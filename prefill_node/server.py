@@ -26,7 +26,7 @@ from pdserve.node.streams import (
     wire_logprob,
 )
 from pdserve.prefill_node.shipper import FirstToken, Granted, Outcome, Shipment, Shipper
-from pdserve.protocol.messages import AbortRequest, GenerateRequest, RequestMeta
+from pdserve.protocol.messages import AbortRequest, GenerateRequest, RequestMeta, StageTimings
 from pdserve.protocol.reasons import FailureCode
 from pdserve.protocol.sampling_params import SamplingParams
 
@@ -178,7 +178,7 @@ class PrefillNode:
                 reply_addr=stream.reply_addr,
                 deadline=pending.deadline,
                 shipped_at=time.time(),
-                timings=dict(stream.timings),
+                timings=StageTimings(**stream.timings),
             ),
             wire_logprob(completion.logprobs[0]) if completion.logprobs else None,
         )

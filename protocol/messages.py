@@ -14,7 +14,8 @@ Same wire shape and strict decoding as ``kv_transfer.messages``: one msgpack hea
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+import enum
+from typing import ClassVar
 
 import msgpack
 
@@ -39,6 +40,33 @@ class TokenLogprobs:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StageTimings:
+    """Where a request's time went on the nodes, each stage set by the node that saw it (None where
+    the request did not pass through it); the router observes them in its stage histogram."""
+
+    prefill_queue: float | None = None  # seconds waiting for a prompt's first step on the node that ran it
+    prefill_compute: float | None = None  # seconds from that first step to the first token
+    transfer: float | None = None  # seconds from the prefill node's shipping to the KV's landing
+    decode_queue: float | None = None  # seconds from the KV's landing to the request's first decode step
+    decode: float | None = None  # seconds the decode node held the request, landing to the end
+    kv_bytes: int | None = None  # KV bytes the decode node received for it
+
+    def seconds(self) -> dict[str, float]:
+        """The stages passed through, by name (kv_bytes is a size, not a stage)."""
+        return {
+            f.name: value
+            for f in dataclasses.fields(self)
+            if f.name != "kv_bytes" and (value := getattr(self, f.name)) is not None
+        }
+
+    def known(self) -> dict[str, float | int]:
+        """Every field that is set: a node adds its own stages to these with dataclasses.replace."""
+        return {
+            f.name: value for f in dataclasses.fields(self) if (value := getattr(self, f.name)) is not None
+        }
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RequestMeta:
     """What a decode node needs of a prefilled request besides its prompt and KV; it rides in
     ``kv_transfer.messages.KVReserve``, which does not look inside."""
@@ -46,7 +74,7 @@ class RequestMeta:
     reply_addr: str  # the router's PUSH address for this request's tokens
     deadline: float  # wall clock by which the request must be over (GenerateRequest.deadline)
     shipped_at: float  # the prefill node's wall clock when the transfer began (transfer time)
-    timings: dict[str, float] = dataclasses.field(default_factory=dict)  # prefill stages, seconds
+    timings: StageTimings = StageTimings()  # the prefill node's stages
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,7 +110,7 @@ class TokenChunk(Message):
     num_prompt_tokens: int  # usage: prompt length
     num_cached_tokens: int  # usage: prompt tokens that came from a prefix cache
     is_first: bool = False  # the prefill node's first token; decode chunks follow
-    timings: dict[str, Any] | None = None  # seconds per stage, e.g. {"prefill_queue": 0.01, ...}
+    timings: StageTimings | None = None  # on the last chunk: where the request's time went
     # SamplingParams.prompt_logprobs, on the first chunk of the node that ran the prompt: one per
     # prompt token after the first
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
@@ -145,18 +173,22 @@ class SetRole(Message):
     reply_addr: str
 
 
+class RolePhase(enum.StrEnum):
+    DRAINING = "draining"  # taken: the old role's work finishes first
+    DONE = "done"  # serving as the new role, registered so
+    REFUSED = "refused"  # not taken (RoleChange.error says why); the node serves on as it did
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RoleChange(Message):
-    """Node → router: where a SetRole stands. ``phase``: "draining" (taken: the old role's
-    work finishes first), "done" (serving as ``role``, registered so) or "refused" (``error``
-    says why; the node serves on as it did)."""
+    """Node → router: where a SetRole stands."""
 
     TAG: ClassVar[str] = "role_change"
     nonce: int
     node_id: str
     role: Role  # the role asked for
-    phase: str
-    error: str | None = None
+    phase: RolePhase
+    error: str | None = None  # why, when refused
 
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (

@@ -371,9 +371,10 @@ def _abort(backend: Backend, route: Route, request_id: str) -> None:
             )
 
 
-def _observe_timings(metrics: RouterMetrics, timings: dict | None) -> None:
-    for stage, value in (timings or {}).items():
-        if stage == "kv_bytes" and isinstance(value, int):
-            metrics.kv_bytes.inc(max(value, 0))  # a node's bad count must not fail the request
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            metrics.stages.labels(stage=str(stage)).observe(float(value))
+def _observe_timings(metrics: RouterMetrics, timings: pm.StageTimings | None) -> None:
+    if timings is None:
+        return
+    if timings.kv_bytes is not None:
+        metrics.kv_bytes.inc(timings.kv_bytes)
+    for stage, seconds in timings.seconds().items():
+        metrics.stages.labels(stage=stage).observe(seconds)

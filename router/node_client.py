@@ -227,7 +227,7 @@ class NodeClient:
         try:
             await self.send(addr, pm.SetRole(nonce=nonce, role=role, reply_addr=self.reply_addr))
             async with asyncio.timeout(timeout_s):
-                while last is None or last.phase == "draining":
+                while last is None or last.phase is pm.RolePhase.DRAINING:
                     last = await answers.get()
         except (TimeoutError, NodeUnavailable):
             pass

@@ -13,6 +13,7 @@ import time
 
 import pydantic
 
+from pdserve.protocol import messages as pm
 from pdserve.protocol.registry import Role
 from pdserve.router.errors import APIError
 from pdserve.router.generation import Backend
@@ -45,9 +46,9 @@ async def switch_role(backend: Backend, node_id: str, body: RoleBody) -> dict:
         raise APIError(
             504, f"node {node_id} did not answer within {body.timeout_s:g} s", None, "node_timeout"
         )
-    if answer.phase == "refused":
+    if answer.phase is pm.RolePhase.REFUSED:
         raise APIError(409, f"node {node_id} refused: {answer.error}", "role", "role_switch_refused")
-    if answer.phase != "done":
+    if answer.phase is not pm.RolePhase.DONE:
         raise APIError(
             504, f"node {node_id} is still draining after {body.timeout_s:g} s", None, "node_timeout"
         )

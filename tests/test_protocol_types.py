@@ -13,7 +13,7 @@ from pdserve.kv_transfer import messages as km
 from pdserve.kv_transfer.messages import KVFingerprint, KVReserve
 from pdserve.protocol import messages as pm
 from pdserve.protocol.codec import PROTOCOL_VERSION, ProtocolError
-from pdserve.protocol.messages import GenerateRequest, NodeStatus, RequestMeta
+from pdserve.protocol.messages import GenerateRequest, NodeStatus, RequestMeta, StageTimings
 from pdserve.protocol.registry import NodeInfo, Role
 from pdserve.protocol.sampling_params import GuidedDecoding, LogitBias, SamplingParams
 
@@ -125,7 +125,7 @@ def test_request_meta_rides_in_kv_reserve_and_round_trips():
         reply_addr="tcp://10.0.0.2:7000",
         deadline=1.7e9,
         shipped_at=1.7e9 - 0.5,
-        timings={"prefill_queue": 0.01, "prefill_compute": 0.2},
+        timings=StageTimings(prefill_queue=0.01, prefill_compute=0.2),
     )
     msg = KVReserve(
         request_id="r1",

@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.engine.step_stats import BUCKETS_S
+from pdserve.protocol import messages as pm
 from pdserve.router.metrics import LATENCY_BUCKETS, RouterMetrics
 from pdserve.router.tokenizer import Tokenizer
 from tests.test_router_support import LONG_PROMPT, TEXT, FakeNode, fake_cluster, node_info, run_async
@@ -160,7 +161,7 @@ class _TimedNode(FakeNode):
 
     def _chunk(self, req, index, is_first):
         chunk = super()._chunk(req, index, is_first)
-        timings = {"prefill_queue": 0.01, "prefill": 0.2, "kv_bytes": 4096}
+        timings = pm.StageTimings(prefill_queue=0.01, prefill_compute=0.2, kv_bytes=4096)
         return dataclasses.replace(chunk, timings=timings) if is_first else chunk
 
 

