@@ -4,7 +4,9 @@ A decode step of n sequences runs in the graph of the smallest captured size >= 
 copied into static buffers the graph was captured on; the rows past n are padding that the
 kernels skip: slot -1 (the KV write writes nothing) and context length 0 (decode attention reads
 nothing and returns zeros). Block tables have the full width of max_model_len, so the decode
-kernel's grid and partition count are the same on every replay.
+kernel's grid and partition count are the same on every replay; a partition past a sequence's
+context reads and writes nothing (kernels/paged_decode.py), so short contexts pay one load per
+empty program, not the full width's work.
 
 Steps with prefill rows, batches above the largest size, MoE models (their routing syncs with the
 host: engine/layers/moe.py) and ``--enforce-eager`` run eagerly. ``capture=False`` runs the same

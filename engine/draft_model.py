@@ -28,9 +28,14 @@ import pathlib
 import time
 from collections.abc import Callable
 
+import torch
+
 from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.models import build_model
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.sizing import DraftNeeds
 from pdserve.engine.speculation import Speculator
+from pdserve.protocol.kv_layout import KVCacheSpec
 from pdserve.protocol.sampling_params import SamplingParams
 
 MAX_DRAFT_STEPS = 100_000  # a draft round that has not ended by then is a bug, not a slow step
@@ -56,6 +61,7 @@ def speculator_for(
                 "speculative_model: a draft model proposes instead of ngram; give --speculative "
                 "ngram or --speculative-model, not both"
             )
+        assert config.speculative_model is not None  # what speculative_method "draft" means
         draft_config = draft_model_config(config.speculative_model)
         check_same_tokenizer(model, draft_config)
         limits = (num_blocks, num_threads, min(max_model_len, draft_config.max_position_embeddings))
@@ -72,13 +78,12 @@ def draft_engine_config(
     thread count, fixed (the target's share of the CPUs decides it for both); ``max_model_len``:
     the shorter of the two models' contexts."""
     assert target.speculative_model is not None
-    extra_blocks = target.max_num_seqs * math.ceil((target.num_speculative_tokens + 1) / target.block_size)
     return EngineConfig(
         model=target.speculative_model,
         dtype=target.dtype,
         device=target.device,
         block_size=target.block_size,
-        num_kv_blocks=num_target_blocks + extra_blocks,
+        num_kv_blocks=num_target_blocks + draft_extra_blocks(target),
         max_num_batched_tokens=target.max_num_batched_tokens,
         max_num_seqs=target.max_num_seqs,
         max_model_len=max_model_len,
@@ -88,6 +93,26 @@ def draft_engine_config(
         debug_checks=target.debug_checks,
         enforce_eager=target.enforce_eager,
     )
+
+
+def draft_extra_blocks(target: EngineConfig) -> int:
+    """The draft pool's blocks beyond the target's count: k drafts and a token for each sequence."""
+    return target.max_num_seqs * math.ceil((target.num_speculative_tokens + 1) / target.block_size)
+
+
+def draft_needs(target: EngineConfig, dtype: torch.dtype) -> DraftNeeds | None:
+    """What the target's ``--speculative-model`` takes of its device share (None without one): its
+    weights counted on the meta device (nothing allocated), its pool's blocks from its config."""
+    if target.speculative_method != "draft":
+        return None
+    assert target.speculative_model is not None
+    draft = draft_model_config(target.speculative_model)
+    model = build_model(draft, draft.max_position_embeddings, dtype, torch.device("meta"))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    spec = KVCacheSpec(
+        draft.num_layers, 1, target.block_size, draft.num_kv_heads, draft.head_dim, target.kv_dtype
+    )
+    return DraftNeeds(weight_bytes, spec.bytes_per_block, draft_extra_blocks(target))
 
 
 def draft_model_config(path: str) -> ModelConfig:

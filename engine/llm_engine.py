@@ -14,7 +14,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cpu_share import CpuShare
 from pdserve.engine.cuda_graphs import why_eager
 from pdserve.engine.device import describe_runtime, resolve_dtype
-from pdserve.engine.draft_model import speculator_for
+from pdserve.engine.draft_model import draft_needs, speculator_for
 from pdserve.engine.kv_prefault import KVPrefault
 from pdserve.engine.logits_rules import LogitsRules
 from pdserve.engine.model_runner import KVCacheFactory, ModelRunner
@@ -118,8 +118,10 @@ class LLMEngine:
         profile = lambda: self.runner.profile(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)  # noqa: E731
         # graphs hold a decode step's activations in their own pool: the peak once more
         memory = measure_device(self.platform, profile, at_start, graphs=self._graphs_off() is None)
+        draft = draft_needs(c, self.runner.dtype)  # a draft model's engine comes out of the same share
+        block_bytes = self._kv_spec().bytes_per_block
         return size_device_pool(
-            self.sizing, c, self.max_model_len, self._kv_spec().bytes_per_block, memory, str(self.device)
+            self.sizing, c, self.max_model_len, block_bytes, memory, str(self.device), draft
         )
 
     def _kv_spec(self) -> KVCacheSpec:
@@ -216,8 +218,10 @@ class LLMEngine:
 
     def _granted(self, seqs: list[Sequence]) -> None:
         self.kv_prefault.advance(self.block_manager.high_water)  # the KV lands before any step
+        on_granted = self._on_kv_granted
+        assert on_granted is not None, "reserve_remote queues no request without the callback"
         for seq in seqs:
-            self._on_kv_granted(RemoteReservation.of(seq, self.block_manager.block_size))
+            on_granted(RemoteReservation.of(seq, self.block_manager.block_size))
 
     def kv_arrived(
         self, request_id: str, first_token: int, first_logprob: TokenLogprob | None = None
@@ -380,6 +384,7 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         self._sample(logits, seqs, touched)
         if drafted:
+            assert self.speculator is not None  # only a speculator drafts
             sample = lambda rows, sequences: self._sample(rows, sequences, touched)  # noqa: E731
             self.speculator.verify(all_logits, drafted, sample, self.block_manager)
         outputs = [self._output(r) for r in touched.values()]
@@ -403,11 +408,12 @@ class LLMEngine:
 
     def _score_prompt(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """Prompt logprobs of the positions ``hidden`` holds, the next ones ``seq`` is due."""
-        first = len(seq.prompt_logprobs)
+        first, num_top = len(seq.prompt_logprobs), seq.params.prompt_logprobs
+        assert num_top is not None  # only sequences that asked have prompt rows
         for start, logits in self.runner.prompt_logits(hidden):
             at = first + start + 1  # the prompt token these rows score
             next_ids = seq.token_ids[at : at + logits.shape[0]]
-            seq.prompt_logprobs += prompt_logprobs(logits, next_ids, seq.params.prompt_logprobs)
+            seq.prompt_logprobs += prompt_logprobs(logits, next_ids, num_top)
 
     def _check_stop(self, seq: Sequence, token_id: int) -> None:
         status = self.stop_rules.check(seq, token_id)

@@ -15,7 +15,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.device import resolve_attention_backend, resolve_dtype
 from pdserve.engine.layers import moe
-from pdserve.engine.models import model_class
+from pdserve.engine.models import build_model
 from pdserve.engine.platform import Platform
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
@@ -42,6 +42,14 @@ class ModelInput:
     prompt_rows: list[tuple[Sequence, int, int]] = dataclasses.field(default_factory=list)
 
 
+def largest_prefill(num_tokens: int, num_seqs: int, max_model_len: int) -> list[int]:
+    """The prompt lengths of the largest prefill step a scheduler can build under a budget of
+    ``num_tokens`` tokens and ``num_seqs`` sequences, none longer than ``max_model_len``."""
+    total = min(num_tokens, num_seqs * max_model_len)
+    full, rest = divmod(total, max_model_len)
+    return [max_model_len] * full + ([rest] if rest else [])
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -63,8 +71,7 @@ class ModelRunner:
         self.kv_dtype = torch.int8 if engine_config.kv_cache_dtype == "int8" else self.dtype
         self.attention_backend = resolve_attention_backend(engine_config.attention_backend, device)
         max_positions = engine_config.max_model_len or model_config.max_position_embeddings
-        with torch.device(device):  # parameters and rotary tables are made where they compute
-            self.model = model_class(model_config)(model_config, max_positions).to(self.dtype).eval()
+        self.model = build_model(model_config, max_positions, self.dtype, device)
         load_weights(self.model, model_config.path)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # oneDNN matmuls on weights packed once (kernels/cpu_linear.py); F.linear where it can't
@@ -99,17 +106,17 @@ class ModelRunner:
             self.kv_caches = kv_cache_factory(kv_spec)
             assert len(self.kv_caches) == s.num_layers and self.kv_caches[0][0].dtype == self.kv_dtype
         else:
-            self.kv_caches = [(self._empty_cache(), self._empty_cache()) for _ in range(s.num_layers)]
+            self.kv_caches = [(self._empty_cache(s), self._empty_cache(s)) for _ in range(s.num_layers)]
 
     def _layer_starts(self, _module, _args) -> None:
         if self.on_layer is not None:
             self.on_layer()
 
-    def _empty_cache(self) -> torch.Tensor:
+    def _empty_cache(self, spec: KVCacheSpec) -> torch.Tensor:
         # numpy's zeros come from calloc: for a large pool the OS maps zero pages and commits each
         # page when a block is first written, so a pool sized from free memory costs only what is
         # used (torch.zeros would write every byte at start-up). bf16 rides as int16 bits.
-        shape = (self.kv_spec.num_blocks, *self.kv_spec.block_shape)
+        shape = (spec.num_blocks, *spec.block_shape)
         if self.kv_dtype == torch.bfloat16:
             return torch.from_numpy(np.zeros(shape, np.int16)).view(torch.bfloat16)
         numpy_dtype = {torch.int8: np.int8, torch.float16: np.float16}.get(self.kv_dtype, np.float32)
@@ -119,12 +126,17 @@ class ModelRunner:
     def profile(self, num_tokens: int, num_seqs: int, max_model_len: int) -> None:
         """The largest steps this engine will run, on a throwaway one-block pool, so that the
         platform's peak memory counts their activations before the real pool is sized: a prefill
-        of ``num_tokens`` tokens, a decode of ``num_seqs`` rows whose block tables have the full
+        step of ``num_tokens`` tokens, a decode of ``num_seqs`` rows whose block tables have the full
         width of ``max_model_len`` (the split-K partials of the decode kernel grow with it), and
-        the logits and sampler work of ``num_seqs`` rows. Every slot points into block 0."""
+        the logits and sampler work of ``num_seqs`` rows. Every slot points into block 0.
+
+        No sequence is longer than the context, so the largest prefill step a scheduler can build
+        is ``num_tokens`` tokens as prompts of at most ``max_model_len`` (and at most ``num_seqs``
+        of them): one 2048-token prompt on a model of 512 positions would index past its rotary
+        table (a device-side assert on CUDA, which poisons the context)."""
         dev = self.platform.device
         cache = self._scratch_cache()
-        self._scratch_prefill(cache, num_tokens)
+        self._scratch_prefill(cache, largest_prefill(num_tokens, num_seqs, max_model_len))
         width = -(-max_model_len // self.block_size)
         decode = self._scratch_meta(
             num_seqs,
@@ -145,10 +157,10 @@ class ModelRunner:
         logits, on ``profile``'s throwaway pool: the pool, blocks and caches of the engine are
         left as they were. A short pass first pays the first call's costs."""
         cache = self._scratch_cache()
-        self._scratch_prefill(cache, min(num_tokens, 16))
+        self._scratch_prefill(cache, [min(num_tokens, 16)])
         self.platform.synchronize()
         start = time.perf_counter()
-        self._scratch_prefill(cache, num_tokens)
+        self._scratch_prefill(cache, [num_tokens])
         self.platform.synchronize()
         return time.perf_counter() - start
 
@@ -165,20 +177,24 @@ class ModelRunner:
             for _ in range(m.num_layers)
         ]
 
-    def _scratch_prefill(self, cache, num_tokens: int) -> None:
-        """A prompt of ``num_tokens`` zeros through the model on ``cache`` (every slot in block 0),
-        and its last row's logits."""
+    def _scratch_prefill(self, cache, prompt_lens: list[int]) -> None:
+        """Prompts of zeros, ``prompt_lens`` tokens each, through the model in one step on ``cache``
+        (every slot in block 0), and each prompt's last row's logits."""
         dev, bs = self.platform.device, self.block_size
+        lens = torch.tensor(prompt_lens, dtype=torch.int32, device=dev)
+        q_start = torch.zeros(len(prompt_lens) + 1, dtype=torch.int32, device=dev)
+        q_start[1:] = torch.cumsum(lens, 0)
         meta = self._scratch_meta(
-            num_tokens,
+            sum(prompt_lens),
             0,
-            torch.zeros((1, -(-num_tokens // bs)), dtype=torch.int32, device=dev),
-            torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
-            torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+            torch.zeros((len(prompt_lens), -(-max(prompt_lens) // bs)), dtype=torch.int32, device=dev),
+            q_start,
+            lens,
         )
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
-        hidden = self.model(ids, torch.arange(num_tokens, device=dev), cache, meta)
-        self.model.compute_logits(hidden[-1:])
+        ids = torch.zeros(sum(prompt_lens), dtype=torch.int64, device=dev)
+        positions = torch.cat([torch.arange(n, device=dev) for n in prompt_lens])
+        hidden = self.model(ids, positions, cache, meta)
+        self.model.compute_logits(hidden[q_start[1:].long() - 1])
 
     def _scratch_meta(
         self, rows: int, num_decodes: int, tables: torch.Tensor, q_start: torch.Tensor, lens: torch.Tensor
@@ -209,16 +225,17 @@ class ModelRunner:
                 key_cache[copy.dst_block_id] = key_cache[copy.src_block_id]
                 value_cache[copy.dst_block_id] = value_cache[copy.src_block_id]
         inp = self.prepare(sched)
-        if self.graphs is not None and self._graphable(inp):
+        if self.graphs is not None and self._graphable(inp, self.graphs):
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)
         else:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         prompt_hidden = [(seq, hidden[first : first + num]) for seq, first, num in inp.prompt_rows]
         return self.model.compute_logits(hidden[inp.logits_rows]), inp.sampled_seqs, prompt_hidden
 
-    def _graphable(self, inp: ModelInput) -> bool:
+    @staticmethod
+    def _graphable(inp: ModelInput, graphs: DecodeGraphs) -> bool:
         n = inp.input_ids.shape[0]
-        return inp.meta.num_decode_tokens == n and not inp.prompt_rows and n <= self.graphs.sizes[-1]
+        return inp.meta.num_decode_tokens == n and not inp.prompt_rows and n <= graphs.sizes[-1]
 
     @property
     def has_host_routing(self) -> bool:
@@ -244,6 +261,7 @@ class ModelRunner:
         Rows go in schedule order (decodes first, then prefill chunks); sequence i owns rows
         q_start[i]:q_start[i+1], positions computed[i] .. computed[i] + n_new[i] - 1.
         """
+        assert self.kv_spec is not None, "allocate the KV pool before the first step"
         bs = self.kv_spec.block_size
         items = sched.scheduled
         n = len(items)
@@ -337,23 +355,24 @@ class StepInputs:
             end = -(-(end + a.nbytes) // self.ALIGN) * self.ALIGN
         if self._copied is not None:
             self._copied.synchronize()  # the last copy has read the host buffer
-        if self._host is None or self._host.numel() < end:
-            capacity = max(end, 2 * (0 if self._host is None else self._host.numel()), 1 << 16)
-            self._host = self.platform.host_empty((capacity,), torch.uint8)
-            self._device = torch.empty(capacity, dtype=torch.uint8, device=self.platform.device)
-        host = self._host.numpy()
+        host, device = self._host, self._device
+        if host is None or device is None or host.numel() < end:
+            capacity = max(end, 2 * (0 if host is None else host.numel()), 1 << 16)
+            host = self._host = self.platform.host_empty((capacity,), torch.uint8)
+            device = self._device = torch.empty(capacity, dtype=torch.uint8, device=self.platform.device)
+        staged = host.numpy()
         for name, a in arrays.items():
-            host[offsets[name] : offsets[name] + a.nbytes] = (
+            staged[offsets[name] : offsets[name] + a.nbytes] = (
                 np.ascontiguousarray(a).view(np.uint8).reshape(-1)
             )
-        self.platform.copy(self._device[:end], self._host[:end])
-        self._copied = self.platform.event()
-        self._copied.record()
-        self.platform.uploaded(self._host[:end])
+        self.platform.copy(device[:end], host[:end])
+        self._copied = copied = self.platform.event()
+        copied.record()
+        self.platform.uploaded(host[:end])
         out = {}
         for name, a in arrays.items():
             o = offsets[name]
-            out[name] = self._device[o : o + a.nbytes].view(TORCH_OF_NUMPY[a.dtype]).view(a.shape)
+            out[name] = device[o : o + a.nbytes].view(TORCH_OF_NUMPY[a.dtype]).view(a.shape)
         return out
 
 

@@ -11,7 +11,8 @@ buffers are pinned, copies are asynchronous and events order them.
 tensors are separate from host tensors, the host copy is poisoned after every upload, and copies
 queued on a stream land only when an event recorded after them is waited on. Code that reads a
 host buffer where it should read the device one, or reads a copy before its event, then gives
-wrong tokens on the CPU, where the HF-exact tests see it.
+wrong tokens on the CPU, where the HF-exact tests see it. It also reports device memory, so an
+engine on it sizes its pool as on a GPU: after a profile run of its largest step.
 
 The CUDA path has not yet run on a GPU (bench/gpu_oneshot.sh checks it on the first one lent), so
 ``auto`` stays on the CPU and ``cuda`` starts with a warning that says so.
@@ -37,6 +38,9 @@ UNVERIFIED_CUDA = (
     "(bench/gpu_oneshot.sh checks it; bench/README.md has its table once it has)"
 )
 POISON_BYTE = 0x7F  # int64 0x7f7f...: any index read from a poisoned buffer is far out of range
+# SplitPlatform's device: this much memory, all of it free whatever is allocated (its figures drive
+# the GPU's sizing path, profile run included, and measure nothing)
+SPLIT_DEVICE_BYTES = 16 << 30
 
 
 class NullStream:
@@ -216,6 +220,9 @@ class SplitPlatform(Platform):
     @property
     def packs_linears(self) -> bool:
         return False  # as on a GPU: plain F.linear on the device weights
+
+    def mem_info(self) -> tuple[int, int] | None:
+        return SPLIT_DEVICE_BYTES, SPLIT_DEVICE_BYTES
 
     def stream(self):
         return FakeStream()

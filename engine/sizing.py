@@ -123,6 +123,22 @@ def measure_device(platform, profile, at_start: tuple[int, int], graphs: bool) -
     return DeviceMemory(total, free_at_start, free_after, peak or 0, allocated or 0, graphs)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class DraftNeeds:
+    """What a draft model (``--speculative-model``) takes of the target engine's device share:
+    its weights, and a pool of one draft block per target block plus ``extra_blocks``
+    (engine/draft_model.py, ``draft_engine_config``). Its activations are not counted: it runs
+    between the target's steps, in what the target's profiled step frees."""
+
+    weight_bytes: int
+    block_bytes: int  # one block of the draft's pool (every layer, K and V)
+    extra_blocks: int
+
+    @property
+    def fixed_bytes(self) -> int:
+        return self.weight_bytes + self.extra_blocks * self.block_bytes
+
+
 def size_device_pool(
     sizing: EngineSizing,
     config: EngineConfig,
@@ -130,10 +146,13 @@ def size_device_pool(
     block_bytes: int,
     memory: DeviceMemory,
     device: str,
+    draft: DraftNeeds | None = None,
 ) -> EngineSizing:
     """``sizing`` with its KV pool sized to ``gpu_memory_utilization`` of the device; an explicit
-    ``num_kv_blocks`` or ``kv_cache_memory_mb`` still wins. ValueError where the share does not
-    fit in what is free, or leaves no room for a pool."""
+    ``num_kv_blocks`` or ``kv_cache_memory_mb`` still wins. With a ``draft`` model, one budget
+    holds both engines: the draft's weights and fixed blocks come off first, and each target block
+    is paid for with its draft block. ValueError where the share does not fit in what is free, or
+    leaves no room for a pool."""
     if sizing.kv_source in ("num_kv_blocks", "kv_cache_memory_mb"):
         return sizing
     gib = 1 << 30
@@ -145,17 +164,21 @@ def size_device_pool(
             f"GiB, but only {memory.free_at_start / gib:.1f} GiB is free (other processes hold the "
             "rest); lower --gpu-memory-utilization"
         )
-    room = budget - memory.held
-    if room < block_bytes:
+    held = memory.held + (draft.fixed_bytes if draft else 0)
+    per_block = block_bytes + (draft.block_bytes if draft else 0)
+    room = budget - held
+    if room < per_block:
+        what = "weights, the draft model and the profile run" if draft else "weights and the profile run"
         raise ValueError(
-            f"gpu_memory_utilization {util}: weights and the profile run hold {memory.held / gib:.2f} "
-            f"GiB of the {budget / gib:.2f} GiB share, leaving no room for a KV pool; raise "
-            "--gpu-memory-utilization, or lower --max-num-batched-tokens / --max-num-seqs"
+            f"gpu_memory_utilization {util}: {what} hold {held / gib:.2f} GiB of the {budget / gib:.2f} "
+            "GiB share, leaving no room for a KV pool; raise --gpu-memory-utilization, or lower "
+            "--max-num-batched-tokens / --max-num-seqs"
         )
-    blocks = room // block_bytes
+    blocks = room // per_block
     source = (
-        f"{util:.0%} of {memory.total / gib:.1f} GiB on {device}, less {memory.held / gib:.2f} GiB "
-        "for weights and the profiled step"
+        f"{util:.0%} of {memory.total / gib:.1f} GiB on {device}, less {held / gib:.2f} GiB for weights"
+        + (", the draft model's weights and pool" if draft else "")
+        + " and the profiled step"
     )
     most_useful = config.max_num_seqs * -(-max_model_len // config.block_size)
     if blocks > most_useful:

@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import pathlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
+
+if TYPE_CHECKING:
+    from pdserve.engine.models import Model
 
 # Hugging Face parameter -> (our fused parameter, shard index within it)
 _FUSED = {
@@ -17,6 +21,8 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# our fused parameter's name -> how many checkpoint tensors make it (per expert, for stacked experts)
+_NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2, "down_proj": 1}
 # '...experts.<e>.<name>.weight' -> (our [num_experts, out, in] parameter, shard index within it)
 _EXPERT_FUSED = {
     "gate_proj": ("gate_up_proj", 0),
@@ -48,10 +54,14 @@ def iter_tensors(model_dir: str | pathlib.Path, device: str = "cpu") -> Iterator
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model: torch.nn.Module, model_dir: str | pathlib.Path) -> None:
+def load_weights(model: Model, model_dir: str | pathlib.Path) -> None:
     """Copy checkpoint tensors into ``model``, fusing q/k/v, gate/up and per-expert matrices;
     every parameter must be set. ``model.checkpoint_name(name)`` (when the model has it) renames
-    a checkpoint tensor to its parameter, or returns None for tensors to skip (buffers)."""
+    a checkpoint tensor to its parameter, or returns None for tensors to skip (buffers).
+
+    A fused parameter is filled as soon as its last part is read, so at most one parameter's
+    parts are held besides the model: holding them all to the end held most of the checkpoint
+    a second time."""
     params = dict(model.named_parameters())
     rename = getattr(model, "checkpoint_name", lambda name: name)
     pending: dict[str, dict[tuple[int, int], torch.Tensor]] = {}  # fused parameter -> (expert, shard) -> part
@@ -64,9 +74,13 @@ def load_weights(model: torch.nn.Module, model_dir: str | pathlib.Path) -> None:
             continue
         target, expert, shard = _fused_target(name)
         if target is not None:
-            pending.setdefault(target, {})[(expert or 0, shard)] = tensor
+            parts = pending.setdefault(target, {})
+            parts[(expert or 0, shard)] = tensor
             if expert is not None:
                 stacked.add(target)
+            if target in params and len(parts) == _num_parts(params[target], target, target in stacked):
+                _copy(params[target], _assemble(pending.pop(target), target in stacked), target)
+                loaded.add(target)
             continue
         if name not in params:
             if name == "lm_head.weight" and model.config.tie_word_embeddings:  # tied, stored anyway
@@ -84,6 +98,12 @@ def load_weights(model: torch.nn.Module, model_dir: str | pathlib.Path) -> None:
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"checkpoint lacks parameters: {sorted(missing)[:5]}")
+
+
+def _num_parts(param: torch.nn.Parameter, target: str, over_experts: bool) -> int:
+    """How many checkpoint tensors fill the fused parameter ``target``: one per shard (and expert)."""
+    kind = next(part for part in reversed(target.split(".")) if part in _NUM_SHARDS)
+    return _NUM_SHARDS[kind] * (param.shape[0] if over_experts else 1)
 
 
 def _fused_target(name: str) -> tuple[str | None, int | None, int]:

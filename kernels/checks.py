@@ -22,7 +22,8 @@ def check_cache(cache: torch.Tensor, name: str = "cache") -> tuple[int, int, int
     )
     assert cache.is_contiguous(), f"{name} must be contiguous (protocol/kv_layout.py)"
     assert cache.dtype in CACHE_DTYPES, f"{name} dtype {cache.dtype} not in {CACHE_DTYPES}"
-    return tuple(cache.shape)
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    return num_blocks, block_size, num_kv_heads, head_dim
 
 
 def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor, head_dim: int) -> tuple[int, ...]:

@@ -92,14 +92,16 @@ def _self_check(dtype: torch.dtype) -> bool:
 def pack_linears(model: nn.Module) -> int:
     """Replace every nn.Linear of ``model`` (on CPU, loaded) by a PackedLinear; how many were.
 
-    A tied LM head is packed from the embedding's weight, which the embedding keeps.
+    A tied LM head is packed from the embedding's weight, which the embedding keeps. Each plain
+    layer is dropped as soon as its packed one replaces it: the model never holds its weights
+    twice over (bar one layer).
     """
     targets = [
-        (parent, name, child)
+        (parent, name)
         for parent in model.modules()
         for name, child in parent.named_children()
         if type(child) is nn.Linear and child.weight.device.type == "cpu"
     ]
-    for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+    for parent, name in targets:
+        setattr(parent, name, PackedLinear(getattr(parent, name)))
     return len(targets)

@@ -106,6 +106,36 @@ def test_decode_of_empty_batch_and_empty_context():
     assert empty.shape == (0, 1, 8)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+def test_decode_partitions_past_a_short_context_do_no_work(window):
+    """A table as wide as a long context (CUDA graphs capture it for max_model_len) over short
+    contexts: only the partitions holding keys write their split-K partials; the others, past the
+    context or before the window, leave them as they were (NaN here), and the reduce never reads
+    them. The output equals the reference all the same."""
+    context_lens, partition = [5, 40, 0, 17], 8
+    kv = random_paged_kv(context_lens, 4, 2, 8, device=DEVICE, seed=3)
+    width = 32  # 128 tokens of table: 16 partitions for contexts of at most 40
+    tables = torch.zeros((4, width), dtype=torch.int32, device=DEVICE)
+    tables[:, : kv.block_tables.shape[1]] = kv.block_tables
+    query = torch.randn(4, 4, 8, device=DEVICE)
+    shape = (4, 4, width * 4 // partition)
+    partials = (
+        _poisoned(torch.empty(shape)),
+        _poisoned(torch.empty(shape)),
+        _poisoned(torch.empty(*shape, 8)),
+    )
+    partials = tuple(t.to(DEVICE) for t in partials)
+    args = (query, kv.key_cache, kv.value_cache, tables, kv.context_lens, 0.3, window)
+    out = paged_decode_attention_triton(*args, partition_size=partition, block_n=16, partials=partials)
+    torch.testing.assert_close(out, paged_decode_attention_ref(*args), atol=1e-5, rtol=1e-5)
+    written = ~partials[0].isnan()  # [S, H, P]
+    for seq, ctx in enumerate(context_lens):
+        first = max(0, ctx - (window or ctx)) // partition
+        holding = [first <= part and part * partition < ctx for part in range(shape[2])]
+        assert written[seq].tolist() == [holding] * 4, (seq, ctx)
+        assert bool((~partials[2][seq].isnan()).eq(written[seq][..., None]).all())
+
+
 # (context_lens, query_lens, block_size, num_kv_heads, group, head_dim, sliding_window)
 PREFILL_CASES = {
     "whole-prompts-bs8": ([13, 1], [13, 1], 8, 1, 1, 16, None),

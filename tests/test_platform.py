@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine import platform as platform_module
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.model_runner import ModelRunner, StepInputs
+from pdserve.engine.draft_model import draft_engine_config, draft_needs
+from pdserve.engine.model_runner import ModelRunner, StepInputs, largest_prefill
 from pdserve.engine.platform import TEST_PLATFORM_ENV, CUDAPlatform, Platform, SplitPlatform, resolve_platform
-from pdserve.engine.sizing import DeviceMemory, size_device_pool, size_engine
+from pdserve.engine.sizing import DeviceMemory, DraftNeeds, size_device_pool, size_engine
 from pdserve.protocol.kv_layout import KVCacheSpec
 from tests.engine_helpers import hf_greedy
 from tests.tiny_models import make_tiny_model
@@ -169,6 +171,66 @@ def test_gpu_sizing_refuses_a_share_that_is_not_free_or_leaves_no_pool():
     assert size_device_pool(sizing, config, 4096, 1, DeviceMemory(1, 1, 1, 0, 0), "cuda:0").num_kv_blocks == 5
 
 
+def test_with_a_draft_model_one_budget_holds_both_pools_and_the_drafts_weights():
+    model = ModelConfig.from_path(make_tiny_model("llama"))
+    config, sizing = _tiny_sizing(model, gpu_memory_utilization=0.5, max_num_seqs=1 << 20)
+    block = KVCacheSpec(
+        model.num_layers, 1, 16, model.num_kv_heads, model.head_dim, "float32"
+    ).bytes_per_block
+    draft = DraftNeeds(weight_bytes=2 * GIB, block_bytes=block // 2, extra_blocks=1000)
+    memory = DeviceMemory(80 * GIB, 70 * GIB, 60 * GIB, peak=12 * GIB, allocated=9 * GIB)  # held 13 GiB
+    out = size_device_pool(sizing, config, 4096, block, memory, "cuda:0", draft)
+    # 40 GiB share - 13 held - 2 of draft weights - its 1000 extra blocks, then a target block and
+    # its draft block each
+    room = 27 * GIB - 2 * GIB - 1000 * draft.block_bytes
+    assert out.num_kv_blocks == room // (block + draft.block_bytes)
+    used = memory.held + draft.fixed_bytes + out.num_kv_blocks * (block + draft.block_bytes)
+    assert used <= 40 * GIB < used + block + draft.block_bytes  # all of the share, and no more
+    assert "the draft model's weights and pool" in out.kv_source
+    alone = size_device_pool(sizing, config, 4096, block, memory, "cuda:0")
+    assert alone.num_kv_blocks == 27 * GIB // block > out.num_kv_blocks
+    with pytest.raises(ValueError, match="weights, the draft model and the profile run hold"):
+        size_device_pool(sizing, config, 4096, block, memory, "cuda:0", DraftNeeds(28 * GIB, block, 0))
+
+
+def test_the_drafts_needs_are_its_real_weights_and_the_pool_its_engine_gets():
+    target, draft = make_tiny_model("llama"), make_tiny_model("qwen2", seed=3)
+    config = EngineConfig(
+        model=str(target),
+        dtype="bfloat16",
+        speculative_model=str(draft),
+        num_speculative_tokens=4,
+        block_size=4,
+    )
+    needs = draft_needs(config, torch.bfloat16)
+    draft_cfg = ModelConfig.from_path(draft)
+    runner = ModelRunner(draft_cfg, EngineConfig(model=str(draft), dtype="bfloat16", block_size=4))
+    assert needs.weight_bytes == runner.weight_bytes  # counted on the meta device, exactly
+    spec = KVCacheSpec(draft_cfg.num_layers, 1, 4, draft_cfg.num_kv_heads, draft_cfg.head_dim, "bfloat16")
+    assert needs.block_bytes == spec.bytes_per_block
+    engine_config = draft_engine_config(config, 100, 1, 512)
+    assert engine_config.num_kv_blocks == 100 + needs.extra_blocks
+    assert draft_needs(EngineConfig(model=str(target)), torch.float32) is None
+
+
+def test_on_the_split_platform_the_target_and_draft_engines_share_one_budget(split, monkeypatch):
+    """A device share too small for a full pool: the target's pool, the draft engine's pool and
+    the draft's weights together fit in it (the draft engine was given what was left before)."""
+    monkeypatch.setattr(platform_module, "SPLIT_DEVICE_BYTES", 64 << 20)
+    target, draft = str(make_tiny_model("llama")), str(make_tiny_model("qwen2", seed=3))
+    options = dict(block_size=4, max_num_seqs=8, gpu_memory_utilization=0.05)  # a 3.2 MiB share
+    llm = LLM(target, speculative_model=draft, num_speculative_tokens=4, **options)
+    draft_engine = llm.engine.speculator.draft.engine
+    needs = draft_needs(llm.engine.config, llm.engine.runner.dtype)
+    pools = llm.engine.sizing.kv_pool_bytes + draft_engine.sizing.kv_pool_bytes
+    assert draft_engine.kv_spec.num_blocks == llm.engine.kv_spec.num_blocks + needs.extra_blocks
+    assert pools + needs.weight_bytes <= 0.05 * (64 << 20)
+    prompts = _prompts()[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == [hf_greedy(target, p, 6) for p in prompts]
+
+
 def test_the_profile_run_executes_and_leaves_the_pool_untouched():
     path = make_tiny_model("llama")
     cfg = ModelConfig.from_path(path)
@@ -176,6 +238,46 @@ def test_the_profile_run_executes_and_leaves_the_pool_untouched():
     runner = ModelRunner(cfg, EngineConfig(model=str(path), dtype="float32", block_size=4), spec)
     runner.profile(num_tokens=40, num_seqs=6, max_model_len=64)
     assert all(not k.any() and not v.any() for k, v in runner.kv_caches)
+
+
+def test_the_largest_prefill_step_is_prompts_no_longer_than_the_context():
+    assert largest_prefill(2048, 64, 512) == [512, 512, 512, 512]
+    assert largest_prefill(2048, 3, 512) == [512, 512, 512]  # no more prompts than max_num_seqs
+    assert largest_prefill(1000, 64, 512) == [512, 488]
+    assert largest_prefill(256, 64, 8192) == [256]
+
+
+def test_the_profile_run_of_a_budget_beyond_the_context_stays_inside_the_rotary_table():
+    """The default budget (2048 tokens) on a model of 512 positions: profiled as four prompts of
+    512, positions 0..511 (one prompt of 2048 raised here, and is a device-side assert on CUDA)."""
+    path = make_tiny_model("llama")  # 512 positions
+    cfg = ModelConfig.from_path(path)
+    assert cfg.max_position_embeddings == 512
+    spec = KVCacheSpec(cfg.num_layers, 8, 16, cfg.num_kv_heads, cfg.head_dim, "float32")
+    runner = ModelRunner(cfg, EngineConfig(model=str(path), dtype="float32"), spec)
+    steps = []
+    runner.model.register_forward_pre_hook(
+        lambda _m, args: steps.append((args[1].shape[0], int(args[1].max()), args[3].context_lens.tolist()))
+    )
+    runner.profile(num_tokens=2048, num_seqs=64, max_model_len=512)
+    prefill, decode = steps
+    assert prefill == (2048, 511, [512, 512, 512, 512])
+    assert decode == (64, 511, [512] * 64)
+
+
+def test_on_the_split_platform_an_engine_profiles_with_the_default_budget_and_is_exact(split, monkeypatch):
+    """As on a GPU, the engine sizes its pool after the profile run: the default budget on a
+    model of 512 positions starts, and its greedy tokens equal HF's."""
+    path = str(make_tiny_model("llama"))
+    profiled = []
+    real_profile = ModelRunner.profile
+    monkeypatch.setattr(ModelRunner, "profile", lambda self, *a: profiled.append(a) or real_profile(self, *a))
+    llm = LLM(model=path)
+    assert profiled == [(2048, llm.engine.config.max_num_seqs, 512)]
+    prompts = _prompts()[:3]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == [hf_greedy(path, p, 6) for p in prompts]
 
 
 def test_the_prefill_probe_seeds_the_speed_and_leaves_the_engine_as_it_was():

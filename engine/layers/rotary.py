@@ -130,6 +130,7 @@ class RotaryEmbedding(torch.nn.Module):
         f = rotary_frequencies(rotary_dim, rope, max_positions, max_position_embeddings)
         inv_freq = f.inv_freq[None, :].expand(max_positions, -1)  # [P, dim/2]
         if f.long_inv_freq is not None:
+            assert f.switch_position is not None  # LongRoPE's two sets come with where they switch
             is_long = (torch.arange(max_positions) >= f.switch_position)[:, None]
             inv_freq = torch.where(is_long, f.long_inv_freq[None, :], inv_freq)
         freqs = torch.arange(max_positions).float()[:, None] * inv_freq  # [P, dim/2]

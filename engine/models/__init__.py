@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.models.decoder import CausalLM
 from pdserve.engine.models.gemma import GemmaForCausalLM
 from pdserve.engine.models.gemma2 import Gemma2ForCausalLM
 from pdserve.engine.models.gpt2 import GPT2LMHeadModel
@@ -14,7 +20,14 @@ from pdserve.engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from pdserve.engine.models.qwen3 import Qwen3ForCausalLM
 from pdserve.engine.models.stablelm import StableLmForCausalLM
 
-MODEL_REGISTRY: dict[str, type] = {
+# What the engine runs: a step's tokens to hidden states (forward), rows of them to logits
+# (compute_logits); GPT-2 has its own skeleton, every other family decoder.CausalLM's.
+Model = CausalLM | GPT2LMHeadModel
+
+# each family's class, built from its config and the positions its rotary table must cover
+ModelClass = Callable[[ModelConfig, int], Model]
+
+MODEL_REGISTRY: dict[str, ModelClass] = {
     "LlamaForCausalLM": LlamaForCausalLM,  # Llama 2/3, SmolLM2
     "MistralForCausalLM": LlamaForCausalLM,  # + sliding window
     "Qwen2ForCausalLM": LlamaForCausalLM,  # + qkv bias
@@ -30,7 +43,7 @@ MODEL_REGISTRY: dict[str, type] = {
 }
 
 
-def model_class(cfg: ModelConfig) -> type:
+def model_class(cfg: ModelConfig) -> ModelClass:
     try:
         return MODEL_REGISTRY[cfg.architecture]
     except KeyError:
@@ -38,3 +51,22 @@ def model_class(cfg: ModelConfig) -> type:
         raise ValueError(
             f"model architecture {cfg.architecture!r} is not supported; supported: {supported}"
         ) from None
+
+
+def build_model(cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> Model:
+    """The model of ``cfg`` with its parameters made on ``device`` in ``dtype`` (not yet loaded):
+    where they compute, in the dtype they compute in. Built in fp32 and then cast, a bf16 model
+    held about 3x its weights for a moment. On ``meta`` nothing is allocated (sizes only). The
+    rotary tables stay fp32 whatever the dtype (engine/layers/rotary.py)."""
+    with torch.device(device), _default_dtype(dtype):
+        return model_class(cfg)(cfg, max_positions).eval()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
