@@ -112,6 +112,20 @@ def _number(pattern: str, text: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
+# The first line that says what went wrong: an exception's line (the traceback's own header
+# skipped), a CUDA kernel's device-side assertion (printed before the Python error it causes), or
+# a CUDA error.
+ERROR_LINE_RE = re.compile(
+    r"^\s*([\w.]*(Error|Exception|Exit|Interrupt)\b.*|.*\bAssertion\b.*\bfailed\b.*|.*\bCUDA error\b.*)$",
+    re.M,
+)
+
+
+def first_error_line(text: str) -> str:
+    m = ERROR_LINE_RE.search(text)
+    return m.group(0).strip()[:160] if m else f"no error line; last: {_last_line(text)}"
+
+
 def _last_line(text: str) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[-1][:160] if lines else "no output"
@@ -199,7 +213,7 @@ def decode_figures(output: str) -> tuple[str, str]:
 
 def probe_figures(output: str) -> tuple[str, str]:
     m = re.search(r"^engine probe: ok(.*)$", output, re.M)
-    return (f"ok{m.group(1).rstrip()}" if m else f"fails: {_last_line(output)}"), ""
+    return (f"ok{m.group(1).rstrip()}" if m else f"engine probe failed: {first_error_line(output)}"), ""
 
 
 def engine_figures(output: str) -> tuple[str, str]:
