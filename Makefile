@@ -39,6 +39,7 @@ $(STAMP):
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m scripts.typecheck
 
 model: setup
 	$(VENV)/bin/pdserve model fetch

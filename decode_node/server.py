@@ -22,8 +22,9 @@ import time
 from collections.abc import Callable
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.requests import Aborted, QueueFullError, RemoteReservation
+from pdserve.engine.requests import Aborted, QueueFullError
 from pdserve.kv_transfer.receiver import KVReceiver, ReceivedKV
+from pdserve.kv_transfer.reservations import Reservation
 from pdserve.node.parts import NodeParts
 from pdserve.node.streams import Stream, engine_logprob, local_deadline, next_chunk, node_status
 from pdserve.protocol.messages import AbortRequest, GenerateRequest
@@ -55,7 +56,7 @@ class EngineReservations:
         except QueueFullError:
             return None
 
-    def on_granted(self, callback: Callable[[RemoteReservation], None]) -> None:
+    def on_granted(self, callback: Callable[[Reservation], None]) -> None:
         self._engine.on_kv_granted(callback)
 
     def abort(self, request_id: str) -> None:

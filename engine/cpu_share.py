@@ -98,13 +98,14 @@ class CpuShare:
         return _Sample(time.monotonic(), busy, t.user + t.system)
 
     def tick(self) -> None:
-        if not self.active or time.monotonic() - self._last.wall < self.interval:
+        last = self._last
+        if last is None or time.monotonic() - last.wall < self.interval:
             return
         now = self._sample()
         if now is None:
             return
-        wall = now.wall - self._last.wall
-        self.others = max(0.0, (now.busy - self._last.busy) - (now.own - self._last.own)) / wall
+        wall = now.wall - last.wall
+        self.others = max(0.0, (now.busy - last.busy) - (now.own - last.own)) / wall
         self._last = now
         target = threads_for(self.usable, self.others, self.ceiling)
         if target == self.threads:

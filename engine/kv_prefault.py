@@ -39,6 +39,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -109,7 +110,7 @@ class KVPrefault:
 
     @classmethod
     def for_engine(
-        cls, kv_caches: list[tuple[torch.Tensor, ...]], num_blocks: int, config: EngineConfig
+        cls, kv_caches: Sequence[tuple[torch.Tensor, ...]], num_blocks: int, config: EngineConfig
     ) -> KVPrefault:
         """The engine's, for its ``EngineConfig``: a step's prompt blocks are handed out before it
         commits, and ahead of them one block a sequence (what the next decode step can add)."""

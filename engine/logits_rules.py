@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import pathlib
 import threading
+from typing import TYPE_CHECKING
 
 import llguidance
 import numpy as np
@@ -23,6 +24,9 @@ import torch
 from pdserve.engine.sequence import Sequence
 from pdserve.grammar import GrammarCompiler
 from pdserve.protocol.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import tokenizers  # imported where bad_words first need it
 
 
 @dataclasses.dataclass(slots=True)
@@ -45,7 +49,7 @@ class LogitsRules:
         self._compiler: GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()  # warm_up may build it on another thread
         self._executor: llguidance.LLExecutor | None = None  # computes a batch's masks in parallel
-        self._tokenizer = None  # tokenizers.Tokenizer, for bad_words
+        self._tokenizer: tokenizers.Tokenizer | None = None  # for bad_words
         self._states: dict[int, _SeqRules] = {}  # seq_id -> rules of a live sequence
 
     @property
@@ -141,14 +145,16 @@ class LogitsRules:
         matcher the output tokens it has not seen."""
         words = (self._vocab_size + 31) // 32
         bitmask = np.empty((len(guided), words), dtype=np.int32)  # [G, W], bit k of word w: token 32w+k
-        for _, seq, state in guided:
+        matchers: list[tuple[llguidance.LLMatcher, int]] = []
+        for i, (_, seq, state) in enumerate(guided):
+            assert state.matcher is not None  # only guided rows come here
             new = seq.output_token_ids[state.num_consumed :]
             if new:
                 state.matcher.consume_tokens(new)  # on a refused token it stays in error: EOS only
                 state.num_consumed += len(new)
+            matchers.append((state.matcher, i))
         if self._executor is None:  # the masks in parallel, on the engine's threads
             self._executor = llguidance.LLExecutor(num_threads=torch.get_num_threads())
-        matchers = [(state.matcher, i) for i, (_, _, state) in enumerate(guided)]
         self._executor.unsafe_compute_mask_ptr(matchers, bitmask.ctypes.data, words * 4, len(guided))
         # little-endian words: byte 4w + k // 8, bit k % 8; numpy unpacks ~10x faster than torch shifts
         bits = np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little")[:, : self._vocab_size]
@@ -174,6 +180,7 @@ def _apply_token_rules(x: torch.Tensor, seq: Sequence, state: _SeqRules) -> None
     """logit_bias, allowed_token_ids and bad_words on one row, in place."""
     # x: [V] a view into the batch's logits
     if state.bias_ids is not None:
+        assert state.bias_values is not None  # made with bias_ids
         x.index_add_(0, state.bias_ids, state.bias_values)
     if state.allowed is not None:
         x.masked_fill_(~state.allowed, float("-inf"))

@@ -30,7 +30,7 @@ def completion_output(seq: Sequence, tokenizer=None) -> CompletionOutput:
         if seq.stop_text is not None:
             cut = text.find(seq.stop_text)
             text = text[:cut] if cut >= 0 else text
-    stop_reason = seq.stop_text
+    stop_reason: str | int | None = seq.stop_text
     if stop_reason is None and seq.finish_status is SequenceStatus.FINISHED_STOPPED:
         stop_reason = seq.token_ids[-1]
     return CompletionOutput(

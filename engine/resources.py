@@ -26,10 +26,13 @@ def _cgroup_cpu_quota() -> float | None:
     if v2 is not None:
         quota, _, period = v2.partition(" ")
         return None if quota == "max" else int(quota) / int(period or 100_000)
-    quota, period = _read(_CGROUP / "cpu" / "cpu.cfs_quota_us"), _read(_CGROUP / "cpu" / "cpu.cfs_period_us")
-    if quota is None or period is None or int(quota) <= 0:
+    cfs_quota, cfs_period = (
+        _read(_CGROUP / "cpu" / "cpu.cfs_quota_us"),
+        _read(_CGROUP / "cpu" / "cpu.cfs_period_us"),
+    )
+    if cfs_quota is None or cfs_period is None or int(cfs_quota) <= 0:
         return None
-    return int(quota) / int(period)
+    return int(cfs_quota) / int(cfs_period)
 
 
 def usable_cpus() -> int:

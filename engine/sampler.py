@@ -78,7 +78,11 @@ class Sampler:
         results = []
         for r, (inp, token_id) in enumerate(zip(inputs, token_ids, strict=True)):
             n = inp.seq.params.logprobs
-            results.append((token_id, None if n is None else _logprob(raw_logprobs[r], token_id, n)))
+            logprob: TokenLogprob | None = None
+            if n is not None:
+                assert raw_logprobs is not None  # computed when any row asks for logprobs
+                logprob = _logprob(raw_logprobs[r], token_id, n)
+            results.append((token_id, logprob))
         return results
 
     def _sample_row(self, row: torch.Tensor, inp: SamplerInput) -> int:
@@ -174,7 +178,7 @@ def _apply_penalties(row: torch.Tensor, seq: Sequence, params: SamplingParams) -
 
 
 def _logprob(logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
-    top = ()
+    top: tuple[tuple[int, float], ...] = ()
     if num_top > 0:
         values, ids = torch.topk(logprobs, num_top)
         top = tuple(zip(ids.tolist(), values.tolist(), strict=True))

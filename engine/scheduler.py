@@ -266,6 +266,7 @@ class Scheduler:
         if seq is None:
             return False
         self.block_manager.free(seq)
+        assert seq.finish_status is not None  # finish() set it before holding the sequence
         seq.status = seq.finish_status
         self._stalled = False
         return True

@@ -190,10 +190,10 @@ class Speculator:
         else:  # a draft model's tokens cost a pass each: price the drafts first (by position
             # alone), then run it for the ones that pay
             counts = self.budget(num_decodes, wanted)
-            found = self.draft.propose(
+            proposed = self.draft.propose(
                 [(seq, counts[seq.seq_id]) for seq, _ in wanted if seq.seq_id in counts]
             )
-            drafts = [(seq, found[seq.seq_id]) for seq, _ in wanted if seq.seq_id in found]
+            drafts = [(seq, proposed[seq.seq_id]) for seq, _ in wanted if seq.seq_id in proposed]
         for seq, tokens in drafts:
             seq.draft_token_ids = tokens[: counts.get(seq.seq_id, 0)]
 

@@ -15,13 +15,17 @@ import collections
 import json
 import pathlib
 import threading
+from typing import TYPE_CHECKING
 
 import llguidance
 
 from pdserve.protocol.sampling_params import GuidedDecoding, GuidedKind
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # only in the stub: a TypedDict, absent at runtime
+
 DEFAULT_CACHE_SIZE = 64  # compiled specs kept per process
-_JSON_OPTIONS = {"whitespace_flexible": False}
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 class GrammarError(ValueError):

@@ -41,11 +41,13 @@ def reserve_problem(
 def ring_frames(ring: memoryview | None, msg: KVChunk, cache: torch.Tensor, wire_format) -> list[memoryview]:
     """A chunk's frames as views of the sender's shared ring ([] when they cannot be there,
     which then fails ``chunk_problem``). cache: any layer's cache, for the block shape and dtype."""
+    start = msg.shm_offset
+    assert start is not None, "only a chunk sent through the ring has frames there"
     sizes = tensors.frame_sizes(tuple(cache.shape[1:]), cache.dtype, msg.num_blocks, wire_format)
     offsets, total = tensors.frame_offsets(sizes)
-    if ring is None or msg.shm_offset + total > len(ring):
+    if ring is None or start + total > len(ring):
         return []
-    return [ring[msg.shm_offset + o : msg.shm_offset + o + n] for o, n in zip(offsets, sizes, strict=True)]
+    return [ring[start + o : start + o + n] for o, n in zip(offsets, sizes, strict=True)]
 
 
 def chunk_problem(

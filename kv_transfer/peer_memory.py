@@ -167,6 +167,7 @@ class DirectCopy:
         self, src_ids: tuple[int, ...], checksums: tuple[int, ...], key_caches, value_caches, dst_ids
     ) -> str | None:
         """The problem with what landed, or None."""
+        sums: list[int] | str
         if self.copied is not None and self.copied[0] == src_ids:
             sums = self.copied[1]
         else:

@@ -330,7 +330,7 @@ class KVReceiver:
         assert isinstance(msg, KVDone)
         transfer = self._transfers.get(msg.request_id)
         state = transfer.landing if transfer is not None and transfer.peer == peer else None
-        if state is None:
+        if transfer is None or state is None:
             self._reply(
                 peer,
                 Error(

@@ -16,9 +16,19 @@ from pdserve.protocol.sampling_params import SamplingParams
 
 
 class Reservation(Protocol):
-    request_id: str
-    num_held_blocks: int  # leading prompt blocks the engine already holds (prefix cache): not sent
-    block_ids: tuple[int, ...]  # the blocks the rest of the prompt's KV lands in, in prompt order
+    # read-only members, so that a frozen record (the engine's RemoteReservation) is one
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Leading prompt blocks the engine already holds (prefix cache): not sent."""
+        ...
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        """The blocks the rest of the prompt's KV lands in, in prompt order."""
+        ...
 
 
 class BlockReservations(Protocol):

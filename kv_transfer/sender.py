@@ -40,6 +40,7 @@ from pdserve.kv_transfer.messages import (
     KVReject,
     KVReserve,
     KVShipment,
+    KVWait,
     Message,
     TokenLogprobs,
     WireFormat,
@@ -395,8 +396,9 @@ class KVSender:
     def _file(self, msg: Message) -> None:
         if isinstance(msg, KVCredit):
             self._ring.release_oldest(msg.request_id)  # credits come back in send order
-        elif msg.request_id in self._inbox:  # replies to forgotten requests are dropped
-            self._inbox[msg.request_id].append(msg)
+        elif isinstance(msg, (KVGrant, KVWait, KVReject, KVAck, Abort, Error)):  # what a receiver sends
+            if msg.request_id in self._inbox:  # replies to forgotten requests are dropped
+                self._inbox[msg.request_id].append(msg)
 
     def _raise_if_fatal(self, request_id: str, msg: Message) -> None:
         error: KVTransferError | None = None

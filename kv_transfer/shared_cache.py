@@ -96,5 +96,6 @@ def layer_checksum(key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids
     for cache in (key_cache, value_cache):
         rows = cache.reshape(cache.shape[0], -1)  # [num_blocks, bs * kvh * d], a view
         for first, length in id_runs:
-            h.update(memoryview(rows[first : first + length].view(torch.uint8).numpy()).cast("B"))
+            # ndarray.data: the array's memoryview (numpy types memoryview(ndarray) only on 3.12+)
+            h.update(rows[first : first + length].view(torch.uint8).numpy().data.cast("B"))
     return h.intdigest()

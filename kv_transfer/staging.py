@@ -69,7 +69,7 @@ class StagingRing:
             torch.frombuffer(self._map, dtype=torch.uint8)
             if self._map is not None
             else platform.host_empty((num_bytes,), torch.uint8)
-            if on_device
+            if platform is not None and on_device
             else torch.empty(num_bytes, dtype=torch.uint8)
         )  # [num_bytes] uint8
         self.buffer.fill_(0)  # touch every page now, not on the first transfer
@@ -87,6 +87,7 @@ class StagingRing:
         """Offset of a free slot of ``size`` bytes, or None until credits free one."""
         if size > self.capacity:
             raise ValueError(f"chunk of {size} bytes exceeds the staging ring ({self.capacity})")
+        offset: int | None
         if not self._in_flight:
             offset = 0
         else:
@@ -118,6 +119,7 @@ class StagingRing:
 
     def close(self) -> None:
         if self._map is not None:
+            assert self._fd is not None  # made with the map
             del self.buffer
             self._map.close()
             os.close(self._fd)
@@ -140,7 +142,8 @@ def peer_is_local(address: str) -> bool:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
     except OSError:
         return False
-    return any(_is_own_address(info[0], info[4][0]) for info in infos)
+    # an IPv6 address is (int, bytes), not a host string, where Python was built without IPv6
+    return any(_is_own_address(family, addr[0]) for family, *_, addr in infos if isinstance(addr[0], str))
 
 
 def _is_own_address(family: int, ip: str) -> bool:

@@ -64,17 +64,19 @@ class DeviceCopies:
     def __init__(self, platform: DevicePlatform | None = None) -> None:
         self.platform = platform
         self.on_host = platform is None or not platform.separate_host
-        self.stream = None if self.on_host else platform.stream()
+        self.stream = None if platform is None or self.on_host else platform.stream()
         self._bounce: torch.Tensor | None = None  # [capacity] uint8, grown to the largest chunk
 
     def bounce(self, num_bytes: int) -> torch.Tensor:
         """[num_bytes] uint8 of host memory (pinned where the platform pins) to upload from."""
+        assert self.platform is not None, "host memory needs no bounce buffer"
         if self._bounce is None or self._bounce.numel() < num_bytes:
             self._bounce = self.platform.host_empty((num_bytes,), torch.uint8)
         return self._bounce[:num_bytes]
 
     def wait(self) -> None:
         """Block until everything queued on the copy stream so far has completed."""
+        assert self.platform is not None, "host memory has no copy stream"
         done = self.platform.event()
         done.record(self.stream)
         done.synchronize()
@@ -87,7 +89,8 @@ def checksum(frame: memoryview) -> int:
 def as_frame(tensor: torch.Tensor) -> memoryview:
     """Zero-copy byte view of a contiguous CPU tensor (works for bfloat16, which numpy lacks)."""
     assert tensor.is_contiguous() and tensor.device.type == "cpu"
-    return memoryview(tensor.view(-1).view(torch.uint8).numpy())
+    # ndarray.data: the array's memoryview (numpy types memoryview(ndarray) only on 3.12+)
+    return tensor.view(-1).view(torch.uint8).numpy().data
 
 
 def from_frame(frame: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -168,6 +171,7 @@ def _pack_from_device(
     The caches must be complete when this is called: the engine's step that wrote them has ended
     (its sampled token reached the host), so every kernel that wrote them has finished."""
     platform, stream = copies.platform, copies.stream
+    assert platform is not None  # copies that are not on_host have one
     run = _as_range(block_ids)  # on the host ids: no device sync
     with platform.use_stream(stream):  # the gathers queue on the copy stream, ahead of their copies
         ids = None if run is not None else block_ids.to(key_cache.device)
@@ -214,6 +218,7 @@ def _unpack_to_device(
     """unpack_layer for caches in device memory: the frames go up in one host-to-device copy from
     the pinned bounce buffer, then are dequantized and scattered on the device."""
     platform, stream = copies.platform, copies.stream
+    assert platform is not None  # copies that are not on_host have one
     sizes = [len(f) for f in frames]
     offsets, total = frame_offsets(sizes)
     host = copies.bounce(total)  # [total] uint8, the chunk laid out as in a staging slot
@@ -277,12 +282,16 @@ def _land(
         if run is not None:
             rows[run].copy_(src.reshape(src.shape[0], -1))
         else:
+            assert ids is not None  # given wherever there is no run
             rows.index_copy_(0, ids, src.reshape(src.shape[0], -1))
 
 
 def _select(cache: torch.Tensor, run: slice | None, ids: torch.Tensor | None) -> torch.Tensor:
     """Rows ``run`` of the cache (a view) or rows ``ids`` (device ids; a gather)."""
-    return cache[run] if run is not None else cache.index_select(0, ids)
+    if run is not None:
+        return cache[run]
+    assert ids is not None  # given wherever there is no run
+    return cache.index_select(0, ids)
 
 
 def _as_range(block_ids: torch.Tensor) -> slice | None:
@@ -295,9 +304,10 @@ def _as_range(block_ids: torch.Tensor) -> slice | None:
 
 
 def frame_sizes(
-    block_shape: tuple[int, int, int], dtype: torch.dtype, num_blocks: int, wire_format: WireFormat
+    block_shape: tuple[int, ...], dtype: torch.dtype, num_blocks: int, wire_format: WireFormat
 ) -> list[int]:
-    """Expected byte size of each frame of a chunk of ``num_blocks`` blocks."""
+    """Expected byte size of each frame of a chunk of ``num_blocks`` blocks; block_shape: a
+    cache's shape past its first dimension, (block_size, kv_heads, head_dim)."""
     block_size, kv_heads, head_dim = block_shape
     elems = num_blocks * block_size * kv_heads * head_dim
     if wire_format is WireFormat.NATIVE:

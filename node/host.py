@@ -59,7 +59,7 @@ class NodeHost:
     def __init__(self, opts: NodeOptions, engine_config: EngineConfig) -> None:
         log = EventLog(opts.node_id)
         forward_own_logs(log)  # before the engine: its start-up records too
-        self.parts = NodeParts(opts, log, None, None)  # type: ignore[arg-type]  (filled below)
+        self.parts = NodeParts(opts, log, None, None)  # type: ignore[arg-type]  # engine and runtime: filled in below
         # A prefill node's KV cache in host memory lives in shared memory, so same-host decode
         # nodes copy blocks straight out of it. The engine calls the factory only for a pool in
         # host memory; a device pool (and a private one) leaves the cache None.

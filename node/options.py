@@ -60,7 +60,8 @@ class NodeOptions:
     drain_timeout_s: float = setting(
         30.0, "SIGTERM: the longest wait in seconds for in-flight work before exiting", flag="--drain-timeout"
     )
-    node_id: str | None = setting(None, "unique id of this process (default: role-hostname-pid-random)")
+    # typed as it is once constructed: None (the default) is replaced by a made-up id then
+    node_id: str = setting(None, "unique id of this process (default: role-hostname-pid-random)")
     ready_file: str | None = setting(None, "write the node's addresses here (JSON) once serving")
     model_id: str  # the model's content digest (protocol.model_digest): part of the KV fingerprint
 

@@ -39,6 +39,8 @@ class ServedRole(Protocol):
     """One role's work on a node's parts, driven by the host's loop: each round the host calls
     ``wait_if_idle``, hands it the control messages that are its (``on_control``), then ``work``."""
 
+    opts: NodeOptions  # the host swaps in new options when only the role's name changes
+
     def status(self) -> NodeInfo: ...
 
     def wait_if_idle(self) -> None: ...

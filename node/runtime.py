@@ -194,6 +194,7 @@ class NodeRuntime:
             if stalled:
                 self.log("loop_resumed")
                 stalled = False
+            assert self._status is not None  # start() set it before it started this thread
             try:
                 registry.publish(self._redis, self._status, ttl_s, self._key)
             except Exception as exc:  # Redis down: keep serving, retry next beat

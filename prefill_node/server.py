@@ -156,6 +156,7 @@ class PrefillNode:
         )
         if not completion.continues:
             chunk = next_chunk(stream, first, self.opts.node_id, True, out.prompt_logprobs)
+            assert chunk is not None  # nothing was sent yet: the first token is new
             self.runtime.reply(stream.reply_addr, chunk)
             self.log("first_token_sent", rid, cached_tokens=stream.num_cached_tokens)
             self.engine.release_held(rid)
@@ -167,6 +168,8 @@ class PrefillNode:
         first_chunk = next_chunk(
             dataclasses.replace(stream), first, self.opts.node_id, True, out.prompt_logprobs
         )
+        assert first_chunk is not None  # nothing was sent yet: the first token is new
+        assert seq is not None  # a request that goes on holds its blocks for the transfer
         kv = KVShipment(
             rid,
             tuple(seq.token_ids[: seq.num_prompt_tokens]),
@@ -202,6 +205,7 @@ class PrefillNode:
             return
         if outcome.error is None:
             s = outcome.stats
+            assert s is not None  # a transfer that succeeded has its stats
             self.log(
                 "kv_shipped",
                 rid,

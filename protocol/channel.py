@@ -265,7 +265,8 @@ class AsyncDealerChannel(_AsyncChannel):
         self.address = address
         self._socket.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not connected
         self._socket.connect(address)
-        self._sender = zmq.Socket.shadow(self._socket.underlying)  # synchronous, for NOBLOCK sends
+        # synchronous, for NOBLOCK sends
+        self._sender: zmq.SyncSocket = zmq.Socket.shadow(self._socket.underlying)
         self._monitor = self._socket.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
         )
@@ -303,4 +304,4 @@ class AsyncPullChannel(_AsyncChannel):
     ) -> None:
         super().__init__(context, zmq.PULL, decoder, max_frame_bytes, auth, "reply")
         self._socket.bind(bind_addr)
-        self.port = int(self._socket.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+        self.port = int(self._socket.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])

@@ -49,16 +49,16 @@ _ZAP_BIND_WAIT_S = 2.0  # how long a new ZAP handler waits for the last one's ad
 _LOG_BURST, _LOG_WINDOW_S = 5, 30.0
 
 
-def _reason(event: dict) -> str:
-    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+def _reason(event: int, value: int) -> str:
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return "its client key is not the cluster's"
-    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # value: the errno
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # value: the errno
         return "it hung up before the handshake finished (a peer without the cluster key does)"
-    if event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+    if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
         return "it does not speak CURVE (no cluster key)"
-    if event["value"] == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+    if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
         return "it holds another cluster key"
-    return f"handshake failed (zmq protocol error {event['value']})"
+    return f"handshake failed (zmq protocol error {value})"
 
 
 class ChannelAuth:
@@ -83,7 +83,8 @@ class ChannelAuth:
             return
         socket.curve_server = True
         socket.zap_domain = ZAP_DOMAIN.encode()
-        sync = zmq.Context.shadow(socket.context.underlying)  # an asyncio socket's context too
+        # a synchronous context over the socket's (an asyncio socket's context too)
+        sync: zmq.SyncContext = zmq.Context.shadow(socket.context.underlying)
         self._start_zap(sync)
         endpoint = f"inproc://pdserve-handshakes-{id(socket)}"
         socket.monitor(endpoint, _FAILURES)
@@ -145,7 +146,8 @@ class ChannelAuth:
                 admitted, left_out = self._throttle.admit(name)
                 if admitted:
                     more = f" ({left_out} more before)" if left_out else ""
-                    self._log(f"refused a peer on the {name} socket: {_reason(event)}{more}")
+                    reason = _reason(event["event"], event["value"])
+                    self._log(f"refused a peer on the {name} socket: {reason}{more}")
         except zmq.ZMQError:
             return  # the context is going away
         finally:

@@ -183,7 +183,7 @@ def _coerce(hint: Any, value: Any, where: str, name: str) -> Any:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise ProtocolError(f"{where} must be a map with string keys", name)
         return value
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value)
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         try:

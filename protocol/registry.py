@@ -97,7 +97,9 @@ class NodeInfo:
         if not isinstance(known.get("fingerprint"), dict):
             raise ValueError("record has no fingerprint")
         known["fingerprint"] = KVFingerprint(**known["fingerprint"])
-        known["role"] = Role(known.get("role"))
+        if not isinstance(known.get("role"), str):
+            raise ValueError("record has no role")
+        known["role"] = Role(known["role"])
         return cls(**known)
 
 

@@ -27,7 +27,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from pdserve.protocol import messages as pm
 from pdserve.protocol.reasons import FailureCode
@@ -135,7 +135,7 @@ def _usable_route(backend: Backend, sample: Sample, progress: Progress) -> Route
 
 async def run_sample(
     backend: Backend, sample: Sample, ticket: Ticket, replay_after_tokens: bool = False
-) -> AsyncIterator[pm.TokenChunk | Replay]:
+) -> AsyncGenerator[pm.TokenChunk | Replay, None]:
     """The sample's chunks, in order, the last with a finish_reason (or a Replay, then the chunks
     of the replay, when ``replay_after_tokens`` and migration is off); APIError on failure."""
     progress = Progress(replayable=replay_after_tokens)
@@ -203,7 +203,9 @@ def _after_tokens(config: RouterConfig, route: Route, progress: Progress, exc: A
     return Replay(exc.message)
 
 
-def _count(backend: Backend, sample: Sample, progress: Progress, result: Outcome, attempt: int) -> bool:
+def _count(
+    backend: Backend, sample: Sample, progress: Progress, result: Retry | Migrate | Replay, attempt: int
+) -> bool:
     """Book a failed attempt; False when no attempt is left."""
     metrics, name = backend.metrics, sample.request_id
     if isinstance(result, Migrate):
@@ -269,7 +271,7 @@ async def _send(
 async def _relay(
     backend: Backend,
     route: Route,
-    queue: asyncio.Queue[pm.Message],
+    queue: asyncio.Queue[pm.TokenChunk | pm.RequestFailed],
     sample: Sample,
     ticket: Ticket,
     start: int = 0,
@@ -302,7 +304,7 @@ async def _relay(
 
 
 async def _in_order(
-    backend: Backend, route: Route, queue: asyncio.Queue[pm.Message], start: int
+    backend: Backend, route: Route, queue: asyncio.Queue[pm.TokenChunk | pm.RequestFailed], start: int
 ) -> AsyncIterator[pm.TokenChunk | pm.RequestFailed]:
     """The attempt's replies in output order, from ``start`` (the tokens a migrated sample resumes
     after). The prefill and the decode node push on separate sockets, so a chunk may overtake an
@@ -311,7 +313,7 @@ async def _in_order(
     ahead: dict[int, pm.TokenChunk] = {}  # at most the queue's bound: each came out of it
     expected = start
     while True:
-        msg = ahead.pop(expected, None)
+        msg: pm.TokenChunk | pm.RequestFailed | None = ahead.pop(expected, None)
         if msg is None:
             msg = await _next_reply(backend, route, queue, after_tokens=expected > start)
             if isinstance(msg, pm.TokenChunk) and msg.position != expected:
@@ -333,8 +335,8 @@ def _observe_end(
 
 
 async def _next_reply(
-    backend: Backend, route: Route, queue: asyncio.Queue[pm.Message], after_tokens: bool
-) -> pm.Message:
+    backend: Backend, route: Route, queue: asyncio.Queue[pm.TokenChunk | pm.RequestFailed], after_tokens: bool
+) -> pm.TokenChunk | pm.RequestFailed:
     """The next reply, or _Retry / APIError when none comes in time or a node leaves."""
     deadline = time.monotonic() + backend.config.chunk_timeout_s
     waiting_on = [route.decode] if after_tokens or route.prefill is None else [route.prefill, route.decode]

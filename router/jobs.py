@@ -78,7 +78,7 @@ def _sampling_params(
             repetition_penalty=given(body.repetition_penalty, 1.0),
             max_tokens=max_tokens,
             min_tokens=body.min_tokens,
-            stop=body.stop,
+            stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,

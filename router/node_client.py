@@ -67,7 +67,8 @@ class NodeClient:
         self._channels: dict[str, AsyncDealerChannel] = {}  # control address -> its channel
         self._tasks: dict[str, tuple[asyncio.Task, asyncio.Task]] = {}  # address -> (reader, link watcher)
         self._link_up: dict[str, bool] = {}  # control address -> connected (absent: never was)
-        self._queues: dict[str, asyncio.Queue[pm.Message]] = {}  # request id -> its replies
+        # request id -> its replies (the only messages delivered to a request)
+        self._queues: dict[str, asyncio.Queue[pm.TokenChunk | pm.RequestFailed]] = {}
         self._status_waiters: dict[int, asyncio.Future[pm.NodeStatus]] = {}  # nonce -> waiter
         self._role_waiters: dict[int, asyncio.Queue[pm.RoleChange]] = {}  # nonce -> its answers
         self._nonces = itertools.count(1)
@@ -93,9 +94,9 @@ class NodeClient:
         self._context.term()
 
     # ------------------------------------------------------------------ per-request replies
-    def open(self, request_id: str) -> asyncio.Queue[pm.Message]:
+    def open(self, request_id: str) -> asyncio.Queue[pm.TokenChunk | pm.RequestFailed]:
         assert request_id not in self._queues, f"request id {request_id} is in use"
-        queue: asyncio.Queue[pm.Message] = asyncio.Queue(self._queue_size)
+        queue: asyncio.Queue[pm.TokenChunk | pm.RequestFailed] = asyncio.Queue(self._queue_size)
         self._queues[request_id] = queue
         return queue
 

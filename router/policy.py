@@ -195,7 +195,8 @@ class RoutingPolicy:
         decode, block_hashes = self._choose_decode(decodes, prompt_ids)
         size = _block_size(decode)
         num_cached = self.decode_prefixes.num_cached_blocks(block_hashes, decode.node_id) * size
-        prefill, placement = place(
+        # unpacked where it is called, mypy would solve place's T from the targets as NodeInfo | None
+        placed = place(
             colocated=decode.role is Role.COLOCATED,
             disaggregate=disaggregate,
             num_uncached_tokens=len(prompt_ids) - num_cached,
@@ -203,6 +204,7 @@ class RoutingPolicy:
             find_prefill=lambda: self._choose_prefill(usable, decode, block_hashes),
             backed_up=lambda p: self._backed_up(p, decode, block_hashes, len(prompt_ids)),
         )
+        prefill, placement = placed
         num_blocks = math.ceil((len(prompt_ids) + max_tokens) / size)
         return Route(decode, prefill, block_hashes, num_blocks, placement)
 

@@ -101,6 +101,7 @@ class NodeRegistry:
         if not others or any(n.fingerprint == node.fingerprint for n in others):
             return
         field = node.fingerprint.first_difference(others[0].fingerprint)
+        assert field is not None  # the fingerprints differ: none of the others matched
         log.error(
             "node %s (%s) pairs with no %s node: its KV fingerprint differs in %s (%r, %s has %r)",
             node.node_id,
@@ -163,7 +164,8 @@ class NodeRegistry:
             if not self.reply_verified(node) and node.node_id not in self._probes:
                 task = asyncio.create_task(self._probe(node))
                 self._probes[node.node_id] = task
-                task.add_done_callback(lambda _, node_id=node.node_id: self._probes.pop(node_id, None))
+                # the default binds this node's id; mypy cannot infer such a lambda (python/mypy#15459)
+                task.add_done_callback(lambda _, node_id=node.node_id: self._probes.pop(node_id, None))  # type: ignore[misc]
 
     async def _probe(self, node: NodeInfo) -> None:
         timeout_s = max(2 * self._poll_interval_s, 1.0)

@@ -80,8 +80,8 @@ async def _until_listed(backend: Backend, node_id: str, role: Role, deadline: fl
 
 def nodes_body(backend: Backend) -> dict:
     """``GET /admin/nodes``: each usable node's id, role, addresses, load and KV cache format."""
-    fields = ("node_id", "role", "draining", "control_addr", "kv_addr", "num_running", "num_queued")
-    fields += ("num_blocks_free", "num_blocks_total")
+    fields: tuple[str, ...] = ("node_id", "role", "draining", "control_addr", "kv_addr", "num_running")
+    fields += ("num_queued", "num_blocks_free", "num_blocks_total")
     return {
         "nodes": [
             {

@@ -244,7 +244,8 @@ class JobRun:
         logprobs = self._logprobs(choice, delta.logprobs, echoed)
         ids = {"token_ids": list(delta.token_ids)} if self.job.return_token_ids else {}
         if self.job.chat:
-            content, finish, calls = {"content": text} if text else {}, delta.finish_reason, None
+            content: dict[str, object] = {"content": text} if text else {}
+            finish, calls = delta.finish_reason, None
             if self.job.tool_plan is not None:
                 calls = self._tool_calls(choice, finish)
                 if calls:
@@ -384,9 +385,9 @@ async def _stream(run: JobRun, first, events) -> AsyncIterator[str]:
             if isinstance(event, APIError):
                 yield rs.sse(event.body())
                 break
-            line = run.chunk(choice, event)
-            if line is not None:
-                yield line
+            chunk = run.chunk(choice, event)
+            if chunk is not None:
+                yield chunk
             try:
                 choice, event = await anext(events)
             except StopAsyncIteration:

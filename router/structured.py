@@ -129,6 +129,7 @@ def _checked(field: str, make, value) -> GuidedDecoding:
 
 
 def _tools_spec(body: ChatBody) -> tuple[GuidedDecoding, ToolCallPlan]:
+    assert body.tools is not None  # only a request with tools gets here
     choice = body.tool_choice
     if choice is None or choice == "auto":
         raise bad_request(AUTO_TOOL_CHOICE_MESSAGE, "tool_choice")

@@ -16,6 +16,7 @@ def tokenize(body: TokenizeBody, tokenizer: Tokenizer, max_model_len: int) -> di
     if body.prompt is not None:
         ids = tokenizer.encode(body.prompt, body.add_special_tokens is not False)
     else:
+        assert body.messages is not None  # exactly one of the two, checked above
         if body.continue_final_message and body.add_generation_prompt:
             raise bad_request(
                 "continue_final_message and add_generation_prompt cannot both be true",

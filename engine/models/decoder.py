@@ -11,6 +11,8 @@ A family file builds its layers from engine/layers and picks one of the residual
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -97,7 +99,7 @@ class PostNormLayer(nn.Module):
 class DecoderStack(nn.Module):
     """HF's ``model`` submodule: ``embed_tokens``, ``layers``, ``norm``."""
 
-    def __init__(self, cfg: ModelConfig, layers: list[nn.Module], norm: nn.Module) -> None:
+    def __init__(self, cfg: ModelConfig, layers: Sequence[nn.Module], norm: nn.Module) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layers)
@@ -111,7 +113,7 @@ class CausalLM(nn.Module):
     def __init__(
         self,
         cfg: ModelConfig,
-        layers: list[nn.Module],
+        layers: Sequence[nn.Module],
         norm: nn.Module,
         embed_scale: float | None = None,
         logit_softcap: float | None = None,
