@@ -22,7 +22,7 @@ TEST_PATH := $(abspath $(VENV))/bin:$(PATH)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test test-torch-attention lint run model native compose-test chaos chaos-report soak eval
+.PHONY: setup test test-fast test-torch-attention lint run model native compose-test chaos chaos-report soak eval
 
 setup: $(STAMP)
 	@scripts/ensure-redis.sh $(VENV)
@@ -54,6 +54,14 @@ native: setup
 test: lint model native
 	@status=0; PATH="$(TEST_PATH)" $(PY) -m pytest -q $(PYTEST_ARGS) || status=$$?; \
 	if [ $$status -eq 5 ]; then echo "make test: pytest ran no test" >&2; fi; \
+	exit $$status
+
+# The tests that start no process (no node, router, Redis or child Python; tests/conftest.py
+# guards that), in about two and a half minutes here: the loop while editing. `make test` is the
+# whole suite, what CI runs.
+test-fast: model native
+	@status=0; PATH="$(TEST_PATH)" $(PY) -m pytest -q -m "not processes and not chaos" $(PYTEST_ARGS) || status=$$?; \
+	if [ $$status -eq 5 ]; then echo "make test-fast: pytest ran no test" >&2; fi; \
 	exit $$status
 
 # The HF-exact engine suite on the pure-torch CPU path: torch attention and F.linear (the default runs the C++

@@ -1,12 +1,21 @@
-"""Shared test set-up: no model hub, gpu-marked tests skipped without CUDA, the default model.
+"""Shared test set-up: no model hub, gpu-marked tests skipped without CUDA, the default model,
+and the ``processes`` marker that splits the suite into tiers.
 
-Markers (gpu, slow) are declared in pyproject.toml's [tool.pytest.ini_options], not here.
+A test that starts a process (a node, a router, Redis, a cluster, a child Python) says so by using
+the ``processes`` fixture, directly or through a fixture that uses it, or with
+``pytestmark = pytest.mark.usefixtures("processes")``; the fixture gives it the ``processes``
+marker. ``make test-fast`` runs the tests without it. Any other test that starts a process fails:
+the spawning calls are guarded for the duration of each unmarked test (setup, call, teardown).
+
+Markers are declared in pyproject.toml's [tool.pytest.ini_options], not here.
 """
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
 import pathlib
+import subprocess
 
 import pytest
 
@@ -16,7 +25,64 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 
+PROCESSES = "processes"
+
+
+@pytest.fixture(scope="session")
+def processes() -> None:
+    """Marks the tests that use it (through any fixture) as starting processes; see the module doc."""
+
+
+class _ProcessGuard:
+    """Fails an unmarked test the moment it starts a process, naming the call."""
+
+    def __init__(self) -> None:
+        self.allowed = True  # outside a test (collection, the session's own set-up)
+
+    def wrap(self, owner, name: str) -> None:
+        real = getattr(owner, name)
+        guard = self
+
+        def guarded(*args, **kwargs):
+            if not guard.allowed:
+                raise AssertionError(
+                    f"this test started a process ({owner.__name__}.{name}) without the `processes` "
+                    "fixture: use it, directly or through a fixture (tests/conftest.py)"
+                )
+            return real(*args, **kwargs)
+
+        setattr(owner, name, guarded)
+
+
+_GUARD = _ProcessGuard()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for owner, name in (
+        (subprocess.Popen, "__init__"),
+        (os, "fork"),
+        (os, "forkpty"),
+        (os, "posix_spawn"),
+        (os, "posix_spawnp"),
+        (os, "system"),
+        (multiprocessing.process.BaseProcess, "start"),
+    ):
+        _GUARD.wrap(owner, name)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    _GUARD.allowed = item.get_closest_marker(PROCESSES) is not None
+    try:
+        yield
+    finally:
+        _GUARD.allowed = True
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if PROCESSES in getattr(item, "fixturenames", ()):
+            item.add_marker(PROCESSES)
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

@@ -26,7 +26,7 @@ from tests.engine_helpers import hf_greedy, hf_logits
 from tests.test_cluster_concurrent import _prompts, _stream
 from tests.test_router_cluster import RouterProcess, serving, tiny_model_with_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 DATA = pathlib.Path(__file__).parent / "data"
 FIELDS = json.loads((DATA / "request_fields.json").read_text())
 # A sample value for every field of both schemas, in one of two tables. Honoured: the request runs

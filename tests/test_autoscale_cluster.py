@@ -40,7 +40,7 @@ from pdserve.router.tokenizer import Tokenizer
 from tests.engine_helpers import hf_greedy
 from tests.up_launcher import FILLER, Launcher, completion_text, tiny_model_with_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 
 PROFILE = Profile(
     model="tiny",

@@ -95,7 +95,7 @@ def assert_server_steps_count_the_runs_tokens(run: dict, prompt_role: str) -> No
     assert by_role["decode"]["decode"] == summary["total_output_tokens"] - summary["num_ok"], by_role
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("processes")
 def test_bench_serve_streams_token_id_completions_at_fixed_concurrency_with_exact_counts(up, tmp_path):
     result = bench_serve(
         up.url,
@@ -121,7 +121,7 @@ def test_bench_serve_streams_token_id_completions_at_fixed_concurrency_with_exac
     assert (tmp_path / "plots" / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("processes")
 def test_bench_serve_streams_multi_turn_chat_one_turn_after_another(up, tmp_path):
     result = bench_serve(
         up.url,
@@ -151,7 +151,7 @@ def test_bench_serve_streams_multi_turn_chat_one_turn_after_another(up, tmp_path
             assert later["prompt_tokens"] > earlier["prompt_tokens"] + 12  # it resends the history
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("processes")
 def test_bench_serve_counts_exactly_on_the_prefill_to_decode_path(up, tmp_path):
     result = bench_serve(
         up.url,
@@ -180,7 +180,7 @@ def _generated_tokens(url: str) -> float:
     )
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("processes")
 def test_a_warm_up_is_served_but_not_counted(up, tmp_path):
     before = _generated_tokens(up.url)
     flags = ["--workload", "fixed", "--num-requests", "12", "--input-len", "40", "--output-len", "9"]

@@ -17,7 +17,7 @@ from tests.engine_helpers import hf_logits
 from tests.test_router_cluster import RouterProcess, serving, tiny_model_with_tokenizer
 from tests.tiny_models import make_tiny_model
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 MAX_TOKENS = 10
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -108,6 +109,7 @@ def test_fork_then_write_copies_the_shared_partial_block():
     bm.check_integrity([parent, child])
 
 
+@pytest.mark.usefixtures("processes")
 def test_block_hashes_are_identical_in_another_process():
     tokens = list(range(100, 140))
     code = f"from pdserve.protocol.block_hash import hash_full_blocks; print(hash_full_blocks({tokens}, 16))"

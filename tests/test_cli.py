@@ -21,24 +21,28 @@ def pdserve(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*PDSERVE, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.usefixtures("processes")
 def test_help_lists_the_subcommands():
     result = pdserve("--help")
     assert result.returncode == 0
     assert "model" in result.stdout and "generate" in result.stdout
 
 
+@pytest.mark.usefixtures("processes")
 def test_unknown_subcommand_exits_2_with_a_message():
     result = pdserve("frobnicate")
     assert result.returncode == 2
     assert "invalid choice: 'frobnicate'" in result.stderr
 
 
+@pytest.mark.usefixtures("processes")
 def test_model_fetch_prints_the_folder_as_last_line(default_model_dir: Path):
     result = pdserve("model", "fetch")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == str(default_model_dir)
 
 
+@pytest.mark.usefixtures("processes")
 def test_model_fetch_honours_cache_dir(tmp_path: Path):
     # A folder already marked complete is returned as is: this checks the flag, not the conversion.
     model_dir = tmp_path / "models" / DEFAULT_MODEL_NAME

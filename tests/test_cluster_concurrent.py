@@ -23,7 +23,7 @@ from tests.cluster import NodeProcess, RedisServer
 from tests.engine_helpers import hf_greedy, hf_logits
 from tests.test_router_cluster import RouterProcess, serving, tiny_model_with_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 BLOCK_SIZE = 16  # the nodes' default
 
 

@@ -270,6 +270,7 @@ def _compose_client() -> list[str] | None:
     return [legacy] if legacy else None
 
 
+@pytest.mark.usefixtures("processes")
 def test_compose_client_accepts_the_file():
     client = _compose_client()
     if client is None:

@@ -79,6 +79,7 @@ def _tick_until(share: CpuShare, done, seconds: float) -> bool:
     return False
 
 
+@pytest.mark.usefixtures("processes")
 @needs_two_cpus
 def test_a_busy_neighbour_takes_a_thread_and_gives_it_back():
     applied: list[int] = []
@@ -96,6 +97,7 @@ def test_an_explicit_thread_count_or_one_cpu_never_adapts():
     assert not CpuShare(2, 2, print, stat_path="/nonexistent/stat").active
 
 
+@pytest.mark.usefixtures("processes")
 @needs_two_cpus
 def test_the_engine_drops_to_one_thread_beside_a_busy_process_and_stays_exact():
     before = torch.get_num_threads()

@@ -12,7 +12,7 @@ import pytest
 from tests.cluster import Client, NodeProcess
 from tests.test_router_cluster import tiny_model_with_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 
 
 def test_time_spent_before_the_transfer_counts_against_the_deadline(tmp_path, default_model_dir):

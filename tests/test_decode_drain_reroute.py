@@ -17,7 +17,7 @@ from tests.cluster import Client, NodeProcess, RedisServer, close_all
 from tests.engine_helpers import hf_greedy
 from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 
 
 def _stream(router, model, prompt: list[int]) -> tuple[list[int], list[dict]]:

@@ -43,6 +43,7 @@ def test_pdserve_device_becomes_the_node_flag():
     assert flags_from_env("decode", {"PDSERVE_DEVICE": "cpu"}) == ["--device", "cpu"]
 
 
+@pytest.mark.usefixtures("processes")
 @cpu_only
 def test_node_status_names_its_device(tmp_path, default_model_dir):
     from tests.cluster import Client, NodeProcess

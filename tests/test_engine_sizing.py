@@ -117,11 +117,13 @@ def _child(code: str, **env: str) -> subprocess.CompletedProcess:
 SHOW = "import os, torch; print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))"
 
 
+@pytest.mark.usefixtures("processes")
 @pytest.mark.parametrize("entry", ["from pdserve.engine import LLM", "import pdserve.cli.main"])
 def test_the_entry_points_set_a_short_spin_before_torch(entry):
     assert _child(f"{entry}\n{SHOW}").stdout.strip() == "10000 None"
 
 
+@pytest.mark.usefixtures("processes")
 def test_importing_engine_modules_sets_nothing():
     # the router's torch-free imports, and the package itself, leave OpenMP alone
     assert (
@@ -132,17 +134,20 @@ def test_importing_engine_modules_sets_nothing():
     )
 
 
+@pytest.mark.usefixtures("processes")
 def test_an_explicit_openmp_setting_is_left_alone():
     code = "from pdserve.engine import LLM; import os; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
     assert _child(code, GOMP_SPINCOUNT="1000").stdout.strip() == "None 1000"
     assert _child(code, OMP_WAIT_POLICY="PASSIVE").stdout.strip() == "PASSIVE None"
 
 
+@pytest.mark.usefixtures("processes")
 def test_after_torch_loaded_the_engine_sets_nothing():
     code = "import torch, os\nfrom pdserve.engine import LLM\nprint(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
     assert _child(code).stdout.strip() == "None None"
 
 
+@pytest.mark.usefixtures("processes")
 def test_engine_start_prints_its_chosen_sizes_once():
     code = (
         "from pdserve.engine import LLM\n"

@@ -20,6 +20,7 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernels run directly")
 
 
+@pytest.mark.usefixtures("processes")
 @no_gpu
 def test_engine_cases_with_the_triton_backend_match_hf():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -31,6 +32,7 @@ def test_engine_cases_with_the_triton_backend_match_hf():
     )
 
 
+@pytest.mark.usefixtures("processes")
 @no_gpu
 def test_a_prefill_decode_pair_with_the_triton_backend_matches_hf(tmp_path):
     model = str(make_tiny_model("llama"))

@@ -11,7 +11,7 @@ from tests.cluster import Client, NodeProcess
 from tests.engine_helpers import hf_greedy
 from tests.tiny_models import make_tiny_model
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 KINDS = ["gemma2", "qwen3", "qwen2_moe"]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 

@@ -51,6 +51,7 @@ def fake_python(tmp_path) -> str:
     return str(path)
 
 
+@pytest.mark.usefixtures("processes")
 def test_script_is_valid_bash():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
 
@@ -83,6 +84,7 @@ def test_script_never_contacts_an_index_nor_collects_the_whole_tests_tree():
         assert targets and all(a.endswith(".py") for a in targets), line
 
 
+@pytest.mark.usefixtures("processes")
 def test_without_cuda_it_exits_3_at_once_and_writes_nothing(tmp_path):
     # This machine's torch is the CPU wheel: the GPU script must refuse, not pass quietly.
     out = tmp_path / "out"
@@ -92,11 +94,13 @@ def test_without_cuda_it_exits_3_at_once_and_writes_nothing(tmp_path):
     assert list(out.iterdir()) == []
 
 
+@pytest.mark.usefixtures("processes")
 def test_script_rejects_arguments():
     result = subprocess.run(["bash", str(SCRIPT), "--iters", "3"], capture_output=True, text=True)
     assert result.returncode == 2 and "usage" in result.stderr
 
 
+@pytest.mark.usefixtures("processes")
 def test_every_step_runs_and_logs_into_at_most_8_files(tmp_path, fake_python):
     out = tmp_path / "out"
     result = _run_script(out, fake_python)
@@ -119,6 +123,7 @@ def test_every_step_runs_and_logs_into_at_most_8_files(tmp_path, fake_python):
     assert "--skip-pdserve" not in (out / "offline.log").read_text()
 
 
+@pytest.mark.usefixtures("processes")
 def test_a_failed_probe_skips_the_engine_tests_and_pdserve(tmp_path, fake_python):
     out = tmp_path / "out"
     result = _run_script(out, fake_python, FAKE_FAIL="gpu_probe")
@@ -345,6 +350,7 @@ def test_a_failed_step_keeps_its_row_with_the_first_error_line(tmp_path):
     assert "Assertion `-sizes[i] <= index" in row.figures
 
 
+@pytest.mark.usefixtures("processes")
 def test_without_its_wheels_the_run_says_how_to_make_them(tmp_path, fake_python):
     if all(any((ROOT / ".whl").glob(f"{name}-*.whl")) for name in ("pyzmq", "llguidance")):
         pytest.skip("this checkout carries the wheels (.whl/)")
@@ -355,7 +361,7 @@ def test_without_its_wheels_the_run_says_how_to_make_them(tmp_path, fake_python)
     assert "in .whl/: run `bash scripts/gpu_wheels.sh` where pip reaches PyPI and carry .whl/" in row.figures
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("processes")
 def test_the_dry_run_on_the_cpu_prints_a_full_table_and_its_probe_profiles_the_default_budget(tmp_path):
     """``--dry-run`` runs every step that can run on this CPU. Its probe is the GPU probe's own code
     on the split platform: the engine profiles the default 2048-token budget on a model of 512

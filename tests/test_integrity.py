@@ -44,6 +44,7 @@ def test_the_scheduler_refuses_to_schedule_a_sequence_that_is_not_running():
         engine.step()
 
 
+@pytest.mark.usefixtures("processes")
 def test_a_node_whose_invariant_fails_leaves_a_record_that_says_so(tmp_path):
     redis = RedisServer(tmp_path)
     opts = NodeOptions(

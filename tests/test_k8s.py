@@ -333,6 +333,7 @@ def _kubectl_kustomize(folder: Path) -> list[dict]:
 @pytest.mark.parametrize(
     "folder", sorted(p.parent.relative_to(K8S) for p in K8S.rglob("kustomization.yaml")), ids=str
 )
+@pytest.mark.usefixtures("processes")
 def test_kustomize_renders_every_kustomization_into_valid_manifests_in_the_namespace(folder):
     for doc in _kubectl_kustomize(K8S / folder):
         if doc["kind"] == "ScaledObject":
@@ -342,6 +343,7 @@ def test_kustomize_renders_every_kustomization_into_valid_manifests_in_the_names
         assert doc["kind"] == "Namespace" or doc["metadata"]["namespace"] == "pdserve"
 
 
+@pytest.mark.usefixtures("processes")
 def test_kustomize_renders_the_gpu_overlay_as_the_merge_above_does():
     rendered = {
         d["metadata"]["name"]: d

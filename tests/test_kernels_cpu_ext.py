@@ -169,6 +169,7 @@ print("torch path")
 """
 
 
+@pytest.mark.usefixtures("processes")
 def test_without_a_compiler_the_torch_path_runs_after_one_warning(tmp_path):
     env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "PDSERVE_CACHE": str(tmp_path)}
     out = subprocess.run(
@@ -179,6 +180,7 @@ def test_without_a_compiler_the_torch_path_runs_after_one_warning(tmp_path):
     assert out.stderr.count("no C++ compiler") == 1
 
 
+@pytest.mark.usefixtures("processes")
 def test_switched_off_the_torch_path_runs():
     env = {**os.environ, "PDSERVE_NATIVE_CPU": "0"}
     out = subprocess.run(

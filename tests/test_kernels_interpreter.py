@@ -17,6 +17,7 @@ import torch
 KERNEL_TESTS = pathlib.Path(__file__).with_name("test_kernels_triton.py")
 
 
+@pytest.mark.usefixtures("processes")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernels are tested directly")
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="already interpreted in this process")
 def test_triton_kernels_match_refs_in_the_cpu_interpreter():

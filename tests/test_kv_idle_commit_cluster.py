@@ -17,7 +17,7 @@ from tests.cluster import NodeProcess, RedisServer
 from tests.engine_helpers import hf_greedy
 from tests.test_router_cluster import RouterProcess, serving, tiny_model_with_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 POOL_MB = 512
 COMMITTED = re.compile(r'^pdserve_node_kv_blocks_committed\{node_id="([^"]+)",role="(\w+)"\} (\S+)', re.M)
 THREADS = re.compile(r'^pdserve_node_torch_threads\{node_id="([^"]+)",role="(\w+)"\} (\S+)', re.M)

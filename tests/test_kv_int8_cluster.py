@@ -18,7 +18,7 @@ from tests.engine_helpers import hf_greedy
 from tests.test_router_cluster import tiny_model_with_tokenizer
 from tests.test_speculative_cluster import _complete, _metric, _repetitive
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 MAX_TOKENS = 24
 
 

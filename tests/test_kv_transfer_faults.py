@@ -155,6 +155,7 @@ def _spawn_peer(mode: str, address: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
+@pytest.mark.usefixtures("processes")
 def test_receiver_frees_granted_blocks_when_the_sender_is_killed_mid_transfer():
     receiver = make_receiver("tcp://127.0.0.1:0", chunk_timeout_s=1.0)
     proc = _spawn_peer("send-half", receiver.address)
@@ -174,6 +175,7 @@ def test_receiver_frees_granted_blocks_when_the_sender_is_killed_mid_transfer():
         receiver.close()
 
 
+@pytest.mark.usefixtures("processes")
 def test_sender_reports_a_timeout_and_frees_its_blocks_when_the_receiver_is_killed():
     proc = _spawn_peer("receive", "tcp://127.0.0.1:0")
     try:

@@ -136,6 +136,7 @@ def test_a_direct_copy_starts_at_the_grant_and_the_senders_checksums_decide(chan
     receiver.close()
 
 
+@pytest.mark.usefixtures("processes")
 def test_a_cache_ref_that_cannot_be_opened_falls_back_to_chunks():
     receiver = make_receiver("tcp://127.0.0.1:0")
     tokens = list(range(10, 10 + BLOCK_SIZE + 1))
@@ -161,6 +162,7 @@ def test_a_cache_ref_that_cannot_be_opened_falls_back_to_chunks():
     receiver.close()
 
 
+@pytest.mark.usefixtures("processes")
 def test_the_cache_is_readable_from_another_process():
     cache = _shared_cache(seed=6)
     code = textwrap.dedent(f"""

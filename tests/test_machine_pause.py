@@ -22,7 +22,7 @@ from tests.cluster import NodeProcess, RedisServer, close_all
 from tests.engine_helpers import hf_greedy
 from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer, wait_blocks_freed
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 PAUSE_S = 4.5  # past the nodes' default heartbeat TTL (3 s) and a router poll
 
 

@@ -17,7 +17,7 @@ from tests.cluster import NodeProcess, RedisServer, close_all
 from tests.engine_helpers import hf_greedy
 from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 MAX_TOKENS = 160
 RUNNING_RE = re.compile(r'pdserve_node_running_requests\{node_id="([^"]+)",role="decode"\} (\d+)')
 

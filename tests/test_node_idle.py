@@ -11,7 +11,7 @@ import pytest
 from tests.cluster import NodeProcess
 from tests.test_router_cluster import tiny_model_with_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])

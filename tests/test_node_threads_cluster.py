@@ -19,7 +19,7 @@ from tests.engine_helpers import hf_greedy
 from tests.test_cpu_share import busy_neighbour, needs_two_cpus
 from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 THREADS = re.compile(r'^pdserve_node_torch_threads\{node_id="[^"]+",role="decode"\} (\S+)', re.M)
 
 

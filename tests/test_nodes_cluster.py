@@ -12,7 +12,7 @@ from tests.cluster import Client, NodeProcess, RedisServer
 from tests.engine_helpers import hf_greedy
 from tests.tiny_models import make_tiny_model
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 

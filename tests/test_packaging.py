@@ -52,6 +52,7 @@ def test_only_pdserve_is_a_top_level_name_of_the_wheel():
     }
 
 
+@pytest.mark.usefixtures("processes")
 def test_from_the_repository_root_a_bare_kernels_import_is_not_this_projects():
     # kernels/ has no __init__.py: with the root on sys.path a regular package of that name
     # (Hugging Face's, which transformers 5.25+ imports) wins over the folder.
@@ -65,6 +66,7 @@ def test_from_the_repository_root_a_bare_kernels_import_is_not_this_projects():
     assert out.stdout.split() == ["True", "pdserve.kernels.ops"]
 
 
+@pytest.mark.usefixtures("processes")
 def test_transformers_imports_its_kernels_integration_from_the_repository_root():
     pytest.importorskip("kernels", reason="Hugging Face's kernels package is not installed")
     code = "import transformers.integrations.hub_kernels as h, kernels; print(kernels.__file__)"

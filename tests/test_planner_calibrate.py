@@ -10,6 +10,7 @@ from pdserve.planner.profile import Profile
 from tests.tiny_models import make_tiny_model
 
 
+@pytest.mark.usefixtures("processes")
 def test_calibrate_writes_a_profile_of_the_measured_grid_and_a_transfer_that_grows_with_bytes(
     tmp_path, capsys
 ):

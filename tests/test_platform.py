@@ -72,7 +72,7 @@ def test_reading_the_host_copy_fails_on_the_split_platform(split, monkeypatch):
     assert out[0].outputs[0].token_ids != hf_greedy(path, prompt, 4)
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("processes")
 def test_the_hf_exact_suites_pass_on_the_split_platform():
     env = dict(os.environ, **{TEST_PLATFORM_ENV: "split"})
     files = ["tests/test_engine_hf_exact.py", "tests/test_engine_paths.py", "tests/test_sampling.py"]
@@ -317,7 +317,7 @@ def test_padded_decode_equals_unpadded_and_padding_writes_nothing():
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("processes")
 def test_a_prefill_decode_pair_on_the_split_platform_is_exact(tmp_path, monkeypatch):
     """Both nodes on the split platform (KV packed and landed through fake copy streams, inputs
     from poisoned host buffers): concurrent mixed prompts, with and without logprobs, through

@@ -16,6 +16,7 @@ def _record(i: int, ttft: float, tokens: int, ok: bool = True) -> dict:
             "event_tokens": [1] * tokens if ok else []}  # fmt: skip
 
 
+@pytest.mark.usefixtures("processes")
 def test_plots_come_from_the_study_directory(tmp_path):
     study = tmp_path / "vllm"
     results = []

@@ -20,7 +20,7 @@ from tests.cluster import NodeProcess, RedisServer, close_all
 from tests.engine_helpers import hf_greedy
 from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 HEARTBEAT_TTL_S = 3.0  # the nodes' default
 RETRY_RE = re.compile(r"^(\d+\.\d+) WARNING pdserve\.router\.generation: sample \S+: attempt 1 failed", re.M)
 

@@ -88,7 +88,7 @@ def test_router_metrics_export_every_nodes_prefill_speed_and_the_backlog_of_pref
     assert [line for line in lines if line.startswith("pdserve_node_prefill_backlog") and "d0" in line] == []
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("processes")
 def test_nodes_publish_a_prefill_speed_from_their_first_record_then_from_their_prefills(tmp_path):
     """Each node times a prompt before it serves (its first record has a speed: a router divides
     a fresh cluster's first burst by it); then the prefill node's speed follows a prompt it

@@ -17,7 +17,7 @@ from tests.test_router_support import node_info
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def client(tmp_path_factory, processes):
     server = RedisServer(tmp_path_factory.mktemp("redis"))
     yield redis.Redis.from_url(server.url)
     server.stop()

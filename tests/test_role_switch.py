@@ -27,7 +27,7 @@ from tests.cluster import ROOT
 from tests.engine_helpers import hf_greedy
 from tests.up_launcher import FILLER, Launcher, completion_text, tiny_model_with_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 
 # short prompts prefill on a decode node, long ones go prefill node -> decode node
 PROMPTS = [f"Request {i}: {' '.join([FILLER] * (1 + i % 4 // 2)) if i % 2 else 'short'}" for i in range(8)]

@@ -264,6 +264,7 @@ def test_models_health_and_metrics(tokenizer, default_model_dir):
     assert 'pdserve_node_kv_blocks_cached{node_id="d0",role="decode"} 10' in metrics.text
 
 
+@pytest.mark.usefixtures("processes")
 def test_router_app_never_imports_torch(default_model_dir):
     code = (
         "import sys, asyncio\n"

@@ -24,7 +24,7 @@ from pdserve.protocol.cluster_key import write_new_key
 from tests.cluster import ROOT, NodeProcess, RedisServer, free_port
 from tests.engine_helpers import hf_greedy
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 LONG_PROMPT = "Once upon a time, in a quiet village by the sea, there lived an old fisherman who"
 

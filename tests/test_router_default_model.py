@@ -11,7 +11,7 @@ from tests.cluster import NodeProcess, RedisServer
 from tests.engine_helpers import hf_model
 from tests.test_router_cluster import RouterProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 from tests.cluster import NodeProcess, RedisServer
 from tests.test_router_cluster import LONG_PROMPT, RouterProcess, tiny_model_with_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ import asyncio
 import dataclasses
 import time
 
+import pytest
+
 from pdserve.router.node_client import NodeClient
 from pdserve.router.registry_client import NodeRegistry
 from tests.test_router_support import node_info
@@ -96,6 +98,7 @@ def _with_redis_registry(tmp_path, expiry_s: float, check) -> None:
         redis.stop()
 
 
+@pytest.mark.usefixtures("processes")
 def test_a_redis_record_is_fresh_while_its_heartbeat_changes_whatever_the_clocks_say(tmp_path):
     async def check(registry, _redis):
         behind = node_info("d1", "decode", heartbeat_time=time.time() - 3600.0)  # its clock is an hour slow
@@ -110,6 +113,7 @@ def test_a_redis_record_is_fresh_while_its_heartbeat_changes_whatever_the_clocks
     _with_redis_registry(tmp_path, 3.0, check)
 
 
+@pytest.mark.usefixtures("processes")
 def test_a_node_with_a_skewed_clock_stays_in_the_pool_through_real_redis_polls(tmp_path, monkeypatch):
     from pdserve.protocol import registry as records
 

@@ -15,7 +15,7 @@ from pdserve.protocol.cluster_key import write_new_key
 from tests.cluster import NodeProcess, RedisServer
 from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 
 
 def _key(tmp) -> list[str]:

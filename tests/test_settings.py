@@ -151,6 +151,7 @@ def test_other_commands_run_as_given_and_read_their_own_variables():
     assert flags_from_env("status", {"PDSERVE_REDIS": "redis://r:6379/0"}) == []
 
 
+@pytest.mark.usefixtures("processes")
 def test_the_entrypoint_imports_no_cli_module():
     code = (
         "import pdserve.launcher.env_flags, sys; assert 'pdserve.cli' not in sys.modules, sorted(sys.modules)"
@@ -158,6 +159,7 @@ def test_the_entrypoint_imports_no_cli_module():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
 
 
+@pytest.mark.usefixtures("processes")
 def test_the_entrypoint_execs_the_command_with_the_mapped_flags():
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_") or k in NOT_FLAGS}
     env |= {"PDSERVE_MODEL": "/m", "PDSERVE_DECODE": "tcp://a:1", "PDSERVE_PORT": "eighty"}

@@ -15,10 +15,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.cluster import ROOT, free_port
 from tests.test_router_cluster import tiny_model_with_tokenizer
 
 
+@pytest.mark.usefixtures("processes")
 def test_75_seconds_at_half_capacity_nothing_grows_or_fails(tmp_path, default_model_dir):
     model = tiny_model_with_tokenizer(default_model_dir, max_position_embeddings=1024)
     out = tmp_path / "soak"

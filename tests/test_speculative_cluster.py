@@ -21,7 +21,7 @@ from tests.cluster import pdserve_up
 from tests.engine_helpers import hf_greedy, hf_logits
 from tests.test_router_cluster import tiny_model_with_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 MAX_TOKENS = 24
 
 

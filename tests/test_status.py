@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import pytest
+
 from pdserve.cli.main import build_parser, main
 from pdserve.cli.status import render
 from pdserve.protocol.fingerprint import KVFingerprint
@@ -99,6 +101,7 @@ def test_render_says_so_when_no_node_is_registered():
     assert render([], now=0.0) == "no nodes registered"
 
 
+@pytest.mark.usefixtures("processes")
 def test_status_reads_the_nodes_registered_in_redis(tmp_path, capsys):
     redis = RedisServer(tmp_path)
     try:
@@ -113,6 +116,7 @@ def test_status_reads_the_nodes_registered_in_redis(tmp_path, capsys):
     assert re.search(r"\d+\.\ds ago +draining", out), out
 
 
+@pytest.mark.usefixtures("processes")
 def test_status_with_the_cluster_key_lists_signed_records_and_says_which_it_refused(tmp_path, capsys):
     from pdserve.protocol.cluster_key import write_new_key
 

@@ -20,7 +20,7 @@ from tests.cluster import Client, NodeProcess, RedisServer
 from tests.structured_cases import CHOICE_CASES, REGEX_CASES, json_schema_cases
 from tests.test_router_cluster import RouterProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 MAX_TOKENS = {"json": 150, "regex": 60, "choice": 20, "plain": 24}
 PLAIN_QUESTIONS = [
     "What is the capital of France?",

@@ -195,6 +195,7 @@ def test_plan_url_reaches_a_wildcard_bind_over_loopback(tmp_path):
     assert plan.url == "http://127.0.0.1:8123"
 
 
+@pytest.mark.usefixtures("processes")
 def test_stop_all_kills_a_child_that_ignores_sigterm_and_everything_it_started(tmp_path):
     argv = ["bash", "-c", "trap '' TERM; sleep 60 & sleep 60; wait"]  # the sleeps ignore TERM too
     child = Child("stubborn", argv, tmp_path / "stubborn.log", dict(os.environ))
@@ -207,6 +208,7 @@ def test_stop_all_kills_a_child_that_ignores_sigterm_and_everything_it_started(t
     assert not psutil.wait_procs(grandchildren, timeout=5)[1]
 
 
+@pytest.mark.usefixtures("processes")
 def test_a_reaped_childs_log_tail_is_still_read(tmp_path):
     """A child that failed is stopped, then its log quoted: a calibration that failed was
     reported as "flush of closed file", its own error lost."""
@@ -231,7 +233,7 @@ def up(model, tmp_path_factory):
         launcher.close()
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("processes")
 def test_forty_concurrent_requests_match_hf_and_use_both_nodes_of_each_role(up, model):
     from pdserve.router.tokenizer import Tokenizer
 
@@ -249,7 +251,7 @@ def test_forty_concurrent_requests_match_hf_and_use_both_nodes_of_each_role(up, 
         assert up.events(child, "request_finished"), f"{child} got no request"
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("processes")
 def test_decode_node_started_later_takes_requests_within_two_seconds(up, model, tmp_path_factory):
     key = ["--cluster-key-file", str(up.log_dir / "cluster.key")]  # the banner says where it is
     node = NodeProcess(
@@ -275,7 +277,7 @@ def test_decode_node_started_later_takes_requests_within_two_seconds(up, model, 
     assert min(e["ts"] for e in node.events("request_added")) - joined_at < 2.0
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("processes")
 def test_sigterm_drains_a_decode_node_without_failing_a_request(up):
     node = up.joined
     prompts = [f"Drain {k}: {FILLER}" for k in range(9)]
@@ -292,7 +294,7 @@ def test_sigterm_drains_a_decode_node_without_failing_a_request(up):
     node.close()
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("processes")
 def test_killed_decode_node_leaves_the_pool_within_two_heartbeat_ttls_and_traffic_goes_on(up):
     pid = json.loads((up.log_dir / "decode-1.ready.json").read_text())["pid"]
     os.kill(pid, signal.SIGKILL)
@@ -307,7 +309,7 @@ def test_killed_decode_node_leaves_the_pool_within_two_heartbeat_ttls_and_traffi
     assert up.proc.poll() is None  # the launcher keeps serving with what is left
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("processes")
 def test_sigterm_to_the_launcher_stops_every_child_and_frees_every_port(up, model):
     ready = [json.loads(p.read_text()) for p in up.log_dir.glob("*.ready.json")]
     ports = [up.port, int(up.redis_url().rsplit(":", 1)[1].split("/")[0])]
@@ -327,7 +329,7 @@ def test_sigterm_to_the_launcher_stops_every_child_and_frees_every_port(up, mode
             pass
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("processes")
 def test_colocated_nodes_serve_concurrent_requests_equal_to_hf_on_both_nodes_without_kv(
     model, tmp_path, capsys
 ):
@@ -369,7 +371,7 @@ def test_colocated_nodes_serve_concurrent_requests_equal_to_hf_on_both_nodes_wit
         launcher.close()
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("processes")
 def test_node_failing_at_start_fails_the_launch_with_its_log_and_leaves_nothing(tmp_path):
     broken = tmp_path / "broken-model"
     broken.mkdir()
@@ -385,7 +387,7 @@ def test_node_failing_at_start_fails_the_launch_with_its_log_and_leaves_nothing(
         launcher.close()
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("processes")
 def test_children_die_with_a_launcher_killed_by_sigkill(model, tmp_path):
     launcher = Launcher(tmp_path, model, "--prefill", "1", "--decode", "1", "--no-redis")
     try:

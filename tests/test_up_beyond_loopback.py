@@ -31,7 +31,7 @@ from tests.cluster import NodeProcess
 from tests.engine_helpers import hf_greedy
 from tests.up_launcher import FILLER, NODE_ARGS, Launcher, completion_text, tiny_model_with_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 
 
 def network_host() -> str:

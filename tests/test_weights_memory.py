@@ -16,7 +16,7 @@ import transformers
 
 from tests.cluster import ROOT
 
-pytestmark = pytest.mark.slow  # a child process measures its own peak
+pytestmark = pytest.mark.usefixtures("processes")  # a child process measures its own peak
 
 # A 34M-parameter Llama, stored in bf16 as real checkpoints are: 68 MB of weights, enough that the
 # interpreter's own noise is small beside them, while no single tensor is more than 1/8 of them.

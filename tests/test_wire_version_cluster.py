@@ -16,7 +16,7 @@ from pdserve.protocol.codec import PROTOCOL_VERSION
 from tests.cluster import ROOT, NodeProcess, RedisServer, close_all
 from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 OLD = PROTOCOL_VERSION - 1
 
 

@@ -25,7 +25,7 @@ from pdserve.protocol.sampling_params import SamplingParams
 from tests.chaos.load import Spec, request_once, write_report_row
 from tests.cluster import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 
 
 def _body(**fields) -> bytes:

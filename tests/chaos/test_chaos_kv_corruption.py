@@ -15,7 +15,7 @@ import pytest
 from tests.chaos.harness import Cluster
 from tests.chaos.test_chaos_node_faults import run_fault
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 
 
 @pytest.fixture(scope="module")

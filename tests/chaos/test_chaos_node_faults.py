@@ -31,7 +31,7 @@ from tests.chaos.load import (
     write_report_row,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 STEADY_S = 1.5  # load before the fault
 
 

@@ -19,7 +19,7 @@ import pytest
 from tests.chaos.conftest import ADMITTED
 from tests.chaos.load import Spec, completion_body, prompts, write_report_row
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 _GAUGE = r'^{name}\{{node_id="[^"]+",role="\w+"\}} (\d+)(?:\.0)?$'
 
 

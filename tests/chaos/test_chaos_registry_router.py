@@ -15,7 +15,7 @@ from pdserve.protocol.registry import KEY_PREFIX
 from tests.chaos.harness import restart_redis
 from tests.chaos.test_chaos_node_faults import run_fault
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 
 
 def _registered(cluster) -> int:

@@ -25,7 +25,7 @@ import pytest
 
 from tests.cluster import pdserve_up
 
-pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.chaos]
 PROMPT_TOKENS = 1500
 _USED_RE = re.compile(r'^pdserve_node_kv_blocks_used\{node_id="[^"]+",role="(\w+)"\} (\d+)(?:\.0)?$', re.M)
 

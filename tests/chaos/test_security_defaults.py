@@ -16,7 +16,7 @@ from tests.chaos.conftest import API_KEY
 from tests.chaos.load import Spec, request_once
 from tests.cluster import ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("processes")
 
 
 @pytest.fixture

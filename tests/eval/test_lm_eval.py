@@ -17,7 +17,7 @@ import pytest
 
 from tests.cluster import ROOT, pdserve_up
 
-pytestmark = [pytest.mark.slow, pytest.mark.eval, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.eval, pytest.mark.timeout(420)]
 TASKS_DIR = ROOT / "tests" / "data" / "lm_eval"
 LOGLIKELIHOOD_TOL = 1e-3  # absolute, in nats: float32 on both sides, different kernels
 
