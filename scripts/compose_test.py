@@ -6,6 +6,9 @@
   2. scale to 2+2 while streams are in flight; then a round that must reach every node
   3. scale back to 1+2 while streams are in flight (the removed prefill node drains)
   4. scale decode 2 -> 1 while streams are in flight (the removed decode node drains)
+  1a. the image alone passes the wheel's checks (scripts/compose_image.py): only pdserve installed,
+     the C++ CPU kernel loads, `pdserve plan` and `pdserve bench serve` start, `pdserve up` serves
+     and `pdserve up --autoscale` starts
   1b. a rogue container on the compose network, with the image but without the secrets volume,
      writes to Redis, sends a GenerateRequest to a decode node, offers it KV and pushes token
      chunks to the router while a round of requests runs: each is refused and logged, the round
@@ -35,6 +38,7 @@ from pathlib import Path
 
 from pdserve.launcher.ports import free_port
 from scripts import compose_engine as ce
+from scripts.compose_image import phase_image
 from scripts.compose_rogue import phase_rogue
 from scripts.compose_traffic import CLEAN, Load, Outcome, Result, all_clean_ok, mixed_specs
 
@@ -352,6 +356,7 @@ def run(h: Harness, build: bool) -> int:
         ce.wait_for("1P+2D in the registry", ce.pool_size_is(h.url, 1, 2), h.args.ready_timeout)
         print(f"compose-test: up in {time.monotonic() - start:.0f} s", flush=True)
         phase_mixed(h)
+        phase_image(h)
         phase_rogue(h)
         phase_scale_up(h)
         phase_scale_down(h, "scale 2+2 -> 1+2", "prefill", 1, 2)
