@@ -309,30 +309,15 @@ class KVSender:
         checksums = tuple(tensors.checksum(v) for v in views)
         if layer == 0 and block_start == 0:
             checksums = _as_corrupted(checksums)
-        if tx.shm:
-            self._send_or_fail(
-                tx.request_id,
-                KVChunk(
-                    request_id=tx.request_id,
-                    layer=layer,
-                    block_start=block_start,
-                    num_blocks=len(ids),
-                    checksums=checksums,
-                    shm_offset=offset,
-                ),
-            )
-        else:
-            self._send_or_fail(
-                tx.request_id,
-                KVChunk(
-                    request_id=tx.request_id,
-                    layer=layer,
-                    block_start=block_start,
-                    num_blocks=len(ids),
-                    checksums=checksums,
-                ),
-                views,
-            )
+        chunk = KVChunk(
+            request_id=tx.request_id,
+            layer=layer,
+            block_start=block_start,
+            num_blocks=len(ids),
+            checksums=checksums,
+            shm_offset=offset if tx.shm else None,  # in the shared ring the frames stay there
+        )
+        self._send_or_fail(tx.request_id, chunk, () if tx.shm else views)
         tx.bytes_sent += sum(sizes)
 
     def _reserve_slot(self, request_id: str, slot_bytes: int) -> int:

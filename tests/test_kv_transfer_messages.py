@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import pytest
 from hypothesis import given, settings
@@ -135,15 +137,7 @@ def test_oversized_header_is_rejected():
 
 
 def test_fingerprint_names_its_first_difference():
-    other = KVFingerprint(
-        model_id="smollm2-135m",
-        dtype="float32",
-        block_size=16,
-        layout="nbhd-v1",
-        num_layers=30,
-        num_kv_heads=3,
-        head_dim=128,
-    )
+    other = dataclasses.replace(FP, head_dim=128)
     assert FP.first_difference(other) == "head_dim" and FP.first_difference(FP) is None
 
 
