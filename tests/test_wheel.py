@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +31,19 @@ def installed(tmp_path_factory) -> dict:
     """A fresh venv with the wheel installed (no deps: those come from this venv's site-packages
     through a path file, read as plain paths: its editable install's hook is not among them)."""
     tmp = tmp_path_factory.mktemp("wheel")
+    # built from a copy of the checkout's files (tracked, or new and not ignored): setuptools
+    # leaves build/ in the tree it builds, and a stale build/lib would slip removed files in
+    source = tmp / "source"
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
     build = subprocess.run(
         [
             sys.executable,
@@ -41,7 +55,7 @@ def installed(tmp_path_factory) -> dict:
             "-q",
             "-w",
             str(tmp),
-            str(ROOT),
+            str(source),
         ],
         capture_output=True,
         text=True,
