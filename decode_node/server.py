@@ -50,14 +50,14 @@ class EngineReservations:
     def reserve(self, request_id: str, token_ids, sampling_params: SamplingParams | None) -> int | None:
         params = sampling_params or SamplingParams()
         try:  # stop strings stay with the router, as for local requests
-            return self._engine.reserve_remote(
+            return self._engine.kv_connector.reserve(
                 request_id, list(token_ids), dataclasses.replace(params, stop=())
             )
         except QueueFullError:
             return None
 
     def on_granted(self, callback: Callable[[Reservation], None]) -> None:
-        self._engine.on_kv_granted(callback)
+        self._engine.kv_connector.on_granted(callback)
 
     def abort(self, request_id: str) -> None:
         self._engine.abort_request(request_id)
@@ -187,7 +187,7 @@ class DecodeNode:
         self.streams[rid] = stream
         self.log("kv_adopted", rid, blocks_reused=received.num_held_blocks, bytes=received.bytes_received)
         first_logprob = engine_logprob(received.first_logprobs) if received.first_logprobs else None
-        for out in self.engine.kv_arrived(rid, received.first_token, first_logprob):
+        for out in self.engine.kv_connector.kv_arrived(rid, received.first_token, first_logprob):
             self._emit(out)
 
     def _abort(self, request_id: str, reason: str) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -15,6 +14,7 @@ from pdserve.engine.cpu_share import CpuShare
 from pdserve.engine.cuda_graphs import why_eager
 from pdserve.engine.device import describe_runtime, resolve_dtype
 from pdserve.engine.draft_model import draft_needs, speculator_for
+from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.kv_prefault import KVPrefault
 from pdserve.engine.logits_rules import LogitsRules
 from pdserve.engine.model_runner import KVCacheFactory, ModelRunner
@@ -24,7 +24,6 @@ from pdserve.engine.platform import UNVERIFIED_CUDA, resolve_platform
 from pdserve.engine.requests import (
     Aborted,
     QueueFullError,
-    RemoteReservation,
     Request,
     check_request,
     check_resume,
@@ -87,7 +86,7 @@ class LLMEngine:
             extra += f"; CUDA graphs: {self.decode_graphs}; {UNVERIFIED_CUDA}"
         announce(self.sizing.describe(config, extra))
         self.tokenizer = tokenizer
-        self._on_kv_granted: Callable[[RemoteReservation], None] | None = None  # reserve_remote's grants
+        self.kv_connector = KVConnector(self)  # what a node's KV transfer asks of this engine
         self.requests: dict[str, Request] = {}  # not yet done; held ones are the scheduler's (held)
         self.stop_rules = StopRules(tuple(self.model_config.eos_token_ids), self.max_model_len, tokenizer)
         self.step_stats = StepStats()  # steps by kind, for the node's metrics
@@ -143,6 +142,16 @@ class LLMEngine:
             self.sampler.rules,
         )
 
+    def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a new request (its id free, its fields valid, room in the waiting queue); its
+        resolved max_tokens. ValueError naming the field, or QueueFullError."""
+        if request_id in self.requests or request_id in self.scheduler.held:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        max_tokens = self.validate(prompt_token_ids, params)
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        return max_tokens
+
     def add_request(
         self,
         request_id: str,
@@ -153,13 +162,11 @@ class LLMEngine:
         resume_output_ids: tuple[int, ...] = (),
     ) -> None:
         """Queue a request. ``prefill_only``: stop after the first token and hold the KV blocks
-        (HELD_FOR_TRANSFER) until ``release_held``. ``resume_output_ids``: output another engine
+        (HELD_FOR_TRANSFER) until ``kv_connector.release``. ``resume_output_ids``: output another engine
         already generated (a migrated request); it is recomputed with the prompt, as after a
         preemption, and generation goes on from there (outputs and logprobs then cover only the
         tokens generated here after it)."""
-        if request_id in self.requests or request_id in self.scheduler.held:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        max_tokens = self.validate(prompt_token_ids, params)
+        max_tokens = self.admit(request_id, prompt_token_ids, params)
         if resume_output_ids:
             check_resume(resume_output_ids, params, max_tokens, prefill_only, self.model_config.vocab_size)
         request_max_tokens = max_tokens
@@ -167,8 +174,6 @@ class LLMEngine:
             if params.n != 1:
                 raise ValueError("n: prefill-only requests take n == 1")
             max_tokens = 1
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
-            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         seq = Sequence(
             request_id,
             [*prompt_token_ids, *resume_output_ids],
@@ -181,63 +186,6 @@ class LLMEngine:
         )
         self.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [seq])
         self.scheduler.add(seq)
-
-    def reserve_remote(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Queue a request whose prompt KV another node computes (a decode node's incoming
-        transfer): WAITING_FOR_KV in the waiting FIFO with local prompts. A later ``step`` grants
-        it blocks, prefix-cache hits included, by the rules local prompts are admitted by
-        (``max_num_seqs``, free blocks above the watermark, no overtaking), and hands them to the
-        ``on_kv_granted`` callback before it computes. Returns its place in the queue.
-        ValueError when it can never be admitted; QueueFullError while the queue is full."""
-        if self._on_kv_granted is None:
-            raise RuntimeError("reserve_remote needs an on_kv_granted callback to hand grants to")
-        if request_id in self.requests or request_id in self.scheduler.held:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if params.n != 1:
-            raise ValueError("n: requests prefilled elsewhere take n == 1")
-        max_tokens = self.validate(prompt_token_ids, params)
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
-            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
-        params = dataclasses.replace(params, prompt_logprobs=None)  # the node that ran the prompt sent them
-        seq = Sequence(
-            request_id,
-            list(prompt_token_ids),
-            len(prompt_token_ids),
-            params,
-            arrival_time=time.monotonic(),
-            max_tokens=max_tokens,
-        )
-        self.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [seq])
-        self.scheduler.add_remote(seq)
-        return len(self.scheduler.waiting) - 1
-
-    def on_kv_granted(self, callback: Callable[[RemoteReservation], None]) -> None:
-        """``callback(reservation)`` runs inside ``step`` for each remote request granted blocks,
-        before the step computes (the KV receiver tells the sender where to write)."""
-        self._on_kv_granted = callback
-
-    def _granted(self, seqs: list[Sequence]) -> None:
-        self.kv_prefault.advance(self.block_manager.high_water)  # the KV lands before any step
-        on_granted = self._on_kv_granted
-        assert on_granted is not None, "reserve_remote queues no request without the callback"
-        for seq in seqs:
-            on_granted(RemoteReservation.of(seq, self.block_manager.block_size))
-
-    def kv_arrived(
-        self, request_id: str, first_token: int, first_logprob: TokenLogprob | None = None
-    ) -> list[RequestOutput]:
-        """The reserved request's prompt KV landed, with the first token the other node sampled
-        (and its logprobs). It decodes from the next step; returns its output at once when that
-        first token already ends it."""
-        request = self.requests[request_id]
-        seq = request.seqs[0]
-        assert seq.status is SequenceStatus.WAITING_FOR_KV, f"{request_id} is {seq.status}"
-        self.scheduler.kv_arrived(seq)
-        seq.token_ids.append(first_token)
-        if seq.params.logprobs is not None and first_logprob is not None:
-            seq.logprobs.append(first_logprob)  # one per output token, as when sampled here
-        self._check_stop(seq, first_token)
-        return [self._output(request)] if seq.is_finished else []
 
     def has_work(self) -> bool:
         """Anything for the next step: a request to compute, or a queued remote one it may grant
@@ -257,31 +205,11 @@ class LLMEngine:
         ``kv_commit="idle"`` the KV pool commits in the background until the next write."""
         self.kv_prefault.idle()
 
-    def held_sequence(self, request_id: str) -> Sequence | None:
-        """The prefill-only request's sequence while it is HELD_FOR_TRANSFER (blocks, prompt)."""
-        return self.scheduler.held.get(request_id)
-
-    def note_first_token_sent(self, request_id: str) -> None:
-        """The held request's first token reached the router: it can no longer start elsewhere."""
-        seq = self.scheduler.held.get(request_id)
-        if seq is not None:
-            seq.first_token_sent = True
-
-    def first_token_sent(self, request_id: str) -> bool:
-        """Whether the held request's first token has left (False when it is not held)."""
-        seq = self.scheduler.held.get(request_id)
-        return seq is not None and seq.first_token_sent
-
-    def release_held(self, request_id: str) -> bool:
-        """The held request's transfer ended (or will not start): free its blocks, which stay as
-        prefix cache. False when it was not held."""
-        return self.scheduler.release(request_id)
-
     def abort_request(self, request_id: str) -> Aborted:
         """Stop a request and free its blocks; says where it was, so the caller stops the transfer
         that was writing or reading them too (falsy: no such request). A held request's blocks go
         at once: the caller must know no transfer is reading them any more."""
-        if self.release_held(request_id):
+        if self.kv_connector.release(request_id):
             return Aborted.KV_OUTBOUND
         request = self.requests.pop(request_id, None)
         if request is None:
@@ -360,7 +288,7 @@ class LLMEngine:
         decoding = any(s.num_uncomputed_tokens == 1 for s in self.scheduler.running)
         sched = self.scheduler.schedule(self.step_budget.tokens(decoding))
         if sched.granted:
-            self._granted(sched.granted)
+            self.kv_connector.granted(sched.granted)
         if not sched.scheduled:
             return []
         self.cpu_share.tick()
@@ -387,7 +315,7 @@ class LLMEngine:
             assert self.speculator is not None  # only a speculator drafts
             sample = lambda rows, sequences: self._sample(rows, sequences, touched)  # noqa: E731
             self.speculator.verify(all_logits, drafted, sample, self.block_manager)
-        outputs = [self._output(r) for r in touched.values()]
+        outputs = [self.output(r) for r in touched.values()]
         seconds = time.perf_counter() - start
         self.step_stats.observe(*tokens, seconds)
         if tokens[0]:  # a step with prompt tokens: what the budget of the next chunk follows
@@ -400,11 +328,16 @@ class LLMEngine:
         """Draw each sequence's next token from its row of ``logits``, append it, check the stop rules."""
         inputs = [SamplerInput(s, self.stop_rules.banned(s)) for s in seqs]
         for seq, (token_id, logprob) in zip(seqs, self.sampler.sample(logits, inputs), strict=True):
-            seq.token_ids.append(token_id)
-            if logprob is not None:
-                seq.logprobs.append(logprob)
-            self._check_stop(seq, token_id)
+            self.take_token(seq, token_id, logprob)
             touched[seq.request_id] = self.requests[seq.request_id]
+
+    def take_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
+        """Append ``seq``'s next token (sampled here, or by the node that ran its prompt) and
+        its logprobs when it asked for them, then apply the stop rules."""
+        seq.token_ids.append(token_id)
+        if logprob is not None and seq.params.logprobs is not None:
+            seq.logprobs.append(logprob)  # one per output token
+        self._check_stop(seq, token_id)
 
     def _score_prompt(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """Prompt logprobs of the positions ``hidden`` holds, the next ones ``seq`` is due."""
@@ -428,7 +361,8 @@ class LLMEngine:
             self.speculator.forget(seq)
 
     # ------------------------------------------------------------------ outputs
-    def _output(self, request: Request) -> RequestOutput:
+    def output(self, request: Request) -> RequestOutput:
+        """The request's output so far; a finished one leaves the engine."""
         outputs = [completion_output(seq, self.tokenizer) for seq in request.seqs]
         finished = request.finished
         if finished:

@@ -30,7 +30,7 @@ class Aborted(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RemoteReservation:
-    """Blocks a step granted to a request whose prompt KV another node sends (``reserve_remote``)."""
+    """Blocks a step granted to a request whose prompt KV another node sends (``KVConnector.reserve``)."""
 
     request_id: str
     num_held_blocks: int  # leading prompt blocks already in this engine's prefix cache: not sent

@@ -3,7 +3,7 @@
 The receiver moves bytes into block ids; the engine owns the request. It queues the request with
 its own waiting prompts, grants its blocks from its own scheduling loop (the same admission rules
 as its local requests), and is told when a transfer fails. The decode node's ``LLMEngine`` is the
-implementation (``reserve_remote`` / ``on_kv_granted`` / ``abort_request``); an abort the node
+implementation (``kv_connector.reserve`` / ``kv_connector.on_granted`` / ``abort_request``); an abort the node
 starts goes to the engine first, which says whether a transfer must stop (``KVReceiver.stop``).
 """
 

@@ -3,7 +3,7 @@
 control socket ──GenerateRequest──► engine (prefill-only: stops after the first token, its
                                     sequence HELD_FOR_TRANSFER) ──► Shipper thread ──KV──► decode node
                                     first token to the router once the decode node granted blocks
-Shipper outcome ──► engine.release_held (the blocks stay as evictable prefix cache)
+Shipper outcome ──► engine.kv_connector.release (the blocks stay as evictable prefix cache)
 
 A request's state is the engine's (its scheduler's WAITING / RUNNING / HELD_FOR_TRANSFER); this
 node keeps only where its reply goes (``pending``). Held blocks are released only through the
@@ -140,11 +140,11 @@ class PrefillNode:
         rid = out.request_id
         pending = self.pending.get(rid)
         if pending is None:
-            self.engine.release_held(rid)
+            self.engine.kv_connector.release(rid)
             return
         stream, completion = pending.stream, out.outputs[0]
         stream.num_cached_tokens = out.num_cached_tokens
-        seq = self.engine.held_sequence(rid)
+        seq = self.engine.kv_connector.held(rid)
         now = time.monotonic()
         started = seq.first_scheduled_time if seq is not None and seq.first_scheduled_time else stream.started
         stream.timings["prefill_queue"] = round(started - stream.started, 6)
@@ -159,7 +159,7 @@ class PrefillNode:
             assert chunk is not None  # nothing was sent yet: the first token is new
             self.runtime.reply(stream.reply_addr, chunk)
             self.log("first_token_sent", rid, cached_tokens=stream.num_cached_tokens)
-            self.engine.release_held(rid)
+            self.engine.kv_connector.release(rid)
             del self.pending[rid]
             return
         # The chunk goes out from the shipper's worker the moment blocks are granted (not after this
@@ -187,18 +187,18 @@ class PrefillNode:
         )
         shipment = Shipment(kv, pending.decode_addr, FirstToken(stream.reply_addr, first_chunk))
         if not self.shipper.submit(shipment):
-            self.engine.release_held(rid)  # no transfer reads them
+            self.engine.kv_connector.release(rid)  # no transfer reads them
             self._fail(rid, FailureCode.OVERLOADED, "too many KV transfers queued for that decode node")
 
     def _settle(self, outcome: Granted | Outcome) -> None:
         if isinstance(outcome, Granted) or outcome.first_token_sent:
             # the worker sent the first token: the engine knows the request may not retry elsewhere
-            self.engine.note_first_token_sent(outcome.request_id)
+            self.engine.kv_connector.note_first_token_sent(outcome.request_id)
         if isinstance(outcome, Granted):
             return
         rid = outcome.request_id
-        first_token_sent = self.engine.first_token_sent(rid)  # asked before the blocks go
-        if not self.engine.release_held(rid):  # KV is on the decode node now, or the request failed
+        first_token_sent = self.engine.kv_connector.first_token_sent(rid)  # asked before the blocks go
+        if not self.engine.kv_connector.release(rid):  # KV is on the decode node now, or the request failed
             self.log("release_without_held_blocks", rid)  # would mean a block accounting bug
         pending = self.pending.pop(rid, None)
         if pending is None:
@@ -235,7 +235,7 @@ class PrefillNode:
         """Tell the router; retryable only while it has seen no token from us (the engine's
         record, or ``first_token_sent`` where the held request was released already)."""
         if first_token_sent is None:
-            first_token_sent = self.engine.first_token_sent(rid)
+            first_token_sent = self.engine.kv_connector.first_token_sent(rid)
         pending = self.pending.pop(rid, None)
         self._drop(rid)
         if pending is not None:
@@ -243,7 +243,7 @@ class PrefillNode:
 
     def _drop(self, rid: str) -> None:
         """Stop work on a request; held blocks (a shipper may be reading them) wait for its outcome."""
-        if self.engine.held_sequence(rid) is not None:
+        if self.engine.kv_connector.held(rid) is not None:
             self.shipper.cancel(rid)
         else:
             self.engine.abort_request(rid)

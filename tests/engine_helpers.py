@@ -74,8 +74,8 @@ def grant_remote(engine, request_id: str, prompt: list[int], params: SamplingPar
     """A decode engine's side of a reservation: queue it, and step until the scheduler grants its
     blocks (what a decode node's loop does). Returns the grant and the steps' outputs."""
     grants: list = []
-    engine.on_kv_granted(grants.append)
-    engine.reserve_remote(request_id, prompt, params)
+    engine.kv_connector.on_granted(grants.append)
+    engine.kv_connector.reserve(request_id, prompt, params)
     outputs = []
     for _ in range(64):
         outputs += engine.step()

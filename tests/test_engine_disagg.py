@@ -32,7 +32,7 @@ def _move_kv(src: LLMEngine, dst: LLMEngine, seq: Sequence, request_id: str) -> 
         [v for _, v in dst.runner.kv_caches],
         torch.tensor(reservation.block_ids),
     )
-    return outputs + dst.kv_arrived(request_id, seq.token_ids[-1])
+    return outputs + dst.kv_connector.kv_arrived(request_id, seq.token_ids[-1])
 
 
 def test_prefill_only_then_decode_elsewhere_matches_hf():
@@ -49,7 +49,7 @@ def test_prefill_only_then_decode_elsewhere_matches_hf():
     assert set(prefill.scheduler.held) == {"a", "b"}
     for rid in prompts:
         _move_kv(prefill, decode, prefill.scheduler.held[rid], rid)
-        assert prefill.release_held(rid)
+        assert prefill.kv_connector.release(rid)
     assert prefill.block_manager.num_free_blocks == 32
     results = {}
     while decode.has_unfinished_requests():
@@ -95,14 +95,14 @@ def test_remote_reservations_wait_in_the_fifo_of_local_prompts_and_count_as_runn
     path = str(make_tiny_model("llama"))
     decode = LLMEngine(EngineConfig(model=path, num_kv_blocks=64, block_size=8, max_num_seqs=2))
     granted: list[str] = []
-    decode.on_kv_granted(lambda reservation: granted.append(reservation.request_id))
+    decode.kv_connector.on_granted(lambda reservation: granted.append(reservation.request_id))
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    decode.reserve_remote("a", list(range(3, 20)), params)
+    decode.kv_connector.reserve("a", list(range(3, 20)), params)
     decode.add_request("local", list(range(30, 40)), params)
     assert not granted  # granted by a step's schedule, not at once
     decode.step()  # "a" granted, "local" runs: now they fill max_num_seqs
     assert granted == ["a"] and decode.scheduler.num_seqs == 2
-    decode.reserve_remote("b", list(range(50, 60)), params)
+    decode.kv_connector.reserve("b", list(range(50, 60)), params)
     decode.add_request("queued", list(range(60, 70)), params)
     decode.step()
     assert granted == ["a"]
@@ -127,12 +127,12 @@ def test_a_reservation_passes_local_prompts_that_wait_only_for_compute_budget():
         EngineConfig(model=path, num_kv_blocks=64, block_size=8, max_num_batched_tokens=16, max_step_s=1e3)
     )
     granted: list[str] = []
-    decode.on_kv_granted(lambda reservation: granted.append(reservation.request_id))
+    decode.kv_connector.on_granted(lambda reservation: granted.append(reservation.request_id))
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     decode.add_request("long", list(range(3, 83)), params)  # 80 tokens: 5 steps of 16
     decode.step()
     decode.add_request("second", list(range(90, 110)), params)
-    decode.reserve_remote("remote", list(range(120, 140)), params)
+    decode.kv_connector.reserve("remote", list(range(120, 140)), params)
     decode.add_request("third", list(range(150, 160)), params)
     decode.step()
     assert granted == ["remote"]
@@ -156,11 +156,11 @@ def test_a_reservation_that_does_not_fit_stalls_the_loop_until_something_ends():
     once blocks come back."""
     path = str(make_tiny_model("llama"))
     decode = LLMEngine(EngineConfig(model=path, num_kv_blocks=8, block_size=8))
-    decode.on_kv_granted(lambda reservation: None)
+    decode.kv_connector.on_granted(lambda reservation: None)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    decode.reserve_remote("big", list(range(3, 43)), params)  # 5 blocks of 8
+    decode.kv_connector.reserve("big", list(range(3, 43)), params)  # 5 blocks of 8
     decode.step()
-    decode.reserve_remote("next", list(range(50, 82)), params)  # 4 blocks: 3 are left
+    decode.kv_connector.reserve("next", list(range(50, 82)), params)  # 4 blocks: 3 are left
     assert decode.has_work()
     decode.step()
     assert not decode.has_work() and decode.scheduler.waiting[0].request_id == "next"
@@ -197,15 +197,15 @@ def test_a_prefill_only_request_is_held_for_transfer_by_the_scheduler_until_rele
     )
     (out,) = engine.step()
     assert out.finished and out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 1
-    seq = engine.held_sequence("h")
+    seq = engine.kv_connector.held("h")
     assert seq.status is SequenceStatus.HELD_FOR_TRANSFER and not seq.is_finished
     assert not engine.has_unfinished_requests() and engine.scheduler.num_seqs == 0  # out of the batch
     assert engine.block_manager.num_free_blocks == 16 - 3  # 21 tokens' KV kept for the transfer
     engine.check_integrity()  # held blocks are accounted to their holder
     with pytest.raises(ValueError, match="already in use"):  # its id stays taken while held
         engine.add_request("h", [1, 2], SamplingParams(max_tokens=2))
-    assert engine.release_held("h") and not engine.release_held("h")
-    assert seq.status is SequenceStatus.FINISHED_LENGTH and engine.held_sequence("h") is None
+    assert engine.kv_connector.release("h") and not engine.kv_connector.release("h")
+    assert seq.status is SequenceStatus.FINISHED_LENGTH and engine.kv_connector.held("h") is None
     assert engine.block_manager.num_free_blocks == 16
     engine.check_integrity()
 
@@ -216,7 +216,7 @@ def test_an_aborted_prefill_only_request_is_never_held():
     engine.add_request("a", list(range(3, 30)), SamplingParams(temperature=0.0), prefill_only=True)
     engine.step()  # one chunk of the prompt computed
     assert engine.abort_request("a")
-    assert engine.held_sequence("a") is None and engine.block_manager.num_free_blocks == 16
+    assert engine.kv_connector.held("a") is None and engine.block_manager.num_free_blocks == 16
 
 
 @pytest.mark.parametrize(
@@ -285,7 +285,7 @@ def test_decodes_that_arrive_behind_a_local_prompt_run_every_step_and_stay_exact
     results: dict[str, list[int]] = {}
     for rid in remote:
         _move_kv(prefill, decode, prefill.scheduler.held[rid], rid)
-        prefill.release_held(rid)
+        prefill.kv_connector.release(rid)
     steps = 0
     while "r1" not in results or "r2" not in results:
         outs = decode.step()
@@ -323,7 +323,7 @@ def test_a_prefill_only_output_says_whether_the_request_goes_on(params, continue
     assert out.finished and out.outputs[0].continues is continues
     first = out.outputs[0].token_ids[0]
     # the same first token with the request's own limit and a stop token: it ends the request
-    engine.release_held("p")
+    engine.kv_connector.release("p")
     engine.add_request(
         "q",
         list(range(3, 13)),
@@ -342,11 +342,11 @@ def test_the_engine_records_whether_a_held_requests_first_token_left():
     engine.add_request(
         "h", list(range(3, 13)), SamplingParams(temperature=0.0, max_tokens=5), prefill_only=True
     )
-    assert not engine.first_token_sent("h")  # not held yet: nothing left
+    assert not engine.kv_connector.first_token_sent("h")  # not held yet: nothing left
     engine.step()
-    assert engine.held_sequence("h") is not None and not engine.first_token_sent("h")
-    engine.note_first_token_sent("h")
-    assert engine.first_token_sent("h")
-    engine.release_held("h")
-    assert not engine.first_token_sent("h") and engine.held_sequence("h") is None
-    engine.note_first_token_sent("h")  # an outcome after the release: nothing to mark
+    assert engine.kv_connector.held("h") is not None and not engine.kv_connector.first_token_sent("h")
+    engine.kv_connector.note_first_token_sent("h")
+    assert engine.kv_connector.first_token_sent("h")
+    engine.kv_connector.release("h")
+    assert not engine.kv_connector.first_token_sent("h") and engine.kv_connector.held("h") is None
+    engine.kv_connector.note_first_token_sent("h")  # an outcome after the release: nothing to mark

@@ -147,8 +147,8 @@ def test_guided_output_survives_prefill_on_one_engine_and_decode_on_another(llm,
     prefill.add_request("g", prompt, params, prefill_only=True)
     while prefill.has_unfinished_requests():
         prefill.step()
-    outs = _move_kv(prefill, decode, prefill.held_sequence("g"), "g")
-    prefill.release_held("g")
+    outs = _move_kv(prefill, decode, prefill.kv_connector.held("g"), "g")
+    prefill.kv_connector.release("g")
     while decode.has_unfinished_requests():
         outs += decode.step()
     assert outs[-1].finished and outs[-1].outputs[0].token_ids == offline
