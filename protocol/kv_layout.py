@@ -88,3 +88,92 @@ class KVCacheSpec:
         """How many blocks fit in a memory budget (at least one)."""
         probe = KVCacheSpec(num_layers, 1, block_size, num_kv_heads, head_dim, dtype)
         return max(1, budget_bytes // probe.bytes_per_block)
+
+
+# --------------------------------------------------------------------------- tensor-parallel heads
+# With tensor parallelism each rank's pool holds its own KV heads (the block tables are the same on
+# every rank). A layout of ``tp`` ranks over a model of ``h`` KV heads is servable when the ranks
+# split the heads evenly (each holds h/tp) or the heads' replicas evenly (tp > h: each holds one
+# head, and each head lives on tp/h ranks, as vLLM replicates them). A prefill pool and a decode
+# pool may differ in tp; ``transfer_plan`` says which prefill rank sends which heads to which
+# decode rank. ``h`` is always the model's total: a rank's own count is never multiplied back
+# (with replicas that overcounts, a bug SGLang shipped).
+#
+#     h = 2, prefill tp 2 -> decode tp 1      h = 1, prefill tp 1 -> decode tp 2
+#     P0 [head 0] ─┐                          P0 [head 0] ─┬─► D0 [head 0]
+#     P1 [head 1] ─┴─► D0 [head 0, head 1]                 └─► D1 [head 0]   (a replica each)
+
+
+def check_tp_layout(num_kv_heads: int, tp_size: int) -> None:
+    """ValueError unless ``tp_size`` ranks can hold ``num_kv_heads`` heads evenly (see above)."""
+    if num_kv_heads <= 0 or tp_size <= 0:
+        raise ValueError(
+            f"kv heads and tensor-parallel size must be positive, got {num_kv_heads} and {tp_size}"
+        )
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise ValueError(
+            f"tensor-parallel size {tp_size} does not divide the model's {num_kv_heads} KV heads, "
+            f"nor do they divide it: choose a tensor-parallel size that does"
+        )
+
+
+def kv_heads_of(num_kv_heads: int, tp_size: int, rank: int) -> range:
+    """The model's KV heads rank ``rank`` of ``tp_size`` holds, in order."""
+    check_tp_layout(num_kv_heads, tp_size)
+    assert 0 <= rank < tp_size, (rank, tp_size)
+    if tp_size <= num_kv_heads:
+        per_rank = num_kv_heads // tp_size
+        return range(rank * per_rank, (rank + 1) * per_rank)
+    head = rank // (tp_size // num_kv_heads)
+    return range(head, head + 1)
+
+
+def kv_owners(num_kv_heads: int, tp_size: int, head: int) -> range:
+    """The ranks of ``tp_size`` that hold the model's KV head ``head`` (several: its replicas)."""
+    check_tp_layout(num_kv_heads, tp_size)
+    assert 0 <= head < num_kv_heads, (head, num_kv_heads)
+    if tp_size <= num_kv_heads:
+        owner = head // (num_kv_heads // tp_size)
+        return range(owner, owner + 1)
+    replicas = tp_size // num_kv_heads
+    return range(head * replicas, (head + 1) * replicas)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HeadPiece:
+    """A run of consecutive KV heads one prefill rank sends one decode rank: in each block of each
+    layer, K and V, ``num_heads`` rows of the block's every token."""
+
+    src_rank: int  # the prefill rank that packs it
+    dst_rank: int  # the decode rank it lands on
+    src_head: int  # the first head's index in the prefill rank's pool
+    dst_head: int  # ... and in the decode rank's pool
+    num_heads: int
+
+
+def transfer_plan(num_kv_heads: int, prefill_tp: int, decode_tp: int) -> tuple[HeadPiece, ...]:
+    """Which heads every decode rank receives, and from which prefill rank: each of its heads from
+    one of the head's owners (decode rank j takes owner j mod replicas, spreading the load over a
+    replicated head's ranks), consecutive heads of one owner as one piece. The pieces of a decode
+    rank tile its pool's heads exactly once; a prefill rank that owns no chosen head sends
+    nothing. The sender packs exactly these bytes and the receiver refuses anything else."""
+    pieces = []
+    for dst in range(decode_tp):
+        dst_heads = kv_heads_of(num_kv_heads, decode_tp, dst)
+        for head in dst_heads:
+            owners = kv_owners(num_kv_heads, prefill_tp, head)
+            src = owners[dst % len(owners)]
+            src_head = head - kv_heads_of(num_kv_heads, prefill_tp, src).start
+            dst_head = head - dst_heads.start
+            last = pieces[-1] if pieces else None
+            if (
+                last is not None
+                and (last.src_rank, last.dst_rank) == (src, dst)
+                and (last.src_head + last.num_heads, last.dst_head + last.num_heads) == (src_head, dst_head)
+            ):
+                pieces[-1] = dataclasses.replace(last, num_heads=last.num_heads + 1)
+            else:
+                pieces.append(
+                    HeadPiece(src_rank=src, dst_rank=dst, src_head=src_head, dst_head=dst_head, num_heads=1)
+                )
+    return tuple(pieces)
