@@ -79,6 +79,11 @@ class Platform:
     def packs_linears(self) -> bool:
         return self.device.type == "cpu"  # oneDNN packed weights (kernels/cpu_linear.py)
 
+    @property
+    def dist_backend(self) -> str:
+        """torch.distributed's backend for a tensor-parallel node's ranks (engine/parallel.py)."""
+        return "gloo"
+
     def activate(self) -> None:
         """Bind this thread to the device; every thread that launches kernels or copies calls it."""
 
@@ -135,6 +140,10 @@ class CUDAPlatform(Platform):
     @property
     def default_dtype(self) -> str:
         return "bfloat16"
+
+    @property
+    def dist_backend(self) -> str:
+        return "nccl"
 
     def activate(self) -> None:
         torch.cuda.set_device(self.device)

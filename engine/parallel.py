@@ -1,0 +1,81 @@
+"""Tensor-parallel ranks of one node: which rank this process is of how many, and the collectives
+the parallel layers call. At tp=1 there is no group and every collective returns its input, so a
+single device's code runs unchanged (``SINGLE``).
+
+The group is torch.distributed's, gloo on the CPU and NCCL on CUDA (``Platform.dist_backend``).
+Every collective runs under the group's timeout: a rank that hangs or dies fails the others'
+collective within it, and a node takes that as fatal (a group is not trusted after a timeout).
+The state is passed to the layers that need it when the model is built, never held globally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelState:
+    tp_size: int = 1  # ranks the node's model is split over
+    rank: int = 0  # this process's among them
+    group: dist.ProcessGroup | None = None  # None at tp=1
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.rank < self.tp_size, (self.rank, self.tp_size)
+        assert (self.group is None) == (self.tp_size == 1), "a group exactly when there are several ranks"
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``x``, in place (row-parallel layers' outputs)."""
+        if self.group is not None:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim``, in rank order (the LM head's logits)."""
+        if self.group is None:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank ``src``'s ``x`` on every rank, in place."""
+        if self.group is not None:
+            dist.broadcast(x, src=src, group=self.group)
+        return x
+
+    def shard(self, size: int, what: str) -> tuple[int, int]:
+        """(start, length) of this rank's even share of ``size`` rows; ValueError naming ``what``
+        when ``size`` does not split evenly."""
+        if size % self.tp_size:
+            raise ValueError(f"{what}: {size} does not split over --tensor-parallel-size {self.tp_size}")
+        length = size // self.tp_size
+        return self.rank * length, length
+
+
+SINGLE = ParallelState()
+
+
+def init_parallel(tp_size: int, rank: int, init_method: str, backend: str, timeout_s: float) -> ParallelState:
+    """Join the node's group (every rank calls it; it returns once all have, or raises after
+    ``timeout_s``, the collectives' timeout too). ``init_method``: e.g. ``tcp://127.0.0.1:PORT``,
+    rank 0 listening."""
+    if tp_size == 1:
+        return SINGLE
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        world_size=tp_size,
+        rank=rank,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return ParallelState(tp_size, rank, dist.group.WORLD)
+
+
+def close_parallel(state: ParallelState) -> None:
+    """Leave the group (a no-op at tp=1)."""
+    if state.group is not None and dist.is_initialized():
+        dist.destroy_process_group()
