@@ -33,7 +33,6 @@ page twice is harmless, so they need no lock around the madvise calls.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import mmap
 import os
@@ -60,8 +59,10 @@ MEMORY_RECHECK_S = 5.0  # how often a paused idle commit looks at the memory aga
 
 
 def _madvise():
+    # the C library this process already has (dlopen of the program itself): find_library("c")
+    # would run ldconfig in a child process at import
     try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+        fn = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
         return None
     fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
