@@ -157,7 +157,7 @@ def transfer_plan(num_kv_heads: int, prefill_tp: int, decode_tp: int) -> tuple[H
     replicated head's ranks), consecutive heads of one owner as one piece. The pieces of a decode
     rank tile its pool's heads exactly once; a prefill rank that owns no chosen head sends
     nothing. The sender packs exactly these bytes and the receiver refuses anything else."""
-    pieces = []
+    pieces: list[HeadPiece] = []
     for dst in range(decode_tp):
         dst_heads = kv_heads_of(num_kv_heads, decode_tp, dst)
         for head in dst_heads:
