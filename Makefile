@@ -79,7 +79,7 @@ run: model native
 # The real docker-compose.yml under a real Docker engine: scaling under load and a killed decode
 # node, then a summary table (scripts/compose_test.py). Not part of `make test`: it needs Docker
 # and compose and takes minutes. Where builds need host networking and no image registry is
-# reachable (see the README): make compose-test COMPOSE_TEST_ARGS="--build --build-network host"
+# reachable (see docs/deployment.md): make compose-test COMPOSE_TEST_ARGS="--build --build-network host"
 compose-test: setup
 	PATH="$(TEST_PATH)" $(PY) -m scripts.compose_test $(COMPOSE_TEST_ARGS)
 

@@ -248,7 +248,7 @@ def phase_kill(h: Harness) -> None:
     )
 
     start = time.monotonic()
-    waited = h.scale(1, 2)  # README: `up -d --scale decode=2` brings a killed node back
+    waited = h.scale(1, 2)  # docs/deployment.md: `up -d --scale decode=2` brings a killed node back
     results = h.load(h.args.num_requests).results()
     phase = h.record("back to size (up --scale)", results, start, all_ok=all_clean_ok(results))
     phase.notes.append(f"pool back to 1+2 in {waited:.0f} s")

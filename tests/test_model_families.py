@@ -32,7 +32,7 @@ def _greedy(n: int) -> SamplingParams:
 
 @pytest.mark.parametrize("kind", FAMILIES + VARIANTS)
 def test_teacher_forced_logits_match_hf_whole_and_chunked(kind):
-    # 30 tokens: Phi-3's LongRoPE keeps its short factors (HF switches per pass past 32; see README)
+    # 30 tokens: Phi-3's LongRoPE keeps its short factors (HF switches per pass past 32; see docs/serving.md)
     path = str(make_tiny_model(kind))
     tokens = _tokens(1, 30)
     ref = hf_logits(path, tokens)

@@ -10,7 +10,7 @@ frequencies used from ``original_max_position_embeddings`` on:
 
 HF switches LongRoPE's set per forward pass by the pass's longest position; for a token
 generated at position p that is exactly the rule above. Only a *prompt* longer than
-original_max differs (HF rotates all its tokens with the long set); see README "Rotary scaling".
+original_max differs (HF rotates all its tokens with the long set); see docs/serving.md, "Rotary scaling".
 Dynamic NTK is the plain rotation while the context stays within max_position_embeddings,
 and HF re-derives it per length beyond that, which a paged cache cannot follow: refused there.
 """
