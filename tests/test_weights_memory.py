@@ -1,6 +1,7 @@
 """A bf16 model is built and loaded in bf16: the process's peak stays near the weights' own bytes
 (built in fp32 and then cast, it held about 3x them for a moment, and fused parts waiting to the
-end of the load held most of the checkpoint a second time)."""
+end of the load held most of the checkpoint a second time). Measured by bench/weights_memory.py
+in a child process: anonymous memory, on the split platform (as on a GPU, no oneDNN packing)."""
 
 from __future__ import annotations
 
@@ -31,40 +32,6 @@ CONFIG = dict(
     tie_word_embeddings=False,
 )
 
-# Anonymous memory only (resident less file-backed pages, sampled every millisecond): the
-# checkpoint's mapped pages are page cache, which the kernel reclaims and a GPU never holds. On
-# the split platform, the CPU's stand-in for a GPU: no oneDNN packing, whose blocked layout (CPU
-# only) adds about 8% to the weights.
-MEASURE = """
-import json, resource, sys, threading, time
-import torch
-from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.platform import SplitPlatform
-
-def anon_bytes():
-    with open("/proc/self/statm") as f:
-        _, resident, shared = map(int, f.read().split()[:3])
-    return (resident - shared) * resource.getpagesize()
-
-peak, done = [0], threading.Event()
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], anon_bytes())
-        time.sleep(0.001)
-
-model = ModelConfig.from_path(sys.argv[1])
-config = EngineConfig(model=sys.argv[1], dtype="bfloat16")
-before = anon_bytes()
-sampler = threading.Thread(target=sample)
-sampler.start()
-runner = ModelRunner(model, config, platform=SplitPlatform())
-done.set()
-sampler.join()
-print(json.dumps({"grew": peak[0] - before, "weights": runner.weight_bytes,
-                  "dtypes": sorted({str(p.dtype) for p in runner.model.parameters()})}))
-"""
-
 
 def bf16_checkpoint() -> pathlib.Path:
     path = pathlib.Path(tempfile.gettempdir()) / "pdserve-bf16-34m-v1"
@@ -77,7 +44,7 @@ def bf16_checkpoint() -> pathlib.Path:
 
 def test_a_bf16_model_is_built_and_loaded_within_1_2x_its_weight_bytes():
     out = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(bf16_checkpoint())],
+        [sys.executable, "bench/weights_memory.py", str(bf16_checkpoint())],
         cwd=ROOT,
         capture_output=True,
         text=True,
