@@ -41,14 +41,7 @@ SUBPACKAGES = (
     "router",
 )
 
-_EXPORTS = {
-    "LLM": "pdserve.engine.llm",
-    "SamplingParams": "pdserve.protocol.sampling_params",
-    "RequestOutput": "pdserve.engine.outputs",
-    "CompletionOutput": "pdserve.engine.outputs",
-}
-
-__all__ = list(_EXPORTS)
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]  # pdserve.engine's, lazily
 
 
 class _CheckoutFolders(importlib.abc.MetaPathFinder):
@@ -85,6 +78,6 @@ _map_checkout_folders()
 
 
 def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name in __all__:
+        return getattr(importlib.import_module("pdserve.engine"), name)
     raise AttributeError(f"module 'pdserve' has no attribute {name!r}")

@@ -72,3 +72,10 @@ def test_transformers_imports_its_kernels_integration_from_the_repository_root()
     code = "import transformers.integrations.hub_kernels as h, kernels; print(kernels.__file__)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert "site-packages" in out.stdout
+
+
+def test_the_package_root_offers_the_engines_names_lazily():
+    import pdserve.engine
+
+    assert set(pdserve.__all__) == set(pdserve.engine.__all__)
+    assert pdserve.LLM is pdserve.engine.LLM and pdserve.SamplingParams is pdserve.engine.SamplingParams
