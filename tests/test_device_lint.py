@@ -37,6 +37,7 @@ ALLOWED = {
     ("engine/layers/norms.py", "__init__", "ones"): _CONSTRUCTION,
     ("engine/models/gpt2.py", "__init__", "empty"): _CONSTRUCTION,
     ("engine/models/gpt2.py", "__init__", "zeros"): _CONSTRUCTION,
+    ("engine/layers/linear.py", "_parameter", "empty"): _CONSTRUCTION,
     ("engine/layers/rotary.py", "__init__", "arange"): _CONSTRUCTION,
     ("engine/layers/rotary.py", "_base_inv_freq", "arange"): _CONSTRUCTION,
     ("engine/layers/rotary.py", "_yarn", "arange"): _CONSTRUCTION,

@@ -18,6 +18,7 @@ never the whole tensor. At tp=1 every layer computes what ``nn.Linear`` / ``nn.E
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -85,7 +86,7 @@ class MergedColumnParallelLinear(nn.Module):
         self.shards = [
             parallel.shard(size, f"output features of part {k}") for k, size in enumerate(out_features)
         ]
-        self.offsets = [0, *torch.tensor([n for _, n in self.shards]).cumsum(0).tolist()]
+        self.offsets = list(itertools.accumulate((n for _, n in self.shards), initial=0))
         self.weight = _parameter(self.offsets[-1], in_features)  # [sum(out_k) / tp, in]
         self.weight.weight_loader = self.load_part  # type: ignore[attr-defined]
         self.bias = _parameter(self.offsets[-1]) if bias else None
