@@ -34,14 +34,11 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # Plain attributes, not buffers: a oneDNN tensor has no strides for .to() or state_dict.
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.packed_weight = pack_weight(weight)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in] -> [..., out]
-        flat = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
-        return out.view(*x.shape[:-1], self.out_features)
+        return packed_matmul(x, self.packed_weight, self.bias)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -52,6 +49,18 @@ class PackedLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
         )
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] reordered into oneDNN's blocked layout, for ``packed_matmul``."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + b`` with W packed by ``pack_weight``: x [..., in] -> [..., out]."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def enabled(dtype: torch.dtype) -> bool:
@@ -90,18 +99,24 @@ def _self_check(dtype: torch.dtype) -> bool:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear of ``model`` (on CPU, loaded) by a PackedLinear; how many were.
+    """Pack every linear layer of ``model`` (on CPU, loaded); how many were. An nn.Linear is
+    replaced by a PackedLinear; a layer of engine/layers/linear.py (``packable``) packs its own
+    weight, keeping its parallel sums and gathers.
 
     A tied LM head is packed from the embedding's weight, which the embedding keeps. Each plain
-    layer is dropped as soon as its packed one replaces it: the model never holds its weights
+    weight is dropped as soon as its packed one replaces it: the model never holds its weights
     twice over (bar one layer).
     """
     targets = [
-        (parent, name)
+        (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear and child.weight.device.type == "cpu"
+        if (type(child) is nn.Linear or getattr(child, "packable", False))
+        and child.weight.device.type == "cpu"
     ]
-    for parent, name in targets:
-        setattr(parent, name, PackedLinear(getattr(parent, name)))
+    for parent, name, child in targets:
+        if type(child) is nn.Linear:
+            setattr(parent, name, PackedLinear(child))
+        else:
+            child.pack()  # type: ignore[operator]
     return len(targets)

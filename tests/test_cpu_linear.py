@@ -72,9 +72,17 @@ def test_the_runner_packs_every_linear_and_a_tied_head_from_the_embedding():
     path = str(make_tiny_model("gemma"))  # tied embeddings
     runner = _runner(path)
     assert runner.packed_linear
-    kinds = {type(m) for m in runner.model.modules()}
-    assert nn.Linear not in kinds and cpu_linear.PackedLinear in kinds
-    assert torch.equal(runner.model.lm_head.weight, runner.model.model.embed_tokens.weight)
+    layers = _linear_layers(runner)
+    assert len(layers) == 4 * runner.model_config.num_layers + 1  # qkv, o, gate_up, down; the head
+    assert all(m.packed_weight is not None and m.weight is None for m in layers)  # no plain copy kept
+    embedding = runner.model.model.embed_tokens.weight  # the tied head's, kept by the embedding
+    assert torch.equal(runner.model.lm_head.packed_weight.to_dense(), embedding)
+
+
+def _linear_layers(runner: ModelRunner) -> list[nn.Module]:
+    """The model's linear layers (engine/layers/linear.py's): none is a plain nn.Linear."""
+    assert not any(type(m) is nn.Linear for m in runner.model.modules())
+    return [m for m in runner.model.modules() if getattr(m, "packable", False)]
 
 
 def test_packing_off_keeps_nn_linear_and_both_match_hf(monkeypatch):
@@ -85,7 +93,7 @@ def test_packing_off_keeps_nn_linear_and_both_match_hf(monkeypatch):
     monkeypatch.setenv("PDSERVE_PACKED_LINEAR", "0")
     runner = _runner(path)
     assert not runner.packed_linear
-    assert any(type(m) is nn.Linear for m in runner.model.modules())
+    assert all(m.packed_weight is None and m.weight is not None for m in _linear_layers(runner))
     plain = paged_logits(path, tokens, chunks=[17, 23])
     ref = hf_logits(path, tokens)
     assert (packed - ref).abs().max().item() < 1e-4

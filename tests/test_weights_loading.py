@@ -64,8 +64,10 @@ def test_fp32_checkpoint_loads_into_bf16_rounded_once():
     stored = load_file(f"{path}/model.safetensors")
     layer = _runner(path, "bfloat16").model.model.layers[0]
     qkv = torch.cat([stored[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"])
-    assert layer.self_attn.qkv_proj.weight.dtype == torch.bfloat16
-    assert torch.equal(layer.self_attn.qkv_proj.weight, qkv.to(torch.bfloat16))
+    proj = layer.self_attn.qkv_proj  # packed for oneDNN where this CPU runs bf16 matmuls so
+    weight = proj.weight if proj.packed_weight is None else proj.packed_weight.to_dense()
+    assert weight.dtype == torch.bfloat16
+    assert torch.equal(weight, qkv.to(torch.bfloat16))
     assert torch.equal(
         layer.self_attn.q_norm.weight, stored["model.layers.0.self_attn.q_norm.weight"].bfloat16()
     )

@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from pdserve.engine.attention import AttentionMetadata, paged_attention
+from pdserve.engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from pdserve.engine.layers.rotary import RotaryEmbedding
+from pdserve.engine.parallel import SINGLE, ParallelState
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [num_blocks, block_size, KVH, D]
 
@@ -37,7 +39,8 @@ class AttentionSpec:
 
 class SelfAttention(nn.Module):
     """``q_norm`` / ``k_norm`` act on [T, heads, head_dim] before the rotation (Qwen3 per head,
-    OLMo 2 over all heads)."""
+    OLMo 2 over all heads). Under tensor parallelism each rank computes its share of the heads
+    (``spec`` then holds this rank's counts) and o_proj sums the ranks' outputs."""
 
     def __init__(
         self,
@@ -45,12 +48,18 @@ class SelfAttention(nn.Module):
         rope: RotaryEmbedding | None,
         q_norm: nn.Module | None = None,
         k_norm: nn.Module | None = None,
+        parallel: ParallelState = SINGLE,
     ) -> None:
         super().__init__()
-        self.spec = spec
-        self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.qkv_proj = QKVParallelLinear(
+            spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads, parallel, spec.qkv_bias
+        )
+        local = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.spec = spec = dataclasses.replace(spec, num_heads=local[0], num_kv_heads=local[1])
+        self.q_size = spec.num_heads * spec.head_dim
+        self.o_proj = RowParallelLinear(
+            self.q_size * parallel.tp_size, spec.hidden_size, parallel, bias=spec.o_bias
+        )
         self.rope = rope
         self.q_norm, self.k_norm = q_norm, k_norm
 

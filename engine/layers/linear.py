@@ -27,15 +27,54 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.parallel import ParallelState
+from pdserve.kernels import cpu_linear
 from pdserve.protocol.kv_layout import check_tp_layout, kv_heads_of
 
 VOCAB_PADDING = 64  # each rank's vocabulary range is a multiple of this many rows
 
 
+class CheckpointTensor:
+    """A checkpoint tensor as the weight loaders read it, in this engine's [out, in] orientation:
+    rows (dim 0) are a layer's outputs, columns (dim 1) its inputs. ``data`` is a tensor or a
+    safetensors slice, read only where it is indexed. ``transposed``: a matrix stored [in, out]
+    (GPT-2's Conv1D). ``part(offset, rows)``: rows of a tensor the checkpoint stores fused
+    (Phi-3's qkv_proj, GPT-2's c_attn), each part loaded as if it were a tensor of its own."""
+
+    def __init__(self, data: Any, transposed: bool = False, offset: int = 0, rows: int | None = None):
+        shape = tuple(data.get_shape() if hasattr(data, "get_shape") else data.shape)
+        self.data, self.offset = data, offset
+        self.transposed = transposed and len(shape) == 2  # a bias is a bias either way
+        self.stored_rows = shape[1] if self.transposed else shape[0]
+        self.rows = self.stored_rows - offset if rows is None else rows
+
+    def part(self, offset: int, rows: int) -> CheckpointTensor:
+        return CheckpointTensor(self.data, self.transposed, self.offset + offset, rows)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) ``start:start+length``, with every column or row."""
+        assert dim in (0, 1), dim
+        if dim == 1 and self.rows != self.stored_rows:  # a fused part's columns: its rows first
+            return self.narrow(0, 0, self.rows)[:, start : start + length]
+        if dim == 0:
+            assert length == 0 or start + length <= self.rows, (start, length, self.rows)
+            start += self.offset
+        stored_dim = 1 - dim if self.transposed else dim
+        piece = self.data[start : start + length] if stored_dim == 0 else self.data[:, start : start + length]
+        return piece.t() if self.transposed else piece
+
+    def read(self) -> torch.Tensor:
+        """All of it (a replicated parameter: a norm, a bias added after the all-reduce)."""
+        return self.narrow(0, 0, self.rows)
+
+
+def as_checkpoint(source: Any) -> CheckpointTensor:
+    return source if isinstance(source, CheckpointTensor) else CheckpointTensor(source)
+
+
 def narrow(source: Any, dim: int, start: int, length: int) -> torch.Tensor:
-    """Rows (dim 0) or columns (dim 1) ``start:start+length`` of a tensor or a safetensors slice."""
-    assert dim in (0, 1), dim
-    return source[start : start + length] if dim == 0 else source[:, start : start + length]
+    """Rows (dim 0) or columns (dim 1) ``start:start+length`` of a tensor, a safetensors slice
+    or a CheckpointTensor."""
+    return as_checkpoint(source).narrow(dim, start, length)
 
 
 def _copy(param: torch.Tensor, piece: torch.Tensor, what: str) -> None:
@@ -51,7 +90,25 @@ def _parameter(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class ColumnParallelLinear(nn.Module):
+class Packable:
+    """``x W^T (+ b)`` on this rank's W: F.linear, or oneDNN on a packed copy once ``pack`` has
+    run (kernels/cpu_linear.py's pack_linears, on the CPU), which drops the plain weight."""
+
+    packable = True
+    packed_weight: torch.Tensor | None = None
+    weight: Any
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return cpu_linear.packed_matmul(x, self.packed_weight, bias)
+        return F.linear(x, self.weight, bias)
+
+    def pack(self) -> None:
+        self.packed_weight = cpu_linear.pack_weight(self.weight)
+        self.weight = None  # a tied head's embedding keeps its own reference
+
+
+class ColumnParallelLinear(Packable, nn.Module):
     """``y = x W^T + b`` with this rank's share of W's output rows (and of b): no communication."""
 
     def __init__(
@@ -61,7 +118,7 @@ class ColumnParallelLinear(nn.Module):
         self.parallel = parallel
         self.start, self.out_local = parallel.shard(out_features, "output features")
         self.weight = _parameter(self.out_local, in_features)  # [out / tp, in]
-        self.weight.weight_loader = self.load_rows  # type: ignore[attr-defined]
+        self.weight.weight_loader = self.load_rows
         self.bias = _parameter(self.out_local) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.load_rows  # type: ignore[attr-defined]
@@ -71,10 +128,10 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out / tp]
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
-class MergedColumnParallelLinear(nn.Module):
+class MergedColumnParallelLinear(Packable, nn.Module):
     """Several column-parallel matrices in one matmul (gate and up): this rank's rows of each, in
     order. ``weight_loader(param, full, k)`` fills part k from the checkpoint's k-th matrix."""
 
@@ -87,8 +144,9 @@ class MergedColumnParallelLinear(nn.Module):
             parallel.shard(size, f"output features of part {k}") for k, size in enumerate(out_features)
         ]
         self.offsets = list(itertools.accumulate((n for _, n in self.shards), initial=0))
+        self.fused_parts = list(enumerate(out_features))  # a fused checkpoint tensor's rows, by part
         self.weight = _parameter(self.offsets[-1], in_features)  # [sum(out_k) / tp, in]
-        self.weight.weight_loader = self.load_part  # type: ignore[attr-defined]
+        self.weight.weight_loader = self.load_part
         self.bias = _parameter(self.offsets[-1]) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.load_part  # type: ignore[attr-defined]
@@ -103,10 +161,10 @@ class MergedColumnParallelLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
-class QKVParallelLinear(nn.Module):
+class QKVParallelLinear(Packable, nn.Module):
     """The fused q, k, v projection: this rank's query heads, then its KV heads' k, then their v.
     Query heads split evenly; KV heads split evenly, or (more ranks than KV heads) each rank holds
     one, replicated. ``weight_loader(param, full, "q" | "k" | "v")``."""
@@ -131,9 +189,11 @@ class QKVParallelLinear(nn.Module):
             "k": (kv.start * head_dim, len(kv) * head_dim, self.num_heads * head_dim),
             "v": (kv.start * head_dim, len(kv) * head_dim, (self.num_heads + len(kv)) * head_dim),
         }
+        kv_rows = num_kv_heads * head_dim
+        self.fused_parts = [("q", num_heads * head_dim), ("k", kv_rows), ("v", kv_rows)]  # whole rows
         rows = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         self.weight = _parameter(rows, hidden_size)  # [(H + 2 KVH) / tp * D, hidden]
-        self.weight.weight_loader = self.load_part  # type: ignore[attr-defined]
+        self.weight.weight_loader = self.load_part
         self.bias = _parameter(rows) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.load_part  # type: ignore[attr-defined]
@@ -144,10 +204,10 @@ class QKVParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, (H + 2 KVH) / tp * D]
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(Packable, nn.Module):
     """``y = x W^T + b`` with x and W's input columns split: each rank's partial product, summed
     over the ranks; the bias (whole on every rank) is added once, after the sum."""
 
@@ -158,17 +218,20 @@ class RowParallelLinear(nn.Module):
         self.parallel = parallel
         self.start, self.in_local = parallel.shard(in_features, "input features")
         self.weight = _parameter(out_features, self.in_local)  # [out, in / tp]
-        self.weight.weight_loader = self.load_columns  # type: ignore[attr-defined]
+        self.weight.weight_loader = self.load_columns
         self.bias = _parameter(out_features) if bias else None
         if self.bias is not None:
-            self.bias.weight_loader = lambda param, full, shard=None: _copy(param, full[:], "bias")  # type: ignore[attr-defined]
+            self.bias.weight_loader = self.load_bias  # type: ignore[attr-defined]
+
+    def load_bias(self, param: torch.Tensor, full: Any, shard: object = None) -> None:
+        _copy(param, as_checkpoint(full).read(), "bias")  # whole on every rank
 
     def load_columns(self, param: torch.Tensor, full: Any, shard: object = None) -> None:
         _copy(param, narrow(full, 1, self.start, self.in_local), "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in / tp] -> [T, out]
-        y = self.parallel.all_reduce(F.linear(x, self.weight))
+        y = self.parallel.all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias
 
 
@@ -207,12 +270,13 @@ class VocabParallelEmbedding(nn.Module):
         return self.parallel.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(Packable, VocabParallelEmbedding):
     """Logits of this rank's vocabulary range, gathered over the ranks, the padding cut off. A tied
     head takes the embedding's weight (``head.weight = embedding.weight``): the same range on every
     rank."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits [N, vocab]
-        local = F.linear(hidden, self.weight)  # [N, vocab_padded / tp]
-        return self.parallel.all_gather(local, dim=-1)[:, : self.vocab_size]
+        local = self.matmul(hidden)  # [N, vocab_padded / tp]
+        logits = self.parallel.all_gather(local, dim=-1)
+        return logits if logits.shape[-1] == self.vocab_size else logits[:, : self.vocab_size].contiguous()

@@ -6,16 +6,27 @@ import torch
 from torch import nn
 
 from pdserve.engine.layers.activations import activation
+from pdserve.engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from pdserve.engine.parallel import SINGLE, ParallelState
 from pdserve.kernels import cpu_ext
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)); ``gate_up_proj`` holds gate's rows, then up's."""
+    """down(act(gate(x)) * up(x)); ``gate_up_proj`` holds gate's rows, then up's (this rank's
+    share of each), and ``down_proj`` sums the ranks' outputs."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        act: str,
+        bias: bool = False,
+        parallel: ParallelState = SINGLE,
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        sizes = [intermediate_size, intermediate_size]
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, sizes, parallel, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parallel, bias=bias)
         self.act = activation(act)
         self.is_silu = act in ("silu", "swish")
 

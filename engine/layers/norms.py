@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pdserve.engine.layers.linear import CheckpointTensor, as_checkpoint
+from pdserve.engine.parallel import SINGLE, ParallelState
 from pdserve.kernels import cpu_ext
 
 LayerNorm = nn.LayerNorm  # GPT-2 and StableLM: mean and variance, weight and bias
@@ -46,18 +48,51 @@ class RMSNorm(nn.Module):
 
 class FlatHeadsRMSNorm(RMSNorm):
     """RMSNorm over all of a token's heads at once (OLMo 2's q/k norm): [T, heads, D] is
-    normalised as [T, heads * D], with one weight of heads * D channels."""
+    normalised as [T, heads * D], with one weight of heads * D channels.
+
+    Under tensor parallelism a rank holds ``heads`` of the model's ``num_heads``: its weight is
+    their channels, and the sum of squares is summed over the ranks, a head that ``replicas``
+    ranks hold (more ranks than KV heads) counted once."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        eps: float,
+        heads: range | None = None,
+        replicas: int = 1,
+        parallel: ParallelState = SINGLE,
+    ) -> None:
+        heads = range(num_heads) if heads is None else heads
+        super().__init__(len(heads) * head_dim, eps)
+        self.channels, self.first = num_heads * head_dim, heads.start * head_dim
+        self.replicas, self.parallel = replicas, parallel
+        self.weight.weight_loader = self.load_channels  # type: ignore[attr-defined]
+
+    def load_channels(self, param: torch.Tensor, full: CheckpointTensor, shard: object = None) -> None:
+        with torch.no_grad():
+            param.copy_(as_checkpoint(full).narrow(0, self.first, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.reshape(x.shape[0], -1)).view_as(x)
+        flat = x.reshape(x.shape[0], -1)  # [T, heads * D]
+        if self.parallel.tp_size == 1:
+            return super().forward(flat).view_as(x)
+        squares = flat.float().pow(2).sum(-1, keepdim=True) / self.replicas
+        self.parallel.all_reduce(squares)
+        normed = flat.float() * torch.rsqrt(squares / self.channels + self.eps)
+        return (self.weight * normed.to(x.dtype)).view_as(x)
 
 
 class PerHeadLayerNorm(nn.Module):
-    """A LayerNorm (no bias) of its own for each head (StableLM's qk_layernorm): [T, heads, D]."""
+    """A LayerNorm (no bias) of its own for each head (StableLM's qk_layernorm): [T, heads, D].
+    Every head's norm is kept (a few channels each, loaded by name); a tensor-parallel rank
+    applies those of its ``heads``."""
 
-    def __init__(self, num_heads: int, head_dim: int, eps: float) -> None:
+    def __init__(self, num_heads: int, head_dim: int, eps: float, heads: range | None = None) -> None:
         super().__init__()
         self.norms = nn.ModuleList(nn.LayerNorm(head_dim, eps=eps, bias=False) for _ in range(num_heads))
+        self.heads = range(num_heads) if heads is None else heads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.stack([norm(x[:, h]) for h, norm in enumerate(self.norms)], dim=1)
+        # x: [T, len(heads), D]
+        return torch.stack([self.norms[h](x[:, i]) for i, h in enumerate(self.heads)], dim=1)

@@ -19,13 +19,15 @@ from pdserve.engine.models.phi3 import Phi3ForCausalLM
 from pdserve.engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from pdserve.engine.models.qwen3 import Qwen3ForCausalLM
 from pdserve.engine.models.stablelm import StableLmForCausalLM
+from pdserve.engine.parallel import SINGLE, ParallelState
 
 # What the engine runs: a step's tokens to hidden states (forward), rows of them to logits
 # (compute_logits); GPT-2 has its own skeleton, every other family decoder.CausalLM's.
 Model = CausalLM | GPT2LMHeadModel
 
-# each family's class, built from its config and the positions its rotary table must cover
-ModelClass = Callable[[ModelConfig, int], Model]
+# each family's class, built from its config, the positions its rotary table must cover and the
+# tensor-parallel rank it is built for
+ModelClass = Callable[[ModelConfig, int, ParallelState], Model]
 
 MODEL_REGISTRY: dict[str, ModelClass] = {
     "LlamaForCausalLM": LlamaForCausalLM,  # Llama 2/3, SmolLM2
@@ -53,13 +55,20 @@ def model_class(cfg: ModelConfig) -> ModelClass:
         ) from None
 
 
-def build_model(cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> Model:
+def build_model(
+    cfg: ModelConfig,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    parallel: ParallelState = SINGLE,
+) -> Model:
     """The model of ``cfg`` with its parameters made on ``device`` in ``dtype`` (not yet loaded):
     where they compute, in the dtype they compute in. Built in fp32 and then cast, a bf16 model
     held about 3x its weights for a moment. On ``meta`` nothing is allocated (sizes only). The
-    rotary tables stay fp32 whatever the dtype (engine/layers/rotary.py)."""
+    rotary tables stay fp32 whatever the dtype (engine/layers/rotary.py). ``parallel``: the rank's
+    share of every split layer (engine/layers/linear.py)."""
     with torch.device(device), _default_dtype(dtype):
-        return model_class(cfg)(cfg, max_positions).eval()
+        return model_class(cfg)(cfg, max_positions, parallel).eval()
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ A family file builds its layers from engine/layers and picks one of the residual
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -19,8 +20,11 @@ from torch import nn
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.layers.attention import AttentionSpec, KVCache
+from pdserve.engine.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from pdserve.engine.layers.norms import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
+from pdserve.engine.parallel import SINGLE, ParallelState
+from pdserve.protocol.kv_layout import kv_heads_of
 
 
 class PreNormLayer(nn.Module):
@@ -99,16 +103,22 @@ class PostNormLayer(nn.Module):
 class DecoderStack(nn.Module):
     """HF's ``model`` submodule: ``embed_tokens``, ``layers``, ``norm``."""
 
-    def __init__(self, cfg: ModelConfig, layers: Sequence[nn.Module], norm: nn.Module) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layers: Sequence[nn.Module], norm: nn.Module, parallel: ParallelState
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
 
 
 class CausalLM(nn.Module):
     """Token ids -> final hidden states -> logits. ``embed_scale``: Gemma multiplies the embeddings
-    by sqrt(hidden_size); ``logit_softcap``: Gemma 2 bends the logits to cap * tanh(logits / cap)."""
+    by sqrt(hidden_size); ``logit_softcap``: Gemma 2 bends the logits to cap * tanh(logits / cap).
+
+    The vocabulary is split over the tensor-parallel ranks (engine/layers/linear.py), embedding and
+    head alike, rather than replicated: the head is the largest matrix of a small model (SmolLM2:
+    28M of 135M parameters), and a tied head shares the embedding's shard."""
 
     def __init__(
         self,
@@ -117,11 +127,12 @@ class CausalLM(nn.Module):
         norm: nn.Module,
         embed_scale: float | None = None,
         logit_softcap: float | None = None,
+        parallel: ParallelState = SINGLE,
     ) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderStack(cfg, layers, norm)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = DecoderStack(cfg, layers, norm, parallel)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, parallel)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.embed_scale, self.logit_softcap = embed_scale, logit_softcap
@@ -150,6 +161,31 @@ class CausalLM(nn.Module):
         if self.logit_softcap is not None:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
+
+
+def single_rank_only(cfg: ModelConfig, parallel: ParallelState, why: str) -> None:
+    """Refuse, naming the flag, a family this engine does not split over ranks."""
+    if parallel.tp_size > 1:
+        raise ValueError(
+            f"{cfg.architecture} runs on one rank only ({why}): "
+            f"--tensor-parallel-size {parallel.tp_size} is refused; use 1"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RankHeads:
+    """The heads one tensor-parallel rank computes: its query heads, its KV heads, and on how
+    many ranks each of those KV heads is (more than one when the ranks outnumber them)."""
+
+    query: range
+    kv: range
+    kv_replicas: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, parallel: ParallelState) -> RankHeads:
+        start, n = parallel.shard(cfg.num_heads, "attention heads")
+        kv = kv_heads_of(cfg.num_kv_heads, parallel.tp_size, parallel.rank)
+        return cls(range(start, start + n), kv, max(1, parallel.tp_size // cfg.num_kv_heads))
 
 
 def rotary(cfg: ModelConfig, max_positions: int) -> RotaryEmbedding:

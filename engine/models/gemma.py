@@ -7,6 +7,7 @@ from pdserve.engine.layers.attention import SelfAttention
 from pdserve.engine.layers.mlp import GatedMLP
 from pdserve.engine.layers.norms import RMSNorm
 from pdserve.engine.models.decoder import CausalLM, PreNormLayer, attention_spec, rotary
+from pdserve.engine.parallel import SINGLE, ParallelState
 
 
 def gemma_norm(cfg: ModelConfig) -> RMSNorm:
@@ -14,17 +15,19 @@ def gemma_norm(cfg: ModelConfig) -> RMSNorm:
 
 
 class GemmaForCausalLM(CausalLM):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, parallel: ParallelState = SINGLE) -> None:
         hf, rope = cfg.hf, rotary(cfg, max_positions)
         layers = [
             PreNormLayer(
                 SelfAttention(
-                    attention_spec(cfg, i, qkv_bias=hf.attention_bias, o_bias=hf.attention_bias), rope
+                    attention_spec(cfg, i, qkv_bias=hf.attention_bias, o_bias=hf.attention_bias),
+                    rope,
+                    parallel=parallel,
                 ),
-                GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act),
+                GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act, parallel=parallel),
                 gemma_norm(cfg),
                 gemma_norm(cfg),
             )
             for i in range(cfg.num_layers)
         ]
-        super().__init__(cfg, layers, gemma_norm(cfg), embed_scale=cfg.hidden_size**0.5)
+        super().__init__(cfg, layers, gemma_norm(cfg), embed_scale=cfg.hidden_size**0.5, parallel=parallel)

@@ -10,9 +10,12 @@ from pdserve.engine.layers.mlp import GatedMLP
 from pdserve.engine.layers.rotary import RotaryEmbedding
 from pdserve.engine.models.decoder import CausalLM, SandwichLayer, attention_spec, rotary
 from pdserve.engine.models.gemma import gemma_norm
+from pdserve.engine.parallel import SINGLE, ParallelState
 
 
-def gemma2_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> SandwichLayer:
+def gemma2_layer(
+    cfg: ModelConfig, layer: int, rope: RotaryEmbedding, parallel: ParallelState
+) -> SandwichLayer:
     hf = cfg.hf
     spec = attention_spec(
         cfg,
@@ -22,18 +25,21 @@ def gemma2_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> Sandwic
         scale=hf.query_pre_attn_scalar**-0.5,
         softcap=hf.attn_logit_softcapping,
     )
-    mlp = GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_activation)
-    return SandwichLayer(SelfAttention(spec, rope), mlp, [gemma_norm(cfg) for _ in range(4)])
+    mlp = GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_activation, parallel=parallel)
+    return SandwichLayer(
+        SelfAttention(spec, rope, parallel=parallel), mlp, [gemma_norm(cfg) for _ in range(4)]
+    )
 
 
 class Gemma2ForCausalLM(CausalLM):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, parallel: ParallelState = SINGLE) -> None:
         rope = rotary(cfg, max_positions)
-        layers = [gemma2_layer(cfg, i, rope) for i in range(cfg.num_layers)]
+        layers = [gemma2_layer(cfg, i, rope, parallel) for i in range(cfg.num_layers)]
         super().__init__(
             cfg,
             layers,
             gemma_norm(cfg),
             embed_scale=cfg.hidden_size**0.5,
             logit_softcap=cfg.hf.final_logit_softcapping,
+            parallel=parallel,
         )

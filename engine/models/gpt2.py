@@ -1,8 +1,10 @@
 """GPT-2: learned position embeddings, LayerNorm, multi-head attention (no GQA, no rotation),
-GELU MLP, and Conv1D weights stored [in, out]. The module tree keeps HF's names
-(``transformer.h.<i>.attn.c_attn``) so checkpoints load without renaming."""
+GELU MLP, and Conv1D weights stored [in, out] (read transposed by the loaders). The module tree
+keeps HF's names (``transformer.h.<i>.attn.c_attn``) so checkpoints load without renaming."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -11,26 +13,27 @@ from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.layers.activations import activation
 from pdserve.engine.layers.attention import AttentionSpec, KVCache, attend, split_heads
-
-
-class Conv1D(nn.Module):
-    """A linear layer whose weight is [in, out] (GPT-2's layout): x @ weight + bias."""
-
-    def __init__(self, num_in: int, num_out: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_in, num_out))
-        self.bias = nn.Parameter(torch.zeros(num_out))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.addmm(self.bias, x, self.weight)  # [T, in] -> [T, out]
+from pdserve.engine.layers.linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from pdserve.engine.parallel import SINGLE, ParallelState
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, spec: AttentionSpec) -> None:
+    """Multi-head attention with q, k and v side by side in ``c_attn`` (this rank's heads of each
+    under tensor parallelism) and ``c_proj`` summing the ranks' outputs."""
+
+    def __init__(self, spec: AttentionSpec, parallel: ParallelState) -> None:
         super().__init__()
-        self.spec = spec
-        self.c_attn = Conv1D(spec.hidden_size, 3 * spec.hidden_size)  # q, k, v side by side
-        self.c_proj = Conv1D(spec.hidden_size, spec.hidden_size)
+        width, d = spec.hidden_size, spec.head_dim
+        self.c_attn = QKVParallelLinear(width, d, spec.num_heads, spec.num_heads, parallel, bias=True)
+        local = self.c_attn.num_heads
+        self.spec = dataclasses.replace(spec, num_heads=local, num_kv_heads=local)
+        self.c_proj = RowParallelLinear(width, width, parallel, bias=True)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = split_heads(self.c_attn(x), self.spec)  # [T, H, D] each
@@ -38,20 +41,18 @@ class GPT2Attention(nn.Module):
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, hidden_size: int, inner_size: int, act: str) -> None:
+    def __init__(self, hidden_size: int, inner_size: int, act: str, parallel: ParallelState) -> None:
         super().__init__()
-        self.c_fc, self.c_proj, self.act = (
-            Conv1D(hidden_size, inner_size),
-            Conv1D(inner_size, hidden_size),
-            activation(act),
-        )
+        self.c_fc = ColumnParallelLinear(hidden_size, inner_size, parallel, bias=True)
+        self.c_proj = RowParallelLinear(inner_size, hidden_size, parallel, bias=True)
+        self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(x)))
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, parallel: ParallelState) -> None:
         super().__init__()
         hf, width = cfg.hf, cfg.hidden_size
         scale = cfg.head_dim**-0.5 if hf.scale_attn_weights else 1.0
@@ -60,9 +61,9 @@ class GPT2Block(nn.Module):
         spec = AttentionSpec(
             width, cfg.num_heads, cfg.num_heads, cfg.head_dim, scale, qkv_bias=True, o_bias=True
         )
-        self.ln_1, self.attn = nn.LayerNorm(width, eps=hf.layer_norm_epsilon), GPT2Attention(spec)
+        self.ln_1, self.attn = nn.LayerNorm(width, eps=hf.layer_norm_epsilon), GPT2Attention(spec, parallel)
         self.ln_2 = nn.LayerNorm(width, eps=hf.layer_norm_epsilon)
-        self.mlp = GPT2MLP(width, hf.n_inner or 4 * width, hf.activation_function)
+        self.mlp = GPT2MLP(width, hf.n_inner or 4 * width, hf.activation_function, parallel)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), kv_cache, meta)
@@ -70,16 +71,16 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, parallel: ParallelState) -> None:
         super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.num_layers))
+        self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
+        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)  # on every rank
+        self.h = nn.ModuleList(GPT2Block(cfg, i, parallel) for i in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.hf.layer_norm_epsilon)
 
 
 class GPT2LMHeadModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, parallel: ParallelState = SINGLE) -> None:
         super().__init__()
         if max_positions > cfg.max_position_embeddings:
             raise ValueError(
@@ -87,8 +88,8 @@ class GPT2LMHeadModel(nn.Module):
                 f"max_model_len {max_positions} exceeds them"
             )
         self.config = cfg
-        self.transformer = GPT2Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.transformer = GPT2Model(cfg, parallel)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, parallel)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
 
@@ -116,3 +117,8 @@ class GPT2LMHeadModel(nn.Module):
         if len(parts) >= 2 and parts[-2] == "attn" and parts[-1] in ("bias", "masked_bias"):
             return None
         return name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
+
+    @staticmethod
+    def checkpoint_transposed(name: str) -> bool:
+        """Conv1D matrices are stored [in, out]; the loaders read them as [out, in]."""
+        return name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight"))

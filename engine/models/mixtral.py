@@ -11,7 +11,8 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.layers.attention import SelfAttention
 from pdserve.engine.layers.moe import Experts, TopKRouter
 from pdserve.engine.layers.norms import RMSNorm
-from pdserve.engine.models.decoder import CausalLM, PreNormLayer, attention_spec, rotary
+from pdserve.engine.models.decoder import CausalLM, PreNormLayer, attention_spec, rotary, single_rank_only
+from pdserve.engine.parallel import SINGLE, ParallelState
 
 
 class MixtralSparseBlock(nn.Module):
@@ -28,7 +29,8 @@ class MixtralSparseBlock(nn.Module):
 
 
 class MixtralForCausalLM(CausalLM):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, parallel: ParallelState = SINGLE) -> None:
+        single_rank_only(cfg, parallel, "its experts are not sharded")
         rope, eps = rotary(cfg, max_positions), cfg.hf.rms_norm_eps
         layers = [
             PreNormLayer(

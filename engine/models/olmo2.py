@@ -8,24 +8,29 @@ from pdserve.engine.layers.attention import SelfAttention
 from pdserve.engine.layers.mlp import GatedMLP
 from pdserve.engine.layers.norms import FlatHeadsRMSNorm, RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
-from pdserve.engine.models.decoder import CausalLM, PostNormLayer, attention_spec, rotary
+from pdserve.engine.models.decoder import CausalLM, PostNormLayer, RankHeads, attention_spec, rotary
+from pdserve.engine.parallel import SINGLE, ParallelState
 
 
-def olmo2_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> PostNormLayer:
+def olmo2_layer(
+    cfg: ModelConfig, layer: int, rope: RotaryEmbedding, parallel: ParallelState
+) -> PostNormLayer:
     hf, eps = cfg.hf, cfg.hf.rms_norm_eps
     spec = attention_spec(cfg, layer, qkv_bias=hf.attention_bias, o_bias=hf.attention_bias)
+    heads, d = RankHeads.of(cfg, parallel), cfg.head_dim
     attn = SelfAttention(
         spec,
         rope,
-        q_norm=FlatHeadsRMSNorm(cfg.num_heads * cfg.head_dim, eps),
-        k_norm=FlatHeadsRMSNorm(cfg.num_kv_heads * cfg.head_dim, eps),
+        q_norm=FlatHeadsRMSNorm(cfg.num_heads, d, eps, heads.query, parallel=parallel),
+        k_norm=FlatHeadsRMSNorm(cfg.num_kv_heads, d, eps, heads.kv, heads.kv_replicas, parallel),
+        parallel=parallel,
     )
-    mlp = GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act)
+    mlp = GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act, parallel=parallel)
     return PostNormLayer(attn, mlp, RMSNorm(cfg.hidden_size, eps), RMSNorm(cfg.hidden_size, eps))
 
 
 class Olmo2ForCausalLM(CausalLM):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, parallel: ParallelState = SINGLE) -> None:
         rope = rotary(cfg, max_positions)
-        layers = [olmo2_layer(cfg, i, rope) for i in range(cfg.num_layers)]
-        super().__init__(cfg, layers, RMSNorm(cfg.hidden_size, cfg.hf.rms_norm_eps))
+        layers = [olmo2_layer(cfg, i, rope, parallel) for i in range(cfg.num_layers)]
+        super().__init__(cfg, layers, RMSNorm(cfg.hidden_size, cfg.hf.rms_norm_eps), parallel=parallel)

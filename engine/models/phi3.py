@@ -9,19 +9,20 @@ from pdserve.engine.layers.attention import SelfAttention
 from pdserve.engine.layers.mlp import GatedMLP
 from pdserve.engine.layers.norms import RMSNorm
 from pdserve.engine.models.decoder import CausalLM, PreNormLayer, attention_spec, rotary
+from pdserve.engine.parallel import SINGLE, ParallelState
 
 
 class Phi3ForCausalLM(CausalLM):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, parallel: ParallelState = SINGLE) -> None:
         hf, rope = cfg.hf, rotary(cfg, max_positions)
         eps = hf.rms_norm_eps
         layers = [
             PreNormLayer(
-                SelfAttention(attention_spec(cfg, i), rope),
-                GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act),
+                SelfAttention(attention_spec(cfg, i), rope, parallel=parallel),
+                GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act, parallel=parallel),
                 RMSNorm(cfg.hidden_size, eps),
                 RMSNorm(cfg.hidden_size, eps),
             )
             for i in range(cfg.num_layers)
         ]
-        super().__init__(cfg, layers, RMSNorm(cfg.hidden_size, eps))
+        super().__init__(cfg, layers, RMSNorm(cfg.hidden_size, eps), parallel=parallel)

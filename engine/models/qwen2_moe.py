@@ -13,7 +13,8 @@ from pdserve.engine.layers.mlp import GatedMLP
 from pdserve.engine.layers.moe import Experts, TopKRouter
 from pdserve.engine.layers.norms import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
-from pdserve.engine.models.decoder import CausalLM, PreNormLayer, attention_spec, rotary
+from pdserve.engine.models.decoder import CausalLM, PreNormLayer, attention_spec, rotary, single_rank_only
+from pdserve.engine.parallel import SINGLE, ParallelState
 
 
 class Qwen2MoeSparseBlock(nn.Module):
@@ -46,7 +47,8 @@ def qwen2_moe_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> PreN
 
 
 class Qwen2MoeForCausalLM(CausalLM):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, parallel: ParallelState = SINGLE) -> None:
+        single_rank_only(cfg, parallel, "its experts are not sharded")
         rope = rotary(cfg, max_positions)
         layers = [qwen2_moe_layer(cfg, i, rope) for i in range(cfg.num_layers)]
         super().__init__(cfg, layers, RMSNorm(cfg.hidden_size, cfg.hf.rms_norm_eps))

@@ -8,9 +8,12 @@ from pdserve.engine.layers.mlp import GatedMLP
 from pdserve.engine.layers.norms import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
 from pdserve.engine.models.decoder import CausalLM, PreNormLayer, attention_spec, rotary
+from pdserve.engine.parallel import SINGLE, ParallelState
 
 
-def qwen3_attention(cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> SelfAttention:
+def qwen3_attention(
+    cfg: ModelConfig, layer: int, rope: RotaryEmbedding, parallel: ParallelState
+) -> SelfAttention:
     hf = cfg.hf
     spec = attention_spec(cfg, layer, qkv_bias=hf.attention_bias, o_bias=hf.attention_bias)
     return SelfAttention(
@@ -18,14 +21,15 @@ def qwen3_attention(cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> Self
         rope,
         q_norm=RMSNorm(cfg.head_dim, hf.rms_norm_eps),
         k_norm=RMSNorm(cfg.head_dim, hf.rms_norm_eps),
+        parallel=parallel,
     )
 
 
-def qwen3_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> PreNormLayer:
+def qwen3_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding, parallel: ParallelState) -> PreNormLayer:
     hf = cfg.hf
-    mlp = GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act)
+    mlp = GatedMLP(cfg.hidden_size, hf.intermediate_size, hf.hidden_act, parallel=parallel)
     return PreNormLayer(
-        qwen3_attention(cfg, layer, rope),
+        qwen3_attention(cfg, layer, rope, parallel),
         mlp,
         RMSNorm(cfg.hidden_size, hf.rms_norm_eps),
         RMSNorm(cfg.hidden_size, hf.rms_norm_eps),
@@ -33,7 +37,7 @@ def qwen3_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> PreNormL
 
 
 class Qwen3ForCausalLM(CausalLM):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, parallel: ParallelState = SINGLE) -> None:
         rope = rotary(cfg, max_positions)
-        layers = [qwen3_layer(cfg, i, rope) for i in range(cfg.num_layers)]
-        super().__init__(cfg, layers, RMSNorm(cfg.hidden_size, cfg.hf.rms_norm_eps))
+        layers = [qwen3_layer(cfg, i, rope, parallel) for i in range(cfg.num_layers)]
+        super().__init__(cfg, layers, RMSNorm(cfg.hidden_size, cfg.hf.rms_norm_eps), parallel=parallel)
