@@ -109,6 +109,11 @@ class EngineConfig:
         choices=DTYPE_CHOICES,
     )
     device: str = setting("auto", "auto, cpu, cuda or cuda:N (default: auto)")  # engine.device
+    tensor_parallel_size: int = setting(  # engine.executor
+        1,
+        "ranks the model is split over (its heads, MLP and vocabulary): this process and N-1 worker "
+        "processes, on the CPU one thread each by default, on CUDA one device each from --device's",
+    )
     block_size: int = setting(16, "tokens per KV block")
     kv_cache_dtype: str = setting(  # kernels/kv_int8.py
         "auto",
@@ -237,6 +242,8 @@ class EngineConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.tensor_parallel_size <= 0:
+            raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
         if self.speculative not in (None, "ngram"):
             raise ValueError(f"speculative must be ngram or None, got {self.speculative!r}")
         if not 1 <= self.num_speculative_tokens <= 16:

@@ -14,10 +14,11 @@ from pdserve.engine.cpu_share import CpuShare
 from pdserve.engine.cuda_graphs import why_eager
 from pdserve.engine.device import describe_runtime, resolve_dtype
 from pdserve.engine.draft_model import draft_needs, speculator_for
+from pdserve.engine.executor import Executor
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.kv_prefault import KVPrefault
 from pdserve.engine.logits_rules import LogitsRules
-from pdserve.engine.model_runner import KVCacheFactory, ModelRunner
+from pdserve.engine.model_runner import KVCacheFactory
 from pdserve.engine.models import model_class
 from pdserve.engine.outputs import EngineStats, RequestOutput, completion_output
 from pdserve.engine.platform import UNVERIFIED_CUDA, resolve_platform
@@ -57,17 +58,21 @@ class LLMEngine:
         model_class(self.model_config)  # unsupported architectures fail before any allocation
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.sizing = size_engine(config, self.model_config, self.max_model_len)
-        torch.set_num_threads(self.sizing.num_threads)
-        # the automatic count gives way to other processes' load (engine/cpu_share.py)
+        tp = config.tensor_parallel_size
+        threads = max(1, self.sizing.num_threads // tp)  # each rank's share of the engine's threads
+        torch.set_num_threads(threads)
+        # the automatic count gives way to other processes' load (engine/cpu_share.py); tensor-
+        # parallel ranks keep theirs (they must move in step)
         self.cpu_share = CpuShare(
-            self.sizing.num_threads, usable_cpus(), torch.set_num_threads, enabled=config.num_threads is None
+            threads, usable_cpus(), torch.set_num_threads, enabled=config.num_threads is None and tp == 1
         )
         at_start = platform.mem_info()  # None: the pool is sized from host RAM (size_engine)
-        self.runner = ModelRunner(self.model_config, config, platform=platform)
+        self.executor = Executor(self.model_config, config, platform, tp, threads)
+        self.runner = self.executor.runner  # rank 0's: its model and KV pool, for inspection
         if at_start is not None:
             self.sizing = self._size_device_pool(at_start)
         self.kv_spec = self._kv_spec()
-        self.runner.allocate_kv(self.kv_spec, kv_cache_factory)
+        self.executor.allocate_kv(self.kv_spec, kv_cache_factory)
         self.decode_graphs = self._decode_graphs()
         self.block_manager = BlockManager(
             self.kv_spec.num_blocks, config.block_size, config.enable_prefix_caching
@@ -100,6 +105,8 @@ class LLMEngine:
 
     def _graphs_off(self) -> str | None:
         """Why decode steps run eagerly on this engine; None where CUDA graphs capture them."""
+        if self.executor.tp_size > 1:
+            return "tensor-parallel ranks"
         return why_eager(self.platform.kind, self.config.enforce_eager, self.runner)
 
     def _decode_graphs(self) -> str:
@@ -107,17 +114,17 @@ class LLMEngine:
         off = self._graphs_off()
         if off is not None:
             return f"off ({off})"
-        self.runner.use_decode_graphs(self.config.max_num_seqs, self.max_model_len)
+        self.executor.use_decode_graphs(self.config.max_num_seqs, self.max_model_len)
         return f"decode batches up to {self.config.max_num_seqs}"
 
     def _size_device_pool(self, at_start: tuple[int, int]) -> EngineSizing:
         """The pool from what the weights and a profile run of the largest step leave of this
         engine's share of the device (engine/sizing.py)."""
         c = self.config
-        profile = lambda: self.runner.profile(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)  # noqa: E731
+        profile = lambda: self.executor.profile(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)  # noqa: E731
         # graphs hold a decode step's activations in their own pool: the peak once more
         memory = measure_device(self.platform, profile, at_start, graphs=self._graphs_off() is None)
-        draft = draft_needs(c, self.runner.dtype)  # a draft model's engine comes out of the same share
+        draft = draft_needs(c, self.executor.dtype)  # a draft model's engine comes out of the same share
         block_bytes = self._kv_spec().bytes_per_block
         return size_device_pool(
             self.sizing, c, self.max_model_len, block_bytes, memory, str(self.device), draft
@@ -125,8 +132,9 @@ class LLMEngine:
 
     def _kv_spec(self) -> KVCacheSpec:
         m, c = self.model_config, self.config
+        heads = self.runner.num_kv_heads  # this rank's: every rank holds as many
         return KVCacheSpec(
-            m.num_layers, self.sizing.num_kv_blocks, c.block_size, m.num_kv_heads, m.head_dim, c.kv_dtype
+            m.num_layers, self.sizing.num_kv_blocks, c.block_size, heads, m.head_dim, c.kv_dtype
         )
 
     # ------------------------------------------------------------------ requests
@@ -196,7 +204,7 @@ class LLMEngine:
     def on_progress(self, callback) -> None:
         """``callback()`` runs before each decoder layer of every step (a node's liveness stamp),
         the draft model's steps included."""
-        self.runner.on_layer = callback
+        self.executor.set_on_layer(callback)
         if self.speculator is not None and self.speculator.draft is not None:
             self.speculator.draft.engine.on_progress(callback)
 
@@ -220,6 +228,10 @@ class LLMEngine:
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
         return Aborted.KV_INBOUND if inbound else Aborted.LOCAL
 
+    def close(self) -> None:
+        """Stop the executor's worker ranks (none at tp=1); the engine cannot step after it."""
+        self.executor.close()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -227,7 +239,7 @@ class LLMEngine:
     def kv_caches(self) -> list:
         """The KV pool, per layer (K, V) [num_blocks, block_size, kv_heads, head_dim]: what a
         node's KV transfer reads and writes."""
-        return self.runner.kv_caches
+        return self.executor.kv_caches
 
     def num_queued_prefill_tokens(self) -> int:
         """Prompt tokens to compute here: waiting requests' (not those whose KV comes from a peer),
@@ -263,7 +275,7 @@ class LLMEngine:
         its first record, so a router divides a first burst's queue by a measured speed rather
         than by none (ModelRunner.time_prefill). Tokens per second."""
         n = max(1, min(num_tokens, self.config.max_num_batched_tokens, self.max_model_len - 1))
-        seconds = self.runner.time_prefill(n)
+        seconds = self.executor.time_prefill(n)
         self.step_stats.prefill_rate.seed(n, seconds)
         return n / seconds
 
@@ -293,7 +305,7 @@ class LLMEngine:
             return []
         self.cpu_share.tick()
         self.kv_prefault.advance(self.block_manager.high_water)  # commits the pages it will write
-        logits, sampled, prompt_hidden = self.runner.execute(sched)
+        logits, sampled, prompt_hidden = self.executor.execute(sched)
         for seq, hidden in prompt_hidden:
             self._score_prompt(seq, hidden)
         tokens = step_tokens(sched.scheduled)  # (prompt, decode), before they count as computed
@@ -343,7 +355,7 @@ class LLMEngine:
         """Prompt logprobs of the positions ``hidden`` holds, the next ones ``seq`` is due."""
         first, num_top = len(seq.prompt_logprobs), seq.params.prompt_logprobs
         assert num_top is not None  # only sequences that asked have prompt rows
-        for start, logits in self.runner.prompt_logits(hidden):
+        for start, logits in self.executor.prompt_logits(hidden):
             at = first + start + 1  # the prompt token these rows score
             next_ids = seq.token_ids[at : at + logits.shape[0]]
             seq.prompt_logprobs += prompt_logprobs(logits, next_ids, num_top)

@@ -16,12 +16,13 @@ from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.device import resolve_attention_backend, resolve_dtype
 from pdserve.engine.layers import moe
 from pdserve.engine.models import build_model
+from pdserve.engine.parallel import SINGLE, ParallelState
 from pdserve.engine.platform import Platform
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.weights import load_weights
 from pdserve.kernels import cpu_linear, kv_int8
-from pdserve.protocol.kv_layout import KVCacheSpec
+from pdserve.protocol.kv_layout import KVCacheSpec, kv_heads_of
 
 KVCacheFactory = Callable[[KVCacheSpec], list[tuple[torch.Tensor, torch.Tensor]]]
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -42,6 +43,38 @@ class ModelInput:
     prompt_rows: list[tuple[Sequence, int, int]] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One step's whole input as plain arrays, the same on every tensor-parallel rank: what rank 0
+    sends its workers (engine/executor.py), with no Sequence in it. ``arrays``: input_ids and
+    positions [T], slots [T], tables [S, max_blocks], q_start [S+1], prefill_q_start, ends [S],
+    logits_rows [R]. ``prompt_rows``: (first row, rows) of each sequence due prompt logprobs."""
+
+    arrays: dict[str, np.ndarray]
+    num_decodes: int
+    block_copies: list[tuple[int, int]]  # (source block, destination block), before the step
+    prompt_rows: list[tuple[int, int]]
+
+    def to_wire(self) -> dict:
+        arrays = {k: (a.dtype.str, list(a.shape), a.tobytes()) for k, a in self.arrays.items()}
+        return {
+            "arrays": arrays,
+            "num_decodes": self.num_decodes,
+            "block_copies": self.block_copies,
+            "prompt_rows": self.prompt_rows,
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict) -> StepPlan:
+        arrays = {
+            k: np.frombuffer(bytearray(b), np.dtype(t)).reshape(shape)
+            for k, (t, shape, b) in d["arrays"].items()
+        }
+        copies = [(int(a), int(b)) for a, b in d["block_copies"]]
+        rows = [(int(a), int(b)) for a, b in d["prompt_rows"]]
+        return cls(arrays, int(d["num_decodes"]), copies, rows)
+
+
 def largest_prefill(num_tokens: int, num_seqs: int, max_model_len: int) -> list[int]:
     """The prompt lengths of the largest prefill step a scheduler can build under a budget of
     ``num_tokens`` tokens and ``num_seqs`` sequences, none longer than ``max_model_len``."""
@@ -58,11 +91,15 @@ class ModelRunner:
         kv_spec: KVCacheSpec | None = None,
         kv_cache_factory: KVCacheFactory | None = None,
         platform: Platform | None = None,
+        parallel: ParallelState = SINGLE,
     ) -> None:
         """Builds the model on the platform's device and loads its weights; the KV pool comes with
         ``kv_spec`` or later from ``allocate_kv`` (on a GPU, after ``profile`` has measured what the
-        weights and a full step leave of the device's memory)."""
+        weights and a full step leave of the device's memory). ``parallel``: the tensor-parallel
+        rank this runner is (its share of the weights and of the KV heads)."""
         self.model_config = model_config
+        self.parallel = parallel
+        self.num_kv_heads = len(kv_heads_of(model_config.num_kv_heads, parallel.tp_size, parallel.rank))
         self.platform = platform = platform or Platform()
         self.block_size = engine_config.block_size
         device = platform.device
@@ -71,7 +108,7 @@ class ModelRunner:
         self.kv_dtype = torch.int8 if engine_config.kv_cache_dtype == "int8" else self.dtype
         self.attention_backend = resolve_attention_backend(engine_config.attention_backend, device)
         max_positions = engine_config.max_model_len or model_config.max_position_embeddings
-        self.model = build_model(model_config, max_positions, self.dtype, device)
+        self.model = build_model(model_config, max_positions, self.dtype, device, parallel)
         load_weights(self.model, model_config.path)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # oneDNN matmuls on weights packed once (kernels/cpu_linear.py); F.linear where it can't
@@ -85,7 +122,7 @@ class ModelRunner:
         self.on_layer: Callable[[], None] | None = None
         for layer in decoder_layers(self.model, model_config.num_layers):
             layer.register_forward_pre_hook(self._layer_starts)
-        self.inputs = StepInputs(platform)
+        self.inputs_buffer = StepInputs(platform)
         self.graphs: DecodeGraphs | None = None  # decode-only steps in CUDA graphs (use_decode_graphs)
         self.kv_spec: KVCacheSpec | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -168,7 +205,7 @@ class ModelRunner:
         """A one-block KV pool per layer, for passes whose KV nobody reads."""
         m, bs, dev = self.model_config, self.block_size, self.platform.device
         row = m.head_dim + (kv_int8.SCALE_BYTES if self.kv_dtype == torch.int8 else 0)
-        shape = (1, bs, m.num_kv_heads, row)
+        shape = (1, bs, self.num_kv_heads, row)
         return [
             (
                 torch.zeros(shape, dtype=self.kv_dtype, device=dev),
@@ -220,17 +257,39 @@ class ModelRunner:
         """Run one forward pass; returns logits [S, vocab] of the sequences due a new token, and
         the hidden states [rows, hidden] of the prompt positions due prompt logprobs, by sequence
         (``prompt_logits`` turns them into logits a slice at a time)."""
-        for copy in sched.block_copies:
-            for key_cache, value_cache in self.kv_caches:
-                key_cache[copy.dst_block_id] = key_cache[copy.src_block_id]
-                value_cache[copy.dst_block_id] = value_cache[copy.src_block_id]
-        inp = self.prepare(sched)
-        if self.graphs is not None and self._graphable(inp, self.graphs):
-            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)
-        else:
-            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        plan, sampled, scored = self.plan(sched)
+        return self.run(plan, sampled, scored)
+
+    @torch.inference_mode()
+    def run(
+        self, plan: StepPlan, sampled: list[Sequence], scored: list[Sequence]
+    ) -> tuple[torch.Tensor, list[Sequence], list[tuple[Sequence, torch.Tensor]]]:
+        """``execute`` on a plan made already (``sampled``, ``scored``: its sequences)."""
+        inp = self.inputs(plan, sampled, scored)
+        hidden = self._forward(plan, inp)
         prompt_hidden = [(seq, hidden[first : first + num]) for seq, first, num in inp.prompt_rows]
         return self.model.compute_logits(hidden[inp.logits_rows]), inp.sampled_seqs, prompt_hidden
+
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan) -> None:
+        """A worker rank's step (engine/worker.py): the forward pass and every call of the LM head
+        that rank 0 makes, in its order (the sampled rows, then each scored sequence's prompt rows
+        a slice at a time): the head's gather is a collective all ranks must join."""
+        inp = self.inputs(plan, [], [])
+        hidden = self._forward(plan, inp)
+        self.model.compute_logits(hidden[inp.logits_rows])
+        for first, num in plan.prompt_rows:
+            for _ in self.prompt_logits(hidden[first : first + num]):
+                pass
+
+    def _forward(self, plan: StepPlan, inp: ModelInput) -> torch.Tensor:
+        for src, dst in plan.block_copies:
+            for key_cache, value_cache in self.kv_caches:
+                key_cache[dst] = key_cache[src]
+                value_cache[dst] = value_cache[src]
+        if self.graphs is not None and self._graphable(inp, self.graphs):
+            return self.graphs.run(inp.input_ids, inp.positions, inp.meta)
+        return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
 
     @staticmethod
     def _graphable(inp: ModelInput, graphs: DecodeGraphs) -> bool:
@@ -256,7 +315,12 @@ class ModelRunner:
             yield start, self.model.compute_logits(hidden[start : start + max_rows])
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
-        """The batch's flat inputs, built with numpy per sequence (no Python work per token).
+        """The batch's inputs on the device (``plan``, then ``inputs``)."""
+        return self.inputs(*self.plan(sched))
+
+    def plan(self, sched: SchedulerOutput) -> tuple[StepPlan, list[Sequence], list[Sequence]]:
+        """The batch's flat inputs, built with numpy per sequence (no Python work per token), and
+        the sequences of its logits rows and of its prompt rows, in order.
 
         Rows go in schedule order (decodes first, then prefill chunks); sequence i owns rows
         q_start[i]:q_start[i+1], positions computed[i] .. computed[i] + n_new[i] - 1.
@@ -293,8 +357,7 @@ class ModelRunner:
         )
         num_decodes = int(np.count_nonzero(num_new == 1))
         assert num_new[:num_decodes].max(initial=1) == 1, "decode rows must come first"
-        dec, pre = slice(0, num_decodes), slice(num_decodes, n)
-        on = self.inputs.upload(
+        arrays = dict(
             input_ids=input_ids,
             positions=positions,
             slots=slots,
@@ -303,10 +366,24 @@ class ModelRunner:
             prefill_q_start=(q_start[num_decodes:] - num_decodes).astype(np.int32),
             ends=ends.astype(np.int32),
             logits_rows=logits_rows,
-        )  # the device's copies: nothing below reads the host arrays
+        )
+        scored = _prompt_rows(items, computed, ends, q_start)
+        plan = StepPlan(
+            arrays,
+            num_decodes,
+            [(c.src_block_id, c.dst_block_id) for c in sched.block_copies],
+            [(first, num) for _, first, num in scored],
+        )
+        sampled = [it.seq for it, due in zip(items, sampled_mask.tolist(), strict=True) if due]
+        return plan, sampled, [seq for seq, _, _ in scored]
+
+    def inputs(self, plan: StepPlan, sampled: list[Sequence], scored: list[Sequence]) -> ModelInput:
+        """The plan's arrays on the device: one upload a step."""
+        on = self.inputs_buffer.upload(**plan.arrays)  # the device's copies: nothing reads the host arrays
+        dec, pre = slice(0, plan.num_decodes), slice(plan.num_decodes, None)
         meta = AttentionMetadata(
             slot_mapping=on["slots"],
-            num_decode_tokens=num_decodes,
+            num_decode_tokens=plan.num_decodes,
             decode_block_tables=on["tables"][dec],
             decode_context_lens=on["ends"][dec],
             prefill_block_tables=on["tables"][pre],
@@ -317,14 +394,8 @@ class ModelRunner:
             context_lens=on["ends"],
             backend=self.attention_backend,
         )
-        return ModelInput(
-            on["input_ids"],
-            on["positions"],
-            meta,
-            on["logits_rows"],
-            [it.seq for it, due in zip(items, sampled_mask.tolist(), strict=True) if due],
-            _prompt_rows(items, computed, ends, q_start),
-        )
+        prompt_rows = [(seq, first, num) for seq, (first, num) in zip(scored, plan.prompt_rows, strict=False)]
+        return ModelInput(on["input_ids"], on["positions"], meta, on["logits_rows"], sampled, prompt_rows)
 
 
 class StepInputs:

@@ -44,6 +44,8 @@ CONFIGS = {
         tie_word_embeddings=True,
     ),
     "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=24, head_dim=16),
+    # a vocabulary that no tensor-parallel split pads away: padding rows on the last rank
+    "llama-odd-vocab": lambda: transformers.LlamaConfig(**{**TINY, "vocab_size": 300}),
     "qwen2": lambda: transformers.Qwen2Config(**TINY),
     "llama-deep": lambda: transformers.LlamaConfig(
         **{**TINY, "num_hidden_layers": 8}

@@ -1,0 +1,116 @@
+"""A tensor-parallel engine (engine/executor.py): rank 0 here, rank 1 in a worker process it
+starts, joined by gloo. Against Hugging Face on the same weights, every dense family at tp=2:
+greedy output through chunked prefill, a prefix hit and concurrent mixed-length requests, and
+prompt and sampled logprobs within fp32 tolerance; fewer KV heads than ranks (replicated);
+seeded sampling with n > 1 equal to tp=1. MoE families are refused naming the flag, and a
+worker that dies fails the engine's next step naming its rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.executor import WorkerLost
+from tests.engine_helpers import hf_greedy, hf_logits
+from tests.test_prompt_logprobs import _check_against_hf
+from tests.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.usefixtures("processes")
+
+# h: each one's KV heads (TINY: 2; llama3: 1, fewer than the ranks)
+DENSE = ["llama", "llama3", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "phi3", "gpt2", "stablelm"]
+DENSE += ["stablelm-parallel", "olmo2", "llama-odd-vocab"]
+
+
+def _prompts() -> list[list[int]]:
+    shared = [(7 * i) % 200 + 3 for i in range(24)]  # three full blocks of 8: the second reuses them
+    return [
+        shared + [11, 12, 13],
+        [5, 6, 7],
+        shared + [40, 41, 42, 43, 44, 45],
+        [(3 * i) % 97 + 2 for i in range(41)],
+    ]
+
+
+def _tp2(path: str, **kw) -> LLM:
+    return LLM(path, tensor_parallel_size=2, num_kv_blocks=64, block_size=8, max_num_batched_tokens=16, **kw)
+
+
+@pytest.mark.parametrize("kind", DENSE)
+def test_every_dense_family_at_tp2_is_exact_against_hf(kind):
+    path = str(make_tiny_model(kind))
+    llm = _tp2(path)
+    try:
+        prompts = _prompts()
+        greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+        first = llm.generate(prompts[:1], greedy)[0]  # alone: its blocks are cached after it
+        rest = llm.generate(prompts[1:], greedy)  # together, 16-token chunks, a prefix hit
+        assert rest[1].num_cached_tokens == 24
+        for prompt, out in zip(prompts, [first, *rest], strict=True):
+            assert out.outputs[0].token_ids == hf_greedy(path, prompt, 10), prompt
+        # sampled tokens' logprobs: log_softmax of HF's logits at each step
+        full = prompts[0] + first.outputs[0].token_ids
+        expected = torch.log_softmax(hf_logits(path, full), dim=-1)[len(prompts[0]) - 1 : -1]
+        got = [entry.logprob for entry in first.outputs[0].logprobs]
+        want = [float(expected[i, t]) for i, t in enumerate(first.outputs[0].token_ids)]
+        assert got == pytest.approx(want, abs=2e-5)
+        scored = llm.generate([prompts[3]], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3))[
+            0
+        ]  # 41 prompt tokens in 16-token chunks: the head's gather in every chunk, on both ranks
+        _check_against_hf(path, prompts[3], scored.prompt_logprobs, 3)
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    finally:
+        llm.engine.close()
+
+
+def test_seeded_sampling_with_n_gt_1_is_the_same_at_tp1_and_tp2():
+    path = str(make_tiny_model("llama3"))
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=12, n=3, seed=1234, ignore_eos=True)
+    prompts = _prompts()[:2]
+    one = LLM(path, num_kv_blocks=64, block_size=8, max_num_batched_tokens=16).generate(prompts, params)
+    llm = _tp2(path)
+    try:
+        two = llm.generate(prompts, params)
+    finally:
+        llm.engine.close()
+    for a, b in zip(one, two, strict=True):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_moe_families_are_refused_at_tp2_naming_the_flag(kind):
+    path = str(make_tiny_model(kind))
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2 is refused"):
+        _tp2(path)
+
+
+def test_a_worker_that_dies_fails_the_next_step_naming_its_rank():
+    path = str(make_tiny_model("llama"))
+    llm = _tp2(path)
+    try:
+        worker = llm.engine.executor.workers[0].proc
+        assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3))[0].finished
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(timeout=10)
+        with pytest.raises(WorkerLost, match=r"rank 1 exited \(-9\)"):
+            llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=3))
+        assert llm.engine.executor.failure is not None
+    finally:
+        llm.engine.close()
+
+
+def test_ngram_speculation_at_tp2_is_exact_against_hf():
+    path = str(make_tiny_model("llama"))
+    prompt = [5, 6, 7, 8, 9] * 6  # repeats: the n-gram proposer drafts, the step verifies them
+    llm = _tp2(path, speculative="ngram", num_speculative_tokens=3)
+    try:
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, 12)
+        assert llm.engine.speculator.stats.proposed_tokens > 0
+    finally:
+        llm.engine.close()
