@@ -256,8 +256,10 @@ class KVReceiver:
             self.reservations.abort(rid)
             return
         msg, num_held, send_ids = transfer.reserve, reservation.num_held_blocks, list(reservation.block_ids)
-        # The one-copy path writes our caches through numpy views: only for caches in host memory.
-        direct_src = self._peers.map_cache(msg) if self._copies.on_host else None
+        # The one-copy path writes our caches through numpy views: only for caches in host memory,
+        # each one tensor (not a tensor-parallel node's ranks: tensors.HeadSplitCache)
+        one_tensor = not isinstance(self.key_caches[0], tensors.HeadSplitCache)
+        direct_src = self._peers.map_cache(msg) if self._copies.on_host and one_tensor else None
         ring = None if direct_src is not None else self._peers.map_ring(msg)
         landing = transfer.landing = _Landing(
             num_held,

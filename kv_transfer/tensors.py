@@ -82,6 +82,62 @@ class DeviceCopies:
         done.synchronize()
 
 
+class HeadSplitCache:
+    """One layer's K (or V) cache of a tensor-parallel node, seen as the model's KV heads in order
+    over its ranks' own caches (each [num_blocks, block_size, its heads, row], in host memory that
+    rank 0 maps: engine/executor.py). The transfer reads and writes this view, so the wire carries
+    the model's heads in order whatever either side's layout: each node re-slices within itself,
+    and a layout pair moves the bytes a single-rank pair moves. A read takes each head from the
+    first rank that holds it; a write goes to every rank that holds it (ranks outnumbering the KV
+    heads each hold a replica)."""
+
+    def __init__(self, pools: list[torch.Tensor], heads: list[range]) -> None:
+        assert len(pools) == len(heads) and pools, "one head range per rank's cache"
+        self.pools, self.heads = pools, heads
+        first = pools[0]
+        self.num_heads = max(r.stop for r in heads)
+        self.shape = torch.Size((first.shape[0], first.shape[1], self.num_heads, first.shape[3]))
+        self.dtype, self.device = first.dtype, first.device
+        self.sources: list[tuple[torch.Tensor, range]] = []  # (rank's cache, heads) read, in order
+        for pool, rng in zip(pools, heads, strict=True):
+            covered = self.sources[-1][1].stop if self.sources else 0
+            if rng.start == covered:
+                self.sources.append((pool, rng))
+        assert self.sources[-1][1].stop == self.num_heads, "the ranks' heads leave a gap"
+
+    def element_size(self) -> int:
+        return self.pools[0].element_size()
+
+    def dim(self) -> int:
+        return 4
+
+    def __getitem__(self, block: int) -> torch.Tensor:
+        """One block, every head: [block_size, heads, row]."""
+        return self.gather(slice(block, block + 1), None)[0]
+
+    def gather(
+        self, run: slice | None, ids: torch.Tensor | None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Blocks ``run`` (or ``ids``), every head: [n, block_size, heads, row]."""
+        n = run.stop - run.start if run is not None else len(ids)  # type: ignore[arg-type]
+        if out is None:
+            out = torch.empty((n, *self.shape[1:]), dtype=self.dtype, device=self.device)
+        for pool, rng in self.sources:
+            out[:, :, rng.start : rng.stop].copy_(_select(pool, run, ids))
+        return out
+
+    def scatter(self, src: torch.Tensor, run: slice | None, ids: torch.Tensor | None) -> None:
+        """Write blocks [n, block_size, heads, row] at ``run`` (or ``ids``), each head into every
+        rank's cache that holds it."""
+        for pool, rng in zip(self.pools, self.heads, strict=True):
+            part = src[:, :, rng.start : rng.stop]
+            if run is not None:
+                pool[run].copy_(part)
+            else:
+                assert ids is not None  # given wherever there is no run
+                pool.index_copy_(0, ids, part.contiguous())
+
+
 def checksum(frame: memoryview) -> int:
     return xxhash.xxh3_64_intdigest(frame)
 
@@ -137,6 +193,18 @@ def pack_layer(
         _pack_from_device(key_cache, value_cache, block_ids, wire_format, frames, copies)
         return frames
     assert key_cache.device.type == "cpu", "a cache in device memory needs its platform's DeviceCopies"
+    if isinstance(key_cache, HeadSplitCache) and isinstance(value_cache, HeadSplitCache):
+        run = _as_range(block_ids)
+        if wire_format is WireFormat.NATIVE:
+            shape = (n, *key_cache.shape[1:])
+            for cache, frame in zip((key_cache, value_cache), frames, strict=True):
+                cache.gather(run, block_ids, out=frame.view(cache.dtype).view(shape))
+            return frames
+        k, v = key_cache.gather(run, block_ids), value_cache.gather(run, block_ids)
+        parts = [*ops.quantize_kv_int8(k), *ops.quantize_kv_int8(v)]
+        for part, frame in zip(parts, frames, strict=True):
+            frame.view(part.dtype).view(part.shape).copy_(part)
+        return frames
     if wire_format is WireFormat.NATIVE:
         run = _as_range(block_ids)
         for cache, frame in zip((key_cache, value_cache), frames, strict=True):
@@ -278,6 +346,9 @@ def _land(
     """Write K and V [n, ...] into the blocks: a slice copy for a run, index_copy_ at ``ids``
     (on the cache's device) otherwise."""
     for cache, src in ((key_cache, k), (value_cache, v)):
+        if isinstance(cache, HeadSplitCache):
+            cache.scatter(src, run, ids)
+            continue
         rows = cache.view(cache.shape[0], -1)  # [num_blocks, block_size * kv_heads * head_dim]
         if run is not None:
             rows[run].copy_(src.reshape(src.shape[0], -1))
