@@ -25,6 +25,7 @@ import time
 import torch
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.executor import WorkerLost
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer.shared_cache import TORCH_DTYPES, SharedKVCache
 from pdserve.node.log import EventLog, forward_own_logs
@@ -63,7 +64,10 @@ class NodeHost:
         # A prefill node's KV cache in host memory lives in shared memory, so same-host decode
         # nodes copy blocks straight out of it. The engine calls the factory only for a pool in
         # host memory; a device pool (and a private one) leaves the cache None.
-        factory = self._shared_cache if opts.role is Role.PREFILL else None
+        # A tensor-parallel node's pools are its ranks' shared memory (engine/executor.py): its
+        # KV goes on the socket or the staging ring, the one-copy path is a single rank's.
+        single = engine_config.tensor_parallel_size == 1
+        factory = self._shared_cache if opts.role is Role.PREFILL and single else None
         self.parts.engine = LLMEngine(engine_config, kv_cache_factory=factory)
         speed = self.parts.engine.measure_prefill_speed()  # its first record says how fast it prefills
         log("prefill_speed_measured", tokens_per_s=round(speed))
@@ -98,15 +102,22 @@ class NodeHost:
         runtime.start(self.role.status(), ready_file)
         try:
             runtime.run(self._iterate, lambda: self.role.busy(), self._drain)
+        except WorkerLost as exc:  # a rank is gone: never serve with part of the model
+            runtime.report_fatal(str(exc))
+            raise
         finally:
             self.role.close("node shut down before the request finished")
             runtime.close()
+            self.parts.engine.close()  # its worker ranks stop with it
         return 0
 
     def _drain(self) -> None:
         self.role.start_draining()
 
     def _iterate(self) -> None:
+        failure = self.parts.engine.executor.failure  # a rank lost while idle: the node goes at once
+        if failure is not None:
+            raise WorkerLost(failure)
         self.role.wait_if_idle()
         for msg in self.parts.runtime.poll_control(0.0):
             if isinstance(msg, SetRole):

@@ -149,12 +149,13 @@ class NodeRuntime:
             try:
                 iterate()
             except AssertionError as exc:  # an invariant broke: this node's state cannot be trusted
-                self._report_integrity_error(exc)
+                self.report_fatal(str(exc) or type(exc).__name__)
                 raise
 
-    def _report_integrity_error(self, exc: AssertionError) -> None:
-        """Publish a last record saying why (it stays until its TTL, not withdrawn at close)."""
-        self.integrity_error = str(exc) or type(exc).__name__
+    def report_fatal(self, why: str) -> None:
+        """The node cannot serve any more (a broken invariant, a lost tensor-parallel rank):
+        publish a last record saying why (it stays until its TTL, not withdrawn at close)."""
+        self.integrity_error = why
         self.log("integrity_failed", error=self.integrity_error)
         if self._status is not None:
             self._status = dataclasses.replace(

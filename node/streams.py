@@ -105,6 +105,7 @@ def node_status(
         heartbeat_time=time.time(),
         prefill_tokens_per_s=stats.prefill_tokens_per_s,
         device=stats.device,
+        tp_size=engine.config.tensor_parallel_size,
         step_stats=stats.step_stats,
         step_target_s=stats.step_target_s,
         speculation=stats.speculation,

@@ -59,7 +59,8 @@ class NodeInfo:
     # prompt tokens computed per second of engine step, a recent average of its steps of many prompt
     # tokens (engine.step_stats.PrefillRate); None until the node has run one
     prefill_tokens_per_s: float | None = None
-    device: str = "cpu"  # the torch device the node's engine computes on
+    device: str = "cpu"  # the torch device the node's engine computes on (rank 0's)
+    tp_size: int = 1  # tensor-parallel ranks the node's model is split over (its layout)
     integrity_error: str | None = None  # a failed invariant check: the node stopped serving (see its log)
     # engine steps by kind, counted from the node's start: engine.step_stats.StepStats.snapshot(),
     # each kind's step-time counts bucketed by STEP_BUCKETS_S

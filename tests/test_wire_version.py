@@ -24,6 +24,7 @@ from pdserve.protocol.registry import VERSION_FIELD, NodeInfo, Role
 # (protocol/codec.py) and adds the new version's digest here.
 WIRE_DIGESTS = {
     5: "807ded81dd7e2f12",
+    6: "423393a3a5508fd0",
 }
 
 
