@@ -10,10 +10,13 @@ import contextlib
 import dataclasses
 import hmac
 import importlib.metadata
+import json
 import logging
 import pathlib
 import time
+from collections.abc import Callable
 
+import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -26,10 +29,11 @@ from pdserve.protocol.registry import Role
 from pdserve.router import jobs, metrics, policy, roles, serving, tokenize_api
 from pdserve.router.admission import Admission, Stage
 from pdserve.router.config import RouterConfig
-from pdserve.router.errors import APIError
+from pdserve.router.errors import APIError, bad_request
 from pdserve.router.generation import Backend
 from pdserve.router.node_client import NodeClient
 from pdserve.router.openai_schema import (
+    BatchChatBody,
     ChatBody,
     CompletionBody,
     DetokenizeBody,
@@ -50,6 +54,7 @@ class RouterState:
     tokenizer: Tokenizer
     admission: Admission
     backend: Backend
+    num_requests_running: int = 0  # generation requests under way, whole or streaming (GET /load)
 
     def max_model_len(self) -> int:
         """The smallest context of the live nodes, else the model's own."""
@@ -132,7 +137,11 @@ def _backend(
     return Backend(config, nodes, registry, routing, metrics.RouterMetrics(registry.snapshot, inflight))
 
 
-GUARDED_PATHS = ("/v1", "/tokenize", "/detokenize", "/admin")  # what --api-key protects
+GUARDED_PATHS = ("/v1", "/tokenize", "/detokenize", "/admin", "/invocations")  # what --api-key protects
+# What GET /load counts while they run, streams to their last byte (vLLM's server load tracking).
+LOAD_TRACKED_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/invocations"}
+)
 try:
     PDSERVE_VERSION = importlib.metadata.version("pdserve")
 except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
@@ -221,16 +230,23 @@ class _Guard:
         error = self._refuse(scope)
         if error is None and _has_body_without_length(scope):
             receive, error = await self._read_capped(receive)
-        if error is not None:
-            await JSONResponse(error.body(), error.status, headers=error.headers())(
-                scope, receive, send_and_note
-            )
-        else:
-            await self.app(scope, receive, send_and_note)
-        if scope["path"].startswith("/v1/") and scope["method"] == "POST":
-            state = getattr(scope["app"].state, "router", None)
-            if state is not None:
-                state.backend.metrics.requests.labels(endpoint=scope["path"], outcome=str(status)).inc()
+        state: RouterState | None = getattr(scope["app"].state, "router", None)
+        tracked = scope["method"] == "POST" and scope["path"] in LOAD_TRACKED_PATHS
+        load = state if tracked else None  # the state whose count this request is in
+        if load is not None:
+            load.num_requests_running += 1
+        try:
+            if error is not None:
+                await JSONResponse(error.body(), error.status, headers=error.headers())(
+                    scope, receive, send_and_note
+                )
+            else:
+                await self.app(scope, receive, send_and_note)
+        finally:
+            if load is not None:
+                load.num_requests_running -= 1
+        if scope["path"].startswith("/v1/") and scope["method"] == "POST" and state is not None:
+            state.backend.metrics.requests.labels(endpoint=scope["path"], outcome=str(status)).inc()
 
 
 def _has_body_without_length(scope) -> bool:
@@ -241,21 +257,26 @@ def _has_body_without_length(scope) -> bool:
 def _add_routes(app: FastAPI) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request) -> Response:
-        state = _state(request)
-        state.check_model(body.model)
-        max_model_len = state.max_model_len()
-        job = await asyncio.to_thread(
-            jobs.completion_job, body, state.tokenizer, max_model_len, state.config.max_n
-        )
-        return await _serve(state, job, max_model_len, request)
+        return await _generate(jobs.completion_job, body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request) -> Response:
-        state = _state(request)
-        state.check_model(body.model)
-        max_model_len = state.max_model_len()
-        job = await asyncio.to_thread(jobs.chat_job, body, state.tokenizer, max_model_len, state.config.max_n)
-        return await _serve(state, job, max_model_len, request)
+        return await _generate(jobs.chat_job, body, request)
+
+    @app.post("/v1/chat/completions/batch")
+    async def batch_chat_completions(body: BatchChatBody, request: Request) -> Response:
+        return await _generate(jobs.batch_chat_job, body, request)
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """SageMaker's entry: the body's shape picks the endpoint, as in vLLM."""
+        body = await _json_object(request)
+        schema, make_job = _invocation_kind(body)
+        try:
+            parsed = schema.model_validate(body)
+        except pydantic.ValidationError as exc:
+            raise validation_error([dict(e) for e in exc.errors()]) from None
+        return await _generate(make_job, parsed, request)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody, request: Request) -> dict:
@@ -314,6 +335,17 @@ def _add_info_routes(app: FastAPI) -> None:
         serving, body = _health(_state(request).backend.registry.snapshot())
         return JSONResponse(body, 200 if serving else 503)
 
+    @app.get("/load")
+    async def load(request: Request) -> dict:
+        """vLLM's server load: the generation requests under way (always tracked here)."""
+        return {"server_load": _state(request).num_requests_running}
+
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping(request: Request) -> JSONResponse:
+        """SageMaker's health check, beside /invocations: /health's answer."""
+        return await health(request)
+
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
         return Response(_state(request).backend.metrics.render(), media_type=metrics.CONTENT_TYPE)
@@ -336,6 +368,44 @@ def _health(nodes) -> tuple[bool, dict]:
         "num_pairs": num_pairs,
     }
     return serving, body
+
+
+MakeJob = Callable[..., jobs.Job]  # router.jobs' completion_job, chat_job, batch_chat_job
+
+
+async def _generate(make_job: MakeJob, body: CompletionBody | ChatBody, request: Request) -> Response:
+    """A generation endpoint: the body checked into a Job (off the event loop: it tokenizes), then served."""
+    state = _state(request)
+    state.check_model(body.model)
+    max_model_len = state.max_model_len()
+    job = await asyncio.to_thread(make_job, body, state.tokenizer, max_model_len, state.config.max_n)
+    return await _serve(state, job, max_model_len, request)
+
+
+async def _json_object(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", None) from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object", None)
+    return body
+
+
+def _invocation_kind(body: dict) -> tuple[type[CompletionBody | ChatBody], MakeJob]:
+    """The endpoint an /invocations body is for, by its fields (vLLM tries chat, then completions):
+    messages: chat; prompt (or prompt_embeds): completions; input: embeddings, not served here."""
+    if "messages" in body:
+        return ChatBody, jobs.chat_job
+    if "prompt" in body or "prompt_embeds" in body:
+        return CompletionBody, jobs.completion_job
+    if "input" in body:
+        raise bad_request("embeddings are not served: pdserve serves generative models only", "input")
+    raise bad_request(
+        "Cannot find suitable handler for request. Expected one of: chat completions (messages) "
+        "or completions (prompt)",
+        None,
+    )
 
 
 async def _serve(state: RouterState, job: jobs.Job, max_model_len: int, request: Request) -> Response:

@@ -13,7 +13,14 @@ from typing import Any
 
 from pdserve.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdserve.router.errors import APIError, bad_request
-from pdserve.router.openai_schema import UNSUPPORTED, ChatBody, CompletionBody, _SamplingFields
+from pdserve.router.openai_schema import (
+    UNSUPPORTED,
+    BatchChatBody,
+    ChatBody,
+    CompletionBody,
+    _SamplingFields,
+    reads_as,
+)
 from pdserve.router.structured import Structured, ToolCallPlan, check_token_rules, structured
 from pdserve.router.tokenizer import ChatTemplateError, Tokenizer
 
@@ -22,6 +29,7 @@ from pdserve.router.tokenizer import ChatTemplateError, Tokenizer
 class Prompt:
     token_ids: tuple[int, ...]  # what the nodes see
     text: str | None  # the prompt as text (for echo); None until decoded
+    reply_prefix: str = ""  # chat echo: the last (assistant) message's content before the reply
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,7 +51,7 @@ class Job:
     continuous_usage: bool = False  # streaming: usage so far on every chunk
     response_id: str | None = None  # the client's request_id; None: a fresh one
     no_output: bool = False  # max_tokens 0: the one token the nodes make is not returned
-    chat_echo: str = ""  # chat echo: the last (assistant) message's content before the reply
+    batched: bool = False  # /v1/chat/completions/batch: a prompt per conversation, its fields per choice
 
     def params_for(self, prompt: Prompt, max_model_len: int) -> SamplingParams:
         room = max_model_len - len(prompt.token_ids)
@@ -109,18 +117,12 @@ def _check_unicode(value: Any, param: str) -> None:
             _check_unicode(item, param)
 
 
-def _no_op(value: Any, allowed: Any) -> bool:
-    """``value`` is ``allowed`` (1 passes for 1.0; False never passes for 0)."""
-    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (value, allowed))
-    return value == allowed and (numbers or type(value) is type(allowed))
-
-
 def _check_unsupported(body: _SamplingFields) -> None:
     """A field pdserve does not implement passes only at its no-op value (or null)."""
     for name in sorted(body.model_fields_set & UNSUPPORTED.keys()):
         value = getattr(body, name)
         allowed, why = UNSUPPORTED[name]
-        if value is not None and not any(_no_op(value, a) for a in allowed):
+        if value is not None and not any(reads_as(value, a) for a in allowed):
             accepted = " or ".join(repr(a) for a in allowed)
             raise bad_request(f"{name} is not supported: {why} (accepted: {accepted or 'null'})", name)
 
@@ -164,15 +166,8 @@ def _check_common(body: _SamplingFields, max_n: int, tokenizer: Tokenizer) -> St
         _check_unicode(value, name)
     if body.n > max_n:
         raise bad_request(f"n must be <= {max_n}, got {body.n}", "n")
-    if body.seed is not None and not -(1 << 63) <= body.seed < 1 << 63:
-        raise bad_request(f"seed must be a 64-bit signed integer, got {body.seed}", "seed")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
-        if not body.stream_options.include_usage:
-            raise bad_request(
-                "continuous_usage_stats needs include_usage: true", "stream_options.continuous_usage_stats"
-            )
     if body.prompt_logprobs is not None and not 0 <= body.prompt_logprobs <= MAX_LOGPROBS:
         raise bad_request(
             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {body.prompt_logprobs} "
@@ -204,10 +199,12 @@ def _truncate(body: _SamplingFields, ids: tuple[int, ...], max_model_len: int) -
 
 def _response_fields(body: _SamplingFields) -> dict[str, Any]:
     """The Job fields both endpoints set from the body alike."""
+    options = body.stream_options
     return {
         "prompt_logprobs": body.prompt_logprobs,
         "return_token_ids": bool(body.return_token_ids),
-        "continuous_usage": bool(body.stream_options and body.stream_options.continuous_usage_stats),
+        # as vLLM: continuous_usage_stats without include_usage asks for no usage at all
+        "continuous_usage": _include_usage(body) and bool(options and options.continuous_usage_stats),
         "response_id": body.request_id,
     }
 
@@ -236,6 +233,9 @@ def _check_token_ids(prompts: list[list[int]], vocab_size: int) -> None:
 
 
 def completion_job(body: CompletionBody, tokenizer: Tokenizer, max_model_len: int, max_n: int) -> Job:
+    # vLLM's words, which clients match on (a non-empty prompt_embeds is refused by name below)
+    if (body.prompt is None or body.prompt in ("", [])) and not body.prompt_embeds:
+        raise bad_request("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
     rules = _check_common(body, max_n, tokenizer)
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
@@ -270,10 +270,9 @@ def completion_job(body: CompletionBody, tokenizer: Tokenizer, max_model_len: in
 def _completion_prompts(body: CompletionBody, tokenizer: Tokenizer, max_model_len: int) -> tuple[Prompt, ...]:
     """The prompts of a completions body: texts encoded, token ids checked, each truncated as asked."""
     raw = body.prompt
+    assert raw, "completion_job refuses an empty prompt"
     if isinstance(raw, str):
         raw = [raw]
-    if not raw:
-        raise bad_request("the prompt is empty", "prompt")
     add_special = body.add_special_tokens is not False
     if isinstance(raw[0], str):
         prompts = [Prompt(tuple(tokenizer.encode(text, add_special)), text) for text in raw]
@@ -288,6 +287,27 @@ def _completion_prompts(body: CompletionBody, tokenizer: Tokenizer, max_model_le
 
 
 def chat_job(body: ChatBody, tokenizer: Tokenizer, max_model_len: int, max_n: int) -> Job:
+    return _chat_job(body, [body.messages], tokenizer, max_model_len, max_n)
+
+
+def batch_chat_job(body: BatchChatBody, tokenizer: Tokenizer, max_model_len: int, max_n: int) -> Job:
+    """vLLM's batched chat: one prompt per conversation, answered whole (vLLM streams none of it
+    and takes no tools either)."""
+    if body.stream:
+        raise bad_request("the batched chat endpoint does not stream; send stream: false", "stream")
+    if body.tools:
+        raise bad_request("the batched chat endpoint takes no tools; use /v1/chat/completions", "tools")
+    return _chat_job(body, body.messages, tokenizer, max_model_len, max_n, batched=True)
+
+
+def _chat_job(
+    body: ChatBody,
+    conversations: list,
+    tokenizer: Tokenizer,
+    max_model_len: int,
+    max_n: int,
+    batched: bool = False,
+) -> Job:
     rules = _check_common(body, max_n, tokenizer)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
@@ -303,11 +323,7 @@ def chat_job(body: ChatBody, tokenizer: Tokenizer, max_model_len: int, max_n: in
         if exc.param == "max_tokens" and body.max_completion_tokens is not None:
             exc.param = "max_completion_tokens"
         raise
-    messages = [m.for_template() for m in body.messages]
-    last = messages[-1]
-    prompts = (Prompt(_truncate(body, _chat_prompt_ids(body, messages, tokenizer), max_model_len), None),)
-    _check_fits(prompts, max_tokens, max_model_len, "messages")
-    echo = last["content"] if body.echo and last["role"] == "assistant" else ""
+    prompts = _chat_prompts(body, conversations, tokenizer, max_tokens, max_model_len, batched)
     return Job(
         True,
         prompts,
@@ -319,9 +335,42 @@ def chat_job(body: ChatBody, tokenizer: Tokenizer, max_model_len: int, max_n: in
         False,
         body.return_tokens_as_token_ids,
         rules.tool_plan,
-        chat_echo=echo,
+        batched=batched,
         **_response_fields(body),
     )
+
+
+def _chat_prompts(
+    body: ChatBody,
+    conversations: list,
+    tokenizer: Tokenizer,
+    max_tokens: int | None,
+    max_model_len: int,
+    batched: bool,
+) -> tuple[Prompt, ...]:
+    """A prompt per conversation; a batch's errors name the conversation (``messages.1``)."""
+    prompts = []
+    for i, conversation in enumerate(conversations):
+        try:
+            prompts.append(_chat_prompt(body, conversation, tokenizer, max_tokens, max_model_len))
+        except APIError as exc:
+            if batched and exc.param == "messages":
+                exc.param = f"messages.{i}"
+            raise
+    return tuple(prompts)
+
+
+def _chat_prompt(
+    body: ChatBody, conversation: list, tokenizer: Tokenizer, max_tokens: int | None, max_model_len: int
+) -> Prompt:
+    """One conversation through the chat template; with echo, the last (assistant) message's content."""
+    messages = [m.for_template() for m in conversation]
+    ids = _truncate(body, _chat_prompt_ids(body, messages, tokenizer), max_model_len)
+    last = messages[-1]
+    echo = last["content"] if body.echo and last["role"] == "assistant" else ""
+    prompt = Prompt(ids, None, reply_prefix=echo)
+    _check_fits((prompt,), max_tokens, max_model_len, "messages")
+    return prompt
 
 
 def _include_usage(body: _SamplingFields) -> bool:

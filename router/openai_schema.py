@@ -1,9 +1,11 @@
 """Request bodies of the OpenAI endpoints, as pydantic models (they also make /openapi.json).
 
 Fail closed: every field of OpenAI's and vLLM's request schemas is either honoured or refused.
-Types are checked strictly (no "5" for 5, no 1 for true). A field neither schema has is a 400
-naming it (pydantic's ``extra="forbid"``), never dropped: a misspelt constraint must not pass as
-free text. Fields of those schemas that pdserve does not implement are declared here so that
+Scalars coerce as vLLM's (pydantic's lax mode) do: ``"true"``, ``"1"`` or ``1`` for true, ``"5"``
+or ``5.0`` for 5, ``"0.7"`` for 0.7; a boolean is never read as a number, and everything else
+(strings, lists, token ids) is checked strictly (docs/api.md's "Lax values" says why, per field).
+A field neither schema has is a 400 naming it (pydantic's ``extra="forbid"``), never dropped: a
+misspelt constraint must not pass as free text. Fields of those schemas that pdserve does not implement are declared here so that
 their no-op value (what a client library may send by default) passes, and ``UNSUPPORTED`` says
 why any other value is refused (``router.jobs``). A body that fails here becomes a 400 naming the
 field (see ``validation_error``); range checks live in ``protocol.sampling_params.SamplingParams``
@@ -12,19 +14,70 @@ and ``router.jobs``.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from typing import Annotated, Any, Literal
 
 import pydantic
+import pydantic_core
 
 from pdserve.router.errors import APIError, bad_request
 
 _CONFIG = pydantic.ConfigDict(strict=True, extra="forbid")
 
 
+def _number_input(value: Any) -> Any:
+    """Numbers coerce as vLLM's do, but never from a boolean: ``true`` where a count goes is a
+    field mix-up (chat's ``logprobs: true`` sent to completions), not a 1. A numeric string must
+    name a finite number ("nan" would slip past every range check)."""
+    if isinstance(value, bool):
+        raise pydantic_core.PydanticCustomError("number_type", "Input should be a number, not a boolean")
+    if isinstance(value, str):
+        try:
+            finite = math.isfinite(float(value))
+        except ValueError:
+            return value  # pydantic names the parse error
+        if not finite:
+            raise pydantic_core.PydanticCustomError("finite_number", "Input should be a finite number")
+    return value
+
+
+LaxBool = Annotated[bool, pydantic.Strict(False)]  # "true"/"false", "1"/"0", 1/0, "yes"/"no"...
+LaxInt = Annotated[int, pydantic.Strict(False), pydantic.BeforeValidator(_number_input)]  # "5", 5.0
+LaxFloat = Annotated[float, pydantic.Strict(False), pydantic.BeforeValidator(_number_input)]  # "0.7", 1
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# vLLM bounds the seed by torch.long's range in its schema; clients match on pydantic's message.
+Seed = Annotated[
+    int,
+    pydantic.Strict(False),
+    pydantic.Field(ge=INT64_MIN, le=INT64_MAX),
+    pydantic.BeforeValidator(_number_input),
+]
+
+
+_LAX_BOOL = pydantic.TypeAdapter(LaxBool)
+_LAX_FLOAT = pydantic.TypeAdapter(LaxFloat)
+
+
+def reads_as(value: Any, allowed: Any) -> bool:
+    """``value`` reads as ``allowed`` under the rules above (``"false"`` as false, 1 as 1.0; a
+    boolean never as a number): how a refused field's no-op value is recognised (router.jobs)."""
+    if isinstance(allowed, bool):
+        adapter: pydantic.TypeAdapter = _LAX_BOOL
+    elif isinstance(allowed, (int, float)):
+        adapter = _LAX_FLOAT
+    else:
+        return type(value) is type(allowed) and value == allowed
+    try:
+        return adapter.validate_python(value) == allowed
+    except pydantic.ValidationError:
+        return False
+
+
 class StreamOptions(pydantic.BaseModel):
     model_config = _CONFIG
-    include_usage: bool = False  # one last chunk with usage and no choices
-    continuous_usage_stats: bool = False  # vLLM: usage so far on every chunk (with include_usage)
+    include_usage: LaxBool = False  # one last chunk with usage and no choices
+    # vLLM: usage so far on every chunk; as in vLLM, only together with include_usage (alone: no usage)
+    continuous_usage_stats: LaxBool = False
 
 
 class StructuredOutputs(pydantic.BaseModel):
@@ -35,8 +88,8 @@ class StructuredOutputs(pydantic.BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None  # EBNF (GBNF) or Lark
-    json_object: bool | None = None  # any JSON object
-    disable_fallback: bool = False  # one grammar engine here: nothing to fall back to either way
+    json_object: LaxBool | None = None  # any JSON object
+    disable_fallback: LaxBool = False  # one grammar engine here: nothing to fall back to either way
 
 
 class JsonSchemaFormat(pydantic.BaseModel):
@@ -44,7 +97,7 @@ class JsonSchemaFormat(pydantic.BaseModel):
     name: str | None = None  # OpenAI requires it; unused
     description: str | None = None
     schema_: dict[str, Any] | None = pydantic.Field(default=None, alias="schema")  # the JSON Schema
-    strict: bool | None = None  # accepted: the output always follows the schema
+    strict: LaxBool | None = None  # accepted: the output always follows the schema
 
 
 class ResponseFormat(pydantic.BaseModel):
@@ -58,24 +111,24 @@ class _SamplingFields(pydantic.BaseModel):
 
     model_config = _CONFIG
     model: str | None = None  # served model name (or its folder); None: the one served model
-    n: int = 1  # samples per prompt
-    temperature: float | None = None  # None: 1.0
-    top_p: float | None = None
-    top_k: int | None = None  # vLLM extension
-    min_p: float | None = None  # vLLM extension
-    seed: int | None = None
+    n: LaxInt = 1  # samples per prompt
+    temperature: LaxFloat | None = None  # None: 1.0
+    top_p: LaxFloat | None = None
+    top_k: LaxInt | None = None  # vLLM extension
+    min_p: LaxFloat | None = None  # vLLM extension
+    seed: Seed | None = None  # a signed 64-bit value
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM extension
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM extension
-    min_tokens: int = 0  # vLLM extension
-    ignore_eos: bool = False  # vLLM extension
-    stream: bool = False
+    presence_penalty: LaxFloat | None = None
+    frequency_penalty: LaxFloat | None = None
+    repetition_penalty: LaxFloat | None = None  # vLLM extension
+    min_tokens: LaxInt = 0  # vLLM extension
+    ignore_eos: LaxBool = False  # vLLM extension
+    stream: LaxBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, unused
-    return_tokens_as_token_ids: bool = False  # vLLM extension: logprob tokens as "token_id:N"
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    return_tokens_as_token_ids: LaxBool = False  # vLLM extension: logprob tokens as "token_id:N"
+    logit_bias: dict[str, LaxFloat] | None = None  # token id (as a string) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM extension: sample only among these
     bad_words: list[str] | None = None  # vLLM extension: words the output may not contain
     response_format: ResponseFormat | None = None  # text, json_object or json_schema
@@ -84,11 +137,11 @@ class _SamplingFields(pydantic.BaseModel):
     guided_choice: list[str] | None = None  # vLLM extension: the output is one of these
     guided_grammar: str | None = None  # vLLM extension: an EBNF (GBNF) or Lark grammar
     structured_outputs: StructuredOutputs | None = None  # vLLM: the guided_* fields' successor
-    prompt_logprobs: int | None = None  # vLLM: top-N of every prompt position
-    return_token_ids: bool | None = None  # vLLM: the prompt's and the output's token ids
-    truncate_prompt_tokens: int | None = None  # vLLM: keep this many prompt tokens (-1: the context)
+    prompt_logprobs: LaxInt | None = None  # vLLM: top-N of every prompt position
+    return_token_ids: LaxBool | None = None  # vLLM: the prompt's and the output's token ids
+    truncate_prompt_tokens: LaxInt | None = None  # vLLM: keep this many prompt tokens (-1: the context)
     truncation_side: Literal["left", "right"] | None = None  # vLLM: which end to cut (left: the start)
-    add_special_tokens: bool | None = None  # vLLM: BOS etc. when tokenizing (completions: yes)
+    add_special_tokens: LaxBool | None = None  # vLLM: BOS etc. when tokenizing (completions: yes)
     request_id: str | None = None  # vLLM: the response's id
     # Identifiers and hints that never change the output: accepted, unused.
     metadata: dict[str, Any] | None = None
@@ -120,15 +173,18 @@ class _SamplingFields(pydantic.BaseModel):
     guided_whitespace_pattern: Any = None
     store: Any = None
     service_tier: Any = None
+    min_characters: Any = None
 
 
 class CompletionBody(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # 0: no output (with echo: the prompt and its logprobs)
-    logprobs: int | None = None  # top alternatives per token
-    echo: bool = False  # the prompt text before the completion (with logprobs: the prompt's too)
+    # Token ids stay strict: ["1", "2"] is two text prompts, never two ids. None, "" and []: a 400
+    # in vLLM's words (router.jobs).
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    max_tokens: LaxInt | None = 16  # 0: no output (with echo: the prompt and its logprobs)
+    logprobs: LaxInt | None = None  # top alternatives per token
+    echo: LaxBool = False  # the prompt text before the completion (with logprobs: the prompt's too)
     suffix: str | None = None  # not supported (rejected when set)
-    best_of: int | None = None  # only best_of == n is supported
+    best_of: LaxInt | None = None  # only best_of == n is supported
     prompt_embeds: Any = None
 
 
@@ -157,7 +213,10 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_whitespace_pattern": ((), "JSON whitespace patterns are not implemented"),
     "store": ((False,), "requests are not stored"),
     "service_tier": (("auto", "default"), "service tiers are not implemented"),
-    "prompt_embeds": ((), "prompt embeddings are not implemented; send text or token ids"),
+    # Not in vLLM's protocol files read for tests/data/request_fields.json; refused by name all the
+    # same: a minimum size for streamed deltas would be a buffering option, and deltas go out as they come.
+    "min_characters": ((), "streamed deltas go out as they come; no minimum delta size is implemented"),
+    "prompt_embeds": (([],), "prompt embeddings are not implemented; send text or token ids"),
     "chat_template": ((), "request chat templates are refused: the model's own template applies"),
     "documents": ((), "documents for the chat template are not implemented"),
     "mm_processor_kwargs": ((), "multimodal inputs are not implemented"),
@@ -203,7 +262,7 @@ class FunctionDef(pydantic.BaseModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # the arguments' JSON Schema; None: any object
-    strict: bool | None = None  # accepted: calls always follow the schema
+    strict: LaxBool | None = None  # accepted: calls always follow the schema
 
 
 class Tool(pydantic.BaseModel):
@@ -225,16 +284,16 @@ class NamedToolChoice(pydantic.BaseModel):
 
 class ChatBody(_SamplingFields):
     messages: list[ChatMessage] = pydantic.Field(min_length=1)
-    max_tokens: int | None = None  # deprecated OpenAI name of max_completion_tokens
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_tokens: LaxInt | None = None  # deprecated OpenAI name of max_completion_tokens
+    max_completion_tokens: LaxInt | None = None
+    logprobs: LaxBool = False
+    top_logprobs: LaxInt | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # router.structured
-    parallel_tool_calls: bool | None = None  # accepted: "required" may return several calls
-    echo: bool = False  # vLLM: the last message's content before the reply, when it is the assistant's
-    add_generation_prompt: bool = True  # vLLM: passed to the chat template
-    continue_final_message: bool = False  # vLLM: the reply continues the last (assistant) message
+    parallel_tool_calls: LaxBool | None = None  # accepted: "required" may return several calls
+    echo: LaxBool = False  # vLLM: the last message's content before the reply, when it is the assistant's
+    add_generation_prompt: LaxBool = True  # vLLM: passed to the chat template
+    continue_final_message: LaxBool = False  # vLLM: the reply continues the last (assistant) message
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM: extra variables for the template
     chat_template: Any = None
     documents: Any = None
@@ -253,6 +312,15 @@ class ChatBody(_SamplingFields):
     moderation: Any = None
     prompt_cache_options: Any = None
     structural_tag: Any = None
+
+
+class BatchChatBody(ChatBody):
+    """vLLM's POST /v1/chat/completions/batch: the chat fields, ``messages`` a list of
+    conversations; one chat.completion whose choices answer them in order (router.jobs)."""
+
+    messages: list[Annotated[list[ChatMessage], pydantic.Field(min_length=1)]] = pydantic.Field(  # type: ignore[assignment]
+        min_length=1
+    )
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
@@ -308,12 +376,12 @@ class TokenizeBody(pydantic.BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None  # prompt: True; messages: False (the template has them)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_special_tokens: LaxBool | None = None  # prompt: True; messages: False (the template has them)
+    add_generation_prompt: LaxBool = True
+    continue_final_message: LaxBool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
-    return_token_strs: bool = False  # each token's text beside its id
+    return_token_strs: LaxBool = False  # each token's text beside its id
 
 
 class DetokenizeBody(pydantic.BaseModel):

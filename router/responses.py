@@ -24,6 +24,7 @@ class Usage:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "cache_read_input_tokens": self.cached_tokens,  # vLLM's name for the same count
         }
 
 

@@ -108,10 +108,14 @@ class JobRun:
 
     def _echo_text(self, prompt: Prompt) -> str:
         if self.job.chat:
-            return self.job.chat_echo
+            return prompt.reply_prefix
         if not self.job.echo:
             return ""
-        return prompt.text if prompt.text is not None else self._tokenizer.decode(list(prompt.token_ids))
+        if prompt.text is not None:
+            return prompt.text
+        # Token ids echo as the tokenizer decodes them, special tokens kept (as vLLM does), so the
+        # echo's length is the sum of the per-token texts that text_offset counts.
+        return self._tokenizer.decode(list(prompt.token_ids), skip_special_tokens=False)
 
     def start(self) -> None:
         """Admit every sample (or raise 429 taking nothing) and start them."""
@@ -306,7 +310,10 @@ class JobRun:
             ids = {"token_ids": list(c.state.output_token_ids)} if self.job.return_token_ids else {}
             if self.job.chat:
                 calls = self._tool_calls(c, c.state.finish_reason)
-                choices.append(rs.chat_choice(c.index, text, logprobs, c.state.finish_reason, calls, **ids))
+                extra = self._prompt_fields(c) if self.job.batched else {}  # each choice its own prompt's
+                choices.append(
+                    rs.chat_choice(c.index, text, logprobs, c.state.finish_reason, calls, **extra, **ids)
+                )
             else:
                 extra = self._prompt_fields(c)
                 choices.append(
@@ -314,7 +321,7 @@ class JobRun:
                 )
         if not self.job.chat:
             return rs.envelope(self.id, "text_completion", self.created, self.model, choices, self.usage())
-        extra = self._prompt_fields(self.choices[0])
+        extra = {} if self.job.batched else self._prompt_fields(self.choices[0])
         return rs.envelope(
             self.id, "chat.completion", self.created, self.model, choices, self.usage(), **extra
         )

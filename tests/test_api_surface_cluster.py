@@ -196,6 +196,89 @@ def test_echo_with_logprobs_scores_the_prompt_as_hf_does_for_lm_eval(cluster, ro
             assert lp["tokens"][-1] == tok.token_text(greedy_next)
 
 
+@pytest.mark.parametrize("router_name", ["pd", "decode_only"])
+def test_a_token_id_prompt_echoes_its_decode_special_tokens_kept_with_matching_text_offsets(
+    cluster, router_name
+):
+    model, routers, _ = cluster
+    tok = _tokenizer(model)
+    prompt = [0, 0, 0, 0, 0] + _prompts(31, [7])[0]  # five <|endoftext|>, then ordinary tokens
+    echoed = tok.decode(prompt, skip_special_tokens=False)
+    assert echoed.startswith("<|endoftext|>" * 5)
+    for stream in (False, True):
+        choice = _echo_scores(routers[router_name], model, prompt, 5, stream)
+        lp = choice["logprobs"]
+        assert choice["text"].startswith(echoed) and len(lp["tokens"]) == len(prompt) + 5
+        assert lp["tokens"][:5] == ["<|endoftext|>"] * 5
+        lengths = [len(t) for t in lp["tokens"]]
+        assert lp["text_offset"] == [sum(lengths[:i]) for i in range(len(lengths))]
+        for token, offset in zip(lp["tokens"][: len(prompt)], lp["text_offset"], strict=False):
+            assert choice["text"][offset : offset + len(token)] == token
+        assert lp["text_offset"][len(prompt)] == len(echoed)  # the output starts where the echo ends
+
+
+@pytest.mark.parametrize("router_name", ["pd", "decode_only"])
+def test_usage_reports_cache_read_input_tokens_cold_and_on_a_repeat(cluster, router_name):
+    model, routers, _ = cluster
+    router = routers[router_name]
+    prompt = _prompts({"pd": 41, "decode_only": 43}[router_name], [40])[0]  # seen by no other test
+    body = {"model": model.name, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    stream_body = {**body, "stream_options": {"include_usage": True}}
+    cold = _post(router, "/v1/completions", body)["usage"]
+    repeats = [
+        _post(router, "/v1/completions", body)["usage"],
+        _stream(router, "/v1/completions", stream_body)[-1]["usage"],
+    ]
+    assert cold["cache_read_input_tokens"] == cold["prompt_tokens_details"]["cached_tokens"] == 0
+    for usage in repeats:
+        assert usage["cache_read_input_tokens"] == usage["prompt_tokens_details"]["cached_tokens"] > 0
+    chat = {
+        "model": model.name,
+        "messages": [{"role": "user", "content": "Hello there, friend"}],
+        "max_tokens": 2,
+    }
+    for usage in (
+        _post(router, "/v1/chat/completions", chat)["usage"],
+        _stream(router, "/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}})[-1][
+            "usage"
+        ],
+    ):
+        assert usage["cache_read_input_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_batched_chat_invocations_lax_fields_and_load_on_both_routers(cluster):
+    model, routers, _ = cluster
+    conversations = [
+        [{"role": "user", "content": "Name a colour."}],
+        [{"role": "user", "content": "Tell me about the sea."}],
+    ]
+    base = {"model": model.name, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    for router in routers.values():
+        singles = [_post(router, "/v1/chat/completions", {**base, "messages": c}) for c in conversations]
+        batch = _post(router, "/v1/chat/completions/batch", {**base, "messages": conversations})
+        assert [c["index"] for c in batch["choices"]] == [0, 1]
+        for single, choice, messages in zip(singles, batch["choices"], conversations, strict=True):
+            expected = _tokenizer(model).decode(
+                hf_greedy(str(model), _tokenizer(model).encode_chat(messages), 4)
+            )
+            assert choice["message"]["content"] == single["choices"][0]["message"]["content"] == expected
+        assert batch["usage"]["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in singles)
+        # lax values as vLLM reads them, through SageMaker's entry
+        lax = {
+            **base,
+            "messages": conversations[0],
+            "logprobs": "true",
+            "top_logprobs": "1",
+            "max_tokens": "4",
+        }
+        invoked = _post(router, "/invocations", lax)
+        assert invoked["choices"][0]["message"]["content"] == singles[0]["choices"][0]["message"]["content"]
+        assert len(invoked["choices"][0]["logprobs"]["content"]) == 4
+        completion = _post(router, "/invocations", {**base, "prompt": "The sea is"})
+        assert completion["object"] == "text_completion" and completion["choices"][0]["text"]
+        assert httpx.get(router.url + "/load", timeout=10).json() == {"server_load": 0}
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_structured_outputs_constrain_as_guided_fields_do(cluster, endpoint):
     model, routers, _ = cluster
@@ -304,6 +387,9 @@ def test_streaming_usage_every_chunk_and_include_usage_on_both_endpoints(cluster
                 assert only_last[-1]["usage"][key] == events[-1]["usage"][key]
             plain = _stream(router, path, body)
             assert not any("usage" in e for e in plain)
+            # as vLLM reads it: continuous_usage_stats without include_usage asks for no usage at all
+            silent = {"include_usage": False, "continuous_usage_stats": True}
+            assert not any("usage" in e for e in _stream(router, path, {**body, "stream_options": silent}))
 
 
 def _hf_chat_ids(model, messages, **kwargs) -> list[int]:

@@ -56,14 +56,16 @@ BAD_FIELDS = [
     ("/v1/completions", {"prompt": "x", "stop": 5}, "stop"),
     ("/v1/completions", {"prompt": "x", "seed": 1 << 63}, "seed"),
     ("/v1/completions", {"prompt": "x", "seed": -(1 << 63) - 1}, "seed"),
-    ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "x", "stream": "maybe"}, "stream"),
+    ("/v1/completions", {"prompt": "x", "stream": 2}, "stream"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "logprobs": True}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "temperature": "nan"}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "n": "2.5"}, "n"),
+    ("/v1/completions", {"prompt": ["1", 2]}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": ["5"]}, "stop_token_ids.0"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    (
-        "/v1/completions",
-        {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
-        "stream_options.continuous_usage_stats",
-    ),
     (
         "/v1/completions",
         {"prompt": "x", "stream_options": {"include_usage": True, "extra": 1}},
@@ -71,7 +73,10 @@ BAD_FIELDS = [
     ),
     ("/v1/completions", {"prompt": "x", "temprature": 0.5}, "temprature"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
-    ("/v1/completions", {"prompt": "x", "use_beam_search": 0}, "use_beam_search"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": "yes"}, "use_beam_search"),
+    ("/v1/completions", {"prompt": "x", "priority": False}, "priority"),
+    ("/v1/completions", {"prompt": "x", "min_characters": 5}, "min_characters"),
+    ("/v1/completions", {"prompt": "x", "prompt_embeds": "AAAA"}, "prompt_embeds"),
     ("/v1/completions", {"prompt": "x", "priority": 3}, "priority"),
     ("/v1/completions", {"prompt": "x", "logprob_token_ids": [5]}, "logprob_token_ids"),
     ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "[.*"}}, "structured_outputs.regex"),
@@ -138,9 +143,32 @@ BAD_FIELDS = [
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
     (
         "/v1/chat/completions",
-        {**CHAT, "stream_options": {"include_usage": 1}},
+        {**CHAT, "stream_options": {"include_usage": "sometimes"}},
         "stream_options.include_usage",
     ),
+    ("/v1/chat/completions", {**CHAT, "logprobs": "maybe"}, "logprobs"),
+    ("/v1/chat/completions", {**CHAT, "min_characters": 5}, "min_characters"),
+    ("/v1/chat/completions/batch", {"messages": [CHAT["messages"], []]}, "messages.1"),
+    ("/v1/chat/completions/batch", {"messages": CHAT["messages"]}, "messages.0"),
+    ("/v1/chat/completions/batch", {"messages": [CHAT["messages"]], "stream": True}, "stream"),
+    (
+        "/v1/chat/completions/batch",
+        {"messages": [CHAT["messages"]], "tools": [{"type": "function", "function": {"name": "f"}}]},
+        "tools",
+    ),
+    (
+        "/v1/chat/completions/batch",
+        {
+            "messages": [CHAT["messages"], [{"role": "user", "content": "a"}]],
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        },
+        "messages.0",
+    ),
+    ("/invocations", {"input": "embed me"}, "input"),
+    ("/invocations", {"temperature": 0.5}, None),
+    ("/invocations", {**CHAT, "temperature": "hot"}, "temperature"),
+    ("/invocations", {"prompt": "x", "seed": 1 << 63}, "seed"),
 ]
 
 
@@ -309,3 +337,27 @@ def test_several_unknown_fields_are_all_named(tokenizer, default_model_dir):
     body = {"prompt": "x", "temprature": 0.5, "guided_regexp": "a"}
     error = _assert_error(_post(tokenizer, default_model_dir, "/v1/completions", body), 400, "temprature")
     assert "temprature" in error["message"] and "guided_regexp" in error["message"]
+
+
+@pytest.mark.parametrize("prompt", [{"prompt": None, "prompt_embeds": []}, {"prompt": ""}, {}])
+def test_an_empty_prompt_is_refused_in_vllms_words(tokenizer, default_model_dir, prompt):
+    error = _assert_error(_post(tokenizer, default_model_dir, "/v1/completions", prompt), 400, "prompt")
+    assert error["message"] == "Either prompt or prompt_embeds must be provided and non-empty."
+
+
+@pytest.mark.parametrize(
+    ("seed", "bound"),
+    [
+        (1 << 63, "less than or equal to 9223372036854775807"),
+        (-(1 << 63) - 1, "greater than or equal to -9223372036854775808"),
+    ],
+)
+def test_a_seed_outside_int64_gets_vllms_bound_message(tokenizer, default_model_dir, seed, bound):
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", CHAT)):
+        error = _assert_error(_post(tokenizer, default_model_dir, path, {**body, "seed": seed}), 400, "seed")
+        assert error["message"] == f"seed: Input should be {bound}"
+
+
+def test_invocations_need_the_api_key_as_the_v1_endpoints_do(tokenizer, default_model_dir):
+    response = _post(tokenizer, default_model_dir, "/invocations", {"prompt": "x"}, api_key="secret")
+    assert _assert_error(response, 401, None)["type"] == "authentication_error"
