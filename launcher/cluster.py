@@ -120,7 +120,8 @@ class LocalCluster:
             "--ready-file",
             str(self._ready_path(name)),
             "--threads" if self.plan.fixed_threads else "--max-threads",
-            str(self.plan.threads_per_node),
+            str(self.plan.threads_per_node * self.plan.tp_of(role)),  # the engine splits them by rank
+            *self._tp_args(role),
             *self._kv_share(),
             *self._gpu_share(),
             *self._key_args(),
@@ -129,6 +130,10 @@ class LocalCluster:
         if self.redis_url:
             argv += ["--redis", self.redis_url]
         return argv
+
+    def _tp_args(self, role: str) -> list[str]:
+        tp = self.plan.tp_of(role)
+        return [] if tp == 1 else ["--tensor-parallel-size", str(tp)]
 
     def _kv_share(self) -> list[str]:
         share = kv_fraction_per_node(self.plan.node_budget)

@@ -30,6 +30,10 @@ class ClusterPlan:
     fixed_threads: bool = False
     stop_timeout_s: float = 20.0  # SIGTERM, then this long, then SIGKILL
     max_nodes: int = 0  # nodes the cluster may grow to (--autoscale): threads and memory are shared by them
+    # tensor-parallel ranks of each prefill node, and of each decode or colocated node; each rank
+    # runs threads_per_node threads (a node of N ranks: N processes, engine/executor.py)
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode, self.num_colocated) < 0:
@@ -44,12 +48,23 @@ class ClusterPlan:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.threads_per_node < 1:
             raise ValueError("threads_per_node must be >= 1")
+        if min(self.prefill_tp, self.decode_tp) < 1:
+            raise ValueError("tensor-parallel sizes must be >= 1")
         if min(self.start_timeout_s, self.stop_timeout_s) <= 0:
             raise ValueError("timeouts must be positive")
 
     @property
     def num_nodes(self) -> int:
         return self.num_prefill + self.num_decode + self.num_colocated
+
+    def tp_of(self, role: str) -> int:
+        """The tensor-parallel size of a node of ``role`` (prefill, decode or colocated)."""
+        return self.prefill_tp if role == "prefill" else self.decode_tp
+
+    @property
+    def num_ranks(self) -> int:
+        """Processes that compute: every node's ranks."""
+        return self.num_prefill * self.prefill_tp + (self.num_decode + self.num_colocated) * self.decode_tp
 
     @property
     def node_budget(self) -> int:

@@ -79,9 +79,10 @@ async def _until_listed(backend: Backend, node_id: str, role: Role, deadline: fl
 
 
 def nodes_body(backend: Backend) -> dict:
-    """``GET /admin/nodes``: each usable node's id, role, addresses, load and KV cache format."""
+    """``GET /admin/nodes``: each usable node's id, role, addresses, load, tensor-parallel size
+    and KV cache format."""
     fields: tuple[str, ...] = ("node_id", "role", "draining", "control_addr", "kv_addr", "num_running")
-    fields += ("num_queued", "num_blocks_free", "num_blocks_total")
+    fields += ("num_queued", "num_blocks_free", "num_blocks_total", "tp_size")
     return {
         "nodes": [
             {

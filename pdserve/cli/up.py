@@ -75,6 +75,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="torch threads per node (default: this machine's cores / number of nodes)",
     )
     parser.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel ranks of each prefill node (default: 1); a node of N ranks is N "
+        "processes, one or more threads each",
+    )
+    parser.add_argument(
+        "--decode-tp",
+        type=int,
+        default=1,
+        metavar="M",
+        help="tensor-parallel ranks of each decode or colocated node (default: 1)",
+    )
+    parser.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="start a node with more tensor-parallel ranks than this machine has cores (its "
+        "collectives then wait for ranks the OS has descheduled: slow, for trying layouts)",
+    )
+    parser.add_argument(
         "--node-args",
         default="",
         metavar="FLAGS",
@@ -167,7 +188,9 @@ def _plan(args: argparse.Namespace):
     model = args.model or _fetch_default_model()
     if not (pathlib.Path(model) / "config.json").is_file():
         raise ValueError(f"--model {model}: not a Hugging Face model folder (no config.json)")
-    threads = args.threads or threads_per_node(cores, num_nodes)
+    ranks = _check_layout(args, cores, num_prefill, num_decode + num_colocated)
+    _check_model_splits(model, args.prefill_tp, args.decode_tp)
+    threads = args.threads or threads_per_node(cores, max(num_nodes, ranks))
     how = (
         "set by --threads"
         if args.threads
@@ -175,7 +198,14 @@ def _plan(args: argparse.Namespace):
         if threads > 1
         else f"{cores} cores / {num_nodes} nodes"
     )
-    _say(f"threads: {threads} torch thread(s) per node ({how})")
+    if ranks > num_nodes:
+        how = "set by --threads" if args.threads else f"{cores} cores / {ranks} ranks"
+        _say(
+            f"layout: {args.prefill_tp} rank(s) per prefill node, {args.decode_tp} per decode or "
+            f"colocated node: {ranks} ranks in all, each a process of {threads} torch thread(s) ({how})"
+        )
+    else:
+        _say(f"threads: {threads} torch thread(s) per node ({how})")
     share = kv_fraction_per_node(num_nodes)
     if share is not None:
         _say(
@@ -209,7 +239,46 @@ def _plan(args: argparse.Namespace):
         num_colocated=num_colocated,
         router_args=(*shlex.split(args.router_args), *slo_router_args(args)),
         max_nodes=num_nodes if args.autoscale else 0,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
     )
+
+
+def _check_model_splits(model: str, *sizes: int) -> None:
+    """ValueError, before any node starts, where the model's heads do not split over a size
+    (each rank holds whole query heads and whole KV heads, or a replica of one)."""
+    from pdserve.protocol.kv_layout import check_tp_layout
+
+    config = json.loads((pathlib.Path(model) / "config.json").read_text())
+    heads = config.get("num_attention_heads") or config.get("n_head")
+    kv_heads = config.get("num_key_value_heads") or heads
+    for tp in sorted(set(sizes) - {1}):
+        if heads is None:
+            return
+        if heads % tp:
+            raise ValueError(
+                f"tensor-parallel size {tp}: the model's {heads} attention heads do not split over "
+                f"{tp} ranks (each rank holds whole heads); choose a size that divides {heads}"
+            )
+        check_tp_layout(kv_heads, tp)
+
+
+def _check_layout(args: argparse.Namespace, cores: int, num_prefill: int, num_decoding: int) -> int:
+    """Every node's ranks together; ValueError for a layout this machine cannot run as asked."""
+    for flag, tp in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
+        if tp < 1:
+            raise ValueError(f"{flag} must be >= 1, got {tp}")
+        if tp > cores and not args.oversubscribe:
+            raise ValueError(
+                f"{flag} {tp}: a node of {tp} ranks on {cores} core(s) leaves ranks without a core, "
+                f"and every collective waits for the slowest; --oversubscribe starts it anyway"
+            )
+    if args.autoscale and max(args.prefill_tp, args.decode_tp) > 1:
+        raise ValueError(
+            "--autoscale switches nodes between roles, which keep their layout: it runs with "
+            "--prefill-tp 1 --decode-tp 1 only"
+        )
+    return num_prefill * args.prefill_tp + num_decoding * args.decode_tp
 
 
 def _fetch_default_model() -> str:
