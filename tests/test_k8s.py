@@ -138,7 +138,12 @@ def strategic_merge(base, patch):
 
 
 def gpu_deployments() -> dict[str, dict]:
-    overlay = K8S / "overlays" / "gpu"
+    return overlay_deployments("gpu")
+
+
+def overlay_deployments(name: str) -> dict[str, dict]:
+    """The Deployments an overlay patches, merged onto the base's."""
+    overlay = K8S / "overlays" / name
     patches = [
         yaml.safe_load((overlay / p["path"]).read_text())
         for p in kustomizations()[overlay / "kustomization.yaml"]["patches"]
@@ -181,6 +186,17 @@ def test_gpu_overlay_renders_valid_deployments_that_request_a_gpu(name):
     env = {k: v.replace("$(POD_IP)", "10.0.0.7") for k, v in env_of(spec).items()}
     args = build_parser().parse_args([spec["args"][0], *flags_from_env(spec["args"][0], env)])
     assert (args.device, args.gpu_memory_utilization, args.kv_cache_memory_mb) == ("cuda", 0.9, None)
+
+
+def test_tensor_parallel_overlay_gives_prefill_two_ranks_with_their_threads_and_cores():
+    rendered = overlay_deployments("tensor-parallel")["pdserve-prefill"]
+    kubernetes_validate.validate(rendered, KUBERNETES_VERSION, strict=True)
+    (spec,) = rendered["spec"]["template"]["spec"]["containers"]
+    env = {k: v.replace("$(POD_IP)", "10.0.0.7") for k, v in env_of(spec).items()}
+    args = build_parser().parse_args([spec["args"][0], *flags_from_env(spec["args"][0], env)])
+    assert (args.tensor_parallel_size, args.threads) == (2, 4)
+    assert spec["resources"]["requests"]["cpu"] == "4"  # a core a thread: two ranks of two
+    assert env_of(container("decode"))["PDSERVE_TENSOR_PARALLEL_SIZE"] == "1"  # the base's layout
 
 
 def test_every_yaml_file_is_a_kustomization_a_resource_a_patch_or_the_adapter_values():
