@@ -245,13 +245,14 @@ class Executor:
             self.runner.allocate_kv(spec, factory)
             return
         assert factory is None, "a tensor-parallel node's pools are its ranks' shared memory"
-        self.pools = [SharedPool(spec) for _ in range(self.tp_size)]
-        for w, pool in zip(self.workers, self.pools[1:], strict=True):
-            self._all_one(w, {"op": "allocate_kv", "spec": dataclasses.asdict(spec)}, pool.fd)
+        h = self.runner.model_config.num_kv_heads
+        heads = [kv_heads_of(h, self.tp_size, r) for r in range(self.tp_size)]
+        specs = [dataclasses.replace(spec, num_kv_heads=len(mine)) for mine in heads]  # ranks may differ
+        assert specs[0] == spec, (spec, specs[0])
+        self.pools = [SharedPool(s) for s in specs]
+        for w, pool, own in zip(self.workers, self.pools[1:], specs[1:], strict=True):
+            self._all_one(w, {"op": "allocate_kv", "spec": dataclasses.asdict(own)}, pool.fd)
         self.runner.allocate_kv(spec, lambda s: self.pools[0].layer_caches())
-        heads = [
-            kv_heads_of(self.runner.model_config.num_kv_heads, self.tp_size, r) for r in range(self.tp_size)
-        ]
         self.transfer_caches = [
             tuple(
                 HeadSplitCache([p.layer_caches()[layer][kind] for p in self.pools], heads) for kind in (0, 1)

@@ -132,7 +132,7 @@ class LLMEngine:
 
     def _kv_spec(self) -> KVCacheSpec:
         m, c = self.model_config, self.config
-        heads = self.runner.num_kv_heads  # this rank's: every rank holds as many
+        heads = self.runner.num_kv_heads  # rank 0's, the most any rank holds (executor.allocate_kv)
         return KVCacheSpec(
             m.num_layers, self.sizing.num_kv_blocks, c.block_size, heads, m.head_dim, c.kv_dtype
         )
@@ -228,9 +228,9 @@ class LLMEngine:
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
         return Aborted.KV_INBOUND if inbound else Aborted.LOCAL
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
         """Stop the executor's worker ranks (none at tp=1); the engine cannot step after it."""
-        self.executor.close()
+        self.executor.close(timeout_s)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

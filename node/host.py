@@ -20,6 +20,7 @@ drains the node as usual.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import torch
@@ -44,6 +45,9 @@ class _Switch:
     # not before routers have seen the record say draining: till then they may route new work here
     drained_after: float
     deadline: float
+
+
+EXIT_RANK_LOST = 3  # the exit status of a node whose tensor-parallel rank was lost
 
 
 def build_role(parts: NodeParts) -> ServedRole:
@@ -104,7 +108,10 @@ class NodeHost:
             runtime.run(self._iterate, lambda: self.role.busy(), self._drain)
         except WorkerLost as exc:  # a rank is gone: never serve with part of the model
             runtime.report_fatal(str(exc))
-            raise
+            self.parts.engine.close(timeout_s=2.0)  # the other workers
+            # Gone as a killed node is: no reply per request (the routers see the link drop and
+            # retry or migrate each), no drain; the supervisor restarts the whole node.
+            os._exit(EXIT_RANK_LOST)
         finally:
             self.role.close("node shut down before the request finished")
             runtime.close()

@@ -92,9 +92,11 @@ class KVCacheSpec:
 
 # --------------------------------------------------------------------------- tensor-parallel heads
 # With tensor parallelism each rank's pool holds its own KV heads (the block tables are the same on
-# every rank). A layout of ``tp`` ranks over a model of ``h`` KV heads is servable when the ranks
-# split the heads evenly (each holds h/tp) or the heads' replicas evenly (tp > h: each holds one
-# head, and each head lives on tp/h ranks, as vLLM replicates them). A prefill pool and a decode
+# every rank). A layout of ``tp`` ranks over a model of ``h`` KV heads is servable when each rank
+# can hold whole heads (tp <= h: rank r holds a run of h // tp heads, one more for each of the
+# first h % tp ranks: SmolLM2's 3 heads over 2 ranks are [0, 1] and [2]) or the heads' replicas
+# evenly (tp > h, tp a multiple of h: each rank holds one head, and each head lives on tp/h ranks,
+# as vLLM replicates them). A rank's query heads are those of its KV heads' groups. A prefill
 # pool may differ in tp; ``transfer_plan`` says which prefill rank sends which heads to which
 # decode rank. ``h`` is always the model's total: a rank's own count is never multiplied back
 # (with replicas that overcounts, a bug SGLang shipped).
@@ -105,15 +107,16 @@ class KVCacheSpec:
 
 
 def check_tp_layout(num_kv_heads: int, tp_size: int) -> None:
-    """ValueError unless ``tp_size`` ranks can hold ``num_kv_heads`` heads evenly (see above)."""
+    """ValueError unless ``tp_size`` ranks can hold ``num_kv_heads`` heads (see above)."""
     if num_kv_heads <= 0 or tp_size <= 0:
         raise ValueError(
             f"kv heads and tensor-parallel size must be positive, got {num_kv_heads} and {tp_size}"
         )
-    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+    if tp_size > num_kv_heads and tp_size % num_kv_heads:
         raise ValueError(
-            f"tensor-parallel size {tp_size} does not divide the model's {num_kv_heads} KV heads, "
-            f"nor do they divide it: choose a tensor-parallel size that does"
+            f"tensor-parallel size {tp_size} exceeds the model's {num_kv_heads} KV heads and is "
+            f"not a multiple of them (each head's replicas must be as many): choose at most "
+            f"{num_kv_heads} ranks, or a multiple"
         )
 
 
@@ -122,8 +125,9 @@ def kv_heads_of(num_kv_heads: int, tp_size: int, rank: int) -> range:
     check_tp_layout(num_kv_heads, tp_size)
     assert 0 <= rank < tp_size, (rank, tp_size)
     if tp_size <= num_kv_heads:
-        per_rank = num_kv_heads // tp_size
-        return range(rank * per_rank, (rank + 1) * per_rank)
+        base, extra = divmod(num_kv_heads, tp_size)  # the first ``extra`` ranks hold one more
+        start = rank * base + min(rank, extra)
+        return range(start, start + base + (rank < extra))
     head = rank // (tp_size // num_kv_heads)
     return range(head, head + 1)
 
@@ -133,10 +137,26 @@ def kv_owners(num_kv_heads: int, tp_size: int, head: int) -> range:
     check_tp_layout(num_kv_heads, tp_size)
     assert 0 <= head < num_kv_heads, (head, num_kv_heads)
     if tp_size <= num_kv_heads:
-        owner = head // (num_kv_heads // tp_size)
+        owner = next(r for r in range(tp_size) if head in kv_heads_of(num_kv_heads, tp_size, r))
         return range(owner, owner + 1)
     replicas = tp_size // num_kv_heads
     return range(head * replicas, (head + 1) * replicas)
+
+
+def query_heads_of(num_heads: int, num_kv_heads: int, tp_size: int, rank: int) -> range:
+    """The model's query heads rank ``rank`` computes: those of its KV heads' groups, or (the
+    ranks outnumbering the KV heads) an even share of them, which falls in its head's group.
+    ValueError naming the flag where they do not split so."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    kv = kv_heads_of(num_kv_heads, tp_size, rank)
+    if tp_size <= num_kv_heads:
+        group = num_heads // num_kv_heads
+        return range(kv.start * group, kv.stop * group)
+    if num_heads % tp_size:
+        raise ValueError(f"attention heads: {num_heads} does not split over --tensor-parallel-size {tp_size}")
+    per_rank = num_heads // tp_size
+    return range(rank * per_rank, (rank + 1) * per_rank)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -154,5 +154,5 @@ def test_a_split_that_is_not_even_is_refused_naming_the_flag():
 
     with pytest.raises(ValueError, match="attention heads: 6 does not split over --tensor-parallel-size 4"):
         QKVParallelLinear(16, 4, 6, 2, _TwoRanks(tp_size=4, rank=0))
-    with pytest.raises(ValueError, match="tensor-parallel size 4 does not divide the model's 6 KV heads"):
-        QKVParallelLinear(16, 4, 12, 6, _TwoRanks(tp_size=4, rank=0))
+    with pytest.raises(ValueError, match="tensor-parallel size 4 exceeds the model's 3 KV heads"):
+        QKVParallelLinear(16, 4, 12, 3, _TwoRanks(tp_size=4, rank=0))

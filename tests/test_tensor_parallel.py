@@ -8,6 +8,7 @@ worker that dies fails the engine's next step naming its rank."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import pytest
@@ -21,9 +22,12 @@ from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("processes")
 
-# h: each one's KV heads (TINY: 2; llama3: 1, fewer than the ranks)
-DENSE = ["llama", "llama3", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "phi3", "gpt2", "stablelm"]
-DENSE += ["stablelm-parallel", "olmo2", "llama-odd-vocab"]
+# The default suite: one KV head (fewer than the ranks), two with q/k/v bias, three (an uneven
+# share), GPT-2's transposed fused checkpoint, a vocabulary with padding rows; `make chaos` adds
+# every other dense family.
+DEFAULT_TIER = ["llama3", "qwen2", "llama-3kv", "gpt2", "llama-odd-vocab"]
+MORE = ["llama", "mistral", "qwen3", "gemma", "gemma2", "phi3", "stablelm", "stablelm-parallel", "olmo2"]
+DENSE = DEFAULT_TIER + [pytest.param(kind, marks=pytest.mark.chaos) for kind in MORE]
 
 
 def _prompts() -> list[list[int]]:
@@ -114,3 +118,46 @@ def test_ngram_speculation_at_tp2_is_exact_against_hf():
         assert llm.engine.speculator.stats.proposed_tokens > 0
     finally:
         llm.engine.close()
+
+
+def test_preemption_by_a_tiny_pool_at_tp2_keeps_outputs_exact():
+    path = str(make_tiny_model("llama-3kv"))  # uneven heads too: two KV heads on rank 0, one on rank 1
+    g = torch.Generator().manual_seed(2)
+    prompts = [
+        torch.randint(3, 250, (int(n),), generator=g).tolist()
+        for n in torch.randint(10, 30, (6,), generator=g)
+    ]
+    llm = LLM(path, tensor_parallel_size=2, num_kv_blocks=12, block_size=8)  # 96 slots for 6 of up to 70
+    engine = llm.engine
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, greedy)
+        finished, preemptions = {}, 0
+        while engine.has_unfinished_requests():
+            preemptions += len([s for s in engine.scheduler.waiting if s.num_preemptions])
+            finished.update({out.request_id: out for out in engine.step() if out.finished})
+        assert preemptions > 0
+        for i, prompt in enumerate(prompts):
+            assert finished[str(i)].outputs[0].token_ids == hf_greedy(path, prompt, 40)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        engine.close()
+
+
+def test_a_guided_request_at_tp2_gives_what_one_rank_gives(default_model_dir):
+    from pdserve.protocol.sampling_params import GuidedDecoding
+    from tests.test_router_cluster import tiny_model_with_tokenizer
+
+    path = str(tiny_model_with_tokenizer(default_model_dir))  # a real vocabulary for the grammar
+    params = SamplingParams(
+        temperature=0.0, max_tokens=24, guided_decoding=GuidedDecoding.regex(r"[a-z]{2,6}-\d{3}")
+    )
+    prompt = list(range(100, 130))
+    want = LLM(path, num_kv_blocks=32, block_size=8).generate([prompt], params)[0].outputs[0]
+    llm = LLM(path, tensor_parallel_size=2, num_kv_blocks=32, block_size=8)
+    try:
+        got = llm.generate([prompt], params)[0].outputs[0]
+    finally:
+        llm.engine.close()
+    assert got.token_ids == want.token_ids and re.fullmatch(r"[a-z]{2,6}-\d{3}", got.text)

@@ -133,6 +133,32 @@ def test_a_decode_rank_killed_mid_decode_ends_its_node_at_once(nodes, client, tm
         victim.close()
 
 
+def test_sigterm_drains_a_tp_node_then_stops_every_rank(nodes, client, tmp_path):
+    addrs, _ = nodes
+    model = str(make_tiny_model("qwen2"))
+    node = NodeProcess("decode", model, tmp_path, None, [*EXTRA, "--tensor-parallel-size", "2"])
+    try:
+        decode = node.wait_ready(timeout_s=120)
+        worker = _worker_pid(node.proc.pid)
+        prefill = addrs[("qwen2", "prefill", 1)]
+        prompts = [p[:12] for p in _prompts(60)[:2]]
+        ids = [f"term-{i}" for i in range(2)]
+        for rid, prompt in zip(ids, prompts, strict=True):
+            client.generate(prefill, rid, prompt, {**GREEDY, "max_tokens": 60}, decode=decode)
+        deadline = time.monotonic() + 30
+        while client.status(decode)["num_running"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        node.proc.send_signal(signal.SIGTERM)
+        results = client.collect(ids)  # drained: each runs to its end
+        for rid, prompt in zip(ids, prompts, strict=True):
+            assert results[rid]["failed"] is None and results[rid]["tokens"] == hf_greedy(model, prompt, 60)
+        assert node.proc.wait(timeout=60) == 0
+        assert not _cmdline(worker)  # the worker rank stopped with its node (gone, or reaped)
+    finally:
+        node.close()
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         return open(f"/proc/{pid}/cmdline", "rb").read()

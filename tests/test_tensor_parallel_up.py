@@ -1,7 +1,14 @@
-"""`pdserve up --prefill-tp 2 --decode-tp 1` (a registry) and `--prefill-tp 1 --decode-tp 2
---no-redis` (static addresses), as a user starts them: the README's first request, then
-concurrent completions of mixed lengths, streamed and not, through the prefill→decode path and
-the decode-only path, equal to the single-process offline engine (greedy, logprobs)."""
+"""`pdserve up` with each pool its own tensor-parallel layout, as a user starts it, under the
+cluster key it makes (CURVE on every node socket):
+
+- `--prefill-tp 2 --decode-tp 1` with a registry, on the default model (SmolLM2-135M: 9 query and
+  3 KV heads, an uneven share over 2 ranks): the README's first request, greedy chats through
+  the prefill→decode path and the decode-only path equal to the single-process offline engine,
+  and a role switch of the two-rank node to colocated and back;
+- `--prefill-tp 1 --decode-tp 2 --no-redis` with the int8 KV cache (its per-head scales cross
+  layouts): concurrent completions of mixed lengths, streamed and not, equal to the offline
+  engine's int8 cache (greedy, logprobs);
+- layouts it cannot run are refused before anything starts."""
 
 from __future__ import annotations
 
@@ -15,51 +22,71 @@ from tests.test_router_cluster import tiny_model_with_tokenizer
 from tests.test_speculative_cluster import _complete, _repetitive
 
 pytestmark = pytest.mark.usefixtures("processes")
+README = {"max_tokens": 32, "messages": [{"role": "user", "content": "What is the capital of France?"}]}
 
 
-@pytest.mark.parametrize(
-    ("prefill_tp", "decode_tp", "registry"),
-    [(2, 1, []), (1, 2, ["--no-redis"])],
-    ids=["2-1-redis", "1-2-static"],
-)
-def test_a_mixed_layout_cluster_serves_like_one_process(
-    prefill_tp, decode_tp, registry, tmp_path, default_model_dir
-):
+def _chat(url: str, body: dict) -> dict:
+    reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_the_default_model_on_a_two_rank_prefill_node_with_a_registry(tmp_path, default_model_dir):
+    with pdserve_up(default_model_dir, tmp_path, "--prefill-tp", "2", "--decode-tp", "1") as url:
+        assert (tmp_path / "cluster.key").is_file()
+        nodes = httpx.get(url + "/admin/nodes", timeout=10).json()["nodes"]
+        assert sorted((n["role"], n["tp_size"]) for n in nodes) == [("decode", 1), ("prefill", 2)]
+        name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        assert _chat(url, {"model": name, **README})["choices"][0]["message"][
+            "content"
+        ]  # as the README sends it
+        short = {"model": name, **README, "temperature": 0}  # decode-only: under 64 prompt tokens
+        long = {**short, "messages": [{"role": "user", "content": "Tell me about Paris. " * 20}]}
+        answers = [_chat(url, body) for body in (short, long)]
+        tp_node = next(n["node_id"] for n in nodes if n["tp_size"] == 2)
+        for role in ("colocated", "prefill"):  # the two-rank node decodes, then prefills again
+            reply = httpx.post(f"{url}/admin/nodes/{tp_node}/role", json={"role": role}, timeout=90)
+            assert reply.status_code == 200 and reply.json()["role"] == role, reply.text
+            again = _chat(url, long)["choices"][0]["message"]["content"]
+            assert again == answers[1]["choices"][0]["message"]["content"]
+    from pdserve.engine import LLM, SamplingParams
+
+    llm = LLM(str(default_model_dir), num_kv_blocks=64)
+    tokenizer = llm.get_tokenizer()
+    for body, answer in zip((short, long), answers, strict=True):
+        prompt = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        want = llm.generate([ids], SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
+        assert answer["usage"]["prompt_tokens"] == len(ids)
+        assert answer["choices"][0]["message"]["content"] == want.text
+
+
+def test_a_two_rank_decode_pool_with_the_int8_cache_and_static_addresses(tmp_path, default_model_dir):
     model = tiny_model_with_tokenizer(default_model_dir)
-    flags = ["--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp), *registry]
+    flags = ["--prefill-tp", "1", "--decode-tp", "2", "--no-redis", "--node-args", "--kv-cache-dtype int8"]
     with pdserve_up(model, tmp_path, *flags) as url:
         nodes = httpx.get(url + "/admin/nodes", timeout=10).json()["nodes"]
-        assert sorted((n["role"], n["tp_size"]) for n in nodes) == [
-            ("decode", decode_tp),
-            ("prefill", prefill_tp),
+        assert sorted((n["role"], n["tp_size"], n["kv_dtype"]) for n in nodes) == [
+            ("decode", 2, "int8"),
+            ("prefill", 1, "int8"),
         ]
         name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        readme = {
-            "model": name,
-            "max_tokens": 32,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}],
-        }
-        reply = httpx.post(url + "/v1/chat/completions", json=readme, timeout=120)
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["choices"][0]["message"]["content"]
         lengths = [20, 300, 40, 150, 90, 7]  # under 64 tokens: decode-only; the rest through prefill
         prompts = [_repetitive(200 + i, n) for i, n in enumerate(lengths)]
         greedy = {"model": name, "temperature": 0, "max_tokens": 16, "ignore_eos": True}
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            got = list(
-                pool.map(
-                    lambda ip: _complete(url, {**greedy, "prompt": ip[1]}, ip[0] % 2 == 1), enumerate(prompts)
-                )
-            )
+            jobs = [
+                ({**greedy, "prompt": p}, i % 2 == 1) for i, p in enumerate(prompts)
+            ]  # every other streamed
+            got = list(pool.map(lambda job: _complete(url, *job), jobs))
     from pdserve.engine import LLM, SamplingParams
 
-    llm = LLM(str(model), num_kv_blocks=256)
+    llm = LLM(str(model), num_kv_blocks=256, kv_cache_dtype="int8")
     for prompt, (ids, values) in zip(prompts, got, strict=True):
-        want = llm.generate(
-            [prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
-        )[0]
-        assert ids == want.outputs[0].token_ids, len(prompt)
-        assert values == pytest.approx([lp.logprob for lp in want.outputs[0].logprobs], abs=1e-4), len(prompt)
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+        want = llm.generate([prompt], params)[0].outputs[0]
+        assert ids == want.token_ids, len(prompt)
+        assert values == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4), len(prompt)
 
 
 def test_up_refuses_layouts_it_cannot_run_before_starting_anything(tmp_path, default_model_dir):
@@ -79,10 +106,8 @@ def test_up_refuses_layouts_it_cannot_run_before_starting_anything(tmp_path, def
     assert f"--decode-tp {too_many}: a node of {too_many} ranks" in up(
         "--model", tiny, "--decode-tp", str(too_many)
     )
-    # SmolLM2-135M: 9 attention heads, 3 KV heads
-    assert "9 attention heads do not split over 2 ranks" in up(
-        "--model", str(default_model_dir), "--prefill-tp", "2"
-    )
+    # two KV heads over three ranks: neither a share of whole heads nor of whole replicas
+    assert "exceeds the model's 2 KV heads" in up("--model", tiny, "--oversubscribe", "--prefill-tp", "3")
     assert "runs with --prefill-tp 1 --decode-tp 1 only" in up(
         "--model", tiny, "--autoscale", "--decode-tp", "2"
     )

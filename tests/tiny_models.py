@@ -44,6 +44,10 @@ CONFIGS = {
         tie_word_embeddings=True,
     ),
     "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=24, head_dim=16),
+    # three KV heads (SmolLM2's count): two ranks hold two and one, with their query heads
+    "llama-3kv": lambda: transformers.LlamaConfig(
+        **{**TINY, "num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 96}
+    ),
     # a vocabulary that no tensor-parallel split pads away: padding rows on the last rank
     "llama-odd-vocab": lambda: transformers.LlamaConfig(**{**TINY, "vocab_size": 300}),
     "qwen2": lambda: transformers.Qwen2Config(**TINY),

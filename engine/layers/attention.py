@@ -57,8 +57,10 @@ class SelfAttention(nn.Module):
         local = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.spec = spec = dataclasses.replace(spec, num_heads=local[0], num_kv_heads=local[1])
         self.q_size = spec.num_heads * spec.head_dim
+        d, q_heads = spec.head_dim, self.qkv_proj.q_heads
+        columns = range(q_heads.start * d, q_heads.stop * d)  # the channels of this rank's heads
         self.o_proj = RowParallelLinear(
-            self.q_size * parallel.tp_size, spec.hidden_size, parallel, bias=spec.o_bias
+            self.qkv_proj.fused_parts[0][1], spec.hidden_size, parallel, bias=spec.o_bias, columns=columns
         )
         self.rope = rope
         self.q_norm, self.k_norm = q_norm, k_norm

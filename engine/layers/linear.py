@@ -28,7 +28,7 @@ from torch import nn
 
 from pdserve.engine.parallel import ParallelState
 from pdserve.kernels import cpu_linear
-from pdserve.protocol.kv_layout import check_tp_layout, kv_heads_of
+from pdserve.protocol.kv_layout import check_tp_layout, kv_heads_of, query_heads_of
 
 VOCAB_PADDING = 64  # each rank's vocabulary range is a multiple of this many rows
 
@@ -180,8 +180,10 @@ class QKVParallelLinear(Packable, nn.Module):
     ) -> None:
         super().__init__()
         check_tp_layout(num_kv_heads, parallel.tp_size)
-        q_start, self.num_heads = parallel.shard(num_heads, "attention heads")
         kv = kv_heads_of(num_kv_heads, parallel.tp_size, parallel.rank)
+        q = query_heads_of(num_heads, num_kv_heads, parallel.tp_size, parallel.rank)
+        q_start, self.num_heads = q.start, len(q)
+        self.q_heads = q  # the model's query heads this rank computes (its KV heads' groups)
         self.num_kv_heads, self.head_dim = len(kv), head_dim
         # (checkpoint row start, rows) of each part, and where the part starts in this rank's rows
         self.parts = {
@@ -212,11 +214,21 @@ class RowParallelLinear(Packable, nn.Module):
     over the ranks; the bias (whole on every rank) is added once, after the sum."""
 
     def __init__(
-        self, in_features: int, out_features: int, parallel: ParallelState, bias: bool = False
+        self,
+        in_features: int,
+        out_features: int,
+        parallel: ParallelState,
+        bias: bool = False,
+        columns: range | None = None,
     ) -> None:
+        """``columns``: this rank's input features where they are not an even share (attention's
+        output: the channels of the rank's query heads)."""
         super().__init__()
         self.parallel = parallel
-        self.start, self.in_local = parallel.shard(in_features, "input features")
+        if columns is None:
+            self.start, self.in_local = parallel.shard(in_features, "input features")
+        else:
+            self.start, self.in_local = columns.start, len(columns)
         self.weight = _parameter(out_features, self.in_local)  # [out, in / tp]
         self.weight.weight_loader = self.load_columns
         self.bias = _parameter(out_features) if bias else None

@@ -24,7 +24,7 @@ from pdserve.engine.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from pdserve.engine.layers.norms import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
 from pdserve.engine.parallel import SINGLE, ParallelState
-from pdserve.protocol.kv_layout import kv_heads_of
+from pdserve.protocol.kv_layout import kv_heads_of, query_heads_of
 
 
 class PreNormLayer(nn.Module):
@@ -183,9 +183,9 @@ class RankHeads:
 
     @classmethod
     def of(cls, cfg: ModelConfig, parallel: ParallelState) -> RankHeads:
-        start, n = parallel.shard(cfg.num_heads, "attention heads")
-        kv = kv_heads_of(cfg.num_kv_heads, parallel.tp_size, parallel.rank)
-        return cls(range(start, start + n), kv, max(1, parallel.tp_size // cfg.num_kv_heads))
+        tp, rank = parallel.tp_size, parallel.rank
+        query = query_heads_of(cfg.num_heads, cfg.num_kv_heads, tp, rank)
+        return cls(query, kv_heads_of(cfg.num_kv_heads, tp, rank), max(1, tp // cfg.num_kv_heads))
 
 
 def rotary(cfg: ModelConfig, max_positions: int) -> RotaryEmbedding:

@@ -33,7 +33,10 @@ class GPT2Attention(nn.Module):
         self.c_attn = QKVParallelLinear(width, d, spec.num_heads, spec.num_heads, parallel, bias=True)
         local = self.c_attn.num_heads
         self.spec = dataclasses.replace(spec, num_heads=local, num_kv_heads=local)
-        self.c_proj = RowParallelLinear(width, width, parallel, bias=True)
+        q = self.c_attn.q_heads
+        self.c_proj = RowParallelLinear(
+            width, width, parallel, bias=True, columns=range(q.start * d, q.stop * d)
+        )
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = split_heads(self.c_attn(x), self.spec)  # [T, H, D] each

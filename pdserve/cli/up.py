@@ -247,20 +247,14 @@ def _plan(args: argparse.Namespace):
 def _check_model_splits(model: str, *sizes: int) -> None:
     """ValueError, before any node starts, where the model's heads do not split over a size
     (each rank holds whole query heads and whole KV heads, or a replica of one)."""
-    from pdserve.protocol.kv_layout import check_tp_layout
+    from pdserve.protocol.kv_layout import query_heads_of
 
     config = json.loads((pathlib.Path(model) / "config.json").read_text())
     heads = config.get("num_attention_heads") or config.get("n_head")
     kv_heads = config.get("num_key_value_heads") or heads
     for tp in sorted(set(sizes) - {1}):
-        if heads is None:
-            return
-        if heads % tp:
-            raise ValueError(
-                f"tensor-parallel size {tp}: the model's {heads} attention heads do not split over "
-                f"{tp} ranks (each rank holds whole heads); choose a size that divides {heads}"
-            )
-        check_tp_layout(kv_heads, tp)
+        if heads is not None:
+            query_heads_of(heads, kv_heads, tp, 0)  # every rank's, rank 0's checks
 
 
 def _check_layout(args: argparse.Namespace, cores: int, num_prefill: int, num_decoding: int) -> int:

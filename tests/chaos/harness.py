@@ -136,8 +136,11 @@ class Cluster:
         roles=("prefill", "prefill", "decode", "decode"),
         redis_password: str | None = None,
         static: bool = False,
+        tp: int = 1,
     ):
+        """``tp``: every node's tensor-parallel size (its ranks: the node and tp - 1 workers)."""
         self.tmp, self.model, self.static = tmp, model, static
+        self.node_args = [*NODE_ARGS, *(["--tensor-parallel-size", str(tp)] if tp > 1 else [])]
         self.redis = (
             None if static else PasswordRedis(tmp, redis_password) if redis_password else RedisServer(tmp)
         )
@@ -159,9 +162,9 @@ class Cluster:
 
     def _node(self, role: str, slot: int) -> NodeProcess:
         if not self.static:
-            return NodeProcess(role, str(self.model), self.tmp, self.redis.url, NODE_ARGS)
+            return NodeProcess(role, str(self.model), self.tmp, self.redis.url, self.node_args)
         ports = self._ports.setdefault(slot, ["--port", str(free_port()), "--kv-port", str(free_port())])
-        return NodeProcess(role, str(self.model), self.tmp, None, [*NODE_ARGS, *ports])
+        return NodeProcess(role, str(self.model), self.tmp, None, [*self.node_args, *ports])
 
     def live(self, role: str) -> list[NodeProcess]:
         return [n for n in self.nodes if n.role == role and n.proc.poll() is None]
