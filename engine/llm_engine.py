@@ -19,7 +19,7 @@ from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.kv_prefault import KVPrefault
 from pdserve.engine.logits_rules import LogitsRules
 from pdserve.engine.model_runner import KVCacheFactory
-from pdserve.engine.models import model_class
+from pdserve.engine.models import check_tensor_parallel, model_class
 from pdserve.engine.outputs import EngineStats, RequestOutput, completion_output
 from pdserve.engine.platform import UNVERIFIED_CUDA, resolve_platform
 from pdserve.engine.requests import (
@@ -56,6 +56,7 @@ class LLMEngine:
             raise ValueError(f"kv_cache_dtype int8 has CPU kernels only, not on {self.device} or with Triton")
         self.model_config = ModelConfig.from_path(config.model)
         model_class(self.model_config)  # unsupported architectures fail before any allocation
+        check_tensor_parallel(self.model_config, config.tensor_parallel_size)  # ... and splits
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.sizing = size_engine(config, self.model_config, self.max_model_len)
         tp = config.tensor_parallel_size

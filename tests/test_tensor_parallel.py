@@ -1,9 +1,11 @@
 """A tensor-parallel engine (engine/executor.py): rank 0 here, rank 1 in a worker process it
-starts, joined by gloo. Against Hugging Face on the same weights, every dense family at tp=2:
-greedy output through chunked prefill, a prefix hit and concurrent mixed-length requests, and
-prompt and sampled logprobs within fp32 tolerance; fewer KV heads than ranks (replicated);
-seeded sampling with n > 1 equal to tp=1. MoE families are refused naming the flag, and a
-worker that dies fails the engine's next step naming its rank."""
+starts, joined by gloo. Against Hugging Face on the same weights at tp=2: greedy output through
+chunked prefill, a prefix hit and concurrent mixed-length requests, prompt and sampled logprobs
+within fp32 tolerance, for one KV head (replicated on both ranks), two, three (an uneven share),
+GPT-2's fused transposed checkpoint and a vocabulary with padding rows (`make chaos`: every other
+dense family); preemption by a tiny pool; n-gram speculation. Seeded sampling with n > 1 and a
+guided request give what one rank gives. MoE families are refused naming the flag before any
+worker starts, and a worker that dies fails the engine's next step naming its rank."""
 
 from __future__ import annotations
 
@@ -93,21 +95,6 @@ def test_moe_families_are_refused_at_tp2_naming_the_flag(kind):
         _tp2(path)
 
 
-def test_a_worker_that_dies_fails_the_next_step_naming_its_rank():
-    path = str(make_tiny_model("llama"))
-    llm = _tp2(path)
-    try:
-        worker = llm.engine.executor.workers[0].proc
-        assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3))[0].finished
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.wait(timeout=10)
-        with pytest.raises(WorkerLost, match=r"rank 1 exited \(-9\)"):
-            llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=3))
-        assert llm.engine.executor.failure is not None
-    finally:
-        llm.engine.close()
-
-
 def test_ngram_speculation_at_tp2_is_exact_against_hf():
     path = str(make_tiny_model("llama"))
     prompt = [5, 6, 7, 8, 9] * 6  # repeats: the n-gram proposer drafts, the step verifies them
@@ -120,7 +107,7 @@ def test_ngram_speculation_at_tp2_is_exact_against_hf():
         llm.engine.close()
 
 
-def test_preemption_by_a_tiny_pool_at_tp2_keeps_outputs_exact():
+def test_preemption_at_tp2_keeps_outputs_exact_and_a_dead_worker_fails_the_next_step():
     path = str(make_tiny_model("llama-3kv"))  # uneven heads too: two KV heads on rank 0, one on rank 1
     g = torch.Generator().manual_seed(2)
     prompts = [
@@ -141,6 +128,12 @@ def test_preemption_by_a_tiny_pool_at_tp2_keeps_outputs_exact():
         for i, prompt in enumerate(prompts):
             assert finished[str(i)].outputs[0].token_ids == hf_greedy(path, prompt, 40)
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        worker = engine.executor.workers[0].proc  # then its worker dies: the next step says so
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(timeout=10)
+        with pytest.raises(WorkerLost, match=r"rank 1 exited \(-9\)"):
+            llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=3))
+        assert engine.executor.failure is not None
     finally:
         engine.close()
 

@@ -1,9 +1,11 @@
 """Prefill and decode nodes of different tensor-parallel layouts, as real processes with their
-worker ranks: P tp ∈ {1, 2} × D tp ∈ {1, 2}, and a colocated node at tp=2, on a model with one KV
-head (replicated on two ranks: SGLang's decode-ranks-all-on-head-0 case) and on one with two.
-Concurrent mixed-length requests, greedy output and sampled logprobs equal to HF's, a decode-side
-prefix hit across layouts, every block back afterwards. A rank killed with SIGKILL takes its
-node out: its record says why, and the node process exits non-zero."""
+worker ranks: P tp ∈ {1, 2} × D tp ∈ {1, 2} on a model with one KV head (replicated on two ranks:
+SGLang's decode-ranks-all-on-head-0 case), and in `make chaos` on one with two. Concurrent
+mixed-length requests, greedy output and sampled logprobs equal to HF's, a decode-side prefix hit
+across layouts with the wire's bytes those of a single-rank pair, every block back afterwards. A
+rank killed with SIGKILL takes its node out at once (its record says why, the process exits
+non-zero); SIGTERM drains a two-rank node, then stops both ranks. (The colocated node at tp=2 and
+the role switch: tests/test_tensor_parallel_up.py.)"""
 
 from __future__ import annotations
 
@@ -21,28 +23,46 @@ from tests.engine_helpers import hf_greedy, hf_logits
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("processes")
-KINDS = ["llama3", "qwen2"]  # one KV head; two
+KINDS = ["llama3", pytest.param("qwen2", marks=pytest.mark.chaos)]  # one KV head; two (`make chaos`)
 EXTRA = ["--block-size", "8", "--num-kv-blocks", "48", "--max-num-batched-tokens", "32"]
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "logprobs": 1}
 
 
+class Nodes:
+    """Per model kind, a prefill and a decode node at tp 1 and 2, started together the first time
+    a test asks for the kind (the `make chaos` kinds only where they run)."""
+
+    LAYOUTS = [("prefill", 1), ("prefill", 2), ("decode", 1), ("decode", 2)]
+
+    def __init__(self, tmp) -> None:
+        self.tmp = tmp
+        self.procs: dict[tuple[str, str, int], NodeProcess] = {}
+        self.addrs: dict[tuple[str, str, int], dict] = {}
+
+    def __call__(self, kind: str, role: str, tp: int) -> dict:
+        if (kind, role, tp) not in self.addrs:
+            started = {
+                (kind, r, t): NodeProcess(
+                    r, str(make_tiny_model(kind)), self.tmp, None, [*EXTRA, "--tensor-parallel-size", str(t)]
+                )
+                for r, t in self.LAYOUTS
+            }
+            self.procs.update(started)
+            self.addrs.update({key: p.wait_ready(timeout_s=180) for key, p in started.items()})
+        return self.addrs[(kind, role, tp)]
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            p.close()
+
+
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
-    """(kind, role, tp) -> node addresses; every node starts at once so their start-ups overlap."""
-    tmp = tmp_path_factory.mktemp("tp")
-    layouts = [("prefill", 1), ("prefill", 2), ("decode", 1), ("decode", 2)]
-    procs = {
-        (kind, role, tp): NodeProcess(
-            role, str(make_tiny_model(kind)), tmp, None, [*EXTRA, "--tensor-parallel-size", str(tp)]
-        )
-        for kind in KINDS
-        for role, tp in layouts
-    }
+    started = Nodes(tmp_path_factory.mktemp("tp"))
     try:
-        yield {key: p.wait_ready(timeout_s=180) for key, p in procs.items()}, procs
+        yield started
     finally:
-        for p in procs.values():
-            p.close()
+        started.close()
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +81,8 @@ def _prompts(seed: int) -> list[list[int]]:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(("p", "d"), list(itertools.product((1, 2), (1, 2))))
 def test_prefill_and_decode_layouts_pair_exactly(kind, p, d, nodes, client):
-    addrs, _ = nodes
     model = str(make_tiny_model(kind))
-    prefill, decode = addrs[(kind, "prefill", p)], addrs[(kind, "decode", d)]
+    prefill, decode = nodes(kind, "prefill", p), nodes(kind, "decode", d)
     assert client.status(prefill)["tp_size"] == p and client.status(decode)["tp_size"] == d
     prompts = _prompts(p * 10 + d)
     ids = [f"{kind}-{p}{d}-{i}" for i in range(len(prompts))]
@@ -88,16 +107,15 @@ def test_prefill_and_decode_layouts_pair_exactly(kind, p, d, nodes, client):
 
 @pytest.mark.parametrize(("p", "d"), [(2, 1), (1, 2)])
 def test_a_repeated_prompt_hits_the_decode_nodes_prefix_cache_across_layouts(p, d, nodes, client):
-    addrs, _ = nodes
     model = str(make_tiny_model("llama3"))
-    prefill, decode = addrs[("llama3", "prefill", p)], addrs[("llama3", "decode", d)]
+    prefill, decode = nodes("llama3", "prefill", p), nodes("llama3", "decode", d)
     prompt = [(11 * i) % 240 + 3 for i in range(40)]  # five full blocks of 8
     for n in range(2):
         rid = f"hit-{p}{d}-{n}"
         client.generate(prefill, rid, prompt, {**GREEDY, "max_tokens": 6}, decode=decode)
         r = client.collect([rid])[rid]
         assert r["failed"] is None and r["tokens"] == hf_greedy(model, prompt, 6)
-    shipped = {e["request_id"]: e for e in nodes[1][("llama3", "prefill", p)].events("kv_shipped")}
+    shipped = {e["request_id"]: e for e in nodes.procs[("llama3", "prefill", p)].events("kv_shipped")}
     first, second = shipped[f"hit-{p}{d}-0"], shipped[f"hit-{p}{d}-1"]
     assert first["blocks_reused"] == 0 and second["blocks_reused"] >= 4  # D held the prefix: P skipped it
     # the wire carries the model's heads once, whatever the layouts: a single-rank pair's bytes
@@ -109,12 +127,11 @@ def test_a_repeated_prompt_hits_the_decode_nodes_prefix_cache_across_layouts(p, 
 def test_a_decode_rank_killed_mid_decode_ends_its_node_at_once(nodes, client, tmp_path):
     """The node, not the request, is what this checks: the router's retry and migration of a
     dead node's requests are the whole-node kill's (tests/chaos)."""
-    addrs, _ = nodes
-    model = str(make_tiny_model("qwen2"))
+    model = str(make_tiny_model("llama3"))
     victim = NodeProcess("decode", model, tmp_path, None, [*EXTRA, "--tensor-parallel-size", "2"])
     try:
         decode = victim.wait_ready(timeout_s=120)
-        prefill = addrs[("qwen2", "prefill", 2)]
+        prefill = nodes("llama3", "prefill", 2)
         for i in range(2):
             prompt = _prompts(40 + i)[0][:12]  # 12 + 160 tokens: 22 of the 48 blocks each
             client.generate(prefill, f"kill-{i}", prompt, {**GREEDY, "max_tokens": 160}, decode=decode)
@@ -134,13 +151,12 @@ def test_a_decode_rank_killed_mid_decode_ends_its_node_at_once(nodes, client, tm
 
 
 def test_sigterm_drains_a_tp_node_then_stops_every_rank(nodes, client, tmp_path):
-    addrs, _ = nodes
-    model = str(make_tiny_model("qwen2"))
+    model = str(make_tiny_model("llama3"))
     node = NodeProcess("decode", model, tmp_path, None, [*EXTRA, "--tensor-parallel-size", "2"])
     try:
         decode = node.wait_ready(timeout_s=120)
         worker = _worker_pid(node.proc.pid)
-        prefill = addrs[("qwen2", "prefill", 1)]
+        prefill = nodes("llama3", "prefill", 1)
         prompts = [p[:12] for p in _prompts(60)[:2]]
         ids = [f"term-{i}" for i in range(2)]
         for rid, prompt in zip(ids, prompts, strict=True):

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.models.decoder import CausalLM
+from pdserve.engine.models.decoder import CausalLM, single_rank_only
 from pdserve.engine.models.gemma import GemmaForCausalLM
 from pdserve.engine.models.gemma2 import Gemma2ForCausalLM
 from pdserve.engine.models.gpt2 import GPT2LMHeadModel
@@ -20,6 +20,7 @@ from pdserve.engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from pdserve.engine.models.qwen3 import Qwen3ForCausalLM
 from pdserve.engine.models.stablelm import StableLmForCausalLM
 from pdserve.engine.parallel import SINGLE, ParallelState
+from pdserve.protocol.kv_layout import query_heads_of
 
 # What the engine runs: a step's tokens to hidden states (forward), rows of them to logits
 # (compute_logits); GPT-2 has its own skeleton, every other family decoder.CausalLM's.
@@ -53,6 +54,22 @@ def model_class(cfg: ModelConfig) -> ModelClass:
         raise ValueError(
             f"model architecture {cfg.architecture!r} is not supported; supported: {supported}"
         ) from None
+
+
+# families whose layers do not split over tensor-parallel ranks, and why
+SINGLE_RANK = {
+    "Qwen2MoeForCausalLM": "its experts are not sharded",
+    "MixtralForCausalLM": "its experts are not sharded",
+}
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp_size: int) -> None:
+    """ValueError, naming the flag, where ``cfg`` cannot be split over ``tp_size`` ranks: before any
+    worker starts or any weight loads (the layers check their own shapes again as they are built)."""
+    if cfg.architecture in SINGLE_RANK:
+        single_rank_only(cfg, tp_size, SINGLE_RANK[cfg.architecture])
+    for rank in range(tp_size):
+        query_heads_of(cfg.num_heads, cfg.num_kv_heads, tp_size, rank)
 
 
 def build_model(

@@ -163,12 +163,12 @@ class CausalLM(nn.Module):
         return logits
 
 
-def single_rank_only(cfg: ModelConfig, parallel: ParallelState, why: str) -> None:
+def single_rank_only(cfg: ModelConfig, tp_size: int, why: str) -> None:
     """Refuse, naming the flag, a family this engine does not split over ranks."""
-    if parallel.tp_size > 1:
+    if tp_size > 1:
         raise ValueError(
             f"{cfg.architecture} runs on one rank only ({why}): "
-            f"--tensor-parallel-size {parallel.tp_size} is refused; use 1"
+            f"--tensor-parallel-size {tp_size} is refused; use 1"
         )
 
 

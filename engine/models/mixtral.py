@@ -30,7 +30,7 @@ class MixtralSparseBlock(nn.Module):
 
 class MixtralForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, max_positions: int, parallel: ParallelState = SINGLE) -> None:
-        single_rank_only(cfg, parallel, "its experts are not sharded")
+        single_rank_only(cfg, parallel.tp_size, "its experts are not sharded")
         rope, eps = rotary(cfg, max_positions), cfg.hf.rms_norm_eps
         layers = [
             PreNormLayer(

@@ -48,7 +48,7 @@ def qwen2_moe_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding) -> PreN
 
 class Qwen2MoeForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, max_positions: int, parallel: ParallelState = SINGLE) -> None:
-        single_rank_only(cfg, parallel, "its experts are not sharded")
+        single_rank_only(cfg, parallel.tp_size, "its experts are not sharded")
         rope = rotary(cfg, max_positions)
         layers = [qwen2_moe_layer(cfg, i, rope) for i in range(cfg.num_layers)]
         super().__init__(cfg, layers, RMSNorm(cfg.hidden_size, cfg.hf.rms_norm_eps))
