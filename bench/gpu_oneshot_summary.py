@@ -213,7 +213,10 @@ def decode_figures(output: str) -> tuple[str, str]:
 
 def probe_figures(output: str) -> tuple[str, str]:
     m = re.search(r"^engine probe: ok(.*)$", output, re.M)
-    return (f"ok{m.group(1).rstrip()}" if m else f"engine probe failed: {first_error_line(output)}"), ""
+    if m is None:
+        return f"engine probe failed: {first_error_line(output)}", ""
+    group = re.search(r"^executor over a (\w+) group of one: ok", output, re.M)
+    return f"ok{m.group(1).rstrip()}" + (f"; {group.group(1)} group of one: ok" if group else ""), ""
 
 
 def engine_figures(output: str) -> tuple[str, str]:

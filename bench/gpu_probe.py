@@ -3,7 +3,9 @@
 A seeded tiny Llama of 512 positions (tests/tiny_models.py) with the engine's defaults: on CUDA
 that is a pool sized after a profile run of the default 2048-token budget, longer than the model's
 context (the first GPU run's certain crash, before the profile kept to the context), then CUDA
-graphs. Prints the engine's start-up line and ``engine probe: ok, greedy tokens [...]``.
+graphs. Prints the engine's start-up line and ``engine probe: ok, greedy tokens [...]``; then the
+same greedy run on an engine whose executor runs its collectives over a group of one (NCCL on
+CUDA): ``executor over a nccl group of one: ok``.
 
     python bench/gpu_probe.py                      # on the GPU (bench/gpu_oneshot.sh's probe step)
     PDSERVE_TEST_PLATFORM=split python bench/gpu_probe.py --device cpu   # the same path on the CPU
@@ -12,6 +14,8 @@ graphs. Prints the engine's start-up line and ``engine probe: ok, greedy tokens 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import pathlib
 import sys
 
@@ -28,8 +32,38 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(str(make_tiny_model("llama")), device=args.device)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     out = llm.generate([[5, 6, 7, 8, 9]], params)
-    print("engine probe: ok, greedy tokens", out[0].outputs[0].token_ids, flush=True)
+    want, config = out[0].outputs[0].token_ids, llm.engine.config
+    print("engine probe: ok, greedy tokens", want, flush=True)
+    del llm, out  # its pool goes: the next engine sizes its own from the device's memory
+    gc.collect()
+    group_of_one(config, want)
     return 0
+
+
+def group_of_one(config, want: list[int]) -> None:
+    """The tensor-parallel executor at one rank over a torch.distributed group of one (NCCL on
+    CUDA, gloo on the CPU): the layers' all-reduces and the LM head's all-gather run for real, and
+    greedy decoding gives the plain engine's tokens."""
+    import torch
+
+    from pdserve.engine.llm_engine import LLMEngine
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the first engine's pool, back to the device
+    engine = LLMEngine(dataclasses.replace(config, enforce_eager=True), group_of_one=True)
+    try:
+        backend = torch.distributed.get_backend(engine.executor.parallel.group)
+        engine.add_request(
+            "group", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=len(want), ignore_eos=True)
+        )
+        got: list[int] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got = out.outputs[0].token_ids
+        assert got == want, (got, want)
+        print(f"executor over a {backend} group of one: ok, greedy tokens equal", flush=True)
+    finally:
+        engine.close()
 
 
 if __name__ == "__main__":

@@ -102,7 +102,10 @@ class Executor:
         threads_per_rank: int | None = None,
         start_timeout_s: float = START_TIMEOUT_S,
         collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+        group_of_one: bool = False,
     ) -> None:
+        """``group_of_one``: at one rank, join a torch.distributed group of one anyway, so that the
+        layers' collectives run on the platform's backend (bench/gpu_probe.py: NCCL on one GPU)."""
         self.tp_size = tp_size
         self.workers: list[_Worker] = []
         self.failure: str | None = None  # why the ranks cannot step any more
@@ -111,6 +114,10 @@ class Executor:
         self.pools: list[SharedPool] = []  # at several ranks: each rank's KV pool, mapped here
         self.transfer_caches: list = []
         parallel = ParallelState()
+        if tp_size == 1 and group_of_one:
+            parallel = init_parallel(
+                1, 0, f"tcp://127.0.0.1:{_free_port()}", platform.dist_backend, collective_timeout_s, True
+            )
         if tp_size > 1:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
             init = dict(

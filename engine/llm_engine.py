@@ -44,8 +44,14 @@ from pdserve.protocol.sampling_params import SamplingParams
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, tokenizer=None, kv_cache_factory: KVCacheFactory | None = None
+        self,
+        config: EngineConfig,
+        tokenizer=None,
+        kv_cache_factory: KVCacheFactory | None = None,
+        group_of_one: bool = False,
     ) -> None:
+        """``group_of_one``: at one rank, the executor's collectives run over a group of one all
+        the same (bench/gpu_probe.py's check of NCCL on one GPU)."""
         # before any allocation: a bad device fails first
         self.platform = platform = resolve_platform(config.device)
         self.device = platform.device
@@ -68,7 +74,7 @@ class LLMEngine:
             threads, usable_cpus(), torch.set_num_threads, enabled=config.num_threads is None and tp == 1
         )
         at_start = platform.mem_info()  # None: the pool is sized from host RAM (size_engine)
-        self.executor = Executor(self.model_config, config, platform, tp, threads)
+        self.executor = Executor(self.model_config, config, platform, tp, threads, group_of_one=group_of_one)
         self.runner = self.executor.runner  # rank 0's: its model and KV pool, for inspection
         if at_start is not None:
             self.sizing = self._size_device_pool(at_start)

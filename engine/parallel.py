@@ -25,7 +25,7 @@ class ParallelState:
 
     def __post_init__(self) -> None:
         assert 0 <= self.rank < self.tp_size, (self.rank, self.tp_size)
-        assert (self.group is None) == (self.tp_size == 1), "a group exactly when there are several ranks"
+        assert self.group is not None or self.tp_size == 1, "several ranks need a group"
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x``, in place (row-parallel layers' outputs)."""
@@ -59,11 +59,14 @@ class ParallelState:
 SINGLE = ParallelState()
 
 
-def init_parallel(tp_size: int, rank: int, init_method: str, backend: str, timeout_s: float) -> ParallelState:
+def init_parallel(
+    tp_size: int, rank: int, init_method: str, backend: str, timeout_s: float, group_of_one: bool = False
+) -> ParallelState:
     """Join the node's group (every rank calls it; it returns once all have, or raises after
     ``timeout_s``, the collectives' timeout too). ``init_method``: e.g. ``tcp://127.0.0.1:PORT``,
-    rank 0 listening."""
-    if tp_size == 1:
+    rank 0 listening. ``group_of_one``: a group even for one rank, whose collectives run for real
+    (the GPU one-shot's check of NCCL with one device)."""
+    if tp_size == 1 and not group_of_one:
         return SINGLE
     dist.init_process_group(
         backend,

@@ -200,6 +200,7 @@ PROBE_OK = """\
 == step probe (limit 35 s): python3 -
 engine: KV pool 0 MiB = 64 blocks x 16 tokens; dtype bfloat16; CUDA graphs: decode batches up to 64
 engine probe: ok, greedy tokens [17, 4, 250, 250, 9, 31, 31, 2]
+executor over a nccl group of one: ok, greedy tokens equal
 == exit probe 0 (9 s)
 """
 
@@ -276,7 +277,7 @@ def test_summary_reads_figures_failures_timeouts_and_a_missing_log(tmp_path):
         "copy 4289 GB/s; best 79% of copy at 256 x 32768 (cells with >= 256 MiB of KV); 32 x 4096: 74%"
     )
     assert rows["decode"].target == ">= 70% of copy at 32 x 4096: met (74%)"
-    assert rows["probe"].figures == "ok, greedy tokens [17, 4, 250, 250, 9, 31, 31, 2]"
+    assert rows["probe"].figures == "ok, greedy tokens [17, 4, 250, 250, 9, 31, 31, 2]; nccl group of one: ok"
     assert rows["engine"].figures.startswith("no pytest summary line")
     assert rows["engine"].time == "80 / 80 s"
     assert rows["offline"].figures == "no log of this step" and rows["offline"].missing
@@ -377,7 +378,8 @@ def test_the_dry_run_on_the_cpu_prints_a_full_table_and_its_probe_profiles_the_d
     assert list(rows) == [name for name, _ in summary.STEPS] and not any(r.missing for r in rows.values())
     ran = {name for name, row in rows.items() if row.status is summary.Status.PASS}
     assert ran == {"kernels", "probe", "offline"}, rows
-    assert re.fullmatch(r"ok, greedy tokens \[(\d+, ){7}\d+\]", rows["probe"].figures), rows["probe"]
+    figures = rows["probe"].figures  # the executor's collectives over a group of one: gloo here
+    assert re.fullmatch(r"ok, greedy tokens \[(\d+, ){7}\d+\]; gloo group of one: ok", figures), rows["probe"]
     # the offline bench's smoke run prints what its row reads (HF's best batch is whichever ran
     # fastest: on a loaded CPU any of the smoke run's sizes)
     offline = rows["offline"]
