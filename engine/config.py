@@ -114,6 +114,12 @@ class EngineConfig:
         "ranks the model is split over (its heads, MLP and vocabulary): this process and N-1 worker "
         "processes, on the CPU one thread each by default, on CUDA one device each from --device's",
     )
+    collective_timeout_s: float = setting(  # engine.executor
+        120.0,
+        "with --tensor-parallel-size above 1: the longest a collective between the ranks may wait "
+        "(a hung or stopped rank); past it the node stops, as for a lost rank",
+        flag="--collective-timeout-seconds",
+    )
     block_size: int = setting(16, "tokens per KV block")
     kv_cache_dtype: str = setting(  # kernels/kv_int8.py
         "auto",
@@ -242,6 +248,8 @@ class EngineConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"collective_timeout_s must be positive, got {self.collective_timeout_s}")
         if self.tensor_parallel_size <= 0:
             raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
         if self.speculative not in (None, "ngram"):

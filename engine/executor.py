@@ -106,7 +106,7 @@ class Executor:
     ) -> None:
         """``group_of_one``: at one rank, join a torch.distributed group of one anyway, so that the
         layers' collectives run on the platform's backend (bench/gpu_probe.py: NCCL on one GPU)."""
-        self.tp_size = tp_size
+        self.tp_size, self.collective_timeout_s = tp_size, collective_timeout_s
         self.workers: list[_Worker] = []
         self.failure: str | None = None  # why the ranks cannot step any more
         self.on_failure: Callable[[str], None] | None = None  # the node's hook (called once)
@@ -232,13 +232,19 @@ class Executor:
                 raise WorkerLost(self.failure) from None
 
     def _guard(self, run: Callable[[], object]):
+        start = time.monotonic()
         try:
             return run()
-        except RuntimeError as e:  # a collective failed: a rank gone or timed out
+        except RuntimeError as e:  # a collective failed: a rank gone, or one hung past the timeout
             if not self.workers:
                 raise
             time.sleep(0.5)  # the monitor names the rank where one exited
-            self._fail(self.failure or f"a collective failed ({str(e)[:200]})")
+            waited = time.monotonic() - start
+            self._fail(
+                self.failure
+                or f"a collective between the ranks failed after {waited:.0f} s (timeout "
+                f"{self.collective_timeout_s:g} s): {str(e)[:200]}"
+            )
             raise WorkerLost(self.failure) from None
 
     def allocate_kv(self, spec: KVCacheSpec, factory: KVCacheFactory | None = None) -> None:

@@ -74,7 +74,15 @@ class LLMEngine:
             threads, usable_cpus(), torch.set_num_threads, enabled=config.num_threads is None and tp == 1
         )
         at_start = platform.mem_info()  # None: the pool is sized from host RAM (size_engine)
-        self.executor = Executor(self.model_config, config, platform, tp, threads, group_of_one=group_of_one)
+        self.executor = Executor(
+            self.model_config,
+            config,
+            platform,
+            tp,
+            threads,
+            collective_timeout_s=config.collective_timeout_s,
+            group_of_one=group_of_one,
+        )
         self.runner = self.executor.runner  # rank 0's: its model and KV pool, for inspection
         if at_start is not None:
             self.sizing = self._size_device_pool(at_start)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 
 import pytest
 import torch
@@ -154,3 +155,19 @@ def test_a_guided_request_at_tp2_gives_what_one_rank_gives(default_model_dir):
     finally:
         llm.engine.close()
     assert got.token_ids == want.token_ids and re.fullmatch(r"[a-z]{2,6}-\d{3}", got.text)
+
+
+def test_a_stopped_worker_fails_the_step_at_the_collective_timeout():
+    path = str(make_tiny_model("llama3"))
+    llm = _tp2(path, collective_timeout_s=3)
+    worker = llm.engine.executor.workers[0].proc
+    try:
+        assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3))[0].finished
+        os.kill(worker.pid, signal.SIGSTOP)  # hung: alive, but never at the next collective
+        start = time.monotonic()
+        with pytest.raises(WorkerLost, match=r"failed after \d+ s \(timeout 3 s\)"):
+            llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=3))
+        assert time.monotonic() - start < 20
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        llm.engine.close()
