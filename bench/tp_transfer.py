@@ -5,8 +5,9 @@
 Prefill and decode nodes at tp 1 and 2 (real processes with their worker ranks, one thread a
 rank) on bench/tp_steps.py's SmolLM2-135M-shaped model. For each pairing P tp -> D tp, each round
 sends a fresh prompt of ``--tokens`` tokens through P to D and reads the prefill node's
-``kv_shipped`` record: the bytes on the wire and the seconds from the grant to the decode node's
-ack. The 1 -> 1 pairing is the baseline the others are read against.
+``kv_shipped`` record: the path (single-rank pairs on one host take the one-copy memfd path,
+a tensor-parallel node's KV the staging ring), the bytes moved and the transfer's seconds. The
+1 -> 1 pairing is the baseline the others are read against.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def main() -> None:
             g = torch.Generator().manual_seed(0)
             rows = []
             for p, d in ((1, 1), (2, 1), (1, 2), (2, 2)):
-                seconds, sizes = [], []
+                seconds, sizes, paths = [], [], set()
                 for r in range(args.rounds + 1):  # the first round warms up
                     rid = f"{p}{d}-{r}"
                     prompt = torch.randint(5, 40000, (args.tokens,), generator=g).tolist()
@@ -58,16 +59,19 @@ def main() -> None:
                     if r:
                         seconds.append(shipped[0]["seconds"])
                         sizes.append(shipped[0]["bytes"])
-                rows.append((p, d, statistics.median(seconds), sizes[0]))
+                        paths.add(
+                            "one-copy" if shipped[0]["direct"] else "ring" if shipped[0]["shm"] else "socket"
+                        )
+                rows.append((p, d, statistics.median(seconds), sizes[0], "/".join(sorted(paths))))
         finally:
             client.close()
             for node in nodes.values():
                 node.close()
     base = rows[0][2]
-    print(f"| P tp -> D tp | bytes on the wire | transfer (median of {args.rounds}) | against 1 -> 1 |")
-    print("|---|---|---|---|")
-    for p, d, secs, size in rows:
-        print(f"| {p} -> {d} | {size / 1e6:.1f} MB | {secs * 1e3:.1f} ms | {secs / base:.2f}x |")
+    print(f"| P tp -> D tp | path | bytes moved | transfer (median of {args.rounds}) | against 1 -> 1 |")
+    print("|---|---|---|---|---|")
+    for p, d, secs, size, path in rows:
+        print(f"| {p} -> {d} | {path} | {size / 1e6:.1f} MB | {secs * 1e3:.1f} ms | {secs / base:.2f}x |")
 
 
 if __name__ == "__main__":
