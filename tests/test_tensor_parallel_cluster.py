@@ -124,6 +124,26 @@ def test_a_repeated_prompt_hits_the_decode_nodes_prefix_cache_across_layouts(p, 
     assert first["bytes"] == first["blocks_sent"] * per_block and first["blocks_sent"] >= 5
 
 
+@pytest.mark.parametrize(("p", "d"), [(2, 1), (1, 2)])
+def test_aborts_during_transfer_and_decode_across_layouts_free_every_block(p, d, nodes, client):
+    model = str(make_tiny_model("llama3"))
+    prefill, decode = nodes("llama3", "prefill", p), nodes("llama3", "decode", d)
+    prompts = [[(13 * i + k) % 240 + 3 for i in range(40)] for k in range(3)]
+    ids = [f"abort-{p}{d}-{k}" for k in range(3)]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        client.generate(prefill, rid, prompt, {**GREEDY, "max_tokens": 200}, decode=decode)
+    time.sleep(0.05)  # some in their transfer, some decoding
+    for rid in ids:
+        client.abort(prefill, rid)
+        client.abort(decode, rid)
+    for node in (prefill, decode):
+        info = client.wait_idle(node, timeout_s=30)
+        assert info["num_blocks_free"] == info["num_blocks_total"], info
+    client.generate(prefill, f"after-{p}{d}", prompts[0], {**GREEDY, "max_tokens": 6}, decode=decode)
+    r = client.collect([f"after-{p}{d}"])[f"after-{p}{d}"]  # both nodes serve on
+    assert r["failed"] is None and r["tokens"] == hf_greedy(model, prompts[0], 6)
+
+
 def test_a_decode_rank_killed_mid_decode_ends_its_node_at_once(nodes, client, tmp_path):
     """The node, not the request, is what this checks: the router's retry and migration of a
     dead node's requests are the whole-node kill's (tests/chaos)."""
