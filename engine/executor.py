@@ -108,8 +108,7 @@ class Executor:
         layers' collectives run on the platform's backend (bench/gpu_probe.py: NCCL on one GPU)."""
         self.tp_size, self.collective_timeout_s = tp_size, collective_timeout_s
         self.workers: list[_Worker] = []
-        self.failure: str | None = None  # why the ranks cannot step any more
-        self.on_failure: Callable[[str], None] | None = None  # the node's hook (called once)
+        self.failure: str | None = None  # why the ranks cannot step any more (the node polls it)
         self._closing = False
         self.pools: list[SharedPool] = []  # at several ranks: each rank's KV pool, mapped here
         self.transfer_caches: list = []
@@ -141,7 +140,7 @@ class Executor:
         except Exception:
             self.close()
             raise
-        self._await_ready(time.monotonic() + start_timeout_s)
+        self._await_ready(start_timeout_s)
         if self.workers:
             threading.Thread(target=self._watch, name="tp-monitor", daemon=True).start()
 
@@ -156,13 +155,14 @@ class Executor:
         send_frame(ours, {**init, "rank": rank})
         return _Worker(rank, proc, ours)
 
-    def _await_ready(self, deadline: float) -> None:
+    def _await_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
         for w in self.workers:
             w.sock.settimeout(max(0.1, deadline - time.monotonic()))
             try:
                 reply = recv_frame(w.sock)
             except TimeoutError:
-                reply = {"error": f"not ready within {START_TIMEOUT_S:.0f} s"}
+                reply = {"error": f"not ready within {timeout_s:g} s"}
             w.sock.settimeout(None)
             if reply is None or "error" in reply:
                 why = "exited" if reply is None else reply["error"]
@@ -185,7 +185,10 @@ class Executor:
                 if self._closing:
                     return
                 if message is None:
-                    code = w.proc.wait(timeout=5) if w.proc.poll() is None else w.proc.returncode
+                    try:
+                        code: object = w.proc.wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        code = "its socket closed, the process still running"
                     self._fail(f"tensor-parallel rank {w.rank} exited ({code})")
                 else:
                     self._fail(f"tensor-parallel rank {w.rank}: {message.get('error')}")
@@ -196,8 +199,6 @@ class Executor:
             return
         self.failure = why
         log.error("%s: this node's ranks cannot step any more", why)
-        if self.on_failure is not None:
-            self.on_failure(why)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop every worker (Shutdown, then SIGKILL past ``timeout_s``) and leave the group."""
