@@ -87,6 +87,9 @@ def check_request(
             f"prompt: {num_prompt} tokens + max_tokens {max_tokens} need {blocks} KV blocks, "
             f"more than this engine's {block_manager.num_blocks}"
         )
+    chosen = params.logprob_token_ids or ()
+    if any(not 0 <= t < vocab_size for t in chosen):
+        raise ValueError(f"logprob_token_ids: token ids must be integers in [0, {vocab_size})")
     if params.stop and tokenizer is None:
         raise ValueError("stop: stop strings need a tokenizer")
     if params.has_logits_rules:

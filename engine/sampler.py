@@ -81,7 +81,7 @@ class Sampler:
             logprob: TokenLogprob | None = None
             if n is not None:
                 assert raw_logprobs is not None  # computed when any row asks for logprobs
-                logprob = _logprob(raw_logprobs[r], token_id, n)
+                logprob = _logprob(raw_logprobs[r], token_id, n, inp.seq.params.logprob_token_ids)
             results.append((token_id, logprob))
         return results
 
@@ -177,10 +177,18 @@ def _apply_penalties(row: torch.Tensor, seq: Sequence, params: SamplingParams) -
         row[ids] -= params.frequency_penalty * counts.to(row.dtype) + params.presence_penalty
 
 
-def _logprob(logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
+def _logprob(
+    logprobs: torch.Tensor, token_id: int, num_top: int, chosen: tuple[int, ...] | None = None
+) -> TokenLogprob:
+    """The sampled token's entry; its alternatives are the ``chosen`` ids' (vLLM's
+    logprob_token_ids, in the order asked) or else the ``num_top`` most likely."""
+    # logprobs: [vocab]
     top: tuple[tuple[int, float], ...] = ()
-    if num_top > 0:
-        values, ids = torch.topk(logprobs, num_top)
+    if chosen is not None:
+        values = logprobs[torch.tensor(chosen, dtype=torch.int64, device=logprobs.device)]
+        top = tuple(zip(chosen, values.tolist(), strict=True))
+    elif num_top > 0:  # the whole vocabulary at most (vLLM's -1 arrives as its size)
+        values, ids = torch.topk(logprobs, min(num_top, logprobs.shape[-1]))
         top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
     return TokenLogprob(token_id, float(logprobs[token_id]), top)
 
@@ -194,7 +202,7 @@ def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], num_top: int) -> 
     ranks = (logprobs > chosen[:, None]).sum(dim=1) + 1
     tops: list[tuple] = [()] * len(next_ids)
     if num_top > 0:
-        values, top_ids = torch.topk(logprobs, num_top, dim=-1)
+        values, top_ids = torch.topk(logprobs, min(num_top, logprobs.shape[-1]), dim=-1)
         tops = [tuple(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), values.tolist(), strict=True)]
     return [
         TokenLogprob(t, lp, top, rank)

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 from pdserve.protocol.codec import SIGNED
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # the API's largest count of alternatives, -1 (the whole vocabulary) aside
 MAX_LOGIT_BIAS = 100.0  # OpenAI: each bias in [-100, 100]
 
 
@@ -93,6 +93,9 @@ class SamplingParams:
     # vLLM: the log-probability of every prompt token after the first, with this many alternatives
     # (0: the token's own only). The node that computes the prompt sends them with the first token.
     prompt_logprobs: int | None = None
+    # vLLM: with logprobs, these tokens' log-probabilities at each output position stand in for
+    # the top alternatives (in this order); None: the top ``logprobs`` tokens
+    logprob_token_ids: tuple[int, ...] | None = None
     logit_bias: tuple[LogitBias, ...] = ()  # OpenAI; a {token_id: bias} mapping is accepted too
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM: sample only among these; None: all
     bad_words: tuple[str, ...] = ()  # vLLM: words the output may not contain (as tokens)
@@ -123,6 +126,8 @@ class SamplingParams:
             set_(self, "logit_bias", tuple(self.logit_bias or ()))
         if self.allowed_token_ids is not None:
             set_(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if self.logprob_token_ids is not None:
+            set_(self, "logprob_token_ids", tuple(self.logprob_token_ids))
         set_(self, "bad_words", tuple(self.bad_words or ()))
         self._validate()
         self._validate_rules()
@@ -148,10 +153,12 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        # No upper bound here: the router maps vLLM's -1 (the whole vocabulary) to the vocabulary's
+        # size and bounds the API's counts; the engine lists at most its logits' width.
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         if self.seed is not None and (
             not isinstance(self.seed, int)
             or isinstance(self.seed, bool)
@@ -172,6 +179,13 @@ class SamplingParams:
             not allowed or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in allowed)
         ):
             raise ValueError("allowed_token_ids must be a non-empty list of token ids (integers >= 0)")
+        chosen = self.logprob_token_ids
+        if chosen is not None and (
+            not chosen or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in chosen)
+        ):
+            raise ValueError("logprob_token_ids must be a non-empty list of token ids (integers >= 0)")
+        if chosen is not None and self.logprobs is None:
+            raise ValueError("logprob_token_ids needs logprobs")
         if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
             raise ValueError("bad_words must be non-empty strings")
         if self.guided_decoding is not None:

@@ -24,6 +24,12 @@ from pdserve.router.openai_schema import (
 from pdserve.router.structured import Structured, ToolCallPlan, check_token_rules, structured
 from pdserve.router.tokenizer import ChatTemplateError, Tokenizer
 
+# vLLM's -1 (prompt_logprobs, top_logprobs, completions' logprobs) lists the whole vocabulary at
+# every position. A response carries at most this many such entries (vocabulary size x positions
+# x samples): SmolLM2's 49,152 tokens at 21 positions, tens of megabytes of JSON. Past it: a 400
+# naming the field.
+MAX_WHOLE_VOCAB_ENTRIES = 1 << 20
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Prompt:
@@ -91,6 +97,7 @@ def _sampling_params(
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            logprob_token_ids=None if body.logprob_token_ids is None else tuple(body.logprob_token_ids),
             logit_bias=rules.logit_bias,
             allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
             bad_words=tuple(body.bad_words or ()),
@@ -168,16 +175,57 @@ def _check_common(body: _SamplingFields, max_n: int, tokenizer: Tokenizer) -> St
         raise bad_request(f"n must be <= {max_n}, got {body.n}", "n")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    if body.prompt_logprobs is not None and not 0 <= body.prompt_logprobs <= MAX_LOGPROBS:
-        raise bad_request(
-            f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {body.prompt_logprobs} "
-            "(-1, the whole vocabulary, is not supported)",
-            "prompt_logprobs",
-        )
     if body.truncation_side is not None and body.truncate_prompt_tokens is None:
         raise bad_request("truncation_side needs truncate_prompt_tokens", "truncation_side")
     check_token_rules(body, tokenizer.vocab_size)
+    _check_logprob_token_ids(body.logprob_token_ids, tokenizer.vocab_size)
     return structured(body, tokenizer)
+
+
+def _top_count(value: int | None, field: str, vocab_size: int) -> int | None:
+    """A count of alternatives as the engine takes it: -1 (vLLM's whole vocabulary) as its size."""
+    if value == -1:
+        return vocab_size
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(
+            f"{field} must be in [0, {MAX_LOGPROBS}] or -1 (the whole vocabulary), got {value}", field
+        )
+    return value
+
+
+def _check_whole_vocab(field: str, value: int | None, vocab_size: int, positions: int) -> None:
+    """A 400 naming ``field`` when its -1 lists more than MAX_WHOLE_VOCAB_ENTRIES entries."""
+    if value != -1 or vocab_size * positions <= MAX_WHOLE_VOCAB_ENTRIES:
+        return
+    raise bad_request(
+        f"{field}: -1 lists the whole vocabulary ({vocab_size} tokens) at {positions} positions, "
+        f"{vocab_size * positions} entries, more than the {MAX_WHOLE_VOCAB_ENTRIES} a response may "
+        "carry (MAX_WHOLE_VOCAB_ENTRIES); ask for fewer positions or a count in [0, 20]",
+        field,
+    )
+
+
+def _prompt_positions(prompts: tuple[Prompt, ...], n: int) -> int:
+    """Prompt positions scored across the response (each sample's choice may carry them)."""
+    return n * sum(len(p.token_ids) - 1 for p in prompts)
+
+
+def _output_positions(prompts: tuple[Prompt, ...], n: int, max_tokens: int | None, max_model_len: int) -> int:
+    """Output positions across the response at most (None: up to the context)."""
+    return n * sum(max_model_len - len(p.token_ids) if max_tokens is None else max_tokens for p in prompts)
+
+
+def _check_logprob_token_ids(ids: list[int] | None, vocab_size: int) -> None:
+    if ids is not None and (not ids or any(not 0 <= t < vocab_size for t in ids)):
+        raise bad_request(
+            f"logprob_token_ids must be a non-empty list of token ids in [0, {vocab_size})",
+            "logprob_token_ids",
+        )
+
+
+def _num_top(logprobs: int | None, chosen: list[int] | None) -> int | None:
+    """Alternatives listed per output token: the chosen ids' (logprob_token_ids) when given."""
+    return logprobs if logprobs is None or chosen is None else len(chosen)
 
 
 def _truncate(body: _SamplingFields, ids: tuple[int, ...], max_model_len: int) -> tuple[int, ...]:
@@ -197,11 +245,11 @@ def _truncate(body: _SamplingFields, ids: tuple[int, ...], max_model_len: int) -
     return ids[:k] if body.truncation_side == "right" else ids[len(ids) - k :]
 
 
-def _response_fields(body: _SamplingFields) -> dict[str, Any]:
-    """The Job fields both endpoints set from the body alike."""
+def _response_fields(body: _SamplingFields, prompt_logprobs: int | None) -> dict[str, Any]:
+    """The Job fields both endpoints set from the body alike (prompt_logprobs: -1 resolved)."""
     options = body.stream_options
     return {
-        "prompt_logprobs": body.prompt_logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "return_token_ids": bool(body.return_token_ids),
         # as vLLM: continuous_usage_stats without include_usage asks for no usage at all
         "continuous_usage": _include_usage(body) and bool(options and options.continuous_usage_stats),
@@ -244,14 +292,27 @@ def completion_job(body: CompletionBody, tokenizer: Tokenizer, max_model_len: in
     no_output = body.max_tokens == 0
     if no_output and body.min_tokens:
         raise bad_request("min_tokens must be 0 when max_tokens is 0", "min_tokens")
+    if body.logprob_token_ids is not None and body.logprobs is None:
+        raise bad_request("logprob_token_ids needs logprobs to be set", "logprob_token_ids")
+    if body.logprob_token_ids is not None and no_output:
+        raise bad_request(
+            "logprob_token_ids needs output tokens: max_tokens 0 generates none", "logprob_token_ids"
+        )
     max_tokens = 1 if no_output else body.max_tokens  # the nodes make one token; it is not returned
+    vocab = tokenizer.vocab_size
+    logprobs = _top_count(body.logprobs, "logprobs", vocab)
+    asked_prompt_logprobs = _top_count(body.prompt_logprobs, "prompt_logprobs", vocab)
     # echo with logprobs scores the echoed prompt too, as vLLM does (lm-eval's loglikelihood)
-    prompt_logprobs = body.prompt_logprobs
-    if body.echo and body.logprobs is not None:
-        prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
-    params = _sampling_params(body, max_tokens, body.logprobs, rules, prompt_logprobs)
+    prompt_logprobs = asked_prompt_logprobs
+    if body.echo and logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)
+    params = _sampling_params(body, max_tokens, logprobs, rules, prompt_logprobs)
     prompts = _completion_prompts(body, tokenizer, max_model_len)
     _check_fits(prompts, max_tokens, max_model_len, "prompt")
+    _check_whole_vocab("prompt_logprobs", body.prompt_logprobs, vocab, _prompt_positions(prompts, body.n))
+    echoed = _prompt_positions(prompts, body.n) if body.echo else 0
+    output = 0 if no_output else _output_positions(prompts, body.n, max_tokens, max_model_len)
+    _check_whole_vocab("logprobs", body.logprobs, vocab, echoed + output)
     return Job(
         False,
         tuple(prompts),
@@ -259,11 +320,11 @@ def completion_job(body: CompletionBody, tokenizer: Tokenizer, max_model_len: in
         max_tokens,
         body.stream,
         _include_usage(body),
-        body.logprobs,
+        _num_top(logprobs, body.logprob_token_ids),
         body.echo,
         body.return_tokens_as_token_ids,
         no_output=no_output,
-        **_response_fields(body),
+        **_response_fields(body, asked_prompt_logprobs),
     )
 
 
@@ -311,19 +372,23 @@ def _chat_job(
     rules = _check_common(body, max_n, tokenizer)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
-        raise bad_request(
-            f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}", "top_logprobs"
-        )
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    vocab = tokenizer.vocab_size
+    top_logprobs = _top_count(body.top_logprobs, "top_logprobs", vocab)
+    prompt_logprobs = _top_count(body.prompt_logprobs, "prompt_logprobs", vocab)
+    if body.logprob_token_ids is not None and not body.logprobs:
+        raise bad_request("logprob_token_ids needs logprobs to be true", "logprob_token_ids")
+    logprobs = (top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     try:
-        params = _sampling_params(body, max_tokens, logprobs, rules, body.prompt_logprobs)
+        params = _sampling_params(body, max_tokens, logprobs, rules, prompt_logprobs)
     except APIError as exc:
         if exc.param == "max_tokens" and body.max_completion_tokens is not None:
             exc.param = "max_completion_tokens"
         raise
     prompts = _chat_prompts(body, conversations, tokenizer, max_tokens, max_model_len, batched)
+    _check_whole_vocab("prompt_logprobs", body.prompt_logprobs, vocab, _prompt_positions(prompts, body.n))
+    output = _output_positions(prompts, body.n, max_tokens, max_model_len)
+    _check_whole_vocab("top_logprobs", body.top_logprobs, vocab, output)
     return Job(
         True,
         prompts,
@@ -331,12 +396,12 @@ def _chat_job(
         max_tokens,
         body.stream,
         _include_usage(body),
-        logprobs,
+        _num_top(logprobs, body.logprob_token_ids),
         False,
         body.return_tokens_as_token_ids,
         rules.tool_plan,
         batched=batched,
-        **_response_fields(body),
+        **_response_fields(body, prompt_logprobs),
     )
 
 

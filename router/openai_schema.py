@@ -138,6 +138,7 @@ class _SamplingFields(pydantic.BaseModel):
     guided_grammar: str | None = None  # vLLM extension: an EBNF (GBNF) or Lark grammar
     structured_outputs: StructuredOutputs | None = None  # vLLM: the guided_* fields' successor
     prompt_logprobs: LaxInt | None = None  # vLLM: top-N of every prompt position
+    logprob_token_ids: list[int] | None = None  # vLLM: these tokens' logprobs in place of the top-N
     return_token_ids: LaxBool | None = None  # vLLM: the prompt's and the output's token ids
     truncate_prompt_tokens: LaxInt | None = None  # vLLM: keep this many prompt tokens (-1: the context)
     truncation_side: Literal["left", "right"] | None = None  # vLLM: which end to cut (left: the start)
@@ -155,7 +156,6 @@ class _SamplingFields(pydantic.BaseModel):
     include_stop_str_in_output: Any = None
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
-    logprob_token_ids: Any = None
     priority: Any = None
     cache_salt: Any = None
     kv_transfer_params: Any = None
@@ -195,7 +195,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "include_stop_str_in_output": ((False,), "the output always ends before the stop string"),
     "skip_special_tokens": ((True,), "special tokens are always left out of the text"),
     "spaces_between_special_tokens": ((True,), "detokenization options are not implemented"),
-    "logprob_token_ids": ((), "logprobs of chosen token ids are not implemented; use logprobs"),
     "priority": ((0,), "request priorities are not implemented: requests run first come, first served"),
     "cache_salt": ((), "prefix-cache salting is not implemented"),
     "kv_transfer_params": ((), "KV transfer is the router's to arrange, not a request's"),

@@ -88,3 +88,49 @@ def test_prompt_logprobs_survive_preemption():
     out = _run(engine, {rid: (p, params) for rid, p in prompts.items()})
     for rid, prompt in prompts.items():
         _check_against_hf(path, prompt, out[rid][0], 2)
+
+
+def test_the_whole_vocabulary_and_chosen_token_ids_equal_hf_log_softmax():
+    """vLLM's -1 reaches the engine as the vocabulary's size (a larger count lists the whole
+    vocabulary too); logprob_token_ids lists those tokens, in the order asked, instead of the top."""
+    path = str(make_tiny_model("llama"))
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=32, block_size=8))
+    vocab = engine.model_config.vocab_size
+    prompt = [5, 9, 11, 40, 7]
+    chosen = (17, 3, 200)
+    requests = {
+        "vocab": (
+            prompt,
+            SamplingParams(temperature=0.0, max_tokens=3, logprobs=vocab, prompt_logprobs=vocab),
+        ),
+        "past": (prompt, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=vocab + 7)),
+        "chosen": (
+            prompt,
+            SamplingParams(temperature=0.0, max_tokens=3, logprobs=2, logprob_token_ids=chosen),
+        ),
+    }
+    out = _run(engine, requests)
+    _check_against_hf(path, prompt, out["vocab"][0], vocab)
+    _check_against_hf(path, prompt, out["past"][0], vocab)
+    whole_out, chosen_out = out["vocab"][1].outputs[0], out["chosen"][1].outputs[0]
+    output = whole_out.token_ids
+    assert chosen_out.token_ids == output
+    expected = torch.log_softmax(hf_logits(path, prompt + output), dim=-1)[len(prompt) - 1 :]  # [3+1, vocab]
+    for pos, (whole, picked) in enumerate(zip(whole_out.logprobs, chosen_out.logprobs, strict=True)):
+        row = expected[pos]
+        assert whole.token_id == picked.token_id == output[pos]
+        assert abs(picked.logprob - float(row[output[pos]])) < ATOL
+        assert sorted(t for t, _ in whole.top) == list(range(vocab))  # every token, best first
+        assert [v for _, v in whole.top] == pytest.approx(row.sort(descending=True).values.tolist(), abs=ATOL)
+        assert [t for t, _ in picked.top] == list(chosen)
+        assert [v for _, v in picked.top] == pytest.approx([float(row[t]) for t in chosen], abs=ATOL)
+
+
+def test_logprob_token_ids_outside_the_vocabulary_are_refused_by_the_engine():
+    path = str(make_tiny_model("llama"))
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=16, block_size=8))
+    vocab = engine.model_config.vocab_size
+    with pytest.raises(ValueError, match="logprob_token_ids"):
+        engine.validate([5, 9], SamplingParams(max_tokens=2, logprobs=0, logprob_token_ids=(vocab,)))
+    with pytest.raises(ValueError, match="logprob_token_ids needs logprobs"):
+        SamplingParams(logprob_token_ids=(1,))

@@ -34,6 +34,7 @@ EVERY_FIELD_SET = SamplingParams(
     ignore_eos=True,
     logprobs=5,
     prompt_logprobs=3,
+    logprob_token_ids=(4, 2),
     logit_bias=(LogitBias(token_id=5, bias=-100.0), LogitBias(token_id=9, bias=2.5)),
     allowed_token_ids=(1, 5, 9),
     bad_words=("foo", "bar baz"),

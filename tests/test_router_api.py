@@ -107,7 +107,16 @@ BAD_FIELDS = [
         {"prompt": "x", "structured_outputs": {"regex": "a"}, "guided_regex": "b"},
         "structured_outputs.regex",
     ),
-    ("/v1/completions", {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": -2}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x " * 40, "prompt_logprobs": -1}, "prompt_logprobs"),  # too many entries
+    ("/v1/completions", {"prompt": "x", "logprobs": -1, "max_tokens": 30}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 1, "logprob_token_ids": []}, "logprob_token_ids"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 1, "logprob_token_ids": [10**9]}, "logprob_token_ids"),
+    (
+        "/v1/completions",
+        {"prompt": "x", "logprobs": 1, "logprob_token_ids": [5], "echo": True, "max_tokens": 0},
+        "logprob_token_ids",
+    ),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 10**9}, "truncate_prompt_tokens"),
@@ -140,6 +149,12 @@ BAD_FIELDS = [
     ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages.0.role"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "logprobs": True, "top_logprobs": -1},
+        "top_logprobs",
+    ),  # up to the context
+    ("/v1/chat/completions", {**CHAT, "logprob_token_ids": [5]}, "logprob_token_ids"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
     (
         "/v1/chat/completions",

@@ -28,7 +28,8 @@ def llm() -> LLM:
         ({"stop": ["ok", 3]}, "stop"),
         ({"temperature": -1.0}, "temperature"),
         ({"n": 0}, "n"),
-        ({"logprobs": 99}, "logprobs"),
+        ({"logprobs": -2}, "logprobs"),  # vLLM's -1 reaches the engine as the vocabulary's size
+        ({"logprob_token_ids": (3,)}, "logprob_token_ids"),  # without logprobs
         ({"top_k": -5}, "top_k"),
         ({"min_p": 2.0}, "min_p"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),

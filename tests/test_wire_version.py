@@ -25,6 +25,7 @@ from pdserve.protocol.registry import VERSION_FIELD, NodeInfo, Role
 WIRE_DIGESTS = {
     5: "807ded81dd7e2f12",
     6: "423393a3a5508fd0",
+    7: "552a6bdcc1409b69",
 }
 
 
