@@ -285,19 +285,8 @@ def completion_job(body: CompletionBody, tokenizer: Tokenizer, max_model_len: in
     if (body.prompt is None or body.prompt in ("", [])) and not body.prompt_embeds:
         raise bad_request("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
     rules = _check_common(body, max_n, tokenizer)
-    if body.suffix:
-        raise bad_request("suffix is not supported", "suffix")
-    if body.best_of is not None and body.best_of != body.n:
-        raise bad_request("best_of must equal n (best-of sampling is not supported)", "best_of")
     no_output = body.max_tokens == 0
-    if no_output and body.min_tokens:
-        raise bad_request("min_tokens must be 0 when max_tokens is 0", "min_tokens")
-    if body.logprob_token_ids is not None and body.logprobs is None:
-        raise bad_request("logprob_token_ids needs logprobs to be set", "logprob_token_ids")
-    if body.logprob_token_ids is not None and no_output:
-        raise bad_request(
-            "logprob_token_ids needs output tokens: max_tokens 0 generates none", "logprob_token_ids"
-        )
+    _check_completion_fields(body, no_output)
     max_tokens = 1 if no_output else body.max_tokens  # the nodes make one token; it is not returned
     vocab = tokenizer.vocab_size
     logprobs = _top_count(body.logprobs, "logprobs", vocab)
@@ -309,10 +298,7 @@ def completion_job(body: CompletionBody, tokenizer: Tokenizer, max_model_len: in
     params = _sampling_params(body, max_tokens, logprobs, rules, prompt_logprobs)
     prompts = _completion_prompts(body, tokenizer, max_model_len)
     _check_fits(prompts, max_tokens, max_model_len, "prompt")
-    _check_whole_vocab("prompt_logprobs", body.prompt_logprobs, vocab, _prompt_positions(prompts, body.n))
-    echoed = _prompt_positions(prompts, body.n) if body.echo else 0
-    output = 0 if no_output else _output_positions(prompts, body.n, max_tokens, max_model_len)
-    _check_whole_vocab("logprobs", body.logprobs, vocab, echoed + output)
+    _check_completion_vocab(body, prompts, vocab, 0 if no_output else max_tokens, max_model_len)
     return Job(
         False,
         tuple(prompts),
@@ -326,6 +312,33 @@ def completion_job(body: CompletionBody, tokenizer: Tokenizer, max_model_len: in
         no_output=no_output,
         **_response_fields(body, asked_prompt_logprobs),
     )
+
+
+def _check_completion_fields(body: CompletionBody, no_output: bool) -> None:
+    """The completions fields refused, or refused in combination (``no_output``: max_tokens 0)."""
+    if body.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request("best_of must equal n (best-of sampling is not supported)", "best_of")
+    if no_output and body.min_tokens:
+        raise bad_request("min_tokens must be 0 when max_tokens is 0", "min_tokens")
+    if body.logprob_token_ids is not None and body.logprobs is None:
+        raise bad_request("logprob_token_ids needs logprobs to be set", "logprob_token_ids")
+    if body.logprob_token_ids is not None and no_output:
+        raise bad_request(
+            "logprob_token_ids needs output tokens: max_tokens 0 generates none", "logprob_token_ids"
+        )
+
+
+def _check_completion_vocab(
+    body: CompletionBody, prompts: tuple[Prompt, ...], vocab: int, max_tokens: int | None, max_model_len: int
+) -> None:
+    """The whole vocabulary (-1) at every position it is asked for, within the bound:
+    ``max_tokens`` 0 where no output is returned."""
+    _check_whole_vocab("prompt_logprobs", body.prompt_logprobs, vocab, _prompt_positions(prompts, body.n))
+    echoed = _prompt_positions(prompts, body.n) if body.echo else 0
+    output = 0 if max_tokens == 0 else _output_positions(prompts, body.n, max_tokens, max_model_len)
+    _check_whole_vocab("logprobs", body.logprobs, vocab, echoed + output)
 
 
 def _completion_prompts(body: CompletionBody, tokenizer: Tokenizer, max_model_len: int) -> tuple[Prompt, ...]:
@@ -370,14 +383,8 @@ def _chat_job(
     batched: bool = False,
 ) -> Job:
     rules = _check_common(body, max_n, tokenizer)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
     vocab = tokenizer.vocab_size
-    top_logprobs = _top_count(body.top_logprobs, "top_logprobs", vocab)
-    prompt_logprobs = _top_count(body.prompt_logprobs, "prompt_logprobs", vocab)
-    if body.logprob_token_ids is not None and not body.logprobs:
-        raise bad_request("logprob_token_ids needs logprobs to be true", "logprob_token_ids")
-    logprobs = (top_logprobs or 0) if body.logprobs else None
+    logprobs, prompt_logprobs = _chat_logprobs(body, vocab)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     try:
         params = _sampling_params(body, max_tokens, logprobs, rules, prompt_logprobs)
@@ -403,6 +410,17 @@ def _chat_job(
         batched=batched,
         **_response_fields(body, prompt_logprobs),
     )
+
+
+def _chat_logprobs(body: ChatBody, vocab: int) -> tuple[int | None, int | None]:
+    """(alternatives per output token, or None without logprobs; per prompt token, or None)."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+    if body.logprob_token_ids is not None and not body.logprobs:
+        raise bad_request("logprob_token_ids needs logprobs to be true", "logprob_token_ids")
+    top_logprobs = _top_count(body.top_logprobs, "top_logprobs", vocab)
+    prompt_logprobs = _top_count(body.prompt_logprobs, "prompt_logprobs", vocab)
+    return ((top_logprobs or 0) if body.logprobs else None), prompt_logprobs
 
 
 def _chat_prompts(
