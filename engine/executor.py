@@ -226,11 +226,17 @@ class Executor:
         if self.failure is not None:
             raise WorkerLost(self.failure)
         for w in self.workers:
-            try:
-                send_frame(w.sock, message)
-            except OSError as e:
-                self._fail(f"tensor-parallel rank {w.rank} unreachable ({e})")
-                raise WorkerLost(self.failure) from None
+            self._send(w, message)
+
+    def _send(self, w: _Worker, message: dict, fd: int | None = None) -> None:
+        """``message`` to one worker, with ``fd`` after it (SCM_RIGHTS) where given."""
+        try:
+            send_frame(w.sock, message)
+            if fd is not None:
+                socket.send_fds(w.sock, [b"f"], [fd])
+        except OSError as e:
+            self._fail(f"tensor-parallel rank {w.rank} unreachable ({e})")
+            raise WorkerLost(self.failure) from None
 
     def _guard(self, run: Callable[[], object]):
         start = time.monotonic()
@@ -265,7 +271,7 @@ class Executor:
         assert specs[0] == spec, (spec, specs[0])
         self.pools = [SharedPool(s) for s in specs]
         for w, pool, own in zip(self.workers, self.pools[1:], specs[1:], strict=True):
-            self._all_one(w, {"op": "allocate_kv", "spec": dataclasses.asdict(own)}, pool.fd)
+            self._send(w, {"op": "allocate_kv", "spec": dataclasses.asdict(own)}, pool.fd)
         self.runner.allocate_kv(spec, lambda s: self.pools[0].layer_caches())
         self.transfer_caches = [
             tuple(
@@ -273,14 +279,6 @@ class Executor:
             )
             for layer in range(spec.num_layers)
         ]
-
-    def _all_one(self, w: _Worker, message: dict, fd: int) -> None:
-        try:
-            send_frame(w.sock, message)
-            socket.send_fds(w.sock, [b"f"], [fd])
-        except OSError as e:
-            self._fail(f"tensor-parallel rank {w.rank} unreachable ({e})")
-            raise WorkerLost(self.failure) from None
 
     def profile(self, num_tokens: int, num_seqs: int, max_model_len: int) -> None:
         self._all({"op": "profile", "args": [num_tokens, num_seqs, max_model_len]})

@@ -394,7 +394,9 @@ class ModelRunner:
             context_lens=on["ends"],
             backend=self.attention_backend,
         )
-        prompt_rows = [(seq, first, num) for seq, (first, num) in zip(scored, plan.prompt_rows, strict=False)]
+        # rank 0 names the scored sequences; a worker (``follow``) reads the plan's rows itself
+        rows = plan.prompt_rows if scored else []
+        prompt_rows = [(seq, first, num) for seq, (first, num) in zip(scored, rows, strict=True)]
         return ModelInput(on["input_ids"], on["positions"], meta, on["logits_rows"], sampled, prompt_rows)
 
 
