@@ -26,7 +26,14 @@ from pdserve.engine.requests import Aborted, QueueFullError
 from pdserve.kv_transfer.receiver import KVReceiver, ReceivedKV
 from pdserve.kv_transfer.reservations import Reservation
 from pdserve.node.parts import NodeParts
-from pdserve.node.streams import Stream, engine_logprob, local_deadline, next_chunk, node_status
+from pdserve.node.streams import (
+    Stream,
+    beam_output,
+    engine_logprob,
+    local_deadline,
+    next_chunk,
+    node_status,
+)
 from pdserve.protocol.messages import AbortRequest, GenerateRequest
 from pdserve.protocol.reasons import FailureCode
 from pdserve.protocol.sampling_params import SamplingParams
@@ -171,13 +178,14 @@ class DecodeNode:
             self.engine.abort_request(rid)
             self.log("kv_dropped", rid, reason="no reply address")
             return
-        num_prompt_tokens = len(self.engine.requests[rid].prompt_token_ids)
+        request = self.engine.requests[rid]
         stream = Stream(
             rid,
             meta.reply_addr,
-            num_prompt_tokens,
+            len(request.prompt_token_ids),
             local_deadline(meta.deadline, self.opts.request_ttl_s),
-            num_sent=1,
+            # the prefill node reported the first token, but not a beam search's: its beams answer here
+            num_sent=0 if request.search is not None else 1,
             num_cached_tokens=received.prefill_cached_tokens,
         )
         stream.timings = meta.timings.known()  # wall clocks of one host (or NTP-close hosts):
@@ -187,7 +195,11 @@ class DecodeNode:
         self.streams[rid] = stream
         self.log("kv_adopted", rid, blocks_reused=received.num_held_blocks, bytes=received.bytes_received)
         first_logprob = engine_logprob(received.first_logprobs) if received.first_logprobs else None
-        for out in self.engine.kv_connector.kv_arrived(rid, received.first_token, first_logprob):
+        try:
+            outputs = self.engine.kv_connector.kv_arrived(rid, received.first_token, first_logprob)
+        except ValueError as exc:  # what the prefill node sent cannot start it
+            return self._fail(rid, FailureCode.KV_TRANSFER, str(exc))
+        for out in outputs:
             self._emit(out)
 
     def _abort(self, request_id: str, reason: str) -> None:
@@ -219,6 +231,8 @@ class DecodeNode:
         is_first = stream.num_sent == 0
         prompt_logprobs = out.prompt_logprobs if is_first else None  # prefilled here (else None)
         chunk = next_chunk(stream, out.outputs[0], self.opts.node_id, is_first, prompt_logprobs)
+        if chunk is not None and len(out.outputs) > 1:  # a beam search's answer: every beam at once
+            chunk = dataclasses.replace(chunk, beams=tuple(beam_output(o) for o in out.outputs[1:]))
         if chunk is not None:
             self.runtime.reply(stream.reply_addr, chunk)
         if out.finished:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.requests import RemoteReservation, Request
-from pdserve.engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from pdserve.engine.sequence import BeamCandidates, Sequence, SequenceStatus, TokenLogprob
 from pdserve.protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class KVConnector:
         queue is full."""
         if self._on_granted is None:
             raise RuntimeError("reserve needs an on_granted callback to hand grants to")
-        if params.n != 1:
+        if params.n != 1 and params.beam_search is None:
             raise ValueError("n: requests prefilled elsewhere take n == 1")
         engine = self._engine
         max_tokens = engine.admit(request_id, prompt_token_ids, params)
@@ -56,7 +56,8 @@ class KVConnector:
             arrival_time=time.monotonic(),
             max_tokens=max_tokens,
         )
-        engine.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [seq])
+        search = engine.search_for(params)
+        engine.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [seq], search)
         engine.scheduler.add_remote(seq)
         return len(engine.scheduler.waiting) - 1
 
@@ -79,12 +80,21 @@ class KVConnector:
     ) -> list[RequestOutput]:
         """The reserved request's prompt KV landed, with the first token the other node sampled
         (and its logprobs). It decodes from the next step; returns its output at once when that
-        first token already ends it."""
+        first token already ends it. A beam search's first step takes its candidates from those
+        logprobs (the other node listed them all) in place of the token."""
         engine = self._engine
         request = engine.requests[request_id]
         seq = request.seqs[0]
         assert seq.status is SequenceStatus.WAITING_FOR_KV, f"{request_id} is {seq.status}"
         engine.scheduler.kv_arrived(seq)
+        if request.search is not None:
+            if first_logprob is None or len(first_logprob.top) < request.search.num_candidates:
+                raise ValueError("a beam search's prompt came without its first step's candidates")
+            seq.beam_candidates = BeamCandidates(
+                tuple(t for t, _ in first_logprob.top), tuple(v for _, v in first_logprob.top)
+            )
+            engine.advance_beams(request)
+            return [engine.output(request)] if request.finished else []
         engine.take_token(seq, first_token, first_logprob)
         return [engine.output(request)] if seq.is_finished else []
 

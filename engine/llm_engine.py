@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from pdserve.engine.beam_search import BeamSearch, candidates_of, fork_beams, num_candidates, stop_ids_of
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cpu_share import CpuShare
@@ -163,6 +164,8 @@ class LLMEngine:
             self.block_manager,
             self.tokenizer,
             self.sampler.rules,
+            self.config.max_num_seqs,
+            tuple(self.model_config.eos_token_ids),
         )
 
     def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -193,22 +196,43 @@ class LLMEngine:
         if resume_output_ids:
             check_resume(resume_output_ids, params, max_tokens, prefill_only, self.model_config.vocab_size)
         request_max_tokens = max_tokens
+        seq_params = params
         if prefill_only:
-            if params.n != 1:
+            if params.beam_search is not None:
+                seq_params = self._first_beam_step(params)
+            elif params.n != 1:
                 raise ValueError("n: prefill-only requests take n == 1")
             max_tokens = 1
         seq = Sequence(
             request_id,
             [*prompt_token_ids, *resume_output_ids],
             len(prompt_token_ids),
-            params,
+            seq_params,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             max_tokens=max_tokens,
             hold_kv=prefill_only,
             request_max_tokens=request_max_tokens,
         )
-        self.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [seq])
+        self.requests[request_id] = Request(
+            request_id, list(prompt_token_ids), seq_params, [seq], self.search_for(params, prefill_only)
+        )
         self.scheduler.add(seq)
+
+    def search_for(self, params: SamplingParams, prefill_only: bool = False) -> BeamSearch | None:
+        """A beam-search request's search (none where only its prompt runs here)."""
+        if params.beam_search is None or prefill_only:
+            return None
+        return BeamSearch(params, self.model_config.eos_token_ids, self.max_model_len)
+
+    def _first_beam_step(self, params: SamplingParams) -> SamplingParams:
+        """A beam-search prompt that runs here for another engine: its first token's logprobs list
+        every candidate the search's first step needs (the other engine takes them from the KV
+        transfer's first logprobs), and no token ends it here."""
+        stop_ids = stop_ids_of(params, self.model_config.eos_token_ids)
+        num_top = max(num_candidates(params, len(stop_ids)), params.logprobs or 0)
+        return dataclasses.replace(
+            params, n=1, beam_search=None, logprobs=num_top, ignore_eos=True, stop_token_ids=()
+        )
 
     def has_work(self) -> bool:
         """Anything for the next step: a request to compute, or a queued remote one it may grant
@@ -241,6 +265,8 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        if request.search is not None:
+            request.search.done = True
         return Aborted.KV_INBOUND if inbound else Aborted.LOCAL
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -337,12 +363,16 @@ class LLMEngine:
             picked = [first_rows[r] for r in rows]
             logits = all_logits[torch.tensor(picked, dtype=torch.int64, device=self.device)]
         touched: dict[str, Request] = {}
+        logits, seqs = self._take_beam_rows(logits, seqs, touched)
         self._sample(logits, seqs, touched)
         if drafted:
             assert self.speculator is not None  # only a speculator drafts
             sample = lambda rows, sequences: self._sample(rows, sequences, touched)  # noqa: E731
             self.speculator.verify(all_logits, drafted, sample, self.block_manager)
-        outputs = [self.output(r) for r in touched.values()]
+        for request in touched.values():
+            if request.search is not None:
+                self.advance_beams(request)
+        outputs = [self.output(r) for r in touched.values() if r.search is None or r.finished]
         seconds = time.perf_counter() - start
         self.step_stats.observe(*tokens, seconds)
         if tokens[0]:  # a step with prompt tokens: what the budget of the next chunk follows
@@ -350,6 +380,63 @@ class LLMEngine:
         elif self.speculator is not None:  # a decode step: what a draft row costs
             self.speculator.observe_step(tokens[1], seconds)
         return outputs
+
+    def _take_beam_rows(
+        self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, Request]
+    ) -> tuple[torch.Tensor, list[Sequence]]:
+        """Beams' rows become their candidates; the rest of ``logits`` and ``seqs`` are sampled."""
+        beam_rows = [r for r, s in enumerate(seqs) if self.requests[s.request_id].search is not None]
+        if not beam_rows:
+            return logits, seqs
+        beams = [seqs[r] for r in beam_rows]
+        num = max(self.requests[b.request_id].search.num_candidates for b in beams)  # type: ignore[union-attr]
+        num = max(num, *(b.params.logprobs or 0 for b in beams))
+        index = torch.tensor(beam_rows, dtype=torch.int64, device=logits.device)
+        for beam, cands in zip(beams, candidates_of(logits[index], num), strict=True):
+            beam.beam_candidates = cands
+            touched[beam.request_id] = self.requests[beam.request_id]
+        taken = set(beam_rows)
+        rest = [r for r in range(len(seqs)) if r not in taken]
+        keep = torch.tensor(rest, dtype=torch.int64, device=logits.device)
+        return logits[keep], [seqs[r] for r in rest]
+
+    def advance_beams(self, request: Request) -> None:
+        """One step of the request's search once every running beam has its candidates; at its
+        end the answer (the best finished beams) takes the beams' place."""
+        search = request.search
+        assert search is not None
+        beams = request.seqs
+        if search.done or any(b.beam_candidates is None for b in beams):
+            return
+        if beams[0].num_output_tokens == 0:  # the prompt: its hit is every beam's
+            request.num_cached_tokens = beams[0].num_cached_tokens
+        extensions = search.advance(beams)
+        request.seqs = fork_beams(beams, extensions, self.block_manager, self.scheduler)
+        if search.done:
+            self._answer_beams(request)
+
+    def _answer_beams(self, request: Request) -> None:
+        search = request.search
+        assert search is not None
+        search.done = True
+        running = [s for s in request.seqs if not s.is_finished]
+        answer = search.results(running)
+        for seq in running:
+            self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        request.seqs = [
+            Sequence(
+                request.request_id,
+                hyp.token_ids,
+                len(request.prompt_token_ids),
+                request.params,
+                index=index,
+                status=hyp.status,
+                finish_status=hyp.status,
+                logprobs=hyp.logprobs,
+                num_cached_tokens=request.num_cached_tokens,
+            )
+            for index, hyp in enumerate(answer)
+        ]
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, Request]) -> None:
         """Draw each sequence's next token from its row of ``logits``, append it, check the stop rules."""
@@ -401,6 +488,6 @@ class LLMEngine:
             request.prompt_token_ids,
             outputs,
             finished,
-            first.num_cached_tokens,
+            first.num_cached_tokens if request.search is None else request.num_cached_tokens,
             list(first.prompt_logprobs) if scored else None,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from pdserve.engine.beam_search import BeamSearch, num_candidates, stop_ids_of
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.logits_rules import LogitsRules
 from pdserve.engine.scheduler import Scheduler
@@ -49,9 +50,14 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]  # one until the prompt is prefilled, then n (forks share its blocks)
+    # beam search: the search; ``seqs`` are its running beams, then (once it is done) its answer
+    search: BeamSearch | None = None
+    num_cached_tokens: int = 0  # beam search: the prompt's prefix-cache hit (its beams are forks)
 
     @property
     def finished(self) -> bool:
+        if self.search is not None:
+            return self.search.done
         return len(self.seqs) == self.params.n and all(s.status.done for s in self.seqs)
 
 
@@ -63,6 +69,8 @@ def check_request(
     block_manager: BlockManager,
     tokenizer,
     rules: LogitsRules | None,
+    max_num_seqs: int,
+    eos_token_ids: tuple[int, ...],
 ) -> int:
     """A request's resolved max_tokens; ValueError naming the field it cannot be served for."""
     num_prompt = len(prompt_token_ids)
@@ -87,6 +95,8 @@ def check_request(
             f"prompt: {num_prompt} tokens + max_tokens {max_tokens} need {blocks} KV blocks, "
             f"more than this engine's {block_manager.num_blocks}"
         )
+    if params.beam_search is not None:
+        _check_beams(params, num_prompt, max_tokens, vocab_size, block_manager, max_num_seqs, eos_token_ids)
     chosen = params.logprob_token_ids or ()
     if any(not 0 <= t < vocab_size for t in chosen):
         raise ValueError(f"logprob_token_ids: token ids must be integers in [0, {vocab_size})")
@@ -97,6 +107,31 @@ def check_request(
             raise ValueError("logits rules (guided decoding, logit_bias, ...) are off on this engine")
         rules.check(params)
     return max_tokens
+
+
+def _check_beams(
+    params: SamplingParams,
+    num_prompt: int,
+    max_tokens: int,
+    vocab_size: int,
+    block_manager: BlockManager,
+    max_num_seqs: int,
+    eos_token_ids: tuple[int, ...],
+) -> None:
+    """Beams advance together, so all n must fit this engine at once: slots, and blocks for the
+    prompt and n outputs (each with a block of its own that copy-on-write may take)."""
+    n = params.n
+    if n > max_num_seqs:
+        raise ValueError(f"n: {n} beams exceed this engine's {max_num_seqs} sequences at a time")
+    if num_candidates(params, len(stop_ids_of(params, eos_token_ids))) > vocab_size:
+        raise ValueError(f"n: {n} beams need more candidates per step than the vocabulary's {vocab_size}")
+    need = block_manager.blocks_needed(num_prompt) + n * (block_manager.blocks_needed(max_tokens) + 1)
+    spare = block_manager.num_blocks - max(1, block_manager.num_blocks // 100)  # the scheduler's watermark
+    if need > spare:
+        raise ValueError(
+            f"n: {n} beams of a {num_prompt}-token prompt and max_tokens {max_tokens} need {need} KV "
+            f"blocks at once, more than this engine's {spare}"
+        )
 
 
 def check_resume(
@@ -123,7 +158,7 @@ def expand_forks(
         rows.append(row)
         seqs.append(seq)
         request = requests[seq.request_id]
-        if seq.num_output_tokens == 0 and len(request.seqs) < seq.params.n:
+        if request.search is None and seq.num_output_tokens == 0 and len(request.seqs) < seq.params.n:
             for index in range(1, seq.params.n):
                 child = Sequence(
                     seq.request_id,

@@ -156,6 +156,9 @@ class Scheduler:
         granted: list[Sequence] = []
         if not preempted:
             self._schedule_waiting(budget, scheduled, copies, granted)
+        if not scheduled and not granted and self._only_waiting_beams():
+            preempted += self._preempt_all()
+            self._schedule_waiting(budget, scheduled, copies, granted)
         scheduled.sort(key=lambda s: s.num_new_tokens > 1)  # decode rows first (stable)
         out = SchedulerOutput(scheduled, copies, preempted, granted)
         self._stalled = not scheduled and not granted
@@ -207,6 +210,8 @@ class Scheduler:
                 prompts_wait = True
                 i += 1
                 continue
+            if seq.params.beam_search is not None and not self._beams_fit(i, watermark):
+                break
             # A hit never covers the last token: it must run to produce logits. Nor any prompt token
             # whose log-probability is still to be reported: those positions are computed again.
             limit = 0 if seq.needs_prompt_logprobs else (seq.num_tokens - 1) // bm.block_size
@@ -232,9 +237,52 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
 
+    def _beams_fit(self, i: int, watermark: int) -> bool:
+        """A beam search's waiting beams come back together or not at all: beams advance in step,
+        and some admitted while the rest wait would hold blocks the rest need. Counts the blocks
+        their recompute takes (fresh ones, and cached ones that leave the free pool) and slots;
+        when they fit, the head's siblings move up behind it, to be admitted next."""
+        bm, head = self.block_manager, self.waiting[i]
+        beams = [s for s in self.waiting if s.request_id == head.request_id]
+        if len(beams) == 1:
+            return True  # the usual checks decide
+        num_fresh, cached = 0, set[int]()
+        for seq in beams:
+            block_ids, _ = bm.match_prefix(seq.token_ids, (seq.num_tokens - 1) // bm.block_size)
+            num_fresh += bm.blocks_needed(seq.num_tokens) - len(block_ids)
+            cached.update(b for b in block_ids if bm.blocks[b].ref_count == 0)
+        fits = num_fresh + len(cached) + watermark <= bm.num_free_blocks
+        if not fits or self.num_seqs + len(beams) > self.max_num_seqs:
+            return False
+        siblings = [s for s in beams if s is not head]
+        for seq in siblings:
+            self.waiting.remove(seq)
+        for k, seq in enumerate(siblings, start=i + 1):
+            self.waiting.insert(k, seq)
+        return True
+
+    def _only_waiting_beams(self) -> bool:
+        """Every running sequence is a beam whose row is computed, waiting for a preempted sibling
+        (engine/beam_search.py) that cannot be admitted while they hold their blocks."""
+        return (
+            bool(self.running)
+            and bool(self.waiting)
+            and all(s.num_uncomputed_tokens == 0 for s in self.running)
+        )
+
+    def _preempt_all(self) -> list[Sequence]:
+        """Drop every running sequence back to WAITING, newest first (they recompute from the
+        prefix cache), so that the waiting head can be admitted."""
+        victims = self.running[::-1]
+        self.running.clear()
+        for seq in victims:
+            self._preempt(seq)
+        return victims
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.draft_token_ids = []
+        seq.beam_candidates = None  # a beam recomputes its row
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

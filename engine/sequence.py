@@ -50,6 +50,15 @@ class TokenLogprob:
     rank: int | None = None  # prompt tokens: 1 + how many tokens were more likely (vLLM's rank)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class BeamCandidates:
+    """A beam's next-token choices from its latest logits row (engine/beam_search.py): the most
+    likely tokens and their log-probabilities, most likely first."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+
 _seq_counter = itertools.count()
 
 
@@ -83,6 +92,10 @@ class Sequence:
     finish_status: SequenceStatus | None = None  # how it ended (a held sequence's, once released)
     # speculative decoding: tokens proposed after token_ids for this step to verify (engine/speculation.py)
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # beam search: the summed log-probability of its output tokens, and its next-token choices
+    # once its row is computed (None until then, and again once the search used them)
+    beam_score: float = 0.0
+    beam_candidates: BeamCandidates | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -178,8 +178,9 @@ class Speculator:
             if seq.num_uncomputed_tokens != 1:
                 continue
             num_decodes += 1
-            # a grammar's state moves a token at a time; a prefill-only request ends at one token
-            if seq.params.has_logits_rules or seq.hold_kv:
+            # a grammar's state moves a token at a time; a prefill-only request ends at one token;
+            # beams fork every step (engine/beam_search.py)
+            if seq.params.has_logits_rules or seq.hold_kv or seq.params.beam_search is not None:
                 continue
             k = min(self.draft_length(seq), max_len - seq.num_tokens)
             if k > 0:

@@ -10,7 +10,7 @@ from pdserve.engine.outputs import CompletionOutput
 from pdserve.engine.sequence import TokenLogprob
 from pdserve.node.options import NodeOptions
 from pdserve.protocol.fingerprint import KVFingerprint
-from pdserve.protocol.messages import StageTimings, TokenChunk, TokenLogprobs
+from pdserve.protocol.messages import BeamOutput, StageTimings, TokenChunk, TokenLogprobs
 from pdserve.protocol.registry import NodeInfo
 
 
@@ -63,6 +63,16 @@ def next_chunk(
         timings=timings,
         prompt_logprobs=tuple(wire_logprob(lp) for lp in prompt_logprobs or ()),
         position=position,
+    )
+
+
+def beam_output(out: CompletionOutput) -> BeamOutput:
+    """A finished beam besides the best one (TokenChunk.beams)."""
+    assert out.finish_reason is not None, "a beam is answered once it has finished"
+    return BeamOutput(
+        token_ids=tuple(out.token_ids),
+        logprobs=tuple(wire_logprob(lp) for lp in out.logprobs or ()),
+        finish_reason=out.finish_reason,
     )
 
 

@@ -151,10 +151,12 @@ class PrefillNode:
         stream.timings["prefill_compute"] = round(now - started, 6)
         # the engine says whether the request goes on on the decode node (the first token did not
         # end it): then the first chunk carries no finish reason
-        first = (
-            completion if not completion.continues else dataclasses.replace(completion, finish_reason=None)
-        )
-        if not completion.continues:
+        # A beam search always goes on: its first step is the decode node's, from the candidates
+        # the first token's logprobs list; the router hears of it only from there.
+        beams = pending.params.beam_search is not None
+        continues = completion.continues or beams
+        first = completion if not continues else dataclasses.replace(completion, finish_reason=None)
+        if not continues:
             chunk = next_chunk(stream, first, self.opts.node_id, True, out.prompt_logprobs)
             assert chunk is not None  # nothing was sent yet: the first token is new
             self.runtime.reply(stream.reply_addr, chunk)
@@ -185,13 +187,14 @@ class PrefillNode:
             ),
             wire_logprob(completion.logprobs[0]) if completion.logprobs else None,
         )
-        shipment = Shipment(kv, pending.decode_addr, FirstToken(stream.reply_addr, first_chunk))
+        report = None if beams else FirstToken(stream.reply_addr, first_chunk)
+        shipment = Shipment(kv, pending.decode_addr, report)
         if not self.shipper.submit(shipment):
             self.engine.kv_connector.release(rid)  # no transfer reads them
             self._fail(rid, FailureCode.OVERLOADED, "too many KV transfers queued for that decode node")
 
     def _settle(self, outcome: Granted | Outcome) -> None:
-        if isinstance(outcome, Granted) or outcome.first_token_sent:
+        if outcome.first_token_sent:
             # the worker sent the first token: the engine knows the request may not retry elsewhere
             self.engine.kv_connector.note_first_token_sent(outcome.request_id)
         if isinstance(outcome, Granted):

@@ -56,6 +56,7 @@ class Granted:
     """The decode node holds blocks for the request: its first token may go to the router."""
 
     request_id: str
+    first_token_sent: bool = True  # False: the shipment had no first token to report (a beam search)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -213,7 +214,7 @@ class Shipper:
                 self._log("first_token_sent", job.request_id, cached_tokens=job.kv.num_cached_tokens)
             else:
                 self._log("reply_dropped", job.request_id, reply_addr=job.first.reply_addr)
-        self.outcomes.put(Granted(job.request_id))
+        self.outcomes.put(Granted(job.request_id, job.first is not None))
 
     def _ship(self, sender: KVSender, job: Shipment, replies: PushChannels) -> Outcome:
         granted = []

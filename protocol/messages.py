@@ -40,6 +40,15 @@ class TokenLogprobs:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class BeamOutput:
+    """One more finished beam of a beam-search request (TokenChunk.beams)."""
+
+    token_ids: tuple[int, ...]  # its whole output
+    logprobs: tuple[TokenLogprobs, ...]  # one per token when asked for, else empty
+    finish_reason: FinishReason
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class StageTimings:
     """Where a request's time went on the nodes, each stage set by the node that saw it (None where
     the request did not pass through it); the router observes them in its stage histogram."""
@@ -117,6 +126,9 @@ class TokenChunk(Message):
     # where this chunk's tokens start in the request's output (a resumed request's count from
     # the tokens it resumed after): the router orders the prefill and decode nodes' chunks by it
     position: int = 0
+    # A beam-search request answers in one chunk, when the search is over: its tokens are the best
+    # beam's, these the others', best first (SamplingParams.n beams in all)
+    beams: tuple[BeamOutput, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

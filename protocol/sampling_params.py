@@ -74,6 +74,44 @@ class LogitBias:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class BeamSearch:
+    """Beam search over ``SamplingParams.n`` beams (engine/beam_search.py), scored as Hugging Face's
+    ``generate(num_beams=n)`` scores: a finished beam's score is its summed log-probability over
+    its length in generated tokens to the power ``length_penalty``."""
+
+    length_penalty: float = 1.0  # > 0 favours longer outputs, < 0 shorter ones
+    # True: stop once n beams have finished; False: also stop when no running beam can still beat
+    # the worst finished one at its present length (Hugging Face's heuristic)
+    early_stopping: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
+            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if not -10.0 <= self.length_penalty <= 10.0:
+            raise ValueError(f"length_penalty must be in [-10, 10], got {self.length_penalty}")
+
+
+# What beam search ranks by is the model's own log-probabilities: a field that reshapes or draws
+# from the distribution (or reads the text as it grows) has no meaning there. Each is refused by name.
+_NOT_WITH_BEAMS = {
+    "top_p": lambda p: p.top_p != 1.0,
+    "top_k": lambda p: p.top_k is not None,
+    "min_p": lambda p: p.min_p != 0.0,
+    "presence_penalty": lambda p: p.presence_penalty != 0.0,
+    "frequency_penalty": lambda p: p.frequency_penalty != 0.0,
+    "repetition_penalty": lambda p: p.repetition_penalty != 1.0,
+    "min_tokens": lambda p: p.min_tokens != 0,
+    "stop": lambda p: bool(p.stop),
+    "prompt_logprobs": lambda p: p.prompt_logprobs is not None,
+    "logprob_token_ids": lambda p: p.logprob_token_ids is not None,
+    "logit_bias": lambda p: bool(p.logit_bias),
+    "allowed_token_ids": lambda p: p.allowed_token_ids is not None,
+    "bad_words": lambda p: bool(p.bad_words),
+    "guided_decoding": lambda p: p.guided_decoding is not None,
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
     n: int = 1  # independent samples of the same prompt (they share its KV blocks)
     temperature: float = 1.0  # 0 means greedy
@@ -100,6 +138,8 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM: sample only among these; None: all
     bad_words: tuple[str, ...] = ()  # vLLM: words the output may not contain (as tokens)
     guided_decoding: GuidedDecoding | None = None  # the output follows a schema, regex, choice or grammar
+    # vLLM's use_beam_search: the n outputs are the n best beams (temperature 0), not n samples
+    beam_search: BeamSearch | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -131,6 +171,7 @@ class SamplingParams:
         set_(self, "bad_words", tuple(self.bad_words or ()))
         self._validate()
         self._validate_rules()
+        self._validate_beams()
 
     def _validate(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -197,6 +238,15 @@ class SamplingParams:
                 raise ValueError(
                     "min_tokens cannot be combined with guided decoding (the grammar ends the output)"
                 )
+
+    def _validate_beams(self) -> None:
+        if self.beam_search is None:
+            return
+        if self.temperature != 0.0:
+            raise ValueError("temperature: beam search ranks by the model's log-probabilities; send 0")
+        for name, is_set in _NOT_WITH_BEAMS.items():
+            if is_set(self):
+                raise ValueError(f"{name} cannot be combined with beam search")
 
     @property
     def has_logits_rules(self) -> bool:

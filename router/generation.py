@@ -281,7 +281,7 @@ async def _relay(
     resumed = start > 0
     num_tokens = 0
     first_token_time = 0.0
-    async for msg in _in_order(backend, route, queue, start):
+    async for msg in _in_order(backend, route, queue, start, _reply_timeout_s(backend.config, sample)):
         if isinstance(msg, pm.RequestFailed):
             if msg.retryable and num_tokens == 0:
                 # The prefill node reports the decode node's refusal: that one is to avoid.
@@ -303,8 +303,20 @@ async def _relay(
             return
 
 
+def _reply_timeout_s(config: RouterConfig, sample: Sample) -> float:
+    """How long an attempt waits for each reply. A beam search answers once, when the search is
+    over: it waits as long as the request may live (a node that dies is still seen at once)."""
+    if sample.params.beam_search is None:
+        return config.chunk_timeout_s
+    return max(config.chunk_timeout_s, sample.arrival_time + config.request_ttl_s - time.time())
+
+
 async def _in_order(
-    backend: Backend, route: Route, queue: asyncio.Queue[pm.TokenChunk | pm.RequestFailed], start: int
+    backend: Backend,
+    route: Route,
+    queue: asyncio.Queue[pm.TokenChunk | pm.RequestFailed],
+    start: int,
+    timeout_s: float,
 ) -> AsyncIterator[pm.TokenChunk | pm.RequestFailed]:
     """The attempt's replies in output order, from ``start`` (the tokens a migrated sample resumes
     after). The prefill and the decode node push on separate sockets, so a chunk may overtake an
@@ -315,7 +327,7 @@ async def _in_order(
     while True:
         msg: pm.TokenChunk | pm.RequestFailed | None = ahead.pop(expected, None)
         if msg is None:
-            msg = await _next_reply(backend, route, queue, after_tokens=expected > start)
+            msg = await _next_reply(backend, route, queue, expected > start, timeout_s)
             if isinstance(msg, pm.TokenChunk) and msg.position != expected:
                 if msg.position > expected:
                     ahead[msg.position] = msg
@@ -335,10 +347,14 @@ def _observe_end(
 
 
 async def _next_reply(
-    backend: Backend, route: Route, queue: asyncio.Queue[pm.TokenChunk | pm.RequestFailed], after_tokens: bool
+    backend: Backend,
+    route: Route,
+    queue: asyncio.Queue[pm.TokenChunk | pm.RequestFailed],
+    after_tokens: bool,
+    timeout_s: float,
 ) -> pm.TokenChunk | pm.RequestFailed:
-    """The next reply, or _Retry / APIError when none comes in time or a node leaves."""
-    deadline = time.monotonic() + backend.config.chunk_timeout_s
+    """The next reply, or _Retry / APIError when none comes in ``timeout_s`` or a node leaves."""
+    deadline = time.monotonic() + timeout_s
     waiting_on = [route.decode] if after_tokens or route.prefill is None else [route.prefill, route.decode]
     while True:
         remaining = deadline - time.monotonic()
@@ -346,7 +362,7 @@ async def _next_reply(
             if after_tokens:
                 raise APIError(
                     504,
-                    f"no output from {route.decode.node_id} for {backend.config.chunk_timeout_s:g} s",
+                    f"no output from {route.decode.node_id} for {timeout_s:g} s",
                     None,
                     "timeout",
                 )

@@ -11,7 +11,7 @@ import dataclasses
 import re
 from typing import Any
 
-from pdserve.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdserve.protocol.sampling_params import MAX_LOGPROBS, BeamSearch, SamplingParams
 from pdserve.router.errors import APIError, bad_request
 from pdserve.router.openai_schema import (
     UNSUPPORTED,
@@ -80,9 +80,10 @@ def _sampling_params(
         return default if value is None else value
 
     try:
+        beams = _beam_search(body)
         return SamplingParams(
             n=body.n,
-            temperature=given(body.temperature, 1.0),
+            temperature=_temperature(body.temperature, beams),
             top_p=given(body.top_p, 1.0),
             top_k=body.top_k,
             min_p=given(body.min_p, 0.0),
@@ -102,11 +103,33 @@ def _sampling_params(
             allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
             bad_words=tuple(body.bad_words or ()),
             guided_decoding=rules.guided,
+            beam_search=beams,
         )
     except ValueError as exc:
         match = _FIELD_RE.match(str(exc))
         param = "stop" if match and match.group(1) is None else (match.group(1) if match else None)
         raise bad_request(str(exc), param) from None
+
+
+def _beam_search(body: _SamplingFields) -> BeamSearch | None:
+    """use_beam_search and its options; ValueError naming an option sent without it."""
+    if not body.use_beam_search:
+        for name in ("length_penalty", "early_stopping"):
+            if getattr(body, name) is not None:
+                raise ValueError(f"{name} applies to beam search only: set use_beam_search")
+        return None
+    return BeamSearch(
+        length_penalty=1.0 if body.length_penalty is None else body.length_penalty,
+        early_stopping=bool(body.early_stopping),
+    )
+
+
+def _temperature(value: float | None, beams: BeamSearch | None) -> float:
+    """The request's temperature (1 when not sent). Beam search ranks by the model's own
+    log-probabilities, so it takes 0 or 1 (each leaves them as they are), sent or not."""
+    if beams is not None and value in (None, 0, 1):
+        return 0.0
+    return 1.0 if value is None else value
 
 
 def _check_unicode(value: Any, param: str) -> None:

@@ -150,9 +150,10 @@ class _SamplingFields(pydantic.BaseModel):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     session_id: str | None = None
+    use_beam_search: LaxBool = False  # vLLM: the n choices are the n best beams (engine/beam_search.py)
+    length_penalty: LaxFloat | None = None  # vLLM: beam search's length penalty (1.0)
+    early_stopping: LaxBool | None = None  # Hugging Face's: beam search stops once n beams finished
     # vLLM and OpenAI fields not implemented: only their no-op value passes (UNSUPPORTED says why).
-    use_beam_search: Any = None
-    length_penalty: Any = None
     include_stop_str_in_output: Any = None
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
@@ -190,8 +191,6 @@ class CompletionBody(_SamplingFields):
 
 # Field -> (the values that ask for nothing, why any other is refused). Absent or null always passes.
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "use_beam_search": ((False,), "beam search is not implemented; sample n completions instead"),
-    "length_penalty": ((1.0,), "length_penalty applies to beam search, which is not implemented"),
     "include_stop_str_in_output": ((False,), "the output always ends before the stop string"),
     "skip_special_tokens": ((True,), "special tokens are always left out of the text"),
     "spaces_between_special_tokens": ((True,), "detokenization options are not implemented"),

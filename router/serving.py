@@ -4,7 +4,8 @@ n > 1 (and a list of prompts) is split here into independent samples with ids
 ``f"{request_id}-{index}"``, each sent to the nodes with n == 1 and, when a seed is given,
 seed + i for the prompt's i-th sample (so a seeded request is reproducible, and its samples
 differ). Choice ``index`` = prompt index * n + i, as in OpenAI's API. Usage counts each
-prompt once and every sample's output tokens.
+prompt once and every sample's output tokens. A beam search is the exception: its n beams are one
+sample on one node (``f"{request_id}-{prompt index * n}"``), whose one answer carries every beam.
 
 A streamed answer only starts (status 200) once the first delta arrived: a request that fails
 before any token gets a plain error status, never a 200 with an empty body. A sample whose decode
@@ -27,6 +28,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.protocol import messages as pm
 from pdserve.protocol.reasons import FinishReason
 from pdserve.router import responses as rs
 from pdserve.router.admission import Admission, Stage, Ticket
@@ -90,15 +92,25 @@ class JobRun:
         n = self.job.params.n
         for p, prompt in enumerate(self.job.prompts):
             base = self.job.params_for(prompt, self._max_model_len)
+            beams = None  # a beam search: one sample, on one node, answers the prompt's n choices
+            if base.beam_search is not None:
+                beams = Sample(f"{self._sample_prefix}-{p * n}", prompt.token_ids, base, arrival)
             for i in range(n):
                 seed = None if base.seed is None else (base.seed + i + (1 << 63)) % (1 << 64) - (1 << 63)
                 params = dataclasses.replace(base, n=1, seed=seed)
                 index = p * n + i
-                sample = Sample(f"{self._sample_prefix}-{index}", prompt.token_ids, params, arrival)
+                sample = beams or Sample(f"{self._sample_prefix}-{index}", prompt.token_ids, params, arrival)
                 choices.append(
                     _Choice(index, p, sample, self._state(sample), prompt.token_ids, self._echo_text(prompt))
                 )
         return choices
+
+    def _groups(self) -> list[list[_Choice]]:
+        """The choices each sample answers: one, or a beam search's n."""
+        groups: dict[str, list[_Choice]] = {}
+        for choice in self.choices:
+            groups.setdefault(choice.sample.request_id, []).append(choice)
+        return list(groups.values())
 
     def _state(self, sample: Sample) -> SampleState:
         params = sample.params
@@ -119,7 +131,8 @@ class JobRun:
 
     def start(self) -> None:
         """Admit every sample (or raise 429 taking nothing) and start them."""
-        num = len(self.choices)
+        groups = self._groups()
+        num = len(groups)
         try:
             self._admission.admit(Stage.DECODE, num)
             try:
@@ -130,9 +143,9 @@ class JobRun:
         except APIError:
             self._backend.metrics.shed.labels(reason="inflight_limit").inc()
             raise
-        for choice in self.choices:
+        for group in groups:
             ticket = Ticket(self._admission, (Stage.DECODE, Stage.PREFILL))
-            self._tasks.append(asyncio.create_task(self._drive(choice, ticket)))
+            self._tasks.append(asyncio.create_task(self._drive(group, ticket)))
 
     def cancel(self) -> None:
         """Stop every sample (synchronous: safe in a cancelled scope); their nodes get aborts."""
@@ -146,36 +159,49 @@ class JobRun:
             self._events.get_nowait()
         self._events.put_nowait((0, error))
 
-    async def _drive(self, choice: _Choice, ticket: Ticket) -> None:
+    async def _drive(self, group: list[_Choice], ticket: Ticket) -> None:
+        index = group[0].index
         try:
-            await self._relay(choice, ticket)
+            await self._relay(group, ticket)
         except APIError as exc:
-            await self._events.put((choice.index, exc))
+            await self._events.put((index, exc))
         except Exception as exc:  # a bug: answer 500 rather than hang the client
-            log.exception("sample %s failed", choice.sample.request_id)
-            await self._events.put((choice.index, APIError(500, f"internal error: {exc}", None, "internal")))
+            log.exception("sample %s failed", group[0].sample.request_id)
+            await self._events.put((index, APIError(500, f"internal error: {exc}", None, "internal")))
         finally:
             ticket.release_all()
 
-    async def _relay(self, choice: _Choice, ticket: Ticket) -> None:
-        """Run the sample; streaming: every delta to ``events``; else only the last one."""
-        sample = choice.sample
+    async def _relay(self, group: list[_Choice], ticket: Ticket) -> None:
+        """Run the sample for its choices (a beam search answers n at once); streaming: every
+        delta to ``events``; else only the last one."""
+        sample = group[0].sample
+        running = list(group)
         runs = run_sample(self._backend, sample, ticket, replay_after_tokens=not self.job.stream)
         async with contextlib.aclosing(runs) as chunks:
             async for chunk in chunks:
                 if isinstance(chunk, Replay):  # nothing of it reached the client: start the sample over
-                    choice.state = self._state(sample)
-                    choice.logprobs = []
+                    for choice in group:
+                        choice.state = self._state(sample)
+                        choice.logprobs = []
                     continue
-                delta = choice.state.on_chunk(chunk)
-                if self.job.stream or delta.finish_reason is not None:
-                    await self._events.put((choice.index, delta))
-                if not self.job.stream:
-                    choice.logprobs.extend(delta.logprobs)
-                if delta.finish_reason is not None:
-                    self._count_tokens(choice)
+                for choice, part in zip(group, _beams_of(chunk, len(group)), strict=True):
+                    if choice in running and await self._deliver(choice, part):
+                        running.remove(choice)
+                if not running:
                     return
         raise APIError(502, "the node ended the sample without a finish reason", None, "node_error")
+
+    async def _deliver(self, choice: _Choice, chunk: pm.TokenChunk) -> bool:
+        """One chunk of the choice's sample to ``events``; True once the choice has finished."""
+        delta = choice.state.on_chunk(chunk)
+        if self.job.stream or delta.finish_reason is not None:
+            await self._events.put((choice.index, delta))
+        if not self.job.stream:
+            choice.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is None:
+            return False
+        self._count_tokens(choice)
+        return True
 
     def _count_tokens(self, choice: _Choice) -> None:
         metrics = self._backend.metrics
@@ -404,3 +430,18 @@ async def _stream(run: JobRun, first, events) -> AsyncIterator[str]:
         yield rs.SSE_DONE
     finally:
         run.cancel()
+
+
+def _beams_of(chunk: pm.TokenChunk, num_choices: int) -> tuple[pm.TokenChunk, ...]:
+    """A chunk as its choices see it: itself, or a beam search's answer as one chunk a beam."""
+    if num_choices == 1:
+        return (chunk,)
+    if len(chunk.beams) != num_choices - 1:
+        raise APIError(
+            502, f"the node answered {len(chunk.beams) + 1} of {num_choices} beams", None, "node_error"
+        )
+    others = (
+        dataclasses.replace(chunk, token_ids=b.token_ids, logprobs=b.logprobs, finish_reason=b.finish_reason)
+        for b in chunk.beams
+    )
+    return (dataclasses.replace(chunk, beams=()), *others)

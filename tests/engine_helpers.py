@@ -40,6 +40,36 @@ def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+@functools.cache
+def hf_eos_model(path: str) -> transformers.PreTrainedModel:
+    """The HF model as saved (its generation config's EOS kept), for beam search."""
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_beams(path, prompt: list[int], params: SamplingParams, eos: int | list[int] | None) -> list[list[int]]:
+    """Hugging Face's ``generate(num_beams=n)``: the n best beams' output tokens (through the EOS
+    that ended one), best first."""
+    assert params.beam_search is not None
+    with torch.no_grad():
+        out = hf_eos_model(str(path)).generate(
+            torch.tensor([prompt]),
+            num_beams=params.n,
+            num_return_sequences=params.n,
+            max_new_tokens=params.max_tokens,
+            length_penalty=params.beam_search.length_penalty,
+            early_stopping=params.beam_search.early_stopping,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
+    stops = set([eos] if isinstance(eos, int) else eos or [])
+    results = []
+    for row in out[:, len(prompt) :].tolist():
+        ends = [i for i, t in enumerate(row) if t in stops]
+        results.append(row[: ends[0] + 1] if ends else row)
+    return results
+
+
 def hf_logits(path: str, tokens: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     with torch.no_grad():
         return hf_model(str(path), dtype)(torch.tensor([tokens])).logits[0].float()  # [T, vocab]

@@ -20,9 +20,11 @@ import httpx
 import pytest
 import torch
 
+from pdserve.engine.config import ModelConfig
+from pdserve.protocol.sampling_params import BeamSearch, SamplingParams
 from pdserve.router.tokenizer import Tokenizer
 from tests.cluster import NodeProcess, RedisServer
-from tests.engine_helpers import hf_greedy, hf_logits
+from tests.engine_helpers import hf_beams, hf_greedy, hf_logits
 from tests.test_cluster_concurrent import _prompts, _stream
 from tests.test_router_cluster import RouterProcess, serving, tiny_model_with_tokenizer
 
@@ -628,3 +630,96 @@ def test_every_schema_field_is_honoured_or_refused_by_name(cluster, endpoint):
             assert reply.status_code == 200, (field, reply.text)
     unknown = httpx.post(routers["pd"].url + path, json={**base, "guided_regexp": "a+"}, timeout=60)
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "guided_regexp"
+
+
+def _beam_choices(router, path: str, body: dict, stream: bool) -> list[dict]:
+    """Each choice's token ids, text, logprobs and finish reason, by index, streamed or not."""
+    body = {**body, "return_token_ids": True}
+    if not stream:
+        return sorted(_post(router, path, body)["choices"], key=lambda c: c["index"])
+    merged: dict[int, dict] = {}
+    for event in _stream(router, path, body):
+        for choice in event["choices"]:
+            into = merged.setdefault(choice["index"], {"index": choice["index"], "token_ids": [], "text": ""})
+            into["token_ids"] += choice.get("token_ids") or []
+            into["text"] += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            into["logprobs"] = choice.get("logprobs") or into.get("logprobs")
+            into["finish_reason"] = choice.get("finish_reason") or into.get("finish_reason")
+    return [merged[i] for i in sorted(merged)]
+
+
+BEAM_CASES = [  # (prompt length, n, max_tokens, length_penalty, early_stopping, logprobs)
+    (12, 2, 8, None, None, None),
+    (40, 3, 10, 0.5, True, 2),
+    (9, 4, 6, None, False, None),
+    (25, 3, 9, -0.5, None, 1),
+]
+
+
+@pytest.mark.parametrize("router_name", ["pd", "decode_only"])
+def test_beam_search_equals_hf_num_beams_concurrently_streamed_or_not(cluster, router_name):
+    """use_beam_search: the n choices are HF's n best beams, best first, streamed or not, beside
+    ordinary requests; on the disaggregating router the prefill node runs the prompt and the
+    decode node forks the beams from the first step's candidates it sent."""
+    model, routers, nodes = cluster
+    router = routers[router_name]
+    eos = list(ModelConfig.from_path(str(model)).eos_token_ids)
+    prompts = _prompts(61, [case[0] for case in BEAM_CASES])
+    before = len(nodes["prefill"].events("request_added"))
+    jobs = []
+    for prompt, (_, n, max_tokens, penalty, early, logprobs) in zip(prompts, BEAM_CASES, strict=True):
+        body = {
+            "model": model.name,
+            "prompt": prompt,
+            "n": n,
+            "max_tokens": max_tokens,
+            "use_beam_search": True,
+        }
+        body |= {k: v for k, v in (("length_penalty", penalty), ("early_stopping", early)) if v is not None}
+        if logprobs is not None:
+            body |= {"logprobs": logprobs, "return_tokens_as_token_ids": True}
+        params = SamplingParams(
+            n=n,
+            temperature=0,
+            max_tokens=max_tokens,
+            beam_search=BeamSearch(
+                length_penalty=1.0 if penalty is None else penalty, early_stopping=bool(early)
+            ),
+        )
+        for stream in (False, True):
+            jobs.append((prompt, params, body, stream, logprobs))
+    greedy = {"model": model.name, "prompt": prompts[1], "max_tokens": 10, "temperature": 0}
+    with concurrent.futures.ThreadPoolExecutor(len(jobs) + 1) as pool:
+        futures = [pool.submit(_beam_choices, router, "/v1/completions", j[2], j[3]) for j in jobs]
+        plain = pool.submit(_post, router, "/v1/completions", {**greedy, "return_token_ids": True})
+        answers = [f.result() for f in futures]
+    assert plain.result()["choices"][0]["token_ids"] == hf_greedy(str(model), prompts[1], 10)
+    for (prompt, params, _, stream, logprobs), choices in zip(jobs, answers, strict=True):
+        expected = hf_beams(str(model), prompt, params, eos)
+        assert [c["token_ids"] for c in choices] == expected, (params, stream)
+        tokenizer = _tokenizer(model)
+        for choice, ids in zip(choices, expected, strict=True):
+            assert choice["text"] == tokenizer.decode(ids, skip_special_tokens=True)
+            assert choice["finish_reason"] == ("stop" if ids[-1] in eos else "length")
+        if logprobs is not None:  # the best beam's: HF's log_softmax along its path
+            entries = choices[0]["logprobs"]
+            rows = _output_rows(model, prompt, expected[0])
+            assert [_token_id(t) for t in entries["tokens"]] == expected[0]
+            for pos, token in enumerate(expected[0]):
+                assert abs(entries["token_logprobs"][pos] - float(rows[pos, token])) < ATOL
+                assert len(entries["top_logprobs"][pos]) in (logprobs, logprobs + 1)
+    disaggregated = len(nodes["prefill"].events("request_added")) - before
+    assert disaggregated == (2 * len(BEAM_CASES) + 1 if router_name == "pd" else 0)
+
+
+def test_chat_beam_search_answers_n_beams_of_the_templated_prompt(cluster):
+    model, routers, _ = cluster
+    messages = [{"role": "user", "content": "Name three colours."}]
+    ids = _hf_chat_ids(model, messages, add_generation_prompt=True)
+    params = SamplingParams(n=2, temperature=0, max_tokens=7, beam_search=BeamSearch())
+    eos = list(ModelConfig.from_path(str(model)).eos_token_ids)
+    body = {"model": model.name, "messages": messages, "n": 2, "max_tokens": 7, "use_beam_search": True}
+    for router in routers.values():
+        for stream in (False, True):
+            choices = _beam_choices(router, "/v1/chat/completions", body, stream)
+            assert [c["token_ids"] for c in choices] == hf_beams(str(model), ids, params, eos)

@@ -15,7 +15,7 @@ from pdserve.protocol import messages as pm
 from pdserve.protocol.codec import PROTOCOL_VERSION, ProtocolError
 from pdserve.protocol.messages import GenerateRequest, NodeStatus, RequestMeta, StageTimings
 from pdserve.protocol.registry import NodeInfo, Role
-from pdserve.protocol.sampling_params import GuidedDecoding, LogitBias, SamplingParams
+from pdserve.protocol.sampling_params import BeamSearch, GuidedDecoding, LogitBias, SamplingParams
 
 EVERY_FIELD_SET = SamplingParams(
     n=1,
@@ -41,6 +41,8 @@ EVERY_FIELD_SET = SamplingParams(
 )
 # guided decoding excludes ignore_eos and min_tokens, so it rides in a set of its own
 GUIDED = SamplingParams(temperature=0, guided_decoding=GuidedDecoding.json_schema({"type": "object"}))
+# beam search excludes sampling and the logits rules: a set of its own too
+BEAMS = SamplingParams(n=3, temperature=0, beam_search=BeamSearch(length_penalty=-0.5, early_stopping=True))
 FP = KVFingerprint(
     model_id="sha256:abc",
     dtype="float32",
@@ -71,6 +73,7 @@ def _generate(params: SamplingParams) -> GenerateRequest:
         EVERY_FIELD_SET,
         SamplingParams(temperature=0, seed=7),
         GUIDED,
+        BEAMS,
         SamplingParams(guided_decoding=GuidedDecoding.choice(["yes", "no"])),
     ],
 )
@@ -85,7 +88,7 @@ def test_every_sampling_field_is_exercised():
     unchanged = [
         f.name
         for f in dataclasses.fields(SamplingParams)
-        if all(getattr(p, f.name) == getattr(defaults, f.name) for p in (EVERY_FIELD_SET, GUIDED))
+        if all(getattr(p, f.name) == getattr(defaults, f.name) for p in (EVERY_FIELD_SET, GUIDED, BEAMS))
         and f.name != "n"
     ]
     assert unchanged == []

@@ -242,7 +242,9 @@ def test_chunks_are_relayed_by_their_output_position_and_repeats_dropped():
             registry=types.SimpleNamespace(is_alive=lambda node_id: True),
         )
         got = []
-        async for msg in _in_order(backend, types.SimpleNamespace(prefill=node, decode=node), queue, start):
+        async for msg in _in_order(
+            backend, types.SimpleNamespace(prefill=node, decode=node), queue, start, 5.0
+        ):
             got.append(msg.token_ids)
             if msg.finish_reason is not None:
                 return got
