@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -90,13 +90,33 @@ def _parameter(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+class LoRAHook(Protocol):
+    """A layer's LoRA adapters (engine/lora/layers.py): adds each row's ``x A^T B^T`` to ``y`` in
+    place, where the step has adapter rows."""
+
+    def add_(self, x: torch.Tensor, y: torch.Tensor) -> None: ...
+
+
+class RankRows(NamedTuple):
+    """One output part's rows on this rank (a part: a merged layer's k-th matrix, or q, k or v):
+    what an adapter's B is narrowed to, like the weight."""
+
+    whole: int  # the part's rows in the checkpoint, every rank's
+    start: int  # the first of them this rank computes
+    length: int  # how many it computes
+    at: int  # where they sit in this rank's output
+
+
 class Packable:
     """``x W^T (+ b)`` on this rank's W: F.linear, or oneDNN on a packed copy once ``pack`` has
-    run (kernels/cpu_linear.py's pack_linears, on the CPU), which drops the plain weight."""
+    run (kernels/cpu_linear.py's pack_linears, on the CPU), which drops the plain weight.
+    ``lora``: set by engine/lora on the qkv, gate_up, o and down projections when adapters are
+    enabled; None (the default) costs nothing."""
 
     packable = True
     packed_weight: torch.Tensor | None = None
     weight: Any
+    lora: LoRAHook | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed_weight is not None:
@@ -140,6 +160,7 @@ class MergedColumnParallelLinear(Packable, nn.Module):
     ) -> None:
         super().__init__()
         self.parallel = parallel
+        self.in_features = in_features
         self.shards = [
             parallel.shard(size, f"output features of part {k}") for k, size in enumerate(out_features)
         ]
@@ -160,8 +181,15 @@ class MergedColumnParallelLinear(Packable, nn.Module):
             f"part {shard}",
         )
 
+    def rank_rows(self, part: object) -> RankRows:
+        assert isinstance(part, int), part
+        return RankRows(self.fused_parts[part][1], *self.shards[part], self.offsets[part])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        y = self.matmul(x, self.bias)
+        if self.lora is not None:
+            self.lora.add_(x, y)
+        return y
 
 
 class QKVParallelLinear(Packable, nn.Module):
@@ -180,6 +208,7 @@ class QKVParallelLinear(Packable, nn.Module):
     ) -> None:
         super().__init__()
         check_tp_layout(num_kv_heads, parallel.tp_size)
+        self.in_features = hidden_size
         kv = kv_heads_of(num_kv_heads, parallel.tp_size, parallel.rank)
         q = query_heads_of(num_heads, num_kv_heads, parallel.tp_size, parallel.rank)
         q_start, self.num_heads = q.start, len(q)
@@ -204,9 +233,15 @@ class QKVParallelLinear(Packable, nn.Module):
         start, length, at = self.parts[str(shard)]
         _copy(param[at : at + length], narrow(full, 0, start, length), f"{shard} projection")
 
+    def rank_rows(self, part: object) -> RankRows:
+        return RankRows(dict(self.fused_parts)[str(part)], *self.parts[str(part)])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, (H + 2 KVH) / tp * D]
-        return self.matmul(x, self.bias)
+        y = self.matmul(x, self.bias)
+        if self.lora is not None:
+            self.lora.add_(x, y)
+        return y
 
 
 class RowParallelLinear(Packable, nn.Module):
@@ -225,6 +260,7 @@ class RowParallelLinear(Packable, nn.Module):
         output: the channels of the rank's query heads)."""
         super().__init__()
         self.parallel = parallel
+        self.in_features, self.out_features = in_features, out_features
         if columns is None:
             self.start, self.in_local = parallel.shard(in_features, "input features")
         else:
@@ -243,7 +279,10 @@ class RowParallelLinear(Packable, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in / tp] -> [T, out]
-        y = self.parallel.all_reduce(self.matmul(x))
+        y = self.matmul(x)
+        if self.lora is not None:  # the rank's partial x_r A_r^T B^T: the all-reduce sums them too
+            self.lora.add_(x, y)
+        y = self.parallel.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
