@@ -69,9 +69,11 @@ class BlockManager:
 
     # ----------------------------------------------------------------- prefix cache
     def match_prefix(
-        self, token_ids: list[int], max_blocks: int | None = None
+        self, token_ids: list[int], max_blocks: int | None = None, root: int | None = None
     ) -> tuple[list[int], list[int]]:
         """Leading full blocks of ``token_ids`` already cached: (block ids, their hashes).
+        ``root``: the chain's start (Sequence.cache_root: a request's adapter and cache salt),
+        so only requests with the same keys match.
 
         Read-only: take the blocks with ``take_prefix``. Stops at the first miss or at a hit
         whose stored tokens differ (a hash collision).
@@ -81,7 +83,7 @@ class BlockManager:
         limit = len(token_ids) // self.block_size if max_blocks is None else max_blocks
         block_ids: list[int] = []
         hashes: list[int] = []
-        parent: int | None = None
+        parent = root
         for i in range(limit):
             tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
             parent = hash_block(parent, tokens)
@@ -144,7 +146,7 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         for i in range(len(seq.block_hashes), num_full):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            parent = seq.block_hashes[i - 1] if i > 0 else None
+            parent = seq.block_hashes[i - 1] if i > 0 else seq.cache_root
             block_hash = hash_block(parent, tokens)
             seq.block_hashes.append(block_hash)
             block = self.blocks[seq.block_table[i]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import TYPE_CHECKING
 
 from pdserve.engine.beam_search import BeamSearch, num_candidates, stop_ids_of
 from pdserve.engine.block_manager import BlockManager
@@ -11,6 +12,9 @@ from pdserve.engine.logits_rules import LogitsRules
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.protocol.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.lora.registry import AdapterRegistry
 
 
 class QueueFullError(RuntimeError):
@@ -71,8 +75,10 @@ def check_request(
     rules: LogitsRules | None,
     max_num_seqs: int,
     eos_token_ids: tuple[int, ...],
+    adapters: AdapterRegistry | None = None,
 ) -> int:
-    """A request's resolved max_tokens; ValueError naming the field it cannot be served for."""
+    """A request's resolved max_tokens; ValueError naming the field it cannot be served for.
+    ``adapters``: the engine's served LoRA adapters (None: LoRA is off)."""
     num_prompt = len(prompt_token_ids)
     if num_prompt == 0:
         raise ValueError("prompt must not be empty")
@@ -97,6 +103,12 @@ def check_request(
         )
     if params.beam_search is not None:
         _check_beams(params, num_prompt, max_tokens, vocab_size, block_manager, max_num_seqs, eos_token_ids)
+    if params.adapter is not None:
+        if adapters is None:
+            raise ValueError(
+                f"adapter: LoRA adapters are not enabled on this engine (enable_lora; {params.adapter!r})"
+            )
+        adapters.check(params.adapter)
     chosen = params.logprob_token_ids or ()
     if any(not 0 <= t < vocab_size for t in chosen):
         raise ValueError(f"logprob_token_ids: token ids must be integers in [0, {vocab_size})")

@@ -215,7 +215,7 @@ class Scheduler:
             # A hit never covers the last token: it must run to produce logits. Nor any prompt token
             # whose log-probability is still to be reported: those positions are computed again.
             limit = 0 if seq.needs_prompt_logprobs else (seq.num_tokens - 1) // bm.block_size
-            block_ids, hashes = bm.match_prefix(seq.token_ids, limit)
+            block_ids, hashes = bm.match_prefix(seq.token_ids, limit, seq.cache_root)
             bm.take_prefix(seq, block_ids, hashes)
             # A remote prompt's KV all lands at once, and costs this node no compute: no budget.
             num_new = seq.num_uncomputed_tokens if remote else min(seq.num_uncomputed_tokens, budget)
@@ -248,7 +248,8 @@ class Scheduler:
             return True  # the usual checks decide
         num_fresh, cached = 0, set[int]()
         for seq in beams:
-            block_ids, _ = bm.match_prefix(seq.token_ids, (seq.num_tokens - 1) // bm.block_size)
+            limit = (seq.num_tokens - 1) // bm.block_size
+            block_ids, _ = bm.match_prefix(seq.token_ids, limit, seq.cache_root)
             num_fresh += bm.blocks_needed(seq.num_tokens) - len(block_ids)
             cached.update(b for b in block_ids if bm.blocks[b].ref_count == 0)
         fits = num_fresh + len(cached) + watermark <= bm.num_free_blocks

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import itertools
 
+from pdserve.protocol.block_hash import cache_root_of
 from pdserve.protocol.reasons import FinishReason
 from pdserve.protocol.sampling_params import SamplingParams
 
@@ -96,6 +97,11 @@ class Sequence:
     # once its row is computed (None until then, and again once the search used them)
     beam_score: float = 0.0
     beam_candidates: BeamCandidates | None = None
+
+    @property
+    def cache_root(self) -> int | None:
+        """Where its blocks' hash chain starts: its adapter's and cache salt's (None: neither)."""
+        return cache_root_of(self.params.adapter, self.params.cache_salt)
 
     @property
     def num_tokens(self) -> int:

@@ -12,7 +12,7 @@ import torch
 
 from pdserve.kv_transfer import tensors
 from pdserve.kv_transfer.messages import KVChunk, KVFingerprint, KVReserve
-from pdserve.protocol.block_hash import hash_full_blocks
+from pdserve.protocol.block_hash import cache_root_of, hash_full_blocks
 
 
 def reserve_problem(
@@ -33,7 +33,9 @@ def reserve_problem(
         return f"{len(msg.token_ids)} tokens can never fit in {pool_blocks} blocks", "token_ids"
     if not (math.isfinite(msg.ttl_s) and msg.ttl_s > 0):
         return "ttl_s must be positive", "ttl_s"
-    if list(msg.block_hashes) != hash_full_blocks(msg.token_ids, fingerprint.block_size):
+    params = msg.sampling_params
+    root = None if params is None else cache_root_of(params.adapter, params.cache_salt)
+    if list(msg.block_hashes) != hash_full_blocks(msg.token_ids, fingerprint.block_size, parent_hash=root):
         return "block hashes do not match the token ids", "block_hashes"
     return None
 

@@ -48,7 +48,7 @@ from pdserve.kv_transfer.messages import (
 )
 from pdserve.kv_transfer.sender_records import OutgoingTransfer, SenderConfig, TransferStats
 from pdserve.kv_transfer.staging import StagingRing, host_id, peer_is_local
-from pdserve.protocol.block_hash import hash_full_blocks
+from pdserve.protocol.block_hash import cache_root_of, hash_full_blocks
 from pdserve.protocol.channel import PeerChannel, PeerUnavailable
 from pdserve.protocol.channel_auth import ChannelAuth
 from pdserve.protocol.messages import RequestMeta
@@ -113,7 +113,9 @@ class KVSender:
         msg = KVReserve(
             request_id=request_id,
             token_ids=tuple(token_ids),
-            block_hashes=tuple(hash_full_blocks(token_ids, fp.block_size)),
+            block_hashes=tuple(
+                hash_full_blocks(token_ids, fp.block_size, parent_hash=_root(sampling_params))
+            ),
             fingerprint=fp,
             ttl_s=self.config.grant_timeout_s,
             wire_format=self.config.wire_format,
@@ -396,3 +398,8 @@ class KVSender:
         if error is not None:
             self._inbox.pop(request_id, None)
             raise error
+
+
+def _root(params: SamplingParams | None) -> int | None:
+    """The prompt's hash chain start: its adapter's and cache salt's (protocol.block_hash)."""
+    return None if params is None else cache_root_of(params.adapter, params.cache_salt)

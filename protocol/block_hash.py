@@ -3,12 +3,16 @@
     hash(block i) = xxh3_64( hash(block i-1) as 8 little-endian bytes  ||  token ids as uint32 LE )
 
 The chain makes a block's hash name its whole prefix, so equal hashes mean equal prefixes
-(up to a 64-bit collision, which callers guard against by re-checking token ids).
+(up to a 64-bit collision, which callers guard against by re-checking token ids). A request whose
+KV depends on more than its tokens (a LoRA adapter, vLLM's cache_salt) starts its chain from a
+root hash of those keys in place of "no parent" (``cache_root_of``): its blocks are found only by
+requests with the same keys, on every node and in the router's prefix index alike.
 Torch-free: the router hashes prompts too, to route by prefix.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 
@@ -33,3 +37,16 @@ def hash_full_blocks(
         parent_hash = hash_block(parent_hash, token_ids[begin : begin + block_size])
         hashes.append(parent_hash)
     return hashes
+
+
+@functools.lru_cache(maxsize=4096)
+def cache_root_of(adapter: str | None, cache_salt: str | None) -> int | None:
+    """The first block's parent for a request run with ``adapter`` and salted with ``cache_salt``;
+    None (the plain chain) for neither."""
+    if adapter is None and cache_salt is None:
+        return None
+    keys = b"\x00".join(
+        b"" if key is None else b"\x01" + key.encode("utf-8", "surrogatepass")
+        for key in (adapter, cache_salt)
+    )
+    return xxhash.xxh3_64_intdigest(b"pdserve-cache-root-v1\x00" + keys)

@@ -140,6 +140,11 @@ class SamplingParams:
     guided_decoding: GuidedDecoding | None = None  # the output follows a schema, regex, choice or grammar
     # vLLM's use_beam_search: the n outputs are the n best beams (temperature 0), not n samples
     beam_search: BeamSearch | None = None
+    # Not sampling options, but what the request's KV is computed with and keyed on besides its
+    # tokens: they ride here because they must reach every engine the request touches (prefill,
+    # decode, a migration), and every prefix-cache key on the way includes them (cache_root_of).
+    adapter: str | None = None  # the LoRA adapter it runs with (its served name); None: the base model
+    cache_salt: str | None = None  # vLLM's: requests with different salts never share cached blocks
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -172,6 +177,7 @@ class SamplingParams:
         self._validate()
         self._validate_rules()
         self._validate_beams()
+        self._validate_cache_identity()
 
     def _validate(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -238,6 +244,12 @@ class SamplingParams:
                 raise ValueError(
                     "min_tokens cannot be combined with guided decoding (the grammar ends the output)"
                 )
+
+    def _validate_cache_identity(self) -> None:
+        for name in ("adapter", "cache_salt"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string if provided")
 
     def _validate_beams(self) -> None:
         if self.beam_search is None:

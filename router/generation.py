@@ -30,6 +30,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from pdserve.protocol import messages as pm
+from pdserve.protocol.block_hash import cache_root_of
 from pdserve.protocol.reasons import FailureCode
 from pdserve.protocol.sampling_params import SamplingParams
 from pdserve.router.admission import Stage, Ticket, shed_late_first_token
@@ -93,6 +94,7 @@ def _choose(backend: Backend, sample: Sample, relayed: list[int], excluded: set[
         (sample.params.max_tokens or 1) - len(relayed),
         frozenset(excluded),
         disaggregate=not relayed,  # a migrated sample resumes on a decode node alone
+        cache_root=cache_root_of(sample.params.adapter, sample.params.cache_salt),
     )
 
 

@@ -104,6 +104,7 @@ def _sampling_params(
             bad_words=tuple(body.bad_words or ()),
             guided_decoding=rules.guided,
             beam_search=beams,
+            cache_salt=body.cache_salt,
         )
     except ValueError as exc:
         match = _FIELD_RE.match(str(exc))

@@ -158,7 +158,7 @@ class _SamplingFields(pydantic.BaseModel):
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
     priority: Any = None
-    cache_salt: Any = None
+    cache_salt: str | None = None  # vLLM: requests with different salts never share cached blocks
     kv_transfer_params: Any = None
     ec_transfer_params: Any = None
     vllm_xargs: Any = None
@@ -195,7 +195,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "skip_special_tokens": ((True,), "special tokens are always left out of the text"),
     "spaces_between_special_tokens": ((True,), "detokenization options are not implemented"),
     "priority": ((0,), "request priorities are not implemented: requests run first come, first served"),
-    "cache_salt": ((), "prefix-cache salting is not implemented"),
     "kv_transfer_params": ((), "KV transfer is the router's to arrange, not a request's"),
     "ec_transfer_params": ((), "encoder-cache transfer is not implemented"),
     "vllm_xargs": ((), "vLLM's extra arguments are not implemented"),

@@ -181,9 +181,12 @@ class RoutingPolicy:
         max_tokens: int,
         exclude: frozenset[str] = frozenset(),
         disaggregate: bool = True,
+        cache_root: int | None = None,
     ) -> Route | None:
         """The best pair for this prompt, or None when no decode node can take it. ``disaggregate``
-        False: the decode node alone (a migrated request, which resumes mid-output)."""
+        False: the decode node alone (a migrated request, which resumes mid-output). ``cache_root``:
+        where the prompt's hash chain starts (its adapter's and cache salt's, protocol.block_hash),
+        as on the nodes: a prefix cached under other keys is no prefix of it."""
         usable = [
             n
             for n in nodes
@@ -192,7 +195,7 @@ class RoutingPolicy:
         decodes = [n for n in usable if n.role.decodes]
         if not decodes:
             return None
-        decode, block_hashes = self._choose_decode(decodes, prompt_ids)
+        decode, block_hashes = self._choose_decode(decodes, prompt_ids, cache_root)
         size = _block_size(decode)
         num_cached = self.decode_prefixes.num_cached_blocks(block_hashes, decode.node_id) * size
         # unpacked where it is called, mypy would solve place's T from the targets as NodeInfo | None
@@ -209,7 +212,7 @@ class RoutingPolicy:
         return Route(decode, prefill, block_hashes, num_blocks, placement)
 
     def _choose_decode(
-        self, decodes: Sequence[NodeInfo], prompt_ids: Sequence[int]
+        self, decodes: Sequence[NodeInfo], prompt_ids: Sequence[int], cache_root: int | None
     ) -> tuple[NodeInfo, tuple[int, ...]]:
         """The decode node with the most room (colocated ones: the shortest prompt queue first),
         and the prompt's block hashes at its block size."""
@@ -218,7 +221,7 @@ class RoutingPolicy:
         def hashes(node: NodeInfo) -> tuple[int, ...]:
             size = _block_size(node)
             if size not in hashes_by_size:
-                hashes_by_size[size] = tuple(hash_full_blocks(prompt_ids, size))
+                hashes_by_size[size] = tuple(hash_full_blocks(prompt_ids, size, parent_hash=cache_root))
             return hashes_by_size[size]
 
         def decode_key(node: NodeInfo) -> tuple[int, int, str]:

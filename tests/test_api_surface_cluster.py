@@ -723,3 +723,49 @@ def test_chat_beam_search_answers_n_beams_of_the_templated_prompt(cluster):
         for stream in (False, True):
             choices = _beam_choices(router, "/v1/chat/completions", body, stream)
             assert [c["token_ids"] for c in choices] == hf_beams(str(model), ids, params, eos)
+
+
+@pytest.mark.parametrize("router_name", ["pd", "decode_only"])
+def test_cache_salt_keeps_blocks_apart_and_a_repeat_with_the_same_salt_reuses_them(cluster, router_name):
+    """vLLM's cache_salt: the same prompt unsalted, then under two salts, never reuses a block (on
+    the prefill node, the decode node, or in the router's prefix index), each answer equal to HF;
+    the same salt again does, on both nodes of the pair."""
+    model, routers, nodes = cluster
+    router = routers[router_name]
+    prompt = _prompts({"pd": 71, "decode_only": 73}[router_name], [48])[0]  # seen by no other test
+    expected = hf_greedy(str(model), prompt, 4)
+
+    def run(salt: str | None, stream: bool = False, prompt: list[int] = prompt) -> tuple[int, list[int]]:
+        body = {"model": model.name, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        body |= {"return_token_ids": True} | ({} if salt is None else {"cache_salt": salt})
+        if stream:
+            events = _stream(router, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+            ids = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+            return events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"], ids
+        reply = _post(router, "/v1/completions", body)
+        return reply["usage"]["prompt_tokens_details"]["cached_tokens"], reply["choices"][0]["token_ids"]
+
+    adopted = len(nodes["decode"].events("kv_adopted"))
+    for salt, stream in ((None, False), ("tenant-a", True), ("tenant-b", False)):
+        cached, ids = run(salt, stream)
+        assert (cached, ids) == (0, expected), salt
+    new = nodes["decode"].events("kv_adopted")[adopted:]
+    assert all(e["blocks_reused"] == 0 for e in new)  # the decode node held none of them either
+    for stream in (False, True):
+        cached, ids = run("tenant-a", stream)
+        assert cached >= 32 and ids == expected  # the prompt's full blocks, from the first salted run
+    if router_name == "pd":  # the repeats ran on the decode node, from its cache; now a longer
+        assert len(new) == 3  # prompt goes through the prefill node, and both reuse the salted blocks
+        longer = prompt + _prompts(75, [20])[0]
+        cached, ids = run("tenant-a", False, longer)
+        assert cached >= 32 and ids == hf_greedy(str(model), longer, 4)
+        (last,) = nodes["decode"].events("kv_adopted")[adopted + 3 :]
+        assert last["blocks_reused"] > 0
+
+
+def test_an_empty_or_non_string_cache_salt_is_a_400_naming_it(cluster):
+    model, routers, _ = cluster
+    for salt in ("", 5):
+        body = {"model": model.name, "prompt": "x", "max_tokens": 1, "cache_salt": salt}
+        error = _post(routers["pd"], "/v1/completions", body, 400)["error"]
+        assert error["param"] == "cache_salt"

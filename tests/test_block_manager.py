@@ -20,7 +20,7 @@ def _seq(tokens: list[int]) -> Sequence:
 
 
 def _prefill(bm: BlockManager, seq: Sequence) -> None:
-    ids, hashes = bm.match_prefix(seq.token_ids, (seq.num_tokens - 1) // bm.block_size)
+    ids, hashes = bm.match_prefix(seq.token_ids, (seq.num_tokens - 1) // bm.block_size, seq.cache_root)
     bm.take_prefix(seq, ids, hashes)
     n = seq.num_uncomputed_tokens
     bm.append(seq, n)
@@ -68,6 +68,27 @@ def test_prefix_hit_shares_full_blocks_and_rechecks_tokens():
     bm.blocks[0].token_ids = (7, 7, 7, 7)
     assert bm.match_prefix(list(range(8))) == ([], [])
     bm.check_integrity([a, b])
+
+
+def test_blocks_cached_under_one_adapter_or_salt_match_only_the_same_keys():
+    bm = BlockManager(num_blocks=32, block_size=4)
+    tokens = list(range(13))
+    keys = [(None, None), (None, "a"), (None, "b"), ("lora-1", None), ("lora-1", "a"), ("lora-2", None)]
+    seqs = [
+        Sequence("r", list(tokens), 13, SamplingParams(adapter=adapter, cache_salt=salt))
+        for adapter, salt in keys
+    ]
+    for seq in seqs:
+        _prefill(bm, seq)
+        assert seq.num_cached_tokens == 0, seq.params  # no other keys' blocks
+    assert len({tuple(s.block_hashes) for s in seqs}) == len(keys)
+    assert seqs[0].block_hashes == hash_full_blocks(tokens, 4)  # the plain chain is unchanged
+    for adapter, salt in keys:
+        again = Sequence("r", list(tokens), 13, SamplingParams(adapter=adapter, cache_salt=salt))
+        _prefill(bm, again)
+        assert again.num_cached_tokens == 12
+        seqs.append(again)
+    bm.check_integrity(seqs)
 
 
 def test_full_prompt_hit_still_computes_the_last_token():

@@ -38,6 +38,8 @@ EVERY_FIELD_SET = SamplingParams(
     logit_bias=(LogitBias(token_id=5, bias=-100.0), LogitBias(token_id=9, bias=2.5)),
     allowed_token_ids=(1, 5, 9),
     bad_words=("foo", "bar baz"),
+    adapter="tenant-lora",
+    cache_salt="tenant-a",
 )
 # guided decoding excludes ignore_eos and min_tokens, so it rides in a set of its own
 GUIDED = SamplingParams(temperature=0, guided_decoding=GuidedDecoding.json_schema({"type": "object"}))

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from pdserve.protocol.block_hash import hash_full_blocks
+from pdserve.protocol.block_hash import cache_root_of, hash_full_blocks
 from pdserve.router.admission import Admission, Stage, Ticket
 from pdserve.router.errors import APIError
 from pdserve.router.policy import PrefixMap, RoutingPolicy
@@ -64,6 +64,19 @@ def test_prompt_cached_on_the_decode_node_skips_prefill_node():
     policy.remember_prefix(first)
     policy.finish("r1")
     assert policy.choose(nodes, PROMPT + (1, 2), 8).prefill is None  # 2 uncached tokens
+
+
+def test_a_prefix_cached_under_one_salt_or_adapter_is_no_prefix_under_another():
+    policy = RoutingPolicy(disagg_threshold=16)
+    nodes = [node_info("d0", "decode"), node_info("p0", "prefill")]
+    salted = cache_root_of(None, "a")
+    first = policy.choose(nodes, PROMPT, 8, cache_root=salted)
+    policy.record("r1", first, len(PROMPT), now=1.0)
+    policy.remember_prefix(first)
+    policy.finish("r1")
+    assert policy.choose(nodes, PROMPT + (1, 2), 8, cache_root=salted).prefill is None  # cached there
+    for root in (None, cache_root_of(None, "b"), cache_root_of("lora", "a")):
+        assert policy.choose(nodes, PROMPT + (1, 2), 8, cache_root=root).prefill is not None
 
 
 def test_prefill_with_least_queued_tokens_wins():
