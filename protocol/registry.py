@@ -77,6 +77,12 @@ class NodeInfo:
     # speculative decoding since the node's start: proposed_tokens, accepted_tokens and drafted_steps
     # (engine.speculation.SpecStats); None where it is off or the node does not say
     speculation: dict[str, int] | None = None
+    # LoRA: the largest adapter rank the node's slots hold (--max-lora-rank); None where adapters
+    # are off. The adapters in its slots now, and per adapter the requests it took, the times it
+    # read one into a slot and the times one was evicted for another (its /metrics, through the router)
+    max_lora_rank: int | None = None
+    adapters: tuple[str, ...] = ()
+    adapter_counts: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     heartbeat_time: float = 0.0  # wall clock of this record
 
     def to_redis(self) -> dict[str, str]:
@@ -101,6 +107,8 @@ class NodeInfo:
         if not isinstance(known.get("role"), str):
             raise ValueError("record has no role")
         known["role"] = Role(known["role"])
+        if "adapters" in known:  # JSON's list, as the tuple it was
+            known["adapters"] = tuple(known["adapters"])
         return cls(**known)
 
 

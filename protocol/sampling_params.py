@@ -144,6 +144,9 @@ class SamplingParams:
     # tokens: they ride here because they must reach every engine the request touches (prefill,
     # decode, a migration), and every prefix-cache key on the way includes them (cache_root_of).
     adapter: str | None = None  # the LoRA adapter it runs with (its served name); None: the base model
+    # where a node that has not read the adapter yet finds its PEFT folder (set by the router from
+    # its own adapter table, never by a client)
+    adapter_path: str | None = None
     cache_salt: str | None = None  # vLLM's: requests with different salts never share cached blocks
 
     def __post_init__(self) -> None:
@@ -246,10 +249,12 @@ class SamplingParams:
                 )
 
     def _validate_cache_identity(self) -> None:
-        for name in ("adapter", "cache_salt"):
+        for name in ("adapter", "adapter_path", "cache_salt"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be a non-empty string if provided")
+        if self.adapter_path is not None and self.adapter is None:
+            raise ValueError("adapter_path needs adapter")
 
     def _validate_beams(self) -> None:
         if self.beam_search is None:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.protocol.channel_auth import ChannelAuth
@@ -31,6 +31,7 @@ from pdserve.router.admission import Admission, Stage
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import APIError, bad_request
 from pdserve.router.generation import Backend
+from pdserve.router.lora import Adapter, AdapterTable, LoadBody, UnloadBody
 from pdserve.router.node_client import NodeClient
 from pdserve.router.openai_schema import (
     BatchChatBody,
@@ -54,6 +55,7 @@ class RouterState:
     tokenizer: Tokenizer
     admission: Admission
     backend: Backend
+    adapters: AdapterTable  # the LoRA adapters requests may name (router/lora.py)
     num_requests_running: int = 0  # generation requests under way, whole or streaming (GET /load)
 
     def max_model_len(self) -> int:
@@ -61,9 +63,9 @@ class RouterState:
         lens = [n.max_model_len for n in self.backend.registry.snapshot()]
         return min(lens) if lens else self.tokenizer.max_model_len
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in (self.model_name, self.config.model):
-            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+    def check_model(self, model: str | None) -> Adapter | None:
+        """The LoRA adapter ``model`` names, None for the base model; a 404 for any other name."""
+        return self.adapters.get(model)
 
 
 def make_registry(config: RouterConfig, nodes: NodeClient, key: bytes | None = None) -> NodeRegistry:
@@ -109,7 +111,8 @@ def create_app(
         )
         backend = _backend(config, node_client, node_registry, admission)
         name = config.served_model_name or pathlib.Path(config.model).name
-        app.state.router = RouterState(config, name, tokenizer, admission, backend)
+        adapters = AdapterTable((name, config.model), config.lora_modules)
+        app.state.router = RouterState(config, name, tokenizer, admission, backend, adapters)
         with contextlib.suppress(TimeoutError):  # answer health checks early either way
             async with asyncio.timeout(2 * config.poll_interval_s + 1):
                 await node_registry.ready.wait()
@@ -291,7 +294,27 @@ def _add_routes(app: FastAPI) -> None:
         return tokenize_api.detokenize(body, state.tokenizer)
 
     _add_admin_routes(app)
+    _add_lora_routes(app)
     _add_info_routes(app)
+
+
+def _add_lora_routes(app: FastAPI) -> None:
+    """vLLM's runtime adapter endpoints (guarded by --api-key like the rest of /v1): the router's
+    table changes at once; nodes read an adapter when a request first brings it (router/lora.py)."""
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadBody, request: Request) -> Response:
+        state = _state(request)
+        adapter = await asyncio.to_thread(
+            state.adapters.add, body.lora_name, body.lora_path, body.load_inplace
+        )
+        state.backend.metrics.lora_loads.labels(adapter=adapter.name).inc()
+        return PlainTextResponse(f"Success: LoRA adapter '{adapter.name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadBody, request: Request) -> Response:
+        adapter = _state(request).adapters.remove(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{adapter.name}' removed successfully.")
 
 
 def _add_admin_routes(app: FastAPI) -> None:
@@ -326,9 +349,11 @@ def _add_info_routes(app: FastAPI) -> None:
             "created": int(time.time()),
             "owned_by": "pdserve",
             "root": state.config.model,
+            "parent": None,
             "max_model_len": state.max_model_len(),
         }
-        return {"object": "list", "data": [card]}
+        adapters = state.adapters.cards(state.model_name, card["max_model_len"])
+        return {"object": "list", "data": [card, *adapters]}
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
@@ -376,10 +401,14 @@ MakeJob = Callable[..., jobs.Job]  # router.jobs' completion_job, chat_job, batc
 async def _generate(make_job: MakeJob, body: CompletionBody | ChatBody, request: Request) -> Response:
     """A generation endpoint: the body checked into a Job (off the event loop: it tokenizes), then served."""
     state = _state(request)
-    state.check_model(body.model)
+    adapter = state.check_model(body.model)
     max_model_len = state.max_model_len()
     job = await asyncio.to_thread(make_job, body, state.tokenizer, max_model_len, state.config.max_n)
-    return await _serve(state, job, max_model_len, request)
+    if adapter is not None:
+        params = dataclasses.replace(job.params, adapter=adapter.name, adapter_path=adapter.path)
+        job = dataclasses.replace(job, params=params, adapter_rank=adapter.rank)
+        state.backend.metrics.lora_requests.labels(adapter=adapter.name).inc()
+    return await _serve(state, job, max_model_len, request, adapter)
 
 
 async def _json_object(request: Request) -> dict:
@@ -408,8 +437,9 @@ def _invocation_kind(body: dict) -> tuple[type[CompletionBody | ChatBody], MakeJ
     )
 
 
-async def _serve(state: RouterState, job: jobs.Job, max_model_len: int, request: Request) -> Response:
-    run = serving.JobRun(
-        state.backend, state.tokenizer, state.admission, job, state.model_name, max_model_len
-    )
+async def _serve(
+    state: RouterState, job: jobs.Job, max_model_len: int, request: Request, adapter: Adapter | None = None
+) -> Response:
+    name = state.model_name if adapter is None else adapter.name  # what the response says ran
+    run = serving.JobRun(state.backend, state.tokenizer, state.admission, job, name, max_model_len)
     return await serving.serve(run, request)

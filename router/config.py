@@ -58,6 +58,12 @@ class RouterConfig:
         "behind the prefill pool than behind its own queue; < 0: never (default: %(default)s)",
     )
     prefix_routing: bool = setting(True, "route by load alone, ignoring which node caches a prompt's prefix")
+    lora_modules: tuple[str, ...] = setting(
+        (),
+        "LoRA adapters clients may name in 'model', as NAME=PEFT_FOLDER (a folder the nodes reach); "
+        "more with POST /v1/load_lora_adapter",
+        metavar="NAME=DIR",
+    )
     ttft_slo_s: float | None = setting(
         None,
         "shed (429, Retry-After) a request whose predicted time to first token, its node's prompt "

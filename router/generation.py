@@ -63,6 +63,7 @@ class Sample:
     prompt_ids: tuple[int, ...]
     params: SamplingParams  # n == 1, max_tokens set; stop strings stay in the router
     arrival_time: float  # router wall clock when the HTTP request arrived
+    adapter_rank: int | None = None  # params.adapter's rank: only nodes that hold it serve the sample
 
 
 class _Retry(Exception):
@@ -95,6 +96,7 @@ def _choose(backend: Backend, sample: Sample, relayed: list[int], excluded: set[
         frozenset(excluded),
         disaggregate=not relayed,  # a migrated sample resumes on a decode node alone
         cache_root=cache_root_of(sample.params.adapter, sample.params.cache_salt),
+        adapter=None if sample.params.adapter is None else (sample.params.adapter, sample.adapter_rank or 1),
     )
 
 

@@ -58,6 +58,7 @@ class Job:
     response_id: str | None = None  # the client's request_id; None: a fresh one
     no_output: bool = False  # max_tokens 0: the one token the nodes make is not returned
     batched: bool = False  # /v1/chat/completions/batch: a prompt per conversation, its fields per choice
+    adapter_rank: int | None = None  # params.adapter's rank (router/lora.py): which nodes can serve it
 
     def params_for(self, prompt: Prompt, max_model_len: int) -> SamplingParams:
         room = max_model_len - len(prompt.token_ids)

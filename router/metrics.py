@@ -65,6 +65,18 @@ class RouterMetrics:
         self.kv_bytes = Counter(
             "pdserve_kv_transfer_bytes_total", "KV bytes moved, as nodes report them.", registry=reg
         )
+        self.lora_requests = Counter(
+            "pdserve_lora_requests_total",
+            "Requests that named a LoRA adapter, by adapter.",
+            ["adapter"],
+            registry=reg,
+        )
+        self.lora_loads = Counter(
+            "pdserve_lora_adapters_loaded_total",
+            "Adapters added to the router's table (POST /v1/load_lora_adapter), by adapter.",
+            ["adapter"],
+            registry=reg,
+        )
 
     def _declare_outcomes(self) -> None:
         """Where sub-requests went, and what happened to those that did not go as planned."""
@@ -153,6 +165,7 @@ class LiveStateCollector(Collector):
         yield from _node_gauges(nodes)
         yield from node_step_metrics(nodes)
         yield from node_speculation_metrics(nodes)
+        yield from node_adapter_metrics(nodes)
 
 
 _NODE_GAUGES = (
@@ -240,6 +253,24 @@ def node_speculation_metrics(nodes: Sequence[NodeInfo]) -> Iterator[CounterMetri
             value = (node.speculation or {}).get(key)
             if isinstance(value, int):
                 counter.add_metric(_node_labels(node), value)
+        yield counter
+
+
+def node_adapter_metrics(nodes: Sequence[NodeInfo]) -> Iterator[CounterMetricFamily]:
+    """Per node and LoRA adapter: the requests it took with it, the times it read it into a slot,
+    and the times it was evicted from one for another (engine/lora: --max-loras slots, LRU)."""
+    families = (
+        ("pdserve_node_lora_requests_total", "Requests run with a LoRA adapter.", "requests"),
+        ("pdserve_node_lora_loads_total", "LoRA adapters read into a slot.", "loads"),
+        ("pdserve_node_lora_evictions_total", "LoRA adapters evicted from their slot.", "evictions"),
+    )
+    for name, help_, key in families:
+        counter = CounterMetricFamily(name.removesuffix("_total"), help_, labels=[*NODE_LABELS, "adapter"])
+        for node in nodes:
+            for adapter, counts in sorted((node.adapter_counts or {}).items()):
+                value = counts.get(key) if isinstance(counts, dict) else None
+                if isinstance(value, int):
+                    counter.add_metric([*_node_labels(node), adapter], value)
         yield counter
 
 

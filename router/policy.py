@@ -182,20 +182,26 @@ class RoutingPolicy:
         exclude: frozenset[str] = frozenset(),
         disaggregate: bool = True,
         cache_root: int | None = None,
+        adapter: tuple[str, int] | None = None,
     ) -> Route | None:
         """The best pair for this prompt, or None when no decode node can take it. ``disaggregate``
         False: the decode node alone (a migrated request, which resumes mid-output). ``cache_root``:
         where the prompt's hash chain starts (its adapter's and cache salt's, protocol.block_hash),
-        as on the nodes: a prefix cached under other keys is no prefix of it."""
+        as on the nodes: a prefix cached under other keys is no prefix of it. ``adapter``: (name,
+        rank) of its LoRA adapter: only nodes whose slots hold that rank serve it, and those with it
+        in a slot already come first, unless they are busier (``_adapter_penalty``)."""
         usable = [
             n
             for n in nodes
-            if not n.draining and n.node_id not in exclude and n.max_model_len >= len(prompt_ids) + max_tokens
+            if not n.draining
+            and n.node_id not in exclude
+            and n.max_model_len >= len(prompt_ids) + max_tokens
+            and can_hold(n, adapter)
         ]
         decodes = [n for n in usable if n.role.decodes]
         if not decodes:
             return None
-        decode, block_hashes = self._choose_decode(decodes, prompt_ids, cache_root)
+        decode, block_hashes = self._choose_decode(decodes, prompt_ids, cache_root, adapter)
         size = _block_size(decode)
         num_cached = self.decode_prefixes.num_cached_blocks(block_hashes, decode.node_id) * size
         # unpacked where it is called, mypy would solve place's T from the targets as NodeInfo | None
@@ -204,7 +210,7 @@ class RoutingPolicy:
             disaggregate=disaggregate,
             num_uncached_tokens=len(prompt_ids) - num_cached,
             threshold=self.disagg_threshold,
-            find_prefill=lambda: self._choose_prefill(usable, decode, block_hashes),
+            find_prefill=lambda: self._choose_prefill(usable, decode, block_hashes, adapter),
             backed_up=lambda p: self._backed_up(p, decode, block_hashes, len(prompt_ids)),
         )
         prefill, placement = placed
@@ -212,7 +218,11 @@ class RoutingPolicy:
         return Route(decode, prefill, block_hashes, num_blocks, placement)
 
     def _choose_decode(
-        self, decodes: Sequence[NodeInfo], prompt_ids: Sequence[int], cache_root: int | None
+        self,
+        decodes: Sequence[NodeInfo],
+        prompt_ids: Sequence[int],
+        cache_root: int | None,
+        adapter: tuple[str, int] | None,
     ) -> tuple[NodeInfo, tuple[int, ...]]:
         """The decode node with the most room (colocated ones: the shortest prompt queue first),
         and the prompt's block hashes at its block size."""
@@ -224,15 +234,17 @@ class RoutingPolicy:
                 hashes_by_size[size] = tuple(hash_full_blocks(prompt_ids, size, parent_hash=cache_root))
             return hashes_by_size[size]
 
-        def decode_key(node: NodeInfo) -> tuple[int, int, str]:
+        def decode_key(node: NodeInfo) -> tuple[float, int, str]:
             cached = self.decode_prefixes.num_cached_blocks(hashes(node), node.node_id)
             free = node.num_blocks_free - self.outstanding.num_blocks(node) + cached
+            free -= _adapter_penalty(node, adapter) * ADAPTER_LOAD_BLOCK_SHARE * node.num_blocks_total
             return (-free, node.num_running, node.node_id)
 
         def colocated_key(node: NodeInfo) -> tuple:
             # It prefills the prompt itself, so the prompt waits for the node's queue of prompt
             # tokens, less the ones its cache spares; then free blocks, as for a decode node.
-            return (self._prompt_queue(node, self.decode_prefixes, hashes(node), 0), *decode_key(node))
+            queued = self._prompt_queue(node, self.decode_prefixes, hashes(node), 0)
+            return (queued + _adapter_penalty(node, adapter) * ADAPTER_LOAD_TOKENS, *decode_key(node))
 
         colocated = all(n.role is Role.COLOCATED for n in decodes)
         decode = min(decodes, key=colocated_key if colocated else decode_key)
@@ -288,14 +300,19 @@ class RoutingPolicy:
         return queued + num_prompt_tokens - cached
 
     def _choose_prefill(
-        self, usable: Sequence[NodeInfo], decode: NodeInfo, block_hashes: tuple[int, ...]
+        self,
+        usable: Sequence[NodeInfo],
+        decode: NodeInfo,
+        block_hashes: tuple[int, ...],
+        adapter: tuple[str, int] | None = None,
     ) -> NodeInfo | None:
         key = fingerprint_key(decode)
         prefills = [n for n in usable if n.role is Role.PREFILL and fingerprint_key(n) == key]
 
-        def prefill_key(node: NodeInfo) -> tuple[int, int, str]:
+        def prefill_key(node: NodeInfo) -> tuple[float, int, str]:
+            queued = self._prompt_queue(node, self.prefill_prefixes, block_hashes, 0)
             return (
-                self._prompt_queue(node, self.prefill_prefixes, block_hashes, 0),
+                queued + _adapter_penalty(node, adapter) * ADAPTER_LOAD_TOKENS,
                 node.num_queued,
                 node.node_id,
             )
@@ -324,6 +341,24 @@ class RoutingPolicy:
 
     def finish(self, request_id: str) -> None:
         self.outstanding.remove(request_id)
+
+
+# A node without the request's adapter in a slot reads it first: routing counts that as this much
+# more of a prefill queue, or this share of a decode node's blocks fewer free (loading an adapter of
+# SmolLM2-135M's size costs about what prefilling a few hundred tokens does: bench/README.md).
+ADAPTER_LOAD_TOKENS = 256
+ADAPTER_LOAD_BLOCK_SHARE = 0.1
+
+
+def can_hold(node: NodeInfo, adapter: tuple[str, int] | None) -> bool:
+    """Whether ``node`` can run requests with ``adapter`` (name, rank): its slots hold that rank."""
+    return adapter is None or (node.max_lora_rank is not None and node.max_lora_rank >= adapter[1])
+
+
+def _adapter_penalty(node: NodeInfo, adapter: tuple[str, int] | None) -> float:
+    """1 where the node would have to read the adapter first, 0 where it holds it or none is asked.
+    Times ADAPTER_LOAD_TOKENS or ADAPTER_LOAD_BLOCK_SHARE, what that load weighs in routing."""
+    return 0.0 if adapter is None or adapter[0] in node.adapters else 1.0
 
 
 def _block_size(node: NodeInfo) -> int:

@@ -94,12 +94,16 @@ class JobRun:
             base = self.job.params_for(prompt, self._max_model_len)
             beams = None  # a beam search: one sample, on one node, answers the prompt's n choices
             if base.beam_search is not None:
-                beams = Sample(f"{self._sample_prefix}-{p * n}", prompt.token_ids, base, arrival)
+                beams = Sample(
+                    f"{self._sample_prefix}-{p * n}", prompt.token_ids, base, arrival, self.job.adapter_rank
+                )
             for i in range(n):
                 seed = None if base.seed is None else (base.seed + i + (1 << 63)) % (1 << 64) - (1 << 63)
                 params = dataclasses.replace(base, n=1, seed=seed)
                 index = p * n + i
-                sample = beams or Sample(f"{self._sample_prefix}-{index}", prompt.token_ids, params, arrival)
+                sample = beams or Sample(
+                    f"{self._sample_prefix}-{index}", prompt.token_ids, params, arrival, self.job.adapter_rank
+                )
                 choices.append(
                     _Choice(index, p, sample, self._state(sample), prompt.token_ids, self._echo_text(prompt))
                 )

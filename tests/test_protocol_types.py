@@ -39,6 +39,7 @@ EVERY_FIELD_SET = SamplingParams(
     allowed_token_ids=(1, 5, 9),
     bad_words=("foo", "bar baz"),
     adapter="tenant-lora",
+    adapter_path="/adapters/tenant-lora",
     cache_salt="tenant-a",
 )
 # guided decoding excludes ignore_eos and min_tokens, so it rides in a set of its own

@@ -153,6 +153,12 @@ EXPECTED = {
     # speculative decoding (samples only from nodes that speculate: none in this run)
     "pdserve_node_spec_draft_tokens": ("counter", frozenset()),
     "pdserve_node_spec_accepted_tokens": ("counter", frozenset()),
+    # LoRA adapters (labelled samples only once a request names one: none in this run)
+    "pdserve_lora_requests": ("counter", frozenset()),
+    "pdserve_lora_adapters_loaded": ("counter", frozenset()),
+    "pdserve_node_lora_requests": ("counter", frozenset()),
+    "pdserve_node_lora_loads": ("counter", frozenset()),
+    "pdserve_node_lora_evictions": ("counter", frozenset()),
 }
 
 
