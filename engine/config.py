@@ -214,6 +214,22 @@ class EngineConfig:
         "with --speculative or --speculative-model: most draft tokens per sequence and step "
         "(fewer as acceptance falls)",
     )
+    # Multi-LoRA (engine/lora), with vLLM's flags and meanings.
+    enable_lora: bool = setting(  # serve LoRA adapters (SamplingParams.adapter) beside the base model
+        False, "serve LoRA adapters (PEFT folders) beside the base model", flag="--enable-lora"
+    )
+    max_loras: int = setting(1, "adapter slots in memory: the most distinct adapters one step runs")
+    max_lora_rank: int = setting(16, "the largest adapter rank r served (every slot is padded to it)")
+    # the adapters read at start, each NAME=PEFT_FOLDER (the offline API takes (name, folder)
+    # pairs too); more come with load_adapter. ``lora_module_paths`` has them as pairs.
+    lora_modules: tuple[str, ...] = setting(
+        (), "adapters read at start, as NAME=PEFT_FOLDER", flag="--lora-modules", metavar="NAME=DIR"
+    )
+
+    @property
+    def lora_module_paths(self) -> tuple[tuple[str, str], ...]:
+        """``lora_modules`` as (name, PEFT folder) pairs."""
+        return tuple(_lora_module(m) for m in self.lora_modules)
 
     @property
     def speculative_method(self) -> str | None:
@@ -228,6 +244,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_device_name(self.device)
+        self._check_lora()
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
@@ -276,3 +293,29 @@ class EngineConfig:
             and self.max_model_len > self.max_num_batched_tokens
         ):
             raise ValueError("max_num_batched_tokens must cover max_model_len without chunked prefill")
+
+    def _check_lora(self) -> None:
+        modules = tuple(_lora_module(m) for m in self.lora_modules)
+        object.__setattr__(self, "lora_modules", tuple(f"{name}={path}" for name, path in modules))
+        if not self.enable_lora:
+            for name, default in (("lora_modules", ()), ("max_loras", 1), ("max_lora_rank", 16)):
+                if getattr(self, name) != default:
+                    raise ValueError(f"{name} needs enable_lora (LoRA adapters are off)")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
+        names = [name for name, _ in modules]
+        if any(not name for name in names) or len(set(names)) != len(names):
+            raise ValueError(f"lora_modules: adapter names must be non-empty and distinct, got {names}")
+
+
+def _lora_module(module: str | tuple[str, str] | list[str]) -> tuple[str, str]:
+    """One lora_modules entry as (name, folder): the flag's NAME=DIR, or a pair."""
+    if isinstance(module, str):
+        name, sep, path = module.partition("=")
+        if not sep:
+            raise ValueError(f"lora_modules takes NAME=PEFT_FOLDER, got {module!r}")
+        return name, path
+    name, path = module
+    return str(name), str(path)

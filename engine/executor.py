@@ -9,7 +9,8 @@ Each step's plan (model_runner.StepPlan: plain arrays, no Sequence) goes to ever
 as one msgpack frame on its socket pair, before rank 0 runs it; the ranks then meet in the
 layers' collectives (torch.distributed: gloo on the CPU, NCCL on CUDA, from the platform), and
 only rank 0 keeps the logits. Calls that run the model outside a step (the start-up profile, the
-prefill timing) and the KV pool's allocation go to every rank the same way. At tp=1 there are no
+prefill timing), the KV pool's allocation and LoRA slot changes (rank 0 picks the slot, each
+worker reads the adapter's folder and fills its shard of it) go to every rank the same way. At tp=1 there are no
 workers and no group: the same executor, rank 0 alone.
 
 A worker that exits or reports an error fails the node: ``failure`` says which rank and how,
@@ -37,6 +38,7 @@ import msgpack
 import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.lora import LoRAAdapter, SlotAssignment
 from pdserve.engine.model_runner import KV_TORCH_DTYPES, KVCacheFactory, ModelRunner
 from pdserve.engine.parallel import ParallelState, close_parallel, init_parallel
 from pdserve.engine.platform import Platform
@@ -295,6 +297,28 @@ class Executor:
         if self.workers:
             self._all({"op": "step", "plan": plan.to_wire()})
         return self._guard(lambda: self.runner.run(plan, sampled, scored))
+
+    def load_adapter(self, adapter: LoRAAdapter) -> SlotAssignment:
+        """Put ``adapter`` (read and checked by rank 0) in a slot on every rank: rank 0's slot
+        table picks the slot (LoRAModel.load); each worker reads the adapter's folder itself and
+        copies its own shard into that slot. Weights never cross the socket."""
+        lora = self.runner.lora
+        assert lora is not None, "LoRA slots exist with enable_lora only"
+        assignment = lora.load(adapter)
+        if assignment.is_new and self.workers:
+            self._all(
+                {"op": "lora_fill", "slot": assignment.slot, "name": adapter.name, "path": adapter.path}
+            )
+        return assignment
+
+    def unload_adapter(self, name: str) -> None:
+        """Free ``name``'s slot on every rank (LoRAModel.unload: ValueError while it is pinned)."""
+        lora = self.runner.lora
+        assert lora is not None, "LoRA slots exist with enable_lora only"
+        slot = lora.slot_of(name)
+        lora.unload(name)
+        if slot is not None and self.workers:
+            self._all({"op": "lora_clear", "slot": slot})
 
     def prompt_logits(self, hidden: torch.Tensor, max_rows: int = 256):
         """Rank 0's ModelRunner.prompt_logits; the workers make the same calls in their step."""

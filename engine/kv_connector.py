@@ -57,9 +57,9 @@ class KVConnector:
             max_tokens=max_tokens,
         )
         search = engine.search_for(params)
+        position = engine.queue(seq, remote=True)  # its adapter pinned, or waiting for a slot
         engine.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [seq], search)
-        engine.scheduler.add_remote(seq)
-        return len(engine.scheduler.waiting) - 1
+        return position
 
     def on_granted(self, callback: Callable[[RemoteReservation], None]) -> None:
         """``callback(reservation)`` runs inside ``step`` for each reserved request granted blocks,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 
 import torch
@@ -19,6 +20,8 @@ from pdserve.engine.executor import Executor
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.kv_prefault import KVPrefault
 from pdserve.engine.logits_rules import LogitsRules
+from pdserve.engine.lora.model import check_lora_family
+from pdserve.engine.lora.registry import AdapterRegistry
 from pdserve.engine.model_runner import KVCacheFactory
 from pdserve.engine.models import check_tensor_parallel, model_class
 from pdserve.engine.outputs import EngineStats, RequestOutput, completion_output
@@ -42,6 +45,8 @@ from pdserve.engine.stop_rules import StopRules
 from pdserve.protocol.kv_layout import KVCacheSpec
 from pdserve.protocol.sampling_params import SamplingParams
 
+log = logging.getLogger(__name__)
+
 
 class LLMEngine:
     def __init__(
@@ -63,6 +68,8 @@ class LLMEngine:
             raise ValueError(f"kv_cache_dtype int8 has CPU kernels only, not on {self.device} or with Triton")
         self.model_config = ModelConfig.from_path(config.model)
         model_class(self.model_config)  # unsupported architectures fail before any allocation
+        if config.enable_lora:
+            check_lora_family(self.model_config)  # ... and families without LoRA
         check_tensor_parallel(self.model_config, config.tensor_parallel_size)  # ... and splits
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.sizing = size_engine(config, self.model_config, self.max_model_len)
@@ -85,6 +92,14 @@ class LLMEngine:
             group_of_one=group_of_one,
         )
         self.runner = self.executor.runner  # rank 0's: its model and KV pool, for inspection
+        # the LoRA adapters served here (None: enable_lora is off), lora_modules read at once
+        self.lora_adapters = AdapterRegistry(self.executor) if config.enable_lora else None
+        try:
+            for name, path in config.lora_module_paths:
+                self.load_adapter(name, path)
+        except Exception:
+            self.executor.close()
+            raise
         if at_start is not None:
             self.sizing = self._size_device_pool(at_start)
         self.kv_spec = self._kv_spec()
@@ -166,6 +181,7 @@ class LLMEngine:
             self.sampler.rules,
             self.config.max_num_seqs,
             tuple(self.model_config.eos_token_ids),
+            self.lora_adapters,
         )
 
     def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -174,8 +190,11 @@ class LLMEngine:
         if request_id in self.requests or request_id in self.scheduler.held:
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
+        if self.num_waiting() >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        name, path = params.adapter, params.adapter_path
+        if name is not None and path is not None and name not in self.adapters():
+            self.load_adapter(name, path)  # a router names the folder of an adapter new here
         return max_tokens
 
     def add_request(
@@ -213,10 +232,73 @@ class LLMEngine:
             hold_kv=prefill_only,
             request_max_tokens=request_max_tokens,
         )
+        self.queue(seq)
         self.requests[request_id] = Request(
             request_id, list(prompt_token_ids), seq_params, [seq], self.search_for(params, prefill_only)
         )
-        self.scheduler.add(seq)
+
+    def queue(self, seq: Sequence, remote: bool = False) -> int:
+        """A new request's sequence into the scheduler's waiting FIFO (``remote``: WAITING_FOR_KV,
+        its prompt KV computed elsewhere), its adapter's slot pinned first; while no slot can be
+        had, into the adapters' own FIFO until one frees (``_admit_adapter_waiting``). Its place
+        in the queue. ValueError when its adapter's folder cannot be read again."""
+        if remote:
+            seq.status = SequenceStatus.WAITING_FOR_KV
+        adapters = self.lora_adapters
+        if adapters is not None and seq.params.adapter is not None and not adapters.admit_or_wait(seq):
+            return self.num_waiting() - 1
+        if remote:
+            self.scheduler.add_remote(seq)
+        else:
+            self.scheduler.add(seq)
+        return len(self.scheduler.waiting) - 1
+
+    def num_waiting(self) -> int:
+        """Requests queued: in the scheduler's FIFO, and waiting for an adapter slot."""
+        adapters = self.lora_adapters
+        return len(self.scheduler.waiting) + (0 if adapters is None else adapters.num_waiting)
+
+    def _admit_adapter_waiting(self) -> list[RequestOutput]:
+        """Requests that waited for an adapter slot, into the scheduler's FIFO now that one is
+        free; one whose adapter's folder can no longer be read ends aborted (its output)."""
+        if self.lora_adapters is None or not self.lora_adapters.num_waiting:
+            return []
+        admitted, failed = self.lora_adapters.admit_waiting()
+        for seq in admitted:
+            if seq.status is SequenceStatus.WAITING_FOR_KV:
+                self.scheduler.add_remote(seq)
+            else:
+                self.scheduler.add(seq)
+        outputs = []
+        for seq, why in failed:
+            log.error("request %s: %s; aborted", seq.request_id, why)
+            request = self.requests[seq.request_id]
+            self.abort_request(seq.request_id)
+            ended = [completion_output(s, self.tokenizer) for s in request.seqs]
+            outputs.append(RequestOutput(seq.request_id, request.prompt_token_ids, ended, True, 0))
+        return outputs
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT folder ``path`` as adapter ``name`` (vLLM's load_lora_adapter): read and
+        checked now, in a slot at once if one is free, else when a request first needs it.
+        ValueError naming the field when it cannot be served (or LoRA is off)."""
+        self._registry().add(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name`` and free its slot (vLLM's unload_lora_adapter);
+        ValueError when it is not loaded, or while a request uses it or waits for it."""
+        self._registry().remove(name)
+
+    def adapters(self) -> tuple[str, ...]:
+        """The adapters served (lora_modules and load_adapter, less unload_adapter), whether
+        they hold a slot now or are read again on demand."""
+        return () if self.lora_adapters is None else self.lora_adapters.names()
+
+    def _registry(self) -> AdapterRegistry:
+        if self.lora_adapters is None:
+            raise ValueError("enable_lora: LoRA adapters are not enabled on this engine")
+        return self.lora_adapters
 
     def search_for(self, params: SamplingParams, prefill_only: bool = False) -> BeamSearch | None:
         """A beam-search request's search (none where only its prompt runs here)."""
@@ -237,8 +319,9 @@ class LLMEngine:
     def has_work(self) -> bool:
         """Anything for the next step: a request to compute, or a queued remote one it may grant
         (granted ones whose KV is still arriving are not work; nor a waiting head that cannot be
-        admitted until something ends)."""
-        return self.scheduler.has_work()
+        admitted until something ends), or a request waiting for an adapter slot that it can have."""
+        waiting = self.lora_adapters is not None and self.lora_adapters.can_admit_waiting()
+        return self.scheduler.has_work() or waiting
 
     def on_progress(self, callback) -> None:
         """``callback()`` runs before each decoder layer of every step (a node's liveness stamp),
@@ -261,6 +344,8 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return Aborted.UNKNOWN
+        if self.lora_adapters is not None:
+            self.lora_adapters.release(request_id)
         inbound = request.seqs[0].status is SequenceStatus.WAITING_FOR_KV
         for seq in request.seqs:
             if not seq.is_finished:
@@ -286,7 +371,8 @@ class LLMEngine:
         """Prompt tokens to compute here: waiting requests' (not those whose KV comes from a peer),
         and running ones' unfinished chunks."""
         sched = self.scheduler
-        queued = sum(s.num_uncomputed_tokens for s in sched.waiting if s.status is SequenceStatus.WAITING)
+        waiting = [*sched.waiting, *(() if self.lora_adapters is None else self.lora_adapters.waiting)]
+        queued = sum(s.num_uncomputed_tokens for s in waiting if s.status is SequenceStatus.WAITING)
         return queued + sum(s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1)
 
     def stats(self) -> EngineStats:
@@ -300,7 +386,7 @@ class LLMEngine:
             num_blocks_committed=self.kv_prefault.num_committed(bm.high_water),
             torch_threads=self.cpu_share.threads,
             num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
+            num_waiting=self.num_waiting(),
             num_receiving=len(sched.receiving),
             num_held=len(sched.held),
             num_queued_prefill_tokens=self.num_queued_prefill_tokens(),
@@ -308,6 +394,7 @@ class LLMEngine:
             prefill_tokens_per_s=self.step_stats.prefill_rate.tokens_per_s,
             step_target_s=self.step_budget.target_s,
             speculation=None if self.speculator is None else self.speculator.stats.to_dict(),
+            adapters=() if self.lora_adapters is None else self.lora_adapters.stats(),
         )
 
     def measure_prefill_speed(self, num_tokens: int = PREFILL_PROBE_TOKENS) -> float:
@@ -331,11 +418,14 @@ class LLMEngine:
         sched = self.scheduler
         holders = [*sched.running, *sched.receiving, *sched.held.values()]
         self.block_manager.check_integrity(holders)
+        if self.lora_adapters is not None:
+            self.lora_adapters.check_integrity(self.requests)
 
     def step(self) -> list[RequestOutput]:
         if self.config.debug_checks:
             self.check_integrity()
         start = time.perf_counter()
+        ended = self._admit_adapter_waiting()  # before the schedule: a slot freed by the last step
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.scheduler.waiting, self.max_model_len)
         decoding = any(s.num_uncomputed_tokens == 1 for s in self.scheduler.running)
@@ -343,7 +433,7 @@ class LLMEngine:
         if sched.granted:
             self.kv_connector.granted(sched.granted)
         if not sched.scheduled:
-            return []
+            return ended
         self.cpu_share.tick()
         self.kv_prefault.advance(self.block_manager.high_water)  # commits the pages it will write
         logits, sampled, prompt_hidden = self.executor.execute(sched)
@@ -372,7 +462,7 @@ class LLMEngine:
         for request in touched.values():
             if request.search is not None:
                 self.advance_beams(request)
-        outputs = [self.output(r) for r in touched.values() if r.search is None or r.finished]
+        outputs = ended + [self.output(r) for r in touched.values() if r.search is None or r.finished]
         seconds = time.perf_counter() - start
         self.step_stats.observe(*tokens, seconds)
         if tokens[0]:  # a step with prompt tokens: what the budget of the next chunk follows
@@ -481,6 +571,8 @@ class LLMEngine:
         finished = request.finished
         if finished:
             del self.requests[request.request_id]
+            if self.lora_adapters is not None:
+                self.lora_adapters.release(request.request_id)
         first = request.seqs[0]
         scored = first.params.prompt_logprobs is not None and not first.needs_prompt_logprobs
         return RequestOutput(

@@ -15,10 +15,11 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.device import resolve_attention_backend, resolve_dtype
 from pdserve.engine.layers import moe
+from pdserve.engine.lora import LoRALimits, LoRAModel, token_slots_of
 from pdserve.engine.models import build_model
 from pdserve.engine.parallel import SINGLE, ParallelState
 from pdserve.engine.platform import Platform
-from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.weights import load_weights
 from pdserve.kernels import cpu_linear, kv_int8
@@ -48,7 +49,9 @@ class StepPlan:
     """One step's whole input as plain arrays, the same on every tensor-parallel rank: what rank 0
     sends its workers (engine/executor.py), with no Sequence in it. ``arrays``: input_ids and
     positions [T], slots [T], tables [S, max_blocks], q_start [S+1], prefill_q_start, ends [S],
-    logits_rows [R]. ``prompt_rows``: (first row, rows) of each sequence due prompt logprobs."""
+    logits_rows [R], and in a step with LoRA rows lora_slots [T] (each row's adapter slot,
+    max_loras for a base-model row; host-side only, engine/lora/compute.py). ``prompt_rows``:
+    (first row, rows) of each sequence due prompt logprobs."""
 
     arrays: dict[str, np.ndarray]
     num_decodes: int
@@ -110,6 +113,11 @@ class ModelRunner:
         max_positions = engine_config.max_model_len or model_config.max_position_embeddings
         self.model = build_model(model_config, max_positions, self.dtype, device, parallel)
         load_weights(self.model, model_config.path)
+        # every rank's adapter slots, zeroed; rank 0's engine decides what they hold (engine/lora)
+        self.lora: LoRAModel | None = None
+        if engine_config.enable_lora:
+            limits = LoRALimits(engine_config.max_loras, engine_config.max_lora_rank)
+            self.lora = LoRAModel(self.model, model_config, limits, self.dtype, device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # oneDNN matmuls on weights packed once (kernels/cpu_linear.py); F.linear where it can't
         self.packed_linear = (
@@ -287,6 +295,11 @@ class ModelRunner:
             for key_cache, value_cache in self.kv_caches:
                 key_cache[dst] = key_cache[src]
                 value_cache[dst] = value_cache[src]
+        lora_slots = plan.arrays.get("lora_slots")
+        if lora_slots is not None:  # never a graph: graphs hold no LoRA (engine/lora/model.py)
+            assert self.lora is not None, "a plan with LoRA rows on a rank without LoRA slots"
+            with self.lora.step(self.lora.batch(lora_slots)):
+                return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         if self.graphs is not None and self._graphable(inp, self.graphs):
             return self.graphs.run(inp.input_ids, inp.positions, inp.meta)
         return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
@@ -367,6 +380,9 @@ class ModelRunner:
             ends=ends.astype(np.int32),
             logits_rows=logits_rows,
         )
+        lora_slots = self._lora_slots(items, num_new)
+        if lora_slots is not None:
+            arrays["lora_slots"] = lora_slots
         scored = _prompt_rows(items, computed, ends, q_start)
         plan = StepPlan(
             arrays,
@@ -377,9 +393,27 @@ class ModelRunner:
         sampled = [it.seq for it, due in zip(items, sampled_mask.tolist(), strict=True) if due]
         return plan, sampled, [seq for seq, _, _ in scored]
 
+    def _lora_slots(self, items: list[ScheduledSeq], num_new: np.ndarray) -> np.ndarray | None:
+        """[T] each row's adapter slot, every row of a sequence (prompt chunk, decode, drafts) its
+        request's; None when no row has an adapter. Rank 0 only: the engine pinned each request's
+        adapter in its slot from admission, so the slot stays put for the request's life."""
+        if self.lora is None or not any(it.seq.params.adapter is not None for it in items):
+            return None
+        seq_slots = []
+        for it in items:
+            adapter = it.seq.params.adapter
+            slot = None if adapter is None else self.lora.slot_of(adapter)
+            assert adapter is None or slot is not None, (
+                f"adapter {adapter!r} of a scheduled sequence has no slot"
+            )
+            seq_slots.append(slot)
+        return token_slots_of(seq_slots, num_new.tolist(), self.lora.num_slots)
+
     def inputs(self, plan: StepPlan, sampled: list[Sequence], scored: list[Sequence]) -> ModelInput:
-        """The plan's arrays on the device: one upload a step."""
-        on = self.inputs_buffer.upload(**plan.arrays)  # the device's copies: nothing reads the host arrays
+        """The plan's arrays on the device: one upload a step (lora_slots stay on the host: the
+        LoRA batch groups rows from them there)."""
+        uploaded = {k: a for k, a in plan.arrays.items() if k != "lora_slots"}
+        on = self.inputs_buffer.upload(**uploaded)  # the device's copies: nothing reads the host arrays
         dec, pre = slice(0, plan.num_decodes), slice(plan.num_decodes, None)
         meta = AttentionMetadata(
             slot_mapping=on["slots"],

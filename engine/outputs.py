@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from pdserve.engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from pdserve.protocol.reasons import FinishReason
+
+if TYPE_CHECKING:
+    from pdserve.engine.lora.registry import AdapterStats
 
 
 @dataclasses.dataclass(slots=True)
@@ -81,3 +85,5 @@ class EngineStats:
     step_target_s: float | None = None
     # speculative decoding's counts since start (engine.speculation.SpecStats); None when it is off
     speculation: dict[str, int] | None = None
+    # each LoRA adapter served (engine/lora/registry.py): its slot, requests, loads, evictions
+    adapters: tuple[AdapterStats, ...] = ()

@@ -108,7 +108,7 @@ def check_request(
             raise ValueError(
                 f"adapter: LoRA adapters are not enabled on this engine (enable_lora; {params.adapter!r})"
             )
-        adapters.check(params.adapter)
+        adapters.check(params.adapter, params.adapter_path)
     chosen = params.logprob_token_ids or ()
     if any(not 0 <= t < vocab_size for t in chosen):
         raise ValueError(f"logprob_token_ids: token ids must be integers in [0, {vocab_size})")

@@ -2,10 +2,10 @@
 a node's executor (engine/executor.py), which holds the other end of socket ``N``.
 
 It joins the node's group, builds its ModelRunner on its shard and says it is ready, then follows
-rank 0's messages: allocate its KV pool, run the profile or the prefill timing, follow each
-step's plan, shut down. It never schedules. It ignores SIGINT and SIGTERM (rank 0 drains the
-node, then tells it to stop) and exits when rank 0's socket closes. An error is reported to rank
-0 on the socket, and the worker exits non-zero.
+rank 0's messages: allocate its KV pool, run the profile or the prefill timing, fill or clear
+the LoRA slot rank 0 names, follow each step's plan, shut down. It never schedules. It ignores
+SIGINT and SIGTERM (rank 0 drains the node, then tells it to stop) and exits when rank 0's
+socket closes. An error is reported to rank 0 on the socket, and the worker exits non-zero.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ def serve(sock: socket.socket) -> int:
                 runner.profile(*message["args"])
             elif op == "time_prefill":
                 runner.time_prefill(message["num_tokens"])
+            elif op in ("lora_fill", "lora_clear"):
+                _change_slot(runner, message)
             elif op == "shutdown":
                 break
             else:
@@ -71,6 +73,17 @@ def _allocate(runner: ModelRunner, sock: socket.socket, spec: KVCacheSpec) -> No
         raise ValueError("allocate_kv came without its pool's memfd")
     caches = SharedPool(spec, fds[0]).layer_caches()
     runner.allocate_kv(spec, lambda _spec: caches)
+
+
+def _change_slot(runner: ModelRunner, message: dict) -> None:
+    """The LoRA slot rank 0 names := this rank's shard of an adapter (read from its folder), or zeros."""
+    lora = runner.lora
+    if lora is None:
+        raise ValueError(f"{message['op']} on a rank built without LoRA slots")
+    if message["op"] == "lora_fill":
+        lora.fill(message["slot"], lora.read(message["name"], message["path"]))
+    else:
+        lora.clear(message["slot"])
 
 
 def _rank_device(device: str, rank: int) -> str:

@@ -119,4 +119,10 @@ def node_status(
         step_stats=stats.step_stats,
         step_target_s=stats.step_target_s,
         speculation=stats.speculation,
+        max_lora_rank=engine.config.max_lora_rank if engine.config.enable_lora else None,
+        adapters=tuple(a.name for a in stats.adapters if a.slot is not None),
+        adapter_counts={
+            a.name: {"requests": a.num_requests, "loads": a.num_loads, "evictions": a.num_evictions}
+            for a in stats.adapters
+        },
     )

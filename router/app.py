@@ -352,7 +352,7 @@ def _add_info_routes(app: FastAPI) -> None:
             "parent": None,
             "max_model_len": state.max_model_len(),
         }
-        adapters = state.adapters.cards(state.model_name, card["max_model_len"])
+        adapters = state.adapters.cards(state.model_name, state.max_model_len())
         return {"object": "list", "data": [card, *adapters]}
 
     @app.get("/health")

@@ -236,7 +236,7 @@ class RoutingPolicy:
 
         def decode_key(node: NodeInfo) -> tuple[float, int, str]:
             cached = self.decode_prefixes.num_cached_blocks(hashes(node), node.node_id)
-            free = node.num_blocks_free - self.outstanding.num_blocks(node) + cached
+            free: float = node.num_blocks_free - self.outstanding.num_blocks(node) + cached
             free -= _adapter_penalty(node, adapter) * ADAPTER_LOAD_BLOCK_SHARE * node.num_blocks_total
             return (-free, node.num_running, node.node_id)
 

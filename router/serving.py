@@ -273,7 +273,16 @@ class JobRun:
             text = ""  # the calls go out whole, once the reply is complete
         echoed = first and self.job.echo and not self.job.chat
         wants_first = first and (self.job.prompt_logprobs is not None or self.job.return_token_ids or echoed)
-        if not text and not delta.logprobs and delta.finish_reason is None and not wants_first:
+        # a delta whose tokens have no text yet (a character split over tokens) still carries them
+        # when the client asked for token ids
+        carries_ids = self.job.return_token_ids and bool(delta.token_ids)
+        if (
+            not text
+            and not delta.logprobs
+            and delta.finish_reason is None
+            and not wants_first
+            and not carries_ids
+        ):
             return None
         logprobs = self._logprobs(choice, delta.logprobs, echoed)
         ids = {"token_ids": list(delta.token_ids)} if self.job.return_token_ids else {}

@@ -35,7 +35,7 @@ def test_a_reply_landing_with_the_cancellation_does_not_swallow_it(turns_between
 
     async def relay(queue):  # as a sample relays: reply after reply until it is stopped
         while True:
-            await generation._next_reply(backend, route, queue, after_tokens=True)
+            await generation._next_reply(backend, route, queue, True, backend.config.chunk_timeout_s)
 
     async def main():
         queue: asyncio.Queue = asyncio.Queue()
@@ -58,6 +58,6 @@ def test_a_reply_waiting_in_the_queue_is_returned():
     async def main():
         queue: asyncio.Queue = asyncio.Queue()
         queue.put_nowait("a token chunk")
-        return await generation._next_reply(backend, route, queue, after_tokens=True)
+        return await generation._next_reply(backend, route, queue, True, backend.config.chunk_timeout_s)
 
     assert asyncio.run(main()) == "a token chunk"

@@ -21,7 +21,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 NO_FLAG = {"enable_chunked_prefill"}  # the EngineConfig fields a node never changes from the command line
 # A value other than the default for each engine flag that is not a switch and has no choices.
-OTHER_VALUES = {"--device": "cpu", "--kv-cache-memory-fraction": "0.5", "--gpu-memory-utilization": "0.5"}
+OTHER_VALUES = {
+    "--device": "cpu",
+    "--kv-cache-memory-fraction": "0.5",
+    "--gpu-memory-utilization": "0.5",
+    "--lora-modules": "extra=/adapters/extra",
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -128,7 +133,10 @@ def test_each_engine_variable_reaches_its_field():
         flag = engine_flag(field)
         variable = "PDSERVE_" + flag.name[2:].upper().replace("-", "_")
         env[variable] = "yes" if flag.nargs == 0 else other_value(flag)
-        want[field.name] = (not field.default) if flag.nargs == 0 else flag.value_type(env[variable])
+        value = flag.value_type(env[variable]) if flag.nargs != 0 else None
+        want[field.name] = (
+            (not field.default) if flag.nargs == 0 else (value,) if flag.nargs == "+" else value
+        )
     args = build_parser().parse_args(["decode", *flags_from_env("decode", env)])
     assert dataclasses.asdict(from_args(EngineConfig, args)) == dataclasses.asdict(EngineConfig(**want))
 

@@ -39,6 +39,15 @@ from pdserve.engine.lora.slots import SlotAssignment, SlotTable
 LORA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
+def check_lora_family(model_config: ModelConfig) -> None:
+    """ValueError naming the flag unless ``model_config``'s family is served with adapters."""
+    if model_config.architecture not in LORA_ARCHITECTURES:
+        raise ValueError(
+            f"--enable-lora: {model_config.architecture} is not served with LoRA adapters "
+            f"(served: {', '.join(LORA_ARCHITECTURES)})"
+        )
+
+
 class LoRAModel:
     def __init__(
         self,
@@ -50,11 +59,7 @@ class LoRAModel:
     ) -> None:
         """Hooks every target linear of ``model`` (already built and loaded, this rank's shard) and
         allocates ``limits.max_loras`` zeroed slots in ``dtype`` on ``device``."""
-        if model_config.architecture not in LORA_ARCHITECTURES:
-            raise ValueError(
-                f"--enable-lora: {model_config.architecture} is not served with LoRA adapters "
-                f"(served: {', '.join(LORA_ARCHITECTURES)})"
-            )
+        check_lora_family(model_config)
         self.limits, self.dtype, self.device, self.num_layers = limits, dtype, device, model_config.num_layers
         self.active = ActiveBatch()
         self.slots = SlotTable(limits.max_loras)

@@ -96,6 +96,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "collectives then wait for ranks the OS has descheduled: slow, for trying layouts)",
     )
     parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=DIR",
+        help="LoRA adapters (PEFT folders) clients may name in 'model': the router lists them and "
+        "every node reads one when a request first brings it (implies --enable-lora)",
+    )
+    parser.add_argument("--enable-lora", action="store_true", help="nodes serve LoRA adapters")
+    parser.add_argument("--max-loras", type=int, default=None, help="adapter slots per node (default: 1)")
+    parser.add_argument(
+        "--max-lora-rank", type=int, default=None, help="largest adapter rank the nodes hold (default: 16)"
+    )
+    parser.add_argument(
         "--node-args",
         default="",
         metavar="FLAGS",
@@ -211,7 +224,8 @@ def _plan(args: argparse.Namespace):
         _say(
             f"KV pools: {share:.1%} of available memory per node ({num_nodes} nodes share {LOCAL_KV_SHARE:.0%})"
         )
-    node_args = (*shlex.split(args.node_args), *slo_node_args(args))
+    node_lora, router_lora = lora_args(args)
+    node_args = (*node_lora, *shlex.split(args.node_args), *slo_node_args(args))
     gpu_share = gpu_share_per_node(node_args, num_nodes)
     if gpu_share is not None:
         _say(f"GPU memory: {gpu_share:.1%} of {node_device(node_args)} per node ({num_nodes} nodes share it)")
@@ -237,11 +251,28 @@ def _plan(args: argparse.Namespace):
         start_timeout_s=args.start_timeout,
         stop_timeout_s=args.stop_timeout,
         num_colocated=num_colocated,
-        router_args=(*shlex.split(args.router_args), *slo_router_args(args)),
+        router_args=(*router_lora, *shlex.split(args.router_args), *slo_router_args(args)),
         max_nodes=num_nodes if args.autoscale else 0,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
     )
+
+
+def lora_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The nodes' and the router's LoRA flags from ``pdserve up``'s (none when LoRA is off)."""
+    modules = tuple(args.lora_modules)
+    if not (args.enable_lora or modules or args.max_loras or args.max_lora_rank):
+        return (), ()
+    for module in modules:
+        if "=" not in module:
+            raise ValueError(f"--lora-modules takes NAME=PEFT_FOLDER, got {module!r}")
+    nodes: tuple[str, ...] = ("--enable-lora",)
+    if modules:
+        nodes += ("--lora-modules", *modules)
+    for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank)):
+        if value is not None:
+            nodes += (flag, str(value))
+    return nodes, (("--lora-modules", *modules) if modules else ())
 
 
 def _check_model_splits(model: str, *sizes: int) -> None:
