@@ -70,8 +70,24 @@ class StackedPart:
     rows: slice  # the part's columns of the layer's output y
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class JoinedParts:
+    """A layer's parts' B side by side, for the CPU path: where the parts' output rows are
+    contiguous, one block-diagonal B per slot turns the P expands (and index-adds) into one."""
+
+    b: (
+        torch.Tensor
+    )  # [num_slots, rows of all parts, P * max_rank]: part p's B in its rows, columns p * max_rank on
+    rows: slice  # the parts' columns of the layer's output y, together
+
+
 def lora_add_(
-    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, parts: list[StackedPart], batch: LoRABatch
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    parts: list[StackedPart],
+    batch: LoRABatch,
+    joined: JoinedParts | None = None,
 ) -> None:
     """y [T, out] += each row's adapter over every part, in place.
 
@@ -83,8 +99,23 @@ def lora_add_(
     assert batch.token_slots.shape == x.shape[:1], (batch.token_slots.shape, x.shape)
     if batch.use_triton:
         _lora_add_triton(y, x, a, parts, batch)
+    elif joined is not None:
+        _lora_add_joined(y, x, a, joined, batch)
     else:
         _lora_add_grouped(y, x, a, parts, batch)
+
+
+def _lora_add_joined(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, joined: JoinedParts, batch: LoRABatch
+) -> None:
+    """Two matmuls a slot; a slot that every row uses needs no gather or index-add either."""
+    out = y[:, joined.rows]  # [T, rows of all parts], a view: written in place
+    if len(batch.slot_rows) == 1 and batch.slot_rows[0][1].numel() == x.shape[0]:
+        slot = batch.slot_rows[0][0]
+        out.addmm_(x @ a[slot].t(), joined.b[slot].t())
+        return
+    for slot, rows in batch.slot_rows:
+        out.index_add_(0, rows, (x[rows] @ a[slot].t()) @ joined.b[slot].t())
 
 
 def _lora_add_grouped(

@@ -25,7 +25,7 @@ from pdserve.engine.layers.linear import (
     RowParallelLinear,
     narrow,
 )
-from pdserve.engine.lora.compute import LoRABatch, StackedPart, lora_add_
+from pdserve.engine.lora.compute import JoinedParts, LoRABatch, StackedPart, lora_add_
 
 
 class ActiveBatch:
@@ -67,6 +67,16 @@ class LoRALinear:
             )
             for _, _, length, at in rows
         ]
+        # the CPU path's block-diagonal B, where the parts' rows of the output are contiguous
+        starts = [at for _, _, _, at in rows]
+        ends = [at + length for _, _, length, at in rows]
+        contiguous = all(end == start for end, start in zip(ends, starts[1:], strict=False))
+        self.joined = None
+        if contiguous and device.type != "cuda":
+            b = torch.zeros(
+                num_slots, ends[-1] - starts[0], len(parts) * max_rank, dtype=dtype, device=device
+            )
+            self.joined = JoinedParts(b, slice(starts[0], ends[-1]))
 
     def _rank_rows(self, part: object) -> RankRows:
         if isinstance(self.layer, RowParallelLinear):  # every output row, on every rank
@@ -76,7 +86,7 @@ class LoRALinear:
     def add_(self, x: torch.Tensor, y: torch.Tensor) -> None:
         batch = self.active.batch
         if batch is not None:
-            lora_add_(y, x, self.a, self.stacked, batch)
+            lora_add_(y, x, self.a, self.stacked, batch, self.joined)
 
     def fill(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
         """Slot ``slot`` := the adapter ``weights`` (module -> whole A [r, in], B [out, r]), this
@@ -102,12 +112,19 @@ class LoRALinear:
             with torch.no_grad():
                 self.a[slot, p * self.max_rank : p * self.max_rank + rank] = a
                 self.stacked[p].b[slot, :, :rank] = b.float() * scale  # rounded once, to the slot's dtype
+                if self.joined is not None:
+                    rows = self.stacked[p].rows
+                    at = rows.start - self.joined.rows.start
+                    block = self.joined.b[slot, at : at + rows.stop - rows.start]
+                    block[:, p * self.max_rank : p * self.max_rank + rank] = self.stacked[p].b[slot, :, :rank]
 
     def clear(self, slot: int) -> None:
         with torch.no_grad():
             self.a[slot].zero_()
             for part in self.stacked:
                 part.b[slot].zero_()
+            if self.joined is not None:
+                self.joined.b[slot].zero_()
 
 
 def lora_targets(layer: nn.Module) -> dict[str, tuple[ParallelLinear, dict[str, object]]]:
