@@ -402,3 +402,18 @@ def test_children_die_with_a_launcher_killed_by_sigkill(model, tmp_path):
         assert not processes_mentioning(str(model))
     finally:
         launcher.close()
+
+
+def test_up_lora_flags_reach_every_node_and_the_router():
+    from pdserve.cli.up import lora_args
+
+    args = build_parser().parse_args(
+        ["up", "--lora-modules", "sql=/a/sql", "chat=/a/chat", "--max-loras", "2"]
+    )
+    nodes, router = lora_args(args)
+    assert nodes == ("--enable-lora", "--lora-modules", "sql=/a/sql", "chat=/a/chat", "--max-loras", "2")
+    assert router == ("--lora-modules", "sql=/a/sql", "chat=/a/chat")
+    assert lora_args(build_parser().parse_args(["up"])) == ((), ())
+    assert lora_args(build_parser().parse_args(["up", "--enable-lora"])) == (("--enable-lora",), ())
+    with pytest.raises(ValueError, match="NAME=PEFT_FOLDER"):
+        lora_args(build_parser().parse_args(["up", "--lora-modules", "sql"]))
