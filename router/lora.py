@@ -21,6 +21,7 @@ import time
 
 import pydantic
 
+from pdserve.protocol.lora_config import check_config
 from pdserve.router.errors import APIError, bad_request
 
 
@@ -56,11 +57,12 @@ def read_adapter(name: str, path: str) -> Adapter:
         raise bad_request(
             f"lora_path: no readable adapter_config.json in {path!r} ({exc})", "lora_path"
         ) from None
-    if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
-        raise bad_request(f"lora_path: {path!r} is not a LoRA adapter (peft_type)", "lora_path")
-    rank = config.get("r")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise bad_request(f"lora_path: {path!r} has no rank r >= 1", "lora_path")
+    if not isinstance(config, dict):
+        raise bad_request(f"lora_path: {path!r}'s adapter_config.json is not an object", "lora_path")
+    try:  # the nodes' own check of the config; the rank against each node's limit is routing's
+        rank, _ = check_config(name, config, max_lora_rank=1 << 30)
+    except ValueError as exc:
+        raise bad_request(f"lora_path: {exc}", "lora_path") from None
     return Adapter(name, str(path), rank, int(time.time()))
 
 

@@ -17,7 +17,8 @@ from tests.test_router_support import LONG_PROMPT, TEXT, FakeNode, fake_cluster,
 def _adapter(root: pathlib.Path, name: str, rank: int) -> str:
     folder = root / name
     folder.mkdir()
-    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank}))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj", "v_proj"]}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
     return str(folder)
 
 
@@ -93,6 +94,15 @@ def test_models_adapters_routing_and_runtime_load_and_unload(default_model_dir, 
                 bad = {"lora_name": "x", "lora_path": str(tmp_path / "absent")}
                 refused = (await http.post("/v1/load_lora_adapter", json=bad)).json()["error"]
                 assert refused["param"] == "lora_path"
+                dora = _adapter(tmp_path, "dora", 8)
+                config = json.loads((pathlib.Path(dora) / "adapter_config.json").read_text()) | {
+                    "use_dora": True
+                }
+                (pathlib.Path(dora) / "adapter_config.json").write_text(json.dumps(config))
+                refused = await http.post(
+                    "/v1/load_lora_adapter", json={"lora_name": "dora", "lora_path": dora}
+                )
+                assert refused.status_code == 400 and "use_dora" in refused.json()["error"]["message"]
                 assert (
                     await http.post("/v1/unload_lora_adapter", json={"lora_name": "huge"})
                 ).status_code == 200
