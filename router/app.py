@@ -110,9 +110,7 @@ def create_app(
             {Stage.PREFILL: config.max_inflight_prefill, Stage.DECODE: config.max_inflight_decode}
         )
         backend = _backend(config, node_client, node_registry, admission)
-        name = config.served_model_name or pathlib.Path(config.model).name
-        adapters = AdapterTable((name, config.model), config.lora_modules)
-        app.state.router = RouterState(config, name, tokenizer, admission, backend, adapters)
+        app.state.router = _router_state(config, tokenizer, admission, backend)
         with contextlib.suppress(TimeoutError):  # answer health checks early either way
             async with asyncio.timeout(2 * config.poll_interval_s + 1):
                 await node_registry.ready.wait()
@@ -125,6 +123,15 @@ def create_app(
     app.add_middleware(_Guard, config=config)
     _add_routes(app)
     return app
+
+
+def _router_state(
+    config: RouterConfig, tokenizer: Tokenizer, admission: Admission, backend: Backend
+) -> RouterState:
+    """The app's state: the served model's name, and the LoRA adapters requests may name."""
+    name = config.served_model_name or pathlib.Path(config.model).name
+    adapters = AdapterTable((name, config.model), config.lora_modules)
+    return RouterState(config, name, tokenizer, admission, backend, adapters)
 
 
 def _backend(

@@ -70,6 +70,10 @@ class Job:
 _FIELD_RE = re.compile(r"^(?:stop strings|(\w+))")
 
 
+def _given(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
 def _sampling_params(
     body: _SamplingFields,
     max_tokens: int | None,
@@ -77,21 +81,18 @@ def _sampling_params(
     rules: Structured,
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    def given(value: float | None, default: float) -> float:
-        return default if value is None else value
-
     try:
         beams = _beam_search(body)
         return SamplingParams(
             n=body.n,
             temperature=_temperature(body.temperature, beams),
-            top_p=given(body.top_p, 1.0),
+            top_p=_given(body.top_p, 1.0),
             top_k=body.top_k,
-            min_p=given(body.min_p, 0.0),
+            min_p=_given(body.min_p, 0.0),
             seed=body.seed,
-            presence_penalty=given(body.presence_penalty, 0.0),
-            frequency_penalty=given(body.frequency_penalty, 0.0),
-            repetition_penalty=given(body.repetition_penalty, 1.0),
+            presence_penalty=_given(body.presence_penalty, 0.0),
+            frequency_penalty=_given(body.frequency_penalty, 0.0),
+            repetition_penalty=_given(body.repetition_penalty, 1.0),
             max_tokens=max_tokens,
             min_tokens=body.min_tokens,
             stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),

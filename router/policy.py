@@ -190,14 +190,7 @@ class RoutingPolicy:
         as on the nodes: a prefix cached under other keys is no prefix of it. ``adapter``: (name,
         rank) of its LoRA adapter: only nodes whose slots hold that rank serve it, and those with it
         in a slot already come first, unless they are busier (``_adapter_penalty``)."""
-        usable = [
-            n
-            for n in nodes
-            if not n.draining
-            and n.node_id not in exclude
-            and n.max_model_len >= len(prompt_ids) + max_tokens
-            and can_hold(n, adapter)
-        ]
+        usable = [n for n in nodes if _usable(n, exclude, len(prompt_ids) + max_tokens, adapter)]
         decodes = [n for n in usable if n.role.decodes]
         if not decodes:
             return None
@@ -348,6 +341,18 @@ class RoutingPolicy:
 # SmolLM2-135M's size costs about what prefilling a few hundred tokens does: bench/README.md).
 ADAPTER_LOAD_TOKENS = 256
 ADAPTER_LOAD_BLOCK_SHARE = 0.1
+
+
+def _usable(
+    node: NodeInfo, exclude: frozenset[str], num_tokens: int, adapter: tuple[str, int] | None
+) -> bool:
+    """Whether ``node`` may take a request of ``num_tokens`` (prompt and output) with ``adapter``."""
+    return (
+        not node.draining
+        and node.node_id not in exclude
+        and node.max_model_len >= num_tokens
+        and can_hold(node, adapter)
+    )
 
 
 def can_hold(node: NodeInfo, adapter: tuple[str, int] | None) -> bool:

@@ -272,17 +272,7 @@ class JobRun:
         if self.job.tool_plan is not None:
             text = ""  # the calls go out whole, once the reply is complete
         echoed = first and self.job.echo and not self.job.chat
-        wants_first = first and (self.job.prompt_logprobs is not None or self.job.return_token_ids or echoed)
-        # a delta whose tokens have no text yet (a character split over tokens) still carries them
-        # when the client asked for token ids
-        carries_ids = self.job.return_token_ids and bool(delta.token_ids)
-        if (
-            not text
-            and not delta.logprobs
-            and delta.finish_reason is None
-            and not wants_first
-            and not carries_ids
-        ):
+        if self._empty(first, text, delta, echoed):
             return None
         logprobs = self._logprobs(choice, delta.logprobs, echoed)
         ids = {"token_ids": list(delta.token_ids)} if self.job.return_token_ids else {}
@@ -306,6 +296,15 @@ class JobRun:
             self.id, "text_completion", self.created, self.model, [body], self._continuous_usage()
         )
         return rs.sse(envelope)
+
+    def _empty(self, first: bool, text: str, delta: SampleDelta, echoed: bool) -> bool:
+        """Nothing in the delta for the client: no text, logprobs, finish, first chunk's fields or
+        token ids asked for. Tokens whose text is not out yet (a character split over tokens)
+        still go when their ids were asked for."""
+        job = self.job
+        wants_first = first and (job.prompt_logprobs is not None or job.return_token_ids or echoed)
+        ids = job.return_token_ids and bool(delta.token_ids)
+        return not (text or delta.logprobs or delta.finish_reason is not None or wants_first or ids)
 
     def _tool_calls(self, choice: _Choice, finish_reason: FinishReason | None) -> list | None:
         """A finished tools-constrained reply as tool calls (None while running or cut short)."""

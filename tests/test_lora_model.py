@@ -199,7 +199,8 @@ def _rank(rank: int, port: int, base: str, adapters: dict[str, str], results) ->
 
 
 @pytest.mark.usefixtures("processes")
-@pytest.mark.parametrize("kind", ["llama3", "llama-3kv"])
+# llama-3kv (an uneven 2+1 split) in the default suite; llama3 in `make chaos`
+@pytest.mark.parametrize("kind", [pytest.param("llama3", marks=pytest.mark.chaos), "llama-3kv"])
 def test_mixed_adapter_batch_at_tp2_matches_peft_on_both_ranks(kind):
     # llama3: one KV head on both ranks, so k_proj's and v_proj's B rows are replicated;
     # llama-3kv: KV heads 2 + 1, so q's rows and o_proj's A columns split unevenly

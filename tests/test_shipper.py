@@ -28,7 +28,7 @@ def _shipper(config: SenderConfig | None = None, **options) -> Shipper:
 
 
 def _shipment(request_id: str, addr: str) -> Shipment:
-    return Shipment(KVShipment(request_id, (1, 2, 3, 4, 5), (0, 1), 9, 0, {}, {}), addr)
+    return Shipment(KVShipment(request_id, (1, 2, 3, 4, 5), (0, 1), 9, 0, None, None), addr)
 
 
 def _outcomes(shipper: Shipper, num: int, timeout_s: float = 10.0) -> list:

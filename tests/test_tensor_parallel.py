@@ -19,7 +19,8 @@ import torch
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.executor import WorkerLost
-from tests.engine_helpers import hf_greedy, hf_logits
+from pdserve.protocol.sampling_params import BeamSearch
+from tests.engine_helpers import hf_beams, hf_greedy, hf_logits
 from tests.test_prompt_logprobs import _check_against_hf
 from tests.tiny_models import make_tiny_model
 
@@ -104,6 +105,20 @@ def test_ngram_speculation_at_tp2_is_exact_against_hf():
         out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, 12)
         assert llm.engine.speculator.stats.proposed_tokens > 0
+    finally:
+        llm.engine.close()
+
+
+def test_beam_search_at_tp2_equals_hf_num_beams():
+    path = str(make_tiny_model("qwen2"))
+    prompts = _prompts()[:2]
+    params = SamplingParams(
+        n=3, temperature=0.0, max_tokens=8, ignore_eos=True, beam_search=BeamSearch(length_penalty=0.5)
+    )
+    llm = _tp2(path)
+    try:
+        for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
+            assert [o.token_ids for o in out.outputs] == hf_beams(path, prompt, params, None)
     finally:
         llm.engine.close()
 
