@@ -87,7 +87,7 @@ compose-test: setup
 # real processes, a real Redis, faults caused for real. About 10-15 minutes on 2 cores.
 chaos: model
 	PATH="$(TEST_PATH)" $(PY) -m pytest -q tests/chaos -m "chaos or not chaos" $(PYTEST_ARGS)
-	PATH="$(TEST_PATH)" $(PY) -m pytest -q tests/test_tensor_parallel.py tests/test_tensor_parallel_cluster.py tests/test_lora_model.py -m chaos $(PYTEST_ARGS)
+	PATH="$(TEST_PATH)" $(PY) -m pytest -q tests/test_tensor_parallel.py tests/test_tensor_parallel_cluster.py tests/test_lora_model.py tests/test_soak_short.py -m chaos $(PYTEST_ARGS)
 
 # The same run, its table written into docs/reliability.md.
 chaos-report: model

@@ -1,4 +1,4 @@
-"""The short soak of the default suite: ``bench/soak.py`` for 75 seconds on a local cluster
+"""The short soak (`make chaos`): ``bench/soak.py`` for 75 seconds on a local cluster
 (``pdserve up``: router, 1P+1D, a private Redis) with the tiny model, at half the capacity it
 measures first, with the variable mix (prompts 16-512 tokens, outputs 8-128, streamed or not,
 logprobs or not). The 30-minute run on the default model is ``make soak``.
@@ -21,6 +21,7 @@ from tests.cluster import ROOT, free_port
 from tests.test_router_cluster import tiny_model_with_tokenizer
 
 
+@pytest.mark.chaos  # 95 s: in `make chaos` with the other long runs; `make soak` is the 30-minute one
 @pytest.mark.usefixtures("processes")
 def test_75_seconds_at_half_capacity_nothing_grows_or_fails(tmp_path, default_model_dir):
     model = tiny_model_with_tokenizer(default_model_dir, max_position_embeddings=1024)
