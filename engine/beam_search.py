@@ -184,14 +184,13 @@ def fork_beams(
     """Turn the running beams into the next ones: a parent keeps its first extension and forks
     one sequence per further one (sharing its blocks); a parent with none is dropped (its blocks
     go back, those its children share aside). Returns the new beams, best first."""
-    by_parent: dict[int, list[Extension]] = {}
-    for ext in extensions:
-        by_parent.setdefault(ext.parent.seq_id, []).append(ext)
+    by_parent: dict[int, list[tuple[int, Extension]]] = {}  # parent -> (position, extension), best first
+    for i, ext in enumerate(extensions):
+        by_parent.setdefault(ext.parent.seq_id, []).append((i, ext))
     taken: dict[int, Sequence] = {}  # the extension's position -> the sequence that takes it
-    position = {id(ext): i for i, ext in enumerate(extensions)}
     for parent in beams:
         exts = by_parent.get(parent.seq_id, [])
-        for ext in exts[1:]:  # forks first: the parent is still as its children start from
+        for i, ext in exts[1:]:  # forks first: the parent is still as its children start from
             child = Sequence(
                 parent.request_id,
                 list(parent.token_ids),
@@ -204,9 +203,10 @@ def fork_beams(
             )
             block_manager.fork(parent, child)
             scheduler.add_running(child)
-            taken[position[id(ext)]] = _extend(child, ext)
+            taken[i] = _extend(child, ext)
         if exts:
-            taken[position[id(exts[0])]] = _extend(parent, exts[0])
+            first, ext = exts[0]
+            taken[first] = _extend(parent, ext)
     for parent in beams:
         if parent.seq_id not in by_parent:
             scheduler.finish(parent, SequenceStatus.FINISHED_ABORTED)
