@@ -14,12 +14,13 @@ import functools
 import pathlib
 import re
 import time
+import types
 
 import httpx
 import pytest
 import torch
 
-from tests.cluster import NodeProcess, RedisServer
+from tests.cluster import NodeProcess, RedisServer, pdserve_up
 from tests.engine_helpers import hf_greedy
 from tests.test_cluster_concurrent import _prompts, _stream
 from tests.test_lora_model import ADAPTERS, _peft_model, _save_adapter
@@ -190,3 +191,34 @@ def test_models_runtime_load_metrics_and_errors(cluster, tmp_path):
         time.sleep(0.2)  # node records lag by a heartbeat
     assert loads.search(scrape), scrape
     assert 'pdserve_lora_requests_total{adapter="late"} 1.0' in scrape
+
+
+def test_pdserve_up_with_its_defaults_serves_adapters_exactly(tmp_path, default_model_dir):
+    """`pdserve up --lora-modules ...` as a user starts it (its own Redis, 1P+1D, the default thread
+    split and pool sizes, one slot for two adapters): concurrent requests of both adapters and the
+    base model, streamed and not, equal PEFT's greedy output."""
+    model = tiny_model_with_tokenizer(default_model_dir, max_position_embeddings=1024)
+    adapters = {
+        name: _save_adapter(str(model), tmp_path / f"up-{name}", seed, fields)
+        for name, (seed, fields) in ADAPTERS.items()
+        if name != "attn"
+    }
+    modules = [f"{name}={path}" for name, path in adapters.items()]
+    with pdserve_up(model, tmp_path, "--lora-modules", *modules) as url:
+        router = types.SimpleNamespace(url=url)
+        prompts = _prompts(103, [10, 45, 20, 70, 12, 33])
+        jobs = [((*adapters, None)[i % 3], prompt, i % 2 == 1) for i, prompt in enumerate(prompts)]
+
+        def run(job):
+            name, prompt, stream = job
+            return _completion(
+                router, {"model": name or model.name, "prompt": prompt, "max_tokens": 5}, stream
+            )
+
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+            answers = list(pool.map(run, jobs))
+    for (name, prompt, stream), (ids, _) in zip(jobs, answers, strict=True):
+        assert ids == _oracle(model, None if name is None else adapters[name], tuple(prompt), 5), (
+            name,
+            stream,
+        )
