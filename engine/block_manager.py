@@ -8,6 +8,13 @@ kept in LRU order: blocks freed longest ago are reused (evicted) first.
     free pool (LRU order) ──allocate──► used (ref_count ≥ 1) ──last free──► back of free pool
           ▲                                                                      │
           └───────────── prefix hit on an evictable block (ref 0 → 1) ◄──────────┘
+
+Never-used blocks are handed out in ascending order, ahead of reused ones, while their memory is
+committed (``fresh_limit``: the engine sets it from its KV prefault). Past that, a reused block
+goes first and the pool grows only when none is free: a fresh CPU engine then takes first-touch
+page faults for the most KV its work holds at once, not for every block of a pool sized from free
+memory (engine/kv_prefault.py). A pool whose memory is all committed (a GPU's, or a CPU node's
+after its idle commit) keeps every block's cache entry as long as LRU order allows.
 """
 
 from __future__ import annotations
@@ -48,6 +55,10 @@ class BlockManager:
         # One past the highest block id ever handed out. Fresh blocks come in ascending order
         # before any block is reused (LRU), so blocks [0, high_water) are the ones ever written.
         self.high_water = 0
+        # free blocks that were handed out before, in the pool's LRU order (a subset of free_block_ids)
+        self.released: OrderedDict[int, None] = OrderedDict()
+        # never-used blocks at or past this one go only where no released block is free
+        self.fresh_limit = num_blocks
 
     # ----------------------------------------------------------------- accounting
     @property
@@ -185,6 +196,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             del self.free_block_ids[block_id]
+            self.released.pop(block_id, None)
         block.ref_count += 1
 
     def _release(self, block_id: int) -> None:
@@ -193,9 +205,16 @@ class BlockManager:
         block.ref_count -= 1
         if block.ref_count == 0:
             self.free_block_ids[block_id] = None
+            self.released[block_id] = None
 
     def _allocate_fresh(self) -> int:
-        block_id, _ = self.free_block_ids.popitem(last=False)
+        head = next(iter(self.free_block_ids))
+        if head >= self.high_water and head >= self.fresh_limit and self.released:
+            block_id, _ = self.released.popitem(last=False)  # reuse rather than grow (module doc)
+            del self.free_block_ids[block_id]
+        else:
+            block_id, _ = self.free_block_ids.popitem(last=False)
+            self.released.pop(block_id, None)
         self.high_water = max(self.high_water, block_id + 1)
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evict its prefix-cache entry
@@ -211,6 +230,7 @@ class BlockManager:
         assert all(b.ref_count >= 0 for b in self.blocks), "negative ref count"
         assert len(used) + self.num_free_blocks == self.num_blocks, "free + used != total"
         assert all(self.blocks[i].ref_count == 0 for i in self.free_block_ids), "free block with refs"
+        assert self.released.keys() <= self.free_block_ids.keys(), "a released block is not free"
         for block_hash, block_id in self.hash_to_block_id.items():
             assert self.blocks[block_id].block_hash == block_hash, f"stale hash entry for block {block_id}"
         if seqs is not None:

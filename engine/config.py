@@ -16,8 +16,11 @@ if TYPE_CHECKING:
     import transformers
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+# config.json's key for a checkpoint dequantized from a quantized file, e.g. "GGUF Q4_1": its
+# weights are float32 on disk but carry no more precision than the quantized file did
+DEQUANTIZED_FROM_KEY = "pdserve_dequantized_from"
 KV_COMMIT_CHOICES = ("lazy", "idle", "startup")
-DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)  # auto: bfloat16 on CUDA, float32 on the CPU
+DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)  # auto: engine/device.py explain_dtype
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 KV_CACHE_DTYPE_CHOICES = ("auto", "int8")
 
@@ -44,6 +47,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]  # tokens that end generation
     bos_token_id: int | None
     hf: transformers.PreTrainedConfig  # the whole config, family defaults filled in
+    # what the weights were published in: "float32", "bfloat16", "float16", or "GGUF Q4_1" and the
+    # like for a checkpoint dequantized from a quantized file (engine/model_fetch.py); --dtype auto
+    # follows it on the CPU (engine/device.py)
+    checkpoint_dtype: str = "float32"
 
     @classmethod
     def from_dict(cls, path: str, cfg: dict) -> ModelConfig:
@@ -76,6 +83,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=hf.bos_token_id,
             hf=hf,
+            checkpoint_dtype=checkpoint_dtype_of(cfg),
         )
 
     @classmethod
@@ -98,6 +106,14 @@ class ModelConfig:
         return window
 
 
+def checkpoint_dtype_of(cfg: dict) -> str:
+    """The precision a config.json says its weights carry (``ModelConfig.checkpoint_dtype``)."""
+    if cfg.get(DEQUANTIZED_FROM_KEY):
+        return str(cfg[DEQUANTIZED_FROM_KEY])
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+    return dtype if dtype in ("bfloat16", "float16") else "float32"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Engine knobs; each one with a ``setting`` is a flag of the node commands (node/options.py)."""
@@ -105,7 +121,9 @@ class EngineConfig:
     model: str = setting(help="Hugging Face model folder")
     dtype: str = setting(
         "auto",
-        "weights, activations and KV cache; auto: bfloat16 on CUDA, float32 on CPU",
+        "weights, activations and KV cache; auto: bfloat16 on CUDA; on the CPU the checkpoint's "
+        "dtype where the CPU computes it (a bfloat16, float16 or quantized checkpoint runs in "
+        "bfloat16 on CPUs with AVX512-BF16 or AMX), float32 elsewhere",
         choices=DTYPE_CHOICES,
     )
     device: str = setting("auto", "auto, cpu, cuda or cuda:N (default: auto)")  # engine.device

@@ -5,6 +5,7 @@ The device itself, and everything that differs between devices, is engine/platfo
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -42,26 +43,59 @@ def resolve_attention_backend(name: str, device: torch.device) -> str | None:
     return name
 
 
-def resolve_dtype(name: str, device: torch.device) -> str:
-    """The dtype for ``--dtype``: ``auto`` follows the device (bfloat16 on CUDA, float32 on the CPU,
-    where output is checked token for token against HF in fp32)."""
+HALF_DTYPES = ("bfloat16", "float16")
+
+
+@functools.cache
+def cpu_computes_bf16() -> bool:
+    """Whether this CPU has bfloat16 arithmetic (AVX512-BF16 or AMX), which oneDNN's matmuls use;
+    elsewhere torch emulates bf16 with conversions, slower than float32. Read from /proc/cpuinfo
+    (torch-free: `pdserve up` says what its nodes will pick), else asked of torch."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        import torch
+
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device_type: str, checkpoint: str = "float32") -> str:
+    """The dtype for ``--dtype``: an explicit name, or what ``auto`` picks (``explain_dtype``)."""
+    return explain_dtype(name, device_type, checkpoint)[0]
+
+
+def explain_dtype(name: str, device_type: str, checkpoint: str = "float32") -> tuple[str, str]:
+    """``(dtype, why)`` for ``--dtype``. ``auto`` is bfloat16 on CUDA. On the CPU it follows the
+    checkpoint (``ModelConfig.checkpoint_dtype``): a half-precision or quantized one runs in bfloat16
+    where the CPU computes it natively, as vLLM's CPU backend does, about twice float32's speed
+    (bench/notes/engine-cpu.md, "bfloat16"); a float32 checkpoint, or a CPU without bf16
+    arithmetic, runs in float32."""
     if name != "auto":
-        return name
-    return "bfloat16" if device.type == "cuda" else "float32"
+        return name, "--dtype"
+    if device_type == "cuda":
+        return "bfloat16", "auto on CUDA"
+    if checkpoint == "float32":
+        return "float32", "auto: the checkpoint is float32"
+    if not cpu_computes_bf16():
+        return "float32", f"auto: the checkpoint is {checkpoint}, but this CPU has no AVX512-BF16 or AMX"
+    return "bfloat16", f"auto: the checkpoint is {checkpoint} and this CPU computes bfloat16 natively"
 
 
-def describe_dtype(dtype: torch.dtype, device: torch.device) -> str:
-    """The start-up line's dtype, with a hint where an fp32 CPU engine leaves bf16 hardware idle:
-    with AVX512-BF16, oneDNN's bf16 matmuls run about twice as fast (bench/notes/engine-cpu.md, "bfloat16")."""
+def describe_dtype(dtype: torch.dtype, device: torch.device, why: str = "--dtype") -> str:
+    """The start-up line's dtype and why it was chosen, with a hint where a float32 CPU engine
+    leaves bf16 hardware idle."""
     import torch
 
     name = str(dtype).removeprefix("torch.")
-    if device.type == "cpu" and dtype == torch.float32 and torch.cpu._is_avx512_bf16_supported():
-        return f"dtype {name} (this CPU has AVX512-BF16: --dtype bfloat16 runs about 2x faster)"
-    return f"dtype {name}"
+    hint = ""
+    if device.type == "cpu" and dtype == torch.float32 and cpu_computes_bf16():
+        hint = "; this CPU has bf16 arithmetic: --dtype bfloat16 runs about 2x faster"
+    return f"dtype {name} ({why}{hint})"
 
 
-def describe_runtime(runner, device: torch.device, adapts_threads: bool) -> str:
+def describe_runtime(runner, device: torch.device, adapts_threads: bool, dtype_why: str = "--dtype") -> str:
     """The start-up line's account of how this engine computes: kernels, dtype, CPU settings."""
     from pdserve.engine import cpu_env
     from pdserve.kernels import ops
@@ -70,5 +104,5 @@ def describe_runtime(runner, device: torch.device, adapts_threads: bool) -> str:
     attention = "C++ CPU kernel" if native else "torch/Triton"
     linear = "oneDNN, packed weights" if runner.packed_linear else "F.linear"
     adapts = "; fewer torch threads while other processes load these CPUs" * adapts_threads
-    dtype = describe_dtype(runner.dtype, device)
+    dtype = describe_dtype(runner.dtype, device, dtype_why)
     return f"{adapts}; {dtype}; attention: {attention}; linear layers: {linear}; {cpu_env.describe()}"

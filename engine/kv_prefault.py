@@ -94,6 +94,9 @@ class KVPrefault:
         the rest of the pool whenever ``idle()`` says the engine has nothing to do."""
         self.caches, self.num_blocks, self.ahead = caches, num_blocks, max(1, ahead)
         self.committed = 0  # blocks [0, committed) are committed
+        # blocks [0, settled) were committed in bulk (idle or at start-up), not as the work needed
+        # them: the block manager hands them out before reusing blocks (engine/block_manager.py)
+        self.settled = 0
         self.errno = 0  # of a failed madvise: no more prefaulting
         self.active = (
             os.environ.get("PDSERVE_KV_PREFAULT", "1") != "0"
@@ -127,6 +130,14 @@ class KVPrefault:
         if not all(c.device.type == "cpu" for c in self.caches):
             return self.num_blocks
         return max(self.committed, high_water)
+
+    def fresh_limit(self) -> int:
+        """The block manager's ``fresh_limit``: never-used blocks below it are handed out before
+        reused ones. All of a GPU pool; of a CPU pool what was committed in bulk, so that a CPU
+        engine's work grows the pool (and pays its first-touch faults) only where it must."""
+        if not all(c.device.type == "cpu" for c in self.caches):
+            return self.num_blocks
+        return self.settled
 
     def idle(self) -> None:
         """The engine has nothing to write until the next ``advance``: commit the pool meanwhile."""
@@ -163,6 +174,7 @@ class KVPrefault:
                     return
             else:
                 self._raise_to(stop)
+                self.settled = max(self.settled, stop)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the idle commit (it lets go of the pool); the lazy prefault goes on."""
@@ -212,7 +224,7 @@ class KVPrefault:
             for cache in self.caches:
                 cache.zero_()
             how = "zero-fill"
-        self.committed = self.num_blocks
+        self.committed = self.settled = self.num_blocks
         return f"KV pool committed at start-up: {size / (1 << 20):.0f} MiB in {time.perf_counter() - start:.1f} s ({how})"
 
 

@@ -14,7 +14,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cpu_share import CpuShare
 from pdserve.engine.cuda_graphs import why_eager
-from pdserve.engine.device import describe_runtime, resolve_dtype
+from pdserve.engine.device import describe_runtime, explain_dtype
 from pdserve.engine.draft_model import draft_needs, speculator_for
 from pdserve.engine.executor import Executor
 from pdserve.engine.kv_connector import KVConnector
@@ -61,12 +61,15 @@ class LLMEngine:
         # before any allocation: a bad device fails first
         self.platform = platform = resolve_platform(config.device)
         self.device = platform.device
-        self.config = config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, self.device))
         if config.kv_cache_dtype == "int8" and (
             self.device.type != "cpu" or config.attention_backend == "triton"
         ):
             raise ValueError(f"kv_cache_dtype int8 has CPU kernels only, not on {self.device} or with Triton")
         self.model_config = ModelConfig.from_path(config.model)
+        dtype, self.dtype_why = explain_dtype(
+            config.dtype, self.device.type, self.model_config.checkpoint_dtype
+        )
+        self.config = config = dataclasses.replace(config, dtype=dtype)
         model_class(self.model_config)  # unsupported architectures fail before any allocation
         if config.enable_lora:
             check_lora_family(self.model_config)  # ... and families without LoRA
@@ -117,7 +120,7 @@ class LLMEngine:
         self.kv_prefault = KVPrefault.for_engine(self.runner.kv_caches, self.kv_spec.num_blocks, config)
         m = self.model_config
         self.sampler = Sampler(LogitsRules(config.model, m.vocab_size, tuple(m.eos_token_ids)))
-        extra = describe_runtime(self.runner, self.device, self.cpu_share.active)
+        extra = describe_runtime(self.runner, self.device, self.cpu_share.active, self.dtype_why)
         if self.platform.kind == "cuda":
             extra += f"; CUDA graphs: {self.decode_graphs}; {UNVERIFIED_CUDA}"
         announce(self.sizing.describe(config, extra))
@@ -429,6 +432,8 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.scheduler.waiting, self.max_model_len)
         decoding = any(s.num_uncomputed_tokens == 1 for s in self.scheduler.running)
+        # never-used blocks while their pages are committed, else reuse (engine/block_manager.py)
+        self.block_manager.fresh_limit = self.kv_prefault.fresh_limit()
         sched = self.scheduler.schedule(self.step_budget.tokens(decoding))
         if sched.granted:
             self.kv_connector.granted(sched.granted)

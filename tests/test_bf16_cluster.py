@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
+import time
 
 import httpx
 import pytest
@@ -130,3 +132,67 @@ def test_bf16_through_the_router_streamed_and_whole_on_both_paths_track_fp32_hf(
         assert values == pytest.approx(chosen.tolist(), abs=0.1), where  # the logprobs the client sees
     routes = httpx.get(routers["pd"].url + "/metrics", timeout=10).text
     assert 'pdserve_routes_total{prefill="prefill_node"}' in routes  # bf16 KV blocks did cross over
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory, default_model_dir):
+    """A bfloat16 prefill node and a float32 decode node, both with int8 KV caches: the caches'
+    format is the same, what the models wrote in them is not (KVFingerprint.compute_dtype)."""
+    tmp = tmp_path_factory.mktemp("bf16-mixed")
+    model = tiny_model_with_tokenizer(default_model_dir, max_position_embeddings=1024)
+    redis = RedisServer(tmp)
+    extra = ["--kv-cache-dtype", "int8", "--num-kv-blocks", "256", "--heartbeat-interval", "0.2"]
+    nodes = [
+        NodeProcess("prefill", str(model), tmp, redis.url, [*extra, "--dtype", "bfloat16"]),
+        NodeProcess("decode", str(model), tmp, redis.url, [*extra, "--dtype", "float32"]),
+    ]
+    router = RouterProcess(model, redis.url, tmp)
+    try:
+        addrs = [n.wait_ready() for n in nodes]
+        deadline = time.monotonic() + 60
+        while _health(router).get("status") != "decode_only":  # never "ok": no pair
+            assert time.monotonic() < deadline, router.log_path.read_text()
+            time.sleep(0.2)
+        yield model, router, addrs
+    finally:
+        for process in [router, *nodes]:
+            process.close()
+        redis.stop()
+
+
+def _health(router) -> dict:
+    try:
+        return httpx.get(router.url + "/health", timeout=2).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def test_nodes_of_different_dtypes_are_never_paired_and_say_why(mixed):
+    from pdserve.kv_transfer.errors import KVRejected
+    from pdserve.kv_transfer.messages import KVFingerprint
+    from pdserve.kv_transfer.sender import KVSender, SenderConfig
+    from pdserve.protocol.messages import RequestMeta
+    from pdserve.protocol.sampling_params import SamplingParams
+
+    model, router, (prefill, decode) = mixed
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 4000, (n,), generator=g).tolist() for n in (120, 300, 90, 200, 150, 260)]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:  # long prompts: PD if a pair existed
+        served = list(pool.map(lambda i: _served(router, model, prompts[i], stream=i % 2 == 0), range(6)))
+    assert all(len(tokens) == MAX_TOKENS for tokens, _ in served)
+    metrics = httpx.get(router.url + "/metrics", timeout=10).text
+    assert 'pdserve_routes_total{prefill="prefill_node"}' not in metrics
+    assert 'pdserve_routes_total{prefill="no_prefill_node"} 6.0' in metrics
+    assert re.search(r"differs in compute_dtype \('(bfloat16|float32)'", router.log_path.read_text())
+    client = Client()
+    try:  # a prefill node's reservation is refused by name, should anything send one
+        mine = KVFingerprint(**client.status(prefill)["fingerprint"])
+        assert (mine.dtype, mine.compute_dtype) == ("int8", "bfloat16")
+        sender = KVSender(decode["kv_addr"], mine, SenderConfig(shared_memory=False))
+        meta = RequestMeta(reply_addr=client.reply_addr, deadline=time.time() + 30, shipped_at=time.time())
+        with pytest.raises(KVRejected) as refused:
+            sender.reserve("x", prompts[0], SamplingParams(max_tokens=2), meta)
+        assert refused.value.field == "compute_dtype"
+        sender.close()
+    finally:
+        client.close()

@@ -115,6 +115,27 @@ def test_freed_cached_blocks_are_evicted_in_lru_order():
     bm.check_integrity([b, c])
 
 
+def test_past_its_fresh_limit_the_pool_reuses_a_freed_block_and_grows_only_when_none_is_free():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    bm.fresh_limit = 2  # blocks 0 and 1 are committed; a CPU engine sets it (engine/kv_prefault.py)
+    a = _seq([1, 2, 3, 4, 5, 6])
+    _prefill(bm, a)  # 3 blocks: nothing is free to reuse, so the pool grows past the limit
+    assert a.block_table == [0, 1, 2] and bm.high_water == 3
+    bm.free(a)  # 2, 1, 0 go to the back, cached
+    b = _seq([7, 8, 9])
+    _prefill(bm, b)  # reuses the oldest freed blocks (evicting 2 and 1) rather than touching 3 and 4
+    assert b.block_table == [1, 2] and bm.high_water == 3
+    assert bm.match_prefix([1, 2, 3, 4, 5])[0] == [0]  # block 0 is still cached
+    c = _seq([9] * 8)
+    _prefill(bm, c)  # 4 blocks: the one freed block, then fresh ones
+    assert c.block_table == [0, 3, 4, 5] and bm.high_water == 6
+    bm.fresh_limit = bm.num_blocks  # all committed (a GPU pool, or after the idle commit)
+    d = _seq([5, 5])
+    _prefill(bm, d)
+    assert d.block_table == [6]  # never-used blocks first again, keeping the cached ones
+    bm.check_integrity([b, c, d])
+
+
 def test_fork_then_write_copies_the_shared_partial_block():
     bm = BlockManager(num_blocks=8, block_size=4)
     parent = _seq(list(range(6)))
@@ -154,9 +175,10 @@ ops = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops)
-def test_random_allocate_append_fork_free_keeps_accounting(program):
+@given(ops, st.sampled_from([12, 0, 5]))
+def test_random_allocate_append_fork_free_keeps_accounting(program, fresh_limit):
     bm = BlockManager(num_blocks=12, block_size=4)
+    bm.fresh_limit = fresh_limit
     live: list[Sequence] = []
     for op, pick, n in program:
         if op == "new":

@@ -59,24 +59,52 @@ def test_node_status_names_its_device(tmp_path, default_model_dir):
         node.close()
 
 
-def test_the_default_dtype_follows_the_device():
-    from pdserve.engine.device import resolve_dtype
+def test_the_default_dtype_follows_the_device_and_the_checkpoint(monkeypatch):
+    from pdserve.engine import device
+    from pdserve.engine.device import explain_dtype, resolve_dtype
 
     assert EngineConfig(model="m").dtype == "auto"
-    assert resolve_dtype("auto", torch.device("cpu")) == "float32"
-    assert resolve_dtype("auto", torch.device("cuda", 0)) == "bfloat16"
-    assert resolve_dtype("float16", torch.device("cpu")) == "float16"  # --dtype overrides
-    llm = LLM(model=str(make_tiny_model("llama")), num_kv_blocks=16, device="cpu")
-    assert llm.engine.config.dtype == "float32" and llm.engine.kv_spec.dtype == "float32"
+    assert resolve_dtype("auto", "cpu", "float32") == "float32"
+    assert resolve_dtype("auto", "cuda", "float32") == "bfloat16"
+    assert resolve_dtype("float16", "cpu", "bfloat16") == "float16"  # --dtype overrides
+    native = device.cpu_computes_bf16()
+    for checkpoint in ("bfloat16", "float16", "GGUF Q4_1"):
+        dtype, why = explain_dtype("auto", "cpu", checkpoint)
+        assert dtype == ("bfloat16" if native else "float32") and checkpoint in why
+    # a CPU without bf16 arithmetic (faked: the feature test is the only way to have one here)
+    monkeypatch.setattr(device, "cpu_computes_bf16", lambda: False)
+    assert explain_dtype("auto", "cpu", "bfloat16") == (
+        "float32",
+        "auto: the checkpoint is bfloat16, but this CPU has no AVX512-BF16 or AMX",
+    )
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(model="m", dtype="float64")
 
 
-def test_the_start_up_line_names_the_dtype_and_offers_bf16_where_the_cpu_has_it():
-    from pdserve.engine.device import describe_dtype
+def test_an_engine_runs_a_float32_checkpoint_in_float32_and_a_bf16_one_as_the_cpu_allows(tmp_path):
+    import transformers
+
+    from pdserve.engine.device import cpu_computes_bf16
+
+    fp32 = LLM(model=str(make_tiny_model("llama")), num_kv_blocks=16, device="cpu")
+    assert fp32.engine.config.dtype == "float32" and fp32.engine.kv_spec.dtype == "float32"
+    assert fp32.engine.model_config.checkpoint_dtype == "float32"
+    folder = tmp_path / "bf16"
+    model = transformers.AutoModelForCausalLM.from_pretrained(make_tiny_model("llama"), dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    bf16 = LLM(model=str(folder), num_kv_blocks=16, device="cpu")
+    assert bf16.engine.model_config.checkpoint_dtype == "bfloat16"
+    expected = "bfloat16" if cpu_computes_bf16() else "float32"
+    assert bf16.engine.config.dtype == expected and bf16.engine.kv_spec.dtype == expected
+    pinned = LLM(model=str(folder), num_kv_blocks=16, device="cpu", dtype="float32")
+    assert pinned.engine.kv_spec.dtype == "float32"
+
+
+def test_the_start_up_line_names_the_dtype_why_and_offers_bf16_where_the_cpu_has_it():
+    from pdserve.engine.device import cpu_computes_bf16, describe_dtype
 
     cpu = torch.device("cpu")
-    fp32 = describe_dtype(torch.float32, cpu)
-    assert fp32.startswith("dtype float32")
-    assert ("--dtype bfloat16" in fp32) == torch.cpu._is_avx512_bf16_supported()
-    assert describe_dtype(torch.bfloat16, cpu) == "dtype bfloat16"
+    fp32 = describe_dtype(torch.float32, cpu, "auto: the checkpoint is float32")
+    assert fp32.startswith("dtype float32 (auto: the checkpoint is float32")
+    assert ("--dtype bfloat16" in fp32) == cpu_computes_bf16()
+    assert describe_dtype(torch.bfloat16, cpu) == "dtype bfloat16 (--dtype)"

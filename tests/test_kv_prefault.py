@@ -111,6 +111,35 @@ def test_the_engine_commits_ahead_of_what_it_writes_and_stays_exact():
     assert outputs["1"] == outputs["0"] == [hf_greedy(tiny_llama, p, 12) for p in prompts]
 
 
+def test_a_fresh_engine_reuses_its_blocks_and_touches_only_the_kv_its_work_holds_at_once():
+    """Blocks whose pages nobody committed in bulk go only where no freed block is free
+    (engine/block_manager.py): a fresh offline engine's first call pays first-touch faults for its
+    working set, not for every block it ever hands out. A pool committed at start-up keeps the
+    prefix cache's order: never-used blocks first."""
+    tiny_llama = str(make_tiny_model("llama"))
+    prompts = [[5 + i, 17, 33 + i, 2] * (3 + 2 * (i % 14)) for i in range(28)]  # 12-116 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = [hf_greedy(tiny_llama, p, 12) for p in prompts]
+    used = {}
+    for commit in ("idle", "startup"):
+        llm = LLM(
+            tiny_llama, num_kv_blocks=1024, max_num_seqs=4, block_size=16, kv_commit=commit, num_threads=1
+        )
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+        engine = llm.engine
+        used[commit] = engine.block_manager.high_water
+        engine.block_manager.check_integrity([])
+        if commit == "idle":  # offline: never idle, so nothing was committed in bulk
+            for cache in engine.runner.kv_caches[0]:  # no page past the committed blocks was touched
+                block_bytes = cache.stride(0) * cache.element_size()
+                first = cache.data_ptr() + engine.kv_prefault.committed * block_bytes
+                first += -first % PAGE
+                pages = (cache.data_ptr() + cache.shape[0] * block_bytes - first) // PAGE
+                assert pages > 100 and not any(b & 1 for b in _residency(first, pages))
+    # at most 4 sequences of <= 8 blocks at once, and what the prefault commits ahead (4 blocks)
+    assert used["idle"] <= 4 * 8 + 4 < 100 < used["startup"]
+
+
 def test_blocks_reserved_for_incoming_kv_are_committed_before_it_lands():
     """A decode node's receiver copies a transfer into its reserved blocks between steps."""
     llm = LLM(

@@ -60,6 +60,8 @@ def test_converted_config_is_smollm2_135m_instruct(default_model_dir: Path):
     assert config["vocab_size"] == 49152
     assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)  # <|im_start|>, <|im_end|>
     assert "quantization_config" not in config  # plain float32 weights, not a GGUF checkpoint
+    # ... that say what they were dequantized from: --dtype auto runs them in bf16 where it can
+    assert config["pdserve_dequantized_from"] == "GGUF Q4_1"
 
 
 def test_generation_config_stops_at_im_end(default_model_dir: Path):

@@ -417,3 +417,51 @@ def test_up_lora_flags_reach_every_node_and_the_router():
     assert lora_args(build_parser().parse_args(["up", "--enable-lora"])) == (("--enable-lora",), ())
     with pytest.raises(ValueError, match="NAME=PEFT_FOLDER"):
         lora_args(build_parser().parse_args(["up", "--lora-modules", "sql"]))
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "node_args", "expected"),
+    [
+        ("float32", "", "float32 on every node (auto: the checkpoint is float32)"),
+        ("float32", "--dtype bfloat16", "bfloat16 on every node (--dtype)"),
+        ("bfloat16", "--device cuda:1", "bfloat16 on every node (auto on CUDA)"),
+        ("bfloat16", "", None),  # as this CPU allows
+    ],
+)
+def test_up_says_which_dtype_its_nodes_compute_in_and_why(tmp_path, checkpoint, node_args, expected):
+    from pdserve.cli.up import _node_dtype
+    from pdserve.engine.device import cpu_computes_bf16, explain_dtype
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "dtype": checkpoint}))
+    line = _node_dtype(str(tmp_path), tuple(node_args.split()))
+    if expected is None:
+        dtype, why = explain_dtype("auto", "cpu", "bfloat16")
+        assert dtype == ("bfloat16" if cpu_computes_bf16() else "float32")
+        expected = f"{dtype} on every node ({why})"
+    assert line == expected
+
+
+@pytest.mark.parametrize(
+    ("flags", "router", "nodes"),
+    [
+        ((), ("--tpot-slo-s", "0.25"), ("--max-decode-step-seconds", "0.2")),  # the default guard
+        (("--tpot-slo-s", "0"), (), ()),  # off
+        (("--tpot-slo-s", "0.5", "--ttft-slo-s", "6"), ("--ttft-slo-s", "6", "--tpot-slo-s", "0.5"), None),
+        (
+            ("--autoscale",),
+            ("--ttft-slo-s", "4", "--tpot-slo-s", "0.25"),
+            ("--max-decode-step-seconds", "0.2"),
+        ),
+        (("--node-args", "--max-decode-step-seconds 0.1"), ("--tpot-slo-s", "0.25"), ()),  # the user's own
+    ],
+)
+def test_up_guards_local_prefills_by_a_tpot_target_by_default(flags, router, nodes):
+    """Past the prefill pool's capacity a decode node prefills locally only within the TPOT target,
+    and the nodes keep their decode steps to 0.8 of it (bench/notes/serving.md, "PD past capacity")."""
+    from pdserve.cli.up_slo import apply_slo_defaults, slo_node_args, slo_router_args
+
+    args = build_parser().parse_args(["up", *flags])
+    apply_slo_defaults(args)
+    assert slo_router_args(args) == router
+    if nodes is not None:
+        assert slo_node_args(args) == nodes

@@ -17,6 +17,7 @@ import tempfile
 
 from pdserve.cli.up_slo import (
     add_slo_flags,
+    apply_slo_defaults,
     autoscale_options,
     node_budget,
     slo_node_args,
@@ -192,9 +193,7 @@ def _plan(args: argparse.Namespace):
         usable_cores,
     )
 
-    if args.autoscale:  # the targets it sizes the pools for, and the router sheds by
-        args.ttft_slo_s = 4.0 if args.ttft_slo_s is None else args.ttft_slo_s
-        args.tpot_slo_s = 0.25 if args.tpot_slo_s is None else args.tpot_slo_s
+    apply_slo_defaults(args)
     num_prefill, num_decode, num_colocated = start_shape(args)
     cores = usable_cores()
     num_nodes = node_budget(args, num_prefill + num_decode + num_colocated, cores)
@@ -226,6 +225,7 @@ def _plan(args: argparse.Namespace):
         )
     node_lora, router_lora = lora_args(args)
     node_args = (*node_lora, *shlex.split(args.node_args), *slo_node_args(args))
+    _say(f"dtype: {_node_dtype(model, node_args)}")
     gpu_share = gpu_share_per_node(node_args, num_nodes)
     if gpu_share is not None:
         _say(f"GPU memory: {gpu_share:.1%} of {node_device(node_args)} per node ({num_nodes} nodes share it)")
@@ -304,6 +304,25 @@ def _check_layout(args: argparse.Namespace, cores: int, num_prefill: int, num_de
             "--prefill-tp 1 --decode-tp 1 only"
         )
     return num_prefill * args.prefill_tp + num_decoding * args.decode_tp
+
+
+def _node_dtype(model: str, node_args: tuple[str, ...]) -> str:
+    """The dtype the nodes will compute in and why (engine/device.py explain_dtype), torch-free:
+    --dtype from the node flags, the checkpoint's from its config.json."""
+    from pdserve.engine.config import checkpoint_dtype_of
+    from pdserve.engine.device import explain_dtype
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    known, _ = parser.parse_known_args(list(node_args))
+    checkpoint = checkpoint_dtype_of(json.loads((pathlib.Path(model) / "config.json").read_text()))
+    # auto: CUDA where an NVIDIA driver is loaded (the nodes ask torch; each node's log says)
+    cuda = known.device.startswith("cuda") or (
+        known.device == "auto" and pathlib.Path("/proc/driver/nvidia/version").exists()
+    )
+    dtype, why = explain_dtype(known.dtype, "cuda" if cuda else "cpu", checkpoint)
+    return f"{dtype} on every node ({why})"
 
 
 def _fetch_default_model() -> str:

@@ -8,6 +8,13 @@ import argparse
 import pathlib
 import shlex
 
+# `pdserve up`'s TPOT target when none is given: the router lets a busy decode node prefill a
+# prompt itself only within it, and the nodes keep steps that carry decodes to a share of it, so
+# that a PD cluster past its prefill capacity keeps its decodes' pace (bench/notes/serving.md,
+# "PD past capacity"). 0 turns it off.
+DEFAULT_TPOT_SLO_S = 0.25
+AUTOSCALE_TTFT_SLO_S = 4.0  # --autoscale's TTFT target when none is given
+
 
 def add_slo_flags(parser: argparse.ArgumentParser) -> None:
     slo = parser.add_argument_group(
@@ -20,14 +27,15 @@ def add_slo_flags(parser: argparse.ArgumentParser) -> None:
         "--ttft-slo-s",
         type=float,
         default=None,
-        help="time-to-first-token target (default: none; 4 with --autoscale)",
+        help=f"time-to-first-token target (default: none; {AUTOSCALE_TTFT_SLO_S:g} with --autoscale)",
     )
     slo.add_argument(
         "--tpot-slo-s",
         type=float,
         default=None,
-        help="time-per-output-token target (default: none; 0.25 with --autoscale); the nodes keep "
-        "the steps that carry decodes beside prompt chunks within it",
+        help=f"time-per-output-token target (default: {DEFAULT_TPOT_SLO_S:g}; 0: none): the nodes keep the "
+        "steps that carry decodes beside prompt chunks within it, and a decode node with requests "
+        "running prefills a prompt itself only within it",
     )
     slo.add_argument(
         "--autoscale",
@@ -123,6 +131,17 @@ def node_budget(args: argparse.Namespace, num_started: int, cores: int) -> int:
             "here: start fewer nodes (an autoscaled node has cores of its own)"
         )
     return budget
+
+
+def apply_slo_defaults(args: argparse.Namespace) -> None:
+    """The targets left unset: TPOT DEFAULT_TPOT_SLO_S (0: none, except with --autoscale, which
+    needs one); TTFT none, except with --autoscale, which sizes the pools for AUTOSCALE_TTFT_SLO_S."""
+    if args.autoscale and args.ttft_slo_s is None:
+        args.ttft_slo_s = AUTOSCALE_TTFT_SLO_S
+    if args.tpot_slo_s is None:
+        args.tpot_slo_s = DEFAULT_TPOT_SLO_S
+    elif args.tpot_slo_s == 0 and not args.autoscale:
+        args.tpot_slo_s = None
 
 
 def slo_router_args(args: argparse.Namespace) -> tuple[str, ...]:
