@@ -27,11 +27,15 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # (category, name pattern) in order: the first match wins
 CATEGORIES = [
     ("linear layers (matmul)", r"linear|addmm|\bmm\b|aten::mm|matmul|gemm|onednn|mkldnn|bmm"),
+    (
+        "KV cache write",
+        r"reshape_and_cache|kv_cache_update|kv_write|cache_write|index_copy|index_put|scatter",
+    ),
     ("attention", r"attention|attn|sdpa|scaled_dot"),
-    ("KV cache write", r"reshape_and_cache|kv_write|cache_write|index_copy|index_put|scatter"),
+    # vLLM's torch.compile'd graph: inductor's fused norms, rotary, activations and residual adds
     (
         "norms, rotary, activations",
-        r"rms|norm|rotary|rope|silu|gelu|act_and_mul|fused_add|cpp_fused|Compiled",
+        r"rms|norm|rotary|rope|silu|gelu|act_and_mul|fused_add|CompiledFxGraph|Pregraph",
     ),
     ("sampling and logits", r"argmax|softmax|topk|top_k|sort|multinomial|sampl|logit|exponential|cumsum"),
 ]
@@ -48,7 +52,7 @@ if engine == "pdserve":
               enable_prefix_caching=False)
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in spec["reqs"]]
     def run(reqs_params):
-        return llm.generate([p for p, _ in spec["reqs"]], params, use_tqdm=False)
+        return llm.generate([p for p, _ in spec["reqs"]], params)
 else:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -77,12 +81,53 @@ print("RESULT " + json.dumps({"wall": wall, "warm_up_s": warm_s, "tokens": token
 def categorize(ops: dict[str, float], wall: float) -> dict[str, float]:
     out = {name: 0.0 for name, _ in CATEGORIES} | {OTHER_OPS: 0.0}
     for key, seconds in ops.items():
-        if key.startswith("ProfilerStep") or key.startswith("## "):
+        if key.startswith("ProfilerStep"):
             continue
         name = next((n for n, pattern in CATEGORIES if re.search(pattern, key, re.IGNORECASE)), OTHER_OPS)
         out[name] += seconds
     out[PYTHON] = max(0.0, wall - sum(out.values()))
     return out
+
+
+PEAK_SHAPE = "2048x2048x2048"
+
+
+def linear_flops(model: pathlib.Path, reqs) -> float:
+    """The pass's linear-layer FLOPs: every prompt and output token through each layer's
+    projections, and the vocabulary projection for each output token (a prompt's other rows
+    compute no logits)."""
+    c = json.loads((model / "config.json").read_text())
+    h, inter, layers, vocab = (
+        c["hidden_size"],
+        c["intermediate_size"],
+        c["num_hidden_layers"],
+        c["vocab_size"],
+    )
+    head = c.get("head_dim") or h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
+    per_token = layers * (h * (q + 2 * kv) + q * h + h * 2 * inter + inter * h)
+    prompt, out = sum(len(p) for p, _ in reqs), sum(o for _, o in reqs)
+    return 2.0 * (per_token * (prompt + out - len(reqs)) + h * vocab * out)
+
+
+def matmul_peak(dtype: str, threads: int) -> float:
+    """FLOP/s of a large square matmul on oneDNN's packed path (kernels/cpu_linear.py), best of 5:
+    what this CPU's arithmetic reaches where nothing else limits it."""
+    import time
+
+    import torch
+
+    torch.set_num_threads(threads)
+    n = 2048
+    t = getattr(torch, dtype)
+    x, w = torch.randn(n, n).to(t), torch.randn(n, n).to(t)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n**3 / best
 
 
 def run_child(python: str, spec: dict, env: dict) -> dict:
@@ -112,6 +157,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--top", type=int, default=0, help="also print each engine's N largest ops")
+    ap.add_argument("--save", type=pathlib.Path, help="write each engine's ops and times here (JSON)")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from bench.offline_throughput import workload
@@ -148,7 +194,11 @@ def main() -> None:
             },
         ),
     }
+    if args.save:
+        args.save.write_text(json.dumps(results))
     table = {name: categorize(r["ops"], r["wall"]) for name, r in results.items()}
+    flops = linear_flops(model, reqs)
+    peak = matmul_peak(args.dtype, args.threads)
     print(
         f"{args.workload} x {args.num_prompts}, {args.dtype}, {args.threads} threads; profiled pass after a warm-up"
     )
@@ -163,6 +213,12 @@ def main() -> None:
         "| warm-up pass (unprofiled) | "
         + " | ".join(f"{r['warm_up_s']:.2f}" for r in results.values())
         + " |"
+    )
+    matmul = [table[n]["linear layers (matmul)"] for n in results]
+    print(
+        f"\nlinear layers: {flops / 1e9:.0f} GFLOP in the pass; "
+        + ", ".join(f"{n} {flops / m / 1e9:.0f} GFLOP/s" for n, m in zip(results, matmul, strict=True))
+        + f"; a {PEAK_SHAPE} {args.dtype} matmul through the same oneDNN path here: {peak / 1e9:.0f} GFLOP/s"
     )
     for name, r in results.items():
         if args.top:

@@ -38,7 +38,7 @@ calls = []
 for reqs in loads:
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in reqs]
     t = time.perf_counter()
-    outs = llm.generate([p for p, _ in reqs], params, use_tqdm=False)
+    outs = llm.generate([p for p, _ in reqs], params)
     seconds = time.perf_counter() - t
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     calls.append({"seconds": seconds, "tok_s": tokens / seconds})
@@ -80,8 +80,9 @@ def main() -> None:
             cwd=ROOT,
             capture_output=True,
             text=True,
-            check=True,
         )
+        if out.returncode != 0:
+            raise SystemExit(f"round {r} failed:\n{out.stderr[-3000:]}")
         result = json.loads(out.stdout.strip().splitlines()[-1])
         first, warm = result["calls"]
         print(

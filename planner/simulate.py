@@ -337,7 +337,7 @@ def simulate(
     tokens_per_s = profile.step_tokens / profile.prefill_s(profile.step_tokens)
 
     def local_fits(node: _DecodeNode) -> bool:  # RoutingPolicy.local_prefill_fits
-        return slo_flags is None or not node.running or node.step_target_s <= slo_flags.tpot_s
+        return not node.running or (slo_flags is not None and node.step_target_s <= slo_flags.tpot_s)
 
     def choose_decode() -> _DecodeNode:  # RoutingPolicy._choose_decode, without a prefix cache
         if all(node.colocated for node in decoders):

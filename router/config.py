@@ -74,7 +74,7 @@ class RouterConfig:
         None,
         "a decode node with requests running prefills a long prompt itself (--local-prefill-margin-s) "
         "only when its step-time target keeps their time per token within this many seconds "
-        "(default: off)",
+        "(default: none, and then only an idle decode node prefills for a backed-up prefill pool)",
     )
     max_inflight_prefill: int = setting(
         256, "sub-requests in their prefill stage; beyond: 429 (default: %(default)s)"

@@ -20,8 +20,9 @@ never. What they pay is bounded on the node, not here: its steps keep to their s
 running decode (engine.scheduler), so a local prefill stretches the decodes' time per token to at
 most the target while its chunks run, and never holds them out of a step.
 
-With a TPOT SLO (``tpot_slo_s``) a decode node that has requests running prefills a long prompt
-only when its step-time target is within the SLO: its steps stretch to that target while it does.
+A decode node that has requests running prefills a long prompt only under a TPOT SLO
+(``tpot_slo_s``), and only when its step-time target is within it: its steps stretch to that target
+while it does. Without one only an idle decode node does, so that no prompt slows running decodes.
 With a TTFT SLO the router sheds (429) a new request whose predicted first token, its prefilling
 node's prompt queue at that node's speed (``predicted_ttft_s``), would come later; without one,
 one predicted past the chunk timeout, which it would abort and retry (admission.py).
@@ -260,9 +261,13 @@ class RoutingPolicy:
     def local_prefill_fits(self, decode: NodeInfo) -> bool:
         """Whether ``decode`` may prefill a long prompt beside its running requests: while it does,
         its steps run to its step-time target, each running request's time per token with them,
-        so that target must be within the TPOT SLO (always, without one; an idle node, too)."""
-        if self.tpot_slo_s is None or decode.num_running == 0:
+        so that target must be within the TPOT SLO. Without one, never: what disaggregation
+        promises is decodes that no prompt slows (bench/notes/serving.md, "PD past capacity").
+        An idle node may always."""
+        if decode.num_running == 0:
             return True
+        if self.tpot_slo_s is None:
+            return False
         return decode.step_target_s is not None and decode.step_target_s <= self.tpot_slo_s
 
     def predicted_ttft_s(

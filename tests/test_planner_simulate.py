@@ -84,9 +84,12 @@ def test_a_backed_up_prefill_pool_sends_long_prompts_to_the_decode_nodes_own_que
     requests = [SimRequest(0.0, 300, 2) for _ in range(4)]  # 0.3 s of prefill each, all at once
     # Each goes where it waits less, unless the prefill node is less than 0.2 s worse: 1st: 0.3
     # against 0.3 s; 2nd: 0.6 against 0.3; 3rd: 0.6 against 0.6 (the 2nd is prefilling locally);
-    # 4th: 0.9 against 0.6.
-    outs = simulate(PROFILE, Cluster(1, 1, local_prefill_margin_s=0.2), requests)
+    # 4th: 0.9 against 0.6, under a TPOT SLO whose decode-step target the node keeps (without one
+    # a decode node with a request running prefills nothing more: the 4th waits for prefill-0).
+    outs = simulate(PROFILE, Cluster(1, 1, local_prefill_margin_s=0.2), requests, slo_flags=Slo(60.0, 0.25))
     assert [o.prefill_node for o in outs] == ["prefill-0", None, "prefill-0", None]
+    outs_without = simulate(PROFILE, Cluster(1, 1, local_prefill_margin_s=0.2), requests)
+    assert [o.prefill_node for o in outs_without] == ["prefill-0", None, "prefill-0", "prefill-0"]
     assert outs[1].ttft_s == pytest.approx(0.3)  # beside nothing: a step of 300 prompt tokens
     outs = simulate(PROFILE, Cluster(1, 1, local_prefill_margin_s=-1.0), requests)
     assert [o.prefill_node for o in outs] == ["prefill-0"] * 4

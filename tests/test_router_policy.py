@@ -160,7 +160,7 @@ def test_a_backed_up_prefill_pool_sends_the_prompt_to_the_decode_nodes_own_queue
     )
 
 
-def test_with_a_tpot_slo_a_busy_decode_node_prefills_locally_only_if_its_step_target_fits():
+def test_a_busy_decode_node_prefills_locally_only_under_a_tpot_slo_its_step_target_fits():
     policy = RoutingPolicy(0, local_prefill_margin_s=1.0, tpot_slo_s=0.25)
     prefill = node_info("p0", "prefill", num_queued_prefill_tokens=10_000, prefill_tokens_per_s=100.0)
 
@@ -171,10 +171,13 @@ def test_with_a_tpot_slo_a_busy_decode_node_prefills_locally_only_if_its_step_ta
     assert placement(num_running=3, step_target_s=0.2) == "backed_up"  # its steps stay within the SLO
     assert placement(num_running=3, step_target_s=0.6) == "prefill_node"  # they would not
     assert placement(num_running=3) == "prefill_node"  # a target not yet known is not trusted
-    no_slo = RoutingPolicy(0, local_prefill_margin_s=1.0)
-    assert no_slo.choose(
-        [node_info("d0", "decode", num_running=3, step_target_s=0.6), prefill], PROMPT, 8
-    ).placement == ("backed_up")
+    no_slo = RoutingPolicy(0, local_prefill_margin_s=1.0)  # without one, no prompt slows running decodes
+
+    def without_slo(**decode_fields) -> str:
+        return no_slo.choose([node_info("d0", "decode", **decode_fields), prefill], PROMPT, 8).placement
+
+    assert without_slo(num_running=3, step_target_s=0.05) == "prefill_node"
+    assert without_slo(num_running=0) == "backed_up"  # an idle one still helps the backed-up pool
 
 
 def test_the_predicted_ttft_is_the_prefilling_nodes_prompt_queue_at_its_speed():

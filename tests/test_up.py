@@ -444,24 +444,28 @@ def test_up_says_which_dtype_its_nodes_compute_in_and_why(tmp_path, checkpoint, 
 @pytest.mark.parametrize(
     ("flags", "router", "nodes"),
     [
-        ((), ("--tpot-slo-s", "0.25"), ("--max-decode-step-seconds", "0.2")),  # the default guard
-        (("--tpot-slo-s", "0"), (), ()),  # off
-        (("--tpot-slo-s", "0.5", "--ttft-slo-s", "6"), ("--ttft-slo-s", "6", "--tpot-slo-s", "0.5"), None),
+        ((), (), ("--max-decode-step-seconds", "0.2")),  # no targets: steps with decodes kept short
+        (
+            ("--tpot-slo-s", "0.5", "--ttft-slo-s", "6"),
+            ("--ttft-slo-s", "6", "--tpot-slo-s", "0.5"),
+            ("--max-decode-step-seconds", "0.4"),
+        ),
         (
             ("--autoscale",),
             ("--ttft-slo-s", "4", "--tpot-slo-s", "0.25"),
             ("--max-decode-step-seconds", "0.2"),
         ),
-        (("--node-args", "--max-decode-step-seconds 0.1"), ("--tpot-slo-s", "0.25"), ()),  # the user's own
+        (("--node-args", "--max-decode-step-seconds 0.1"), (), ()),  # the user's own
     ],
 )
-def test_up_guards_local_prefills_by_a_tpot_target_by_default(flags, router, nodes):
-    """Past the prefill pool's capacity a decode node prefills locally only within the TPOT target,
-    and the nodes keep their decode steps to 0.8 of it (bench/notes/serving.md, "PD past capacity")."""
+def test_up_gives_its_nodes_a_decode_step_target_and_the_router_its_targets(flags, router, nodes):
+    """Without a TPOT target the router lets no busy decode node prefill (router/policy.py) and the
+    nodes keep steps that carry decodes to 0.2 s (bench/notes/serving.md, "PD past capacity")."""
     from pdserve.cli.up_slo import apply_slo_defaults, slo_node_args, slo_router_args
 
     args = build_parser().parse_args(["up", *flags])
     apply_slo_defaults(args)
     assert slo_router_args(args) == router
-    if nodes is not None:
-        assert slo_node_args(args) == nodes
+    assert slo_node_args(args) == nodes
+    with pytest.raises(ValueError, match="--tpot-slo-s must be > 0, got 0"):
+        apply_slo_defaults(build_parser().parse_args(["up", *flags, "--tpot-slo-s", "0"]))

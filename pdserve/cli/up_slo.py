@@ -8,12 +8,13 @@ import argparse
 import pathlib
 import shlex
 
-# `pdserve up`'s TPOT target when none is given: the router lets a busy decode node prefill a
-# prompt itself only within it, and the nodes keep steps that carry decodes to a share of it, so
-# that a PD cluster past its prefill capacity keeps its decodes' pace (bench/notes/serving.md,
-# "PD past capacity"). 0 turns it off.
-DEFAULT_TPOT_SLO_S = 0.25
-AUTOSCALE_TTFT_SLO_S = 4.0  # --autoscale's TTFT target when none is given
+# `pdserve up`'s decode-step target where no TPOT target is given: the nodes keep the steps that
+# carry running decodes beside prompt chunks to about this long, so that a colocated node's
+# decodes keep their pace while it prefills (a PD decode node with requests running prefills
+# nothing without a TPOT target: router/policy.py). bench/notes/serving.md, "PD past capacity".
+DEFAULT_DECODE_STEP_S = 0.2
+AUTOSCALE_TTFT_SLO_S = 4.0  # --autoscale's targets when none is given
+AUTOSCALE_TPOT_SLO_S = 0.25
 
 
 def add_slo_flags(parser: argparse.ArgumentParser) -> None:
@@ -33,9 +34,10 @@ def add_slo_flags(parser: argparse.ArgumentParser) -> None:
         "--tpot-slo-s",
         type=float,
         default=None,
-        help=f"time-per-output-token target (default: {DEFAULT_TPOT_SLO_S:g}; 0: none): the nodes keep the "
-        "steps that carry decodes beside prompt chunks within it, and a decode node with requests "
-        "running prefills a prompt itself only within it",
+        help=f"time-per-output-token target (default: none; {AUTOSCALE_TPOT_SLO_S:g} with --autoscale): "
+        "the nodes keep the steps that carry decodes beside prompt chunks within it (without one: "
+        f"{DEFAULT_DECODE_STEP_S:g} s), and a decode node with requests running prefills a prompt "
+        "itself only within it (without one: never)",
     )
     slo.add_argument(
         "--autoscale",
@@ -134,14 +136,13 @@ def node_budget(args: argparse.Namespace, num_started: int, cores: int) -> int:
 
 
 def apply_slo_defaults(args: argparse.Namespace) -> None:
-    """The targets left unset: TPOT DEFAULT_TPOT_SLO_S (0: none, except with --autoscale, which
-    needs one); TTFT none, except with --autoscale, which sizes the pools for AUTOSCALE_TTFT_SLO_S."""
-    if args.autoscale and args.ttft_slo_s is None:
-        args.ttft_slo_s = AUTOSCALE_TTFT_SLO_S
-    if args.tpot_slo_s is None:
-        args.tpot_slo_s = DEFAULT_TPOT_SLO_S
-    elif args.tpot_slo_s == 0 and not args.autoscale:
-        args.tpot_slo_s = None
+    """--autoscale's targets where none were given: it sizes the pools for them."""
+    for flag, value in (("--ttft-slo-s", args.ttft_slo_s), ("--tpot-slo-s", args.tpot_slo_s)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag} must be > 0, got {value:g} (leave it out for none)")
+    if args.autoscale:
+        args.ttft_slo_s = AUTOSCALE_TTFT_SLO_S if args.ttft_slo_s is None else args.ttft_slo_s
+        args.tpot_slo_s = AUTOSCALE_TPOT_SLO_S if args.tpot_slo_s is None else args.tpot_slo_s
 
 
 def slo_router_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -155,17 +156,16 @@ def slo_router_args(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def slo_node_args(args: argparse.Namespace) -> tuple[str, ...]:
-    """With a TPOT SLO, every node's steps that carry decodes beside prompt chunks keep within it
-    (engine.step_budget), unless --node-args sets their target itself: any node may decode, after
-    a role switch if not at start."""
+    """Every node's target for the steps that carry decodes beside prompt chunks (engine.step_budget),
+    unless --node-args sets it itself: within the TPOT target, or DEFAULT_DECODE_STEP_S without
+    one (any node may decode, after a role switch if not at start)."""
     from pdserve.engine.step_budget import TPOT_SLO_STEP_SHARE
 
     flag = "--max-decode-step-seconds"
-    if args.tpot_slo_s is None or any(
-        a == flag or a.startswith(flag + "=") for a in shlex.split(args.node_args)
-    ):
+    if any(a == flag or a.startswith(flag + "=") for a in shlex.split(args.node_args)):
         return ()
-    return (flag, f"{TPOT_SLO_STEP_SHARE * args.tpot_slo_s:g}")
+    target = DEFAULT_DECODE_STEP_S if args.tpot_slo_s is None else TPOT_SLO_STEP_SHARE * args.tpot_slo_s
+    return (flag, f"{target:g}")
 
 
 def autoscale_options(args: argparse.Namespace, plan):
