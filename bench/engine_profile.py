@@ -142,10 +142,9 @@ def run_child(python: str, spec: dict, env: dict) -> dict:
             timeout=3600,
             cwd="/tmp",
         )
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"{spec['engine']} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    return json.loads(line[len("RESULT ") :])
+    from bench.serve_crosscheck import child_result
+
+    return child_result(out, spec["engine"])
 
 
 def main() -> None:

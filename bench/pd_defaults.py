@@ -34,7 +34,7 @@ import urllib.request
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from serve_crosscheck import VLLM_CLIENT  # noqa: E402
+from serve_crosscheck import VLLM_CLIENT, child_result  # noqa: E402
 from serve_servers import VllmServer  # noqa: E402
 
 ROUTES = re.compile(r'^pdserve_routes_total\{prefill="([a-z_]+)"\} (\S+)', re.M)
@@ -84,10 +84,7 @@ def bench(args, port: int, rate: float, seed: int, tmp: pathlib.Path) -> dict:
     done = subprocess.run(
         cmd, cwd=tmp, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
     )
-    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"vLLM's client failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return json.loads(line[len("RESULT ") :])
+    return child_result(done, "vLLM's client")
 
 
 def main() -> None:

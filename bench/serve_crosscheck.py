@@ -127,11 +127,16 @@ def run_vllm(args: argparse.Namespace, seed: int, tmp: pathlib.Path) -> dict[str
     done = subprocess.run(
         cmd, cwd=tmp, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
     )
+    result = child_result(done, "vLLM's client")
+    return {name: result[key] for name, (_, key, _) in FIGURES.items()}
+
+
+def child_result(done: subprocess.CompletedProcess, what: str) -> dict:
+    """The JSON a child printed on its ``RESULT `` line; its output's tail in the error where none."""
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
-        raise RuntimeError(f"vLLM's client failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    result = json.loads(line[len("RESULT ") :])
-    return {name: result[key] for name, (_, key, _) in FIGURES.items()}
+        raise RuntimeError(f"{what} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return json.loads(line[len("RESULT ") :])
 
 
 def main() -> None:

@@ -163,7 +163,9 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is None:
                 block.block_hash, block.token_ids = block_hash, tokens
-                self.hash_to_block_id.setdefault(block_hash, block.block_id)
+                # the newest block of this content: an older copy (a request that recomputed its
+                # prompt for its logprobs) is evicted first, and would take the entry with it
+                self.hash_to_block_id[block_hash] = block.block_id
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` share all of ``parent``'s blocks (n > 1 samples of one prompt)."""

@@ -96,12 +96,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def default_model_dir() -> pathlib.Path:
-    """The default model (SmolLM2-135M-Instruct) as a Hugging Face folder.
+def shipped_default_model() -> pathlib.Path:
+    """The default model (SmolLM2-135M-Instruct) as a Hugging Face folder, as users get it.
 
     Converted once into the shared cache ($PDSERVE_CACHE or ~/.cache/pdserve, about 30 s and
-    520 MB the first time); later sessions find it there.
+    520 MB the first time); later sessions find it there. Its config.json names the GGUF it was
+    dequantized from, so ``--dtype auto`` runs it in bfloat16 on CPUs with bf16 arithmetic.
     """
     from pdserve.engine.model_fetch import fetch_default_model
 
     return fetch_default_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(shipped_default_model: pathlib.Path, tmp_path_factory) -> pathlib.Path:
+    """The default model as a float32 checkpoint, under the same folder name (the served model
+    id): the shipped folder's files linked, its config.json without the quantized source, so that
+    ``--dtype auto`` runs it in float32 on any CPU and the tests that compare it with HF fp32, or
+    one path with another, compare token for token (bf16 agrees only within its rounding)."""
+    import json
+
+    from pdserve.engine.config import DEQUANTIZED_FROM_KEY
+
+    folder = tmp_path_factory.mktemp("default-model-fp32") / shipped_default_model.name
+    folder.mkdir()
+    for item in shipped_default_model.iterdir():
+        if item.name != "config.json":
+            (folder / item.name).symlink_to(item)
+    config = json.loads((shipped_default_model / "config.json").read_text())
+    config.pop(DEQUANTIZED_FROM_KEY, None)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return folder

@@ -136,6 +136,24 @@ def test_past_its_fresh_limit_the_pool_reuses_a_freed_block_and_grows_only_when_
     bm.check_integrity([b, c, d])
 
 
+def test_evicting_an_older_copy_of_a_cached_block_keeps_the_newer_copy_findable():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    bm.fresh_limit = 0  # reuse before growing: evictions come early
+    a = _seq([1, 2, 3, 4, 5])
+    _prefill(bm, a)  # blocks 0, 1, 2
+    b = _seq([1, 2, 3, 4, 5])  # the same prompt computed again, as for its prompt logprobs
+    bm.append(b, 5)
+    b.num_computed_tokens = 5
+    bm.commit_computed(b)
+    assert b.block_table == [3, 4, 5]
+    bm.free(a)
+    c = _seq([9, 9, 9])
+    _prefill(bm, c)  # evicts a's blocks 2 and 1
+    assert sorted(c.block_table) == [1, 2]
+    assert bm.match_prefix([1, 2, 3, 4, 5])[0] == [3, 4]  # b's copies still serve the prefix
+    bm.check_integrity([b, c])
+
+
 def test_fork_then_write_copies_the_shared_partial_block():
     bm = BlockManager(num_blocks=8, block_size=4)
     parent = _seq(list(range(6)))

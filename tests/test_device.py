@@ -108,3 +108,17 @@ def test_the_start_up_line_names_the_dtype_why_and_offers_bf16_where_the_cpu_has
     assert fp32.startswith("dtype float32 (auto: the checkpoint is float32")
     assert ("--dtype bfloat16" in fp32) == cpu_computes_bf16()
     assert describe_dtype(torch.bfloat16, cpu) == "dtype bfloat16 (--dtype)"
+
+
+def test_the_default_model_as_shipped_runs_in_bf16_where_the_cpu_computes_it(
+    shipped_default_model, default_model_dir
+):
+    """Dequantized from GGUF Q4_1, it carries less than bf16's precision: auto picks bf16 where the
+    CPU has bf16 arithmetic; the tests' fp32 view of the same weights (conftest.py) stays fp32."""
+    from pdserve.engine.device import cpu_computes_bf16
+
+    shipped = LLM(model=str(shipped_default_model), num_kv_blocks=16, device="cpu").engine
+    assert shipped.model_config.checkpoint_dtype == "GGUF Q4_1"
+    assert shipped.config.dtype == ("bfloat16" if cpu_computes_bf16() else "float32")
+    assert "GGUF Q4_1" in shipped.dtype_why
+    assert LLM(model=str(default_model_dir), num_kv_blocks=16, device="cpu").engine.config.dtype == "float32"

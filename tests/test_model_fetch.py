@@ -15,13 +15,18 @@ from pdserve.engine.model_fetch import (
     COMPLETE_MARKER,
     CONVERTER_VERSION,
     DEFAULT_MODEL_NAME,
-    default_model_dir,
     fetch_default_model,
     locate_gguf,
     publish_once,
 )
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Paris is the capital of"
+
+
+@pytest.fixture(scope="module")
+def default_model_dir(shipped_default_model: Path) -> Path:
+    """This file checks the conversion itself: the folder as shipped, not the tests' fp32 view."""
+    return shipped_default_model
 
 
 @pytest.fixture(scope="module")
@@ -136,10 +141,12 @@ def test_gguf_is_located_without_importing_its_package():
 
 def test_model_dir_follows_cache_dir_then_pdserve_cache(monkeypatch, tmp_path: Path):
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "env"))
-    assert default_model_dir() == tmp_path / "env" / "models" / DEFAULT_MODEL_NAME
-    assert default_model_dir(tmp_path / "arg") == tmp_path / "arg" / "models" / DEFAULT_MODEL_NAME
+    assert model_fetch.default_model_dir() == tmp_path / "env" / "models" / DEFAULT_MODEL_NAME
+    assert model_fetch.default_model_dir(tmp_path / "arg") == tmp_path / "arg" / "models" / DEFAULT_MODEL_NAME
     monkeypatch.delenv("PDSERVE_CACHE")
-    assert default_model_dir() == Path.home() / ".cache" / "pdserve" / "models" / DEFAULT_MODEL_NAME
+    assert (
+        model_fetch.default_model_dir() == Path.home() / ".cache" / "pdserve" / "models" / DEFAULT_MODEL_NAME
+    )
 
 
 def _write_weights(folder: Path) -> None:
