@@ -52,8 +52,8 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
-        # One past the highest block id ever handed out. Fresh blocks come in ascending order
-        # before any block is reused (LRU), so blocks [0, high_water) are the ones ever written.
+        # One past the highest block id ever handed out. Never-used blocks go in ascending order,
+        # so blocks [0, high_water) are the ones ever written.
         self.high_water = 0
         # free blocks that were handed out before, in the pool's LRU order (a subset of free_block_ids)
         self.released: OrderedDict[int, None] = OrderedDict()

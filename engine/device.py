@@ -43,9 +43,6 @@ def resolve_attention_backend(name: str, device: torch.device) -> str | None:
     return name
 
 
-HALF_DTYPES = ("bfloat16", "float16")
-
-
 @functools.cache
 def cpu_computes_bf16() -> bool:
     """Whether this CPU has bfloat16 arithmetic (AVX512-BF16 or AMX), which oneDNN's matmuls use;

@@ -2,9 +2,10 @@
 
 The pool is sized from free memory but allocated lazily (``ModelRunner._empty_cache``): the OS
 commits a page when a block is first written, by a page fault inside the KV write of the step
-that writes it. The block manager hands out never-used blocks in ascending order before it
-reuses any (its free list is LRU), so the written part of the pool grows from block 0 up, and
-over a long run every block is first written by some step. On the 2-core dev VM a fault on a
+that writes it. The block manager hands out never-used blocks in ascending order, so the written
+part of the pool grows from block 0 up; past the blocks committed in bulk (``settled``: the idle
+commit's, or all at start-up) it reuses a freed block before it takes a never-used one, so a
+fresh engine writes only as much of the pool as its work holds at once (``fresh_limit``). On the 2-core dev VM a fault on a
 fresh page costs ~8 us; the default model's offline mix spent 10% of its time in the KV write,
 nearly all of it faulting, and was 7-12% faster with the pool committed beforehand.
 
@@ -18,9 +19,9 @@ prompt blocks ahead (384 for the default model) made the first step of a fresh n
 ``ahead`` blocks. Linux 5.14 or later; where the
 call is missing or fails, pages commit as before. ``PDSERVE_KV_PREFAULT=0`` turns it off.
 
-Committed that way, a fresh node pays for each block the first time it hands it out, and hands
-out never-used blocks for as long as the pool has them: on that VM every step of a fresh node's
-first thousands of requests was about twice as slow. ``kv_commit="idle"`` (the default) also
+Committed that way, a fresh node pays for each block the first time it hands it out; when it
+handed out never-used blocks for as long as the pool had them, every step of a fresh node's
+first thousands of requests on that VM was about twice as slow. ``kv_commit="idle"`` (the default) also
 commits the rest of the pool while the node has nothing to do: ``idle()``, which a node's
 loop calls before it waits for input, lets a thread populate the next blocks in slices of at most
 ``SLICE_BYTES`` a call, until ``advance`` (any write the engine is about to make) stops it. The
