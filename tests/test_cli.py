@@ -36,10 +36,10 @@ def test_unknown_subcommand_exits_2_with_a_message():
 
 
 @pytest.mark.usefixtures("processes")
-def test_model_fetch_prints_the_folder_as_last_line(default_model_dir: Path):
+def test_model_fetch_prints_the_folder_as_last_line(shipped_default_model: Path):
     result = pdserve("model", "fetch")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == str(default_model_dir)
+    assert result.stdout.splitlines()[-1] == str(shipped_default_model)
 
 
 @pytest.mark.usefixtures("processes")
