@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT / "bench"))  # text_workloads
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from kv_int8_accuracy import hf_greedy  # noqa: E402  (bench/: the same greedy reference)
 
 import pdserve.engine.llm  # noqa: E402,F401  (first: the engine's OpenMP default)
 from pdserve.engine.llm import LLM  # noqa: E402
@@ -55,13 +56,7 @@ def main() -> None:
     prompts = [ids for ids, _ in workload("rep", args.num_prompts, tokenizer)]
     hf32 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf32.generation_config.eos_token_id = None
-    with torch.no_grad():
-        reference = [
-            hf32.generate(torch.tensor([p]), max_new_tokens=args.max_tokens, do_sample=False, pad_token_id=0)[
-                0, len(p) :
-            ].tolist()
-            for p in prompts
-        ]
+    reference = [hf_greedy(hf32, p, args.max_tokens) for p in prompts]
     teacher = [p + r for p, r in zip(prompts, reference, strict=True)]
     ref = [hf_rows(hf32, t) for t in teacher]
     with torch.no_grad():

@@ -110,6 +110,7 @@ class KVPrefault:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # around the bookkeeping only, never a madvise
         self._block_bytes = [c.stride(0) * c.element_size() for c in caches]  # one block, per cache
+        self._host = all(c.device.type == "cpu" for c in caches)  # a GPU pool is committed whole
         self.memory_paused = False  # the idle commit waits for memory (MEMORY_RESERVE_*)
         self._reserve = MEMORY_RESERVE_BYTES  # set when the idle commit starts
 
@@ -128,17 +129,13 @@ class KVPrefault:
     def num_committed(self, high_water: int) -> int:
         """Blocks whose memory is committed: all of a GPU pool; of a CPU pool at least those below
         the block manager's ``high_water`` (written once), where no madvise tells more."""
-        if not all(c.device.type == "cpu" for c in self.caches):
-            return self.num_blocks
-        return max(self.committed, high_water)
+        return max(self.committed, high_water) if self._host else self.num_blocks
 
     def fresh_limit(self) -> int:
         """The block manager's ``fresh_limit``: never-used blocks below it are handed out before
         reused ones. All of a GPU pool; of a CPU pool what was committed in bulk, so that a CPU
         engine's work grows the pool (and pays its first-touch faults) only where it must."""
-        if not all(c.device.type == "cpu" for c in self.caches):
-            return self.num_blocks
-        return self.settled
+        return self.settled if self._host else self.num_blocks
 
     def idle(self) -> None:
         """The engine has nothing to write until the next ``advance``: commit the pool meanwhile."""

@@ -111,15 +111,20 @@ def kv_fraction_per_node(num_nodes: int, default: float = 0.25) -> float | None:
 LOCAL_GPU_SHARE = 0.9  # of one GPU's memory, for all the nodes a one-machine cluster starts on it
 
 
-def node_device(node_args: tuple[str, ...] | list[str]) -> str:
-    """The --device the nodes get from ``node_args`` (the last one wins, as argparse has it)."""
-    device = "auto"
+def node_flag(node_args: tuple[str, ...] | list[str], flag: str, default: str = "auto") -> str:
+    """The value the nodes get for ``flag`` from ``node_args`` (the last one wins, as argparse has it)."""
+    value = default
     for i, arg in enumerate(node_args):
-        if arg == "--device" and i + 1 < len(node_args):
-            device = node_args[i + 1]
-        elif arg.startswith("--device="):
-            device = arg.split("=", 1)[1]
-    return device
+        if arg == flag and i + 1 < len(node_args):
+            value = node_args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def node_device(node_args: tuple[str, ...] | list[str]) -> str:
+    """The --device the nodes get from ``node_args``."""
+    return node_flag(node_args, "--device")
 
 
 def gpu_share_per_node(node_args: tuple[str, ...] | list[str], num_nodes: int) -> float | None:

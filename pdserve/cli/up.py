@@ -311,17 +311,15 @@ def _node_dtype(model: str, node_args: tuple[str, ...]) -> str:
     --dtype from the node flags, the checkpoint's from its config.json."""
     from pdserve.engine.config import checkpoint_dtype_of
     from pdserve.engine.device import explain_dtype
+    from pdserve.launcher.plan import node_device, node_flag
 
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
-    known, _ = parser.parse_known_args(list(node_args))
     checkpoint = checkpoint_dtype_of(json.loads((pathlib.Path(model) / "config.json").read_text()))
+    device = node_device(node_args)
     # auto: CUDA where an NVIDIA driver is loaded (the nodes ask torch; each node's log says)
-    cuda = known.device.startswith("cuda") or (
-        known.device == "auto" and pathlib.Path("/proc/driver/nvidia/version").exists()
+    cuda = device.startswith("cuda") or (
+        device == "auto" and pathlib.Path("/proc/driver/nvidia/version").exists()
     )
-    dtype, why = explain_dtype(known.dtype, "cuda" if cuda else "cpu", checkpoint)
+    dtype, why = explain_dtype(node_flag(node_args, "--dtype"), "cuda" if cuda else "cpu", checkpoint)
     return f"{dtype} on every node ({why})"
 
 
