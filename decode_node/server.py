@@ -34,6 +34,7 @@ from pdserve.node.streams import (
     next_chunk,
     node_status,
 )
+from pdserve.node.transfer_caches import transfer_caches
 from pdserve.protocol.messages import AbortRequest, GenerateRequest
 from pdserve.protocol.reasons import FailureCode
 from pdserve.protocol.sampling_params import SamplingParams
@@ -77,7 +78,7 @@ class DecodeNode:
     def __init__(self, parts: NodeParts) -> None:
         self.opts, self.log, self.engine, self.runtime = parts.opts, parts.log, parts.engine, parts.runtime
         self.fingerprint = parts.fingerprint
-        caches = self.engine.kv_caches
+        caches = transfer_caches(self.engine.executor.rank_pools)
         self.receiver = KVReceiver(
             f"tcp://{self.opts.host}:{self.opts.kv_port}",
             self.fingerprint,

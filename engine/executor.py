@@ -5,13 +5,15 @@ Executor; written for pdserve).
     ranks 1..N-1 (engine/worker.py, child processes this executor starts and owns): a ModelRunner
         each, on their shard; they never schedule, they follow rank 0's plans
 
-Each step's plan (model_runner.StepPlan: plain arrays, no Sequence) goes to every worker once,
-as one msgpack frame on its socket pair, before rank 0 runs it; the ranks then meet in the
-layers' collectives (torch.distributed: gloo on the CPU, NCCL on CUDA, from the platform), and
-only rank 0 keeps the logits. Calls that run the model outside a step (the start-up profile, the
-prefill timing), the KV pool's allocation and LoRA slot changes (rank 0 picks the slot, each
-worker reads the adapter's folder and fills its shard of it) go to every rank the same way. At tp=1 there are no
-workers and no group: the same executor, rank 0 alone.
+Every call to the ranks is a typed message (engine/rank_messages.py) that goes to each worker on
+its socket pair, and then rank 0 runs the same handler itself (worker.Worker): a step's plan
+(model_runner.StepPlan: plain arrays, no Sequence) becomes a model_runner.StepRun on every rank,
+so the ranks meet in the same collectives (torch.distributed: gloo on the CPU, NCCL on CUDA, from
+the platform) in the same order. Only rank 0 plans the step from its sequences before the call,
+and keeps the logits after it. Calls that run the model outside a step (the start-up profile,
+the prefill timing) go the same way; the KV pool's allocation and LoRA slot changes too (rank 0
+picks the slot, each worker reads the adapter's folder and fills its shard of it). At tp=1
+there are no workers and no group: the same executor, rank 0 alone.
 
 A worker that exits or reports an error fails the node: ``failure`` says which rank and how,
 and every later call raises WorkerLost (a group is not trusted after a lost rank or a collective
@@ -23,77 +25,68 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import mmap
-import os
 import selectors
 import socket
-import struct
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
-import msgpack
 import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.lora import LoRAAdapter, SlotAssignment
-from pdserve.engine.model_runner import KV_TORCH_DTYPES, KVCacheFactory, ModelRunner
+from pdserve.engine.model_runner import KVCacheFactory, ModelRunner
 from pdserve.engine.parallel import ParallelState, close_parallel, init_parallel
 from pdserve.engine.platform import Platform
+from pdserve.engine.rank_messages import (
+    AllocateKV,
+    ClearLoRASlot,
+    Failed,
+    FillLoRASlot,
+    Profile,
+    RankChannel,
+    RankMessage,
+    RankMessageError,
+    Ready,
+    Shutdown,
+    StepCall,
+    TimePrefill,
+    WorkerStart,
+)
+from pdserve.engine.rank_pools import RankPool, SharedPool
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.kv_transfer.tensors import HeadSplitCache
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.worker import Worker
 from pdserve.protocol.kv_layout import KVCacheSpec, kv_heads_of
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0  # every worker joined the group and loaded its shard
 COLLECTIVE_TIMEOUT_S = 120.0  # any one collective; past it the group is broken
-_HEADER = struct.Struct("!I")
+T = TypeVar("T")
+# One step's results on rank 0: logits [R, vocab] of the rows due a token, their sequences, and
+# each sequence due prompt logprobs with its hidden rows [rows, hidden] (for ``prompt_logits``).
+StepResult = tuple[torch.Tensor, list[Sequence], list[tuple[Sequence, torch.Tensor]]]
 
 
 class WorkerLost(RuntimeError):
     """A tensor-parallel rank of this node exited, failed or timed out: the node cannot step."""
 
 
-def send_frame(sock: socket.socket, message: dict) -> None:
-    body = msgpack.packb(message, use_bin_type=True)
-    sock.sendall(_HEADER.pack(len(body)) + body)
-
-
-def recv_frame(sock: socket.socket) -> dict | None:
-    """The next message, or None when the peer closed its end."""
-    header = _recv_exactly(sock, _HEADER.size)
-    if header is None:
-        return None
-    body = _recv_exactly(sock, _HEADER.unpack(header)[0])
-    if body is None:
-        return None
-    return msgpack.unpackb(body, raw=False)
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
-    chunks, got = [], 0
-    while got < n:
-        chunk = sock.recv(min(n - got, 1 << 20))
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
 @dataclasses.dataclass
-class _Worker:
+class _WorkerProcess:
     rank: int
     proc: subprocess.Popen
-    sock: socket.socket
+    channel: RankChannel
 
 
 class Executor:
     """Runs steps on ``tp_size`` ranks: rank 0's ModelRunner in this process, the others in
-    worker processes. ``runner`` is rank 0's (its model, KV pool and logits)."""
+    worker processes. ``runner`` is rank 0's (its model, KV pool and logits); ``rank0`` its
+    handlers, the workers' own."""
 
     def __init__(
         self,
@@ -109,11 +102,10 @@ class Executor:
         """``group_of_one``: at one rank, join a torch.distributed group of one anyway, so that the
         layers' collectives run on the platform's backend (bench/gpu_probe.py: NCCL on one GPU)."""
         self.tp_size, self.collective_timeout_s = tp_size, collective_timeout_s
-        self.workers: list[_Worker] = []
+        self.workers: list[_WorkerProcess] = []
         self.failure: str | None = None  # why the ranks cannot step any more (the node polls it)
         self._closing = False
         self.pools: list[SharedPool] = []  # at several ranks: each rank's KV pool, mapped here
-        self.transfer_caches: list = []
         parallel = ParallelState()
         if tp_size == 1 and group_of_one:
             parallel = init_parallel(
@@ -121,16 +113,21 @@ class Executor:
             )
         if tp_size > 1:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
-            init = dict(
-                model=model_config.path,
-                config=dataclasses.asdict(config),
-                tp_size=tp_size,
-                init_method=init_method,
-                backend=platform.dist_backend,
-                timeout_s=collective_timeout_s,
-                threads=threads_per_rank,
-            )
-            self.workers = [self._start_worker(rank, init) for rank in range(1, tp_size)]
+            self.workers = [
+                self._start_worker(
+                    WorkerStart(
+                        rank=rank,
+                        tp_size=tp_size,
+                        model=model_config.path,
+                        config=config,
+                        init_method=init_method,
+                        backend=platform.dist_backend,
+                        timeout_s=collective_timeout_s,
+                        threads=threads_per_rank,
+                    )
+                )
+                for rank in range(1, tp_size)
+            ]
             try:
                 parallel = init_parallel(tp_size, 0, init_method, platform.dist_backend, collective_timeout_s)
             except Exception as e:
@@ -142,48 +139,49 @@ class Executor:
         except Exception:
             self.close()
             raise
+        self.rank0 = Worker(self.runner)
         self._await_ready(start_timeout_s)
         if self.workers:
             threading.Thread(target=self._watch, name="tp-monitor", daemon=True).start()
 
     # ------------------------------------------------------------------ start and stop
-    def _start_worker(self, rank: int, init: dict) -> _Worker:
+    def _start_worker(self, start: WorkerStart) -> _WorkerProcess:
         ours, theirs = socket.socketpair()
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.engine.worker", "--fd", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
         )
         theirs.close()
-        send_frame(ours, {**init, "rank": rank})
-        return _Worker(rank, proc, ours)
+        channel = RankChannel(ours)
+        channel.send(start)
+        return _WorkerProcess(start.rank, proc, channel)
 
     def _await_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         for w in self.workers:
-            w.sock.settimeout(max(0.1, deadline - time.monotonic()))
             try:
-                reply = recv_frame(w.sock)
+                reply = w.channel.recv(max(0.1, deadline - time.monotonic()))
             except TimeoutError:
-                reply = {"error": f"not ready within {timeout_s:g} s"}
-            w.sock.settimeout(None)
-            if reply is None or "error" in reply:
-                why = "exited" if reply is None else reply["error"]
+                reply = Failed(f"not ready within {timeout_s:g} s")
+            except RankMessageError as e:
+                reply = Failed(str(e))
+            if not isinstance(reply, Ready):
+                why = "exited" if reply is None else _why(reply)
                 self.close()
                 raise WorkerLost(f"tensor-parallel rank {w.rank} failed to start: {why}")
 
     def _watch(self) -> None:
-        """Rank 0's monitor: a worker's error report, or its socket closing (it exited), fails
-        the node."""
+        """Rank 0's monitor: a worker's Failed, or its socket closing (it exited), fails the node."""
         sel = selectors.DefaultSelector()
         for w in self.workers:
-            sel.register(w.sock, selectors.EVENT_READ, w)
+            sel.register(w.channel, selectors.EVENT_READ, w)
         while not self._closing:
             for key, _ in sel.select(timeout=1.0):
                 w = key.data
                 try:
-                    message = recv_frame(w.sock)
-                except OSError:
-                    message = None
+                    message = w.channel.recv()
+                except (OSError, RankMessageError) as e:
+                    message = None if isinstance(e, OSError) else Failed(str(e))
                 if self._closing:
                     return
                 if message is None:
@@ -193,7 +191,7 @@ class Executor:
                         code = "its socket closed, the process still running"
                     self._fail(f"tensor-parallel rank {w.rank} exited ({code})")
                 else:
-                    self._fail(f"tensor-parallel rank {w.rank}: {message.get('error')}")
+                    self._fail(f"tensor-parallel rank {w.rank}: {_why(message)}")
                 return
 
     def _fail(self, why: str) -> None:
@@ -204,10 +202,15 @@ class Executor:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop every worker (Shutdown, then SIGKILL past ``timeout_s``) and leave the group."""
+        if self.workers and self.failure is None and hasattr(self, "rank0"):
+            try:  # the last step's LM-head calls: the workers wait in them for rank 0
+                self._guard(self.rank0.settle)
+            except WorkerLost:
+                pass
         self._closing = True
         for w in self.workers:
             try:
-                send_frame(w.sock, {"op": "shutdown"})
+                w.channel.send(Shutdown())
             except OSError:
                 pass
         deadline = time.monotonic() + timeout_s
@@ -217,30 +220,35 @@ class Executor:
             except subprocess.TimeoutExpired:
                 w.proc.kill()
                 w.proc.wait()
-            w.sock.close()
+            w.channel.close()
         self.workers = []
         if hasattr(self, "parallel"):
             close_parallel(self.parallel)
 
     # ------------------------------------------------------------------ every rank
-    def _all(self, message: dict) -> None:
-        """Send ``message`` to every worker (then rank 0 does the same)."""
-        if self.failure is not None:
-            raise WorkerLost(self.failure)
+    def _to_workers(self, call: RankMessage) -> None:
+        """Send ``call`` to every worker, once rank 0 has settled its last step; rank 0 then runs
+        the same handler itself."""
+        self._check_alive()
+        self._guard(self.rank0.settle)
         for w in self.workers:
-            self._send(w, message)
+            self._send(w, call)
 
-    def _send(self, w: _Worker, message: dict, fd: int | None = None) -> None:
-        """``message`` to one worker, with ``fd`` after it (SCM_RIGHTS) where given."""
+    def _send(self, w: _WorkerProcess, call: RankMessage, fd: int | None = None) -> None:
+        """``call`` to worker ``w``, with ``fd`` after it where given."""
         try:
-            send_frame(w.sock, message)
+            w.channel.send(call)
             if fd is not None:
-                socket.send_fds(w.sock, [b"f"], [fd])
+                w.channel.send_fd(fd)
         except OSError as e:
             self._fail(f"tensor-parallel rank {w.rank} unreachable ({e})")
             raise WorkerLost(self.failure) from None
 
-    def _guard(self, run: Callable[[], object]):
+    def _check_alive(self) -> None:
+        if self.failure is not None:
+            raise WorkerLost(self.failure)
+
+    def _guard(self, run: Callable[[], T]) -> T:
         start = time.monotonic()
         try:
             return run()
@@ -260,79 +268,99 @@ class Executor:
         """Each rank's pool of ``spec`` (its own heads; the same block ids on every rank).
 
         With several ranks, each pool is a memfd that rank 0 makes and maps, and hands its worker
-        (SCM_RIGHTS on the socket): rank 0's transfer reads and writes every rank's heads in
-        place (``kv_caches``) without a collective beside the steps'. ``factory`` (a node's
-        one-copy shared cache) is for a single rank."""
+        beside the call (engine/rank_pools.py): ``rank_pools`` offers every rank's heads in place,
+        for a node's KV transfer. ``factory`` (a node's one-copy shared cache) is for one rank."""
         if not self.workers:
-            self.runner.allocate_kv(spec, factory)
+            self.rank0.allocate_kv(AllocateKV(spec), factory)
             return
         assert factory is None, "a tensor-parallel node's pools are its ranks' shared memory"
-        h = self.runner.model_config.num_kv_heads
-        heads = [kv_heads_of(h, self.tp_size, r) for r in range(self.tp_size)]
-        specs = [dataclasses.replace(spec, num_kv_heads=len(mine)) for mine in heads]  # ranks may differ
-        assert specs[0] == spec, (spec, specs[0])
+        specs = [dataclasses.replace(spec, num_kv_heads=len(heads)) for heads in self._heads()]
+        assert specs[0] == spec, (spec, specs[0])  # rank 0 holds the most heads: the engine sizes by it
         self.pools = [SharedPool(s) for s in specs]
-        for w, pool, own in zip(self.workers, self.pools[1:], specs[1:], strict=True):
-            self._send(w, {"op": "allocate_kv", "spec": dataclasses.asdict(own)}, pool.fd)
-        self.runner.allocate_kv(spec, lambda s: self.pools[0].layer_caches())
-        self.transfer_caches = [
-            tuple(
-                HeadSplitCache([p.layer_caches()[layer][kind] for p in self.pools], heads) for kind in (0, 1)
-            )
-            for layer in range(spec.num_layers)
-        ]
+        self._check_alive()
+        for w, own, pool in zip(self.workers, specs[1:], self.pools[1:], strict=True):
+            self._send(w, AllocateKV(own), pool.fd)  # each rank's spec is its own
+        caches = self.pools[0].layer_caches()
+        self.rank0.allocate_kv(AllocateKV(spec), lambda _spec: caches)
 
     def profile(self, num_tokens: int, num_seqs: int, max_model_len: int) -> None:
-        self._all({"op": "profile", "args": [num_tokens, num_seqs, max_model_len]})
-        self._guard(lambda: self.runner.profile(num_tokens, num_seqs, max_model_len))
+        call = Profile(num_tokens, num_seqs, max_model_len)
+        self._to_workers(call)
+        self._guard(lambda: self.rank0.profile(call))
 
     def time_prefill(self, num_tokens: int) -> float:
-        self._all({"op": "time_prefill", "num_tokens": num_tokens})
-        return self._guard(lambda: self.runner.time_prefill(num_tokens))
+        call = TimePrefill(num_tokens)
+        self._to_workers(call)
+        return self._guard(lambda: self.rank0.time_prefill(call))
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput):
-        """One step on every rank: ModelRunner.execute's results, from rank 0."""
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        """One step on every rank (model_runner.StepRun), with rank 0's work around it: the plan
+        from its sequences before; after, the logits of the rows due a token with their sequences,
+        and each sequence due prompt logprobs with its hidden rows, which ``prompt_logits`` turns
+        into logits a slice at a time."""
         plan, sampled, scored = self.runner.plan(sched)
-        if self.workers:
-            self._all({"op": "step", "plan": plan.to_wire()})
-        return self._guard(lambda: self.runner.run(plan, sampled, scored))
+        call = StepCall(plan)
+        self._to_workers(call)
+        run = self._guard(lambda: self.rank0.step(call))
+        return run.logits, sampled, list(zip(scored, run.prompt_hidden, strict=True))
+
+    def prompt_logits(self, hidden: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first row, logits [rows, vocab]) of ``hidden``, a prompt range of the last step (from
+        ``execute``), a slice at a time: that step's LM-head calls, made on every rank."""
+        run = self.rank0.current
+        assert run is not None, "prompt rows are read after their step, before the next call"
+        chunks = run.prompt_logits(hidden)
+        while (chunk := self._guard(lambda: next(chunks, None))) is not None:
+            yield chunk
 
     def load_adapter(self, adapter: LoRAAdapter) -> SlotAssignment:
         """Put ``adapter`` (read and checked by rank 0) in a slot on every rank: rank 0's slot
-        table picks the slot (LoRAModel.load); each worker reads the adapter's folder itself and
-        copies its own shard into that slot. Weights never cross the socket."""
+        table picks the slot and fills its own (LoRAModel.load); each worker reads the adapter's
+        folder itself and copies its own shard into that slot. Weights never cross the socket."""
         lora = self.runner.lora
         assert lora is not None, "LoRA slots exist with enable_lora only"
+        self._guard(self.rank0.settle)  # the last step's prompt rows, before a slot changes
         assignment = lora.load(adapter)
         if assignment.is_new and self.workers:
-            self._all(
-                {"op": "lora_fill", "slot": assignment.slot, "name": adapter.name, "path": adapter.path}
-            )
+            self._to_workers(FillLoRASlot(assignment.slot, adapter.name, str(adapter.path)))
         return assignment
 
     def unload_adapter(self, name: str) -> None:
         """Free ``name``'s slot on every rank (LoRAModel.unload: ValueError while it is pinned)."""
         lora = self.runner.lora
         assert lora is not None, "LoRA slots exist with enable_lora only"
+        self._guard(self.rank0.settle)
         slot = lora.slot_of(name)
         lora.unload(name)
         if slot is not None and self.workers:
-            self._all({"op": "lora_clear", "slot": slot})
-
-    def prompt_logits(self, hidden: torch.Tensor, max_rows: int = 256):
-        """Rank 0's ModelRunner.prompt_logits; the workers make the same calls in their step."""
-        chunks = self.runner.prompt_logits(hidden, max_rows)
-        while (chunk := self._guard(lambda: next(chunks, None))) is not None:
-            yield chunk
+            self._to_workers(ClearLoRASlot(slot))
 
     # ------------------------------------------------------------------ rank 0's
     @property
-    def kv_caches(self) -> list:
-        """Per layer (K, V) with every KV head of the model: rank 0's own pool, or at several
-        ranks their pools seen as one (kv_transfer.tensors.HeadSplitCache): what a node's KV
-        transfer reads and writes."""
-        return self.transfer_caches if self.workers else self.runner.kv_caches
+    def rank_pools(self) -> list[RankPool]:
+        """Every rank's KV pool as this process sees it, in rank order, with the model's KV heads
+        each holds: rank 0's own at one rank, each rank's shared memory at several. What a node
+        wraps for its KV transfer (the engine itself reads rank 0's only)."""
+        assert self.runner.kv_caches, "allocate the KV pool first"
+        if self.tp_size == 1:
+            return [RankPool(0, range(self.runner.model_config.num_kv_heads), self.runner.kv_caches)]
+        return [
+            RankPool(rank, heads, pool.layer_caches())
+            for rank, (heads, pool) in enumerate(zip(self._heads(), self.pools, strict=True))
+        ]
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Rank 0's own KV pool, per layer (K, V) [num_blocks, block_size, kv_heads, row]: every
+        head of the model at one rank. At several, a node's transfer wraps ``rank_pools``."""
+        assert self.tp_size == 1, "rank 0 holds only its own KV heads: see rank_pools"
+        return self.runner.kv_caches
+
+    def _heads(self) -> list[range]:
+        """The model's KV heads each rank holds, in rank order."""
+        h = self.runner.model_config.num_kv_heads
+        return [kv_heads_of(h, self.tp_size, rank) for rank in range(self.tp_size)]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -347,22 +375,8 @@ class Executor:
         self.runner.use_decode_graphs(max_num_seqs, max_model_len)
 
 
-class SharedPool:
-    """One rank's KV pool [L, 2, num_blocks, block_size, heads, row] in a memfd: made by rank 0
-    (``fd`` None) or mapped by the worker it was handed to. Its pages are committed as blocks are
-    first written, like a private pool's."""
-
-    def __init__(self, spec: KVCacheSpec, fd: int | None = None) -> None:
-        size = spec.num_blocks * spec.bytes_per_block
-        if fd is None:
-            fd = os.memfd_create("pdserve-kv-rank", os.MFD_CLOEXEC)
-            os.ftruncate(fd, size)
-        self.fd, self._map = fd, mmap.mmap(fd, size)
-        shape = (spec.num_layers, 2, spec.num_blocks, *spec.block_shape)
-        self.tensor = torch.frombuffer(self._map, dtype=KV_TORCH_DTYPES[spec.dtype]).view(shape)
-
-    def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(self.tensor[layer, 0], self.tensor[layer, 1]) for layer in range(self.tensor.shape[0])]
+def _why(message: RankMessage) -> str:
+    return message.error if isinstance(message, Failed) else f"unexpected {type(message).__name__}"
 
 
 def _free_port() -> int:

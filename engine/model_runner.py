@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -32,16 +32,14 @@ KV_TORCH_DTYPES = {**TORCH_DTYPES, "int8": torch.int8}  # protocol/kv_layout.py'
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ModelInput:
+    """A plan's arrays on the device, the same on every rank."""
+
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
     # rows of the batch whose next token is sampled: one a sequence, and 1 + drafts for a decode
     # with speculative drafts (its last token's row, then each draft's)
-    logits_rows: torch.Tensor  # [R]
-    sampled_seqs: list[Sequence]  # the sequences those rows belong to, same order
-    # Sequences due prompt logprobs: (sequence, first row, rows), the rows of prompt positions
-    # len(seq.prompt_logprobs) onwards that this step computes (each predicts the next prompt token)
-    prompt_rows: list[tuple[Sequence, int, int]] = dataclasses.field(default_factory=list)
+    logits_rows: torch.Tensor  # [R] int64
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -261,38 +259,15 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(
-        self, sched: SchedulerOutput
-    ) -> tuple[torch.Tensor, list[Sequence], list[tuple[Sequence, torch.Tensor]]]:
-        """Run one forward pass; returns logits [S, vocab] of the sequences due a new token, and
-        the hidden states [rows, hidden] of the prompt positions due prompt logprobs, by sequence
-        (``prompt_logits`` turns them into logits a slice at a time)."""
-        plan, sampled, scored = self.plan(sched)
-        return self.run(plan, sampled, scored)
+    def execute(self, sched: SchedulerOutput) -> StepRun:
+        """One step at this rank alone, every LM-head call made (benchmarks; an engine's steps go
+        through its executor, which keeps the prompt slices for the engine to read)."""
+        run = StepRun(self, self.plan(sched)[0])
+        run.finish()
+        return run
 
-    @torch.inference_mode()
-    def run(
-        self, plan: StepPlan, sampled: list[Sequence], scored: list[Sequence]
-    ) -> tuple[torch.Tensor, list[Sequence], list[tuple[Sequence, torch.Tensor]]]:
-        """``execute`` on a plan made already (``sampled``, ``scored``: its sequences)."""
-        inp = self.inputs(plan, sampled, scored)
-        hidden = self._forward(plan, inp)
-        prompt_hidden = [(seq, hidden[first : first + num]) for seq, first, num in inp.prompt_rows]
-        return self.model.compute_logits(hidden[inp.logits_rows]), inp.sampled_seqs, prompt_hidden
-
-    @torch.inference_mode()
-    def follow(self, plan: StepPlan) -> None:
-        """A worker rank's step (engine/worker.py): the forward pass and every call of the LM head
-        that rank 0 makes, in its order (the sampled rows, then each scored sequence's prompt rows
-        a slice at a time): the head's gather is a collective all ranks must join."""
-        inp = self.inputs(plan, [], [])
-        hidden = self._forward(plan, inp)
-        self.model.compute_logits(hidden[inp.logits_rows])
-        for first, num in plan.prompt_rows:
-            for _ in self.prompt_logits(hidden[first : first + num]):
-                pass
-
-    def _forward(self, plan: StepPlan, inp: ModelInput) -> torch.Tensor:
+    def forward(self, plan: StepPlan, inp: ModelInput) -> torch.Tensor:
+        """The plan's block copies, then the model over its rows: hidden states [T, hidden]."""
         for src, dst in plan.block_copies:
             for key_cache, value_cache in self.kv_caches:
                 key_cache[dst] = key_cache[src]
@@ -302,14 +277,14 @@ class ModelRunner:
             assert self.lora is not None, "a plan with LoRA rows on a rank without LoRA slots"
             with self.lora.step(self.lora.batch(lora_slots)):
                 return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
-        if self.graphs is not None and self._graphable(inp, self.graphs):
+        if self.graphs is not None and self._graphable(plan, inp, self.graphs):
             return self.graphs.run(inp.input_ids, inp.positions, inp.meta)
         return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
 
     @staticmethod
-    def _graphable(inp: ModelInput, graphs: DecodeGraphs) -> bool:
+    def _graphable(plan: StepPlan, inp: ModelInput, graphs: DecodeGraphs) -> bool:
         n = inp.input_ids.shape[0]
-        return inp.meta.num_decode_tokens == n and not inp.prompt_rows and n <= graphs.sizes[-1]
+        return inp.meta.num_decode_tokens == n and not plan.prompt_rows and n <= graphs.sizes[-1]
 
     @property
     def has_host_routing(self) -> bool:
@@ -323,19 +298,14 @@ class ModelRunner:
         assert self.kv_caches, "allocate the KV pool before capturing graphs over it"
         self.graphs = DecodeGraphs(self, max_num_seqs, max_model_len, capture)
 
-    @torch.inference_mode()
-    def prompt_logits(self, hidden: torch.Tensor, max_rows: int = 256):
-        """Logits of ``hidden``'s rows, ``max_rows`` at a time: (first row, logits [rows, vocab])."""
-        for start in range(0, hidden.shape[0], max_rows):
-            yield start, self.model.compute_logits(hidden[start : start + max_rows])
-
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
         """The batch's inputs on the device (``plan``, then ``inputs``)."""
-        return self.inputs(*self.plan(sched))
+        return self.inputs(self.plan(sched)[0])
 
     def plan(self, sched: SchedulerOutput) -> tuple[StepPlan, list[Sequence], list[Sequence]]:
         """The batch's flat inputs, built with numpy per sequence (no Python work per token), and
-        the sequences of its logits rows and of its prompt rows, in order.
+        the sequences of its logits rows and of its prompt rows, in order: rank 0's work before a
+        step (the sequences stay with it; every rank gets the plan).
 
         Rows go in schedule order (decodes first, then prefill chunks); sequence i owns rows
         q_start[i]:q_start[i+1], positions computed[i] .. computed[i] + n_new[i] - 1.
@@ -411,7 +381,7 @@ class ModelRunner:
             seq_slots.append(slot)
         return token_slots_of(seq_slots, num_new.tolist(), self.lora.num_slots)
 
-    def inputs(self, plan: StepPlan, sampled: list[Sequence], scored: list[Sequence]) -> ModelInput:
+    def inputs(self, plan: StepPlan) -> ModelInput:
         """The plan's arrays on the device: one upload a step (lora_slots stay on the host: the
         LoRA batch groups rows from them there)."""
         uploaded = {k: a for k, a in plan.arrays.items() if k != "lora_slots"}
@@ -430,10 +400,75 @@ class ModelRunner:
             context_lens=on["ends"],
             backend=self.attention_backend,
         )
-        # rank 0 names the scored sequences; a worker (``follow``) reads the plan's rows itself
-        rows = plan.prompt_rows if scored else []
-        prompt_rows = [(seq, first, num) for seq, (first, num) in zip(scored, rows, strict=True)]
-        return ModelInput(on["input_ids"], on["positions"], meta, on["logits_rows"], sampled, prompt_rows)
+        return ModelInput(on["input_ids"], on["positions"], meta, on["logits_rows"])
+
+
+PROMPT_LOGITS_ROWS = 256  # prompt rows per LM-head call: bounds a slice's logits [rows, vocab]
+
+
+class StepRun:
+    """One step on one tensor-parallel rank: the code every rank runs for a step, rank 0 in its
+    executor and each worker in its process, on the same StepPlan. So the ranks make the same
+    collectives in the same order by construction:
+
+        forward pass           the layers' all-reduces, layer by layer
+        sampled rows           one LM-head gather: ``logits`` [R, vocab]
+        prompt rows            one LM-head gather per slice of PROMPT_LOGITS_ROWS rows, range by
+                               range in ``plan.prompt_rows`` order (``prompt_logits``, ``finish``)
+
+    What differs is only what a rank keeps. Rank 0 hands ``logits`` to its sampler and reads each
+    range's slices as its engine scores that sequence's prompt (``prompt_logits``: one slice at a
+    time, so a long prompt never holds all its logits at once); a worker drops them (``finish``
+    at once). Rank 0 calls ``finish`` before its next call to the ranks, so a slice its engine
+    did not read is still computed, and the workers' gathers are met."""
+
+    @torch.inference_mode()
+    def __init__(self, runner: ModelRunner, plan: StepPlan) -> None:
+        inp = runner.inputs(plan)
+        hidden = runner.forward(plan, inp)  # [T, hidden]
+        assert hidden.shape[0] == inp.input_ids.shape[0], (hidden.shape, inp.input_ids.shape)
+        self._model = runner.model
+        self.logits = self._model.compute_logits(hidden[inp.logits_rows])  # [R, vocab] float32
+        # per plan.prompt_rows range: its hidden rows [rows, hidden], each scored a slice at a time
+        self.prompt_hidden = [hidden[first : first + num] for first, num in plan.prompt_rows]
+        # every LM-head call of the prompt rows, in order: (range, its first row); range i's are
+        # _slices[_range_bounds[i][0] : _range_bounds[i][1]]
+        self._slices: list[tuple[int, int]] = []
+        self._range_bounds: list[tuple[int, int]] = []
+        for index, rows in enumerate(self.prompt_hidden):
+            first = len(self._slices)
+            self._slices += [(index, start) for start in range(0, rows.shape[0], PROMPT_LOGITS_ROWS)]
+            self._range_bounds.append((first, len(self._slices)))
+        self._num_done = 0  # of ``_slices``, made already
+
+    def prompt_logits(self, hidden: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        """The logits of ``hidden`` (one of ``prompt_hidden``, not read yet), a slice at a time:
+        (first row, logits [rows, vocab]). Slices of earlier ranges not read yet are made first,
+        and dropped."""
+        index = next((i for i, rows in enumerate(self.prompt_hidden) if rows is hidden), None)
+        assert index is not None, "not a prompt range of this step"
+        first, end = self._range_bounds[index]
+        assert self._num_done <= first, f"prompt range {index} was read already"
+        while self._num_done < first:
+            self._next_slice()
+        while self._num_done < end:
+            yield self._next_slice()
+
+    def finish(self) -> None:
+        """Make every LM-head call of the step not made yet, dropping the logits."""
+        while self._num_done < len(self._slices):
+            self._next_slice()
+
+    @property
+    def finished(self) -> bool:
+        return self._num_done == len(self._slices)
+
+    @torch.inference_mode()
+    def _next_slice(self) -> tuple[int, torch.Tensor]:
+        index, start = self._slices[self._num_done]
+        self._num_done += 1
+        rows = self.prompt_hidden[index][start : start + PROMPT_LOGITS_ROWS]  # [<= ROWS, hidden]
+        return start, self._model.compute_logits(rows)
 
 
 class StepInputs:

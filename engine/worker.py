@@ -1,11 +1,17 @@
-"""A tensor-parallel worker rank: ``python -m pdserve.engine.worker --fd N``, started and owned by
-a node's executor (engine/executor.py), which holds the other end of socket ``N``.
+"""One tensor-parallel rank's side of the executor's calls (``Worker``), and the worker process
+that runs it for ranks 1..N-1: ``python -m pdserve.engine.worker --fd N``, started and owned by a
+node's executor (engine/executor.py), which holds the other end of socket ``N``.
 
-It joins the node's group, builds its ModelRunner on its shard and says it is ready, then follows
-rank 0's messages: allocate its KV pool, run the profile or the prefill timing, fill or clear
-the LoRA slot rank 0 names, follow each step's plan, shut down. It never schedules. It ignores
-SIGINT and SIGTERM (rank 0 drains the node, then tells it to stop) and exits when rank 0's
-socket closes. An error is reported to rank 0 on the socket, and the worker exits non-zero.
+Rank 0 holds a Worker too, and runs the same method for each call that it sends its workers (a
+step is model_runner.StepRun on every rank): the collectives cannot diverge between the ranks,
+since there is one code path for them. What only rank 0 does (planning a step from its
+sequences, keeping the logits, scoring prompts) happens in the executor around those calls.
+
+The worker process joins the node's group, builds its ModelRunner on its shard and says it is
+Ready, then takes rank 0's calls (engine/rank_messages.py) one at a time through a table from
+message type to handler. It never schedules. It ignores SIGINT and SIGTERM (rank 0 drains the
+node, then sends Shutdown) and exits when rank 0's socket closes. An error is reported to rank 0
+as Failed, and the worker exits non-zero.
 """
 
 from __future__ import annotations
@@ -16,74 +22,122 @@ import signal
 import socket
 import sys
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.executor import SharedPool, recv_frame, send_frame
-from pdserve.engine.model_runner import ModelRunner, StepPlan
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.model_runner import KVCacheFactory, ModelRunner, StepRun
 from pdserve.engine.parallel import close_parallel, init_parallel
 from pdserve.engine.platform import resolve_platform
-from pdserve.protocol.kv_layout import KVCacheSpec
+from pdserve.engine.rank_messages import (
+    AllocateKV,
+    ClearLoRASlot,
+    Failed,
+    FillLoRASlot,
+    Profile,
+    RankChannel,
+    RankMessage,
+    Ready,
+    Shutdown,
+    StepCall,
+    TimePrefill,
+    WorkerStart,
+)
+from pdserve.engine.rank_pools import SharedPool
 
 log = logging.getLogger("pdserve.engine.worker")
 
 
-def serve(sock: socket.socket) -> int:
-    init = recv_frame(sock)
-    if init is None:
+class Worker:
+    """One rank's handlers, rank 0's and every worker's alike. ``step`` leaves its StepRun
+    current until ``settle``: a worker settles at once, rank 0 once its engine has read the
+    prompt rows it wants (before its next call)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.current: StepRun | None = None  # the last step, until every LM-head call is made
+
+    def step(self, call: StepCall) -> StepRun:
+        assert self.current is None or self.current.finished, "the last step was not settled"
+        self.current = StepRun(self.runner, call.plan)
+        return self.current
+
+    def settle(self) -> None:
+        """Finish the current step's LM-head calls (the prompt slices nobody read)."""
+        if self.current is not None:
+            self.current.finish()
+            self.current = None
+
+    def allocate_kv(self, call: AllocateKV, factory: KVCacheFactory | None) -> None:
+        self.runner.allocate_kv(call.spec, factory)
+
+    def profile(self, call: Profile) -> None:
+        self.runner.profile(call.num_tokens, call.num_seqs, call.max_model_len)
+
+    def time_prefill(self, call: TimePrefill) -> float:
+        return self.runner.time_prefill(call.num_tokens)
+
+    def fill_lora_slot(self, call: FillLoRASlot) -> None:
+        lora = self._lora(call)
+        lora.fill(call.slot, lora.read(call.name, call.path))
+
+    def clear_lora_slot(self, call: ClearLoRASlot) -> None:
+        self._lora(call).clear(call.slot)
+
+    def _lora(self, call: RankMessage):
+        if self.runner.lora is None:
+            raise ValueError(f"{type(call).__name__} on a rank built without LoRA slots")
+        return self.runner.lora
+
+
+def handlers(worker: Worker, channel: RankChannel) -> dict[type[RankMessage], Callable[[Any], object]]:
+    """A worker process's handler of each call it takes (Shutdown ends the loop; WorkerStart comes
+    once, before)."""
+    return {
+        StepCall: worker.step,
+        AllocateKV: lambda call: worker.allocate_kv(call, _shared_pool(call, channel.recv_fd())),
+        Profile: worker.profile,
+        TimePrefill: worker.time_prefill,
+        FillLoRASlot: worker.fill_lora_slot,
+        ClearLoRASlot: worker.clear_lora_slot,
+    }
+
+
+def _shared_pool(call: AllocateKV, fd: int) -> KVCacheFactory:
+    """The KV pool in the memfd rank 0 sent after ``call`` (rank_pools.SharedPool)."""
+    caches = SharedPool(call.spec, fd).layer_caches()
+    return lambda _spec: caches
+
+
+def serve(channel: RankChannel) -> int:
+    start = channel.recv()
+    if start is None:
         return 1
-    rank = init["rank"]
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)s %(message)s")
-    if init["threads"]:
-        torch.set_num_threads(init["threads"])
-    config = EngineConfig(**init["config"])
-    platform = resolve_platform(_rank_device(config.device, rank))
-    parallel = init_parallel(init["tp_size"], rank, init["init_method"], init["backend"], init["timeout_s"])
+    if not isinstance(start, WorkerStart):
+        raise ValueError(f"the first message was {type(start).__name__}, not WorkerStart")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {start.rank} %(levelname)s %(message)s")
+    if start.threads:
+        torch.set_num_threads(start.threads)
+    platform = resolve_platform(_rank_device(start.config.device, start.rank))
+    parallel = init_parallel(start.tp_size, start.rank, start.init_method, start.backend, start.timeout_s)
     try:
         runner = ModelRunner(
-            ModelConfig.from_path(init["model"]), config, platform=platform, parallel=parallel
+            ModelConfig.from_path(start.model), start.config, platform=platform, parallel=parallel
         )
-        send_frame(sock, {"ready": True})
-        while (message := recv_frame(sock)) is not None:
-            op = message["op"]
-            if op == "step":
-                runner.follow(StepPlan.from_wire(message["plan"]))
-            elif op == "allocate_kv":
-                _allocate(runner, sock, KVCacheSpec(**message["spec"]))
-            elif op == "profile":
-                runner.profile(*message["args"])
-            elif op == "time_prefill":
-                runner.time_prefill(message["num_tokens"])
-            elif op in ("lora_fill", "lora_clear"):
-                _change_slot(runner, message)
-            elif op == "shutdown":
-                break
-            else:
-                raise ValueError(f"unknown message {op!r}")
+        worker = Worker(runner)
+        table = handlers(worker, channel)
+        channel.send(Ready())
+        while (call := channel.recv()) is not None and not isinstance(call, Shutdown):
+            handler = table.get(type(call))
+            if handler is None:
+                raise ValueError(f"a worker takes no {type(call).__name__}")
+            handler(call)
+            worker.settle()  # rank 0 meets every LM-head call of a step, read or not
     finally:
         close_parallel(parallel)
     return 0
-
-
-def _allocate(runner: ModelRunner, sock: socket.socket, spec: KVCacheSpec) -> None:
-    """The KV pool in the memfd rank 0 sends after the message (executor.SharedPool)."""
-    _, fds, _, _ = socket.recv_fds(sock, 1, 1)
-    if not fds:
-        raise ValueError("allocate_kv came without its pool's memfd")
-    caches = SharedPool(spec, fds[0]).layer_caches()
-    runner.allocate_kv(spec, lambda _spec: caches)
-
-
-def _change_slot(runner: ModelRunner, message: dict) -> None:
-    """The LoRA slot rank 0 names := this rank's shard of an adapter (read from its folder), or zeros."""
-    lora = runner.lora
-    if lora is None:
-        raise ValueError(f"{message['op']} on a rank built without LoRA slots")
-    if message["op"] == "lora_fill":
-        lora.fill(message["slot"], lora.read(message["name"], message["path"]))
-    else:
-        lora.clear(message["slot"])
 
 
 def _rank_device(device: str, rank: int) -> str:
@@ -100,13 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sock = socket.socket(fileno=args.fd)
+    channel = RankChannel(socket.socket(fileno=args.fd))
     try:
-        return serve(sock)
+        return serve(channel)
     except Exception as e:  # noqa: BLE001 - any failure ends this rank, and rank 0 is told why
         traceback.print_exc()
         try:
-            send_frame(sock, {"error": f"{type(e).__name__}: {str(e)[:500]}"})
+            channel.send(Failed(f"{type(e).__name__}: {str(e)[:500]}"))
         except OSError:
             pass
         return 1

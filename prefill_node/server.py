@@ -25,6 +25,7 @@ from pdserve.node.streams import (
     node_status,
     wire_logprob,
 )
+from pdserve.node.transfer_caches import transfer_caches
 from pdserve.prefill_node.shipper import FirstToken, Granted, Outcome, Shipment, Shipper
 from pdserve.protocol.messages import AbortRequest, GenerateRequest, RequestMeta, StageTimings
 from pdserve.protocol.reasons import FailureCode
@@ -49,7 +50,7 @@ class PrefillNode:
         self.opts, self.log, self.engine, self.runtime = parts.opts, parts.log, parts.engine, parts.runtime
         self.cache = parts.cache
         self.fingerprint = parts.fingerprint
-        caches = self.engine.kv_caches
+        caches = transfer_caches(self.engine.executor.rank_pools)
         self.shipper = Shipper(
             self.fingerprint,
             [k for k, _ in caches],

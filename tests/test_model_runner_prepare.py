@@ -26,7 +26,10 @@ def test_prepare_lays_out_a_decode_and_a_chunk_after_a_cached_prefix():
     )
     decode = _seq("d", [5, 6, 7, 8, 9, 10], computed=5, table=[6, 1])  # one new token at position 5
     chunk = _seq("p", list(range(20, 31)), computed=4, table=[3, 0, 7])  # positions 4..8 of 11 tokens
-    inp = runner.prepare(SchedulerOutput([ScheduledSeq(decode, 1), ScheduledSeq(chunk, 5)], [], []))
+    plan, sampled, scored = runner.plan(
+        SchedulerOutput([ScheduledSeq(decode, 1), ScheduledSeq(chunk, 5)], [], [])
+    )
+    inp = runner.inputs(plan)
     assert inp.input_ids.tolist() == [10, 24, 25, 26, 27, 28]
     assert inp.positions.tolist() == [5, 4, 5, 6, 7, 8]
     # slot = block * 4 + offset: decode pos 5 -> block 1; chunk pos 4..7 -> block 0, pos 8 -> block 7
@@ -38,4 +41,4 @@ def test_prepare_lays_out_a_decode_and_a_chunk_after_a_cached_prefix():
     assert inp.meta.prefill_query_start_loc.tolist() == [0, 5]
     assert inp.meta.decode_context_lens.tolist() == [6]
     # only the decode reaches its last token: the chunk's sequence still has tokens to compute
-    assert inp.logits_rows.tolist() == [0] and inp.sampled_seqs == [decode]
+    assert inp.logits_rows.tolist() == [0] and sampled == [decode] and scored == []
