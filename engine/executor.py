@@ -6,14 +6,15 @@ Executor; written for pdserve).
         each, on their shard; they never schedule, they follow rank 0's plans
 
 Every call to the ranks is a typed message (engine/rank_messages.py) that goes to each worker on
-its socket pair, and then rank 0 runs the same handler itself (worker.Worker): a step's plan
-(model_runner.StepPlan: plain arrays, no Sequence) becomes a model_runner.StepRun on every rank,
-so the ranks meet in the same collectives (torch.distributed: gloo on the CPU, NCCL on CUDA, from
-the platform) in the same order. Only rank 0 plans the step from its sequences before the call,
-and keeps the logits after it. Calls that run the model outside a step (the start-up profile,
-the prefill timing) go the same way; the KV pool's allocation and LoRA slot changes too (rank 0
-picks the slot, each worker reads the adapter's folder and fills its shard of it). At tp=1
-there are no workers and no group: the same executor, rank 0 alone.
+its socket pair. For a call that makes collectives rank 0 then runs the workers' own handler
+itself (worker.HANDLERS, ``_on_every_rank``): a step's plan (model_runner.StepPlan: plain arrays,
+no Sequence) becomes a model_runner.StepRun on every rank, so the ranks meet in the same
+collectives (torch.distributed: gloo on the CPU, NCCL on CUDA, from the platform) in the same
+order. Only rank 0 plans the step from its sequences before the call, and keeps the logits after
+it. Calls that run the model outside a step (the start-up profile, the prefill timing) go the
+same way. The KV pool's allocation and LoRA slot changes are messages too (rank 0 picks the
+slot, each worker reads the adapter's folder and fills its shard of it). At tp=1 there are no
+workers and no group: the same executor, rank 0 alone.
 
 A worker that exits or reports an error fails the node: ``failure`` says which rank and how,
 and every later call raises WorkerLost (a group is not trusted after a lost rank or a collective
@@ -59,7 +60,7 @@ from pdserve.engine.rank_messages import (
 from pdserve.engine.rank_pools import RankPool, SharedPool
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.worker import Worker
+from pdserve.engine.worker import HANDLERS, Worker
 from pdserve.protocol.kv_layout import KVCacheSpec, kv_heads_of
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0  # every worker joined the group and loaded its shard
 COLLECTIVE_TIMEOUT_S = 120.0  # any one collective; past it the group is broken
 T = TypeVar("T")
+C = TypeVar("C", bound=RankMessage)
 # One step's results on rank 0: logits [R, vocab] of the rows due a token, their sequences, and
 # each sequence due prompt logprobs with its hidden rows [rows, hidden] (for ``prompt_logits``).
 StepResult = tuple[torch.Tensor, list[Sequence], list[tuple[Sequence, torch.Tensor]]]
@@ -234,6 +236,13 @@ class Executor:
         for w in self.workers:
             self._send(w, call)
 
+    def _on_every_rank(self, call: C, handler: Callable[[Worker, C], T]) -> T:
+        """``call`` on every rank: each worker runs its handler (worker.HANDLERS), then rank 0 runs
+        that same handler itself, under the collectives' guard."""
+        assert HANDLERS[type(call)] is handler, f"{type(call).__name__}: not the workers' handler"
+        self._to_workers(call)
+        return self._guard(lambda: handler(self.rank0, call))
+
     def _send(self, w: _WorkerProcess, call: RankMessage, fd: int | None = None) -> None:
         """``call`` to worker ``w``, with ``fd`` after it where given."""
         try:
@@ -284,14 +293,10 @@ class Executor:
         self.rank0.allocate_kv(AllocateKV(spec), lambda _spec: caches)
 
     def profile(self, num_tokens: int, num_seqs: int, max_model_len: int) -> None:
-        call = Profile(num_tokens, num_seqs, max_model_len)
-        self._to_workers(call)
-        self._guard(lambda: self.rank0.profile(call))
+        self._on_every_rank(Profile(num_tokens, num_seqs, max_model_len), Worker.profile)
 
     def time_prefill(self, num_tokens: int) -> float:
-        call = TimePrefill(num_tokens)
-        self._to_workers(call)
-        return self._guard(lambda: self.rank0.time_prefill(call))
+        return self._on_every_rank(TimePrefill(num_tokens), Worker.time_prefill)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
@@ -300,9 +305,7 @@ class Executor:
         and each sequence due prompt logprobs with its hidden rows, which ``prompt_logits`` turns
         into logits a slice at a time."""
         plan, sampled, scored = self.runner.plan(sched)
-        call = StepCall(plan)
-        self._to_workers(call)
-        run = self._guard(lambda: self.rank0.step(call))
+        run = self._on_every_rank(StepCall(plan), Worker.step)
         return run.logits, sampled, list(zip(scored, run.prompt_hidden, strict=True))
 
     def prompt_logits(self, hidden: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:

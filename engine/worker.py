@@ -2,9 +2,9 @@
 that runs it for ranks 1..N-1: ``python -m pdserve.engine.worker --fd N``, started and owned by a
 node's executor (engine/executor.py), which holds the other end of socket ``N``.
 
-Rank 0 holds a Worker too, and runs the same method for each call that it sends its workers (a
-step is model_runner.StepRun on every rank): the collectives cannot diverge between the ranks,
-since there is one code path for them. What only rank 0 does (planning a step from its
+Rank 0 holds a Worker too, and runs the same handler (``HANDLERS``) for each call with
+collectives that it sends its workers (a step is model_runner.StepRun on every rank): the
+collectives cannot diverge between the ranks, since there is one code path for them. What only rank 0 does (planning a step from its
 sequences, keeping the logits, scoring prompts) happens in the executor around those calls.
 
 The worker process joins the node's group, builds its ModelRunner on its shard and says it is
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.lora import LoRAModel
 from pdserve.engine.model_runner import KVCacheFactory, ModelRunner, StepRun
 from pdserve.engine.parallel import close_parallel, init_parallel
 from pdserve.engine.platform import resolve_platform
@@ -86,23 +87,34 @@ class Worker:
     def clear_lora_slot(self, call: ClearLoRASlot) -> None:
         self._lora(call).clear(call.slot)
 
-    def _lora(self, call: RankMessage):
+    def _lora(self, call: RankMessage) -> LoRAModel:
         if self.runner.lora is None:
             raise ValueError(f"{type(call).__name__} on a rank built without LoRA slots")
         return self.runner.lora
 
 
-def handlers(worker: Worker, channel: RankChannel) -> dict[type[RankMessage], Callable[[Any], object]]:
-    """A worker process's handler of each call it takes (Shutdown ends the loop; WorkerStart comes
+# Each call's handler: a worker process looks the calls it takes up here, and rank 0's executor
+# runs the same entry itself for every call that makes collectives (a step, the profile, the
+# prefill timing: Executor._on_every_rank). A LoRA slot rank 0 fills or clears through its slot
+# table (LoRAModel.load / unload) before it tells the workers; AllocateKV is each side's own (a
+# worker maps the memfd that follows it: ``process_handlers``).
+HANDLERS: dict[type[RankMessage], Callable[[Worker, Any], object]] = {
+    StepCall: Worker.step,
+    Profile: Worker.profile,
+    TimePrefill: Worker.time_prefill,
+    FillLoRASlot: Worker.fill_lora_slot,
+    ClearLoRASlot: Worker.clear_lora_slot,
+}
+
+
+def process_handlers(channel: RankChannel) -> dict[type[RankMessage], Callable[[Worker, Any], object]]:
+    """A worker process's handler of each call it takes (Shutdown ends its loop; WorkerStart comes
     once, before)."""
-    return {
-        StepCall: worker.step,
-        AllocateKV: lambda call: worker.allocate_kv(call, _shared_pool(call, channel.recv_fd())),
-        Profile: worker.profile,
-        TimePrefill: worker.time_prefill,
-        FillLoRASlot: worker.fill_lora_slot,
-        ClearLoRASlot: worker.clear_lora_slot,
-    }
+
+    def allocate_kv(worker: Worker, call: AllocateKV) -> None:
+        worker.allocate_kv(call, _shared_pool(call, channel.recv_fd()))
+
+    return {**HANDLERS, AllocateKV: allocate_kv}
 
 
 def _shared_pool(call: AllocateKV, fd: int) -> KVCacheFactory:
@@ -126,14 +138,13 @@ def serve(channel: RankChannel) -> int:
         runner = ModelRunner(
             ModelConfig.from_path(start.model), start.config, platform=platform, parallel=parallel
         )
-        worker = Worker(runner)
-        table = handlers(worker, channel)
+        worker, table = Worker(runner), process_handlers(channel)
         channel.send(Ready())
         while (call := channel.recv()) is not None and not isinstance(call, Shutdown):
             handler = table.get(type(call))
             if handler is None:
                 raise ValueError(f"a worker takes no {type(call).__name__}")
-            handler(call)
+            handler(worker, call)
             worker.settle()  # rank 0 meets every LM-head call of a step, read or not
     finally:
         close_parallel(parallel)
