@@ -31,6 +31,12 @@ class NodeParts:
     cache: SharedKVCache | None = None
 
     @property
+    def transfer_caches(self) -> list:
+        """Per layer (K, V) with every KV head of the model, what the node's KV transfer reads and
+        writes: the engine's pool, or a tensor-parallel node's rank pools seen as one."""
+        return self.engine.executor.kv_caches
+
+    @property
     def fingerprint(self) -> KVFingerprint:
         # the model's KV heads, not a rank's: nodes of any tensor-parallel layouts pair (the
         # transfer carries every head in order; engine/executor.py re-slices within a node)
