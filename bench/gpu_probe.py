@@ -58,8 +58,8 @@ def group_of_one(config, want: list[int]) -> None:
             "group", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=len(want), ignore_eos=True)
         )
         got: list[int] = []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
+        while engine.has_work():
+            for out in engine.step().outputs:
                 got = out.outputs[0].token_ids
         assert got == want, (got, want)
         print(f"executor over a {backend} group of one: ok, greedy tokens equal", flush=True)

@@ -56,6 +56,7 @@ def serve(address: str, num_blocks: int, ready: mp.Queue, stop: mp.Event, key: b
     pool = PoolReservations(BlockManager(num_blocks, SPEC_ARGS["block_size"], enable_prefix_caching=False))
     auth = ChannelAuth(key) if key is not None else None
     receiver = KVReceiver(address, fingerprint(), pool, keys, values, auth=auth)
+    pool.deliver = receiver.grant
     ready.put(receiver.address)
     while not stop.is_set():
         for got in receiver.poll(0.1).completed:

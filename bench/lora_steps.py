@@ -112,7 +112,7 @@ def main() -> None:
                 start = time.perf_counter()
                 engine.add_request(tag, prompt, params)
                 into.append(time.perf_counter() - start)
-                while engine.has_unfinished_requests():
+                while engine.has_work():
                     engine.step()
         print(
             f"\nload_adapter (folder read and checked; every slot taken), median of {args.rounds}: "

@@ -42,7 +42,7 @@ def decode_phase(model: str, reqs, threads: int, logprobs: int | None = None, **
     while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
         eng.step()
     start, steps = time.perf_counter(), 0
-    while eng.has_unfinished_requests():
+    while eng.has_work():
         eng.step()
         steps += 1
     result = {"seconds": round(time.perf_counter() - start, 2), "steps": steps}

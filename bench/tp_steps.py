@@ -64,7 +64,7 @@ def step_times(path: str, tp: int, threads: int, rounds: int) -> tuple[float, fl
             start = time.perf_counter()
             engine.step()  # all four prompts in one 512-token step
             prefill.append(time.perf_counter() - start)
-            while engine.has_unfinished_requests():
+            while engine.has_work():
                 engine.step()
             params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
             for i in range(32):
@@ -78,7 +78,7 @@ def step_times(path: str, tp: int, threads: int, rounds: int) -> tuple[float, fl
             start = time.perf_counter()
             engine.step()  # 32 decodes
             decode.append(time.perf_counter() - start)
-            while engine.has_unfinished_requests():
+            while engine.has_work():
                 engine.step()
     finally:
         engine.close()

@@ -3,28 +3,27 @@
 One loop, one thread (the engine and the KV receiver share the block manager):
 
     ┌─► control socket: GenerateRequest (local prefill) / AbortRequest
-    │   KV receiver: reservations (queued in the engine), chunks, KVDone ─► adopted sequences
-    │       join the running batch
-    │   engine.step(): one iteration of the continuous batch; its schedule grants queued
-    │       reservations their blocks (the receiver sends KVGrant before the step computes)
+    │   KV receiver: reservations (into the engine's queue through its KV connector), chunks,
+    │       KVDone ─► the connector hears the KV landed; the next step decodes it
+    │   engine.step(): one iteration of the continuous batch; the blocks its schedule grants
+    │       queued reservations come back in its result, and the receiver sends each KVGrant
+    │       (a step that grants reservations heading the queue computes nothing, so the grants
+    │       go out before the next step computes)
     │   TokenChunks to each request's router; deadlines; status for heartbeats
     └── until drained
 
-A request's state is the engine's; the receiver keeps where a transfer's replies go and what has
-landed, and ``streams`` where the client's tokens go. An abort goes to the engine, which says
-whether a transfer must stop too.
+A request's state has three holders: the engine (its scheduler and connector), the receiver
+(where a transfer's replies go and what has landed) and ``streams`` (where the client's tokens
+go). An abort goes to the engine, which says whether a transfer must stop too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
 
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.requests import Aborted, QueueFullError
+from pdserve.engine.requests import Aborted
 from pdserve.kv_transfer.receiver import KVReceiver, ReceivedKV
-from pdserve.kv_transfer.reservations import Reservation
 from pdserve.node.parts import NodeParts
 from pdserve.node.streams import (
     Stream,
@@ -34,41 +33,12 @@ from pdserve.node.streams import (
     next_chunk,
     node_status,
 )
-from pdserve.node.transfer_caches import transfer_caches
 from pdserve.protocol.messages import AbortRequest, GenerateRequest
 from pdserve.protocol.reasons import FailureCode
-from pdserve.protocol.sampling_params import SamplingParams
 
 # Longest sleep of an idle loop: any message wakes it at once; this bounds how late deadlines
 # (transfer chunk timeouts, request TTLs) and the status refresh are looked at.
 IDLE_WAIT_S = 0.05
-
-
-class EngineReservations:
-    """The KV receiver's view of this node's engine (``kv_transfer.reservations.BlockReservations``):
-    incoming prompts wait in the engine's queue, are granted by its scheduler, and are its state."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self._engine = engine
-
-    @property
-    def num_blocks(self) -> int:
-        return self._engine.kv_spec.num_blocks
-
-    def reserve(self, request_id: str, token_ids, sampling_params: SamplingParams | None) -> int | None:
-        params = sampling_params or SamplingParams()
-        try:  # stop strings stay with the router, as for local requests
-            return self._engine.kv_connector.reserve(
-                request_id, list(token_ids), dataclasses.replace(params, stop=())
-            )
-        except QueueFullError:
-            return None
-
-    def on_granted(self, callback: Callable[[Reservation], None]) -> None:
-        self._engine.kv_connector.on_granted(callback)
-
-    def abort(self, request_id: str) -> None:
-        self._engine.abort_request(request_id)
 
 
 class DecodeNode:
@@ -78,11 +48,11 @@ class DecodeNode:
     def __init__(self, parts: NodeParts) -> None:
         self.opts, self.log, self.engine, self.runtime = parts.opts, parts.log, parts.engine, parts.runtime
         self.fingerprint = parts.fingerprint
-        caches = transfer_caches(self.engine.executor.rank_pools)
+        caches = parts.transfer_caches
         self.receiver = KVReceiver(
             f"tcp://{self.opts.host}:{self.opts.kv_port}",
             self.fingerprint,
-            EngineReservations(self.engine),
+            self.engine.kv_connector,
             [k for k, _ in caches],
             [v for _, v in caches],
             platform=self.engine.platform,
@@ -136,8 +106,11 @@ class DecodeNode:
                     str(failure.error),
                     retryable=False,
                 )
-        if self.engine.has_work():  # its schedule grants queued reservations (KVGrant goes out)
-            for out in self.engine.step():
+        if self.engine.has_work():
+            step = self.engine.step()
+            for reservation in step.kv.granted:  # KVGrant goes out
+                self.receiver.grant(reservation)
+            for out in step.outputs:
                 self._emit(out)
         self._expire()
         self.runtime.refresh_status(self.status)
@@ -179,14 +152,14 @@ class DecodeNode:
             self.engine.abort_request(rid)
             self.log("kv_dropped", rid, reason="no reply address")
             return
-        request = self.engine.requests[rid]
+        beams = received.sampling_params is not None and received.sampling_params.beam_search is not None
         stream = Stream(
             rid,
             meta.reply_addr,
-            len(request.prompt_token_ids),
+            received.num_prompt_tokens,
             local_deadline(meta.deadline, self.opts.request_ttl_s),
             # the prefill node reported the first token, but not a beam search's: its beams answer here
-            num_sent=0 if request.search is not None else 1,
+            num_sent=0 if beams else 1,
             num_cached_tokens=received.prefill_cached_tokens,
         )
         stream.timings = meta.timings.known()  # wall clocks of one host (or NTP-close hosts):
@@ -196,12 +169,10 @@ class DecodeNode:
         self.streams[rid] = stream
         self.log("kv_adopted", rid, blocks_reused=received.num_held_blocks, bytes=received.bytes_received)
         first_logprob = engine_logprob(received.first_logprobs) if received.first_logprobs else None
-        try:
-            outputs = self.engine.kv_connector.kv_arrived(rid, received.first_token, first_logprob)
+        try:  # the next step takes the first token (and emits the request if that ends it)
+            self.engine.kv_connector.kv_arrived(rid, received.first_token, first_logprob)
         except ValueError as exc:  # what the prefill node sent cannot start it
             return self._fail(rid, FailureCode.KV_TRANSFER, str(exc))
-        for out in outputs:
-            self._emit(out)
 
     def _abort(self, request_id: str, reason: str) -> None:
         """An abort that beats its KV here finds nothing: the prefill node, told too, skips or

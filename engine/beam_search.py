@@ -25,13 +25,26 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import BeamCandidates, Sequence, SequenceStatus, TokenLogprob
+from pdserve.engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from pdserve.protocol.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.requests import Request
+    from pdserve.engine.scheduler import Scheduler
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BeamCandidates:
+    """A beam's next-token choices from its latest logits row: the most likely tokens and their
+    log-probabilities, most likely first."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
 
 
 @dataclasses.dataclass(slots=True)
@@ -88,6 +101,17 @@ class BeamSearch:
         self.finished: list[Hypothesis] = []  # best first, at most width
         self.improvable = True  # a running beam may still beat the worst finished one
         self.done = False
+        # per running beam (by seq_id): the summed log-probability of its output tokens, and its
+        # next-token choices once its row is computed (until the step that uses them)
+        self.scores: dict[int, float] = {}
+        self.candidates: dict[int, BeamCandidates] = {}
+        self.num_cached_tokens = 0  # the prompt's prefix-cache hit (every beam is a fork of it)
+
+    def ready(self, beams: list[Sequence]) -> bool:
+        """Every running beam's row is computed (a preempted one recomputes first)."""
+        return not self.done and all(
+            b.seq_id in self.candidates and b.num_uncomputed_tokens == 0 for b in beams
+        )
 
     def advance(self, beams: list[Sequence]) -> list[Extension]:
         """One step over the running beams (each with its candidates): their next tokens, best
@@ -110,17 +134,17 @@ class BeamSearch:
             self.improvable &= best > self.finished[-1].score
         every_one_ends = len(running) == 0
         self.done = not self.improvable or (self.early_stopping and self._full) or every_one_ends
-        for beam in beams:
-            beam.beam_candidates = None
+        self.candidates.clear()
         return running
 
     def results(self, running: list[Sequence]) -> list[Hypothesis]:
         """The answer, best first: the finished beams, topped up from the running ones (best
         first) should fewer than ``width`` have finished (an aborted or cut-short search)."""
-        spare = sorted(running, key=lambda s: -s.beam_score)[: self.width - len(self.finished)]
+        score = lambda s: self.scores.get(s.seq_id, 0.0)  # noqa: E731
+        spare = sorted(running, key=lambda s: -score(s))[: self.width - len(self.finished)]
         extra = [
             Hypothesis(
-                s.beam_score / max(1, s.num_output_tokens) ** self.length_penalty,
+                score(s) / max(1, s.num_output_tokens) ** self.length_penalty,
                 list(s.token_ids),
                 list(s.logprobs),
                 SequenceStatus.FINISHED_LENGTH,
@@ -138,20 +162,20 @@ class BeamSearch:
         beam order, then the token's rank in its row (a flattened top-k's order)."""
         entries = []
         for order, beam in enumerate(beams):
-            cands = beam.beam_candidates
-            assert cands is not None, "a beam advanced without its row"
+            cands = self.candidates[beam.seq_id]
+            score = self.scores.get(beam.seq_id, 0.0)
             for rank, (token, logprob) in enumerate(
                 zip(cands.token_ids[: self.num_candidates], cands.logprobs, strict=False)
             ):
-                entries.append((-(beam.beam_score + logprob), order, rank, beam, token, logprob))
+                entries.append((-(score + logprob), order, rank, beam, token, logprob))
         entries.sort(key=lambda e: e[:3])
         return [
-            Extension(beam, token, -neg, self._logprob(beam.beam_candidates, token, logprob))
+            Extension(beam, token, -neg, self._logprob(self.candidates[beam.seq_id], token, logprob))
             for neg, _, _, beam, token, logprob in entries[: self.num_candidates]
         ]
 
-    def _logprob(self, cands: BeamCandidates | None, token: int, logprob: float) -> TokenLogprob | None:
-        if self.num_top is None or cands is None:
+    def _logprob(self, cands: BeamCandidates, token: int, logprob: float) -> TokenLogprob | None:
+        if self.num_top is None:
             return None
         top = tuple(zip(cands.token_ids[: self.num_top], cands.logprobs[: self.num_top], strict=True))
         return TokenLogprob(token, logprob, top)
@@ -179,7 +203,11 @@ class BeamSearch:
 
 
 def fork_beams(
-    beams: list[Sequence], extensions: list[Extension], block_manager: BlockManager, scheduler: Scheduler
+    search: BeamSearch,
+    beams: list[Sequence],
+    extensions: list[Extension],
+    block_manager: BlockManager,
+    scheduler: Scheduler,
 ) -> list[Sequence]:
     """Turn the running beams into the next ones: a parent keeps its first extension and forks
     one sequence per further one (sharing its blocks); a parent with none is dropped (its blocks
@@ -203,19 +231,124 @@ def fork_beams(
             )
             block_manager.fork(parent, child)
             scheduler.add_running(child)
-            taken[i] = _extend(child, ext)
+            taken[i] = _extend(search, child, ext)
         if exts:
             first, ext = exts[0]
-            taken[first] = _extend(parent, ext)
+            taken[first] = _extend(search, parent, ext)
     for parent in beams:
         if parent.seq_id not in by_parent:
             scheduler.finish(parent, SequenceStatus.FINISHED_ABORTED)
+            search.scores.pop(parent.seq_id, None)
     return [taken[i] for i in range(len(extensions))]
 
 
-def _extend(seq: Sequence, ext: Extension) -> Sequence:
+def _extend(search: BeamSearch, seq: Sequence, ext: Extension) -> Sequence:
     seq.token_ids.append(ext.token_id)
-    seq.beam_score = ext.score
+    search.scores[seq.seq_id] = ext.score
     if ext.logprob is not None:
         seq.logprobs.append(ext.logprob)
     return seq
+
+
+class BeamSearches:
+    """What the engine asks of beam search, in three calls: a new request's search (``start``,
+    or ``prompt_params`` where only its prompt runs here), each step's beam rows (``take_rows``),
+    and the first step of a search whose prompt ran on another engine (``land``). Each search
+    lives on its request (``Request.search``); its beams are the request's sequences."""
+
+    def __init__(self, scheduler: Scheduler, eos_token_ids: Iterable[int], max_model_len: int) -> None:
+        self.scheduler = scheduler
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def start(self, params: SamplingParams) -> BeamSearch | None:
+        """A new request's search; None when it is no beam search."""
+        if params.beam_search is None:
+            return None
+        return BeamSearch(params, self.eos_token_ids, self.max_model_len)
+
+    def prompt_params(self, params: SamplingParams) -> SamplingParams:
+        """A beam-search prompt that runs here for another engine: its first token's logprobs list
+        every candidate the search's first step needs (the other engine takes them from the KV
+        transfer's first logprobs), and no token ends it here."""
+        stop_ids = stop_ids_of(params, self.eos_token_ids)
+        num_top = max(num_candidates(params, len(stop_ids)), params.logprobs or 0)
+        return dataclasses.replace(
+            params, n=1, beam_search=None, logprobs=num_top, ignore_eos=True, stop_token_ids=()
+        )
+
+    def take_rows(
+        self, logits: torch.Tensor, seqs: list[Sequence], requests: dict[str, Request]
+    ) -> tuple[torch.Tensor, list[Sequence], list[Request]]:
+        """Beams' rows become their candidates, and each search whose running beams all have theirs
+        takes its step. Returns the rows and sequences left to sample, and the beam requests
+        touched (their output may have changed)."""
+        # logits: [len(seqs), vocab]
+        beam_rows = [r for r, s in enumerate(seqs) if requests[s.request_id].search is not None]
+        if not beam_rows:
+            return logits, seqs, []
+        touched: dict[str, Request] = {}
+        beams = [seqs[r] for r in beam_rows]
+        searches = [requests[b.request_id].search for b in beams]
+        num = max(
+            max(s.num_candidates for s in searches if s is not None), *(b.params.logprobs or 0 for b in beams)
+        )
+        index = torch.tensor(beam_rows, dtype=torch.int64, device=logits.device)
+        for beam, search, cands in zip(beams, searches, candidates_of(logits[index], num), strict=True):
+            assert search is not None
+            search.candidates[beam.seq_id] = cands
+            touched[beam.request_id] = requests[beam.request_id]
+        for request in touched.values():
+            self._advance(request)
+        taken = set(beam_rows)
+        rest = [r for r in range(len(seqs)) if r not in taken]
+        keep = torch.tensor(rest, dtype=torch.int64, device=logits.device)
+        return logits[keep], [seqs[r] for r in rest], list(touched.values())
+
+    def land(self, request: Request, first: TokenLogprob | None) -> None:
+        """The search's prompt ran on another engine, which listed the first step's candidates as
+        its first token's logprobs: the first step, from them. ValueError when too few came."""
+        search = request.search
+        assert search is not None
+        if first is None or len(first.top) < search.num_candidates:
+            raise ValueError("a beam search's prompt came without its first step's candidates")
+        seq = request.seqs[0]
+        search.candidates[seq.seq_id] = BeamCandidates(
+            tuple(t for t, _ in first.top), tuple(v for _, v in first.top)
+        )
+        self._advance(request)
+
+    def _advance(self, request: Request) -> None:
+        """One step of the request's search once every running beam has its candidates; at its
+        end the answer (the best finished beams) takes the beams' place."""
+        search = request.search
+        assert search is not None
+        beams = request.seqs
+        if not search.ready(beams):
+            return
+        if beams[0].num_output_tokens == 0:  # the prompt: its hit is every beam's
+            search.num_cached_tokens = beams[0].num_cached_tokens
+        extensions = search.advance(beams)
+        request.seqs = fork_beams(search, beams, extensions, self.scheduler.block_manager, self.scheduler)
+        if search.done:
+            self._answer(request, search)
+
+    def _answer(self, request: Request, search: BeamSearch) -> None:
+        running = [s for s in request.seqs if not s.is_finished]
+        answer = search.results(running)
+        for seq in running:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        request.seqs = [
+            Sequence(
+                request.request_id,
+                hyp.token_ids,
+                len(request.prompt_token_ids),
+                request.params,
+                index=index,
+                status=hyp.status,
+                finish_status=hyp.status,
+                logprobs=hyp.logprobs,
+                num_cached_tokens=search.num_cached_tokens,
+            )
+            for index, hyp in enumerate(answer)
+        ]

@@ -187,7 +187,7 @@ class DraftModel:
             if not pending:
                 break
             self.stats.steps += 1
-            for out in self.engine.step():
+            for out in self.engine.step().outputs:
                 if out.finished:
                     drafts[pending.pop(out.request_id)] = list(out.outputs[0].token_ids)
         else:

@@ -38,7 +38,7 @@ from typing import TypeVar
 import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.lora import LoRAAdapter, SlotAssignment
+from pdserve.engine.lora import LoRAAdapter, LoRAModel, SlotAssignment
 from pdserve.engine.model_runner import KVCacheFactory, ModelRunner
 from pdserve.engine.parallel import ParallelState, close_parallel, init_parallel
 from pdserve.engine.platform import Platform
@@ -368,6 +368,14 @@ class Executor:
     @property
     def dtype(self) -> torch.dtype:
         return self.runner.dtype
+
+    @property
+    def lora_slots(self) -> LoRAModel:
+        """The LoRA slot table that decides which adapter a slot holds (rank 0's; every rank
+        follows its choices through ``load_adapter`` and ``unload_adapter``)."""
+        lora = self.runner.lora
+        assert lora is not None, "LoRA slots exist with enable_lora only"
+        return lora
 
     def set_on_layer(self, callback: Callable[[], None] | None) -> None:
         """The liveness stamp before each decoder layer: rank 0's alone."""

@@ -1,120 +1,241 @@
-"""What a node's KV transfer asks of its engine, on the scheduler's side (vLLM v1's scheduler-side
-KV connector is the model): requests whose prompt KV another node computes, and requests whose KV
-this node computed for another. It keeps that surface out of ``LLMEngine``'s own API (add, step,
-abort, stats); the requests, their blocks and their states stay the engine's scheduler's.
+"""The scheduler's KV connector: which requests' KV crosses to or from another node, and what the
+node's transport must hear of them (vLLM v1's scheduler-side connector is the model).
 
-    inbound (a decode node):   reserve ─► WAITING_FOR_KV in the waiting FIFO ─► a step grants its
-                               blocks ─► on_granted callback ─► kv_arrived(first token) ─► RUNNING
-    outbound (a prefill node): add_request(prefill_only=True) ─► first token ─► HELD_FOR_TRANSFER
-                               ─► held / note_first_token_sent ─► release (blocks stay cached)
+The scheduler owns it and calls it at three points: how many of a waiting request's tokens a peer
+computes (``num_remote_tokens``), which blocks it allocated for them (``allocated``), and that a
+request finished (``request_finished``: hold its blocks for a transfer?). What the transport must
+act on comes back in the step's result (``take_events``: grants, and KV held for a send); what the
+transport reports (KV landed, a send ended) is queued here and applied by the next step. The
+requests, their sequences and blocks stay the scheduler's; this keeps one transfer state per
+request and nothing else.
+
+    receive (a decode node): KVReserve ─► reserve() ─► the engine's add path (KVTransfer.RECEIVE):
+        WAITING_FOR_KV in the waiting FIFO ─► a step allocates its blocks ─► granted (step result)
+        ─► the transport lands the KV ─► kv_arrived() ─► the next step: RUNNING, first token taken
+    send (a prefill node): add (KVTransfer.SEND): prompt, first token ─► request_finished: held
+        (step result) ─► the transport ships it ─► send_finished() ─► the next step frees the
+        blocks (they stay as prefix cache); a first token that ends the request holds nothing
+
+It is also the transport's view of the engine (``kv_transfer.reservations.BlockReservations``:
+``num_blocks``, ``reserve``, ``abort``), so a reservation climbs one floor, from the receiver to here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
+import enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Sequence as Seq
 
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.requests import RemoteReservation, Request
-from pdserve.engine.sequence import BeamCandidates, Sequence, SequenceStatus, TokenLogprob
+from pdserve.engine.requests import QueueFullError
+from pdserve.engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from pdserve.protocol.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from pdserve.engine.llm_engine import LLMEngine
+
+class KVTransfer(enum.Enum):
+    """A request's part in a transfer (``LLMEngine.add_request(kv_transfer=...)``)."""
+
+    SEND = "send"  # the prompt runs here; its KV goes to a peer, which decodes on
+    RECEIVE = "receive"  # the prompt's KV comes from a peer; decoding runs here
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RemoteReservation:
+    """Blocks a step granted to a request whose prompt KV a peer sends."""
+
+    request_id: str
+    num_held_blocks: int  # leading prompt blocks already in this engine's prefix cache: not sent
+    block_ids: tuple[int, ...]  # the blocks the rest of the prompt's KV lands in, in prompt order
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HeldKV:
+    """A sent request's prompt KV, held for its transfer until ``send_finished``."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]  # the prompt's blocks, in prompt order
+    first_scheduled_time: float | None  # time.monotonic() when its prompt first got compute
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVEvents:
+    """What a step tells the node's transport."""
+
+    granted: tuple[RemoteReservation, ...] = ()  # receive: blocks allocated, tell the sender
+    held: tuple[HeldKV, ...] = ()  # send: first token out, KV held: ship it
+
+    def __bool__(self) -> bool:
+        return bool(self.granted or self.held)
+
+
+@dataclasses.dataclass(slots=True)
+class _Send:
+    request_max_tokens: int  # the request's own output limit (its sequence here stops at one)
+    always_continues: bool  # a beam search: its first step is the peer's, whatever the token
+
+
+@dataclasses.dataclass(slots=True)
+class _Receive:
+    num_first_candidates: int  # a beam search's first step needs this many first-token logprobs
+    granted: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVArrival:
+    """A received request's KV landed, with the first token the peer sampled (and its logprobs)."""
+
+    request_id: str
+    first_token: int
+    first_logprob: TokenLogprob | None
 
 
 class KVConnector:
-    """One engine's transfer surface. It holds nothing but the grant callback: every request it
-    queues is the engine's, in the engine's scheduler."""
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int | None = None,
+        add: Callable[..., int] | None = None,
+        abort: Callable[[str], object] | None = None,
+    ) -> None:
+        """``add``: the engine's add path (``LLMEngine.add_request``), through which a reservation
+        enters like any request; ``abort``: its abort (a transfer that failed). Without them the
+        connector takes no reservation (a scheduler tested alone)."""
+        self.block_size = block_size
+        self.num_blocks = num_blocks  # the pool's (a prompt needing more can never be granted)
+        self.max_model_len = max_model_len
+        self._add, self._abort = add, abort
+        self._sends: dict[str, _Send] = {}  # request id -> its send, from add to send_finished
+        self._held: dict[str, Sequence] = {}  # sends whose blocks are held, HELD_FOR_TRANSFER
+        self._receives: dict[str, _Receive] = {}  # request id -> its receive, from add to landing
+        self._granted: list[RemoteReservation] = []  # since the last take_events
+        self._new_held: list[HeldKV] = []
+        self._arrived: list[KVArrival] = []  # reported by the transport, for the next step
+        self._sent: list[str] = []
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self._engine = engine
-        self._on_granted: Callable[[RemoteReservation], None] | None = None
+    # ------------------------------------------------------------------ the transport's calls
+    def reserve(self, request_id: str, token_ids: Seq[int], params: SamplingParams | None) -> int | None:
+        """A peer asks to send a prompt's KV: the request enters through the engine's add path,
+        WAITING_FOR_KV; a later step grants its blocks. Its place in the waiting queue, or None
+        while the queue is full; ValueError when it can never be admitted. Stop strings stay with
+        the router, as for local requests."""
+        assert self._add is not None, "this connector was built without the engine's add path"
+        params = dataclasses.replace(params or SamplingParams(), stop=())
+        try:
+            return self._add(request_id, list(token_ids), params, kv_transfer=KVTransfer.RECEIVE)
+        except QueueFullError:
+            return None
 
-    # ------------------------------------------------------------------ inbound (decode side)
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Queue a request whose prompt KV another node computes: WAITING_FOR_KV in the waiting FIFO
-        with local prompts. A later ``step`` grants it blocks, prefix-cache hits included, by the
-        rules local prompts are admitted by (``max_num_seqs``, free blocks above the watermark, no
-        overtaking), and hands them to the ``on_granted`` callback before it computes. Returns its
-        place in the queue. ValueError when it can never be admitted; QueueFullError while the
-        queue is full."""
-        if self._on_granted is None:
-            raise RuntimeError("reserve needs an on_granted callback to hand grants to")
-        if params.n != 1 and params.beam_search is None:
-            raise ValueError("n: requests prefilled elsewhere take n == 1")
-        engine = self._engine
-        max_tokens = engine.admit(request_id, prompt_token_ids, params)
-        params = dataclasses.replace(params, prompt_logprobs=None)  # the node that ran the prompt sent them
-        seq = Sequence(
-            request_id,
-            list(prompt_token_ids),
-            len(prompt_token_ids),
-            params,
-            arrival_time=time.monotonic(),
-            max_tokens=max_tokens,
-        )
-        search = engine.search_for(params)
-        position = engine.queue(seq, remote=True)  # its adapter pinned, or waiting for a slot
-        engine.requests[request_id] = Request(request_id, list(prompt_token_ids), params, [seq], search)
-        return position
-
-    def on_granted(self, callback: Callable[[RemoteReservation], None]) -> None:
-        """``callback(reservation)`` runs inside ``step`` for each reserved request granted blocks,
-        before the step computes (the KV receiver tells the sender where to write)."""
-        self._on_granted = callback
-
-    def granted(self, seqs: list[Sequence]) -> None:
-        """The step's grants (the engine calls this from ``step``)."""
-        engine = self._engine
-        engine.kv_prefault.advance(engine.block_manager.high_water)  # the KV lands before any step
-        on_granted = self._on_granted
-        assert on_granted is not None, "reserve queues no request without the callback"
-        for seq in seqs:
-            on_granted(RemoteReservation.of(seq, engine.block_manager.block_size))
+    def abort(self, request_id: str) -> None:
+        """The transfer failed, or its grant came too late: the request and its blocks go."""
+        assert self._abort is not None, "this connector was built without the engine's abort"
+        self._abort(request_id)
 
     def kv_arrived(
         self, request_id: str, first_token: int, first_logprob: TokenLogprob | None = None
-    ) -> list[RequestOutput]:
-        """The reserved request's prompt KV landed, with the first token the other node sampled
-        (and its logprobs). It decodes from the next step; returns its output at once when that
-        first token already ends it. A beam search's first step takes its candidates from those
-        logprobs (the other node listed them all) in place of the token."""
-        engine = self._engine
-        request = engine.requests[request_id]
-        seq = request.seqs[0]
-        assert seq.status is SequenceStatus.WAITING_FOR_KV, f"{request_id} is {seq.status}"
-        engine.scheduler.kv_arrived(seq)
-        if request.search is not None:
-            if first_logprob is None or len(first_logprob.top) < request.search.num_candidates:
-                raise ValueError("a beam search's prompt came without its first step's candidates")
-            seq.beam_candidates = BeamCandidates(
-                tuple(t for t, _ in first_logprob.top), tuple(v for _, v in first_logprob.top)
-            )
-            engine.advance_beams(request)
-            return [engine.output(request)] if request.finished else []
-        engine.take_token(seq, first_token, first_logprob)
-        return [engine.output(request)] if seq.is_finished else []
+    ) -> None:
+        """The received request's KV landed: the next step takes its first token and decodes it.
+        ValueError when what came cannot start it (a beam search's first step needs its candidates)."""
+        receive = self._receives.get(request_id)
+        if receive is None or not receive.granted:
+            raise ValueError(f"{request_id}: no granted reservation to land KV in")
+        if receive.num_first_candidates and (
+            first_logprob is None or len(first_logprob.top) < receive.num_first_candidates
+        ):
+            raise ValueError("a beam search's prompt came without its first step's candidates")
+        self._arrived.append(KVArrival(request_id, first_token, first_logprob))
 
-    # ------------------------------------------------------------------ outbound (prefill side)
-    def held(self, request_id: str) -> Sequence | None:
-        """The prefill-only request's sequence while it is HELD_FOR_TRANSFER (blocks, prompt)."""
-        return self._engine.scheduler.held.get(request_id)
+    def send_finished(self, request_id: str) -> bool:
+        """The held request's transfer ended (or will not start): the next step frees its blocks,
+        which stay as prefix cache. False when it is not held."""
+        if request_id not in self._held or request_id in self._sent:
+            return False
+        self._sent.append(request_id)
+        return True
 
-    def note_first_token_sent(self, request_id: str) -> None:
-        """The held request's first token reached the router: it can no longer start elsewhere."""
-        seq = self.held(request_id)
-        if seq is not None:
-            seq.first_token_sent = True
+    def is_held(self, request_id: str) -> bool:
+        return request_id in self._held
 
-    def first_token_sent(self, request_id: str) -> bool:
-        """Whether the held request's first token has left (False when it is not held)."""
-        seq = self.held(request_id)
-        return seq is not None and seq.first_token_sent
+    @property
+    def has_pending(self) -> bool:
+        """Reports of the transport that the next step applies."""
+        return bool(self._arrived or self._sent)
 
-    def release(self, request_id: str) -> bool:
-        """The held request's transfer ended (or will not start): free its blocks, which stay as
-        prefix cache. False when it was not held."""
-        return self._engine.scheduler.release(request_id)
+    # ------------------------------------------------------------------ the engine's
+    def track(
+        self, seq: Sequence, transfer: KVTransfer, request_max_tokens: int, num_first_candidates: int
+    ) -> None:
+        """A request added with its part in a transfer (its sequence already set up for it)."""
+        if transfer is KVTransfer.SEND:
+            self._sends[seq.request_id] = _Send(request_max_tokens, num_first_candidates > 0)
+        else:
+            self._receives[seq.request_id] = _Receive(num_first_candidates)
+
+    def take_arrived(self) -> list[KVArrival]:
+        arrived, self._arrived = self._arrived, []
+        for a in arrived:
+            self._receives.pop(a.request_id, None)
+        return arrived
+
+    def take_sent(self) -> list[str]:
+        sent, self._sent = self._sent, []
+        return sent
+
+    def take_events(self) -> KVEvents:
+        events = KVEvents(tuple(self._granted), tuple(self._new_held))
+        self._granted, self._new_held = [], []
+        return events
+
+    def forget(self, request_id: str) -> None:
+        """The request left the engine (aborted, or done): its transfer state goes, reports of it
+        not yet applied too. Held blocks stay until ``release_held``."""
+        self._sends.pop(request_id, None)
+        self._receives.pop(request_id, None)
+        self._arrived = [a for a in self._arrived if a.request_id != request_id]
+
+    def release_held(self, request_id: str) -> Sequence | None:
+        """The held sequence of a send whose transfer ended (the caller frees its blocks); None
+        when it is not held."""
+        self._sent = [r for r in self._sent if r != request_id]
+        return self._held.pop(request_id, None)
+
+    # ------------------------------------------------------------------ the scheduler's calls
+    def num_remote_tokens(self, seq: Sequence) -> int:
+        """Of a waiting sequence's uncomputed tokens, how many a peer computes (all of a received
+        prompt's; they cost this node no compute budget)."""
+        return seq.num_uncomputed_tokens if seq.request_id in self._receives else 0
+
+    def allocated(self, seq: Sequence) -> None:
+        """A received prompt's blocks were allocated: its prefix hits are held here, the rest is
+        sent into the blocks after them."""
+        self._receives[seq.request_id].granted = True
+        num_held = seq.num_computed_tokens // self.block_size
+        self._granted.append(RemoteReservation(seq.request_id, num_held, tuple(seq.block_table[num_held:])))
+
+    def request_finished(self, seq: Sequence, status: SequenceStatus) -> bool:
+        """A sequence ends: True when its blocks stay held for a send (the request goes on on the
+        peer: its first token did not end it). A send that ends here forgets its state."""
+        send = self._sends.pop(seq.request_id, None)
+        if send is None or status is SequenceStatus.FINISHED_ABORTED:
+            return False
+        at_context = self.max_model_len is not None and seq.num_tokens >= self.max_model_len
+        continues = send.always_continues or (
+            status is SequenceStatus.FINISHED_LENGTH
+            and not at_context
+            and seq.num_output_tokens < send.request_max_tokens
+        )
+        if not continues:
+            return False
+        assert seq.request_id not in self._held, f"{seq.request_id} held twice"
+        self._held[seq.request_id] = seq
+        prompt = tuple(seq.token_ids[: seq.num_prompt_tokens])
+        self._new_held.append(
+            HeldKV(seq.request_id, prompt, tuple(seq.block_table), seq.first_scheduled_time)
+        )
+        return True
+
+    @property
+    def held(self) -> dict[str, Sequence]:
+        """Sends whose blocks are held (HELD_FOR_TRANSFER), by request id."""
+        return self._held

@@ -54,15 +54,13 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
         token_lists = [self._encode(p) for p in prompts]
-        for tokens, p in zip(token_lists, params, strict=True):
-            self.engine.validate(tokens, p)  # all or nothing: fail before queueing any
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        for request_id, tokens, p in zip(ids, token_lists, params, strict=True):
-            self.engine.add_request(request_id, tokens, p)
         finished: dict[str, RequestOutput] = {}
         try:
+            for request_id, tokens, p in zip(ids, token_lists, params, strict=True):
+                self.engine.add_request(request_id, tokens, p)  # all or nothing: a refusal aborts the rest
             while len(finished) < len(ids):
-                for out in self.engine.step():
+                for out in self.engine.step().outputs:
                     if out.finished:
                         finished[out.request_id] = out
         finally:

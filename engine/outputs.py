@@ -20,9 +20,6 @@ class CompletionOutput:
     finish_reason: FinishReason | None  # None while running (a str: "stop", "length", "abort")
     logprobs: list[TokenLogprob] | None  # one per token when SamplingParams.logprobs was set
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
-    # prefill-only: the request goes on on another engine (its first token ended only this part);
-    # False when that token ended the request itself (then finish_reason is the request's)
-    continues: bool = False
 
 
 def completion_output(seq: Sequence, tokenizer=None) -> CompletionOutput:
@@ -44,7 +41,6 @@ def completion_output(seq: Sequence, tokenizer=None) -> CompletionOutput:
         seq.finish_reason,
         list(seq.logprobs) if seq.params.logprobs is not None else None,
         stop_reason,
-        seq.continues,
     )
 
 

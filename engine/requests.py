@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 from pdserve.engine.beam_search import BeamSearch, num_candidates, stop_ids_of
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.logits_rules import LogitsRules
-from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.engine.lora.registry import AdapterRegistry
+    from pdserve.engine.scheduler import Scheduler
 
 
 class QueueFullError(RuntimeError):
@@ -33,21 +33,6 @@ class Aborted(enum.Enum):
         return self is not Aborted.UNKNOWN
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class RemoteReservation:
-    """Blocks a step granted to a request whose prompt KV another node sends (``KVConnector.reserve``)."""
-
-    request_id: str
-    num_held_blocks: int  # leading prompt blocks already in this engine's prefix cache: not sent
-    block_ids: tuple[int, ...]  # the blocks the rest of the prompt's KV lands in, in prompt order
-
-    @classmethod
-    def of(cls, seq: Sequence, block_size: int) -> RemoteReservation:
-        """A just-granted sequence's reservation: its prefix hits are held, the rest is sent."""
-        num_held = seq.num_computed_tokens // block_size
-        return cls(seq.request_id, num_held, tuple(seq.block_table[num_held:]))
-
-
 @dataclasses.dataclass(eq=False, slots=True)
 class Request:
     request_id: str
@@ -56,7 +41,6 @@ class Request:
     seqs: list[Sequence]  # one until the prompt is prefilled, then n (forks share its blocks)
     # beam search: the search; ``seqs`` are its running beams, then (once it is done) its answer
     search: BeamSearch | None = None
-    num_cached_tokens: int = 0  # beam search: the prompt's prefix-cache hit (its beams are forks)
 
     @property
     def finished(self) -> bool:

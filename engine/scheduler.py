@@ -13,18 +13,25 @@ prefix hit simply starts with tokens already computed. Order of service:
   2. waiting sequences, FIFO, while budget, ``max_num_seqs`` and free blocks allow;
      the head of the queue is never skipped, so nothing starves.
 
-A decode node's requests whose prompt KV comes from a prefill node (``add_remote``) wait in
-the same FIFO, WAITING_FOR_KV with no blocks; the loop above grants them blocks by the same rules
-(head first, ``max_num_seqs``, free blocks above the watermark) but no token budget, since this
-node computes none of their prompt. Granted, they are ``receiving``: they hold their blocks and a
-slot like running ones, and join ``running`` once their KV has landed (``kv_arrived``). A prefill
-node's prompt-only sequences end ``held`` (HELD_FOR_TRANSFER): out of the batch, blocks kept for
-the KV transfer, until ``release``.
+The scheduler owns the node's KV connector (engine/kv_connector.py) and asks it three things: how
+many of a waiting request's tokens a peer computes, to note the blocks it allocated for them, and
+whether a finishing request's blocks stay held for a transfer. A decode node's requests whose
+prompt KV comes from a prefill node wait in the same FIFO, WAITING_FOR_KV with no blocks; the loop
+above grants them blocks by the same rules (head first, ``max_num_seqs``, free blocks above the
+watermark) but no token budget, since this node computes none of their prompt. Granted, they are
+``receiving``: they hold their blocks and a slot like running ones, and join ``running`` once
+their KV has landed (``kv_arrived``). A prefill node's prompt-only sequences end held
+(HELD_FOR_TRANSFER, the connector's ``held``): out of the batch, blocks kept for the KV transfer,
+until ``release``.
+
+Two per-request rules are consulted in the waiting loop, one call each: a request's adapter must
+hold a LoRA slot (``SlotAdmission``, one FIFO for everyone: a request whose adapter has none is
+passed by those behind it), and the beams of a beam search come back together (``_gang_fits``).
 
     WAITING ──schedule──► RUNNING ──finish──► FINISHED_*     (blocks freed)
-       ▲                   │   └──finish(hold)──► HELD_FOR_TRANSFER ──release──► FINISHED_*
+       ▲                   │   └──finish (connector: held)──► HELD_FOR_TRANSFER ──release──► FINISHED_*
        └────preempt────────┘
-    add_remote ──► WAITING_FOR_KV ──schedule (granted)──► receiving ──kv_arrived──► RUNNING
+    add (a received prompt) ──► WAITING_FOR_KV ──schedule (granted)──► receiving ──kv_arrived──► RUNNING
 """
 
 from __future__ import annotations
@@ -32,9 +39,27 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from collections.abc import Collection
+from typing import Protocol
 
 from pdserve.engine.block_manager import BlockCopy, BlockManager
+from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.sequence import Sequence, SequenceStatus
+
+
+class SlotAdmission(Protocol):
+    """A per-request admission rule beside blocks and slots (the LoRA adapters' slots:
+    engine/lora/registry.py)."""
+
+    def admit(self, seq: Sequence, may_load: bool) -> bool:
+        """Whether ``seq`` may enter a step now (taking what it needs, once per request);
+        ``may_load``: it may take a resource nobody holds yet (False once an earlier request
+        waits for one, so that none overtakes it). ValueError when it never can."""
+        ...
+
+    def check_integrity(self, live_request_ids: Collection[str]) -> None:
+        """Assert that only requests still in the scheduler hold what ``admit`` gave them."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,6 +74,8 @@ class SchedulerOutput:
     block_copies: list[BlockCopy]  # copy-on-write to do before the forward pass
     preempted: list[Sequence]  # dropped back to WAITING this step
     granted: list[Sequence] = dataclasses.field(default_factory=list)  # WAITING_FOR_KV, blocks now held
+    # left the waiting queue for good: admission refused them (their adapter cannot be read), with why
+    refused: list[tuple[Sequence, str]] = dataclasses.field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -62,28 +89,34 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         enable_chunked_prefill: bool = True,
+        connector: KVConnector | None = None,
+        admission: SlotAdmission | None = None,
     ) -> None:
+        """``connector``: the node's transfers (None: this engine transfers nothing);
+        ``admission``: the LoRA slots (None: LoRA is off)."""
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.connector = connector or KVConnector(block_manager.block_size, block_manager.num_blocks)
+        self.admission = admission
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.receiving: list[Sequence] = []  # WAITING_FOR_KV: blocks held, KV arriving from a peer
-        self.held: dict[str, Sequence] = {}  # request id -> HELD_FOR_TRANSFER sequence (prefill nodes)
         # The last schedule found nothing to run or grant, and nothing has changed since: the
         # waiting head cannot be admitted until something ends (has_work says no meanwhile).
         self._stalled = False
 
-    def add(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
-        self._stalled = False
+    @property
+    def held(self) -> dict[str, Sequence]:
+        """HELD_FOR_TRANSFER sequences by request id (a prefill node's; the connector keeps them)."""
+        return self.connector.held
 
-    def add_remote(self, seq: Sequence) -> None:
-        """A prompt whose KV another node computes: it waits in the FIFO, WAITING_FOR_KV with no
-        blocks, until ``schedule`` grants them (``SchedulerOutput.granted``)."""
-        seq.status = SequenceStatus.WAITING_FOR_KV
+    def add(self, seq: Sequence) -> None:
+        """A new sequence into the waiting FIFO: WAITING, or WAITING_FOR_KV with no blocks when a
+        peer computes its prompt (the connector says), until ``schedule`` grants them."""
+        remote = self.connector.num_remote_tokens(seq) > 0
+        seq.status = SequenceStatus.WAITING_FOR_KV if remote else SequenceStatus.WAITING
         self.waiting.append(seq)
         self._stalled = False
 
@@ -118,10 +151,41 @@ class Scheduler:
     def schedule(self, budget: int | None = None) -> SchedulerOutput:
         """This step's work, under ``budget`` tokens (at most ``max_num_batched_tokens``; the
         engine's step-time target may give fewer)."""
+        for request_id in self.connector.take_sent():  # transfers that ended: their blocks go back
+            self.release(request_id)
         budget = self.max_num_batched_tokens if budget is None else min(budget, self.max_num_batched_tokens)
-        scheduled: list[ScheduledSeq] = []
-        copies: list[BlockCopy] = []
-        preempted: list[Sequence] = []
+        out = SchedulerOutput([], [], [])
+        budget = self._schedule_running(budget, out)
+        if not out.preempted:
+            self._schedule_waiting(budget, out)
+        if not out.scheduled and not out.granted and self._only_waiting_gangs():
+            out.preempted.extend(self._preempt_all())
+            self._schedule_waiting(budget, out)
+        out.scheduled.sort(key=lambda s: s.num_new_tokens > 1)  # decode rows first (stable)
+        self._stalled = not out.scheduled and not out.granted and not out.refused
+        self._check(out)
+        return out
+
+    def grant_head(self) -> list[Sequence]:
+        """Grant the reservations at the head of the waiting FIFO (before any local prompt) that
+        fit beside what the running sequences need for their next step, so that their senders
+        hear before this node's next step computes. The schedule that follows would grant them
+        first too; those it must wait for (behind a local prompt, or short of blocks) it grants
+        by its usual rules."""
+        if not self.waiting or self.connector.num_remote_tokens(self.waiting[0]) == 0:
+            return []
+        bm = self.block_manager
+        running_needs = sum(
+            bm.num_blocks_to_append(s, s.num_uncomputed_tokens + len(s.draft_token_ids)) for s in self.running
+        )
+        out = SchedulerOutput([], [], [])
+        self._schedule_waiting(0, out, reserve=running_needs, head_grants_only=True)
+        self._check(out)
+        return out.granted
+
+    def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
+        """Running sequences, oldest first: their next tokens, preempting the newest when blocks
+        run out. The budget left."""
         # Decode rows not yet visited: a prompt chunk leaves them a token each, so a long prompt
         # never holds the running decodes out of a step.
         pending_decodes = sum(s.num_uncomputed_tokens == 1 for s in self.running)
@@ -137,33 +201,23 @@ class Scheduler:
                     seq.draft_token_ids, num_new = [], 1  # no sequence is preempted for drafts
             else:
                 num_new = min(seq.num_uncomputed_tokens, budget - pending_decodes)
-            if num_new <= 0:  # a chunk with no budget left beside the decodes: it waits a step
-                i += 1
+            if num_new <= 0:  # a chunk with no budget left beside the decodes (or a computed beam
+                i += 1  # waiting for its siblings): it waits a step
                 continue
             while not self.block_manager.can_append(seq, num_new):
                 victim = self.running.pop()
                 if victim is not seq:
                     pending_decodes -= victim.num_uncomputed_tokens == 1
                 self._preempt(victim)
-                preempted.append(victim)
+                out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                copies += self.block_manager.append(seq, num_new)
-                scheduled.append(ScheduledSeq(seq, num_new))
+                out.block_copies.extend(self.block_manager.append(seq, num_new))
+                out.scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
                 i += 1
-        granted: list[Sequence] = []
-        if not preempted:
-            self._schedule_waiting(budget, scheduled, copies, granted)
-        if not scheduled and not granted and self._only_waiting_beams():
-            preempted += self._preempt_all()
-            self._schedule_waiting(budget, scheduled, copies, granted)
-        scheduled.sort(key=lambda s: s.num_new_tokens > 1)  # decode rows first (stable)
-        out = SchedulerOutput(scheduled, copies, preempted, granted)
-        self._stalled = not scheduled and not granted
-        self._check(out)
-        return out
+        return budget
 
     def _check(self, out: SchedulerOutput) -> None:
         """Cheap invariants of every schedule (the engine runs the full pool check in debug mode)."""
@@ -189,28 +243,38 @@ class Scheduler:
         )
 
     def _schedule_waiting(
-        self,
-        budget: int,
-        scheduled: list[ScheduledSeq],
-        copies: list[BlockCopy],
-        granted: list[Sequence],
+        self, budget: int, out: SchedulerOutput, reserve: int = 0, head_grants_only: bool = False
     ) -> None:
+        """Admit from the waiting FIFO while slots, blocks (beyond the watermark and ``reserve``)
+        and, for local prompts, ``budget`` allow. ``head_grants_only``: stop at the first local
+        prompt (``grant_head``)."""
         bm = self.block_manager
-        watermark = self._watermark()
+        reserve += self._watermark()
         # One FIFO for slots and blocks. Compute budget is the one thing a remote reservation does
         # not need: a local prompt waiting for it is passed by the reservations behind it (the local
         # prompts after it stay behind it), or a decode node busy prefilling would grant no KV for
         # as long as its local prompts last, and prefill nodes' transfers time out meanwhile.
-        i, prompts_wait = 0, False
+        # Likewise a request whose adapter has no LoRA slot is passed by those behind it, but none
+        # of them takes a slot nobody holds before it (``may_load``).
+        i, prompts_wait, slots_wait = 0, False, False
         while i < len(self.waiting) and self.num_seqs < self.max_num_seqs:
             seq = self.waiting[i]
             assert not seq.block_table, "waiting sequences hold no blocks"
-            remote = seq.status is SequenceStatus.WAITING_FOR_KV
-            if not remote and (prompts_wait or budget <= 0):
+            remote = self.connector.num_remote_tokens(seq) > 0
+            if not remote and (head_grants_only or prompts_wait or budget <= 0):
+                if head_grants_only:
+                    break
                 prompts_wait = True
                 i += 1
                 continue
-            if seq.params.beam_search is not None and not self._beams_fit(i, watermark):
+            admitted = self._admit(seq, not slots_wait, out)
+            if admitted is None:  # refused for good: it left the queue
+                continue
+            if not admitted:
+                slots_wait = True
+                i += 1
+                continue
+            if not self._gang_fits(i, reserve):
                 break
             # A hit never covers the last token: it must run to produce logits. Nor any prompt token
             # whose log-probability is still to be reported: those positions are computed again.
@@ -220,51 +284,67 @@ class Scheduler:
             # A remote prompt's KV all lands at once, and costs this node no compute: no budget.
             num_new = seq.num_uncomputed_tokens if remote else min(seq.num_uncomputed_tokens, budget)
             too_long = not self.enable_chunked_prefill and num_new < seq.num_uncomputed_tokens
-            if too_long or not bm.can_append(seq, num_new, reserve=watermark):
+            if too_long or not bm.can_append(seq, num_new, reserve=reserve):
                 bm.free(seq)
                 seq.num_cached_tokens = 0
                 break
             del self.waiting[i]
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
-            copies += bm.append(seq, num_new)
+            out.block_copies.extend(bm.append(seq, num_new))
             if remote:
                 self.receiving.append(seq)
-                granted.append(seq)
+                self.connector.allocated(seq)
+                out.granted.append(seq)
                 continue
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(ScheduledSeq(seq, num_new))
+            out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
 
-    def _beams_fit(self, i: int, watermark: int) -> bool:
-        """A beam search's waiting beams come back together or not at all: beams advance in step,
-        and some admitted while the rest wait would hold blocks the rest need. Counts the blocks
-        their recompute takes (fresh ones, and cached ones that leave the free pool) and slots;
-        when they fit, the head's siblings move up behind it, to be admitted next."""
+    def _admit(self, seq: Sequence, may_load: bool, out: SchedulerOutput) -> bool | None:
+        """The per-request admission rule (LoRA slots): may ``seq`` enter now? None when it never
+        can: it leaves the queue, refused (``out.refused``)."""
+        if self.admission is None:
+            return True
+        try:
+            return self.admission.admit(seq, may_load)
+        except ValueError as e:
+            self.waiting.remove(seq)
+            out.refused.append((seq, str(e)))
+            return None
+
+    def _gang_fits(self, i: int, reserve: int) -> bool:
+        """The sequences of a request that advance together (a beam search's beams:
+        engine/beam_search.py) come back together or not at all: some admitted while the rest
+        wait would hold blocks the rest need. Counts the blocks their recompute takes (fresh ones,
+        and cached ones that leave the free pool) and slots; when they fit, the head's siblings
+        move up behind it, to be admitted next."""
         bm, head = self.block_manager, self.waiting[i]
-        beams = [s for s in self.waiting if s.request_id == head.request_id]
-        if len(beams) == 1:
+        if head.params.beam_search is None:
+            return True
+        gang = [s for s in self.waiting if s.request_id == head.request_id]
+        if len(gang) == 1:
             return True  # the usual checks decide
         num_fresh, cached = 0, set[int]()
-        for seq in beams:
+        for seq in gang:
             limit = (seq.num_tokens - 1) // bm.block_size
             block_ids, _ = bm.match_prefix(seq.token_ids, limit, seq.cache_root)
             num_fresh += bm.blocks_needed(seq.num_tokens) - len(block_ids)
             cached.update(b for b in block_ids if bm.blocks[b].ref_count == 0)
-        fits = num_fresh + len(cached) + watermark <= bm.num_free_blocks
-        if not fits or self.num_seqs + len(beams) > self.max_num_seqs:
+        fits = num_fresh + len(cached) + reserve <= bm.num_free_blocks
+        if not fits or self.num_seqs + len(gang) > self.max_num_seqs:
             return False
-        siblings = [s for s in beams if s is not head]
+        siblings = [s for s in gang if s is not head]
         for seq in siblings:
             self.waiting.remove(seq)
         for k, seq in enumerate(siblings, start=i + 1):
             self.waiting.insert(k, seq)
         return True
 
-    def _only_waiting_beams(self) -> bool:
-        """Every running sequence is a beam whose row is computed, waiting for a preempted sibling
-        (engine/beam_search.py) that cannot be admitted while they hold their blocks."""
+    def _only_waiting_gangs(self) -> bool:
+        """Every running sequence has its row computed and waits for a preempted sibling (a beam:
+        engine/beam_search.py) that cannot be admitted while they hold their blocks."""
         return (
             bool(self.running)
             and bool(self.waiting)
@@ -283,14 +363,13 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.draft_token_ids = []
-        seq.beam_candidates = None  # a beam recomputes its row
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """End a sequence wherever it is. A ``hold_kv`` sequence that was not aborted keeps its
-        blocks, HELD_FOR_TRANSFER, until ``release``; any other frees them at once."""
+        """End a sequence wherever it is. One the connector holds for a transfer keeps its blocks,
+        HELD_FOR_TRANSFER, until ``release``; any other frees them at once."""
         assert status.finished
         if seq in self.running:
             self.running.remove(seq)
@@ -301,17 +380,15 @@ class Scheduler:
         self._stalled = False  # its slot and blocks may admit the waiting head
         seq.finish_status = status
         seq.draft_token_ids = []
-        if seq.hold_kv and status is not SequenceStatus.FINISHED_ABORTED:
-            assert seq.request_id not in self.held, f"{seq.request_id} held twice"
+        if self.connector.request_finished(seq, status):
             seq.status = SequenceStatus.HELD_FOR_TRANSFER
-            self.held[seq.request_id] = seq
             return
         self.block_manager.free(seq)
         seq.status = status
 
     def release(self, request_id: str) -> bool:
         """The held sequence's transfer ended: free its blocks (they stay as prefix cache)."""
-        seq = self.held.pop(request_id, None)
+        seq = self.connector.release_held(request_id)
         if seq is None:
             return False
         self.block_manager.free(seq)
@@ -319,3 +396,11 @@ class Scheduler:
         seq.status = seq.finish_status
         self._stalled = False
         return True
+
+    def check_integrity(self) -> None:
+        """Assert the block pool's invariants, ref counts against every sequence holding blocks,
+        and the admission rule's (adapters pinned only by requests still here)."""
+        self.block_manager.check_integrity([*self.running, *self.receiving, *self.held.values()])
+        if self.admission is not None:
+            live = {s.request_id for s in [*self.waiting, *self.running, *self.receiving]}
+            self.admission.check_integrity(live)

@@ -51,15 +51,6 @@ class TokenLogprob:
     rank: int | None = None  # prompt tokens: 1 + how many tokens were more likely (vLLM's rank)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class BeamCandidates:
-    """A beam's next-token choices from its latest logits row (engine/beam_search.py): the most
-    likely tokens and their log-probabilities, most likely first."""
-
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-
-
 _seq_counter = itertools.count()
 
 
@@ -84,19 +75,9 @@ class Sequence:
     num_preemptions: int = 0  # times its KV was dropped and recomputed
     stop_text: str | None = None  # the stop string that ended it, if any
     first_scheduled_time: float | None = None  # time.monotonic() when it first got compute (queue time)
-    hold_kv: bool = False  # prefill-only: when it ends, keep its blocks (HELD_FOR_TRANSFER) for a transfer
-    # prefill-only: the request's own output limit (max_tokens is 1 here), and whether it goes on on
-    # another engine once this one's first token is out (False: that token ended the request)
-    request_max_tokens: int = 0
-    continues: bool = False
-    first_token_sent: bool = False  # held: its first token reached the router (it stays with it)
     finish_status: SequenceStatus | None = None  # how it ended (a held sequence's, once released)
     # speculative decoding: tokens proposed after token_ids for this step to verify (engine/speculation.py)
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)
-    # beam search: the summed log-probability of its output tokens, and its next-token choices
-    # once its row is computed (None until then, and again once the search used them)
-    beam_score: float = 0.0
-    beam_candidates: BeamCandidates | None = None
 
     @property
     def cache_root(self) -> int | None:

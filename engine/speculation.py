@@ -178,11 +178,14 @@ class Speculator:
             if seq.num_uncomputed_tokens != 1:
                 continue
             num_decodes += 1
-            # a grammar's state moves a token at a time; a prefill-only request ends at one token;
-            # beams fork every step (engine/beam_search.py)
-            if seq.params.has_logits_rules or seq.hold_kv or seq.params.beam_search is not None:
+            # a grammar's state moves a token at a time; beams fork every step (engine/beam_search.py)
+            if seq.params.has_logits_rules or seq.params.beam_search is not None:
                 continue
-            k = min(self.draft_length(seq), max_len - seq.num_tokens)
+            # no draft past the context or the last token it may still generate (a sent prompt's
+            # sequence stops at its first)
+            k = min(
+                self.draft_length(seq), max_len - seq.num_tokens, seq.max_tokens - seq.num_output_tokens - 1
+            )
             if k > 0:
                 wanted.append((seq, k))
         if self.draft is None:  # a lookup is free: find the drafts, then price them

@@ -27,7 +27,7 @@ BUCKETS_S = STEP_BUCKETS_S  # the step-time buckets, part of the node record's c
 # them put a decode node's speed at 225-300 tokens/s where its large steps ran 8,000-20,000, and
 # the router then shed new requests after a kill moved a dead node's requests onto it.
 RATE_MIN_PROMPT_TOKENS = 64
-# The prompt a node times before it serves (LLMEngine.measure_prefill_speed): a chunk's size, for
+# The prompt a node times before it serves (LLMEngine.warm_up): a chunk's size, for
 # the speed a queue drains at. Before it, a node reported no speed until its first large step, and
 # a router under a TTFT SLO shed a fresh cluster's first burst behind "a speed nobody measured".
 PREFILL_PROBE_TOKENS = 256
@@ -80,7 +80,7 @@ class PrefillRate:
         self.seconds = self.seconds * self.decay + seconds
 
     def seed(self, num_tokens: int, seconds: float) -> None:
-        """A measure taken before any step (``LLMEngine.measure_prefill_speed``), counted whatever
+        """A measure taken before any step (``LLMEngine.warm_up``), counted whatever
         its size; the steps that follow decay it."""
         self.num_tokens, self.seconds = float(num_tokens), seconds
 

@@ -24,7 +24,7 @@ class StopRules:
 
     def check(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
         """How the sequence ends with ``token_id`` just appended; None when it goes on. Sets
-        ``seq.stop_text`` and, for a prefill-only sequence, ``seq.continues``."""
+        ``seq.stop_text``."""
         params = seq.params
         hit = bool(params.stop) and self._stop_string_hit(seq, token_id)
         if seq.num_output_tokens >= params.min_tokens and (
@@ -35,8 +35,6 @@ class StopRules:
             return SequenceStatus.FINISHED_STOPPED
         at_context = seq.num_tokens >= self.max_model_len
         if seq.num_output_tokens >= seq.max_tokens or at_context:
-            # a prefill-only request stops at its first token; the rest is another engine's
-            seq.continues = seq.hold_kv and not at_context and seq.num_output_tokens < seq.request_max_tokens
             return SequenceStatus.FINISHED_LENGTH
         return None
 

@@ -6,6 +6,7 @@ import dataclasses
 
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.messages import RequestMeta, TokenLogprobs
+from pdserve.protocol.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -19,6 +20,8 @@ class ReceivedKV:
     prefill_cached_tokens: int  # usage: prompt tokens the prefill node took from its cache
     request_meta: RequestMeta | None = None  # KVReserve.request_meta, passed through untouched
     first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asked for logprobs
+    num_prompt_tokens: int = 0  # the prompt's length (KVReserve.token_ids)
+    sampling_params: SamplingParams | None = None  # KVReserve.sampling_params
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ side keeps, per request, only where replies go, its deadline, and which bytes ha
 
     KVReserve ─► checks (fingerprint, hashes, fits at all?) ─► KVReject
                  └─► engine.reserve ─► KVWait (its place in the engine's queue) … KVReject at ttl
-    engine grant (on_granted, from its schedule) ─► KVGrant
+    engine grant (its step result; the node calls grant) ─► KVGrant
     KVChunk   ─► sizes + xxh3 checked ─► index_copy_ into the granted blocks ─► KVCredit
                  (device caches: upload, scatter on the copy stream, its event waited on)
     KVDone    ─► all (layer, block) pieces landed? ─► KVAck, report completed
@@ -142,7 +142,6 @@ class KVReceiver:
             KVDone: self._on_done,
             Abort: self._on_abort,
         }
-        reservations.on_granted(self._granted)
 
     def set_draining(self) -> None:
         """Refuse new reservations (KVReject) while in-flight transfers finish."""
@@ -236,7 +235,7 @@ class KVReceiver:
             return
         ttl = min(msg.ttl_s, self.config.max_ttl_s)
         transfer = self._transfers[rid] = _Transfer(peer, msg, time.monotonic() + ttl)
-        try:  # the engine may grant at once (from inside this call) or at a later step
+        try:  # the engine grants at a later step (a pool without an engine, from inside this call)
             position = self.reservations.reserve(rid, msg.token_ids, msg.sampling_params)
         except ValueError as exc:  # the engine will never admit it
             position, reason = None, f"not admitted: {exc}"
@@ -248,8 +247,9 @@ class KVReceiver:
         elif transfer.landing is None:
             self._reply(peer, KVWait(request_id=rid, queue_position=position))
 
-    def _granted(self, reservation: Reservation) -> None:
-        """The engine's scheduler granted blocks: tell the sender where its KV goes."""
+    def grant(self, reservation: Reservation) -> None:
+        """The engine's scheduler granted blocks (its step result): tell the sender where its KV
+        goes. Blocks nobody here waits for go back to the engine."""
         rid = reservation.request_id
         transfer = self._transfers.get(rid)
         if transfer is None or transfer.landing is not None:  # nobody here waits for them
@@ -369,6 +369,8 @@ class KVReceiver:
                 msg.num_cached_tokens,
                 transfer.reserve.request_meta,
                 msg.first_logprobs,
+                len(transfer.reserve.token_ids),
+                transfer.reserve.sampling_params,
             )
         )
 

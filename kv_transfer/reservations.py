@@ -2,14 +2,15 @@
 
 The receiver moves bytes into block ids; the engine owns the request. It queues the request with
 its own waiting prompts, grants its blocks from its own scheduling loop (the same admission rules
-as its local requests), and is told when a transfer fails. The decode node's ``LLMEngine`` is the
-implementation (``kv_connector.reserve`` / ``kv_connector.on_granted`` / ``abort_request``); an abort the node
+as its local requests), and is told when a transfer fails. The decode node's engine connector is
+the implementation (engine/kv_connector.py: ``reserve`` and ``abort``); its grants come back in
+the engine's step result, and the node hands each to ``KVReceiver.grant``. An abort the node
 starts goes to the engine first, which says whether a transfer must stop (``KVReceiver.stop``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 from pdserve.protocol.sampling_params import SamplingParams
@@ -42,11 +43,7 @@ class BlockReservations(Protocol):
     ) -> int | None:
         """Queue the request for blocks: its place in the engine's waiting queue, or None while
         that queue is full. Raises ValueError when the request can never be admitted. The blocks
-        come later (or at once), through the ``on_granted`` callback."""
-        ...
-
-    def on_granted(self, callback: Callable[[Reservation], None]) -> None:
-        """Where the engine hands each grant, in grant order."""
+        come later: the node hands each grant to ``KVReceiver.grant``."""
         ...
 
     def abort(self, request_id: str) -> None:

@@ -72,15 +72,21 @@ class NodeHost:
         # KV goes on the socket or the staging ring, the one-copy path is a single rank's.
         single = engine_config.tensor_parallel_size == 1
         factory = self._shared_cache if opts.role is Role.PREFILL and single else None
-        self.parts.engine = LLMEngine(engine_config, kv_cache_factory=factory)
-        speed = self.parts.engine.measure_prefill_speed()  # its first record says how fast it prefills
+        # busy is not dead: the engine's layers vouch for the node (once it serves)
+        self.parts.engine = LLMEngine(engine_config, kv_cache_factory=factory, on_layer=self._in_step)
+        # its first record says how fast it prefills; the first guided request need not build
+        # the grammar engine
+        speed = self.parts.engine.warm_up()
         log("prefill_speed_measured", tokens_per_s=round(speed))
         self.parts.runtime = NodeRuntime(opts, log)
-        # busy is not dead: the engine's layers vouch for the node
-        self.parts.engine.on_progress(self.parts.runtime.in_step)
         self.role = build_role(self.parts)
         self.switch: _Switch | None = None
         self.ready_file: str | None = None
+
+    def _in_step(self) -> None:
+        runtime = self.parts.runtime
+        if runtime is not None:  # None while the engine starts
+            runtime.in_step()
 
     def _shared_cache(self, spec):
         """The KV cache in shared memory for same-host decode nodes; private memory (and chunks on
@@ -102,7 +108,6 @@ class NodeHost:
     def serve(self, ready_file: str | None = None) -> int:
         runtime = self.parts.runtime
         self.ready_file = ready_file
-        self.parts.engine.warm_up_in_background()  # the first guided request need not build the grammar engine
         runtime.start(self.role.status(), ready_file)
         try:
             runtime.run(self._iterate, lambda: self.role.busy(), self._drain)
@@ -196,7 +201,7 @@ class NodeHost:
             engine.abort_request(rid)
         if left:
             self.parts.log("role_switch_aborted", request_ids=left)
-        engine.check_integrity()
+        engine.scheduler.check_integrity()
         stats = engine.stats()
         assert stats.num_blocks_free == stats.num_blocks_total, (
             f"{stats.num_blocks_total - stats.num_blocks_free} blocks held after the old role closed"

@@ -16,6 +16,7 @@ from pdserve.kv_transfer.shared_cache import SharedKVCache
 from pdserve.node.log import EventLog
 from pdserve.node.options import NodeOptions
 from pdserve.node.runtime import NodeRuntime
+from pdserve.node.transfer_caches import transfer_caches
 from pdserve.protocol.messages import Message
 from pdserve.protocol.registry import NodeInfo
 
@@ -29,6 +30,12 @@ class NodeParts:
     # the KV pool in shared memory, which same-host decode nodes copy from (a node started as
     # prefill has one where the machine allows); None: a private pool, KV goes on the socket
     cache: SharedKVCache | None = None
+
+    @property
+    def transfer_caches(self) -> list:
+        """Per layer (K, V) with every KV head of the model, what the node's KV transfer reads and
+        writes: the engine's pool, or a tensor-parallel node's rank pools seen as one."""
+        return transfer_caches(self.engine.executor.rank_pools)
 
     @property
     def fingerprint(self) -> KVFingerprint:

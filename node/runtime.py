@@ -28,6 +28,7 @@ import time
 
 import zmq
 
+from pdserve.engine.kv_connector import KVTransfer
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.requests import QueueFullError
 from pdserve.node.log import EventLog
@@ -309,7 +310,7 @@ class NodeRuntime:
         )
 
     def admit(
-        self, engine: LLMEngine, msg: GenerateRequest, prefill_only: bool = False
+        self, engine: LLMEngine, msg: GenerateRequest, kv_transfer: KVTransfer | None = None
     ) -> SamplingParams | None:
         """Add a GenerateRequest to ``engine``; its sampling params, or None after telling the router
         why not (draining or overloaded: retryable; bad input: not). Stop strings stay with the router."""
@@ -323,8 +324,8 @@ class NodeRuntime:
                 msg.request_id,
                 list(msg.token_ids),
                 params,
-                prefill_only=prefill_only,
                 resume_output_ids=msg.output_token_ids,
+                kv_transfer=kv_transfer,
             )
         except QueueFullError as exc:
             self.reply_failed(msg.reply_addr, msg.request_id, FailureCode.OVERLOADED, str(exc), True)

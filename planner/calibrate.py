@@ -112,7 +112,7 @@ def _prefill_once(engine, prompt: list[int]) -> float:
     """Seconds for the steps that prefill ``prompt`` and sample its one token (one step within the budget)."""
     engine.add_request(f"cal-{next(_ids)}", prompt, _params(1))
     start = time.perf_counter()
-    while engine.has_unfinished_requests():
+    while engine.has_work():
         engine.step()
     return time.perf_counter() - start
 

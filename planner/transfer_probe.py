@@ -32,6 +32,7 @@ def _receive(spec: KVCacheSpec, ready: mp.Queue, stop) -> None:
     values = [torch.zeros_like(k) for k in keys]
     pool = PoolReservations(BlockManager(spec.num_blocks, spec.block_size, enable_prefix_caching=False))
     receiver = KVReceiver("tcp://127.0.0.1:0", _fingerprint(spec), pool, keys, values)
+    pool.deliver = receiver.grant
     ready.put(receiver.address)
     while not stop.is_set():
         for got in receiver.poll(0.05).completed:

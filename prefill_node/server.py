@@ -1,13 +1,16 @@
 """The prefill node: batched, chunked prefill with prefix caching; ships KV; reports the first token.
 
-control socket ──GenerateRequest──► engine (prefill-only: stops after the first token, its
-                                    sequence HELD_FOR_TRANSFER) ──► Shipper thread ──KV──► decode node
-                                    first token to the router once the decode node granted blocks
-Shipper outcome ──► engine.kv_connector.release (the blocks stay as evictable prefix cache)
+control socket ──GenerateRequest──► engine (KVTransfer.SEND: stops after the first token; the
+                                    step's result says its KV is held) ──► Shipper thread ──KV──►
+                                    decode node; the first token to the router once the decode
+                                    node granted blocks
+Shipper outcome ──► engine.kv_connector.send_finished (the blocks stay as evictable prefix cache)
 
-A request's state is the engine's (its scheduler's WAITING / RUNNING / HELD_FOR_TRANSFER); this
-node keeps only where its reply goes (``pending``). Held blocks are released only through the
-shipper's outcome while a transfer may read them, so an abort or a timeout meanwhile waits for it.
+A request's state has three holders: the engine (its scheduler's WAITING / RUNNING /
+HELD_FOR_TRANSFER, and its connector's send), the transport (the shipper's job), and the client
+stream (``pending``: where the reply goes, and what of it the router has seen). Held blocks are
+released only through the shipper's outcome while a transfer may read them, so an abort or a
+timeout meanwhile waits for it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import dataclasses
 import queue
 import time
 
+from pdserve.engine.kv_connector import HeldKV, KVTransfer
 from pdserve.kv_transfer.messages import KVShipment
 from pdserve.node.parts import NodeParts
 from pdserve.node.streams import (
@@ -25,7 +29,6 @@ from pdserve.node.streams import (
     node_status,
     wire_logprob,
 )
-from pdserve.node.transfer_caches import transfer_caches
 from pdserve.prefill_node.shipper import FirstToken, Granted, Outcome, Shipment, Shipper
 from pdserve.protocol.messages import AbortRequest, GenerateRequest, RequestMeta, StageTimings
 from pdserve.protocol.reasons import FailureCode
@@ -34,10 +37,14 @@ from pdserve.protocol.sampling_params import SamplingParams
 
 @dataclasses.dataclass(slots=True)
 class _Pending:
+    """The client stream's record of one request."""
+
     stream: Stream
     decode_addr: str
     params: SamplingParams  # for the decode node
     deadline: float  # the request's wall-clock deadline, passed on to the decode node
+    shipping: bool = False  # its KV is with the shipper, which may be reading its blocks
+    first_token_sent: bool = False  # the router has seen its first token: it may not retry elsewhere
 
 
 IDLE_WAIT_S = 0.05  # longest sleep of an idle loop: a control message wakes it at once
@@ -50,7 +57,7 @@ class PrefillNode:
         self.opts, self.log, self.engine, self.runtime = parts.opts, parts.log, parts.engine, parts.runtime
         self.cache = parts.cache
         self.fingerprint = parts.fingerprint
-        caches = transfer_caches(self.engine.executor.rank_pools)
+        caches = parts.transfer_caches
         self.shipper = Shipper(
             self.fingerprint,
             [k for k, _ in caches],
@@ -89,15 +96,17 @@ class PrefillNode:
                 break
 
     def wait_if_idle(self) -> None:
-        if not self.engine.has_unfinished_requests() and not self.pending:
+        if not self.engine.has_work() and not self.pending:
             self.engine.note_idle()
             self.runtime.wait_for_input(IDLE_WAIT_S)
 
     def work(self) -> None:
-        if self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+        if self.engine.has_work():
+            step = self.engine.step()
+            held = {h.request_id: h for h in step.kv.held}
+            for out in step.outputs:
                 if out.finished:
-                    self._prefilled(out)
+                    self._prefilled(out, held.get(out.request_id))
         elif self.pending:
             time.sleep(0.001)  # only transfers in flight: don't spin
         while True:
@@ -112,9 +121,9 @@ class PrefillNode:
         if isinstance(msg, GenerateRequest):
             self._accept(msg)
         elif isinstance(msg, AbortRequest):
-            if msg.request_id in self.pending:
-                self._drop(msg.request_id)
-                del self.pending[msg.request_id]
+            pending = self.pending.pop(msg.request_id, None)
+            if pending is not None:
+                self._drop(msg.request_id, pending)
                 self.log("request_aborted", msg.request_id, reason=msg.reason)
         else:
             self.log("unexpected_message", tag=msg.TAG)
@@ -125,7 +134,7 @@ class PrefillNode:
             return self.runtime.reply_failed(
                 msg.reply_addr, rid, FailureCode.WRONG_ROLE, "a prefill node needs decode_addr", True
             )
-        params = self.runtime.admit(self.engine, msg, prefill_only=True)
+        params = self.runtime.admit(self.engine, msg, KVTransfer.SEND)
         if params is None:
             return
         stream = Stream(
@@ -134,49 +143,46 @@ class PrefillNode:
         self.pending[rid] = _Pending(stream, msg.decode_addr, params, msg.deadline)
         self.log("request_added", rid, prompt_tokens=len(msg.token_ids), decode_addr=msg.decode_addr)
 
-    def _prefilled(self, out) -> None:
-        """First token sampled: ship the KV, and report the token once the decode node has granted
-        blocks for it. A refusal before then (draining, full) leaves the router free to retry the
-        request on another pair: no token of it was seen. A token that ends the request goes at once."""
+    def _prefilled(self, out, held: HeldKV | None) -> None:
+        """First token sampled: ship the KV (``held``: the engine holds it for the transfer), and
+        report the token once the decode node has granted blocks for it. A refusal before then
+        (draining, full) leaves the router free to retry the request on another pair: no token of
+        it was seen. A first token that ended the request (the engine holds nothing) goes at once."""
         rid = out.request_id
         pending = self.pending.get(rid)
         if pending is None:
-            self.engine.kv_connector.release(rid)
+            if held is not None:
+                self.engine.abort_request(rid)  # nobody waits for it: the held blocks go
             return
         stream, completion = pending.stream, out.outputs[0]
         stream.num_cached_tokens = out.num_cached_tokens
-        seq = self.engine.kv_connector.held(rid)
         now = time.monotonic()
-        started = seq.first_scheduled_time if seq is not None and seq.first_scheduled_time else stream.started
+        started = (
+            held.first_scheduled_time if held is not None and held.first_scheduled_time else stream.started
+        )
         stream.timings["prefill_queue"] = round(started - stream.started, 6)
         stream.timings["prefill_compute"] = round(now - started, 6)
-        # the engine says whether the request goes on on the decode node (the first token did not
-        # end it): then the first chunk carries no finish reason
-        # A beam search always goes on: its first step is the decode node's, from the candidates
-        # the first token's logprobs list; the router hears of it only from there.
-        beams = pending.params.beam_search is not None
-        continues = completion.continues or beams
-        first = completion if not continues else dataclasses.replace(completion, finish_reason=None)
-        if not continues:
-            chunk = next_chunk(stream, first, self.opts.node_id, True, out.prompt_logprobs)
+        if held is None:
+            chunk = next_chunk(stream, completion, self.opts.node_id, True, out.prompt_logprobs)
             assert chunk is not None  # nothing was sent yet: the first token is new
             self.runtime.reply(stream.reply_addr, chunk)
             self.log("first_token_sent", rid, cached_tokens=stream.num_cached_tokens)
-            self.engine.kv_connector.release(rid)
             del self.pending[rid]
             return
-        # The chunk goes out from the shipper's worker the moment blocks are granted (not after this
-        # loop's next engine step); until then the router has seen nothing (the engine's
-        # first_token_sent stays False).
+        # The request goes on on the decode node: the first chunk carries no finish reason. It goes
+        # out from the shipper's worker the moment blocks are granted (not after this loop's next
+        # engine step); until then the router has seen nothing. A beam search's first step is the
+        # decode node's, from the candidates the first token's logprobs list; the router hears of
+        # it only from there.
+        first = dataclasses.replace(completion, finish_reason=None)
         first_chunk = next_chunk(
             dataclasses.replace(stream), first, self.opts.node_id, True, out.prompt_logprobs
         )
         assert first_chunk is not None  # nothing was sent yet: the first token is new
-        assert seq is not None  # a request that goes on holds its blocks for the transfer
         kv = KVShipment(
             rid,
-            tuple(seq.token_ids[: seq.num_prompt_tokens]),
-            tuple(seq.block_table),
+            held.prompt_token_ids,
+            held.block_ids,
             completion.token_ids[0],
             out.num_cached_tokens,
             pending.params,
@@ -188,26 +194,27 @@ class PrefillNode:
             ),
             wire_logprob(completion.logprobs[0]) if completion.logprobs else None,
         )
+        beams = pending.params.beam_search is not None
         report = None if beams else FirstToken(stream.reply_addr, first_chunk)
-        shipment = Shipment(kv, pending.decode_addr, report)
-        if not self.shipper.submit(shipment):
-            self.engine.kv_connector.release(rid)  # no transfer reads them
+        if not self.shipper.submit(Shipment(kv, pending.decode_addr, report)):  # its held blocks go
             self._fail(rid, FailureCode.OVERLOADED, "too many KV transfers queued for that decode node")
+            return
+        pending.shipping = True
 
     def _settle(self, outcome: Granted | Outcome) -> None:
-        if outcome.first_token_sent:
-            # the worker sent the first token: the engine knows the request may not retry elsewhere
-            self.engine.kv_connector.note_first_token_sent(outcome.request_id)
+        pending = self.pending.get(outcome.request_id)
+        if outcome.first_token_sent and pending is not None:
+            pending.first_token_sent = True  # the router has seen it: no retry elsewhere now
         if isinstance(outcome, Granted):
             return
         rid = outcome.request_id
-        first_token_sent = self.engine.kv_connector.first_token_sent(rid)  # asked before the blocks go
-        if not self.engine.kv_connector.release(rid):  # KV is on the decode node now, or the request failed
+        if not self.engine.kv_connector.send_finished(rid):  # KV is on the decode node now, or it failed
             self.log("release_without_held_blocks", rid)  # would mean a block accounting bug
-        pending = self.pending.pop(rid, None)
         if pending is None:
             return
+        pending.shipping = False
         if outcome.error is None:
+            del self.pending[rid]
             s = outcome.stats
             assert s is not None  # a transfer that succeeded has its stats
             self.log(
@@ -221,33 +228,26 @@ class PrefillNode:
                 direct=s.direct,
             )
         else:
-            self.pending[rid] = pending
             # Refused before its first token was sent: the router retries elsewhere, blaming D.
-            self._fail(
-                rid,
-                FailureCode.DECODE_REJECTED if outcome.rejected else FailureCode.KV_TRANSFER,
-                outcome.error,
-                first_token_sent,
-            )
+            code = FailureCode.DECODE_REJECTED if outcome.rejected else FailureCode.KV_TRANSFER
+            self._fail(rid, code, outcome.error)
 
     def _expire(self) -> None:
         now = time.monotonic()
         for rid in [r for r, p in self.pending.items() if p.stream.deadline < now]:
             self._fail(rid, FailureCode.TIMEOUT, "request exceeded its time to live on the prefill node")
 
-    def _fail(self, rid: str, code: FailureCode, message: str, first_token_sent: bool | None = None) -> None:
-        """Tell the router; retryable only while it has seen no token from us (the engine's
-        record, or ``first_token_sent`` where the held request was released already)."""
-        if first_token_sent is None:
-            first_token_sent = self.engine.kv_connector.first_token_sent(rid)
+    def _fail(self, rid: str, code: FailureCode, message: str) -> None:
+        """Tell the router; retryable only while it has seen no token from us."""
         pending = self.pending.pop(rid, None)
-        self._drop(rid)
-        if pending is not None:
-            self.runtime.reply_failed(pending.stream.reply_addr, rid, code, message, not first_token_sent)
+        if pending is None:
+            return
+        self._drop(rid, pending)
+        self.runtime.reply_failed(pending.stream.reply_addr, rid, code, message, not pending.first_token_sent)
 
-    def _drop(self, rid: str) -> None:
-        """Stop work on a request; held blocks (a shipper may be reading them) wait for its outcome."""
-        if self.engine.kv_connector.held(rid) is not None:
+    def _drop(self, rid: str, pending: _Pending) -> None:
+        """Stop work on a request; held blocks (the shipper may be reading them) wait for its outcome."""
+        if pending.shipping:
             self.shipper.cancel(rid)
         else:
             self.engine.abort_request(rid)

@@ -103,14 +103,13 @@ def paged_logits(
 def grant_remote(engine, request_id: str, prompt: list[int], params: SamplingParams):
     """A decode engine's side of a reservation: queue it, and step until the scheduler grants its
     blocks (what a decode node's loop does). Returns the grant and the steps' outputs."""
-    grants: list = []
-    engine.kv_connector.on_granted(grants.append)
     engine.kv_connector.reserve(request_id, prompt, params)
     outputs = []
     for _ in range(64):
-        outputs += engine.step()
-        if grants:
-            (grant,) = grants
+        step = engine.step()
+        outputs += step.outputs
+        if step.kv.granted:
+            (grant,) = step.kv.granted
             assert grant.request_id == request_id
             return grant, outputs
     raise AssertionError(f"{request_id} was never granted blocks")

@@ -82,9 +82,9 @@ def _receive(address: str) -> None:
     from pdserve.kv_transfer.receiver import KVReceiver
 
     keys, values = make_caches(16, seed=None)
-    receiver = KVReceiver(
-        address, make_fingerprint(), PoolReservations(BlockManager(16, BLOCK_SIZE)), keys, values
-    )
+    pool = PoolReservations(BlockManager(16, BLOCK_SIZE))
+    receiver = KVReceiver(address, make_fingerprint(), pool, keys, values)
+    pool.deliver = receiver.grant
     print(receiver.address, flush=True)
     while True:
         receiver.poll(1.0)

@@ -14,7 +14,9 @@ import torch
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_connector import KVTransfer
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.requests import Aborted
 from pdserve.kernels import ops
 from pdserve.protocol.sampling_params import BeamSearch
 from tests.engine_helpers import grant_remote, hf_beams, hf_eos_model, hf_greedy
@@ -107,8 +109,8 @@ def test_beams_stay_exact_through_preemption_in_a_small_pool():
     preempt = engine.scheduler._preempt  # counted on the way through
     engine.scheduler._preempt = lambda seq: (preempted.append(seq), preempt(seq))  # type: ignore[method-assign]
     results = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
+    while engine.has_work():
+        for out in engine.step().outputs:
             results[out.request_id] = _tokens(out)
     assert any(s.params.beam_search for s in preempted)  # the pool is too small for all nine beams
     for i, prompt in enumerate(prompts):
@@ -122,13 +124,12 @@ def test_a_prompt_prefilled_elsewhere_forks_its_beams_on_the_decode_engine():
     decode = LLMEngine(EngineConfig(model=path, num_kv_blocks=64, block_size=8))
     prompt = _prompt(3, 21)
     params = beams(3, 9, length_penalty=0.5, ignore_eos=True, logprobs=1)
-    prefill.add_request("a", prompt, params, prefill_only=True)
-    outs = []
-    while prefill.has_unfinished_requests():
-        outs += prefill.step()
-    (out,) = outs
+    prefill.add_request("a", prompt, params, kv_transfer=KVTransfer.SEND)
+    step = prefill.step()
+    (out,) = step.outputs
     first = out.outputs[0]
-    assert first.continues and len(first.logprobs[0].top) >= 6  # every candidate of the first step
+    assert [h.request_id for h in step.kv.held] == ["a"]  # it goes on on the decode engine
+    assert len(first.logprobs[0].top) >= 6  # every candidate of the first step
     held = prefill.scheduler.held["a"]
     reservation, _ = grant_remote(decode, "a", prompt, params)
     buf = ops.gather_blocks(
@@ -142,11 +143,11 @@ def test_a_prompt_prefilled_elsewhere_forks_its_beams_on_the_decode_engine():
         [v for _, v in decode.runner.kv_caches],
         torch.tensor(reservation.block_ids),
     )
-    assert decode.kv_connector.kv_arrived("a", first.token_ids[0], first.logprobs[0]) == []
-    prefill.kv_connector.release("a")
+    decode.kv_connector.kv_arrived("a", first.token_ids[0], first.logprobs[0])
+    assert prefill.abort_request("a") is Aborted.KV_OUTBOUND
     outs = []
-    while decode.has_unfinished_requests():
-        outs += decode.step()
+    while decode.has_work():
+        outs += decode.step().outputs
     (out,) = outs
     assert _tokens(out) == hf_beams(path, prompt, params, None)
     assert all(len(o.logprobs) == len(o.token_ids) for o in out.outputs)
@@ -161,7 +162,7 @@ def test_an_aborted_beam_search_gives_back_every_block():
         engine.step()
     assert len(engine.requests["a"].seqs) == 4 and engine.block_manager.num_free_blocks < 64
     engine.abort_request("a")
-    assert engine.block_manager.num_free_blocks == 64 and not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == 64 and not engine.has_work()
 
 
 @pytest.mark.parametrize(
@@ -183,7 +184,8 @@ def test_more_beams_than_the_engine_holds_at_once_are_refused():
     path = str(make_tiny_model("llama"))
     engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=16, block_size=4, max_num_seqs=4))
     with pytest.raises(ValueError, match="n: 5 beams exceed"):
-        engine.validate([5, 6, 7], beams(5, 4))
+        engine.add_request("a", [5, 6, 7], beams(5, 4))
     with pytest.raises(ValueError, match="KV blocks at once"):
-        engine.validate([5, 6, 7], beams(4, 20))
-    assert engine.validate([5, 6, 7], beams(2, 8)) == 8
+        engine.add_request("b", [5, 6, 7], beams(4, 20))
+    engine.add_request("c", [5, 6, 7], beams(2, 8))
+    assert list(engine.requests) == ["c"] and engine.requests["c"].seqs[0].max_tokens == 8

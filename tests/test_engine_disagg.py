@@ -9,6 +9,7 @@ import torch
 
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_connector import HeldKV, KVTransfer
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.requests import Aborted
 from pdserve.engine.sequence import Sequence, SequenceStatus
@@ -19,7 +20,7 @@ from tests.tiny_models import make_tiny_model
 
 def _move_kv(src: LLMEngine, dst: LLMEngine, seq: Sequence, request_id: str) -> list:
     """What kv_transfer does over the wire, done in-process: reserve, gather, scatter, arrive.
-    Returns the outputs of the steps it took (the grant's) and of the arrival."""
+    Returns the outputs of the steps it took (the grant's); the arrival is the next step's."""
     prompt = seq.token_ids[: seq.num_prompt_tokens]
     reservation, outputs = grant_remote(dst, request_id, list(prompt), seq.params)
     held = reservation.num_held_blocks
@@ -32,7 +33,8 @@ def _move_kv(src: LLMEngine, dst: LLMEngine, seq: Sequence, request_id: str) -> 
         [v for _, v in dst.runner.kv_caches],
         torch.tensor(reservation.block_ids),
     )
-    return outputs + dst.kv_connector.kv_arrived(request_id, seq.token_ids[-1])
+    dst.kv_connector.kv_arrived(request_id, seq.token_ids[-1])
+    return outputs
 
 
 def test_prefill_only_then_decode_elsewhere_matches_hf():
@@ -43,17 +45,18 @@ def test_prefill_only_then_decode_elsewhere_matches_hf():
     prompts = {"a": list(range(3, 40)), "b": list(range(50, 61))}
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     for rid, prompt in prompts.items():
-        prefill.add_request(rid, prompt, params, prefill_only=True)
-    while prefill.has_unfinished_requests():
+        prefill.add_request(rid, prompt, params, kv_transfer=KVTransfer.SEND)
+    while prefill.has_work():
         prefill.step()
     assert set(prefill.scheduler.held) == {"a", "b"}
     for rid in prompts:
         _move_kv(prefill, decode, prefill.scheduler.held[rid], rid)
-        assert prefill.kv_connector.release(rid)
+        assert prefill.kv_connector.send_finished(rid)
+    prefill.step()  # the ended sends' blocks go back
     assert prefill.block_manager.num_free_blocks == 32
     results = {}
-    while decode.has_unfinished_requests():
-        for out in decode.step():
+    while decode.has_work():
+        for out in decode.step().outputs:
             if out.finished:
                 results[out.request_id] = out.outputs[0].token_ids
     for rid, prompt in prompts.items():
@@ -65,12 +68,22 @@ def test_first_token_that_ends_the_request_finishes_at_adoption():
     path = str(make_tiny_model("llama"))
     prefill = LLMEngine(EngineConfig(model=path, num_kv_blocks=16, block_size=8))
     decode = LLMEngine(EngineConfig(model=path, num_kv_blocks=16, block_size=8))
-    prefill.add_request("x", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1), prefill_only=True)
+    prefill.add_request(
+        "x", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=9), kv_transfer=KVTransfer.SEND
+    )
     prefill.step()
-    outs = _move_kv(prefill, decode, prefill.scheduler.held["x"], "x")
-    assert outs and outs[0].finished and outs[0].outputs[0].finish_reason == "length"
+    held = prefill.scheduler.held["x"]
+    decode_params = SamplingParams(temperature=0.0, max_tokens=1)  # the decode node's limit: one token
+    reservation, _ = grant_remote(decode, "x", [5, 6, 7], decode_params)
+    decode.kv_connector.kv_arrived("x", held.token_ids[-1])
+    (out,) = decode.step().outputs
+    assert (
+        out.finished
+        and out.outputs[0].finish_reason == "length"
+        and out.outputs[0].token_ids == [held.token_ids[-1]]
+    )
     assert decode.block_manager.num_free_blocks == 16
-    prefill.abort_request("x")  # abort releases held blocks too
+    assert prefill.abort_request("x") is Aborted.KV_OUTBOUND  # abort releases held blocks too
     assert prefill.block_manager.num_free_blocks == 16
 
 
@@ -81,9 +94,9 @@ def _prefilled(path: str, prompts: dict[str, list[int]], max_tokens: int) -> LLM
             rid,
             prompt,
             SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-            prefill_only=True,
+            kv_transfer=KVTransfer.SEND,
         )
-    while prefill.has_unfinished_requests():
+    while prefill.has_work():
         prefill.step()
     return prefill
 
@@ -95,22 +108,27 @@ def test_remote_reservations_wait_in_the_fifo_of_local_prompts_and_count_as_runn
     path = str(make_tiny_model("llama"))
     decode = LLMEngine(EngineConfig(model=path, num_kv_blocks=64, block_size=8, max_num_seqs=2))
     granted: list[str] = []
-    decode.kv_connector.on_granted(lambda reservation: granted.append(reservation.request_id))
+
+    def step() -> None:
+        granted.extend(r.request_id for r in decode.step().kv.granted)
+
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     decode.kv_connector.reserve("a", list(range(3, 20)), params)
     decode.add_request("local", list(range(30, 40)), params)
     assert not granted  # granted by a step's schedule, not at once
-    decode.step()  # "a" granted, "local" runs: now they fill max_num_seqs
-    assert granted == ["a"] and decode.scheduler.num_seqs == 2
+    step()  # "a" heads the queue: granted by a step that computes nothing (its sender starts now)
+    assert granted == ["a"] and decode.scheduler.num_seqs == 1 and not decode.scheduler.running
+    step()  # "local" runs: now they fill max_num_seqs
+    assert decode.scheduler.num_seqs == 2
     decode.kv_connector.reserve("b", list(range(50, 60)), params)
     decode.add_request("queued", list(range(60, 70)), params)
-    decode.step()
+    step()
     assert granted == ["a"]
     assert [s.request_id for s in decode.scheduler.waiting] == ["b", "queued"]  # one FIFO
     assert decode.stats().num_waiting == 2 and decode.stats().num_receiving == 1
-    assert decode.num_queued_prefill_tokens() == 10  # only "queued" is computed here
+    assert decode.stats().num_queued_prefill_tokens == 10  # only "queued" is computed here
     assert decode.abort_request("a") is Aborted.KV_INBOUND  # its transfer failed: blocks and slot back
-    decode.step()
+    step()
     assert granted == ["a", "b"]  # the head first: "queued" stays behind it, out of slots
     assert [s.request_id for s in decode.scheduler.waiting] == ["queued"]
     assert decode.abort_request("b") is Aborted.KV_INBOUND
@@ -126,21 +144,19 @@ def test_a_reservation_passes_local_prompts_that_wait_only_for_compute_budget():
     decode = LLMEngine(
         EngineConfig(model=path, num_kv_blocks=64, block_size=8, max_num_batched_tokens=16, max_step_s=1e3)
     )
-    granted: list[str] = []
-    decode.kv_connector.on_granted(lambda reservation: granted.append(reservation.request_id))
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     decode.add_request("long", list(range(3, 83)), params)  # 80 tokens: 5 steps of 16
     decode.step()
     decode.add_request("second", list(range(90, 110)), params)
     decode.kv_connector.reserve("remote", list(range(120, 140)), params)
     decode.add_request("third", list(range(150, 160)), params)
-    decode.step()
+    granted = [r.request_id for r in decode.step().kv.granted]
     assert granted == ["remote"]
     assert [s.request_id for s in decode.scheduler.waiting] == ["second", "third"]
     assert decode.abort_request("remote") is Aborted.KV_INBOUND
     outputs = {}
-    while decode.has_unfinished_requests():
-        for out in decode.step():
+    while decode.has_work():
+        for out in decode.step().outputs:
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
     for request_id, prompt in (
@@ -156,7 +172,6 @@ def test_a_reservation_that_does_not_fit_stalls_the_loop_until_something_ends():
     once blocks come back."""
     path = str(make_tiny_model("llama"))
     decode = LLMEngine(EngineConfig(model=path, num_kv_blocks=8, block_size=8))
-    decode.kv_connector.on_granted(lambda reservation: None)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     decode.kv_connector.reserve("big", list(range(3, 43)), params)  # 5 blocks of 8
     decode.step()
@@ -183,7 +198,7 @@ def test_remote_reservation_reuses_cached_prefix_blocks_and_decodes_equal_to_hf(
         decode.abort_request(rid)
         _move_kv(prefill, decode, prefill.scheduler.held[rid], rid)
         while decode.has_work():
-            for out in decode.step():
+            for out in decode.step().outputs:
                 if out.finished:
                     outs[out.request_id] = out.outputs[0].token_ids
     assert outs == {rid: hf_greedy(path, p, 6) for rid, p in prompts.items()}
@@ -192,31 +207,39 @@ def test_remote_reservation_reuses_cached_prefix_blocks_and_decodes_equal_to_hf(
 def test_a_prefill_only_request_is_held_for_transfer_by_the_scheduler_until_released():
     path = str(make_tiny_model("llama"))
     engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=16, block_size=8, debug_checks=True))
+    prompt = list(range(3, 23))
     engine.add_request(
-        "h", list(range(3, 23)), SamplingParams(temperature=0.0, max_tokens=9), prefill_only=True
+        "h", prompt, SamplingParams(temperature=0.0, max_tokens=9), kv_transfer=KVTransfer.SEND
     )
-    (out,) = engine.step()
+    step = engine.step()
+    (out,) = step.outputs
     assert out.finished and out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 1
-    seq = engine.kv_connector.held("h")
+    seq = engine.scheduler.held["h"]
+    (held,) = step.kv.held  # what the node ships: the prompt and its blocks
+    assert held == HeldKV("h", tuple(prompt), tuple(seq.block_table), seq.first_scheduled_time)
+    assert len(held.block_ids) == 3  # 21 tokens' KV kept for the transfer
     assert seq.status is SequenceStatus.HELD_FOR_TRANSFER and not seq.is_finished
-    assert not engine.has_unfinished_requests() and engine.scheduler.num_seqs == 0  # out of the batch
-    assert engine.block_manager.num_free_blocks == 16 - 3  # 21 tokens' KV kept for the transfer
-    engine.check_integrity()  # held blocks are accounted to their holder
+    assert not engine.has_work() and engine.scheduler.num_seqs == 0  # out of the batch
+    assert engine.block_manager.num_free_blocks == 16 - 3
+    engine.scheduler.check_integrity()  # held blocks are accounted to their holder
     with pytest.raises(ValueError, match="already in use"):  # its id stays taken while held
         engine.add_request("h", [1, 2], SamplingParams(max_tokens=2))
-    assert engine.kv_connector.release("h") and not engine.kv_connector.release("h")
-    assert seq.status is SequenceStatus.FINISHED_LENGTH and engine.kv_connector.held("h") is None
-    assert engine.block_manager.num_free_blocks == 16
-    engine.check_integrity()
+    assert engine.kv_connector.send_finished("h") and not engine.kv_connector.send_finished("h")
+    assert engine.has_work() and engine.block_manager.num_free_blocks == 16 - 3  # the next step frees them
+    assert engine.step().outputs == []
+    assert seq.status is SequenceStatus.FINISHED_LENGTH and "h" not in engine.scheduler.held
+    assert engine.block_manager.num_free_blocks == 16 and not engine.has_work()
+    assert engine.abort_request("h") is Aborted.UNKNOWN
+    engine.scheduler.check_integrity()
 
 
 def test_an_aborted_prefill_only_request_is_never_held():
     path = str(make_tiny_model("llama"))
     engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=16, block_size=4, max_num_batched_tokens=8))
-    engine.add_request("a", list(range(3, 30)), SamplingParams(temperature=0.0), prefill_only=True)
+    engine.add_request("a", list(range(3, 30)), SamplingParams(temperature=0.0), kv_transfer=KVTransfer.SEND)
     engine.step()  # one chunk of the prompt computed
     assert engine.abort_request("a")
-    assert engine.kv_connector.held("a") is None and engine.block_manager.num_free_blocks == 16
+    assert "a" not in engine.scheduler.held and engine.block_manager.num_free_blocks == 16
 
 
 @pytest.mark.parametrize(
@@ -239,7 +262,7 @@ def test_a_resumed_request_continues_exactly_where_another_engine_stopped(params
             "r", prompt, dataclasses.replace(params, logprobs=0), resume_output_ids=tuple(resume)
         )
         while True:
-            for out in engine.step():
+            for out in engine.step().outputs:
                 if out.finished:
                     return out.outputs[0]
 
@@ -258,7 +281,7 @@ def test_resume_output_ids_are_checked():
         engine.add_request("a", [5, 6], SamplingParams(max_tokens=3), resume_output_ids=(1, 2, 3))
     with pytest.raises(ValueError, match="output_token_ids"):
         engine.add_request(
-            "b", [5, 6], SamplingParams(max_tokens=9), prefill_only=True, resume_output_ids=(1,)
+            "b", [5, 6], SamplingParams(max_tokens=9), kv_transfer=KVTransfer.SEND, resume_output_ids=(1,)
         )
     with pytest.raises(ValueError, match="output_token_ids"):
         engine.add_request("c", [5, 6], SamplingParams(max_tokens=9), resume_output_ids=(10**9,))
@@ -279,16 +302,16 @@ def test_decodes_that_arrive_behind_a_local_prompt_run_every_step_and_stay_exact
     decode.step()
     remote = {"r1": list(range(3, 20)), "r2": list(range(40, 49))}
     for rid, prompt in remote.items():
-        prefill.add_request(rid, prompt, params, prefill_only=True)
-    while prefill.has_unfinished_requests():
+        prefill.add_request(rid, prompt, params, kv_transfer=KVTransfer.SEND)
+    while prefill.has_work():
         prefill.step()
     results: dict[str, list[int]] = {}
     for rid in remote:
         _move_kv(prefill, decode, prefill.scheduler.held[rid], rid)
-        prefill.kv_connector.release(rid)
+        assert prefill.abort_request(rid) is Aborted.KV_OUTBOUND
     steps = 0
     while "r1" not in results or "r2" not in results:
-        outs = decode.step()
+        outs = decode.step().outputs
         steps += 1
         assert {o.request_id for o in outs} >= {"r1", "r2"} - set(results), steps  # every step
         for out in outs:
@@ -299,8 +322,8 @@ def test_decodes_that_arrive_behind_a_local_prompt_run_every_step_and_stay_exact
     assert local.request_id == "local" and local.num_computed_tokens < len(long_prompt)
     for rid, prompt in remote.items():
         assert results[rid] == hf_greedy(path, prompt, 6)
-    while decode.has_unfinished_requests():
-        for out in decode.step():
+    while decode.has_work():
+        for out in decode.step().outputs:
             if out.finished:
                 results[out.request_id] = out.outputs[0].token_ids
     assert results["local"] == hf_greedy(path, long_prompt, 2)
@@ -314,39 +337,25 @@ def test_decodes_that_arrive_behind_a_local_prompt_run_every_step_and_stay_exact
         (SamplingParams(temperature=0.0, max_tokens=1), False),  # its first token was its last
     ],
 )
-def test_a_prefill_only_output_says_whether_the_request_goes_on(params, continues):
-    """The node asks the engine, rather than re-deriving from max_tokens (issue 30, item 2)."""
+def test_a_prefill_only_request_is_held_only_when_it_goes_on(params, continues):
+    """The engine holds a sent prompt's KV only while the request goes on on the decode node; a
+    first token that ends the request frees its blocks at once (the node sends it as the last)."""
     path = str(make_tiny_model("llama"))
     engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=16, block_size=8))
-    engine.add_request("p", list(range(3, 13)), params, prefill_only=True)
-    (out,) = engine.step()
-    assert out.finished and out.outputs[0].continues is continues
+    engine.add_request("p", list(range(3, 13)), params, kv_transfer=KVTransfer.SEND)
+    step = engine.step()
+    (out,) = step.outputs
+    assert out.finished and [h.request_id for h in step.kv.held] == (["p"] if continues else [])
+    assert engine.abort_request("p") is (Aborted.KV_OUTBOUND if continues else Aborted.UNKNOWN)
     first = out.outputs[0].token_ids[0]
     # the same first token with the request's own limit and a stop token: it ends the request
-    engine.kv_connector.release("p")
     engine.add_request(
         "q",
         list(range(3, 13)),
         SamplingParams(temperature=0.0, max_tokens=9, stop_token_ids=(first,)),
-        prefill_only=True,
+        kv_transfer=KVTransfer.SEND,
     )
-    (out,) = engine.step()
-    assert not out.outputs[0].continues and out.outputs[0].finish_reason == "stop"
-
-
-def test_the_engine_records_whether_a_held_requests_first_token_left():
-    """The prefill node asks the engine whether a failed transfer may retry elsewhere (issue 30,
-    item 2): only while the first token has not reached the router."""
-    path = str(make_tiny_model("llama"))
-    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=16, block_size=8))
-    engine.add_request(
-        "h", list(range(3, 13)), SamplingParams(temperature=0.0, max_tokens=5), prefill_only=True
-    )
-    assert not engine.kv_connector.first_token_sent("h")  # not held yet: nothing left
-    engine.step()
-    assert engine.kv_connector.held("h") is not None and not engine.kv_connector.first_token_sent("h")
-    engine.kv_connector.note_first_token_sent("h")
-    assert engine.kv_connector.first_token_sent("h")
-    engine.kv_connector.release("h")
-    assert not engine.kv_connector.first_token_sent("h") and engine.kv_connector.held("h") is None
-    engine.kv_connector.note_first_token_sent("h")  # an outcome after the release: nothing to mark
+    step = engine.step()
+    (out,) = step.outputs
+    assert step.kv.held == () and out.outputs[0].finish_reason == "stop"
+    assert engine.block_manager.num_free_blocks == 16

@@ -70,9 +70,9 @@ def test_preemption_by_tiny_pool_keeps_outputs_exact(path):
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, _greedy(40))
     finished = {}
-    while engine.has_unfinished_requests():
+    while engine.has_work():
         preemptions += len([s for s in engine.scheduler.waiting if s.num_preemptions])
-        for out in engine.step():
+        for out in engine.step().outputs:
             engine.block_manager.check_integrity(engine.scheduler.running)
             if out.finished:
                 finished[out.request_id] = out
@@ -130,7 +130,7 @@ def test_request_that_can_never_fit_is_rejected_not_queued(path):
     engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=4, block_size=8))
     with pytest.raises(ValueError, match="need 5 KV blocks"):
         engine.add_request("big", list(range(3, 30)), _greedy(10))
-    assert not engine.has_unfinished_requests()
+    assert not engine.has_work()
 
 
 def test_abort_frees_blocks_at_once(path):

@@ -18,6 +18,7 @@ import transformers
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_connector import KVTransfer
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling_params import GuidedDecoding
 from tests.engine_helpers import hf_greedy, hf_model
@@ -133,7 +134,7 @@ def test_mixed_batch_plain_rows_equal_hf_and_guided_rows_equal_hf_with_the_gramm
         jsonschema.validate(json.loads(texts["json"].text), PERSON)
     if texts["regex"].finish_reason == "stop":
         assert re.fullmatch(r"[a-z]{2,6}-[0-9]{3}", texts["regex"].text)
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine.has_work()
 
 
 def test_guided_output_survives_prefill_on_one_engine_and_decode_on_another(llm, model_dir):
@@ -144,13 +145,13 @@ def test_guided_output_survives_prefill_on_one_engine_and_decode_on_another(llm,
     offline = llm.generate([prompt], params)[0].outputs[0].token_ids
     prefill = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=16, block_size=8))
     decode = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=16, block_size=8))
-    prefill.add_request("g", prompt, params, prefill_only=True)
-    while prefill.has_unfinished_requests():
+    prefill.add_request("g", prompt, params, kv_transfer=KVTransfer.SEND)
+    while prefill.has_work():
         prefill.step()
-    outs = _move_kv(prefill, decode, prefill.kv_connector.held("g"), "g")
-    prefill.kv_connector.release("g")
-    while decode.has_unfinished_requests():
-        outs += decode.step()
+    outs = _move_kv(prefill, decode, prefill.scheduler.held["g"], "g")
+    assert prefill.abort_request("g")
+    while decode.has_work():
+        outs += decode.step().outputs
     assert outs[-1].finished and outs[-1].outputs[0].token_ids == offline
     assert decode.block_manager.num_free_blocks == 16 and not decode.sampler.rules._states
 
@@ -190,7 +191,7 @@ def test_each_spec_compiles_once(llm):
 def test_a_spec_that_does_not_compile_is_refused_before_queueing(llm, spec, message):
     with pytest.raises(ValueError, match=message):
         llm.generate([[1, 5]], SamplingParams(guided_decoding=spec))
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine.has_work()
 
 
 def test_logit_bias_equals_hf_sequence_bias(llm, model_dir):
@@ -272,8 +273,8 @@ def test_a_migrated_guided_request_resumes_inside_its_grammar(llm, model_dir):
     engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=16, block_size=8))
     engine.add_request("m", prompt, params, resume_output_ids=tuple(whole[:5]))
     outs = []
-    while engine.has_unfinished_requests():
-        outs += engine.step()
+    while engine.has_work():
+        outs += engine.step().outputs
     assert outs[-1].outputs[0].token_ids == whole  # the resumed tokens, then what this engine added
 
 

@@ -62,15 +62,10 @@ def make_receiver(
 ) -> KVReceiver:
     keys, values = make_caches(num_blocks, seed=None)
     config = ReceiverConfig(**config)  # type: ignore[arg-type]
-    return KVReceiver(
-        address,
-        make_fingerprint(),
-        PoolReservations(BlockManager(num_blocks, BLOCK_SIZE)),
-        keys,
-        values,
-        config,
-        platform=platform,
-    )
+    pool = PoolReservations(BlockManager(num_blocks, BLOCK_SIZE))
+    receiver = KVReceiver(address, make_fingerprint(), pool, keys, values, config, platform=platform)
+    pool.deliver = receiver.grant
+    return receiver
 
 
 def make_sender(
@@ -276,6 +271,7 @@ def test_a_reservation_waits_while_the_engine_runs_max_num_seqs(link, pool):
     keys, values = make_caches(NUM_BLOCKS, seed=None)
     reservations = PoolReservations(BlockManager(NUM_BLOCKS, BLOCK_SIZE), max_num_seqs=1)
     receiver = KVReceiver(link.address, make_fingerprint(), reservations, keys, values)
+    reservations.deliver = receiver.grant
     sender = make_sender(receiver, link, grant_timeout_s=10)
     src_keys, src_values = make_caches(NUM_BLOCKS, seed=5)
     tokens = list(range(1, BLOCK_SIZE + 3))

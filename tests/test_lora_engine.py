@@ -18,6 +18,7 @@ import torch
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_connector import KVTransfer
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.lora.registry import UnknownAdapterError
 from pdserve.engine.requests import QueueFullError
@@ -82,11 +83,16 @@ def _stats(engine: LLMEngine) -> dict:
     return {s.name: s for s in engine.stats().adapters}
 
 
+def _names(engine: LLMEngine) -> tuple[str, ...]:
+    """The adapters the engine serves, in the order they came."""
+    return tuple(_stats(engine))
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_a_mixed_batch_of_three_adapters_and_base_rows_in_two_slots_matches_peft(kind):
     llm = _llm(kind, max_num_batched_tokens=16, debug_checks=True)
     engine = llm.engine
-    assert engine.adapters() == NAMES
+    assert _names(engine) == NAMES
     assert {n: s.slot for n, s in _stats(engine).items()} == {"attn": 0, "mlp": 1, "all": None}
     rows = _rows()
     _assert_exact(kind, rows, llm.generate([p for _, p, _ in rows], [_greedy(a, m) for a, _, m in rows]))
@@ -114,11 +120,12 @@ def test_a_request_waits_for_a_slot_while_every_slot_is_pinned():
     for i, (adapter, prompt, max_tokens) in enumerate(rows[:2]):
         engine.add_request(str(i), prompt, _greedy(adapter, max_tokens))
     engine.step()
-    assert [s.request_id for s in engine.lora_adapters.waiting] == ["1"]  # "attn" holds the one slot
+    assert [s.request_id for s in engine.scheduler.waiting] == ["1"]  # "attn" holds the one slot
+    assert _stats(engine)["mlp"].num_waiting_requests == 1
     assert engine.stats().num_waiting == 1 and engine.has_work()
     engine.add_request("x", [5, 6, 7], _greedy("mlp", 2))  # behind "1", then aborted: gone
     engine.abort_request("x")
-    assert [s.request_id for s in engine.lora_adapters.waiting] == ["1"]
+    assert [s.request_id for s in engine.scheduler.waiting] == ["1"]
     engine.add_request("2", rows[2][1], _greedy(None, rows[2][2]))  # a base row passes it
     with pytest.raises(QueueFullError):  # the slot's waiters count against max_waiting too
         engine.add_request("3", [5, 6, 7], _greedy(None, 2))
@@ -127,8 +134,8 @@ def test_a_request_waits_for_a_slot_while_every_slot_is_pinned():
     engine.step()
     assert {s.request_id for s in engine.scheduler.running} == {"0", "2"}
     finished = {}
-    while engine.has_unfinished_requests():
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    while engine.has_work():
+        finished.update({o.request_id: o for o in engine.step().outputs if o.finished})
     _assert_exact("llama", rows, [finished[str(i)] for i in range(3)])
     assert _stats(engine)["attn"].num_evictions == 1 and _stats(engine)["mlp"].num_loads == 1
 
@@ -142,11 +149,11 @@ def test_a_waiting_request_whose_adapter_folder_vanished_ends_aborted(tmp_path):
     engine.add_request("m", [5, 6, 7], _greedy("mlp", 3))  # waits: "attn" pins the one slot
     shutil.rmtree(folder)
     outputs = {}
-    while engine.has_unfinished_requests():
-        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    while engine.has_work():
+        outputs.update({o.request_id: o for o in engine.step().outputs if o.finished})
     assert outputs["m"].outputs[0].finish_reason == "abort" and outputs["m"].outputs[0].token_ids == []
     assert len(outputs["a"].outputs[0].token_ids) == 3
-    engine.check_integrity()
+    engine.scheduler.check_integrity()
 
 
 def test_preemption_by_a_tiny_pool_keeps_adapter_rows_exact():
@@ -156,9 +163,9 @@ def test_preemption_by_a_tiny_pool_keeps_adapter_rows_exact():
     for i, (adapter, prompt, max_tokens) in enumerate(rows):
         engine.add_request(str(i), prompt, _greedy(adapter, max_tokens))
     finished, preemptions = {}, 0
-    while engine.has_unfinished_requests():
+    while engine.has_work():
         preemptions += sum(1 for s in engine.scheduler.waiting if s.num_preemptions)
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        finished.update({o.request_id: o for o in engine.step().outputs if o.finished})
     assert preemptions > 0
     _assert_exact("llama", rows, [finished[str(i)] for i in range(len(rows))])
 
@@ -222,8 +229,8 @@ def test_a_prompt_prefilled_with_an_adapter_decodes_elsewhere_with_it_exactly():
     decode.block_manager.free_block_ids.move_to_end(0)  # a different free layout on the receiver
     rows = _rows([("all", 21, 7), ("attn", 9, 7), (None, 13, 7)])
     for i, (adapter, prompt, max_tokens) in enumerate(rows):
-        prefill.add_request(str(i), prompt, _greedy(adapter, max_tokens), prefill_only=True)
-    while prefill.has_unfinished_requests():
+        prefill.add_request(str(i), prompt, _greedy(adapter, max_tokens), kv_transfer=KVTransfer.SEND)
+    while prefill.has_work():
         prefill.step()
     assert all(s.num_running_requests == 0 for s in prefill.stats().adapters)  # held: its KV is done
     first_logprobs = [prefill.scheduler.held[str(i)].logprobs[0].logprob for i in range(len(rows))]
@@ -231,14 +238,14 @@ def test_a_prompt_prefilled_with_an_adapter_decodes_elsewhere_with_it_exactly():
     for i in range(len(rows)):
         for out in _move_kv(prefill, decode, prefill.scheduler.held[str(i)], str(i)):
             outputs[out.request_id] = out
-        assert prefill.kv_connector.release(str(i))
+        assert prefill.abort_request(str(i))
     assert {s.name: s.num_running_requests for s in decode.stats().adapters} == {
         "attn": 1,
         "mlp": 0,
         "all": 1,
     }
-    while decode.has_unfinished_requests():
-        outputs.update({o.request_id: o for o in decode.step() if o.finished})
+    while decode.has_work():
+        outputs.update({o.request_id: o for o in decode.step().outputs if o.finished})
     for i, (adapter, prompt, max_tokens) in enumerate(rows):
         got = outputs[str(i)].outputs[0]
         want_tokens, want_logprobs = _oracle("qwen2", adapter, tuple(prompt), max_tokens)
@@ -289,10 +296,10 @@ def test_an_unknown_adapter_is_refused_and_one_in_use_cannot_be_unloaded():
     engine.add_request("r", [5, 6, 7], _greedy("attn", 3))
     with pytest.raises(ValueError, match="adapter: 'attn' is in use by 1 requests"):
         engine.unload_adapter("attn")
-    while engine.has_unfinished_requests():
+    while engine.has_work():
         engine.step()
     engine.unload_adapter("attn")
-    assert engine.adapters() == () and engine.lora_adapters.lora.slots.num_free_slots == 2
+    assert _names(engine) == () and engine.lora_adapters.lora.slots.num_free_slots == 2
     with pytest.raises(ValueError, match="adapter: 'attn' is not loaded"):
         engine.add_request("s", [5, 6, 7], _greedy("attn", 3))
     with pytest.raises(ValueError, match="adapter: 'attn' is not loaded"):
@@ -304,7 +311,7 @@ def test_an_unknown_adapter_is_refused_and_one_in_use_cannot_be_unloaded():
     rows = _rows([("all", 6, 4)])
     params = dataclasses.replace(_greedy("all", 4), adapter_path=_adapters("llama")["all"])
     _assert_exact("llama", rows, llm.generate([rows[0][1]], params))
-    assert engine.adapters() == ("attn", "all")
+    assert _names(engine) == ("attn", "all")
 
 
 def test_an_adapter_above_max_lora_rank_is_refused_naming_the_field():
@@ -316,7 +323,7 @@ def test_an_adapter_above_max_lora_rank_is_refused_naming_the_field():
     params = SamplingParams(max_tokens=2, adapter="all", adapter_path=_adapters("llama")["all"])
     with pytest.raises(ValueError, match=r"'all': r = 16 exceeds --max-lora-rank 8"):
         llm.generate([[5, 6, 7]], params)
-    assert llm.engine.adapters() == ()
+    assert _names(llm.engine) == ()
 
 
 def test_without_enable_lora_adapters_are_refused_naming_the_field():

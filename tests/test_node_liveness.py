@@ -43,8 +43,10 @@ def _runtime(node_id: str) -> NodeRuntime:
 
 
 def _slow_engine(runtime: NodeRuntime) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(model=str(make_tiny_model("llama-deep")), num_kv_blocks=16, block_size=4))
-    engine.on_progress(runtime.in_step)
+    engine = LLMEngine(
+        EngineConfig(model=str(make_tiny_model("llama-deep")), num_kv_blocks=16, block_size=4),
+        on_layer=runtime.in_step,
+    )
     for layer in engine.runner.model.model.layers:  # a slow machine: every layer takes LAYER_S
         layer.register_forward_pre_hook(lambda *_: time.sleep(LAYER_S))
     engine.add_request("r", [3, 4, 5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1))
@@ -76,7 +78,7 @@ def test_a_node_in_a_step_longer_than_its_stall_timeout_stays_live_and_answers_s
         start = time.monotonic()
         watcher.start()
         time.sleep(0.05)
-        (out,) = engine.step()  # one step: every layer of the forward pass, on this thread
+        (out,) = engine.step().outputs  # one step: every layer of the forward pass, on this thread
         seconds = time.monotonic() - start
         done.set()
         watcher.join(5)

@@ -70,7 +70,7 @@ def test_decode_points_hold_every_request_while_a_small_budget_prefills_the_late
     points = _decode_points(engine, prompts, [16, 4, 1])
     assert [batch for batch, _, _ in points] == [16, 4, 1]
     assert all(context >= 60 * batch and seconds > 0 for batch, context, seconds in points)
-    assert not engine.has_unfinished_requests()
+    assert not engine.has_work()
 
 
 def test_the_grid_is_cut_to_the_models_context():

@@ -287,7 +287,7 @@ def test_the_prefill_probe_seeds_the_speed_and_leaves_the_engine_as_it_was():
 
     engine = LLMEngine(EngineConfig(model=str(make_tiny_model("llama")), num_kv_blocks=32, block_size=4))
     assert engine.stats().prefill_tokens_per_s is None
-    speed = engine.measure_prefill_speed()
+    speed = engine.warm_up()
     stats = engine.stats()
     assert stats.prefill_tokens_per_s == speed > 0
     assert (stats.num_blocks_free, stats.num_blocks_cached, stats.step_stats) == (32, 0, {})

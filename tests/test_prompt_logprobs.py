@@ -39,8 +39,8 @@ def _run(engine: LLMEngine, requests: dict) -> dict:
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
     firsts, results = {}, {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
+    while engine.has_work():
+        for out in engine.step().outputs:
             if out.prompt_logprobs is not None:
                 firsts.setdefault(out.request_id, out.prompt_logprobs)
             if out.finished:
@@ -131,6 +131,7 @@ def test_logprob_token_ids_outside_the_vocabulary_are_refused_by_the_engine():
     engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=16, block_size=8))
     vocab = engine.model_config.vocab_size
     with pytest.raises(ValueError, match="logprob_token_ids"):
-        engine.validate([5, 9], SamplingParams(max_tokens=2, logprobs=0, logprob_token_ids=(vocab,)))
+        engine.add_request("a", [5, 9], SamplingParams(max_tokens=2, logprobs=0, logprob_token_ids=(vocab,)))
+    assert not engine.requests
     with pytest.raises(ValueError, match="logprob_token_ids needs logprobs"):
         SamplingParams(logprob_token_ids=(1,))

@@ -49,7 +49,7 @@ def test_bad_prompts_raise_naming_the_field(llm):
         llm.generate([[5] * 500], SamplingParams(max_tokens=100))
     with pytest.raises(ValueError, match="prompt: token ids"):
         llm.generate([[5, 100000]])
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine.has_work()
 
 
 def test_top_k_1_equals_greedy(llm):

@@ -48,7 +48,7 @@ def _all_blocks_back(llm: LLM) -> None:
     for engine in (llm.engine, llm.engine.speculator.draft.engine):
         bm = engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks, (engine.config.model, bm.num_free_blocks, bm.num_blocks)
-        assert not engine.has_unfinished_requests()
+        assert not engine.has_work()
 
 
 def test_the_model_as_its_own_draft_keeps_nearly_every_draft_and_equals_hf():

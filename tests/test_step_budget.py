@@ -59,7 +59,7 @@ def _prefill(engine: LLMEngine, request_id: str, prompt: list[int]) -> list[tupl
     engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=1))
     steps = []
     first = (engine.step_stats.by_kind["prefill"].prompt_tokens, 0.0)
-    while engine.has_unfinished_requests():
+    while engine.has_work():
         start = time.perf_counter()
         engine.step()
         steps.append((engine.step_stats.by_kind["prefill"].prompt_tokens, time.perf_counter() - start))

@@ -24,7 +24,7 @@ def path() -> str:
 def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int], start: int = 0) -> int:
     """Adds the requests, a new one every other step from ``start`` on; returns the steps run."""
     steps, pending = 0, list(enumerate(zip(prompts, max_tokens, strict=True)))
-    while pending or engine.has_unfinished_requests():
+    while pending or engine.has_work():
         if pending and steps >= start and steps % 2 == 0:
             i, (prompt, n) = pending.pop(0)
             engine.add_request(

@@ -137,9 +137,9 @@ def test_preemption_at_tp2_keeps_outputs_exact_and_a_dead_worker_fails_the_next_
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, greedy)
         finished, preemptions = {}, 0
-        while engine.has_unfinished_requests():
+        while engine.has_work():
             preemptions += len([s for s in engine.scheduler.waiting if s.num_preemptions])
-            finished.update({out.request_id: out for out in engine.step() if out.finished})
+            finished.update({out.request_id: out for out in engine.step().outputs if out.finished})
         assert preemptions > 0
         for i, prompt in enumerate(prompts):
             assert finished[str(i)].outputs[0].token_ids == hf_greedy(path, prompt, 40)

@@ -49,8 +49,8 @@ def _run(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int) -> d
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, params)
     done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
+    while engine.has_work():
+        for out in engine.step().outputs:
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
     return done

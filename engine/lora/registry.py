@@ -1,12 +1,15 @@
 """The adapters one engine serves, by name: the PEFT folder each is read from, the requests that
-pin a slot, the requests waiting for one, and the counts a node's /metrics reports.
+pin a slot, and the counts a node's /metrics reports. It is the scheduler's admission rule for
+adapters (``admit``, engine/scheduler.py's ``SlotAdmission``), consulted as a waiting request comes
+up in the scheduler's one FIFO:
 
     a request names adapter "sql" (known: from lora_modules or load_adapter, else a ValueError)
         │
-        ├─ "sql" holds a slot ───────────────────────────────► pin it ─► the scheduler's FIFO
+        ├─ its request pins a slot already (a preempted or forked sequence) ─► admitted
+        ├─ "sql" holds a slot ───────────────────────────────► pin it ─► admitted
         ├─ a slot is free, or an unpinned one can be evicted
-        │  (LRU), and no request waits for a slot before it ─► fill it, pin it ─► the FIFO
-        └─ every slot is pinned ─► ``waiting`` (FIFO, here) ─► admitted by a later step once a
+        │  (LRU), and no request waits for a slot before it ─► fill it, pin it ─► admitted
+        └─ every slot is pinned ─► it stays in the FIFO, passed by those behind it, until a
                                    request ends and unpins a slot
 
 A request pins its adapter from admission until it ends (all its sequences: forks, beams,
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
 
 from pdserve.engine.lora.adapter import LoRAAdapter
@@ -57,14 +60,11 @@ class _Counts:
 
 class AdapterRegistry:
     def __init__(self, executor: Executor) -> None:
-        lora = executor.runner.lora
-        assert lora is not None, "the executor's ranks were built without LoRA slots"
         self.executor = executor
-        self.lora: LoRAModel = lora  # rank 0's slots: the table that decides
+        self.lora: LoRAModel = executor.lora_slots  # the slot table that decides (rank 0's)
         self.name_to_path: dict[str, str] = {}  # every known adapter, in the order it came
         self.counts: dict[str, _Counts] = {}
         self.request_to_adapter: dict[str, str] = {}  # admitted requests -> the adapter they pin
-        self.waiting: collections.deque[Sequence] = collections.deque()  # first sequences, FIFO
 
     # ------------------------------------------------------------------ known adapters
     def add(self, name: str, path: str) -> None:
@@ -78,11 +78,12 @@ class AdapterRegistry:
         if self.lora.slots.num_free_slots:
             self._fill(name, adapter)
 
-    def remove(self, name: str) -> None:
-        """Stop serving ``name``; ValueError when it is unknown or a request uses it or waits for it."""
+    def remove(self, name: str, waiting: Iterable[Sequence] = ()) -> None:
+        """Stop serving ``name``; ValueError when it is unknown or a request uses it or waits for
+        it (``waiting``: the scheduler's queue)."""
         self.check(name)
-        users = [r for r, a in self.request_to_adapter.items() if a == name]
-        users += [s.request_id for s in self.waiting if s.params.adapter == name]
+        users = {r for r, a in self.request_to_adapter.items() if a == name}
+        users |= {s.request_id for s in waiting if s.params.adapter == name}
         if users:
             raise ValueError(f"adapter: {name!r} is in use by {len(users)} requests")
         if self.lora.slot_of(name) is not None:
@@ -100,47 +101,20 @@ class AdapterRegistry:
         return tuple(self.name_to_path)
 
     # ------------------------------------------------------------------ requests
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    def admit_or_wait(self, seq: Sequence) -> bool:
-        """Pin the slot of ``seq``'s adapter for its request, filling one if needed (True); else,
-        when every slot is pinned or requests wait for one before it, queue it in ``waiting``
-        (False). ValueError when the adapter's folder cannot be read again."""
-        if self._pin(seq, may_fill=not self.waiting):
+    def admit(self, seq: Sequence, may_load: bool) -> bool:
+        """Whether ``seq`` may enter a step: it names no adapter, its request pins a slot already,
+        or its adapter's slot is pinned for it now (filled first if ``may_load`` and a slot is
+        free or evictable). False while every slot is pinned. ValueError when the adapter's
+        folder cannot be read again."""
+        if seq.params.adapter is None or seq.request_id in self.request_to_adapter:
             return True
-        self.waiting.append(seq)
-        return False
-
-    def admit_waiting(self) -> tuple[list[Sequence], list[tuple[Sequence, str]]]:
-        """The waiting requests that a slot can take now, in order (pinned, out of ``waiting``),
-        and those whose adapter failed to load again, with why (out of ``waiting`` too)."""
-        admitted, failed, still = [], [], collections.deque[Sequence]()
-        while self.waiting:
-            seq = self.waiting.popleft()
-            try:
-                if self._pin(seq, may_fill=not still):
-                    admitted.append(seq)
-                else:
-                    still.append(seq)
-            except ValueError as e:
-                failed.append((seq, str(e)))
-        self.waiting = still
-        return admitted, failed
-
-    def can_admit_waiting(self) -> bool:
-        """A waiting request would get a slot at the next ``admit_waiting``."""
-        names = [s.params.adapter or "" for s in self.waiting]
-        return bool(names) and (self.lora.can_load(names[0]) or any(map(self.lora.slot_of, names)))
+        return self._pin(seq, may_fill=may_load)
 
     def release(self, request_id: str) -> None:
-        """The request ended (finished or aborted): unpin its slot, or drop it from ``waiting``."""
+        """The request ended (finished or aborted): unpin its slot, if it held one."""
         name = self.request_to_adapter.pop(request_id, None)
         if name is not None:
             self.lora.unpin(name)
-            return
-        self.waiting = collections.deque(s for s in self.waiting if s.request_id != request_id)
 
     def _pin(self, seq: Sequence, may_fill: bool) -> bool:
         name = seq.params.adapter
@@ -167,12 +141,15 @@ class AdapterRegistry:
         pins = collections.Counter(self.request_to_adapter.values())
         assert dict(pins) == {n: c for n, c in self.lora.slots.ref_counts.items() if c}, pins
         assert all(r in live_request_ids for r in self.request_to_adapter), self.request_to_adapter
-        assert all(s.request_id in live_request_ids for s in self.waiting), "a waiting request left"
         assert self.name_to_path.keys() >= self.lora.slots.name_to_slot.keys(), "an unknown adapter in a slot"
 
-    def stats(self) -> tuple[AdapterStats, ...]:
+    def stats(self, waiting: Iterable[Sequence] = ()) -> tuple[AdapterStats, ...]:
+        """Each adapter's counts; ``waiting``: the scheduler's queue (requests not yet pinning)."""
         pins = collections.Counter(self.request_to_adapter.values())
-        waits = collections.Counter(s.params.adapter for s in self.waiting)
+        unpinned = {
+            s.request_id: s.params.adapter for s in waiting if s.request_id not in self.request_to_adapter
+        }
+        waits = collections.Counter(a for a in unpinned.values() if a is not None)
         return tuple(
             AdapterStats(
                 name=name,
