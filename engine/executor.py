@@ -187,11 +187,10 @@ class Executor:
                 if self._closing:
                     return
                 if message is None:
-                    try:
-                        code: object = w.proc.wait(timeout=5)
-                    except subprocess.TimeoutExpired:
-                        code = "its socket closed, the process still running"
-                    self._fail(f"tensor-parallel rank {w.rank} exited ({code})")
+                    self._fail(
+                        self._exited(w)
+                        or f"tensor-parallel rank {w.rank} exited (its socket closed, the process still running)"
+                    )
                 else:
                     self._fail(f"tensor-parallel rank {w.rank}: {_why(message)}")
                 return
@@ -249,9 +248,17 @@ class Executor:
             w.channel.send(call)
             if fd is not None:
                 w.channel.send_fd(fd)
-        except OSError as e:
-            self._fail(f"tensor-parallel rank {w.rank} unreachable ({e})")
+        except OSError as e:  # its socket closed: it exited, which the monitor may not have seen yet
+            self._fail(self._exited(w) or f"tensor-parallel rank {w.rank} unreachable ({e})")
             raise WorkerLost(self.failure) from None
+
+    @staticmethod
+    def _exited(w: _WorkerProcess) -> str | None:
+        """How worker ``w`` ended, once its socket closed; None if it still runs 5 s later."""
+        try:
+            return f"tensor-parallel rank {w.rank} exited ({w.proc.wait(timeout=5)})"
+        except subprocess.TimeoutExpired:
+            return None
 
     def _check_alive(self) -> None:
         if self.failure is not None:

@@ -1,14 +1,20 @@
-"""Executor.rank_pools, what a node wraps for its KV transfer (engine/executor.py, node/
-transfer_caches.py): at tp=2 each rank's pool with the model's KV heads it holds, rank 0's being
-the pool its runner computes with and rank 1's the pages its worker writes; seen as one, they hold
-what one rank's pool holds after the same prompt. At tp=1 the one pool is rank 0's own."""
+"""The executor's ranks (engine/executor.py). Executor.rank_pools, what a node wraps for its KV
+transfer (node/transfer_caches.py): at tp=2 each rank's pool with the model's KV heads it holds,
+rank 0's being the pool its runner computes with and rank 1's the pages its worker writes; seen as
+one, they hold what one rank's pool holds after the same prompt. At tp=1 the one pool is rank 0's
+own. A call made the moment a worker died names how it ended, though rank 0's monitor has not seen it
+yet."""
 
 from __future__ import annotations
+
+import os
+import signal
 
 import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.executor import WorkerLost
 from pdserve.node.transfer_caches import transfer_caches
 from tests.tiny_models import make_tiny_model
 
@@ -47,3 +53,17 @@ def test_two_ranks_pools_hold_their_heads_and_together_what_one_rank_holds():
             torch.testing.assert_close(v2.gather(slice(0, num_blocks), None), v1, atol=1e-5, rtol=0)
     finally:
         two.engine.close()
+
+
+def test_a_call_the_moment_a_worker_died_names_its_exit_code():
+    llm = _llm(str(make_tiny_model("llama3")), 2)
+    executor = llm.engine.executor
+    try:
+        worker = executor.workers[0].proc
+        executor._closing = True  # rank 0's monitor stands down: only the call itself can see the exit
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(timeout=10)
+        with pytest.raises(WorkerLost, match=r"rank 1 exited \(-9\)"):
+            executor.time_prefill(8)  # its message goes out at once: the socket is closed
+    finally:
+        llm.engine.close()
