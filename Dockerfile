@@ -72,7 +72,8 @@ RUN python scripts/pyproject_requirements.py torch > /tmp/torch.txt \
 RUN apt-get update && apt-get install -y --no-install-recommends g++ ninja-build redis-server \
     && rm -rf /var/lib/apt/lists/*
 
-# Every folder of pyproject.toml's package-dir (tests/test_compose.py checks the list).
+# pdserve/ with its links (pdserve/X -> ../X, relative, so they resolve under /src) and every folder
+# they name; setuptools follows the links into the wheel (tests/test_compose.py checks the list).
 COPY pdserve pdserve
 COPY bench_serve bench_serve
 COPY decode_node decode_node

@@ -1,10 +1,26 @@
-"""Offline batch generation, shaped like vLLM's ``LLM``."""
+"""Offline batch generation, shaped like vLLM's ``LLM``, with a lifecycle.
+
+An ``LLM`` owns an engine, and at ``tensor_parallel_size`` > 1 the engine owns worker processes
+and this process's torch.distributed group, of which a process has one. So the engine is closed
+(workers stopped, the group destroyed) when the ``LLM`` is: by ``close()``, at the end of a
+``with`` block, or when the last reference to it goes (a ``weakref.finalize``, which also runs at
+interpreter exit). After any of these another ``LLM`` of any size can start in the process.
+
+A finalizer rather than ``__del__``: it runs at most once, at interpreter exit before modules are
+torn down (a ``__del__`` may run after, or on an object whose ``__init__`` raised half-way), and
+it holds the engine, never the ``LLM``, so it cannot keep its own object alive. The ``LLM`` is in
+no reference cycle, so dropping the last reference closes the engine at once, without waiting for
+the garbage collector (the engine's own cycles are collected later, freeing its memory; closing
+has already stopped everything that ran).
+"""
 
 from __future__ import annotations
 
 import itertools
 import pathlib
+import weakref
 from collections.abc import Sequence as Seq
+from types import TracebackType
 
 from pdserve.engine.cpu_env import apply_openmp_defaults
 
@@ -31,18 +47,52 @@ def load_tokenizer(model_dir: str):
 
 
 class LLM:
+    """``LLM(model, **engine_options)``: ``EngineConfig``'s fields as keyword arguments, e.g.
+    ``tensor_parallel_size=2``. Close it when done (``close()`` or ``with LLM(...) as llm:``);
+    dropping the last reference closes it too."""
+
     def __init__(self, model: str, **engine_options) -> None:
-        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_options), load_tokenizer(str(model)))
+        tokenizer = load_tokenizer(str(model))
+        engine = LLMEngine(EngineConfig(model=str(model), **engine_options), tokenizer)
+        self._engine: LLMEngine | None = engine
+        self._tokenizer = tokenizer
+        self._closer = weakref.finalize(self, engine.close)  # holds the engine, not self
         self._ids = itertools.count()
 
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine this ``LLM`` drives; RuntimeError once it is closed."""
+        if self._engine is None:
+            raise RuntimeError("this LLM is closed: make a new LLM(...) to generate again")
+        return self._engine
+
+    @property
+    def closed(self) -> bool:
+        return self._engine is None
+
+    def close(self) -> None:
+        """Stop the engine: its worker ranks exit and the tensor-parallel group is destroyed, so
+        that another ``LLM`` can start in this process. A second call does nothing."""
+        self._engine = None  # the engine's memory goes with the garbage collector's next pass
+        self._closer()  # runs engine.close once, then lets go of the engine
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return self._tokenizer
 
     def generate(
         self,
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
+        engine = self.engine  # RuntimeError once closed, before anything is queued
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -58,15 +108,15 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         try:
             for request_id, tokens, p in zip(ids, token_lists, params, strict=True):
-                self.engine.add_request(request_id, tokens, p)  # all or nothing: a refusal aborts the rest
+                engine.add_request(request_id, tokens, p)  # all or nothing: a refusal aborts the rest
             while len(finished) < len(ids):
-                for out in self.engine.step().outputs:
+                for out in engine.step().outputs:
                     if out.finished:
                         finished[out.request_id] = out
         finally:
             for request_id in ids:
                 if request_id not in finished:
-                    self.engine.abort_request(request_id)
+                    engine.abort_request(request_id)
         return [finished[i] for i in ids]
 
     def _encode(self, prompt: Prompt) -> list[int]:

@@ -68,6 +68,13 @@ def init_parallel(
     (the GPU one-shot's check of NCCL with one device)."""
     if tp_size == 1 and not group_of_one:
         return SINGLE
+    if dist.is_initialized():
+        # torch.distributed's default group is one per process; this process's is another engine's
+        raise RuntimeError(
+            "this process already holds a tensor-parallel group: another engine of "
+            "tensor_parallel_size > 1 is open here; close it first (LLM.close(), the end of "
+            "`with LLM(...)`, or dropping its last reference)"
+        )
     dist.init_process_group(
         backend,
         init_method=init_method,
@@ -79,6 +86,8 @@ def init_parallel(
 
 
 def close_parallel(state: ParallelState) -> None:
-    """Leave the group (a no-op at tp=1)."""
-    if state.group is not None and dist.is_initialized():
+    """Leave and destroy the group, so that another engine in this process can form its own. A
+    no-op at tp=1, and for a group already destroyed: a second close of an engine closed earlier
+    must not destroy the group a newer engine has formed since."""
+    if state.group is not None and dist.is_initialized() and dist.group.WORLD is state.group:
         dist.destroy_process_group()

@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-import pdserve
+from tests.test_packaging import linked_folders
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NO_ENGINE = ("router", "kv_transfer", "protocol", "grammar", "detok", "launcher")
@@ -45,7 +45,7 @@ def _python_files() -> list[pathlib.Path]:
 def test_no_module_imports_a_project_package_by_its_bare_folder_name():
     # From the repository root `import router` would work (the folder is on sys.path) and load a
     # second copy of the module beside pdserve.router; installed, it fails. Only pdserve.X is real.
-    bare = set(pdserve.SUBPACKAGES) | {"pdserve_cli"}
+    bare = set(linked_folders()) | {"pdserve_cli"}
     offenders = [
         f"{path.relative_to(ROOT)}: {module}"
         for path in _python_files()

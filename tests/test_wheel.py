@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,8 +19,8 @@ import pytest
 
 from pdserve.kernels import cpu_ext
 from pdserve.launcher.ports import free_port
-from tests.cluster import ROOT
 from tests.test_autoscale_cluster import PROFILE
+from tests.test_packaging import build_wheel
 from tests.test_router_cluster import tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.usefixtures("processes")
@@ -32,38 +31,7 @@ def installed(tmp_path_factory) -> dict:
     """A fresh venv with the wheel installed (no deps: those come from this venv's site-packages
     through a path file, read as plain paths: its editable install's hook is not among them)."""
     tmp = tmp_path_factory.mktemp("wheel")
-    # built from a copy of the checkout's files (tracked, or new and not ignored): setuptools
-    # leaves build/ in the tree it builds, and a stale build/lib would slip removed files in
-    source = tmp / "source"
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout.decode()
-    for name in filter(None, listed.split("\0")):
-        if (ROOT / name).is_file():
-            (source / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, source / name)
-    build = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp),
-            str(source),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert build.returncode == 0, build.stderr[-3000:]
-    (wheel,) = tmp.glob("pdserve-*.whl")
+    wheel = build_wheel(tmp)
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
