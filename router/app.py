@@ -26,7 +26,7 @@ from pdserve.protocol.channel_auth import ChannelAuth
 from pdserve.protocol.cluster_key import load_key
 from pdserve.protocol.model_digest import model_digest, weight_files
 from pdserve.protocol.registry import Role
-from pdserve.router import jobs, metrics, policy, roles, serving, tokenize_api
+from pdserve.router import jobs, metrics, policy, responses_api, roles, serving, tokenize_api
 from pdserve.router.admission import Admission, Stage
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import APIError, bad_request
@@ -42,6 +42,8 @@ from pdserve.router.openai_schema import (
     validation_error,
 )
 from pdserve.router.registry_client import NodeRegistry, RedisRegistry, StaticRegistry
+from pdserve.router.response_store import ResponseStore, not_found
+from pdserve.router.responses_schema import ResponsesBody
 from pdserve.router.scaling_log import DecisionBody
 from pdserve.router.tokenizer import Tokenizer
 
@@ -56,6 +58,7 @@ class RouterState:
     admission: Admission
     backend: Backend
     adapters: AdapterTable  # the LoRA adapters requests may name (router/lora.py)
+    responses: ResponseStore  # the Responses API's stored responses (router/response_store.py)
     num_requests_running: int = 0  # generation requests under way, whole or streaming (GET /load)
 
     def max_model_len(self) -> int:
@@ -131,7 +134,8 @@ def _router_state(
     """The app's state: the served model's name, and the LoRA adapters requests may name."""
     name = config.served_model_name or pathlib.Path(config.model).name
     adapters = AdapterTable((name, config.model), config.lora_modules)
-    return RouterState(config, name, tokenizer, admission, backend, adapters)
+    store = ResponseStore(config.responses_store_size, config.responses_store_ttl_s)
+    return RouterState(config, name, tokenizer, admission, backend, adapters, store)
 
 
 def _backend(
@@ -150,7 +154,14 @@ def _backend(
 GUARDED_PATHS = ("/v1", "/tokenize", "/detokenize", "/admin", "/invocations")  # what --api-key protects
 # What GET /load counts while they run, streams to their last byte (vLLM's server load tracking).
 LOAD_TRACKED_PATHS = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/invocations"}
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/chat/completions/batch",
+        "/v1/responses",
+        "/v1/messages",
+        "/invocations",
+    }
 )
 try:
     PDSERVE_VERSION = importlib.metadata.version("pdserve")
@@ -300,9 +311,45 @@ def _add_routes(app: FastAPI) -> None:
         state.check_model(body.model)
         return tokenize_api.detokenize(body, state.tokenizer)
 
+    _add_responses_routes(app)
     _add_admin_routes(app)
     _add_lora_routes(app)
     _add_info_routes(app)
+
+
+def _add_responses_routes(app: FastAPI) -> None:
+    """OpenAI's Responses API over the chat completions path (router/responses_api.py)."""
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesBody, request: Request) -> Response:
+        store = _state(request).responses
+        history = store.history(body.previous_response_id) if body.previous_response_id else []
+        chat = responses_api.chat_body(body, history)
+        presenter = responses_api.ResponsesPresenter(body, store)
+        return await _generate(responses_api.responses_job, chat, request, presenter)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> dict:
+        entry = _state(request).responses.get(response_id)
+        if entry is None:
+            raise not_found(response_id, None)
+        return entry.body
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> dict:
+        if not _state(request).responses.delete(response_id):
+            raise not_found(response_id, None)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, request: Request) -> dict:
+        if _state(request).responses.get(response_id) is None:
+            raise not_found(response_id, None)
+        raise bad_request(
+            "only background responses can be cancelled, and pdserve runs none in the background "
+            "(background: true is refused)",
+            "background",
+        )
 
 
 def _add_lora_routes(app: FastAPI) -> None:
@@ -405,8 +452,14 @@ def _health(nodes) -> tuple[bool, dict]:
 MakeJob = Callable[..., jobs.Job]  # router.jobs' completion_job, chat_job, batch_chat_job
 
 
-async def _generate(make_job: MakeJob, body: CompletionBody | ChatBody, request: Request) -> Response:
-    """A generation endpoint: the body checked into a Job (off the event loop: it tokenizes), then served."""
+async def _generate(
+    make_job: MakeJob,
+    body: CompletionBody | ChatBody,
+    request: Request,
+    presenter: serving.Presenter = serving.OPENAI,
+) -> Response:
+    """A generation endpoint: the body checked into a Job (off the event loop: it tokenizes), then
+    served and written by ``presenter`` (OpenAI's shapes, or the Responses or Messages API's)."""
     state = _state(request)
     adapter = state.check_model(body.model)
     max_model_len = state.max_model_len()
@@ -415,7 +468,7 @@ async def _generate(make_job: MakeJob, body: CompletionBody | ChatBody, request:
         params = dataclasses.replace(job.params, adapter=adapter.name, adapter_path=adapter.path)
         job = dataclasses.replace(job, params=params, adapter_rank=adapter.rank)
         state.backend.metrics.lora_requests.labels(adapter=adapter.name).inc()
-    return await _serve(state, job, max_model_len, request, adapter)
+    return await _serve(state, job, max_model_len, request, adapter, presenter)
 
 
 async def _json_object(request: Request) -> dict:
@@ -445,8 +498,13 @@ def _invocation_kind(body: dict) -> tuple[type[CompletionBody | ChatBody], MakeJ
 
 
 async def _serve(
-    state: RouterState, job: jobs.Job, max_model_len: int, request: Request, adapter: Adapter | None = None
+    state: RouterState,
+    job: jobs.Job,
+    max_model_len: int,
+    request: Request,
+    adapter: Adapter | None,
+    presenter: serving.Presenter,
 ) -> Response:
     name = state.model_name if adapter is None else adapter.name  # what the response says ran
     run = serving.JobRun(state.backend, state.tokenizer, state.admission, job, name, max_model_len)
-    return await serving.serve(run, request)
+    return await serving.serve(run, request, presenter)

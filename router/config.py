@@ -122,6 +122,16 @@ class RouterConfig:
         "router's clock is refused as a replay (the clock skew allowed between machines) "
         "(default: %(default)s)",
     )
+    responses_store_size: int = setting(
+        1024,
+        "Responses API: responses kept for GET /v1/responses/{id} and previous_response_id, least "
+        "recently used out first; 0: none (default: %(default)s)",
+    )
+    responses_store_ttl_s: float = setting(
+        3600.0,
+        "Responses API: seconds a stored response is kept after it was last stored or used "
+        "(default: %(default)s)",
+    )
     max_body_bytes: int = 8 << 20  # larger request bodies get 413; no flag
     log_level: str = setting("info", "the router's log level", choices=("debug", "info", "warning", "error"))
 
@@ -134,7 +144,7 @@ class RouterConfig:
             raise ValueError(key_needed("the router", self.host))
         if self.metrics_auth and self.api_key is None:
             raise ValueError("--metrics-auth needs --api-key (the key /metrics would require)")
-        for name in ("disagg_threshold", "max_body_bytes", "max_migrations"):
+        for name in ("disagg_threshold", "max_body_bytes", "max_migrations", "responses_store_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         for name in ("max_inflight_prefill", "max_inflight_decode", "max_n", "max_attempts"):
@@ -150,6 +160,7 @@ class RouterConfig:
             "poll_interval_s",
             "node_expiry_s",
             "max_record_skew_s",
+            "responses_store_ttl_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")

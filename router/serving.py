@@ -322,6 +322,10 @@ class JobRun:
         ids = job.return_token_ids and bool(delta.token_ids)
         return not (text or delta.logprobs or delta.finish_reason is not None or wants_first or ids)
 
+    def tool_calls_of(self, choice: _Choice) -> list | None:
+        """A finished tools-constrained choice's calls (new call ids each time it is asked)."""
+        return self._tool_calls(choice, choice.state.finish_reason)
+
     def _tool_calls(self, choice: _Choice, finish_reason: FinishReason | None) -> list | None:
         """A finished tools-constrained reply as tool calls (None while running or cut short)."""
         if self.job.tool_plan is None or finish_reason is not FinishReason.STOP:
