@@ -26,12 +26,13 @@ from pdserve.protocol.channel_auth import ChannelAuth
 from pdserve.protocol.cluster_key import load_key
 from pdserve.protocol.model_digest import model_digest, weight_files
 from pdserve.protocol.registry import Role
-from pdserve.router import jobs, metrics, policy, responses_api, roles, serving, tokenize_api
+from pdserve.router import jobs, messages_api, metrics, policy, responses_api, roles, serving, tokenize_api
 from pdserve.router.admission import Admission, Stage
 from pdserve.router.config import RouterConfig
-from pdserve.router.errors import APIError, bad_request
+from pdserve.router.errors import APIError, bad_request, error_response_parts
 from pdserve.router.generation import Backend
 from pdserve.router.lora import Adapter, AdapterTable, LoadBody, UnloadBody
+from pdserve.router.messages_schema import CountTokensBody, MessagesBody
 from pdserve.router.node_client import NodeClient
 from pdserve.router.openai_schema import (
     BatchChatBody,
@@ -173,20 +174,25 @@ def _state(request: Request) -> RouterState:
     return request.app.state.router
 
 
+def error_response(path: str, error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    """``error`` in the shape of the API ``path`` belongs to (Anthropic's on /v1/messages)."""
+    body, status = error_response_parts(path, error)
+    return JSONResponse(body, status, headers={**error.headers(), **(headers or {})})
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), exc.status, headers=exc.headers())
+        return error_response(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = validation_error(list(exc.errors()))
-        return JSONResponse(err.body(), err.status)
+        return error_response(request.url.path, validation_error(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = APIError(exc.status_code, str(exc.detail))
-        return JSONResponse(err.body(), exc.status_code, headers=exc.headers)
+        return error_response(request.url.path, err, dict(exc.headers or {}))
 
 
 class _Guard:
@@ -203,8 +209,12 @@ class _Guard:
         guarded = GUARDED_PATHS + (("/metrics",) if config.metrics_auth else ())
         if config.api_key is not None and scope["path"].startswith(guarded):
             # Constant time: how long the check takes says nothing of how much of the key matched.
-            given, wanted = headers.get("authorization", b""), f"Bearer {config.api_key}".encode()
-            if not hmac.compare_digest(given, wanted):
+            # Anthropic's clients send x-api-key: KEY, OpenAI's Authorization: Bearer KEY.
+            bearer = hmac.compare_digest(
+                headers.get("authorization", b""), f"Bearer {config.api_key}".encode()
+            )
+            api_key = hmac.compare_digest(headers.get("x-api-key", b""), config.api_key.encode())
+            if not (bearer or api_key):
                 return APIError(401, "missing or wrong API key", None, "invalid_api_key")
         length = headers.get("content-length", b"").decode("latin-1")
         if length.isdigit() and int(length) > config.max_body_bytes:
@@ -258,16 +268,22 @@ class _Guard:
             load.num_requests_running += 1
         try:
             if error is not None:
-                await JSONResponse(error.body(), error.status, headers=error.headers())(
-                    scope, receive, send_and_note
-                )
+                await error_response(scope["path"], error)(scope, receive, send_and_note)
             else:
                 await self.app(scope, receive, send_and_note)
         finally:
             if load is not None:
                 load.num_requests_running -= 1
         if scope["path"].startswith("/v1/") and scope["method"] == "POST" and state is not None:
-            state.backend.metrics.requests.labels(endpoint=scope["path"], outcome=str(status)).inc()
+            endpoint = _endpoint_label(scope["path"])
+            state.backend.metrics.requests.labels(endpoint=endpoint, outcome=str(status)).inc()
+
+
+def _endpoint_label(path: str) -> str:
+    """The endpoint as /metrics labels it: a response id is not a label value (unbounded)."""
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}" + ("/cancel" if path.endswith("/cancel") else "")
+    return path
 
 
 def _has_body_without_length(scope) -> bool:
@@ -311,9 +327,8 @@ def _add_routes(app: FastAPI) -> None:
         state.check_model(body.model)
         return tokenize_api.detokenize(body, state.tokenizer)
 
-    _add_responses_routes(app)
-    _add_admin_routes(app)
-    _add_lora_routes(app)
+    for add in (_add_responses_routes, _add_messages_routes, _add_admin_routes, _add_lora_routes):
+        add(app)
     _add_info_routes(app)
 
 
@@ -350,6 +365,24 @@ def _add_responses_routes(app: FastAPI) -> None:
             "(background: true is refused)",
             "background",
         )
+
+
+def _add_messages_routes(app: FastAPI) -> None:
+    """Anthropic's Messages API over the chat completions path (router/messages_api.py); its
+    errors take Anthropic's shape (``error_response``)."""
+
+    @app.post("/v1/messages")
+    async def create_message(body: MessagesBody, request: Request) -> Response:
+        chat = messages_api.chat_body(body)
+        return await _generate(messages_api.messages_job, chat, request, messages_api.MessagesPresenter())
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensBody, request: Request) -> dict:
+        state = _state(request)
+        chat = messages_api.chat_body(body)
+        state.check_model(chat.model)
+        args = (chat, state.tokenizer, state.max_model_len(), state.config.max_n)
+        return await asyncio.to_thread(messages_api.count_tokens, *args)
 
 
 def _add_lora_routes(app: FastAPI) -> None:
