@@ -23,10 +23,8 @@ import torch
 from pdserve.engine.config import ModelConfig
 from pdserve.protocol.sampling_params import BeamSearch, SamplingParams
 from pdserve.router.tokenizer import Tokenizer
-from tests.cluster import NodeProcess, RedisServer
 from tests.engine_helpers import hf_beams, hf_greedy, hf_logits
 from tests.test_cluster_concurrent import _prompts, _stream
-from tests.test_router_cluster import RouterProcess, serving, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.usefixtures("processes")
 DATA = pathlib.Path(__file__).parent / "data"
@@ -40,20 +38,11 @@ ATOL = 1e-4  # logprobs through JSON: fp32 sums of a 49k-way softmax
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, default_model_dir):
-    tmp = tmp_path_factory.mktemp("api-surface")
-    model = tiny_model_with_tokenizer(default_model_dir, max_position_embeddings=1024)
-    redis = RedisServer(tmp)
-    extra = ["--num-kv-blocks", "512", "--heartbeat-interval", "0.2", "--heartbeat-ttl", "2"]
-    nodes = {role: NodeProcess(role, str(model), tmp, redis.url, extra) for role in ("prefill", "decode")}
-    routers = {
-        "pd": RouterProcess(
-            model, redis.url, tmp, "--disagg-threshold", "8", "--local-prefill-margin-s", "-1"
-        ),
-        "decode_only": RouterProcess(model, redis.url, tmp, "--disagg-threshold", "100000"),
-    }
-    with serving(redis, nodes.values(), routers.values()):
-        yield model, routers, nodes
+def cluster(api_cluster):
+    """The shared API-surface cluster (tests/conftest.py), its P/D routers and nodes."""
+    model, routers, nodes = api_cluster
+    pd_routers = {name: routers[name] for name in ("pd", "decode_only")}
+    return model, pd_routers, {role: nodes[role] for role in ("prefill", "decode")}
 
 
 @functools.cache
