@@ -139,22 +139,23 @@ def _tool_choice(body: CountTokensBody | MessagesBody, counting: bool) -> Any:
     return {"any": "required", "none": "none"}[choice.type]
 
 
+def _function(name: str, description: str | None, schema: dict[str, Any]) -> dict[str, Any]:
+    function = {"name": name, "description": description, "parameters": schema}
+    return {k: v for k, v in function.items() if v is not None}
+
+
 def chat_body(body: CountTokensBody | MessagesBody) -> ChatBody:
     """The chat completions body the request stands for."""
     _check_refused(body)
     counting = isinstance(body, CountTokensBody)
     tools = [
-        {
-            "type": "function",
-            "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
-        }
+        {"type": "function", "function": _function(t.name, t.description, t.input_schema)}
         for t in body.tools or ()
     ]
     fields: dict[str, Any] = {
         "model": body.model,
         "messages": chat_messages(body),
-        "tools": [{**t, "function": {k: v for k, v in t["function"].items() if v is not None}} for t in tools]
-        or None,
+        "tools": tools or None,
         "tool_choice": _tool_choice(body, counting),
         "max_tokens": 1 if counting else body.max_tokens,  # type: ignore[union-attr]
     }

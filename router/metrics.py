@@ -117,8 +117,8 @@ class RouterMetrics:
             ["path", "reason"],
             registry=reg,
         )
-        for path, reason in PATH_LABELS:
-            self.paths.labels(path=str(path), reason=str(reason or "none"))
+        for path, why in PATH_LABELS:
+            self.paths.labels(path=str(path), reason=str(why or "none"))
 
     def _declare_waits(self) -> None:
         self.node_waits = Counter(

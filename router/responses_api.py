@@ -372,10 +372,10 @@ class ResponsesPresenter:
 
     def _close_item(self, run: JobRun, index: int, item: dict[str, Any]) -> list[str]:
         if item["type"] == "function_call":
-            opened = {**item, "status": "in_progress", "arguments": ""}
+            added = {**item, "status": "in_progress", "arguments": ""}
             ids = {"item_id": item["id"], "output_index": index}
             return [
-                self._event("response.output_item.added", output_index=index, item=opened),
+                self._event("response.output_item.added", output_index=index, item=added),
                 self._event("response.function_call_arguments.delta", **ids, delta=item["arguments"]),
                 self._event("response.function_call_arguments.done", **ids, arguments=item["arguments"]),
                 self._event("response.output_item.done", output_index=index, item=item),

@@ -54,7 +54,7 @@ _REASONS = {
     Placement.RESUMED: PathReason.MIGRATED,
 }
 # Every (path, reason) a first token can have: /metrics shows each from 0.
-PATH_LABELS = (
+PATH_LABELS: tuple[tuple[Path, PathReason | None], ...] = (
     (Path.DISAGGREGATED, None),
     (Path.COLOCATED, None),
     *((Path.LOCAL_PREFILL, r) for r in PathReason if r is not PathReason.MIGRATED),
