@@ -21,7 +21,7 @@ from pdserve.router.openai_schema import (
     _SamplingFields,
     reads_as,
 )
-from pdserve.router.structured import Structured, ToolCallPlan, check_token_rules, structured
+from pdserve.router.structured import Structured, ToolCallPlan, check_in_vocab, check_token_rules, structured
 from pdserve.router.tokenizer import ChatTemplateError, Tokenizer
 
 # vLLM's -1 (prompt_logprobs, top_logprobs, completions' logprobs) lists the whole vocabulary at
@@ -242,11 +242,10 @@ def _output_positions(prompts: tuple[Prompt, ...], n: int, max_tokens: int | Non
 
 
 def _check_logprob_token_ids(ids: list[int] | None, vocab_size: int) -> None:
-    if ids is not None and (not ids or any(not 0 <= t < vocab_size for t in ids)):
-        raise bad_request(
-            f"logprob_token_ids must be a non-empty list of token ids in [0, {vocab_size})",
-            "logprob_token_ids",
-        )
+    """vLLM's words (vllm/sampling_params.py, SamplingParams._validate_logprobs)."""
+    if ids is not None and not ids:
+        raise bad_request("`logprob_token_ids` must not be an empty list.", "logprob_token_ids")
+    check_in_vocab(ids, "logprob_token_ids", vocab_size)
 
 
 def _num_top(logprobs: int | None, chosen: list[int] | None) -> int | None:
@@ -300,10 +299,14 @@ def _check_fits(prompts: tuple[Prompt, ...], max_tokens: int | None, max_model_l
 
 
 def _check_token_ids(prompts: list[list[int]], vocab_size: int) -> None:
+    """Token-id prompts inside the vocabulary. Past its end: vLLM's words, which name the largest
+    id (vllm/v1/engine/input_processor.py, _validate_model_input); vLLM's schema refuses a
+    negative id before that, with pydantic's words for a field, so pdserve says it in its own."""
     for ids in prompts:
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")
+        if ids and max(ids) >= vocab_size:
+            raise bad_request(f"Token id {max(ids)} is out of vocabulary", "prompt")
+        if ids and min(ids) < 0:
+            raise bad_request(f"token ids must be >= 0, got {min(ids)}", "prompt")
 
 
 def completion_job(body: CompletionBody, tokenizer: Tokenizer, max_model_len: int, max_n: int) -> Job:

@@ -347,7 +347,37 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         return bad_request(f"request body is not valid JSON: {first.get('msg')}", None)
     if first.get("type") == "missing":
         return bad_request(f"{param} is required", param)
+    if first.get("type") in _BOUND_ERRORS:
+        return bad_request(vllm_validation_message(errors), param)
     return bad_request(f"{param}: {first.get('msg')}", param)
+
+
+# pydantic's bound errors: the only ones the request schemas raise that vLLM's raise alike
+# (``seed``'s signed 64-bit range), so the whole message can be vLLM's.
+_BOUND_ERRORS = frozenset({"less_than_equal", "greater_than_equal"})
+
+
+def vllm_validation_message(errors: list[dict[str, Any]]) -> str:
+    """vLLM's words for a body its schema refuses, which clients match on: the count, then each
+    error as pydantic gives it, its ``loc`` dotted and its ``input`` as text (at most 10), as
+    vllm/entrypoints/serve/exception_handling/handlers/validation.py writes them:
+
+        1 validation error:
+          {'type': 'less_than_equal', 'loc': 'body.seed', 'msg': 'Input should be less than or
+          equal to 9223372036854775807', 'input': '9223372036854775808', 'ctx': {'le': ...}}
+    """
+    label = "error" if len(errors) == 1 else "errors"
+    lines = [f"{len(errors)} validation {label}:"]
+    for error in errors[:10]:
+        shown = {k: error[k] for k in ("type", "loc", "msg", "input", "ctx") if k in error}
+        shown["loc"] = ".".join(str(part) for part in error.get("loc", ()))
+        if "input" in shown:
+            text = str(shown["input"])
+            shown["input"] = text if len(text) <= 200 else text[:200] + "...[truncated]"
+        lines.append(f"  {shown}")
+    if len(errors) > 10:
+        lines.append(f"  ...and {len(errors) - 10} more {label}")
+    return "\n".join(lines)
 
 
 _FIELD_NAMES = frozenset(

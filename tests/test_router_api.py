@@ -369,16 +369,80 @@ def test_an_empty_prompt_is_refused_in_vllms_words(tokenizer, default_model_dir,
 
 
 @pytest.mark.parametrize(
-    ("seed", "bound"),
+    ("seed", "kind", "bound"),
     [
-        (1 << 63, "less than or equal to 9223372036854775807"),
-        (-(1 << 63) - 1, "greater than or equal to -9223372036854775808"),
+        (1 << 63, "less_than_equal", "'le': 9223372036854775807"),
+        (-(1 << 63) - 1, "greater_than_equal", "'ge': -9223372036854775808"),
+        ("-9223372036854775809", "greater_than_equal", "'ge': -9223372036854775808"),
     ],
 )
-def test_a_seed_outside_int64_gets_vllms_bound_message(tokenizer, default_model_dir, seed, bound):
+def test_a_seed_outside_int64_gets_vllms_validation_message_word_for_word(
+    tokenizer, default_model_dir, seed, kind, bound
+):
+    """vLLM's handler writes the count, then pydantic's error with its loc dotted and its input as
+    text (vllm/entrypoints/serve/exception_handling/handlers/validation.py)."""
+    words = {
+        "le": "less than or equal to 9223372036854775807",
+        "ge": "greater than or equal to -9223372036854775808",
+    }
+    expected = (
+        f"1 validation error:\n  {{'type': '{kind}', 'loc': 'body.seed', "
+        f"'msg': 'Input should be {words[bound[1:3]]}', 'input': '{seed}', 'ctx': {{{bound}}}}}"
+    )
     for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", CHAT)):
         error = _assert_error(_post(tokenizer, default_model_dir, path, {**body, "seed": seed}), 400, "seed")
-        assert error["message"] == f"seed: Input should be {bound}"
+        assert error["message"] == expected
+    invoked = _post(tokenizer, default_model_dir, "/invocations", {"prompt": "x", "seed": seed})
+    assert _assert_error(invoked, 400, "seed")["message"] == expected.replace("'body.seed'", "'seed'")
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"prompt": [5, 99999999, 7, 88888888]}, "prompt", "Token id 99999999 is out of vocabulary"),
+        ({"prompt": [[5], [6, 77777777]]}, "prompt", "Token id 77777777 is out of vocabulary"),
+        (
+            {"prompt": "x", "stop_token_ids": [5, 99999999, -1]},
+            "stop_token_ids",
+            "token_id(s) [99999999, -1] in stop_token_ids contain out-of-vocab token ids. "
+            "Vocabulary size: 49152",
+        ),
+        (
+            {"prompt": "x", "logit_bias": {"5": 1.0, "99999999": 2.0}},
+            "logit_bias",
+            "token_id(s) [99999999] in logit_bias contain out-of-vocab token ids. Vocabulary size: 49152",
+        ),
+        (
+            {"prompt": "x", "logprobs": 1, "logprob_token_ids": [3, 99999999]},
+            "logprob_token_ids",
+            "token_id(s) [99999999] in logprob_token_ids contain out-of-vocab token ids. "
+            "Vocabulary size: 49152",
+        ),
+        (
+            {"prompt": "x", "logprobs": 1, "logprob_token_ids": []},
+            "logprob_token_ids",
+            "`logprob_token_ids` must not be an empty list.",
+        ),
+        (
+            {"prompt": "x", "allowed_token_ids": [5, 99999999]},
+            "allowed_token_ids",
+            "allowed_token_ids contains out-of-vocab token id!",
+        ),
+        (
+            {"prompt": "x", "allowed_token_ids": []},
+            "allowed_token_ids",
+            "allowed_token_ids is not None and empty!",
+        ),
+    ],
+)
+def test_token_ids_outside_the_vocabulary_are_refused_in_vllms_words(
+    tokenizer, default_model_dir, body, param, message
+):
+    """vLLM's messages, which clients match on: the prompt's largest id
+    (vllm/v1/engine/input_processor.py), the rules' ids (vllm/sampling_params.py)."""
+    assert tokenizer.vocab_size == 49152
+    error = _assert_error(_post(tokenizer, default_model_dir, "/v1/completions", body), 400, param)
+    assert error["message"] == message
 
 
 def test_invocations_need_the_api_key_as_the_v1_endpoints_do(tokenizer, default_model_dir):
