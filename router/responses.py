@@ -61,10 +61,12 @@ SSE_DONE = "data: [DONE]\n\n"
 class LogprobFormatter:
     """Token logprobs in the completions or chat shape."""
 
-    def __init__(self, tokenizer: Tokenizer, num_top: int, tokens_as_ids: bool) -> None:
+    def __init__(self, tokenizer: Tokenizer, num_top: int, tokens_as_ids: bool, chosen: bool = False) -> None:
         self._tokenizer = tokenizer
         self._num_top = num_top  # alternatives per token
         self._tokens_as_ids = tokens_as_ids  # "token_id:N" instead of the token's text
+        # logprob_token_ids: the alternatives are those ids, and the sampled token leads them
+        self._chosen = chosen
 
     def token(self, token_id: int) -> str:
         return f"token_id:{token_id}" if self._tokens_as_ids else self._tokenizer.token_text(token_id)
@@ -127,10 +129,20 @@ class LogprobFormatter:
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
         content = [
-            {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in self._top(e)]}
+            {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in self._chat_top(e)]}
             for e in entries
         ]
         return {"content": content}
+
+    def _chat_top(self, entry: TokenLogprobs) -> list[tuple[int, float]]:
+        """Chat's alternatives. With logprob_token_ids, vLLM lists every entry the engine gave for
+        the position, the sampled token first and the chosen ids after it in the order asked, each
+        once (vllm/entrypoints/openai/chat_completion/serving.py, _create_chat_logprobs, on both
+        chat endpoints; the sampler puts the sampled token in column 0)."""
+        top = self._top(entry)
+        if not self._chosen:
+            return top
+        return [(entry.token_id, entry.logprob), *((t, lp) for t, lp in top if t != entry.token_id)]
 
 
 OPENAI_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}

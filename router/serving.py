@@ -87,7 +87,8 @@ class JobRun:
         self._events: asyncio.Queue[tuple[int, SampleDelta | APIError]] = asyncio.Queue(_EVENT_QUEUE_SIZE)
         self._tasks: list[asyncio.Task] = []
         self.choices = self._make_choices(time.time())
-        self.formatter = rs.LogprobFormatter(tokenizer, job.logprobs or 0, job.tokens_as_ids)
+        chosen = job.params.logprob_token_ids is not None
+        self.formatter = rs.LogprobFormatter(tokenizer, job.logprobs or 0, job.tokens_as_ids, chosen)
         # where each sample runs, by sample request id, in choice order (a beam search: one)
         self.trails = {c.sample.request_id: RouteTrail() for c in self.choices}
         self.sent_headers: dict[str, str] | None = None  # a stream's x-pdserve-* headers, once sent

@@ -260,8 +260,10 @@ def test_the_whole_vocabulary_and_chosen_token_ids_equal_hf_log_softmax(cluster,
             assert abs(entry["logprob"] - float(row[_token_id(entry["token"])])) < ATOL
             if whole:
                 assert sorted(listed) == list(range(vocab))
-            else:
-                assert [_token_id(t["token"]) for t in entry["top_logprobs"]] == chosen  # in the order asked
+            else:  # as vLLM: the sampled token, then the ids asked for in their order, each once
+                sampled = _token_id(entry["token"])
+                expected = [sampled, *(t for t in chosen if t != sampled)]
+                assert [_token_id(t["token"]) for t in entry["top_logprobs"]] == expected
             ids = torch.tensor(list(listed))
             assert torch.allclose(torch.tensor(list(listed.values())), row[ids], atol=ATOL)
     lp = chosen_completion["logprobs"]
@@ -272,6 +274,32 @@ def test_the_whole_vocabulary_and_chosen_token_ids_equal_hf_log_softmax(cluster,
             token
         }  # the sampled token is listed too, as in vLLM
         assert all(abs(value - float(row[_token_id(t)])) < ATOL for t, value in top.items())
+
+
+def test_batched_chat_lists_the_sampled_token_before_the_chosen_ids_as_vllm_does(cluster):
+    """logprob_token_ids on /v1/chat/completions/batch: each position lists the sampled token, then
+    the ids asked for (vLLM's _create_chat_logprobs, shared with the single chat endpoint); the
+    values are HF's log_softmax. The conversation that prefills on the prefill node and the short
+    one run side by side."""
+    model, routers, _ = cluster
+    chosen = [5, 17, 300]
+    conversations = [
+        [{"role": "user", "content": "Name a colour."}],
+        [{"role": "user", "content": "Tell me about the sea and its long, grey waves."}],
+    ]
+    body = {"model": model.name, "messages": conversations, "max_tokens": 3, "temperature": 0}
+    body |= {"logprobs": True, "logprob_token_ids": chosen, "return_tokens_as_token_ids": True}
+    choices = _post(routers["pd"], "/v1/chat/completions/batch", body)["choices"]
+    for conversation, choice in zip(conversations, choices, strict=True):
+        content = choice["logprobs"]["content"]
+        output = [_token_id(c["token"]) for c in content]
+        rows = _output_rows(model, _tokenizer(model).encode_chat(conversation), output)
+        assert len(output) == 3 and output == rows.argmax(dim=-1).tolist()
+        for entry, row in zip(content, rows, strict=True):
+            sampled = _token_id(entry["token"])
+            listed = [(_token_id(t["token"]), t["logprob"]) for t in entry["top_logprobs"]]
+            assert [t for t, _ in listed] == [sampled, *(t for t in chosen if t != sampled)]
+            assert all(abs(value - float(row[t])) < ATOL for t, value in listed)
 
 
 @pytest.mark.parametrize("router_name", ["pd", "decode_only"])

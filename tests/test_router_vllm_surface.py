@@ -10,7 +10,9 @@ import json
 import httpx
 import pytest
 
+from pdserve.protocol.messages import TokenLogprobs
 from pdserve.router.openai_schema import reads_as
+from pdserve.router.responses import LogprobFormatter
 from pdserve.router.tokenizer import Tokenizer
 from tests.test_router_support import LONG_PROMPT, TEXT, fake_cluster, fake_pair, run_async
 
@@ -179,3 +181,33 @@ def test_batched_chat_answers_each_conversation_in_order(default_model_dir, toke
     assert "prompt_token_ids" not in done  # one per conversation, on its choice
     assert done["usage"]["prompt_tokens"] == sum(map(len, prompt_ids))
     assert done["usage"]["completion_tokens"] == 6
+
+
+def test_chat_logprobs_of_chosen_ids_list_the_sampled_token_first_and_once(tokenizer):
+    """logprob_token_ids in chat (single or batched): vLLM lists every entry the sampler gave the
+    position, the sampled token first (column 0), then the ids asked for in their order; a
+    sampled token among them is listed once. Without chosen ids the top alternatives stay as
+    they are."""
+    entries = {
+        "outside": TokenLogprobs(
+            token_id=9, logprob=-0.1, top_token_ids=(5, 17, 300), top_logprobs=(-3.0, -4.0, -5.0)
+        ),
+        "inside": TokenLogprobs(
+            token_id=17, logprob=-0.2, top_token_ids=(5, 17, 300), top_logprobs=(-3.0, -0.2, -5.0)
+        ),
+    }
+
+    def listed(formatter: LogprobFormatter, name: str) -> list[tuple[str, float]]:
+        (content,) = formatter.chat([entries[name]])["content"]
+        return [(t["token"], t["logprob"]) for t in content["top_logprobs"]]
+
+    chosen = LogprobFormatter(tokenizer, 3, True, chosen=True)
+    assert listed(chosen, "outside") == [
+        ("token_id:9", -0.1),
+        ("token_id:5", -3.0),
+        ("token_id:17", -4.0),
+        ("token_id:300", -5.0),
+    ]
+    assert listed(chosen, "inside") == [("token_id:17", -0.2), ("token_id:5", -3.0), ("token_id:300", -5.0)]
+    top = LogprobFormatter(tokenizer, 2, True)
+    assert listed(top, "outside") == [("token_id:5", -3.0), ("token_id:17", -4.0)]
