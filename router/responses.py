@@ -51,6 +51,35 @@ def envelope(
     return body
 
 
+# The top-level keys of vLLM's whole (not streamed) responses, in its order: it dumps every field
+# of its response models, null when unset (vllm/entrypoints/openai/chat_completion/protocol.py's
+# ChatCompletionResponse, completion/protocol.py's CompletionResponse), so its clients meet the
+# same keys on every response, /invocations' included. Streamed chunks carry only what is set.
+CHAT_KEYS = (
+    "id",
+    "object",
+    "created",
+    "model",
+    "choices",
+    "service_tier",
+    "system_fingerprint",
+    "usage",
+    "prompt_logprobs",
+    "prompt_token_ids",
+    "prompt_text",
+    "kv_transfer_params",
+    "ec_transfer_params",
+    "metrics",
+)
+COMPLETION_KEYS = tuple(k for k in CHAT_KEYS if not k.startswith("prompt_"))
+
+
+def with_vllm_keys(body: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """A whole response with vLLM's top-level ``keys`` in its order, null where pdserve has no
+    value, and any key of pdserve's own after them."""
+    return {**{key: body.get(key) for key in keys}, **{k: v for k, v in body.items() if k not in keys}}
+
+
 def sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
 

@@ -384,11 +384,13 @@ class JobRun:
                     rs.completion_choice(c.index, text, logprobs, c.state.finish_reason, **extra, **ids)
                 )
         if not self.job.chat:
-            return rs.envelope(self.id, "text_completion", self.created, self.model, choices, self.usage())
+            body = rs.envelope(self.id, "text_completion", self.created, self.model, choices, self.usage())
+            return rs.with_vllm_keys(body, rs.COMPLETION_KEYS)
         extra = {} if self.job.batched else self._prompt_fields(self.choices[0])
-        return rs.envelope(
+        body = rs.envelope(
             self.id, "chat.completion", self.created, self.model, choices, self.usage(), **extra
         )
+        return rs.with_vllm_keys(body, rs.CHAT_KEYS)
 
 
 class Presenter(Protocol):
