@@ -201,6 +201,13 @@ def _check_common(body: _SamplingFields, max_n: int, tokenizer: Tokenizer) -> St
         raise bad_request(f"n must be <= {max_n}, got {body.n}", "n")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if body.stream_options is not None and body.stream_options.min_characters is not None:
+        raise bad_request(
+            "stream_options.min_characters is not supported: it is in neither vLLM's nor OpenAI's "
+            "stream options (vLLM ignores it as an unknown field), and streamed deltas go out as they "
+            "come, never held back to a minimum size",
+            "stream_options.min_characters",
+        )
     if body.truncation_side is not None and body.truncate_prompt_tokens is None:
         raise bad_request("truncation_side needs truncate_prompt_tokens", "truncation_side")
     check_token_rules(body, tokenizer.vocab_size)

@@ -78,6 +78,10 @@ class StreamOptions(pydantic.BaseModel):
     include_usage: LaxBool = False  # one last chunk with usage and no choices
     # vLLM: usage so far on every chunk; as in vLLM, only together with include_usage (alone: no usage)
     continuous_usage_stats: LaxBool = False
+    # In neither vLLM's StreamOptions (include_usage, continuous_usage_stats) nor OpenAI's (plus
+    # include_obfuscation); vLLM lets unknown fields through and ignores them. Declared to be
+    # refused by name (router.jobs): deltas go out as they come, never held to a minimum size.
+    min_characters: Any = None
 
 
 class StructuredOutputs(pydantic.BaseModel):
@@ -210,8 +214,9 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_whitespace_pattern": ((), "JSON whitespace patterns are not implemented"),
     "store": ((False,), "requests are not stored"),
     "service_tier": (("auto", "default"), "service tiers are not implemented"),
-    # Not in vLLM's protocol files read for tests/data/request_fields.json; refused by name all the
-    # same: a minimum size for streamed deltas would be a buffering option, and deltas go out as they come.
+    # In neither vLLM's request schemas nor OpenAI's (StreamOptions.min_characters neither; see
+    # there); refused by name: a minimum size for streamed deltas would be a buffering option, and
+    # deltas go out as they come.
     "min_characters": ((), "streamed deltas go out as they come; no minimum delta size is implemented"),
     "prompt_embeds": (([],), "prompt embeddings are not implemented; send text or token ids"),
     "chat_template": ((), "request chat templates are refused: the model's own template applies"),

@@ -171,6 +171,16 @@ BAD_FIELDS = [
     ),
     ("/v1/chat/completions", {**CHAT, "logprobs": "maybe"}, "logprobs"),
     ("/v1/chat/completions", {**CHAT, "min_characters": 5}, "min_characters"),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "stream": True, "stream_options": {"min_characters": 5}},
+        "stream_options.min_characters",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "min_characters": 5}},
+        "stream_options.min_characters",
+    ),
     ("/v1/chat/completions/batch", {"messages": [CHAT["messages"], []]}, "messages.1"),
     ("/v1/chat/completions/batch", {"messages": CHAT["messages"]}, "messages.0"),
     ("/v1/chat/completions/batch", {"messages": [CHAT["messages"]], "stream": True}, "stream"),
