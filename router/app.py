@@ -43,6 +43,7 @@ from pdserve.router.openai_schema import (
     validation_error,
 )
 from pdserve.router.registry_client import NodeRegistry, RedisRegistry, StaticRegistry
+from pdserve.router.request_limits import Limits
 from pdserve.router.response_store import ResponseStore, not_found
 from pdserve.router.responses_schema import ResponsesBody
 from pdserve.router.scaling_log import DecisionBody
@@ -66,6 +67,11 @@ class RouterState:
         """The smallest context of the live nodes, else the model's own."""
         lens = [n.max_model_len for n in self.backend.registry.snapshot()]
         return min(lens) if lens else self.tokenizer.max_model_len
+
+    def limits(self) -> Limits:
+        """What one request may ask for (router.request_limits)."""
+        config = self.config
+        return Limits(config.max_n, config.max_logprobs, config.max_logprob_entries)
 
     def check_model(self, model: str | None) -> Adapter | None:
         """The LoRA adapter ``model`` names, None for the base model; a 404 for any other name."""
@@ -381,7 +387,7 @@ def _add_messages_routes(app: FastAPI) -> None:
         state = _state(request)
         chat = messages_api.chat_body(body)
         state.check_model(chat.model)
-        args = (chat, state.tokenizer, state.max_model_len(), state.config.max_n)
+        args = (chat, state.tokenizer, state.max_model_len(), state.limits())
         return await asyncio.to_thread(messages_api.count_tokens, *args)
 
 
@@ -496,7 +502,7 @@ async def _generate(
     state = _state(request)
     adapter = state.check_model(body.model)
     max_model_len = state.max_model_len()
-    job = await asyncio.to_thread(make_job, body, state.tokenizer, max_model_len, state.config.max_n)
+    job = await asyncio.to_thread(make_job, body, state.tokenizer, max_model_len, state.limits())
     if adapter is not None:
         params = dataclasses.replace(job.params, adapter=adapter.name, adapter_path=adapter.path)
         job = dataclasses.replace(job, params=params, adapter_rank=adapter.rank)

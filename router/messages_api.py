@@ -26,6 +26,7 @@ from pdserve.router.errors import APIError, anthropic_body, bad_request
 from pdserve.router.jobs import Job, chat_job
 from pdserve.router.messages_schema import CHAT_FIELDS, REFUSED, CountTokensBody, MessagesBody
 from pdserve.router.openai_schema import ChatBody, reads_as, validation_error
+from pdserve.router.request_limits import Limits
 from pdserve.router.serving import JobRun
 from pdserve.router.tokenizer import Tokenizer
 
@@ -176,20 +177,20 @@ def chat_body(body: CountTokensBody | MessagesBody) -> ChatBody:
         raise error from None
 
 
-def messages_job(body: ChatBody, tokenizer: Tokenizer, max_model_len: int, max_n: int) -> Job:
+def messages_job(body: ChatBody, tokenizer: Tokenizer, max_model_len: int, limits: Limits) -> Job:
     """``jobs.chat_job``, its errors naming the Messages fields."""
     if body.max_tokens is not None and body.max_tokens < 1:
         raise bad_request("max_tokens: must be at least 1", "max_tokens")
     try:
-        return chat_job(body, tokenizer, max_model_len, max_n)
+        return chat_job(body, tokenizer, max_model_len, limits)
     except APIError as exc:
         exc.param = _renamed(exc.param)
         raise
 
 
-def count_tokens(body: ChatBody, tokenizer: Tokenizer, max_model_len: int, max_n: int) -> dict[str, int]:
+def count_tokens(body: ChatBody, tokenizer: Tokenizer, max_model_len: int, limits: Limits) -> dict[str, int]:
     """count_tokens' answer: the prompt's tokens, as the chat template makes them."""
-    return {"input_tokens": len(messages_job(body, tokenizer, max_model_len, max_n).prompts[0].token_ids)}
+    return {"input_tokens": len(messages_job(body, tokenizer, max_model_len, limits).prompts[0].token_ids)}
 
 
 def _hex_id(prefix: str) -> str:

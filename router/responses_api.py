@@ -26,6 +26,7 @@ from pdserve.protocol.reasons import FinishReason
 from pdserve.router.errors import APIError, bad_request
 from pdserve.router.jobs import Job, chat_job
 from pdserve.router.openai_schema import ChatBody, reads_as, validation_error
+from pdserve.router.request_limits import Limits
 from pdserve.router.response_store import ResponseStore, StoredResponse
 from pdserve.router.responses_schema import CHAT_FIELDS, LOGPROBS_INCLUDE, REFUSED, ResponsesBody
 from pdserve.router.serving import JobRun
@@ -199,10 +200,10 @@ def chat_body(body: ResponsesBody, history: list[dict[str, Any]]) -> ChatBody:
         raise error from None
 
 
-def responses_job(body: ChatBody, tokenizer: Tokenizer, max_model_len: int, max_n: int) -> Job:
+def responses_job(body: ChatBody, tokenizer: Tokenizer, max_model_len: int, limits: Limits) -> Job:
     """``jobs.chat_job``, its errors naming the Responses fields."""
     try:
-        return chat_job(body, tokenizer, max_model_len, max_n)
+        return chat_job(body, tokenizer, max_model_len, limits)
     except APIError as exc:
         exc.param = _renamed(exc.param)
         raise

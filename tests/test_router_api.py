@@ -116,8 +116,8 @@ BAD_FIELDS = [
         "structured_outputs.regex",
     ),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": -2}, "prompt_logprobs"),
-    ("/v1/completions", {"prompt": "x " * 40, "prompt_logprobs": -1}, "prompt_logprobs"),  # too many entries
-    ("/v1/completions", {"prompt": "x", "logprobs": -1, "max_tokens": 30}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),  # past --max-logprobs
+    ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "logprobs": 1, "logprob_token_ids": []}, "logprob_token_ids"),
     ("/v1/completions", {"prompt": "x", "logprobs": 1, "logprob_token_ids": [10**9]}, "logprob_token_ids"),
     (
@@ -157,11 +157,7 @@ BAD_FIELDS = [
     ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages.0.role"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
-    (
-        "/v1/chat/completions",
-        {**CHAT, "logprobs": True, "top_logprobs": -1},
-        "top_logprobs",
-    ),  # up to the context
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "logprob_token_ids": [5]}, "logprob_token_ids"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
     (
@@ -453,6 +449,74 @@ def test_token_ids_outside_the_vocabulary_are_refused_in_vllms_words(
     assert tokenizer.vocab_size == 49152
     error = _assert_error(_post(tokenizer, default_model_dir, "/v1/completions", body), 400, param)
     assert error["message"] == message
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        (
+            {"prompt_logprobs": -1},
+            "prompt_logprobs",
+            "Requested prompt logprobs of 49152, which is greater than max allowed: 20",
+        ),
+        (
+            {"prompt_logprobs": 21},
+            "prompt_logprobs",
+            "Requested prompt logprobs of 21, which is greater than max allowed: 20",
+        ),
+        ({"prompt_logprobs": -2}, "prompt_logprobs", "`prompt_logprobs` must be a positive value or -1."),
+        (
+            {"logprobs": -1},
+            "logprobs",
+            "Requested sample logprobs of 49152, which is greater than max allowed: 20",
+        ),
+        ({"logprobs": -3}, "logprobs", "`logprobs` must be a positive value or -1."),
+    ],
+)
+def test_logprob_counts_past_vllms_default_max_logprobs_are_refused_in_its_words(
+    tokenizer, default_model_dir, body, param, message
+):
+    """vLLM's --max-logprobs (20 by default) bounds every count, -1 counting as the vocabulary's
+    size: completions' and chat's -1 are refused as vLLM refuses them (vllm/sampling_params.py)."""
+    completion = _post(tokenizer, default_model_dir, "/v1/completions", {"prompt": "x", **body})
+    assert _assert_error(completion, 400, param)["message"] == message
+    chat_body = {**CHAT, **body}
+    if param == "logprobs":  # chat's count of output alternatives is top_logprobs
+        chat_body = {**CHAT, "logprobs": True, "top_logprobs": body["logprobs"]}
+        message = message.replace("`logprobs`", "`top_logprobs`")
+        param = "top_logprobs"
+    chat = _post(tokenizer, default_model_dir, "/v1/chat/completions", chat_body)
+    assert _assert_error(chat, 400, param)["message"] == message
+
+
+def test_with_max_logprobs_minus_one_the_whole_vocabulary_is_bounded_by_entries_and_the_wire(
+    tokenizer, default_model_dir
+):
+    """--max-logprobs -1 lets -1 through, as vLLM's does; what a response carries past 20 a position
+    stays within --max-logprob-entries, and one sample's prompt log-probabilities within one node
+    message (router/request_limits.py). A request that passes every check meets no node: 503."""
+    whole = dict(max_logprobs=-1)
+    short = {"prompt": list(range(100, 108)), "prompt_logprobs": -1, "max_tokens": 1}  # 7 x 49152
+    assert _post(tokenizer, default_model_dir, "/v1/completions", short, **whole).status_code == 503
+    chat = {**CHAT, "logprobs": True, "top_logprobs": -1, "max_tokens": 4}
+    assert _post(tokenizer, default_model_dir, "/v1/chat/completions", chat, **whole).status_code == 503
+    longer = {**short, "prompt": list(range(100, 130))}  # 29 positions: 1,425,408 entries
+    error = _assert_error(
+        _post(tokenizer, default_model_dir, "/v1/completions", longer, **whole), 400, "prompt_logprobs"
+    )
+    assert "1425408 entries" in error["message"] and "--max-logprob-entries" in error["message"]
+    roomy = dict(max_logprobs=-1, max_logprob_entries=1 << 24)
+    error = _assert_error(
+        _post(tokenizer, default_model_dir, "/v1/completions", longer, **roomy), 400, "prompt_logprobs"
+    )
+    assert "one node message" in error["message"] and "MAX_HEADER_BYTES" in error["message"]
+    chat = {**CHAT, "prompt_logprobs": -1, "max_tokens": 1}  # the template's prompt: 30-odd positions
+    error = _assert_error(
+        _post(tokenizer, default_model_dir, "/v1/chat/completions", chat, **roomy), 400, "prompt_logprobs"
+    )
+    assert "one node message" in error["message"]
+    fewer = {**longer, "prompt_logprobs": 200}  # 201 x 29 entries a sample: within both bounds
+    assert _post(tokenizer, default_model_dir, "/v1/completions", fewer, **whole).status_code == 503
 
 
 def test_invocations_need_the_api_key_as_the_v1_endpoints_do(tokenizer, default_model_dir):
