@@ -28,6 +28,7 @@ from pdserve.router.messages_schema import CHAT_FIELDS, REFUSED, CountTokensBody
 from pdserve.router.openai_schema import ChatBody, reads_as, validation_error
 from pdserve.router.request_limits import Limits
 from pdserve.router.serving import JobRun
+from pdserve.router.structured import auto_tool_choice_message
 from pdserve.router.tokenizer import Tokenizer
 
 PARAM_NAMES = {
@@ -128,11 +129,19 @@ def chat_messages(body: CountTokensBody | MessagesBody) -> list[dict[str, Any]]:
     return messages
 
 
+# Anthropic's "auto" (its default with tools), refused as chat's is (router.structured), in its terms
+AUTO_TOOL_CHOICE_MESSAGE = auto_tool_choice_message(
+    '{"type": "auto"}', '{"type": "any"} or {"type": "tool", "name": ...}', '{"type": "none"}'
+)
+
+
 def _tool_choice(body: CountTokensBody | MessagesBody, counting: bool) -> Any:
     choice = body.tool_choice
     if choice is None or choice.type == "auto":
+        if body.tools and not counting:
+            raise bad_request(AUTO_TOOL_CHOICE_MESSAGE, "tool_choice")
         # counting: the prompt is the same whatever the choice (the template sees the tools)
-        return "none" if counting and body.tools else ("auto" if body.tools else None)
+        return "none" if body.tools else None
     if choice.type == "tool":
         if not choice.name:
             raise bad_request("tool_choice.name is required when type is 'tool'", "tool_choice")

@@ -30,6 +30,7 @@ from pdserve.router.request_limits import Limits
 from pdserve.router.response_store import ResponseStore, StoredResponse
 from pdserve.router.responses_schema import CHAT_FIELDS, LOGPROBS_INCLUDE, REFUSED, ResponsesBody
 from pdserve.router.serving import JobRun
+from pdserve.router.structured import auto_tool_choice_message
 from pdserve.router.tokenizer import Tokenizer
 
 # A chat body's field, as the Responses request names it (errors name what the client sent).
@@ -153,8 +154,16 @@ def _tools(body: ResponsesBody) -> list[dict[str, Any]] | None:
     return tools
 
 
+# The Responses API's "auto" (OpenAI's default with tools), refused as chat's is, in its terms
+AUTO_TOOL_CHOICE_MESSAGE = auto_tool_choice_message(
+    '"auto"', '"required" or {"type": "function", "name": ...}', '"none"'
+)
+
+
 def _tool_choice(body: ResponsesBody) -> Any:
     choice = body.tool_choice
+    if choice in (None, "auto") and body.tools:
+        raise bad_request(AUTO_TOOL_CHOICE_MESSAGE, "tool_choice")
     if not isinstance(choice, dict):
         return choice
     if choice.get("type") != "function" or not isinstance(choice.get("name"), str) or len(choice) != 2:

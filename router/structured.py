@@ -25,10 +25,26 @@ from pdserve.router.errors import bad_request
 from pdserve.router.openai_schema import ChatBody, NamedToolChoice, _SamplingFields
 from pdserve.router.tokenizer import Tokenizer
 
-AUTO_TOOL_CHOICE_MESSAGE = (
-    'tool_choice "auto" is not supported: pdserve has no parser for this model\'s own tool-call '
-    'format. Use tool_choice "required" or {"type": "function", "function": {"name": ...}}, '
-    'which constrain the reply to valid calls, or "none".'
+# vLLM's refusal of "auto" on a server without a tool-call parser, word for word: agent clients
+# match on it to fall back to tools described in text (OpenAIServingChat.create_chat_completion,
+# vllm/entrypoints/openai/serving_chat.py, later chat_completion/serving.py).
+VLLM_AUTO_TOOL_CHOICE = (
+    '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+)
+
+
+def auto_tool_choice_message(auto: str, constrained: str, none: str) -> str:
+    """Why ``auto`` (each API's spelling) is refused, and what to send instead."""
+    return (
+        f"tool_choice {auto}, the default when tools are given, needs a parser for the model's own "
+        "tool-call syntax to tell a call from text, and pdserve has none; vLLM without one refuses it "
+        f"too: {VLLM_AUTO_TOOL_CHOICE}. Send tool_choice {constrained}, which constrain the reply "
+        f"to valid calls, or {none} for text."
+    )
+
+
+AUTO_TOOL_CHOICE_MESSAGE = auto_tool_choice_message(
+    '"auto"', '"required" or {"type": "function", "function": {"name": ...}}', '"none"'
 )
 
 
