@@ -6,7 +6,8 @@ log_softmax, outputs against its greedy generate, chat prompts against its chat 
 
 ``test_every_schema_field_is_honoured_or_refused_by_name`` walks the field lists of OpenAI's and
 vLLM's request schemas (tests/data/request_fields.json) and asserts, for each, a 200 or a 400
-whose ``param`` names it."""
+whose ``param`` names it; ``test_every_agent_api_field_is_honoured_or_refused_by_name`` does the
+same for the Responses and Messages APIs (OpenAI's, Anthropic's and vLLM's fields)."""
 
 from __future__ import annotations
 
@@ -133,6 +134,47 @@ def test_prompt_logprobs_equal_hf_concurrently_streamed_or_not_and_after_a_cache
     )
     ids = _tokenizer(model).encode_chat([{"role": "user", "content": "Hello there, friend"}])
     _check_prompt_logprobs(model, ids, chat["prompt_logprobs"], 2)
+
+
+def _no_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json.loads' object hook: a key twice in one JSON object fails (a dict would keep one)."""
+    keys = [k for k, _ in pairs]
+    assert len(keys) == len(set(keys)), keys
+    return dict(pairs)
+
+
+@pytest.mark.parametrize("router_name", ["pd", "decode_only", "colocated"])
+def test_a_prompt_token_that_is_the_top_one_is_listed_once_as_vllm_lists_it(api_cluster, router_name):
+    """A prompt whose later tokens are the model's greedy choices: at those positions the token is
+    the top-1, and its entry (rank 1) is the one listed, once, beside the other N-1, in the raw
+    JSON of completions (whole and streamed) and completions' echo, on every path."""
+    model, routers, _ = api_cluster
+    router = routers[router_name]
+    start = _prompts(91, [9])[0]
+    prompt = start + hf_greedy(str(model), start, 6)
+    base = {"model": model.name, "temperature": 0, "max_tokens": 1}
+    replies = [
+        httpx.post(
+            router.url + "/v1/completions", json={**base, "prompt": prompt, "prompt_logprobs": 3}, timeout=120
+        ),
+        httpx.post(
+            router.url + "/v1/completions",
+            json={**base, "prompt": prompt, "logprobs": 3, "echo": True},
+            timeout=120,
+        ),
+    ]
+    whole, echo = (json.loads(r.text, object_pairs_hook=_no_repeated_keys)["choices"][0] for r in replies)
+    streamed = [
+        e["choices"][0]
+        for e in _stream(router, "/v1/completions", {**base, "prompt": prompt, "prompt_logprobs": 3})
+    ]
+    for entries in (whole["prompt_logprobs"], streamed[0]["prompt_logprobs"]):
+        for position in range(len(start), len(prompt)):  # the greedy tokens: each its position's top-1
+            entry = entries[position]
+            assert entry[str(prompt[position])]["rank"] == 1 and len(entry) == 3, entry
+    for position in range(len(start), len(prompt)):
+        top = echo["logprobs"]["top_logprobs"][position]
+        assert len(top) == 3 and max(top.values()) == echo["logprobs"]["token_logprobs"][position]
 
 
 def _echo_scores(router, model, prompt: list[int], max_tokens: int, stream: bool) -> dict:
@@ -647,6 +689,72 @@ def test_every_schema_field_is_honoured_or_refused_by_name(cluster, endpoint):
             assert reply.status_code == 200, (field, reply.text)
     unknown = httpx.post(routers["pd"].url + path, json={**base, "guided_regexp": "a+"}, timeout=60)
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "guided_regexp"
+
+
+# The agent APIs' walk: per endpoint, its path, a minimal body, what some fields need beside them,
+# and how a refusal names the field (OpenAI's param; Anthropic's shape has none, its message does).
+AGENT_APIS = {
+    "responses": ("/v1/responses", {"input": "Hi", "max_output_tokens": 2, "temperature": 0}),
+    "messages": ("/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+}
+AGENT_NEEDS = {
+    "responses": {
+        "stream_options": {"stream": True},
+        "tools": {"tool_choice": "none"},
+        "top_logprobs": {"include": ["message.output_text.logprobs"]},
+    },
+    "messages": {
+        "tools": {"tool_choice": {"type": "none"}},
+        "tool_choice": {"tools": [{"name": "f", "input_schema": {}}]},
+    },
+}
+
+
+def _refusal_names(endpoint: str, reply: httpx.Response, field: str) -> bool:
+    body = reply.json()
+    if endpoint == "messages":
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+        return re.search(rf"\b{re.escape(field)}\b", body["error"]["message"]) is not None
+    return body["error"]["param"] == field
+
+
+@pytest.mark.parametrize("endpoint", ["responses", "messages"])
+def test_every_agent_api_field_is_honoured_or_refused_by_name(cluster, endpoint):
+    """The Responses and Messages APIs' fields, OpenAI's or Anthropic's and vLLM's
+    (tests/data/request_fields.json), each a 200 or a 400 naming it, in the API's own error shape."""
+    model, routers, _ = cluster
+    router = routers["pd"]
+    fields = sorted(set().union(*FIELDS[endpoint].values()))  # each source's names
+    honoured, refused = SAMPLES[endpoint]["honoured"], SAMPLES[endpoint]["refused"]
+    unclassified = [f for f in fields if f not in honoured and f not in refused]
+    assert not unclassified, f"classify these fields: {unclassified}"
+    path, minimal = AGENT_APIS[endpoint]
+    base = {"model": model.name, **minimal}
+    if endpoint == "responses":  # a stored response to continue from
+        honoured = {**honoured, "previous_response_id": _post(router, path, base)["id"]}
+
+    def send(field: str) -> tuple[str, httpx.Response]:
+        if field in refused:
+            body = {**base, field: refused[field]}
+        else:
+            body = {**base, **AGENT_NEEDS[endpoint].get(field, {}), field: honoured[field]}
+        if body.get("stream"):
+            with httpx.stream("POST", router.url + path, json=body, timeout=60) as reply:
+                reply.read()
+                return field, reply
+        return field, httpx.post(router.url + path, json=body, timeout=60)
+
+    walk = [f for f in fields if f not in ("model", "input", "messages")]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        replies = dict(pool.map(send, walk))
+    for field, reply in replies.items():
+        if field in refused:
+            assert reply.status_code == 400, (field, reply.text)
+            assert _refusal_names(endpoint, reply, field), (field, reply.text)
+        else:
+            assert reply.status_code == 200, (field, reply.text)
+    unknown = httpx.post(router.url + path, json={**base, "bogus_field": 1}, timeout=60)
+    assert unknown.status_code == 400 and _refusal_names(endpoint, unknown, "bogus_field")
 
 
 def _beam_choices(router, path: str, body: dict, stream: bool) -> list[dict]:
