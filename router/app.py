@@ -26,12 +26,13 @@ from pdserve.protocol.channel_auth import ChannelAuth
 from pdserve.protocol.cluster_key import load_key
 from pdserve.protocol.model_digest import model_digest, weight_files
 from pdserve.protocol.registry import Role
-from pdserve.router import jobs, metrics, policy, roles, serving, tokenize_api
+from pdserve.router import jobs, messages_api, metrics, policy, responses_api, roles, serving, tokenize_api
 from pdserve.router.admission import Admission, Stage
 from pdserve.router.config import RouterConfig
-from pdserve.router.errors import APIError, bad_request
+from pdserve.router.errors import APIError, bad_request, error_response_parts
 from pdserve.router.generation import Backend
 from pdserve.router.lora import Adapter, AdapterTable, LoadBody, UnloadBody
+from pdserve.router.messages_schema import CountTokensBody, MessagesBody
 from pdserve.router.node_client import NodeClient
 from pdserve.router.openai_schema import (
     BatchChatBody,
@@ -42,6 +43,9 @@ from pdserve.router.openai_schema import (
     validation_error,
 )
 from pdserve.router.registry_client import NodeRegistry, RedisRegistry, StaticRegistry
+from pdserve.router.request_limits import Limits
+from pdserve.router.response_store import ResponseStore, not_found
+from pdserve.router.responses_schema import ResponsesBody
 from pdserve.router.scaling_log import DecisionBody
 from pdserve.router.tokenizer import Tokenizer
 
@@ -56,12 +60,18 @@ class RouterState:
     admission: Admission
     backend: Backend
     adapters: AdapterTable  # the LoRA adapters requests may name (router/lora.py)
+    responses: ResponseStore  # the Responses API's stored responses (router/response_store.py)
     num_requests_running: int = 0  # generation requests under way, whole or streaming (GET /load)
 
     def max_model_len(self) -> int:
         """The smallest context of the live nodes, else the model's own."""
         lens = [n.max_model_len for n in self.backend.registry.snapshot()]
         return min(lens) if lens else self.tokenizer.max_model_len
+
+    def limits(self) -> Limits:
+        """What one request may ask for (router.request_limits)."""
+        config = self.config
+        return Limits(config.max_n, config.max_logprobs, config.max_logprob_entries)
 
     def check_model(self, model: str | None) -> Adapter | None:
         """The LoRA adapter ``model`` names, None for the base model; a 404 for any other name."""
@@ -131,7 +141,8 @@ def _router_state(
     """The app's state: the served model's name, and the LoRA adapters requests may name."""
     name = config.served_model_name or pathlib.Path(config.model).name
     adapters = AdapterTable((name, config.model), config.lora_modules)
-    return RouterState(config, name, tokenizer, admission, backend, adapters)
+    store = ResponseStore(config.responses_store_size, config.responses_store_ttl_s)
+    return RouterState(config, name, tokenizer, admission, backend, adapters, store)
 
 
 def _backend(
@@ -150,7 +161,14 @@ def _backend(
 GUARDED_PATHS = ("/v1", "/tokenize", "/detokenize", "/admin", "/invocations")  # what --api-key protects
 # What GET /load counts while they run, streams to their last byte (vLLM's server load tracking).
 LOAD_TRACKED_PATHS = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/invocations"}
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/chat/completions/batch",
+        "/v1/responses",
+        "/v1/messages",
+        "/invocations",
+    }
 )
 try:
     PDSERVE_VERSION = importlib.metadata.version("pdserve")
@@ -162,20 +180,25 @@ def _state(request: Request) -> RouterState:
     return request.app.state.router
 
 
+def error_response(path: str, error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    """``error`` in the shape of the API ``path`` belongs to (Anthropic's on /v1/messages)."""
+    body, status = error_response_parts(path, error)
+    return JSONResponse(body, status, headers={**error.headers(), **(headers or {})})
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), exc.status, headers=exc.headers())
+        return error_response(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = validation_error(list(exc.errors()))
-        return JSONResponse(err.body(), err.status)
+        return error_response(request.url.path, validation_error(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = APIError(exc.status_code, str(exc.detail))
-        return JSONResponse(err.body(), exc.status_code, headers=exc.headers)
+        return error_response(request.url.path, err, dict(exc.headers or {}))
 
 
 class _Guard:
@@ -192,8 +215,12 @@ class _Guard:
         guarded = GUARDED_PATHS + (("/metrics",) if config.metrics_auth else ())
         if config.api_key is not None and scope["path"].startswith(guarded):
             # Constant time: how long the check takes says nothing of how much of the key matched.
-            given, wanted = headers.get("authorization", b""), f"Bearer {config.api_key}".encode()
-            if not hmac.compare_digest(given, wanted):
+            # Anthropic's clients send x-api-key: KEY, OpenAI's Authorization: Bearer KEY.
+            bearer = hmac.compare_digest(
+                headers.get("authorization", b""), f"Bearer {config.api_key}".encode()
+            )
+            api_key = hmac.compare_digest(headers.get("x-api-key", b""), config.api_key.encode())
+            if not (bearer or api_key):
                 return APIError(401, "missing or wrong API key", None, "invalid_api_key")
         length = headers.get("content-length", b"").decode("latin-1")
         if length.isdigit() and int(length) > config.max_body_bytes:
@@ -247,16 +274,22 @@ class _Guard:
             load.num_requests_running += 1
         try:
             if error is not None:
-                await JSONResponse(error.body(), error.status, headers=error.headers())(
-                    scope, receive, send_and_note
-                )
+                await error_response(scope["path"], error)(scope, receive, send_and_note)
             else:
                 await self.app(scope, receive, send_and_note)
         finally:
             if load is not None:
                 load.num_requests_running -= 1
         if scope["path"].startswith("/v1/") and scope["method"] == "POST" and state is not None:
-            state.backend.metrics.requests.labels(endpoint=scope["path"], outcome=str(status)).inc()
+            endpoint = _endpoint_label(scope["path"])
+            state.backend.metrics.requests.labels(endpoint=endpoint, outcome=str(status)).inc()
+
+
+def _endpoint_label(path: str) -> str:
+    """The endpoint as /metrics labels it: a response id is not a label value (unbounded)."""
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}" + ("/cancel" if path.endswith("/cancel") else "")
+    return path
 
 
 def _has_body_without_length(scope) -> bool:
@@ -300,9 +333,62 @@ def _add_routes(app: FastAPI) -> None:
         state.check_model(body.model)
         return tokenize_api.detokenize(body, state.tokenizer)
 
-    _add_admin_routes(app)
-    _add_lora_routes(app)
+    for add in (_add_responses_routes, _add_messages_routes, _add_admin_routes, _add_lora_routes):
+        add(app)
     _add_info_routes(app)
+
+
+def _add_responses_routes(app: FastAPI) -> None:
+    """OpenAI's Responses API over the chat completions path (router/responses_api.py)."""
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesBody, request: Request) -> Response:
+        store = _state(request).responses
+        history = store.history(body.previous_response_id) if body.previous_response_id else []
+        chat = responses_api.chat_body(body, history)
+        presenter = responses_api.ResponsesPresenter(body, store)
+        return await _generate(responses_api.responses_job, chat, request, presenter)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> dict:
+        entry = _state(request).responses.get(response_id)
+        if entry is None:
+            raise not_found(response_id, None)
+        return entry.body
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> dict:
+        if not _state(request).responses.delete(response_id):
+            raise not_found(response_id, None)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, request: Request) -> dict:
+        if _state(request).responses.get(response_id) is None:
+            raise not_found(response_id, None)
+        raise bad_request(
+            "only background responses can be cancelled, and pdserve runs none in the background "
+            "(background: true is refused)",
+            "background",
+        )
+
+
+def _add_messages_routes(app: FastAPI) -> None:
+    """Anthropic's Messages API over the chat completions path (router/messages_api.py); its
+    errors take Anthropic's shape (``error_response``)."""
+
+    @app.post("/v1/messages")
+    async def create_message(body: MessagesBody, request: Request) -> Response:
+        chat = messages_api.chat_body(body)
+        return await _generate(messages_api.messages_job, chat, request, messages_api.MessagesPresenter())
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensBody, request: Request) -> dict:
+        state = _state(request)
+        chat = messages_api.chat_body(body)
+        state.check_model(chat.model)
+        args = (chat, state.tokenizer, state.max_model_len(), state.limits())
+        return await asyncio.to_thread(messages_api.count_tokens, *args)
 
 
 def _add_lora_routes(app: FastAPI) -> None:
@@ -405,17 +491,23 @@ def _health(nodes) -> tuple[bool, dict]:
 MakeJob = Callable[..., jobs.Job]  # router.jobs' completion_job, chat_job, batch_chat_job
 
 
-async def _generate(make_job: MakeJob, body: CompletionBody | ChatBody, request: Request) -> Response:
-    """A generation endpoint: the body checked into a Job (off the event loop: it tokenizes), then served."""
+async def _generate(
+    make_job: MakeJob,
+    body: CompletionBody | ChatBody,
+    request: Request,
+    presenter: serving.Presenter = serving.OPENAI,
+) -> Response:
+    """A generation endpoint: the body checked into a Job (off the event loop: it tokenizes), then
+    served and written by ``presenter`` (OpenAI's shapes, or the Responses or Messages API's)."""
     state = _state(request)
     adapter = state.check_model(body.model)
     max_model_len = state.max_model_len()
-    job = await asyncio.to_thread(make_job, body, state.tokenizer, max_model_len, state.config.max_n)
+    job = await asyncio.to_thread(make_job, body, state.tokenizer, max_model_len, state.limits())
     if adapter is not None:
         params = dataclasses.replace(job.params, adapter=adapter.name, adapter_path=adapter.path)
         job = dataclasses.replace(job, params=params, adapter_rank=adapter.rank)
         state.backend.metrics.lora_requests.labels(adapter=adapter.name).inc()
-    return await _serve(state, job, max_model_len, request, adapter)
+    return await _serve(state, job, max_model_len, request, adapter, presenter)
 
 
 async def _json_object(request: Request) -> dict:
@@ -445,8 +537,13 @@ def _invocation_kind(body: dict) -> tuple[type[CompletionBody | ChatBody], MakeJ
 
 
 async def _serve(
-    state: RouterState, job: jobs.Job, max_model_len: int, request: Request, adapter: Adapter | None = None
+    state: RouterState,
+    job: jobs.Job,
+    max_model_len: int,
+    request: Request,
+    adapter: Adapter | None,
+    presenter: serving.Presenter,
 ) -> Response:
     name = state.model_name if adapter is None else adapter.name  # what the response says ran
     run = serving.JobRun(state.backend, state.tokenizer, state.admission, job, name, max_model_len)
-    return await serving.serve(run, request)
+    return await serving.serve(run, request, presenter)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from pdserve.router.errors import APIError
+from pdserve.router.route_trail import RouteTrail
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,3 +53,4 @@ class Progress:
     last_error: str = "no attempt made"
     migrating: Migrate | None = None  # why the sample is migrating
     replayable: bool = False  # after tokens and without migration, it may start over (not streamed)
+    trail: RouteTrail = dataclasses.field(default_factory=RouteTrail)  # where its attempts ran

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from pdserve.protocol.addresses import is_loopback, key_needed
+from pdserve.protocol.sampling_params import MAX_LOGPROBS
 from pdserve.protocol.settings import cluster_key_file_setting, redis_password_file_setting, setting
 
 # A decode node prefills a long prompt itself when it would wait this much longer behind the
@@ -16,6 +17,31 @@ from pdserve.protocol.settings import cluster_key_file_setting, redis_password_f
 # queueing: measured against off, 0.25 s and 1 s on two cores (bench/notes/serving.md, "Under load:
 # 48 requests a rate, three rounds", the margin).
 LOCAL_PREFILL_MARGIN_S = 0.5
+
+
+# Integer flags -> the least value each takes (RouterConfig.__post_init__)
+_LEAST = {
+    "disagg_threshold": 0,
+    "max_body_bytes": 0,
+    "max_migrations": 0,
+    "responses_store_size": 0,
+    "max_logprobs": -1,  # vLLM's -1: the whole vocabulary
+    "max_inflight_prefill": 1,
+    "max_inflight_decode": 1,
+    "max_n": 1,
+    "max_attempts": 1,
+    "max_logprob_entries": 1,
+}
+# Durations that must be > 0
+_POSITIVE = (
+    "chunk_timeout_s",
+    "request_ttl_s",
+    "reroute_wait_s",
+    "poll_interval_s",
+    "node_expiry_s",
+    "max_record_skew_s",
+    "responses_store_ttl_s",
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -83,6 +109,18 @@ class RouterConfig:
         1024, "sub-requests in flight in all; beyond: 429 (default: %(default)s)"
     )
     max_n: int = setting(16, "largest n (samples per prompt) one request may ask for (default: %(default)s)")
+    max_logprobs: int = setting(
+        MAX_LOGPROBS,
+        "most log-probabilities a request may ask for per position (logprobs, top_logprobs, "
+        "prompt_logprobs), as vLLM's flag: -1 asks for the whole vocabulary and counts as its size; "
+        "-1 here allows it (default: %(default)s)",
+    )
+    max_logprob_entries: int = setting(
+        1 << 20,
+        "log-probabilities one response may carry when a count past 20 is asked for (count x "
+        "positions x samples); each costs the router about 1 KB of memory and 10-20 us of its "
+        "event loop while the response is built (default: %(default)s)",
+    )
     chunk_timeout_s: float = setting(
         60.0,
         "seconds without a chunk after which a request is aborted, and retried when no token was "
@@ -122,6 +160,16 @@ class RouterConfig:
         "router's clock is refused as a replay (the clock skew allowed between machines) "
         "(default: %(default)s)",
     )
+    responses_store_size: int = setting(
+        1024,
+        "Responses API: responses kept for GET /v1/responses/{id} and previous_response_id, least "
+        "recently used out first; 0: none (default: %(default)s)",
+    )
+    responses_store_ttl_s: float = setting(
+        3600.0,
+        "Responses API: seconds a stored response is kept after it was last stored or used "
+        "(default: %(default)s)",
+    )
     max_body_bytes: int = 8 << 20  # larger request bodies get 413; no flag
     log_level: str = setting("info", "the router's log level", choices=("debug", "info", "warning", "error"))
 
@@ -134,23 +182,13 @@ class RouterConfig:
             raise ValueError(key_needed("the router", self.host))
         if self.metrics_auth and self.api_key is None:
             raise ValueError("--metrics-auth needs --api-key (the key /metrics would require)")
-        for name in ("disagg_threshold", "max_body_bytes", "max_migrations"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        for name in ("max_inflight_prefill", "max_inflight_decode", "max_n", "max_attempts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
+        for name, least in _LEAST.items():
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}")
         for name in ("ttft_slo_s", "tpot_slo_s"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
-        for name in (
-            "chunk_timeout_s",
-            "request_ttl_s",
-            "reroute_wait_s",
-            "poll_interval_s",
-            "node_expiry_s",
-            "max_record_skew_s",
-        ):
+        for name in _POSITIVE:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if not 0 < self.port < 65536:

@@ -56,5 +56,39 @@ class APIError(Exception):
         return headers
 
 
+# HTTP status -> Anthropic's error type (docs.anthropic.com's "Errors"); other 4xx: invalid_request_error
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PATHS = "/v1/messages"  # the paths whose errors take Anthropic's shape
+
+
+def anthropic_status(error: APIError) -> int:
+    """Anthropic's status for ``error``: no usable node (503) is its 529, overloaded."""
+    return 529 if error.status == 503 else error.status
+
+
+def anthropic_body(error: APIError) -> dict[str, Any]:
+    """``{"type": "error", "error": {"type", "message"}}``; the message names the field at fault."""
+    status = anthropic_status(error)
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    message = error.message
+    if error.param is not None and error.param.split(".")[0] not in message:
+        message = f"{error.param}: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_response_parts(path: str, error: APIError) -> tuple[dict[str, Any], int]:
+    """The body and status of ``error`` on ``path``: Anthropic's shape on its API, else OpenAI's."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return anthropic_body(error), anthropic_status(error)
+    return error.body(), error.status
+
+
 def bad_request(message: str, param: str | None, code: str | None = None) -> APIError:
     return APIError(400, message, param, code)

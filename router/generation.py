@@ -41,6 +41,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.node_client import NodeClient, NodeUnavailable
 from pdserve.router.policy import Route, RoutingPolicy
 from pdserve.router.registry_client import NodeRegistry
+from pdserve.router.route_trail import RouteTrail, warn_if_prefill_idle
 
 log = logging.getLogger(__name__)
 _LIVENESS_CHECK_S = 0.2  # how often a waiting sample checks that its nodes are still alive
@@ -138,11 +139,16 @@ def _usable_route(backend: Backend, sample: Sample, progress: Progress) -> Route
 
 
 async def run_sample(
-    backend: Backend, sample: Sample, ticket: Ticket, replay_after_tokens: bool = False
+    backend: Backend,
+    sample: Sample,
+    ticket: Ticket,
+    replay_after_tokens: bool = False,
+    trail: RouteTrail | None = None,
 ) -> AsyncGenerator[pm.TokenChunk | Replay, None]:
     """The sample's chunks, in order, the last with a finish_reason (or a Replay, then the chunks
-    of the replay, when ``replay_after_tokens`` and migration is off); APIError on failure."""
-    progress = Progress(replayable=replay_after_tokens)
+    of the replay, when ``replay_after_tokens`` and migration is off); APIError on failure.
+    ``trail``: where its attempts go is recorded there (router.route_trail)."""
+    progress = Progress(replayable=replay_after_tokens, trail=trail or RouteTrail())
     for attempt in itertools.count():
         route = await _route(backend, sample, progress)
         request_id = sample.request_id if attempt == 0 else f"{sample.request_id}.r{attempt}"
@@ -153,6 +159,7 @@ async def run_sample(
         if isinstance(result, Done):
             return
         if isinstance(result, Replay):
+            progress.trail.replayed()
             yield result
         if not _count(backend, sample, progress, result, attempt):
             break
@@ -180,7 +187,8 @@ async def _attempt(
     try:
         node_params = dataclasses.replace(sample.params, stop=())  # stop strings: the router's
         await _send(backend, route, request_id, sample, node_params, tuple(progress.relayed))
-        async for chunk in _relay(backend, route, queue, sample, ticket, len(progress.relayed)):
+        _note_route(backend, route, sample, progress)
+        async for chunk in _relay(backend, route, queue, sample, ticket, progress):
             finished = chunk.finish_reason is not None
             progress.relayed.extend(chunk.token_ids)
             yield chunk
@@ -194,6 +202,16 @@ async def _attempt(
         backend.policy.finish(request_id)
         if not finished:
             _abort(backend, route, request_id)
+
+
+def _note_route(backend: Backend, route: Route, sample: Sample, progress: Progress) -> None:
+    """Record the attempt just sent on the sample's trail; warn when a prompt that could have
+    been disaggregated is prefilled locally beside an idle prefill pool."""
+    resumed = bool(progress.relayed)
+    progress.trail.sent(route, resumed)
+    leg = progress.trail.current
+    if not resumed and leg is not None:
+        warn_if_prefill_idle(route, leg, len(sample.prompt_ids), backend.registry.snapshot())
 
 
 def _after_tokens(config: RouterConfig, route: Route, progress: Progress, exc: APIError) -> Outcome:
@@ -278,10 +296,11 @@ async def _relay(
     queue: asyncio.Queue[pm.TokenChunk | pm.RequestFailed],
     sample: Sample,
     ticket: Ticket,
-    start: int = 0,
+    progress: Progress,
 ) -> AsyncIterator[pm.TokenChunk]:
-    """One attempt's chunks; ``start``: the tokens a migrated sample resumes after (its TTFT was
-    counted already when there are any)."""
+    """One attempt's chunks, from the tokens a migrated sample resumes after (its TTFT was
+    counted already when there are any); its first one is booked on the sample's trail."""
+    start = len(progress.relayed)
     resumed = start > 0
     num_tokens = 0
     first_token_time = 0.0
@@ -296,6 +315,7 @@ async def _relay(
             first_token_time = time.time()
             ticket.release(Stage.PREFILL)
             backend.policy.remember_prefix(route)
+            _first_output(backend, progress.trail, resumed)
             if not resumed:
                 backend.metrics.ttft.observe(first_token_time - sample.arrival_time)
         num_tokens += len(msg.token_ids)
@@ -305,6 +325,15 @@ async def _relay(
         yield msg
         if msg.finish_reason is not None:
             return
+
+
+def _first_output(backend: Backend, trail: RouteTrail, resumed: bool) -> None:
+    """An attempt's first token: the trail knows which leg served; a sample's first counts in
+    /metrics by its path and reason."""
+    trail.first_output()
+    leg = trail.served
+    if not resumed and leg is not None:
+        backend.metrics.paths.labels(path=str(leg.path), reason=str(leg.reason or "none")).inc()
 
 
 def _reply_timeout_s(config: RouterConfig, sample: Sample) -> float:

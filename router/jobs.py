@@ -11,7 +11,7 @@ import dataclasses
 import re
 from typing import Any
 
-from pdserve.protocol.sampling_params import MAX_LOGPROBS, BeamSearch, SamplingParams
+from pdserve.protocol.sampling_params import BeamSearch, SamplingParams
 from pdserve.router.errors import APIError, bad_request
 from pdserve.router.openai_schema import (
     UNSUPPORTED,
@@ -21,14 +21,9 @@ from pdserve.router.openai_schema import (
     _SamplingFields,
     reads_as,
 )
-from pdserve.router.structured import Structured, ToolCallPlan, check_token_rules, structured
+from pdserve.router.request_limits import Limits, check_prompt_wire
+from pdserve.router.structured import Structured, ToolCallPlan, check_in_vocab, check_token_rules, structured
 from pdserve.router.tokenizer import ChatTemplateError, Tokenizer
-
-# vLLM's -1 (prompt_logprobs, top_logprobs, completions' logprobs) lists the whole vocabulary at
-# every position. A response carries at most this many such entries (vocabulary size x positions
-# x samples): SmolLM2's 49,152 tokens at 21 positions, tens of megabytes of JSON. Past it: a 400
-# naming the field.
-MAX_WHOLE_VOCAB_ENTRIES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -192,43 +187,27 @@ def _chat_prompt_ids(body: ChatBody, messages: list[dict], tokenizer: Tokenizer)
         raise bad_request(str(exc), "messages") from None
 
 
-def _check_common(body: _SamplingFields, max_n: int, tokenizer: Tokenizer) -> Structured:
+def _check_common(body: _SamplingFields, limits: Limits, tokenizer: Tokenizer) -> Structured:
     """Checks both endpoints share; the body's constraints (router.structured)."""
     _check_unsupported(body)
     for name, value in body.model_dump().items():
         _check_unicode(value, name)
-    if body.n > max_n:
-        raise bad_request(f"n must be <= {max_n}, got {body.n}", "n")
+    if body.n > limits.max_n:
+        raise bad_request(f"n must be <= {limits.max_n}, got {body.n}", "n")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if body.stream_options is not None and body.stream_options.min_characters is not None:
+        raise bad_request(
+            "stream_options.min_characters is not supported: it is in neither vLLM's nor OpenAI's "
+            "stream options (vLLM ignores it as an unknown field), and streamed deltas go out as they "
+            "come, never held back to a minimum size",
+            "stream_options.min_characters",
+        )
     if body.truncation_side is not None and body.truncate_prompt_tokens is None:
         raise bad_request("truncation_side needs truncate_prompt_tokens", "truncation_side")
     check_token_rules(body, tokenizer.vocab_size)
     _check_logprob_token_ids(body.logprob_token_ids, tokenizer.vocab_size)
     return structured(body, tokenizer)
-
-
-def _top_count(value: int | None, field: str, vocab_size: int) -> int | None:
-    """A count of alternatives as the engine takes it: -1 (vLLM's whole vocabulary) as its size."""
-    if value == -1:
-        return vocab_size
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise bad_request(
-            f"{field} must be in [0, {MAX_LOGPROBS}] or -1 (the whole vocabulary), got {value}", field
-        )
-    return value
-
-
-def _check_whole_vocab(field: str, value: int | None, vocab_size: int, positions: int) -> None:
-    """A 400 naming ``field`` when its -1 lists more than MAX_WHOLE_VOCAB_ENTRIES entries."""
-    if value != -1 or vocab_size * positions <= MAX_WHOLE_VOCAB_ENTRIES:
-        return
-    raise bad_request(
-        f"{field}: -1 lists the whole vocabulary ({vocab_size} tokens) at {positions} positions, "
-        f"{vocab_size * positions} entries, more than the {MAX_WHOLE_VOCAB_ENTRIES} a response may "
-        "carry (MAX_WHOLE_VOCAB_ENTRIES); ask for fewer positions or a count in [0, 20]",
-        field,
-    )
 
 
 def _prompt_positions(prompts: tuple[Prompt, ...], n: int) -> int:
@@ -242,11 +221,10 @@ def _output_positions(prompts: tuple[Prompt, ...], n: int, max_tokens: int | Non
 
 
 def _check_logprob_token_ids(ids: list[int] | None, vocab_size: int) -> None:
-    if ids is not None and (not ids or any(not 0 <= t < vocab_size for t in ids)):
-        raise bad_request(
-            f"logprob_token_ids must be a non-empty list of token ids in [0, {vocab_size})",
-            "logprob_token_ids",
-        )
+    """vLLM's words (vllm/sampling_params.py, SamplingParams._validate_logprobs)."""
+    if ids is not None and not ids:
+        raise bad_request("`logprob_token_ids` must not be an empty list.", "logprob_token_ids")
+    check_in_vocab(ids, "logprob_token_ids", vocab_size)
 
 
 def _num_top(logprobs: int | None, chosen: list[int] | None) -> int | None:
@@ -300,23 +278,27 @@ def _check_fits(prompts: tuple[Prompt, ...], max_tokens: int | None, max_model_l
 
 
 def _check_token_ids(prompts: list[list[int]], vocab_size: int) -> None:
+    """Token-id prompts inside the vocabulary. Past its end: vLLM's words, which name the largest
+    id (vllm/v1/engine/input_processor.py, _validate_model_input); vLLM's schema refuses a
+    negative id before that, with pydantic's words for a field, so pdserve says it in its own."""
     for ids in prompts:
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")
+        if ids and max(ids) >= vocab_size:
+            raise bad_request(f"Token id {max(ids)} is out of vocabulary", "prompt")
+        if ids and min(ids) < 0:
+            raise bad_request(f"token ids must be >= 0, got {min(ids)}", "prompt")
 
 
-def completion_job(body: CompletionBody, tokenizer: Tokenizer, max_model_len: int, max_n: int) -> Job:
+def completion_job(body: CompletionBody, tokenizer: Tokenizer, max_model_len: int, limits: Limits) -> Job:
     # vLLM's words, which clients match on (a non-empty prompt_embeds is refused by name below)
     if (body.prompt is None or body.prompt in ("", [])) and not body.prompt_embeds:
         raise bad_request("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
-    rules = _check_common(body, max_n, tokenizer)
+    rules = _check_common(body, limits, tokenizer)
     no_output = body.max_tokens == 0
     _check_completion_fields(body, no_output)
     max_tokens = 1 if no_output else body.max_tokens  # the nodes make one token; it is not returned
     vocab = tokenizer.vocab_size
-    logprobs = _top_count(body.logprobs, "logprobs", vocab)
-    asked_prompt_logprobs = _top_count(body.prompt_logprobs, "prompt_logprobs", vocab)
+    logprobs = limits.top_count(body.logprobs, "logprobs", vocab)
+    asked_prompt_logprobs = limits.top_count(body.prompt_logprobs, "prompt_logprobs", vocab)
     # echo with logprobs scores the echoed prompt too, as vLLM does (lm-eval's loglikelihood)
     prompt_logprobs = asked_prompt_logprobs
     if body.echo and logprobs is not None:
@@ -324,7 +306,10 @@ def completion_job(body: CompletionBody, tokenizer: Tokenizer, max_model_len: in
     params = _sampling_params(body, max_tokens, logprobs, rules, prompt_logprobs)
     prompts = _completion_prompts(body, tokenizer, max_model_len)
     _check_fits(prompts, max_tokens, max_model_len, "prompt")
-    _check_completion_vocab(body, prompts, vocab, 0 if no_output else max_tokens, max_model_len)
+    _check_logprob_sizes(limits, prompts, body.n, (asked_prompt_logprobs, prompt_logprobs))
+    echoed = _prompt_positions(prompts, body.n) if body.echo else 0
+    output = 0 if no_output else _output_positions(prompts, body.n, max_tokens, max_model_len)
+    limits.check_entries("logprobs", logprobs, echoed + output)
     return Job(
         False,
         tuple(prompts),
@@ -356,15 +341,14 @@ def _check_completion_fields(body: CompletionBody, no_output: bool) -> None:
         )
 
 
-def _check_completion_vocab(
-    body: CompletionBody, prompts: tuple[Prompt, ...], vocab: int, max_tokens: int | None, max_model_len: int
+def _check_logprob_sizes(
+    limits: Limits, prompts: tuple[Prompt, ...], n: int, prompt_logprobs: tuple[int | None, int | None]
 ) -> None:
-    """The whole vocabulary (-1) at every position it is asked for, within the bound:
-    ``max_tokens`` 0 where no output is returned."""
-    _check_whole_vocab("prompt_logprobs", body.prompt_logprobs, vocab, _prompt_positions(prompts, body.n))
-    echoed = _prompt_positions(prompts, body.n) if body.echo else 0
-    output = 0 if max_tokens == 0 else _output_positions(prompts, body.n, max_tokens, max_model_len)
-    _check_whole_vocab("logprobs", body.logprobs, vocab, echoed + output)
+    """Prompt log-probabilities within the response's bound (as asked) and one node message's (as
+    the engine computes them: with echo, completions' logprobs count too) (router.request_limits)."""
+    asked, computed = prompt_logprobs
+    limits.check_entries("prompt_logprobs", asked, _prompt_positions(prompts, n))
+    check_prompt_wire(computed, max(len(p.token_ids) for p in prompts))
 
 
 def _completion_prompts(body: CompletionBody, tokenizer: Tokenizer, max_model_len: int) -> tuple[Prompt, ...]:
@@ -386,18 +370,18 @@ def _completion_prompts(body: CompletionBody, tokenizer: Tokenizer, max_model_le
     return tuple(prompts)
 
 
-def chat_job(body: ChatBody, tokenizer: Tokenizer, max_model_len: int, max_n: int) -> Job:
-    return _chat_job(body, [body.messages], tokenizer, max_model_len, max_n)
+def chat_job(body: ChatBody, tokenizer: Tokenizer, max_model_len: int, limits: Limits) -> Job:
+    return _chat_job(body, [body.messages], tokenizer, max_model_len, limits)
 
 
-def batch_chat_job(body: BatchChatBody, tokenizer: Tokenizer, max_model_len: int, max_n: int) -> Job:
+def batch_chat_job(body: BatchChatBody, tokenizer: Tokenizer, max_model_len: int, limits: Limits) -> Job:
     """vLLM's batched chat: one prompt per conversation, answered whole (vLLM streams none of it
     and takes no tools either)."""
     if body.stream:
         raise bad_request("the batched chat endpoint does not stream; send stream: false", "stream")
     if body.tools:
         raise bad_request("the batched chat endpoint takes no tools; use /v1/chat/completions", "tools")
-    return _chat_job(body, body.messages, tokenizer, max_model_len, max_n, batched=True)
+    return _chat_job(body, body.messages, tokenizer, max_model_len, limits, batched=True)
 
 
 def _chat_job(
@@ -405,12 +389,11 @@ def _chat_job(
     conversations: list,
     tokenizer: Tokenizer,
     max_model_len: int,
-    max_n: int,
+    limits: Limits,
     batched: bool = False,
 ) -> Job:
-    rules = _check_common(body, max_n, tokenizer)
-    vocab = tokenizer.vocab_size
-    logprobs, prompt_logprobs = _chat_logprobs(body, vocab)
+    rules = _check_common(body, limits, tokenizer)
+    logprobs, prompt_logprobs = _chat_logprobs(body, tokenizer.vocab_size, limits)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     try:
         params = _sampling_params(body, max_tokens, logprobs, rules, prompt_logprobs)
@@ -419,9 +402,9 @@ def _chat_job(
             exc.param = "max_completion_tokens"
         raise
     prompts = _chat_prompts(body, conversations, tokenizer, max_tokens, max_model_len, batched)
-    _check_whole_vocab("prompt_logprobs", body.prompt_logprobs, vocab, _prompt_positions(prompts, body.n))
+    _check_logprob_sizes(limits, prompts, body.n, (prompt_logprobs, prompt_logprobs))
     output = _output_positions(prompts, body.n, max_tokens, max_model_len)
-    _check_whole_vocab("top_logprobs", body.top_logprobs, vocab, output)
+    limits.check_entries("top_logprobs", logprobs, output)
     return Job(
         True,
         prompts,
@@ -438,14 +421,14 @@ def _chat_job(
     )
 
 
-def _chat_logprobs(body: ChatBody, vocab: int) -> tuple[int | None, int | None]:
+def _chat_logprobs(body: ChatBody, vocab: int, limits: Limits) -> tuple[int | None, int | None]:
     """(alternatives per output token, or None without logprobs; per prompt token, or None)."""
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
     if body.logprob_token_ids is not None and not body.logprobs:
         raise bad_request("logprob_token_ids needs logprobs to be true", "logprob_token_ids")
-    top_logprobs = _top_count(body.top_logprobs, "top_logprobs", vocab)
-    prompt_logprobs = _top_count(body.prompt_logprobs, "prompt_logprobs", vocab)
+    top_logprobs = limits.top_count(body.top_logprobs, "top_logprobs", vocab)
+    prompt_logprobs = limits.top_count(body.prompt_logprobs, "prompt_logprobs", vocab)
     return ((top_logprobs or 0) if body.logprobs else None), prompt_logprobs
 
 

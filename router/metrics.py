@@ -15,6 +15,7 @@ from prometheus_client.utils import floatToGoString
 
 from pdserve.protocol.registry import STEP_BUCKETS_S as BUCKETS_S
 from pdserve.protocol.registry import NodeInfo, Role
+from pdserve.router.route_trail import PATH_LABELS
 from pdserve.router.scaling_log import ScalingLog
 
 # What generate_latest writes. Not CONTENT_TYPE_LATEST: since prometheus-client 0.22 that says
@@ -109,6 +110,15 @@ class RouterMetrics:
             ["prefill"],
             registry=reg,
         )
+        self.paths = Counter(
+            "pdserve_request_paths_total",
+            "Samples by the path of the attempt that produced their first token (the x-pdserve-path "
+            "header): disaggregated, local-prefill or colocated, and for local-prefill the reason.",
+            ["path", "reason"],
+            registry=reg,
+        )
+        for path, why in PATH_LABELS:
+            self.paths.labels(path=str(path), reason=str(why or "none"))
 
     def _declare_waits(self) -> None:
         self.node_waits = Counter(

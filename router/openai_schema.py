@@ -78,6 +78,10 @@ class StreamOptions(pydantic.BaseModel):
     include_usage: LaxBool = False  # one last chunk with usage and no choices
     # vLLM: usage so far on every chunk; as in vLLM, only together with include_usage (alone: no usage)
     continuous_usage_stats: LaxBool = False
+    # In neither vLLM's StreamOptions (include_usage, continuous_usage_stats) nor OpenAI's (plus
+    # include_obfuscation); vLLM lets unknown fields through and ignores them. Declared to be
+    # refused by name (router.jobs): deltas go out as they come, never held to a minimum size.
+    min_characters: Any = None
 
 
 class StructuredOutputs(pydantic.BaseModel):
@@ -210,8 +214,9 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_whitespace_pattern": ((), "JSON whitespace patterns are not implemented"),
     "store": ((False,), "requests are not stored"),
     "service_tier": (("auto", "default"), "service tiers are not implemented"),
-    # Not in vLLM's protocol files read for tests/data/request_fields.json; refused by name all the
-    # same: a minimum size for streamed deltas would be a buffering option, and deltas go out as they come.
+    # In neither vLLM's request schemas nor OpenAI's (StreamOptions.min_characters neither; see
+    # there); refused by name: a minimum size for streamed deltas would be a buffering option, and
+    # deltas go out as they come.
     "min_characters": ((), "streamed deltas go out as they come; no minimum delta size is implemented"),
     "prompt_embeds": (([],), "prompt embeddings are not implemented; send text or token ids"),
     "chat_template": ((), "request chat templates are refused: the model's own template applies"),
@@ -347,7 +352,37 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         return bad_request(f"request body is not valid JSON: {first.get('msg')}", None)
     if first.get("type") == "missing":
         return bad_request(f"{param} is required", param)
+    if first.get("type") in _BOUND_ERRORS:
+        return bad_request(vllm_validation_message(errors), param)
     return bad_request(f"{param}: {first.get('msg')}", param)
+
+
+# pydantic's bound errors: the only ones the request schemas raise that vLLM's raise alike
+# (``seed``'s signed 64-bit range), so the whole message can be vLLM's.
+_BOUND_ERRORS = frozenset({"less_than_equal", "greater_than_equal"})
+
+
+def vllm_validation_message(errors: list[dict[str, Any]]) -> str:
+    """vLLM's words for a body its schema refuses, which clients match on: the count, then each
+    error as pydantic gives it, its ``loc`` dotted and its ``input`` as text (at most 10), as
+    vllm/entrypoints/serve/exception_handling/handlers/validation.py writes them:
+
+        1 validation error:
+          {'type': 'less_than_equal', 'loc': 'body.seed', 'msg': 'Input should be less than or
+          equal to 9223372036854775807', 'input': '9223372036854775808', 'ctx': {'le': ...}}
+    """
+    label = "error" if len(errors) == 1 else "errors"
+    lines = [f"{len(errors)} validation {label}:"]
+    for error in errors[:10]:
+        shown = {k: error[k] for k in ("type", "loc", "msg", "input", "ctx") if k in error}
+        shown["loc"] = ".".join(str(part) for part in error.get("loc", ()))
+        if "input" in shown:
+            text = str(shown["input"])
+            shown["input"] = text if len(text) <= 200 else text[:200] + "...[truncated]"
+        lines.append(f"  {shown}")
+    if len(errors) > 10:
+        lines.append(f"  ...and {len(errors) - 10} more {label}")
+    return "\n".join(lines)
 
 
 _FIELD_NAMES = frozenset(

@@ -51,6 +51,35 @@ def envelope(
     return body
 
 
+# The top-level keys of vLLM's whole (not streamed) responses, in its order: it dumps every field
+# of its response models, null when unset (vllm/entrypoints/openai/chat_completion/protocol.py's
+# ChatCompletionResponse, completion/protocol.py's CompletionResponse), so its clients meet the
+# same keys on every response, /invocations' included. Streamed chunks carry only what is set.
+CHAT_KEYS = (
+    "id",
+    "object",
+    "created",
+    "model",
+    "choices",
+    "service_tier",
+    "system_fingerprint",
+    "usage",
+    "prompt_logprobs",
+    "prompt_token_ids",
+    "prompt_text",
+    "kv_transfer_params",
+    "ec_transfer_params",
+    "metrics",
+)
+COMPLETION_KEYS = tuple(k for k in CHAT_KEYS if not k.startswith("prompt_"))
+
+
+def with_vllm_keys(body: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """A whole response with vLLM's top-level ``keys`` in its order, null where pdserve has no
+    value, and any key of pdserve's own after them."""
+    return {**{key: body.get(key) for key in keys}, **{k: v for k, v in body.items() if k not in keys}}
+
+
 def sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -61,10 +90,12 @@ SSE_DONE = "data: [DONE]\n\n"
 class LogprobFormatter:
     """Token logprobs in the completions or chat shape."""
 
-    def __init__(self, tokenizer: Tokenizer, num_top: int, tokens_as_ids: bool) -> None:
+    def __init__(self, tokenizer: Tokenizer, num_top: int, tokens_as_ids: bool, chosen: bool = False) -> None:
         self._tokenizer = tokenizer
         self._num_top = num_top  # alternatives per token
         self._tokens_as_ids = tokens_as_ids  # "token_id:N" instead of the token's text
+        # logprob_token_ids: the alternatives are those ids, and the sampled token leads them
+        self._chosen = chosen
 
     def token(self, token_id: int) -> str:
         return f"token_id:{token_id}" if self._tokens_as_ids else self._tokenizer.token_text(token_id)
@@ -127,10 +158,20 @@ class LogprobFormatter:
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
         content = [
-            {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in self._top(e)]}
+            {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in self._chat_top(e)]}
             for e in entries
         ]
         return {"content": content}
+
+    def _chat_top(self, entry: TokenLogprobs) -> list[tuple[int, float]]:
+        """Chat's alternatives. With logprob_token_ids, vLLM lists every entry the engine gave for
+        the position, the sampled token first and the chosen ids after it in the order asked, each
+        once (vllm/entrypoints/openai/chat_completion/serving.py, _create_chat_logprobs, on both
+        chat endpoints; the sampler puts the sampled token in column 0)."""
+        top = self._top(entry)
+        if not self._chosen:
+            return top
+        return [(entry.token_id, entry.logprob), *((t, lp) for t, lp in top if t != entry.token_id)]
 
 
 OPENAI_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}

@@ -42,6 +42,11 @@ class SampleState:
     def text(self) -> str:
         return self._stops.matcher.text
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string the output ended at (None: it did not end at one)."""
+        return self._stops.matcher.matched if self._stops.matcher.stopped else None
+
     def on_chunk(self, chunk: pm.TokenChunk) -> SampleDelta:
         assert self.finish_reason is None, "chunk after the sample finished"
         if chunk.is_first or self.num_output_tokens == 0:

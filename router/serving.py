@@ -24,6 +24,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -36,6 +37,7 @@ from pdserve.router.attempts import Replay
 from pdserve.router.errors import APIError
 from pdserve.router.generation import Backend, Sample, run_sample
 from pdserve.router.jobs import Job, Prompt
+from pdserve.router.route_trail import RouteTrail, headers, route_notice
 from pdserve.router.sample_state import SampleDelta, SampleState
 from pdserve.router.structured import tool_calls
 from pdserve.router.tokenizer import Tokenizer
@@ -85,7 +87,21 @@ class JobRun:
         self._events: asyncio.Queue[tuple[int, SampleDelta | APIError]] = asyncio.Queue(_EVENT_QUEUE_SIZE)
         self._tasks: list[asyncio.Task] = []
         self.choices = self._make_choices(time.time())
-        self.formatter = rs.LogprobFormatter(tokenizer, job.logprobs or 0, job.tokens_as_ids)
+        chosen = job.params.logprob_token_ids is not None
+        self.formatter = rs.LogprobFormatter(tokenizer, job.logprobs or 0, job.tokens_as_ids, chosen)
+        # where each sample runs, by sample request id, in choice order (a beam search: one)
+        self.trails = {c.sample.request_id: RouteTrail() for c in self.choices}
+        self.sent_headers: dict[str, str] | None = None  # a stream's x-pdserve-* headers, once sent
+
+    def path_headers(self) -> dict[str, str]:
+        """The x-pdserve-* headers: where each sample ran (router.route_trail)."""
+        return headers(list(self.trails.values()))
+
+    def route_notice(self) -> list[dict[str, object]] | None:
+        """A stream's routes, when they changed after its headers went out (else None)."""
+        if self.sent_headers is None or self.path_headers() == self.sent_headers:
+            return None
+        return route_notice(list(self.trails.values()))
 
     def _make_choices(self, arrival: float) -> list[_Choice]:
         choices = []
@@ -180,7 +196,8 @@ class JobRun:
         delta to ``events``; else only the last one."""
         sample = group[0].sample
         running = list(group)
-        runs = run_sample(self._backend, sample, ticket, replay_after_tokens=not self.job.stream)
+        trail = self.trails[sample.request_id]
+        runs = run_sample(self._backend, sample, ticket, not self.job.stream, trail)
         async with contextlib.aclosing(runs) as chunks:
             async for chunk in chunks:
                 if isinstance(chunk, Replay):  # nothing of it reached the client: start the sample over
@@ -306,6 +323,10 @@ class JobRun:
         ids = job.return_token_ids and bool(delta.token_ids)
         return not (text or delta.logprobs or delta.finish_reason is not None or wants_first or ids)
 
+    def tool_calls_of(self, choice: _Choice) -> list | None:
+        """A finished tools-constrained choice's calls (new call ids each time it is asked)."""
+        return self._tool_calls(choice, choice.state.finish_reason)
+
     def _tool_calls(self, choice: _Choice, finish_reason: FinishReason | None) -> list | None:
         """A finished tools-constrained reply as tool calls (None while running or cut short)."""
         if self.job.tool_plan is None or finish_reason is not FinishReason.STOP:
@@ -335,9 +356,14 @@ class JobRun:
             chunks.append(rs.sse(envelope))
         return chunks
 
-    def usage_chunk(self) -> str:
+    def last_chunk(self, notice: list[dict[str, object]] | None) -> str:
+        """A stream's last chunk before [DONE], without choices: usage when asked for
+        (include_usage), and ``pdserve_route`` (each sample's route as it ended) when the route
+        changed after the headers went out."""
         object_ = "chat.completion.chunk" if self.job.chat else "text_completion"
-        return rs.sse(rs.envelope(self.id, object_, self.created, self.model, [], self.usage()))
+        usage = self.usage() if self.job.include_usage else None
+        extra = {} if notice is None else {"pdserve_route": notice}
+        return rs.sse(rs.envelope(self.id, object_, self.created, self.model, [], usage, **extra))
 
     def whole(self) -> dict:
         choices = []
@@ -358,18 +384,44 @@ class JobRun:
                     rs.completion_choice(c.index, text, logprobs, c.state.finish_reason, **extra, **ids)
                 )
         if not self.job.chat:
-            return rs.envelope(self.id, "text_completion", self.created, self.model, choices, self.usage())
+            body = rs.envelope(self.id, "text_completion", self.created, self.model, choices, self.usage())
+            return rs.with_vllm_keys(body, rs.COMPLETION_KEYS)
         extra = {} if self.job.batched else self._prompt_fields(self.choices[0])
-        return rs.envelope(
+        body = rs.envelope(
             self.id, "chat.completion", self.created, self.model, choices, self.usage(), **extra
         )
+        return rs.with_vllm_keys(body, rs.CHAT_KEYS)
 
 
-async def serve(run: JobRun, request: Request) -> Response:
+class Presenter(Protocol):
+    """How a run's results are written: OpenAI's completions and chat shapes (``OPENAI``), or
+    another API's over the same run (router.responses_api, router.messages_api)."""
+
+    def whole(self, run: JobRun) -> dict: ...
+
+    def stream(self, run: JobRun, first, events) -> AsyncIterator[str]:
+        """The SSE body from the first event on; ``events`` yields the rest."""
+        ...
+
+
+class _OpenAIPresenter:
+    def whole(self, run: JobRun) -> dict:
+        return run.whole()
+
+    def stream(self, run: JobRun, first, events) -> AsyncIterator[str]:
+        return _stream(run, first, events)
+
+
+OPENAI = _OpenAIPresenter()
+
+
+async def serve(run: JobRun, request: Request, presenter: Presenter = OPENAI) -> Response:
+    """Start the run and answer: whole once every sample finished, or as SSE from the first
+    delta on. Either way the x-pdserve-* headers say where each sample ran."""
     run.start()
     try:
         if not run.job.stream:
-            return await _answer_whole(run, request)
+            return await _answer_whole(run, request, presenter)
         events = run.events()
         watcher = asyncio.create_task(_cancel_on_disconnect(run, request))  # no token yet to fail on
         try:
@@ -381,7 +433,8 @@ async def serve(run: JobRun, request: Request) -> Response:
     except BaseException:
         run.cancel()
         raise
-    return _SampleStream(run, _stream(run, first, events))
+    run.sent_headers = run.path_headers()
+    return _SampleStream(run, presenter.stream(run, first, events), run.sent_headers)
 
 
 class _SampleStream(StreamingResponse):
@@ -389,11 +442,11 @@ class _SampleStream(StreamingResponse):
     Starlette abandons the body generator without closing it, so its ``finally`` would only run
     whenever it is garbage-collected: too late to free node blocks promptly."""
 
-    def __init__(self, run: JobRun, body: AsyncIterator[str]) -> None:
+    def __init__(self, run: JobRun, body: AsyncIterator[str], path_headers: dict[str, str]) -> None:
         super().__init__(
             body,
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **path_headers},
         )
         self._run = run
 
@@ -404,13 +457,13 @@ class _SampleStream(StreamingResponse):
             self._run.cancel()
 
 
-async def _answer_whole(run: JobRun, request: Request) -> Response:
+async def _answer_whole(run: JobRun, request: Request, presenter: Presenter) -> Response:
     watcher = asyncio.create_task(_cancel_on_disconnect(run, request))
     try:
         async for _, event in run.events():
             if isinstance(event, APIError):
                 raise event
-        return JSONResponse(run.whole())
+        return JSONResponse(presenter.whole(run), headers=run.path_headers())
     finally:
         watcher.cancel()
 
@@ -436,8 +489,9 @@ async def _stream(run: JobRun, first, events) -> AsyncIterator[str]:
             try:
                 choice, event = await anext(events)
             except StopAsyncIteration:
-                if run.job.include_usage:
-                    yield run.usage_chunk()
+                notice = run.route_notice()
+                if run.job.include_usage or notice is not None:  # the last chunk carries the notice
+                    yield run.last_chunk(notice)
                 break
         yield rs.SSE_DONE
     finally:

@@ -25,10 +25,26 @@ from pdserve.router.errors import bad_request
 from pdserve.router.openai_schema import ChatBody, NamedToolChoice, _SamplingFields
 from pdserve.router.tokenizer import Tokenizer
 
-AUTO_TOOL_CHOICE_MESSAGE = (
-    'tool_choice "auto" is not supported: pdserve has no parser for this model\'s own tool-call '
-    'format. Use tool_choice "required" or {"type": "function", "function": {"name": ...}}, '
-    'which constrain the reply to valid calls, or "none".'
+# vLLM's refusal of "auto" on a server without a tool-call parser, word for word: agent clients
+# match on it to fall back to tools described in text (OpenAIServingChat.create_chat_completion,
+# vllm/entrypoints/openai/serving_chat.py, later chat_completion/serving.py).
+VLLM_AUTO_TOOL_CHOICE = (
+    '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+)
+
+
+def auto_tool_choice_message(auto: str, constrained: str, none: str) -> str:
+    """Why ``auto`` (each API's spelling) is refused, and what to send instead."""
+    return (
+        f"tool_choice {auto}, the default when tools are given, needs a parser for the model's own "
+        "tool-call syntax to tell a call from text, and pdserve has none; vLLM without one refuses it "
+        f"too: {VLLM_AUTO_TOOL_CHOICE}. Send tool_choice {constrained}, which constrain the reply "
+        f"to valid calls, or {none} for text."
+    )
+
+
+AUTO_TOOL_CHOICE_MESSAGE = auto_tool_choice_message(
+    '"auto"', '"required" or {"type": "function", "function": {"name": ...}}', '"none"'
 )
 
 
@@ -155,8 +171,11 @@ def _tools_spec(body: ChatBody) -> tuple[GuidedDecoding, ToolCallPlan]:
 
 
 def _logit_bias(body: _SamplingFields, vocab_size: int) -> tuple[LogitBias, ...]:
-    """Every bad key and every bad value is named in the one 400."""
+    """Every bad key and every bad value is named in the one 400; keys that are all integers, some
+    outside the vocabulary, in vLLM's words."""
     items = (body.logit_bias or {}).items()
+    if all(k.isascii() and k.removeprefix("-").isdigit() for k, _ in items):
+        check_in_vocab([int(k) for k, _ in items], "logit_bias", vocab_size)
     bad_keys = [k for k, _ in items if not (k.isascii() and k.isdigit()) or int(k) >= vocab_size]
     if bad_keys:
         raise bad_request(
@@ -174,14 +193,26 @@ def _logit_bias(body: _SamplingFields, vocab_size: int) -> tuple[LogitBias, ...]
 
 
 def check_token_rules(body: _SamplingFields, vocab_size: int) -> None:
+    """Token ids outside the vocabulary, refused in vLLM's words, which clients match on
+    (vllm/sampling_params.py, SamplingParams._validate_*)."""
     ids = body.allowed_token_ids
-    if ids is not None and (not ids or any(not 0 <= t < vocab_size for t in ids)):
-        raise bad_request(
-            f"allowed_token_ids must be a non-empty list of token ids in [0, {vocab_size})",
-            "allowed_token_ids",
-        )
+    if ids is not None and not ids:
+        raise bad_request("allowed_token_ids is not None and empty!", "allowed_token_ids")
+    if ids is not None and any(not 0 <= t < vocab_size for t in ids):
+        raise bad_request("allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids")
+    check_in_vocab(body.stop_token_ids, "stop_token_ids", vocab_size)
     if body.bad_words is not None and not all(w.strip() for w in body.bad_words):
         raise bad_request("bad_words must be non-empty strings", "bad_words")
+
+
+def check_in_vocab(ids: list[int] | None, field: str, vocab_size: int) -> None:
+    """A 400 naming ``field`` and every id of it outside [0, vocab_size), in vLLM's words."""
+    bad = [t for t in ids or () if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(
+            f"token_id(s) {bad} in {field} contain out-of-vocab token ids. Vocabulary size: {vocab_size}",
+            field,
+        )
 
 
 def tool_calls(plan: ToolCallPlan, text: str) -> list[dict[str, Any]] | None:

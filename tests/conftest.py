@@ -127,3 +127,32 @@ def default_model_dir(shipped_default_model: pathlib.Path, tmp_path_factory) -> 
     config.pop(DEQUANTIZED_FROM_KEY, None)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder
+
+
+@pytest.fixture(scope="session")
+def api_cluster(processes, tmp_path_factory, default_model_dir):
+    """The API-surface cluster, started once for every module that uses it: 1 prefill + 1 decode
+    node on a real Redis with two routers ("pd" disaggregates every prompt of 8 tokens or more,
+    "decode_only" never does), and a colocated node with its own router ("colocated", on the same
+    Redis's database 1); the P/D routers allow vLLM's -1 (--max-logprobs -1). Yields (model
+    folder, routers by name, nodes by name)."""
+    from tests.cluster import NodeProcess, RedisServer
+    from tests.test_router_cluster import RouterProcess, serving, tiny_model_with_tokenizer
+
+    tmp = tmp_path_factory.mktemp("api-surface")
+    model = tiny_model_with_tokenizer(default_model_dir, max_position_embeddings=1024)
+    redis = RedisServer(tmp)
+    second = redis.url.removesuffix("/0") + "/1"  # the colocated node's own registry
+    extra = ["--num-kv-blocks", "512", "--heartbeat-interval", "0.2", "--heartbeat-ttl", "2"]
+    nodes = {role: NodeProcess(role, str(model), tmp, redis.url, extra) for role in ("prefill", "decode")}
+    nodes["colocated"] = NodeProcess("decode", str(model), tmp, second, [*extra, "--colocated"])
+    whole_vocab = ("--max-logprobs", "-1")  # vLLM's -1 (the whole vocabulary) allowed, as vLLM's flag does
+    routers = {
+        "pd": RouterProcess(
+            model, redis.url, tmp, "--disagg-threshold", "8", "--local-prefill-margin-s", "-1", *whole_vocab
+        ),
+        "decode_only": RouterProcess(model, redis.url, tmp, "--disagg-threshold", "100000", *whole_vocab),
+        "colocated": RouterProcess(model, second, tmp),
+    }
+    with serving(redis, nodes.values(), routers.values()):
+        yield model, routers, nodes

@@ -6,7 +6,8 @@ log_softmax, outputs against its greedy generate, chat prompts against its chat 
 
 ``test_every_schema_field_is_honoured_or_refused_by_name`` walks the field lists of OpenAI's and
 vLLM's request schemas (tests/data/request_fields.json) and asserts, for each, a 200 or a 400
-whose ``param`` names it."""
+whose ``param`` names it; ``test_every_agent_api_field_is_honoured_or_refused_by_name`` does the
+same for the Responses and Messages APIs (OpenAI's, Anthropic's and vLLM's fields)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,8 @@ import torch
 from pdserve.engine.config import ModelConfig
 from pdserve.protocol.sampling_params import BeamSearch, SamplingParams
 from pdserve.router.tokenizer import Tokenizer
-from tests.cluster import NodeProcess, RedisServer
 from tests.engine_helpers import hf_beams, hf_greedy, hf_logits
 from tests.test_cluster_concurrent import _prompts, _stream
-from tests.test_router_cluster import RouterProcess, serving, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.usefixtures("processes")
 DATA = pathlib.Path(__file__).parent / "data"
@@ -40,20 +39,11 @@ ATOL = 1e-4  # logprobs through JSON: fp32 sums of a 49k-way softmax
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, default_model_dir):
-    tmp = tmp_path_factory.mktemp("api-surface")
-    model = tiny_model_with_tokenizer(default_model_dir, max_position_embeddings=1024)
-    redis = RedisServer(tmp)
-    extra = ["--num-kv-blocks", "512", "--heartbeat-interval", "0.2", "--heartbeat-ttl", "2"]
-    nodes = {role: NodeProcess(role, str(model), tmp, redis.url, extra) for role in ("prefill", "decode")}
-    routers = {
-        "pd": RouterProcess(
-            model, redis.url, tmp, "--disagg-threshold", "8", "--local-prefill-margin-s", "-1"
-        ),
-        "decode_only": RouterProcess(model, redis.url, tmp, "--disagg-threshold", "100000"),
-    }
-    with serving(redis, nodes.values(), routers.values()):
-        yield model, routers, nodes
+def cluster(api_cluster):
+    """The shared API-surface cluster (tests/conftest.py), its P/D routers and nodes."""
+    model, routers, nodes = api_cluster
+    pd_routers = {name: routers[name] for name in ("pd", "decode_only")}
+    return model, pd_routers, {role: nodes[role] for role in ("prefill", "decode")}
 
 
 @functools.cache
@@ -144,6 +134,47 @@ def test_prompt_logprobs_equal_hf_concurrently_streamed_or_not_and_after_a_cache
     )
     ids = _tokenizer(model).encode_chat([{"role": "user", "content": "Hello there, friend"}])
     _check_prompt_logprobs(model, ids, chat["prompt_logprobs"], 2)
+
+
+def _no_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json.loads' object hook: a key twice in one JSON object fails (a dict would keep one)."""
+    keys = [k for k, _ in pairs]
+    assert len(keys) == len(set(keys)), keys
+    return dict(pairs)
+
+
+@pytest.mark.parametrize("router_name", ["pd", "decode_only", "colocated"])
+def test_a_prompt_token_that_is_the_top_one_is_listed_once_as_vllm_lists_it(api_cluster, router_name):
+    """A prompt whose later tokens are the model's greedy choices: at those positions the token is
+    the top-1, and its entry (rank 1) is the one listed, once, beside the other N-1, in the raw
+    JSON of completions (whole and streamed) and completions' echo, on every path."""
+    model, routers, _ = api_cluster
+    router = routers[router_name]
+    start = _prompts(91, [9])[0]
+    prompt = start + hf_greedy(str(model), start, 6)
+    base = {"model": model.name, "temperature": 0, "max_tokens": 1}
+    replies = [
+        httpx.post(
+            router.url + "/v1/completions", json={**base, "prompt": prompt, "prompt_logprobs": 3}, timeout=120
+        ),
+        httpx.post(
+            router.url + "/v1/completions",
+            json={**base, "prompt": prompt, "logprobs": 3, "echo": True},
+            timeout=120,
+        ),
+    ]
+    whole, echo = (json.loads(r.text, object_pairs_hook=_no_repeated_keys)["choices"][0] for r in replies)
+    streamed = [
+        e["choices"][0]
+        for e in _stream(router, "/v1/completions", {**base, "prompt": prompt, "prompt_logprobs": 3})
+    ]
+    for entries in (whole["prompt_logprobs"], streamed[0]["prompt_logprobs"]):
+        for position in range(len(start), len(prompt)):  # the greedy tokens: each its position's top-1
+            entry = entries[position]
+            assert entry[str(prompt[position])]["rank"] == 1 and len(entry) == 3, entry
+    for position in range(len(start), len(prompt)):
+        top = echo["logprobs"]["top_logprobs"][position]
+        assert len(top) == 3 and max(top.values()) == echo["logprobs"]["token_logprobs"][position]
 
 
 def _echo_scores(router, model, prompt: list[int], max_tokens: int, stream: bool) -> dict:
@@ -271,8 +302,10 @@ def test_the_whole_vocabulary_and_chosen_token_ids_equal_hf_log_softmax(cluster,
             assert abs(entry["logprob"] - float(row[_token_id(entry["token"])])) < ATOL
             if whole:
                 assert sorted(listed) == list(range(vocab))
-            else:
-                assert [_token_id(t["token"]) for t in entry["top_logprobs"]] == chosen  # in the order asked
+            else:  # as vLLM: the sampled token, then the ids asked for in their order, each once
+                sampled = _token_id(entry["token"])
+                expected = [sampled, *(t for t in chosen if t != sampled)]
+                assert [_token_id(t["token"]) for t in entry["top_logprobs"]] == expected
             ids = torch.tensor(list(listed))
             assert torch.allclose(torch.tensor(list(listed.values())), row[ids], atol=ATOL)
     lp = chosen_completion["logprobs"]
@@ -283,6 +316,32 @@ def test_the_whole_vocabulary_and_chosen_token_ids_equal_hf_log_softmax(cluster,
             token
         }  # the sampled token is listed too, as in vLLM
         assert all(abs(value - float(row[_token_id(t)])) < ATOL for t, value in top.items())
+
+
+def test_batched_chat_lists_the_sampled_token_before_the_chosen_ids_as_vllm_does(cluster):
+    """logprob_token_ids on /v1/chat/completions/batch: each position lists the sampled token, then
+    the ids asked for (vLLM's _create_chat_logprobs, shared with the single chat endpoint); the
+    values are HF's log_softmax. The conversation that prefills on the prefill node and the short
+    one run side by side."""
+    model, routers, _ = cluster
+    chosen = [5, 17, 300]
+    conversations = [
+        [{"role": "user", "content": "Name a colour."}],
+        [{"role": "user", "content": "Tell me about the sea and its long, grey waves."}],
+    ]
+    body = {"model": model.name, "messages": conversations, "max_tokens": 3, "temperature": 0}
+    body |= {"logprobs": True, "logprob_token_ids": chosen, "return_tokens_as_token_ids": True}
+    choices = _post(routers["pd"], "/v1/chat/completions/batch", body)["choices"]
+    for conversation, choice in zip(conversations, choices, strict=True):
+        content = choice["logprobs"]["content"]
+        output = [_token_id(c["token"]) for c in content]
+        rows = _output_rows(model, _tokenizer(model).encode_chat(conversation), output)
+        assert len(output) == 3 and output == rows.argmax(dim=-1).tolist()
+        for entry, row in zip(content, rows, strict=True):
+            sampled = _token_id(entry["token"])
+            listed = [(_token_id(t["token"]), t["logprob"]) for t in entry["top_logprobs"]]
+            assert [t for t, _ in listed] == [sampled, *(t for t in chosen if t != sampled)]
+            assert all(abs(value - float(row[t])) < ATOL for t, value in listed)
 
 
 @pytest.mark.parametrize("router_name", ["pd", "decode_only"])
@@ -630,6 +689,72 @@ def test_every_schema_field_is_honoured_or_refused_by_name(cluster, endpoint):
             assert reply.status_code == 200, (field, reply.text)
     unknown = httpx.post(routers["pd"].url + path, json={**base, "guided_regexp": "a+"}, timeout=60)
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "guided_regexp"
+
+
+# The agent APIs' walk: per endpoint, its path, a minimal body, what some fields need beside them,
+# and how a refusal names the field (OpenAI's param; Anthropic's shape has none, its message does).
+AGENT_APIS = {
+    "responses": ("/v1/responses", {"input": "Hi", "max_output_tokens": 2, "temperature": 0}),
+    "messages": ("/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+}
+AGENT_NEEDS = {
+    "responses": {
+        "stream_options": {"stream": True},
+        "tools": {"tool_choice": "none"},
+        "top_logprobs": {"include": ["message.output_text.logprobs"]},
+    },
+    "messages": {
+        "tools": {"tool_choice": {"type": "none"}},
+        "tool_choice": {"tools": [{"name": "f", "input_schema": {}}]},
+    },
+}
+
+
+def _refusal_names(endpoint: str, reply: httpx.Response, field: str) -> bool:
+    body = reply.json()
+    if endpoint == "messages":
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+        return re.search(rf"\b{re.escape(field)}\b", body["error"]["message"]) is not None
+    return body["error"]["param"] == field
+
+
+@pytest.mark.parametrize("endpoint", ["responses", "messages"])
+def test_every_agent_api_field_is_honoured_or_refused_by_name(cluster, endpoint):
+    """The Responses and Messages APIs' fields, OpenAI's or Anthropic's and vLLM's
+    (tests/data/request_fields.json), each a 200 or a 400 naming it, in the API's own error shape."""
+    model, routers, _ = cluster
+    router = routers["pd"]
+    fields = sorted(set().union(*FIELDS[endpoint].values()))  # each source's names
+    honoured, refused = SAMPLES[endpoint]["honoured"], SAMPLES[endpoint]["refused"]
+    unclassified = [f for f in fields if f not in honoured and f not in refused]
+    assert not unclassified, f"classify these fields: {unclassified}"
+    path, minimal = AGENT_APIS[endpoint]
+    base = {"model": model.name, **minimal}
+    if endpoint == "responses":  # a stored response to continue from
+        honoured = {**honoured, "previous_response_id": _post(router, path, base)["id"]}
+
+    def send(field: str) -> tuple[str, httpx.Response]:
+        if field in refused:
+            body = {**base, field: refused[field]}
+        else:
+            body = {**base, **AGENT_NEEDS[endpoint].get(field, {}), field: honoured[field]}
+        if body.get("stream"):
+            with httpx.stream("POST", router.url + path, json=body, timeout=60) as reply:
+                reply.read()
+                return field, reply
+        return field, httpx.post(router.url + path, json=body, timeout=60)
+
+    walk = [f for f in fields if f not in ("model", "input", "messages")]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        replies = dict(pool.map(send, walk))
+    for field, reply in replies.items():
+        if field in refused:
+            assert reply.status_code == 400, (field, reply.text)
+            assert _refusal_names(endpoint, reply, field), (field, reply.text)
+        else:
+            assert reply.status_code == 200, (field, reply.text)
+    unknown = httpx.post(router.url + path, json={**base, "bogus_field": 1}, timeout=60)
+    assert unknown.status_code == 400 and _refusal_names(endpoint, unknown, "bogus_field")
 
 
 def _beam_choices(router, path: str, body: dict, stream: bool) -> list[dict]:

@@ -116,8 +116,8 @@ BAD_FIELDS = [
         "structured_outputs.regex",
     ),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": -2}, "prompt_logprobs"),
-    ("/v1/completions", {"prompt": "x " * 40, "prompt_logprobs": -1}, "prompt_logprobs"),  # too many entries
-    ("/v1/completions", {"prompt": "x", "logprobs": -1, "max_tokens": 30}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),  # past --max-logprobs
+    ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "logprobs": 1, "logprob_token_ids": []}, "logprob_token_ids"),
     ("/v1/completions", {"prompt": "x", "logprobs": 1, "logprob_token_ids": [10**9]}, "logprob_token_ids"),
     (
@@ -157,11 +157,7 @@ BAD_FIELDS = [
     ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages.0.role"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
-    (
-        "/v1/chat/completions",
-        {**CHAT, "logprobs": True, "top_logprobs": -1},
-        "top_logprobs",
-    ),  # up to the context
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "logprob_token_ids": [5]}, "logprob_token_ids"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
     (
@@ -171,6 +167,16 @@ BAD_FIELDS = [
     ),
     ("/v1/chat/completions", {**CHAT, "logprobs": "maybe"}, "logprobs"),
     ("/v1/chat/completions", {**CHAT, "min_characters": 5}, "min_characters"),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "stream": True, "stream_options": {"min_characters": 5}},
+        "stream_options.min_characters",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "min_characters": 5}},
+        "stream_options.min_characters",
+    ),
     ("/v1/chat/completions/batch", {"messages": [CHAT["messages"], []]}, "messages.1"),
     ("/v1/chat/completions/batch", {"messages": CHAT["messages"]}, "messages.0"),
     ("/v1/chat/completions/batch", {"messages": [CHAT["messages"]], "stream": True}, "stream"),
@@ -369,16 +375,148 @@ def test_an_empty_prompt_is_refused_in_vllms_words(tokenizer, default_model_dir,
 
 
 @pytest.mark.parametrize(
-    ("seed", "bound"),
+    ("seed", "kind", "bound"),
     [
-        (1 << 63, "less than or equal to 9223372036854775807"),
-        (-(1 << 63) - 1, "greater than or equal to -9223372036854775808"),
+        (1 << 63, "less_than_equal", "'le': 9223372036854775807"),
+        (-(1 << 63) - 1, "greater_than_equal", "'ge': -9223372036854775808"),
+        ("-9223372036854775809", "greater_than_equal", "'ge': -9223372036854775808"),
     ],
 )
-def test_a_seed_outside_int64_gets_vllms_bound_message(tokenizer, default_model_dir, seed, bound):
+def test_a_seed_outside_int64_gets_vllms_validation_message_word_for_word(
+    tokenizer, default_model_dir, seed, kind, bound
+):
+    """vLLM's handler writes the count, then pydantic's error with its loc dotted and its input as
+    text (vllm/entrypoints/serve/exception_handling/handlers/validation.py)."""
+    words = {
+        "le": "less than or equal to 9223372036854775807",
+        "ge": "greater than or equal to -9223372036854775808",
+    }
+    expected = (
+        f"1 validation error:\n  {{'type': '{kind}', 'loc': 'body.seed', "
+        f"'msg': 'Input should be {words[bound[1:3]]}', 'input': '{seed}', 'ctx': {{{bound}}}}}"
+    )
     for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", CHAT)):
         error = _assert_error(_post(tokenizer, default_model_dir, path, {**body, "seed": seed}), 400, "seed")
-        assert error["message"] == f"seed: Input should be {bound}"
+        assert error["message"] == expected
+    invoked = _post(tokenizer, default_model_dir, "/invocations", {"prompt": "x", "seed": seed})
+    assert _assert_error(invoked, 400, "seed")["message"] == expected.replace("'body.seed'", "'seed'")
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"prompt": [5, 99999999, 7, 88888888]}, "prompt", "Token id 99999999 is out of vocabulary"),
+        ({"prompt": [[5], [6, 77777777]]}, "prompt", "Token id 77777777 is out of vocabulary"),
+        (
+            {"prompt": "x", "stop_token_ids": [5, 99999999, -1]},
+            "stop_token_ids",
+            "token_id(s) [99999999, -1] in stop_token_ids contain out-of-vocab token ids. "
+            "Vocabulary size: 49152",
+        ),
+        (
+            {"prompt": "x", "logit_bias": {"5": 1.0, "99999999": 2.0}},
+            "logit_bias",
+            "token_id(s) [99999999] in logit_bias contain out-of-vocab token ids. Vocabulary size: 49152",
+        ),
+        (
+            {"prompt": "x", "logprobs": 1, "logprob_token_ids": [3, 99999999]},
+            "logprob_token_ids",
+            "token_id(s) [99999999] in logprob_token_ids contain out-of-vocab token ids. "
+            "Vocabulary size: 49152",
+        ),
+        (
+            {"prompt": "x", "logprobs": 1, "logprob_token_ids": []},
+            "logprob_token_ids",
+            "`logprob_token_ids` must not be an empty list.",
+        ),
+        (
+            {"prompt": "x", "allowed_token_ids": [5, 99999999]},
+            "allowed_token_ids",
+            "allowed_token_ids contains out-of-vocab token id!",
+        ),
+        (
+            {"prompt": "x", "allowed_token_ids": []},
+            "allowed_token_ids",
+            "allowed_token_ids is not None and empty!",
+        ),
+    ],
+)
+def test_token_ids_outside_the_vocabulary_are_refused_in_vllms_words(
+    tokenizer, default_model_dir, body, param, message
+):
+    """vLLM's messages, which clients match on: the prompt's largest id
+    (vllm/v1/engine/input_processor.py), the rules' ids (vllm/sampling_params.py)."""
+    assert tokenizer.vocab_size == 49152
+    error = _assert_error(_post(tokenizer, default_model_dir, "/v1/completions", body), 400, param)
+    assert error["message"] == message
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        (
+            {"prompt_logprobs": -1},
+            "prompt_logprobs",
+            "Requested prompt logprobs of 49152, which is greater than max allowed: 20",
+        ),
+        (
+            {"prompt_logprobs": 21},
+            "prompt_logprobs",
+            "Requested prompt logprobs of 21, which is greater than max allowed: 20",
+        ),
+        ({"prompt_logprobs": -2}, "prompt_logprobs", "`prompt_logprobs` must be a positive value or -1."),
+        (
+            {"logprobs": -1},
+            "logprobs",
+            "Requested sample logprobs of 49152, which is greater than max allowed: 20",
+        ),
+        ({"logprobs": -3}, "logprobs", "`logprobs` must be a positive value or -1."),
+    ],
+)
+def test_logprob_counts_past_vllms_default_max_logprobs_are_refused_in_its_words(
+    tokenizer, default_model_dir, body, param, message
+):
+    """vLLM's --max-logprobs (20 by default) bounds every count, -1 counting as the vocabulary's
+    size: completions' and chat's -1 are refused as vLLM refuses them (vllm/sampling_params.py)."""
+    completion = _post(tokenizer, default_model_dir, "/v1/completions", {"prompt": "x", **body})
+    assert _assert_error(completion, 400, param)["message"] == message
+    chat_body = {**CHAT, **body}
+    if param == "logprobs":  # chat's count of output alternatives is top_logprobs
+        chat_body = {**CHAT, "logprobs": True, "top_logprobs": body["logprobs"]}
+        message = message.replace("`logprobs`", "`top_logprobs`")
+        param = "top_logprobs"
+    chat = _post(tokenizer, default_model_dir, "/v1/chat/completions", chat_body)
+    assert _assert_error(chat, 400, param)["message"] == message
+
+
+def test_with_max_logprobs_minus_one_the_whole_vocabulary_is_bounded_by_entries_and_the_wire(
+    tokenizer, default_model_dir
+):
+    """--max-logprobs -1 lets -1 through, as vLLM's does; what a response carries past 20 a position
+    stays within --max-logprob-entries, and one sample's prompt log-probabilities within one node
+    message (router/request_limits.py). A request that passes every check meets no node: 503."""
+    whole = dict(max_logprobs=-1)
+    short = {"prompt": list(range(100, 108)), "prompt_logprobs": -1, "max_tokens": 1}  # 7 x 49152
+    assert _post(tokenizer, default_model_dir, "/v1/completions", short, **whole).status_code == 503
+    chat = {**CHAT, "logprobs": True, "top_logprobs": -1, "max_tokens": 4}
+    assert _post(tokenizer, default_model_dir, "/v1/chat/completions", chat, **whole).status_code == 503
+    longer = {**short, "prompt": list(range(100, 130))}  # 29 positions: 1,425,408 entries
+    error = _assert_error(
+        _post(tokenizer, default_model_dir, "/v1/completions", longer, **whole), 400, "prompt_logprobs"
+    )
+    assert "1425408 entries" in error["message"] and "--max-logprob-entries" in error["message"]
+    roomy = dict(max_logprobs=-1, max_logprob_entries=1 << 24)
+    error = _assert_error(
+        _post(tokenizer, default_model_dir, "/v1/completions", longer, **roomy), 400, "prompt_logprobs"
+    )
+    assert "one node message" in error["message"] and "MAX_HEADER_BYTES" in error["message"]
+    chat = {**CHAT, "prompt_logprobs": -1, "max_tokens": 1}  # the template's prompt: 30-odd positions
+    error = _assert_error(
+        _post(tokenizer, default_model_dir, "/v1/chat/completions", chat, **roomy), 400, "prompt_logprobs"
+    )
+    assert "one node message" in error["message"]
+    fewer = {**longer, "prompt_logprobs": 200}  # 201 x 29 entries a sample: within both bounds
+    assert _post(tokenizer, default_model_dir, "/v1/completions", fewer, **whole).status_code == 503
 
 
 def test_invocations_need_the_api_key_as_the_v1_endpoints_do(tokenizer, default_model_dir):

@@ -127,6 +127,7 @@ EXPECTED = {
     "pdserve_migrations": ("counter", frozenset()),
     "pdserve_kv_transfer_bytes": ("counter", frozenset()),
     "pdserve_routes": ("counter", frozenset({"prefill"})),
+    "pdserve_request_paths": ("counter", frozenset({"path", "reason"})),
     "pdserve_time_to_first_token_seconds": LATENCY,
     "pdserve_time_per_output_token_seconds": LATENCY,
     "pdserve_e2e_request_latency_seconds": LATENCY,

@@ -88,12 +88,47 @@ def test_a_constraint_that_cannot_run_is_400_naming_its_field(
     assert error["type"] == "invalid_request_error"
 
 
-def test_tool_choice_auto_says_what_to_use_instead(tokenizer, default_model_dir):
-    body = {**CHAT, "tools": [TOOL], "tool_choice": "auto"}
+VLLM_AUTO = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+ANTHROPIC_TOOL = {"name": "get_weather", "input_schema": PERSON}
+RESPONSES_TOOL = {"type": "function", "name": "get_weather", "parameters": PERSON}
+
+
+@pytest.mark.parametrize("choice", [{}, {"tool_choice": "auto"}])
+def test_tool_choice_auto_says_why_in_vllms_words_and_what_to_send_instead(
+    tokenizer, default_model_dir, choice
+):
+    """ "auto" (the default with tools) needs a tool-call parser, as in vLLM, whose refusal agent
+    clients match on to fall back; each API names its own alternatives."""
     message = _assert_error(
-        _post(tokenizer, default_model_dir, "/v1/chat/completions", body), 400, "tool_choice"
+        _post(tokenizer, default_model_dir, "/v1/chat/completions", {**CHAT, "tools": [TOOL], **choice}),
+        400,
+        "tool_choice",
     )["message"]
-    assert '"auto" is not supported' in message and '"required"' in message
+    assert VLLM_AUTO in message and '"required" or {"type": "function", "function": {"name": ...}}' in message
+    body = {"input": "hi", "tools": [RESPONSES_TOOL], **choice}
+    message = _assert_error(_post(tokenizer, default_model_dir, "/v1/responses", body), 400, "tool_choice")[
+        "message"
+    ]
+    assert VLLM_AUTO in message and '"required" or {"type": "function", "name": ...}' in message
+
+
+@pytest.mark.parametrize("choice", [{}, {"tool_choice": {"type": "auto"}}])
+def test_anthropic_auto_tool_choice_is_refused_in_its_terms_and_count_tokens_still_counts(
+    tokenizer, default_model_dir, choice
+):
+    """Anthropic's default with tools is auto, which vLLM serves only with a tool-call parser
+    (vllm/entrypoints/anthropic/serving.py turns it into chat's "auto"): a 400 in Anthropic's shape
+    saying why and what to send; count_tokens, whose prompt is the same whatever the choice, counts."""
+    messages = [{"role": "user", "content": "Weather?"}]
+    body = {"model": default_model_dir.name, "max_tokens": 4, "messages": messages, "tools": [ANTHROPIC_TOOL]}
+    reply = _post(tokenizer, default_model_dir, "/v1/messages", {**body, **choice})
+    assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
+    message = reply.json()["error"]["message"]
+    assert VLLM_AUTO in message and '{"type": "any"} or {"type": "tool", "name": ...}' in message
+    assert 'tool_choice {"type": "auto"}' in message and '{"type": "none"} for text' in message
+    del body["max_tokens"]
+    counted = _post(tokenizer, default_model_dir, "/v1/messages/count_tokens", {**body, **choice})
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
 
 
 def test_required_tool_reply_parses_into_calls_and_a_named_one_keeps_its_arguments():

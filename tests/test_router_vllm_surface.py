@@ -10,7 +10,9 @@ import json
 import httpx
 import pytest
 
+from pdserve.protocol.messages import TokenLogprobs
 from pdserve.router.openai_schema import reads_as
+from pdserve.router.responses import LogprobFormatter
 from pdserve.router.tokenizer import Tokenizer
 from tests.test_router_support import LONG_PROMPT, TEXT, fake_cluster, fake_pair, run_async
 
@@ -156,6 +158,49 @@ def test_invocations_dispatch_by_body_shape_to_chat_or_completions(default_model
     assert ping.status_code == 200
 
 
+# vLLM's whole responses dump every field of its models, null when unset
+# (vllm/entrypoints/openai/chat_completion/protocol.py, completion/protocol.py at 002032ee)
+VLLM_CHAT_KEYS = [
+    *("id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage"),
+    *("prompt_logprobs", "prompt_token_ids", "prompt_text", "kv_transfer_params", "ec_transfer_params"),
+    "metrics",
+]
+VLLM_COMPLETION_KEYS = [k for k in VLLM_CHAT_KEYS if not k.startswith("prompt_")]
+
+
+def test_invocations_answer_with_vllms_top_level_keys_as_the_endpoints_they_stand_for(
+    default_model_dir, tokens
+):
+    chat = {"messages": CHAT, "max_tokens": 3}
+    completion = {"prompt": LONG_PROMPT, "max_tokens": 3}
+    replies = _requests(
+        default_model_dir,
+        tokens,
+        [
+            ("POST", "/v1/chat/completions", chat),
+            ("POST", "/invocations", chat),
+            ("POST", "/v1/completions", completion),
+            ("POST", "/invocations", completion),
+            ("POST", "/v1/chat/completions/batch", {**chat, "messages": [CHAT]}),
+            ("POST", "/invocations", {**chat, "prompt_logprobs": 1, "return_token_ids": True}),
+        ],
+    )
+    bodies = [r.json() for r in replies]
+    assert [list(b) for b in bodies[:2]] == [VLLM_CHAT_KEYS] * 2
+    assert [list(b) for b in bodies[2:4]] == [VLLM_COMPLETION_KEYS] * 2
+    assert list(bodies[4]) == VLLM_CHAT_KEYS
+    assert {
+        k: bodies[0][k] for k in ("service_tier", "system_fingerprint", "prompt_logprobs", "metrics")
+    } == {
+        "service_tier": None,
+        "system_fingerprint": None,
+        "prompt_logprobs": None,
+        "metrics": None,
+    }
+    asked = bodies[5]
+    assert list(asked) == VLLM_CHAT_KEYS and asked["prompt_token_ids"] and asked["prompt_logprobs"][0] is None
+
+
 def test_batched_chat_answers_each_conversation_in_order(default_model_dir, tokenizer, tokens):
     conversations = [
         CHAT,
@@ -176,6 +221,36 @@ def test_batched_chat_answers_each_conversation_in_order(default_model_dir, toke
     assert [c["message"]["content"] for c in done["choices"]] == [output, "Blue, or" + output]
     prompt_ids = [tokenizer.encode_chat(c) for c in conversations]
     assert [c["prompt_token_ids"] for c in done["choices"]] == prompt_ids
-    assert "prompt_token_ids" not in done  # one per conversation, on its choice
+    assert done["prompt_token_ids"] is None  # one per conversation, on its choice
     assert done["usage"]["prompt_tokens"] == sum(map(len, prompt_ids))
     assert done["usage"]["completion_tokens"] == 6
+
+
+def test_chat_logprobs_of_chosen_ids_list_the_sampled_token_first_and_once(tokenizer):
+    """logprob_token_ids in chat (single or batched): vLLM lists every entry the sampler gave the
+    position, the sampled token first (column 0), then the ids asked for in their order; a
+    sampled token among them is listed once. Without chosen ids the top alternatives stay as
+    they are."""
+    entries = {
+        "outside": TokenLogprobs(
+            token_id=9, logprob=-0.1, top_token_ids=(5, 17, 300), top_logprobs=(-3.0, -4.0, -5.0)
+        ),
+        "inside": TokenLogprobs(
+            token_id=17, logprob=-0.2, top_token_ids=(5, 17, 300), top_logprobs=(-3.0, -0.2, -5.0)
+        ),
+    }
+
+    def listed(formatter: LogprobFormatter, name: str) -> list[tuple[str, float]]:
+        (content,) = formatter.chat([entries[name]])["content"]
+        return [(t["token"], t["logprob"]) for t in content["top_logprobs"]]
+
+    chosen = LogprobFormatter(tokenizer, 3, True, chosen=True)
+    assert listed(chosen, "outside") == [
+        ("token_id:9", -0.1),
+        ("token_id:5", -3.0),
+        ("token_id:17", -4.0),
+        ("token_id:300", -5.0),
+    ]
+    assert listed(chosen, "inside") == [("token_id:17", -0.2), ("token_id:5", -3.0), ("token_id:300", -5.0)]
+    top = LogprobFormatter(tokenizer, 2, True)
+    assert listed(top, "outside") == [("token_id:5", -3.0), ("token_id:17", -4.0)]

@@ -469,3 +469,29 @@ def test_up_gives_its_nodes_a_decode_step_target_and_the_router_its_targets(flag
     assert slo_node_args(args) == nodes
     with pytest.raises(ValueError, match="--tpot-slo-s must be > 0, got 0"):
         apply_slo_defaults(build_parser().parse_args(["up", *flags, "--tpot-slo-s", "0"]))
+
+
+@pytest.mark.parametrize(
+    ("flags", "router", "store"),
+    [
+        ((), (), (1024, 3600.0)),  # the router's own defaults
+        (
+            ("--responses-store-size", "64", "--responses-store-ttl-s", "90"),
+            ("--responses-store-size", "64", "--responses-store-ttl-s", "90.0"),
+            (64, 90.0),
+        ),
+        (("--responses-store-size", "0"), ("--responses-store-size", "0"), (0, 3600.0)),  # store none
+        (("--responses-store-size", "64", "--router-args=--responses-store-size=8"), (), (8, 3600.0)),
+    ],
+)
+def test_up_passes_the_response_stores_flags_to_its_router(tmp_path, flags, router, store):
+    """--responses-store-size and --responses-store-ttl-s reach the router as it parses them,
+    unless --router-args sets them itself."""
+    from pdserve.cli.up import _plan, store_router_args
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    args = build_parser().parse_args(["up", "--model", str(tmp_path), "--log-dir", str(tmp_path), *flags])
+    assert store_router_args(args) == router
+    router_cmd = ["router", "--model", "m", "--decode", "tcp://127.0.0.1:1", *_plan(args).router_args]
+    parsed = build_parser().parse_args(router_cmd)
+    assert (parsed.responses_store_size, parsed.responses_store_ttl_s) == store

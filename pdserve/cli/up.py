@@ -122,6 +122,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help='extra flags for the router, e.g. "--disagg-threshold 128 --no-prefix-routing"',
     )
     parser.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the router's Responses API store: responses kept for GET /v1/responses/{id} and "
+        "previous_response_id; 0: none (default: the router's, 1024)",
+    )
+    parser.add_argument(
+        "--responses-store-ttl-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds a stored response is kept after it was last stored or used (default: the router's, 3600)",
+    )
+    parser.add_argument(
         "--log-dir", default=None, help="children's logs and ready files (default: a temp dir)"
     )
     parser.add_argument(
@@ -251,11 +266,30 @@ def _plan(args: argparse.Namespace):
         start_timeout_s=args.start_timeout,
         stop_timeout_s=args.stop_timeout,
         num_colocated=num_colocated,
-        router_args=(*router_lora, *shlex.split(args.router_args), *slo_router_args(args)),
+        router_args=(
+            *router_lora,
+            *shlex.split(args.router_args),
+            *slo_router_args(args),
+            *store_router_args(args),
+        ),
         max_nodes=num_nodes if args.autoscale else 0,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
     )
+
+
+def store_router_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The Responses API store's flags for the router (router/config.py), unless --router-args
+    sets them itself; none given: the router's defaults."""
+    given = shlex.split(args.router_args)
+    out: list[str] = []
+    for flag, value in (
+        ("--responses-store-size", args.responses_store_size),
+        ("--responses-store-ttl-s", args.responses_store_ttl_s),
+    ):
+        if value is not None and not any(a == flag or a.startswith(flag + "=") for a in given):
+            out += [flag, str(value)]
+    return tuple(out)
 
 
 def lora_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
