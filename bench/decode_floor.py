@@ -38,9 +38,9 @@ import torch  # noqa: E402
 
 from pdserve.engine import SamplingParams  # noqa: E402
 from pdserve.engine.config import EngineConfig, ModelConfig  # noqa: E402
-from pdserve.engine.model_runner import ModelRunner  # noqa: E402
-from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
-from pdserve.engine.sequence import Sequence  # noqa: E402
+from pdserve.engine.core.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
+from pdserve.engine.core.sequence import Sequence  # noqa: E402
+from pdserve.engine.executor.model_runner import ModelRunner  # noqa: E402
 from pdserve.protocol.kv_layout import KVCacheSpec  # noqa: E402
 
 BLOCK_SIZE = 16

@@ -5,7 +5,7 @@ pool sized from free memory, ``--dtype auto``) and times two calls on two worklo
 shape but different prompts (no prefix hits between them): the first call is the fresh engine's,
 the second a warm one's. Rounds alternate which workload comes first, so each workload is timed
 both cold and warm. ``--grow-first`` runs the block manager as it was before reuse-first
-allocation (never-used blocks first, whatever their memory; engine/block_manager.py).
+allocation (never-used blocks first, whatever their memory; engine/core/block_manager.py).
 
     .venv/bin/python bench/first_call.py --rounds 2
     .venv/bin/python bench/first_call.py --rounds 2 --grow-first

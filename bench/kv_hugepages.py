@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/kv_hugepages.py --rounds 3
 
-A node's private KV pool is numpy's zeros (engine/model_runner.py), and numpy asks the kernel for
+A node's private KV pool is numpy's zeros (engine/executor/model_runner.py), and numpy asks the kernel for
 huge pages on every large allocation (madvise MADV_HUGEPAGE, its default on Linux); the prefill
 node's shared-memory pool gets none. Whether a huge page is there when a block is first written
 depends on how fragmented memory is at that moment, which could move step times from one run to

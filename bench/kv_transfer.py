@@ -26,8 +26,8 @@ sys.path[:] = [str(_ROOT)] + [p for p in sys.path if Path(p or ".").resolve() !=
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from pdserve.engine.block_manager import BlockManager  # noqa: E402
-from pdserve.engine.pool_reservations import PoolReservations  # noqa: E402  (the engine's side, without a model)
+from pdserve.engine.core.block_manager import BlockManager  # noqa: E402
+from pdserve.engine.core.pool_reservations import PoolReservations  # noqa: E402  (the engine's side, without a model)
 from pdserve.kv_transfer.messages import KVFingerprint, WireFormat  # noqa: E402
 from pdserve.protocol.kv_layout import KV_LAYOUT_NAME, KVCacheSpec  # noqa: E402
 

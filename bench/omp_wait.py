@@ -4,8 +4,8 @@ OpenMP wait settings; each setting runs in a fresh child process, rounds alterna
     .venv/bin/python bench/omp_wait.py [--rounds 2] [--spincounts default,unset,passive] [--max-tokens 96]
 
 A setting is ``default`` (what a user gets: neither variable set, so the engine's own spin count
-of engine/cpu_env.py, and the automatic thread count, which drops while another process loads the
-CPUs: engine/cpu_share.py), or 2 fixed threads under a GOMP_SPINCOUNT value, ``unset`` (libgomp's
+of engine/machine/cpu_env.py, and the automatic thread count, which drops while another process loads the
+CPUs: engine/machine/cpu_share.py), or 2 fixed threads under a GOMP_SPINCOUNT value, ``unset`` (libgomp's
 default: GOMP_SPINCOUNT=300000, its documented spin count when OMP_WAIT_POLICY is unset) or
 ``passive`` (OMP_WAIT_POLICY=PASSIVE).
 

@@ -27,9 +27,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from bench.offline_throughput import tiny_bench_model  # noqa: E402
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
+from pdserve.engine.core.sequence import Sequence  # noqa: E402
 from pdserve.engine.model_fetch import fetch_default_model  # noqa: E402
-from pdserve.engine.sampler import Sampler, SamplerInput  # noqa: E402
-from pdserve.engine.sequence import Sequence  # noqa: E402
+from pdserve.engine.sampling.sampler import Sampler, SamplerInput  # noqa: E402
 from pdserve.protocol.sampling_params import GuidedDecoding  # noqa: E402
 
 # Neither can end within any max_tokens used here: each guided row runs as long as a plain one.

@@ -25,8 +25,8 @@ import torch
 import transformers
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.parallel import close_parallel, init_parallel
-from pdserve.engine.sequence import SequenceStatus
+from pdserve.engine.core.sequence import SequenceStatus
+from pdserve.engine.executor.parallel import close_parallel, init_parallel
 
 LAYERS, WIDTH, VOCAB = 30, 576, 49152
 

@@ -34,7 +34,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-import pdserve.engine.llm  # noqa: E402,F401 - before torch: the engine's OpenMP default applies (engine/cpu_env.py)
+import pdserve.engine.llm  # noqa: E402,F401 - before torch: the engine's OpenMP default applies (engine/machine/cpu_env.py)
 
 # isort: split
 import torch  # noqa: E402

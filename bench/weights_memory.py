@@ -22,8 +22,8 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # the checkout, uninstalled
 
 from pdserve.engine.config import EngineConfig, ModelConfig  # noqa: E402
-from pdserve.engine.model_runner import ModelRunner  # noqa: E402
-from pdserve.engine.platform import Platform, SplitPlatform  # noqa: E402
+from pdserve.engine.executor.model_runner import ModelRunner  # noqa: E402
+from pdserve.engine.executor.platform import Platform, SplitPlatform  # noqa: E402
 
 
 def anon_bytes() -> int:

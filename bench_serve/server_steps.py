@@ -25,7 +25,7 @@ Counts = dict[tuple[str, str, str, str], float]  # (node_id, role, kind, what) -
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepLine:
     role: str  # the nodes' role: prefill, decode or colocated
-    kind: str  # prefill, decode or mixed rows (engine/step_stats.py)
+    kind: str  # prefill, decode or mixed rows (engine/core/step_stats.py)
     steps: int  # engine steps of this kind during the run, over the role's nodes
     seconds: float  # their wall time
     prompt_tokens: int  # prompt tokens they computed

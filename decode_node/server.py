@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from pdserve.engine.requests import Aborted
+from pdserve.engine.core.requests import Aborted
 from pdserve.kv_transfer.receiver import KVReceiver, ReceivedKV
 from pdserve.node.parts import NodeParts
 from pdserve.node.streams import (

@@ -2,7 +2,7 @@
 
 ``from pdserve.engine import LLM, SamplingParams`` works as in vLLM (``from pdserve import ...`` too). The names load lazily so that
 torch-free modules can be imported without pulling in torch. Importing it has no side effect:
-the OpenMP wait default (engine/cpu_env.py) is set by the process entry points, the ``pdserve``
+the OpenMP wait default (engine/machine/cpu_env.py) is set by the process entry points, the ``pdserve``
 command and ``pdserve.engine.llm`` (offline use), before they load torch.
 """
 
@@ -13,8 +13,8 @@ import importlib
 _EXPORTS = {
     "LLM": "pdserve.engine.llm",
     "SamplingParams": "pdserve.protocol.sampling_params",
-    "RequestOutput": "pdserve.engine.outputs",
-    "CompletionOutput": "pdserve.engine.outputs",
+    "RequestOutput": "pdserve.engine.core.outputs",
+    "CompletionOutput": "pdserve.engine.core.outputs",
 }
 
 __all__ = list(_EXPORTS)

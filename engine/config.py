@@ -7,7 +7,7 @@ import json
 import pathlib
 from typing import TYPE_CHECKING
 
-from pdserve.engine.device import check_device_name
+from pdserve.engine.machine.device import check_device_name
 from pdserve.protocol.settings import setting
 
 # transformers loads where a config.json is read (ModelConfig.from_dict): what reads only
@@ -20,7 +20,7 @@ SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 # weights are float32 on disk but carry no more precision than the quantized file did
 DEQUANTIZED_FROM_KEY = "pdserve_dequantized_from"
 KV_COMMIT_CHOICES = ("lazy", "idle", "startup")
-DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)  # auto: engine/device.py explain_dtype
+DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)  # auto: engine/machine/device.py explain_dtype
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 KV_CACHE_DTYPE_CHOICES = ("auto", "int8")
 
@@ -49,7 +49,7 @@ class ModelConfig:
     hf: transformers.PreTrainedConfig  # the whole config, family defaults filled in
     # what the weights were published in: "float32", "bfloat16", "float16", or "GGUF Q4_1" and the
     # like for a checkpoint dequantized from a quantized file (engine/model_fetch.py); --dtype auto
-    # follows it on the CPU (engine/device.py)
+    # follows it on the CPU (engine/machine/device.py)
     checkpoint_dtype: str = "float32"
 
     @classmethod

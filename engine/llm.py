@@ -22,13 +22,13 @@ import weakref
 from collections.abc import Sequence as Seq
 from types import TracebackType
 
-from pdserve.engine.cpu_env import apply_openmp_defaults
+from pdserve.engine.machine.cpu_env import apply_openmp_defaults
 
 apply_openmp_defaults()  # offline use's entry point: before the engine below loads torch
 
 from pdserve.engine.config import EngineConfig  # noqa: E402
+from pdserve.engine.core.outputs import RequestOutput  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pdserve.engine.outputs import RequestOutput  # noqa: E402
 from pdserve.protocol.sampling_params import SamplingParams  # noqa: E402
 
 Prompt = str | list[int]

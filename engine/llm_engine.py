@@ -10,24 +10,11 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.beam_search import BeamSearches, num_candidates, stop_ids_of
-from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.cpu_share import CpuShare
-from pdserve.engine.cuda_graphs import why_eager
-from pdserve.engine.device import describe_runtime, explain_dtype
-from pdserve.engine.draft_model import draft_needs, speculator_for
-from pdserve.engine.executor import Executor
-from pdserve.engine.kv_connector import KVArrival, KVConnector, KVEvents, KVTransfer
-from pdserve.engine.kv_prefault import KVPrefault
-from pdserve.engine.logits_rules import LogitsRules
-from pdserve.engine.lora.model import check_lora_family
-from pdserve.engine.lora.registry import AdapterRegistry
-from pdserve.engine.model_runner import KVCacheFactory
-from pdserve.engine.models import check_tensor_parallel, model_class
-from pdserve.engine.outputs import EngineStats, RequestOutput, completion_output
-from pdserve.engine.platform import UNVERIFIED_CUDA, resolve_platform
-from pdserve.engine.requests import (
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.kv_connector import KVArrival, KVConnector, KVEvents, KVTransfer
+from pdserve.engine.core.outputs import EngineStats, RequestOutput, completion_output
+from pdserve.engine.core.requests import (
     Aborted,
     QueueFullError,
     Request,
@@ -35,14 +22,33 @@ from pdserve.engine.requests import (
     check_resume,
     expand_forks,
 )
-from pdserve.engine.resources import usable_cpus
-from pdserve.engine.sampler import Sampler, SamplerInput, prompt_logprobs
-from pdserve.engine.scheduler import Scheduler, SchedulerOutput
-from pdserve.engine.sequence import Sequence, SequenceStatus, TokenLogprob
-from pdserve.engine.sizing import EngineSizing, announce, measure_device, size_device_pool, size_engine
-from pdserve.engine.step_budget import StepBudgets
-from pdserve.engine.step_stats import PREFILL_PROBE_TOKENS, StepStats, step_tokens
-from pdserve.engine.stop_rules import StopRules
+from pdserve.engine.core.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.core.sequence import Sequence, SequenceStatus, TokenLogprob
+from pdserve.engine.core.step_budget import StepBudgets
+from pdserve.engine.core.step_stats import PREFILL_PROBE_TOKENS, StepStats, step_tokens
+from pdserve.engine.executor.cuda_graphs import why_eager
+from pdserve.engine.executor.executor import Executor
+from pdserve.engine.executor.kv_prefault import KVPrefault
+from pdserve.engine.executor.model_runner import KVCacheFactory
+from pdserve.engine.executor.platform import UNVERIFIED_CUDA, resolve_platform
+from pdserve.engine.lora.model import check_lora_family
+from pdserve.engine.lora.registry import AdapterRegistry
+from pdserve.engine.machine.cpu_share import CpuShare
+from pdserve.engine.machine.device import describe_runtime, explain_dtype
+from pdserve.engine.machine.resources import usable_cpus
+from pdserve.engine.machine.sizing import (
+    EngineSizing,
+    announce,
+    measure_device,
+    size_device_pool,
+    size_engine,
+)
+from pdserve.engine.models import check_tensor_parallel, model_class
+from pdserve.engine.sampling.beam_search import BeamSearches, num_candidates, stop_ids_of
+from pdserve.engine.sampling.draft_model import draft_needs, speculator_for
+from pdserve.engine.sampling.logits_rules import LogitsRules
+from pdserve.engine.sampling.sampler import Sampler, SamplerInput, prompt_logprobs
+from pdserve.engine.sampling.stop_rules import StopRules
 from pdserve.protocol.kv_layout import KVCacheSpec
 from pdserve.protocol.sampling_params import SamplingParams
 
@@ -95,7 +101,7 @@ class LLMEngine:
         tp = config.tensor_parallel_size
         threads = max(1, self.sizing.num_threads // tp)  # each rank's share of the engine's threads
         torch.set_num_threads(threads)
-        # the automatic count gives way to other processes' load (engine/cpu_share.py); tensor-
+        # the automatic count gives way to other processes' load (engine/machine/cpu_share.py); tensor-
         # parallel ranks keep theirs (they must move in step)
         self.cpu_share = CpuShare(
             threads, usable_cpus(), torch.set_num_threads, enabled=config.num_threads is None and tp == 1
@@ -181,7 +187,7 @@ class LLMEngine:
 
     def _size_device_pool(self, at_start: tuple[int, int]) -> EngineSizing:
         """The pool from what the weights and a profile run of the largest step leave of this
-        engine's share of the device (engine/sizing.py)."""
+        engine's share of the device (engine/machine/sizing.py)."""
         c = self.config
         profile = lambda: self.executor.profile(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)  # noqa: E731
         # graphs hold a decode step's activations in their own pool: the peak once more
@@ -210,7 +216,7 @@ class LLMEngine:
         kv_transfer: KVTransfer | None = None,
     ) -> int:
         """Queue a request; its place in the waiting queue. ``kv_transfer``: its part in a KV
-        transfer (engine/kv_connector.py). SEND stops after the first token and holds the prompt's
+        transfer (engine/core/kv_connector.py). SEND stops after the first token and holds the prompt's
         blocks for the transfer (``StepResult.kv.held``); RECEIVE waits for its prompt's KV from a
         peer (its blocks come in ``StepResult.kv.granted``). ``resume_output_ids``: output another
         engine already generated (a migrated request); it is recomputed with the prompt, as after
@@ -391,7 +397,7 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.scheduler.waiting, self.max_model_len)
         decoding = any(s.num_uncomputed_tokens == 1 for s in self.scheduler.running)
-        # never-used blocks while their pages are committed, else reuse (engine/block_manager.py)
+        # never-used blocks while their pages are committed, else reuse (engine/core/block_manager.py)
         self.block_manager.fresh_limit = self.kv_prefault.fresh_limit()
         sched = self.scheduler.schedule(self.step_budget.tokens(decoding))
         outputs += self._refuse(sched.refused)

@@ -195,7 +195,7 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True) ->
         # transformers treat the folder as a GGUF checkpoint.
         del config.quantization_config
         # ... but the weights carry no more than the quantized file's precision: --dtype auto
-        # reads this to run them in bfloat16 where the CPU computes it (engine/device.py)
+        # reads this to run them in bfloat16 where the CPU computes it (engine/machine/device.py)
         setattr(config, DEQUANTIZED_FROM_KEY, f"GGUF {gguf_file_type(gguf_path)}")
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(gguf_model.state_dict(), strict=True)

@@ -3,7 +3,7 @@
 The receiver moves bytes into block ids; the engine owns the request. It queues the request with
 its own waiting prompts, grants its blocks from its own scheduling loop (the same admission rules
 as its local requests), and is told when a transfer fails. The decode node's engine connector is
-the implementation (engine/kv_connector.py: ``reserve`` and ``abort``); its grants come back in
+the implementation (engine/core/kv_connector.py: ``reserve`` and ``abort``); its grants come back in
 the engine's step result, and the node hands each to ``KVReceiver.grant``. An abort the node
 starts goes to the engine first, which says whether a transfer must stop (``KVReceiver.stop``).
 """

@@ -34,7 +34,7 @@ FRAME_ALIGN = 64
 
 
 class DevicePlatform(Protocol):
-    """What the transfer needs of the engine's platform (engine/platform.py), which it is handed
+    """What the transfer needs of the engine's platform (engine/executor/platform.py), which it is handed
     rather than imports: kv_transfer stays free of engine modules. None means host memory."""
 
     separate_host: bool  # the caches are not in host memory
@@ -85,7 +85,7 @@ class DeviceCopies:
 class HeadSplitCache:
     """One layer's K (or V) cache of a tensor-parallel node, seen as the model's KV heads in order
     over its ranks' own caches (each [num_blocks, block_size, its heads, row], in host memory that
-    rank 0 maps: engine/executor.py). The transfer reads and writes this view, so the wire carries
+    rank 0 maps: engine/executor/executor.py). The transfer reads and writes this view, so the wire carries
     the model's heads in order whatever either side's layout: each node re-slices within itself,
     and a layout pair moves the bytes a single-rank pair moves. A read takes each head from the
     first rank that holds it; a write goes to every rank that holds it (ranks outnumbering the KV

@@ -31,7 +31,7 @@ class ClusterPlan:
     stop_timeout_s: float = 20.0  # SIGTERM, then this long, then SIGKILL
     max_nodes: int = 0  # nodes the cluster may grow to (--autoscale): threads and memory are shared by them
     # tensor-parallel ranks of each prefill node, and of each decode or colocated node; each rank
-    # runs threads_per_node threads (a node of N ranks: N processes, engine/executor.py)
+    # runs threads_per_node threads (a node of N ranks: N processes, engine/executor/executor.py)
     prefill_tp: int = 1
     decode_tp: int = 1
 

@@ -26,7 +26,7 @@ import time
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.executor import WorkerLost
+from pdserve.engine.executor.executor import WorkerLost
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer.shared_cache import TORCH_DTYPES, SharedKVCache
 from pdserve.node.log import EventLog, forward_own_logs
@@ -68,7 +68,7 @@ class NodeHost:
         # A prefill node's KV cache in host memory lives in shared memory, so same-host decode
         # nodes copy blocks straight out of it. The engine calls the factory only for a pool in
         # host memory; a device pool (and a private one) leaves the cache None.
-        # A tensor-parallel node's pools are its ranks' shared memory (engine/executor.py): its
+        # A tensor-parallel node's pools are its ranks' shared memory (engine/executor/executor.py): its
         # KV goes on the socket or the staging ring, the one-copy path is a single rank's.
         single = engine_config.tensor_parallel_size == 1
         factory = self._shared_cache if opts.role is Role.PREFILL and single else None

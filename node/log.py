@@ -50,7 +50,7 @@ class EventLog:
         self(event, request_id, **fields)
 
 
-# The loggers of pdserve's own modules (pdserve.engine.cpu_share, pdserve.kernels.cpu_ext, ...). Their INFO records
+# The loggers of pdserve's own modules (pdserve.engine.machine.cpu_share, pdserve.kernels.cpu_ext, ...). Their INFO records
 # (a torch thread given up under load, a kernel built, a prefault turned off) matter in a node's
 # log, and with no logging configured Python would print only warnings, as bare text.
 OWN_LOGGERS = ("pdserve.engine", "pdserve.kernels")

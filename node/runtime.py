@@ -28,9 +28,9 @@ import time
 
 import zmq
 
-from pdserve.engine.kv_connector import KVTransfer
+from pdserve.engine.core.kv_connector import KVTransfer
+from pdserve.engine.core.requests import QueueFullError
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.requests import QueueFullError
 from pdserve.node.log import EventLog
 from pdserve.node.options import NodeOptions
 from pdserve.protocol import registry

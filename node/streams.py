@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from pdserve.engine.core.outputs import CompletionOutput
+from pdserve.engine.core.sequence import TokenLogprob
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.outputs import CompletionOutput
-from pdserve.engine.sequence import TokenLogprob
 from pdserve.node.options import NodeOptions
 from pdserve.protocol.fingerprint import KVFingerprint
 from pdserve.protocol.messages import BeamOutput, StageTimings, TokenChunk, TokenLogprobs

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve.engine.rank_pools import RankPool
+from pdserve.engine.executor.rank_pools import RankPool
 from pdserve.kv_transfer.tensors import HeadSplitCache
 
 

@@ -17,7 +17,7 @@ import json
 import pathlib
 from typing import Any
 
-from pdserve.engine.step_budget import AUTO_MAX_STEP_S  # torch-free
+from pdserve.engine.core.step_budget import AUTO_MAX_STEP_S  # torch-free
 
 VERSION = 1
 

@@ -31,7 +31,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from pdserve.bench_serve.metrics import Slo
-from pdserve.engine.step_budget import TPOT_SLO_STEP_SHARE  # torch-free
+from pdserve.engine.core.step_budget import TPOT_SLO_STEP_SHARE  # torch-free
 from pdserve.planner.profile import Profile
 from pdserve.router.config import LOCAL_PREFILL_MARGIN_S  # a plain dataclass module: no torch
 from pdserve.router.policy import place  # torch-free too

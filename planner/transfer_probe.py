@@ -12,8 +12,8 @@ import multiprocessing as mp
 
 import torch
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.pool_reservations import PoolReservations
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.pool_reservations import PoolReservations
 from pdserve.kv_transfer.messages import KVFingerprint
 from pdserve.protocol.kv_layout import KV_LAYOUT_NAME, KVCacheSpec
 

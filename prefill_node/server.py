@@ -19,7 +19,7 @@ import dataclasses
 import queue
 import time
 
-from pdserve.engine.kv_connector import HeldKV, KVTransfer
+from pdserve.engine.core.kv_connector import HeldKV, KVTransfer
 from pdserve.kv_transfer.messages import KVShipment
 from pdserve.node.parts import NodeParts
 from pdserve.node.streams import (

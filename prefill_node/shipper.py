@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.platform import Platform
+from pdserve.engine.executor.platform import Platform
 from pdserve.kv_transfer.errors import KVRejected, KVTimeout, KVTransferError
 from pdserve.kv_transfer.messages import CacheRef, KVFingerprint, KVShipment
 from pdserve.kv_transfer.sender import KVSender, SenderConfig, TransferStats

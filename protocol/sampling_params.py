@@ -75,7 +75,7 @@ class LogitBias:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class BeamSearch:
-    """Beam search over ``SamplingParams.n`` beams (engine/beam_search.py), scored as Hugging Face's
+    """Beam search over ``SamplingParams.n`` beams (engine/sampling/beam_search.py), scored as Hugging Face's
     ``generate(num_beams=n)`` scores: a finished beam's score is its summed log-probability over
     its length in generated tokens to the power ``length_penalty``."""
 

@@ -285,7 +285,7 @@ def node_adapter_metrics(nodes: Sequence[NodeInfo]) -> Iterator[CounterMetricFam
 
 
 def node_step_metrics(nodes: Sequence[NodeInfo]) -> tuple[HistogramMetricFamily, CounterMetricFamily]:
-    """Each node's engine steps by kind (engine/step_stats.py), as a histogram of step seconds and
+    """Each node's engine steps by kind (engine/core/step_stats.py), as a histogram of step seconds and
     a token counter. They count from the node's start and lag by a heartbeat, like the gauges."""
     steps = HistogramMetricFamily(
         "pdserve_node_engine_step_seconds",

@@ -154,7 +154,9 @@ class _SamplingFields(pydantic.BaseModel):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     session_id: str | None = None
-    use_beam_search: LaxBool = False  # vLLM: the n choices are the n best beams (engine/beam_search.py)
+    use_beam_search: LaxBool = (
+        False  # vLLM: the n choices are the n best beams (engine/sampling/beam_search.py)
+    )
     length_penalty: LaxFloat | None = None  # vLLM: beam search's length penalty (1.0)
     early_stopping: LaxBool | None = None  # Hugging Face's: beam search stops once n beams finished
     # vLLM and OpenAI fields not implemented: only their no-op value passes (UNSUPPORTED says why).

@@ -118,7 +118,7 @@ class NodeProcess:
         tmp: pathlib.Path,
         redis_url: str | None = None,
         extra: list[str] | None = None,
-        threads: int | None = 1,  # None: the node's automatic count (engine/cpu_share.py)
+        threads: int | None = 1,  # None: the node's automatic count (engine/machine/cpu_share.py)
         cpus: set[int] | None = None,  # the CPUs the node may use; None: this process's
         pythonpath: tuple[str, ...] = (),  # folders ahead of the checkout on the node's PYTHONPATH
     ) -> None:

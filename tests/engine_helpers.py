@@ -7,12 +7,12 @@ import functools
 import torch
 import transformers
 
-from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.platform import resolve_platform
-from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.scheduler import ScheduledSeq, SchedulerOutput
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.executor.model_runner import ModelRunner
+from pdserve.engine.executor.platform import resolve_platform
 from pdserve.protocol.kv_layout import KVCacheSpec
 from pdserve.protocol.sampling_params import SamplingParams
 

@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.pool_reservations import PoolReservations  # noqa: F401  (re-exported for the tests)
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.pool_reservations import PoolReservations  # noqa: F401  (re-exported for the tests)
+from pdserve.engine.core.sequence import Sequence
 from pdserve.kv_transfer.messages import KVFingerprint
 from pdserve.protocol.kv_layout import KV_LAYOUT_NAME
 from pdserve.protocol.sampling_params import SamplingParams

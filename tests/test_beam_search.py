@@ -1,4 +1,4 @@
-"""Beam search in the engine (engine/beam_search.py) against Hugging Face's ``generate(num_beams=n)``
+"""Beam search in the engine (engine/sampling/beam_search.py) against Hugging Face's ``generate(num_beams=n)``
 on the same weights: beams as forked sequences sharing blocks copy-on-write, beside ordinary
 requests in the same steps, under preemption, and with the prompt prefilled on another engine."""
 
@@ -14,9 +14,9 @@ import torch
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_connector import KVTransfer
+from pdserve.engine.core.kv_connector import KVTransfer
+from pdserve.engine.core.requests import Aborted
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.requests import Aborted
 from pdserve.kernels import ops
 from pdserve.protocol.sampling_params import BeamSearch
 from tests.engine_helpers import grant_remote, hf_beams, hf_eos_model, hf_greedy

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.block_manager import BlockCopy, BlockManager
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.core.block_manager import BlockCopy, BlockManager
+from pdserve.engine.core.sequence import Sequence
 from pdserve.protocol.block_hash import hash_full_blocks
 from pdserve.protocol.sampling_params import SamplingParams
 
@@ -117,7 +117,7 @@ def test_freed_cached_blocks_are_evicted_in_lru_order():
 
 def test_past_its_fresh_limit_the_pool_reuses_a_freed_block_and_grows_only_when_none_is_free():
     bm = BlockManager(num_blocks=8, block_size=2)
-    bm.fresh_limit = 2  # blocks 0 and 1 are committed; a CPU engine sets it (engine/kv_prefault.py)
+    bm.fresh_limit = 2  # blocks 0 and 1 are committed; a CPU engine sets it (engine/executor/kv_prefault.py)
     a = _seq([1, 2, 3, 4, 5, 6])
     _prefill(bm, a)  # 3 blocks: nothing is free to reuse, so the pool grows past the limit
     assert a.block_table == [0, 1, 2] and bm.high_water == 3

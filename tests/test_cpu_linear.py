@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.executor.model_runner import ModelRunner
 from pdserve.kernels import cpu_linear
 from pdserve.protocol.kv_layout import KVCacheSpec
 from tests.engine_helpers import hf_logits, paged_logits

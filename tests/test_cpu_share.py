@@ -1,4 +1,4 @@
-"""The automatic torch thread count gives way to other processes (engine/cpu_share.py)."""
+"""The automatic torch thread count gives way to other processes (engine/machine/cpu_share.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.cpu_share import CLOCK_TICKS, CpuShare, busy_seconds, threads_for
-from pdserve.engine.resources import usable_cpus
+from pdserve.engine.machine.cpu_share import CLOCK_TICKS, CpuShare, busy_seconds, threads_for
+from pdserve.engine.machine.resources import usable_cpus
 from tests.tiny_models import make_tiny_model
 
 STAT = """cpu  900 0 300 5000 10 0 5 0 0 0

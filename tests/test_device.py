@@ -60,8 +60,8 @@ def test_node_status_names_its_device(tmp_path, default_model_dir):
 
 
 def test_the_default_dtype_follows_the_device_and_the_checkpoint(monkeypatch):
-    from pdserve.engine import device
-    from pdserve.engine.device import explain_dtype, resolve_dtype
+    from pdserve.engine.machine import device
+    from pdserve.engine.machine.device import explain_dtype, resolve_dtype
 
     assert EngineConfig(model="m").dtype == "auto"
     assert resolve_dtype("auto", "cpu", "float32") == "float32"
@@ -84,7 +84,7 @@ def test_the_default_dtype_follows_the_device_and_the_checkpoint(monkeypatch):
 def test_an_engine_runs_a_float32_checkpoint_in_float32_and_a_bf16_one_as_the_cpu_allows(tmp_path):
     import transformers
 
-    from pdserve.engine.device import cpu_computes_bf16
+    from pdserve.engine.machine.device import cpu_computes_bf16
 
     fp32 = LLM(model=str(make_tiny_model("llama")), num_kv_blocks=16, device="cpu")
     assert fp32.engine.config.dtype == "float32" and fp32.engine.kv_spec.dtype == "float32"
@@ -101,7 +101,7 @@ def test_an_engine_runs_a_float32_checkpoint_in_float32_and_a_bf16_one_as_the_cp
 
 
 def test_the_start_up_line_names_the_dtype_why_and_offers_bf16_where_the_cpu_has_it():
-    from pdserve.engine.device import cpu_computes_bf16, describe_dtype
+    from pdserve.engine.machine.device import cpu_computes_bf16, describe_dtype
 
     cpu = torch.device("cpu")
     fp32 = describe_dtype(torch.float32, cpu, "auto: the checkpoint is float32")
@@ -115,7 +115,7 @@ def test_the_default_model_as_shipped_runs_in_bf16_where_the_cpu_computes_it(
 ):
     """Dequantized from GGUF Q4_1, it carries less than bf16's precision: auto picks bf16 where the
     CPU has bf16 arithmetic; the tests' fp32 view of the same weights (conftest.py) stays fp32."""
-    from pdserve.engine.device import cpu_computes_bf16
+    from pdserve.engine.machine.device import cpu_computes_bf16
 
     shipped = LLM(model=str(shipped_default_model), num_kv_blocks=16, device="cpu").engine
     assert shipped.model_config.checkpoint_dtype == "GGUF Q4_1"

@@ -50,19 +50,19 @@ ALLOWED = {
     ): "a 0-dim host scalar (HF rounds the embedding scale to the weights' dtype): it mixes with "
     "tensors on any device, read on the host as a kernel argument, with no copy and no sync",
 }
-# The step path: what runs, or builds tensors, while the engine serves (engine/platform.py's
+# The step path: what runs, or builds tensors, while the engine serves (engine/executor/platform.py's
 # start-up code and the CPU-only helpers, such as kv_prefault, are not in it).
 LINTED = (
     "kernels",
     "engine/layers",
     "engine/models",
-    "engine/model_runner.py",
-    "engine/cuda_graphs.py",
-    "engine/attention.py",
-    "engine/sampler.py",
-    "engine/logits_rules.py",
+    "engine/executor/model_runner.py",
+    "engine/executor/cuda_graphs.py",
+    "engine/executor/attention.py",
+    "engine/sampling/sampler.py",
+    "engine/sampling/logits_rules.py",
     "engine/llm_engine.py",
-    "engine/stop_rules.py",
+    "engine/sampling/stop_rules.py",
 )
 
 

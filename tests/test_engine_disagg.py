@@ -9,10 +9,10 @@ import torch
 
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_connector import HeldKV, KVTransfer
+from pdserve.engine.core.kv_connector import HeldKV, KVTransfer
+from pdserve.engine.core.requests import Aborted
+from pdserve.engine.core.sequence import Sequence, SequenceStatus
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.requests import Aborted
-from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.kernels import ops
 from tests.engine_helpers import grant_remote, hf_greedy
 from tests.tiny_models import make_tiny_model

@@ -1,4 +1,4 @@
-"""Defaults that size themselves (engine/sizing.py, engine/resources.py, engine/cpu_env.py), and
+"""Defaults that size themselves (engine/machine/sizing.py, engine/machine/resources.py, engine/machine/cpu_env.py), and
 explicit settings that still win exactly."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from pdserve.engine import resources
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.sizing import size_engine
+from pdserve.engine.machine import resources
+from pdserve.engine.machine.sizing import size_engine
 from pdserve.protocol.kv_layout import KVCacheSpec
 from tests.tiny_models import make_tiny_model
 

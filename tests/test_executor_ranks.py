@@ -1,4 +1,4 @@
-"""The executor's ranks (engine/executor.py). Executor.rank_pools, what a node wraps for its KV
+"""The executor's ranks (engine/executor/executor.py). Executor.rank_pools, what a node wraps for its KV
 transfer (node/transfer_caches.py): at tp=2 each rank's pool with the model's KV heads it holds,
 rank 0's being the pool its runner computes with and rank 1's the pages its worker writes; seen as
 one, they hold what one rank's pool holds after the same prompt. At tp=1 the one pool is rank 0's
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.executor import WorkerLost
+from pdserve.engine.executor.executor import WorkerLost
 from pdserve.node.transfer_caches import transfer_caches
 from tests.tiny_models import make_tiny_model
 

@@ -18,7 +18,7 @@ import transformers
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_connector import KVTransfer
+from pdserve.engine.core.kv_connector import KVTransfer
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol.sampling_params import GuidedDecoding
 from tests.engine_helpers import hf_greedy, hf_model
@@ -279,7 +279,7 @@ def test_a_migrated_guided_request_resumes_inside_its_grammar(llm, model_dir):
 
 
 def test_warm_up_builds_the_grammar_tokenizer_once_ahead_of_the_first_guided_request(model_dir, tmp_path):
-    from pdserve.engine.logits_rules import LogitsRules
+    from pdserve.engine.sampling.logits_rules import LogitsRules
 
     rules = LogitsRules(str(model_dir), 49152, (EOS,))
     assert rules._compiler is None  # built lazily: an engine that never sees a grammar skips it

@@ -1,5 +1,5 @@
 """The CPU KV pool's pages are committed in bulk ahead of the blocks the engine hands out
-(engine/kv_prefault.py), without changing a byte of the pool."""
+(engine/executor/kv_prefault.py), without changing a byte of the pool."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import time
 import pytest
 import torch
 
-from pdserve.engine import LLM, SamplingParams, kv_prefault
-from pdserve.engine.kv_prefault import PAGE, KVPrefault, populate
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.executor import kv_prefault
+from pdserve.engine.executor.kv_prefault import PAGE, KVPrefault, populate
 from tests.engine_helpers import grant_remote, hf_greedy
 from tests.tiny_models import make_tiny_model
 
@@ -113,7 +114,7 @@ def test_the_engine_commits_ahead_of_what_it_writes_and_stays_exact():
 
 def test_a_fresh_engine_reuses_its_blocks_and_touches_only_the_kv_its_work_holds_at_once():
     """Blocks whose pages nobody committed in bulk go only where no freed block is free
-    (engine/block_manager.py): a fresh offline engine's first call pays first-touch faults for its
+    (engine/core/block_manager.py): a fresh offline engine's first call pays first-touch faults for its
     working set, not for every block it ever hands out. A pool committed at start-up keeps the
     prefix cache's order: never-used blocks first."""
     tiny_llama = str(make_tiny_model("llama"))

@@ -21,9 +21,9 @@ from kv_transfer_peer import (
     prefill_side,
 )
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.platform import Platform, SplitPlatform
-from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.sequence import Sequence, SequenceStatus
+from pdserve.engine.executor.platform import Platform, SplitPlatform
 from pdserve.kv_transfer.errors import KVRejected, KVTimeout
 from pdserve.kv_transfer.messages import WireFormat
 from pdserve.kv_transfer.receiver import KVReceiver, PollResult, ReceiverConfig

@@ -14,7 +14,7 @@ import torch
 from kv_transfer_peer import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, make_fingerprint, prefill_side
 from test_kv_transfer import make_caches, make_receiver, poll_until
 
-from pdserve.engine.platform import FakeEvent, Platform, SplitPlatform
+from pdserve.engine.executor.platform import FakeEvent, Platform, SplitPlatform
 from pdserve.kv_transfer import shared_cache, tensors
 from pdserve.kv_transfer.messages import KVShipment, WireFormat
 from pdserve.kv_transfer.sender import KVSender, SenderConfig

@@ -13,7 +13,7 @@ import torch
 from kv_transfer_peer import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, make_fingerprint, prefill_side
 from test_kv_transfer import make_receiver, poll_until
 
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.core.sequence import Sequence
 from pdserve.kv_transfer import shared_cache
 from pdserve.kv_transfer.messages import CacheRef
 from pdserve.kv_transfer.sender import KVSender, SenderConfig

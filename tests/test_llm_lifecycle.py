@@ -3,7 +3,7 @@ the last reference goes. Three tensor-parallel LLMs run one after another in thi
 next after the previous was deleted (no close, no gc.collect()), then closed, and each gives
 Hugging Face's greedy tokens; closing twice is harmless, a closed LLM refuses to generate and lets
 its engine be collected; and the process's one torch.distributed group is refused to a second
-engine while held, and destroyed only by the engine that formed it (engine/parallel.py)."""
+engine while held, and destroyed only by the engine that formed it (engine/executor/parallel.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.parallel import close_parallel, init_parallel
+from pdserve.engine.executor.parallel import close_parallel, init_parallel
 from pdserve.launcher.ports import free_port
 from tests.engine_helpers import hf_greedy
 from tests.tiny_models import make_tiny_model

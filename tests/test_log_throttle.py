@@ -62,11 +62,11 @@ def test_a_nodes_own_module_logs_reach_its_event_log_from_info_up():
     stream = io.StringIO()
     handler = forward_own_logs(EventLog("node-1", stream))
     try:
-        logging.getLogger("pdserve.engine.cpu_share").info(
+        logging.getLogger("pdserve.engine.machine.cpu_share").info(
             "engine: %d torch threads (other processes took %.1f)", 1, 0.9
         )
         logging.getLogger("pdserve.kernels.cpu_ext").warning("CPU paged attention: no C++ compiler")
-        logging.getLogger("pdserve.engine.cpu_share").debug("not this")
+        logging.getLogger("pdserve.engine.machine.cpu_share").debug("not this")
         logging.getLogger("httpx").warning("nor another package's")
     finally:
         for name in OWN_LOGGERS:
@@ -77,7 +77,7 @@ def test_a_nodes_own_module_logs_reach_its_event_log_from_info_up():
             "node": "node-1",
             "event": "log",
             "level": "info",
-            "logger": "pdserve.engine.cpu_share",
+            "logger": "pdserve.engine.machine.cpu_share",
             "message": "engine: 1 torch threads (other processes took 0.9)",
         },
         {

@@ -18,10 +18,10 @@ import torch
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_connector import KVTransfer
+from pdserve.engine.core.kv_connector import KVTransfer
+from pdserve.engine.core.requests import QueueFullError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.lora.registry import UnknownAdapterError
-from pdserve.engine.requests import QueueFullError
 from pdserve.protocol.sampling_params import BeamSearch
 from tests.engine_helpers import hf_model
 from tests.test_engine_disagg import _move_kv

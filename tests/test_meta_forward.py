@@ -4,7 +4,7 @@ Meta tensors have shapes but no data, so two faults that would show only on a GP
 the CPU: a non-scalar host tensor mixed with device tensors (a factory without ``device=``)
 raises, and so does any host sync (``.tolist()``, ``.item()``, ``int(t)``, ``bool(t)``), which a
 CUDA graph cannot capture. The kernels' meta fakes (kernels/ops.py) stand in for the KV
-write and the attention. The model is built as engine/model_runner.py builds it, from the tiny
+write and the attention. The model is built as engine/executor/model_runner.py builds it, from the tiny
 configs alone (no weights), in the CUDA default dtype. GPU_PLAN.md section 3, "Meta forward".
 """
 
@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.executor.attention import AttentionMetadata
 from pdserve.engine.models import model_class
 from pdserve.kernels import ops
 from tests.tiny_families import FAMILY_CONFIGS

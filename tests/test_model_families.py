@@ -12,7 +12,7 @@ import torch
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.executor.model_runner import ModelRunner
 from pdserve.protocol.kv_layout import KVCacheSpec
 from tests.engine_helpers import hf_greedy, hf_logits, hf_model, paged_logits
 from tests.tiny_models import make_tiny_model

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.core.scheduler import ScheduledSeq, SchedulerOutput
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.executor.model_runner import ModelRunner
 from pdserve.protocol.kv_layout import KVCacheSpec
 from tests.tiny_models import make_tiny_model
 

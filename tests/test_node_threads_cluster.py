@@ -68,9 +68,11 @@ def test_a_node_beside_a_busy_process_drops_a_thread_logs_it_and_exports_it(tmp_
             while not dropped and time.monotonic() < deadline:
                 assert list(pool.map(complete, prompts)) == want  # fewer threads: slower, never different
                 # the start-up line (logger pdserve.engine) names its threads too: only cpu_share's records
-                dropped = [e for e in node.events("log") if e["logger"] == "pdserve.engine.cpu_share"]
+                dropped = [e for e in node.events("log") if e["logger"] == "pdserve.engine.machine.cpu_share"]
             assert dropped, node.log()[-2000:]
-            assert dropped[0]["logger"] == "pdserve.engine.cpu_share" and dropped[0]["level"] == "info"
+            assert (
+                dropped[0]["logger"] == "pdserve.engine.machine.cpu_share" and dropped[0]["level"] == "info"
+            )
             assert dropped[0]["message"].startswith("engine: 1 torch threads (other processes took")
             deadline = time.monotonic() + 10
             while _threads(router) != [1.0] and time.monotonic() < deadline:

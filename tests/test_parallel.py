@@ -1,4 +1,4 @@
-"""engine/parallel.py: a node's tensor-parallel ranks over torch.distributed (gloo on the CPU), in
+"""engine/executor/parallel.py: a node's tensor-parallel ranks over torch.distributed (gloo on the CPU), in
 real worker processes: the collectives, and the timeouts that turn a missing or hung rank into an
 error within the group's deadline."""
 
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from pdserve.engine.parallel import SINGLE, ParallelState, close_parallel, init_parallel
+from pdserve.engine.executor.parallel import SINGLE, ParallelState, close_parallel, init_parallel
 from pdserve.launcher.ports import free_port
 
 CONTEXT = multiprocessing.get_context("spawn")  # a fresh interpreter per rank, as a node starts them

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from pdserve.engine.executor.parallel import SINGLE, close_parallel, init_parallel
 from pdserve.engine.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -21,7 +22,6 @@ from pdserve.engine.layers.linear import (
     VocabParallelEmbedding,
     padded_vocab,
 )
-from pdserve.engine.parallel import SINGLE, close_parallel, init_parallel
 from pdserve.launcher.ports import free_port
 from pdserve.protocol.kv_layout import kv_heads_of
 
@@ -146,7 +146,7 @@ def test_at_tp1_the_layers_are_the_whole_layers_and_the_padding_never_wins():
 
 
 def test_a_split_that_is_not_even_is_refused_naming_the_flag():
-    from pdserve.engine.parallel import ParallelState
+    from pdserve.engine.executor.parallel import ParallelState
 
     class _TwoRanks(ParallelState):
         def __post_init__(self) -> None:  # no group needed to size a layer

@@ -1,4 +1,4 @@
-"""The platform layer (engine/platform.py) verified on the CPU: the split-and-poison platform runs
+"""The platform layer (engine/executor/platform.py) verified on the CPU: the split-and-poison platform runs
 the HF-exact suites (so nothing reads a host buffer where a GPU would hold the data on the
 device), its fake streams defer copies to their events, the GPU's pool sizing works from
 injected memory figures, and the profile run executes."""
@@ -13,12 +13,18 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine import platform as platform_module
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.draft_model import draft_engine_config, draft_needs
-from pdserve.engine.model_runner import ModelRunner, StepInputs, largest_prefill
-from pdserve.engine.platform import TEST_PLATFORM_ENV, CUDAPlatform, Platform, SplitPlatform, resolve_platform
-from pdserve.engine.sizing import DeviceMemory, DraftNeeds, size_device_pool, size_engine
+from pdserve.engine.executor import platform as platform_module
+from pdserve.engine.executor.model_runner import ModelRunner, StepInputs, largest_prefill
+from pdserve.engine.executor.platform import (
+    TEST_PLATFORM_ENV,
+    CUDAPlatform,
+    Platform,
+    SplitPlatform,
+    resolve_platform,
+)
+from pdserve.engine.machine.sizing import DeviceMemory, DraftNeeds, size_device_pool, size_engine
+from pdserve.engine.sampling.draft_model import draft_engine_config, draft_needs
 from pdserve.protocol.kv_layout import KVCacheSpec
 from tests.engine_helpers import hf_greedy
 from tests.tiny_models import make_tiny_model
@@ -125,7 +131,7 @@ def test_cuda_starts_with_a_warning_that_it_has_not_run_on_a_gpu(monkeypatch, ca
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(CUDAPlatform, "activate", lambda self: None)
-    with caplog.at_level("WARNING", logger="pdserve.engine.platform"):
+    with caplog.at_level("WARNING", logger="pdserve.engine.executor.platform"):
         platform = resolve_platform("cuda:1")
         assert isinstance(platform, CUDAPlatform) and platform.device == torch.device("cuda", 1)
         assert "has not yet run on a GPU" in caplog.text
@@ -296,7 +302,7 @@ def test_the_prefill_probe_seeds_the_speed_and_leaves_the_engine_as_it_was():
 
 
 def test_padded_decode_equals_unpadded_and_padding_writes_nothing():
-    """The eager form of the CUDA graphs' decode (engine/cuda_graphs.py) on the CPU: the same
+    """The eager form of the CUDA graphs' decode (engine/executor/cuda_graphs.py) on the CPU: the same
     tokens as unpadded steps (and HF), and the same KV pool bit for bit."""
     path = str(make_tiny_model("llama"))
     prompts = _prompts()[:3]  # decode batches of 3: padded to 4

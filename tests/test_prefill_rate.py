@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from pdserve.engine.step_stats import RATE_MIN_PROMPT_TOKENS, PrefillRate, StepStats
+from pdserve.engine.core.step_stats import RATE_MIN_PROMPT_TOKENS, PrefillRate, StepStats
 from pdserve.protocol.registry import NodeInfo
 from pdserve.router.metrics import RouterMetrics, prefill_backlog_seconds
 from tests.cluster import Client, NodeProcess

@@ -1,4 +1,4 @@
-"""engine/rank_messages.py: every call rank 0 makes on a worker, and every reply, comes back from
+"""engine/executor/rank_messages.py: every call rank 0 makes on a worker, and every reply, comes back from
 the wire as it went (msgpack ``[tag, fields]``, the tag explicit); a frame this code does not
 know is refused naming why; the socket carries messages and a memfd beside them; and a worker
 process has a handler for every call but the first (WorkerStart) and the last (Shutdown)."""
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.model_runner import StepPlan
-from pdserve.engine.rank_messages import (
+from pdserve.engine.executor.model_runner import StepPlan
+from pdserve.engine.executor.rank_messages import (
     MESSAGES,
     AllocateKV,
     ClearLoRASlot,
@@ -32,8 +32,8 @@ from pdserve.engine.rank_messages import (
     from_wire,
     to_wire,
 )
-from pdserve.engine.rank_pools import SharedPool
-from pdserve.engine.worker import HANDLERS, process_handlers
+from pdserve.engine.executor.rank_pools import SharedPool
+from pdserve.engine.executor.worker import HANDLERS, process_handlers
 from pdserve.protocol.kv_layout import KVCacheSpec
 
 SPEC = KVCacheSpec(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=1, head_dim=8, dtype="float32")

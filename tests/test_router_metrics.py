@@ -9,7 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.engine.step_stats import BUCKETS_S
+from pdserve.engine.core.step_stats import BUCKETS_S
 from pdserve.protocol import messages as pm
 from pdserve.router.metrics import LATENCY_BUCKETS, RouterMetrics
 from pdserve.router.tokenizer import Tokenizer

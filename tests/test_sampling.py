@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.sampler import Sampler, SamplerInput
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.sampling.sampler import Sampler, SamplerInput
 from tests.engine_helpers import hf_logits, hf_model
 from tests.tiny_models import make_tiny_model
 
@@ -93,7 +93,7 @@ def test_repetition_penalty_greedy_matches_hf(llm):
 
 
 def _row_after(params: SamplingParams, tokens: list[int], num_prompt: int) -> torch.Tensor:
-    from pdserve.engine.sampler import _apply_penalties
+    from pdserve.engine.sampling.sampler import _apply_penalties
 
     row = torch.zeros(16)
     _apply_penalties(row, Sequence("r", tokens, num_prompt, params), params)
@@ -143,7 +143,7 @@ def test_stop_token_ids_end_generation_with_reason(llm):
 def test_rows_filtered_together_equal_rows_filtered_one_by_one():
     """The batched filter (unseeded rows, drawn together on the device) gives each row the
     distribution the one-row filter does, for every mix of temperature, top-k, min-p and top-p."""
-    from pdserve.engine.sampler import _filtered_probs, _filtered_probs_rows
+    from pdserve.engine.sampling.sampler import _filtered_probs, _filtered_probs_rows
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(8, 300, generator=g) * 3

@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/speculation.py): exact against HF and against the engine without it.
+"""Speculative decoding (engine/sampling/speculation.py): exact against HF and against the engine without it.
 
 Every engine here runs ``debug_checks`` (the block pool's ref counts against every table, each
 step), and each test asserts that drafts were proposed and accepted, so it exercises the path.
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import Sequence
-from pdserve.engine.speculation import MIN_FIT_STEPS, RowCost, Speculator, ngram_lookup
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.scheduler import Scheduler
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.sampling.speculation import MIN_FIT_STEPS, RowCost, Speculator, ngram_lookup
 from tests.engine_helpers import hf_greedy
 from tests.tiny_models import make_tiny_model
 

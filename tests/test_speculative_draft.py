@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (engine/draft_model.py): exact against HF and against the
+"""Speculative decoding with a draft model (engine/sampling/draft_model.py): exact against HF and against the
 engine without speculation, whatever the draft model proposes.
 
 Three draft models: the model itself (its greedy drafts are what greedy decoding draws, so every

@@ -6,8 +6,8 @@ import time
 
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.step_budget import AUTO_MAX_STEP_S, StepBudget
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.step_budget import AUTO_MAX_STEP_S, StepBudget
 from tests.tiny_models import make_tiny_model
 
 

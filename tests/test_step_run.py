@@ -12,9 +12,9 @@ import torch
 
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.model_runner import PROMPT_LOGITS_ROWS, ModelRunner, StepRun
-from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.core.scheduler import ScheduledSeq, SchedulerOutput
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.executor.model_runner import PROMPT_LOGITS_ROWS, ModelRunner, StepRun
 from pdserve.protocol.kv_layout import KVCacheSpec
 from tests.tiny_models import make_tiny_model
 

@@ -1,4 +1,4 @@
-"""The engine's step counts by kind (engine/step_stats.py) and their Prometheus form on the router."""
+"""The engine's step counts by kind (engine/core/step_stats.py) and their Prometheus form on the router."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.bench_serve.server_steps import StepLine, difference, parse
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.step_stats import BUCKETS_S, StepStats
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.step_stats import BUCKETS_S, StepStats
 from pdserve.router.metrics import RouterMetrics
 from tests.test_router_support import node_info
 from tests.tiny_models import make_tiny_model

@@ -1,4 +1,4 @@
-"""A tensor-parallel engine (engine/executor.py): rank 0 here, rank 1 in a worker process it
+"""A tensor-parallel engine (engine/executor/executor.py): rank 0 here, rank 1 in a worker process it
 starts, joined by gloo. Against Hugging Face on the same weights at tp=2: greedy output through
 chunked prefill, a prefix hit and concurrent mixed-length requests, prompt and sampled logprobs
 within fp32 tolerance, for one KV head (replicated on both ranks), two, three (an uneven share),
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.executor import WorkerLost
+from pdserve.engine.executor.executor import WorkerLost
 from pdserve.protocol.sampling_params import BeamSearch
 from tests.engine_helpers import hf_beams, hf_greedy, hf_logits
 from tests.test_prompt_logprobs import _check_against_hf

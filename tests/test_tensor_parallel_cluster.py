@@ -163,7 +163,9 @@ def test_a_decode_rank_killed_mid_decode_ends_its_node_at_once(nodes, client, tm
         assert victim.proc.wait(timeout=30) != 0  # the node went, not serving on one rank
         (fatal,) = victim.events("integrity_failed")
         assert "rank 1 exited (-9)" in fatal["error"]
-        assert not any(b"pdserve.engine.worker" in _cmdline(pid) for pid in _children(victim.proc.pid))
+        assert not any(
+            b"pdserve.engine.executor.worker" in _cmdline(pid) for pid in _children(victim.proc.pid)
+        )
         info = client.wait_idle(prefill)  # the prefill node holds nothing for the dead node
         assert info["num_blocks_free"] == info["num_blocks_total"], info
     finally:
@@ -216,6 +218,6 @@ def _children(parent: int) -> list[int]:
 
 
 def _worker_pid(node_pid: int) -> int:
-    """The node's one worker rank: its child running pdserve.engine.worker."""
-    (pid,) = [pid for pid in _children(node_pid) if b"pdserve.engine.worker" in _cmdline(pid)]
+    """The node's one worker rank: its child running pdserve.engine.executor.worker."""
+    (pid,) = [pid for pid in _children(node_pid) if b"pdserve.engine.executor.worker" in _cmdline(pid)]
     return pid

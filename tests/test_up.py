@@ -430,7 +430,7 @@ def test_up_lora_flags_reach_every_node_and_the_router():
 )
 def test_up_says_which_dtype_its_nodes_compute_in_and_why(tmp_path, checkpoint, node_args, expected):
     from pdserve.cli.up import _node_dtype
-    from pdserve.engine.device import cpu_computes_bf16, explain_dtype
+    from pdserve.engine.machine.device import cpu_computes_bf16, explain_dtype
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "dtype": checkpoint}))
     line = _node_dtype(str(tmp_path), tuple(node_args.split()))

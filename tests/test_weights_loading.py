@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.engine import LLM
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.executor.model_runner import ModelRunner
 from pdserve.protocol.kv_layout import KVCacheSpec
 from tests.engine_helpers import hf_logits, paged_logits
 from tests.tiny_models import make_tiny_model

@@ -8,10 +8,10 @@ import dataclasses
 import torch
 from torch import nn
 
-from pdserve.engine.attention import AttentionMetadata, paged_attention
+from pdserve.engine.executor.attention import AttentionMetadata, paged_attention
+from pdserve.engine.executor.parallel import SINGLE, ParallelState
 from pdserve.engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from pdserve.engine.layers.rotary import RotaryEmbedding
-from pdserve.engine.parallel import SINGLE, ParallelState
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [num_blocks, block_size, KVH, D]
 

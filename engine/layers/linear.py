@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.parallel import ParallelState
+from pdserve.engine.executor.parallel import ParallelState
 from pdserve.kernels import cpu_linear
 from pdserve.protocol.kv_layout import check_tp_layout, kv_heads_of, query_heads_of
 

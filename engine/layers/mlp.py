@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pdserve.engine.executor.parallel import SINGLE, ParallelState
 from pdserve.engine.layers.activations import activation
 from pdserve.engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from pdserve.engine.parallel import SINGLE, ParallelState
 from pdserve.kernels import cpu_ext
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pdserve.engine.executor.parallel import SINGLE, ParallelState
 from pdserve.engine.layers.linear import CheckpointTensor, as_checkpoint
-from pdserve.engine.parallel import SINGLE, ParallelState
 from pdserve.kernels import cpu_ext
 
 LayerNorm = nn.LayerNorm  # GPT-2 and StableLM: mean and variance, weight and bias

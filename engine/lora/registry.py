@@ -1,6 +1,6 @@
 """The adapters one engine serves, by name: the PEFT folder each is read from, the requests that
 pin a slot, and the counts a node's /metrics reports. It is the scheduler's admission rule for
-adapters (``admit``, engine/scheduler.py's ``SlotAdmission``), consulted as a waiting request comes
+adapters (``admit``, engine/core/scheduler.py's ``SlotAdmission``), consulted as a waiting request comes
 up in the scheduler's one FIFO:
 
     a request names adapter "sql" (known: from lora_modules or load_adapter, else a ValueError)
@@ -24,12 +24,12 @@ import dataclasses
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
 
+from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.lora.adapter import LoRAAdapter
 from pdserve.engine.lora.model import LoRAModel
-from pdserve.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from pdserve.engine.executor import Executor
+    from pdserve.engine.executor.executor import Executor
 
 
 class UnknownAdapterError(ValueError):

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.executor.parallel import SINGLE, ParallelState
 from pdserve.engine.models.decoder import CausalLM, single_rank_only
 from pdserve.engine.models.gemma import GemmaForCausalLM
 from pdserve.engine.models.gemma2 import Gemma2ForCausalLM
@@ -19,7 +20,6 @@ from pdserve.engine.models.phi3 import Phi3ForCausalLM
 from pdserve.engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from pdserve.engine.models.qwen3 import Qwen3ForCausalLM
 from pdserve.engine.models.stablelm import StableLmForCausalLM
-from pdserve.engine.parallel import SINGLE, ParallelState
 from pdserve.protocol.kv_layout import query_heads_of
 
 # What the engine runs: a step's tokens to hidden states (forward), rows of them to logits

@@ -17,13 +17,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.executor.attention import AttentionMetadata
+from pdserve.engine.executor.parallel import SINGLE, ParallelState
 from pdserve.engine.layers.attention import AttentionSpec, KVCache
 from pdserve.engine.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from pdserve.engine.layers.norms import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
-from pdserve.engine.parallel import SINGLE, ParallelState
 from pdserve.protocol.kv_layout import kv_heads_of, query_heads_of
 
 

@@ -5,12 +5,12 @@ final logits, and attention scaled by query_pre_attn_scalar ** -0.5 instead of h
 from __future__ import annotations
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.executor.parallel import SINGLE, ParallelState
 from pdserve.engine.layers.attention import SelfAttention
 from pdserve.engine.layers.mlp import GatedMLP
 from pdserve.engine.layers.rotary import RotaryEmbedding
 from pdserve.engine.models.decoder import CausalLM, SandwichLayer, attention_spec, rotary
 from pdserve.engine.models.gemma import gemma_norm
-from pdserve.engine.parallel import SINGLE, ParallelState
 
 
 def gemma2_layer(

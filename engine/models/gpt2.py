@@ -9,8 +9,9 @@ import dataclasses
 import torch
 from torch import nn
 
-from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.executor.attention import AttentionMetadata
+from pdserve.engine.executor.parallel import SINGLE, ParallelState
 from pdserve.engine.layers.activations import activation
 from pdserve.engine.layers.attention import AttentionSpec, KVCache, attend, split_heads
 from pdserve.engine.layers.linear import (
@@ -20,7 +21,6 @@ from pdserve.engine.layers.linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from pdserve.engine.parallel import SINGLE, ParallelState
 
 
 class GPT2Attention(nn.Module):

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.executor.parallel import SINGLE, ParallelState
 from pdserve.engine.layers.attention import SelfAttention
 from pdserve.engine.layers.mlp import GatedMLP
 from pdserve.engine.layers.norms import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
 from pdserve.engine.models.decoder import CausalLM, PreNormLayer, attention_spec, rotary
-from pdserve.engine.parallel import SINGLE, ParallelState
 
 
 def llama_layer(cfg: ModelConfig, layer: int, rope: RotaryEmbedding, parallel: ParallelState) -> PreNormLayer:

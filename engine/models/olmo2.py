@@ -4,12 +4,12 @@ token at once rather than per head."""
 from __future__ import annotations
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.executor.parallel import SINGLE, ParallelState
 from pdserve.engine.layers.attention import SelfAttention
 from pdserve.engine.layers.mlp import GatedMLP
 from pdserve.engine.layers.norms import FlatHeadsRMSNorm, RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
 from pdserve.engine.models.decoder import CausalLM, PostNormLayer, RankHeads, attention_spec, rotary
-from pdserve.engine.parallel import SINGLE, ParallelState
 
 
 def olmo2_layer(

@@ -5,11 +5,11 @@ partial rotary (Phi-4-mini) through the shared rotary embedding."""
 from __future__ import annotations
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.executor.parallel import SINGLE, ParallelState
 from pdserve.engine.layers.attention import SelfAttention
 from pdserve.engine.layers.mlp import GatedMLP
 from pdserve.engine.layers.norms import RMSNorm
 from pdserve.engine.models.decoder import CausalLM, PreNormLayer, attention_spec, rotary
-from pdserve.engine.parallel import SINGLE, ParallelState
 
 
 class Phi3ForCausalLM(CausalLM):

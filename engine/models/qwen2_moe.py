@@ -8,13 +8,13 @@ import torch
 from torch import nn
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.executor.parallel import SINGLE, ParallelState
 from pdserve.engine.layers.attention import SelfAttention
 from pdserve.engine.layers.mlp import GatedMLP
 from pdserve.engine.layers.moe import Experts, TopKRouter
 from pdserve.engine.layers.norms import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
 from pdserve.engine.models.decoder import CausalLM, PreNormLayer, attention_spec, rotary, single_rank_only
-from pdserve.engine.parallel import SINGLE, ParallelState
 
 
 class Qwen2MoeSparseBlock(nn.Module):

@@ -5,6 +5,7 @@ a parallel residual (attention and MLP read the same normed input)."""
 from __future__ import annotations
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.executor.parallel import SINGLE, ParallelState
 from pdserve.engine.layers.attention import SelfAttention
 from pdserve.engine.layers.mlp import GatedMLP
 from pdserve.engine.layers.norms import LayerNorm, PerHeadLayerNorm
@@ -17,7 +18,6 @@ from pdserve.engine.models.decoder import (
     attention_spec,
     rotary,
 )
-from pdserve.engine.parallel import SINGLE, ParallelState
 
 
 def stablelm_layer(

@@ -16,9 +16,9 @@ import io
 import sys
 from collections.abc import Sequence
 
-from pdserve.engine.cpu_env import apply_openmp_defaults
+from pdserve.engine.machine.cpu_env import apply_openmp_defaults
 
-apply_openmp_defaults()  # the process entry point: before any handler loads torch (engine/cpu_env.py)
+apply_openmp_defaults()  # the process entry point: before any handler loads torch (engine/machine/cpu_env.py)
 
 from pdserve.cli import bench, generate, model, nodes, plan, role, router_cmd, status, up  # noqa: E402
 

@@ -122,7 +122,7 @@ def _row(node, now: float) -> tuple[str, ...]:
 
 
 def _committed(node) -> str:
-    """The share of the KV pool whose memory is committed (engine/kv_prefault.py); "-" where the
+    """The share of the KV pool whose memory is committed (engine/executor/kv_prefault.py); "-" where the
     node does not say."""
     if node.num_blocks_committed is None or node.num_blocks_total <= 0:
         return "-"
@@ -130,7 +130,7 @@ def _committed(node) -> str:
 
 
 def _mean_steps(node) -> str:
-    """Mean engine step time by kind since the node started (engine/step_stats.py), e.g.
+    """Mean engine step time by kind since the node started (engine/core/step_stats.py), e.g.
     "decode 36ms, mixed 191ms"; "-" before its first step."""
     parts = []
     for kind in ("decode", "mixed", "prefill"):

@@ -341,10 +341,10 @@ def _check_layout(args: argparse.Namespace, cores: int, num_prefill: int, num_de
 
 
 def _node_dtype(model: str, node_args: tuple[str, ...]) -> str:
-    """The dtype the nodes will compute in and why (engine/device.py explain_dtype), torch-free:
+    """The dtype the nodes will compute in and why (engine/machine/device.py explain_dtype), torch-free:
     --dtype from the node flags, the checkpoint's from its config.json."""
     from pdserve.engine.config import checkpoint_dtype_of
-    from pdserve.engine.device import explain_dtype
+    from pdserve.engine.machine.device import explain_dtype
     from pdserve.launcher.plan import node_device, node_flag
 
     checkpoint = checkpoint_dtype_of(json.loads((pathlib.Path(model) / "config.json").read_text()))

@@ -159,7 +159,7 @@ def slo_node_args(args: argparse.Namespace) -> tuple[str, ...]:
     """Every node's target for the steps that carry decodes beside prompt chunks (engine.step_budget),
     unless --node-args sets it itself: within the TPOT target, or DEFAULT_DECODE_STEP_S without
     one (any node may decode, after a role switch if not at start)."""
-    from pdserve.engine.step_budget import TPOT_SLO_STEP_SHARE
+    from pdserve.engine.core.step_budget import TPOT_SLO_STEP_SHARE
 
     flag = "--max-decode-step-seconds"
     if any(a == flag or a.startswith(flag + "=") for a in shlex.split(args.node_args)):

@@ -1,7 +1,7 @@
 """The engine's torch thread count, following how much of its CPUs other processes take.
 
 With libgomp's idle threads spinning a little between parallel regions (the engine's default,
-engine/cpu_env.py), a 2-thread engine on 2 idle cores runs 20-30% faster than with sleeping
+engine/machine/cpu_env.py), a 2-thread engine on 2 idle cores runs 20-30% faster than with sleeping
 threads: a decode step is ~500 parallel regions, and waking a sleeping thread for each costs tens
 of microseconds. Beside a busy process the same setting collapses (to a quarter, bench/notes/engine-cpu.md
 "OpenMP waiting"): every region waits at its barrier for a thread the busy process has

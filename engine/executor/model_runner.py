@@ -10,17 +10,17 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.cuda_graphs import DecodeGraphs
-from pdserve.engine.device import resolve_attention_backend, resolve_dtype
+from pdserve.engine.core.scheduler import ScheduledSeq, SchedulerOutput
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.executor.attention import AttentionMetadata
+from pdserve.engine.executor.cuda_graphs import DecodeGraphs
+from pdserve.engine.executor.parallel import SINGLE, ParallelState
+from pdserve.engine.executor.platform import Platform
 from pdserve.engine.layers import moe
 from pdserve.engine.lora import LoRALimits, LoRAModel, token_slots_of
+from pdserve.engine.machine.device import resolve_attention_backend, resolve_dtype
 from pdserve.engine.models import build_model
-from pdserve.engine.parallel import SINGLE, ParallelState
-from pdserve.engine.platform import Platform
-from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
-from pdserve.engine.sequence import Sequence
 from pdserve.engine.weights import load_weights
 from pdserve.kernels import cpu_linear, kv_int8
 from pdserve.protocol.kv_layout import KVCacheSpec, kv_heads_of
@@ -45,7 +45,7 @@ class ModelInput:
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepPlan:
     """One step's whole input as plain arrays, the same on every tensor-parallel rank: what rank 0
-    sends its workers (engine/executor.py), with no Sequence in it. ``arrays``: input_ids and
+    sends its workers (engine/executor/executor.py), with no Sequence in it. ``arrays``: input_ids and
     positions [T], slots [T], tables [S, max_blocks], q_start [S+1], prefill_q_start, ends [S],
     logits_rows [R], and in a step with LoRA rows lora_slots [T] (each row's adapter slot,
     max_loras for a base-model row; host-side only, engine/lora/compute.py). ``prompt_rows``:

@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.sequence import Sequence, SequenceStatus, TokenLogprob
 from pdserve.protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pdserve.engine.requests import Request
-    from pdserve.engine.scheduler import Scheduler
+    from pdserve.engine.core.requests import Request
+    from pdserve.engine.core.scheduler import Scheduler
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Device names, and the choices that follow the device: the attention backend and the dtype.
 
-The device itself, and everything that differs between devices, is engine/platform.py's.
+The device itself, and everything that differs between devices, is engine/executor/platform.py's.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def describe_dtype(dtype: torch.dtype, device: torch.device, why: str = "--dtype
 
 def describe_runtime(runner, device: torch.device, adapts_threads: bool, dtype_why: str = "--dtype") -> str:
     """The start-up line's account of how this engine computes: kernels, dtype, CPU settings."""
-    from pdserve.engine import cpu_env
+    from pdserve.engine.machine import cpu_env
     from pdserve.kernels import ops
 
     native = ops.native_cpu(runner.kv_caches[0][0], runner.attention_backend)

@@ -14,7 +14,7 @@ The draft engine keeps no sequence between steps. Its prefix cache holds each se
 blocks, so a step recomputes at most a block's worth of tokens plus the ones the target kept
 since: what the target rejected never needs rolling back here, because it was never kept. The
 drafts only decide which tokens the target's one forward pass verifies; the target's own
-sampler decides every output token (engine/speculation.py), so a draft model, good or bad,
+sampler decides every output token (engine/sampling/speculation.py), so a draft model, good or bad,
 never changes the output.
 """
 
@@ -31,10 +31,10 @@ from collections.abc import Callable
 import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.machine.sizing import DraftNeeds
 from pdserve.engine.models import build_model
-from pdserve.engine.sequence import Sequence
-from pdserve.engine.sizing import DraftNeeds
-from pdserve.engine.speculation import Speculator
+from pdserve.engine.sampling.speculation import Speculator
 from pdserve.protocol.kv_layout import KVCacheSpec
 from pdserve.protocol.sampling_params import SamplingParams
 

@@ -6,7 +6,7 @@ same cores a 2-thread engine then lost 3-4x (bench/notes/engine-cpu.md, "OpenMP 
 (PASSIVE) never collapses but pays a wake-up in each of a decode step's ~500 parallel regions:
 20-30% of a quiet machine's speed. The engine's default spins briefly (GOMP_SPINCOUNT=10000, a few
 microseconds: long enough to bridge the gap between one op's parallel region and the next), and
-engine/cpu_share.py drops to one thread, which has no barrier to wait at, while other processes
+engine/machine/cpu_share.py drops to one thread, which has no barrier to wait at, while other processes
 load the CPUs. The engine sets the variable only where neither is set, so an explicit choice
 always wins. Torch-free.
 """

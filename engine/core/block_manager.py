@@ -13,7 +13,7 @@ Never-used blocks are handed out in ascending order, ahead of reused ones, while
 committed (``fresh_limit``: the engine sets it from its KV prefault). Past that, a reused block
 goes first and the pool grows only when none is free: a fresh CPU engine then takes first-touch
 page faults for the most KV its work holds at once, not for every block of a pool sized from free
-memory (engine/kv_prefault.py). A pool whose memory is all committed (a GPU's, or a CPU node's
+memory (engine/executor/kv_prefault.py). A pool whose memory is all committed (a GPU's, or a CPU node's
 after its idle commit) keeps every block's cache entry as long as LRU order allows.
 """
 
@@ -23,7 +23,7 @@ import dataclasses
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.core.sequence import Sequence
 from pdserve.protocol.block_hash import hash_block
 
 

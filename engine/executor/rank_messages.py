@@ -1,5 +1,5 @@
-"""What crosses between a node's rank 0 (engine/executor.py) and its worker ranks
-(engine/worker.py), and the socket it crosses on.
+"""What crosses between a node's rank 0 (engine/executor/executor.py) and its worker ranks
+(engine/executor/worker.py), and the socket it crosses on.
 
 Rank 0 schedules; the workers hold the other shards of the model and the KV heads, and run what
 rank 0 tells them, in the order it tells them: every call that makes collectives (a step, the
@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.model_runner import StepPlan
+from pdserve.engine.executor.model_runner import StepPlan
 from pdserve.protocol.kv_layout import KVCacheSpec
 
 _LENGTH = struct.Struct("!I")
@@ -94,7 +94,7 @@ class StepCall(RankMessage):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AllocateKV(RankMessage):
-    """Map this rank's KV pool: the memfd that follows the message (engine/rank_pools.py)."""
+    """Map this rank's KV pool: the memfd that follows the message (engine/executor/rank_pools.py)."""
 
     TAG: ClassVar[str] = "allocate_kv"
     spec: KVCacheSpec  # this rank's pool: its own KV heads, the same block ids as every rank's

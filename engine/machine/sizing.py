@@ -4,11 +4,11 @@ Explicit settings win exactly (``num_threads``, ``num_kv_blocks``, ``kv_cache_me
 Otherwise the threads are the CPUs this process may use (affinity and cgroup quota), and the KV
 pool takes ``kv_cache_memory_fraction`` of the memory available now (as vLLM's CPU backend sizes
 its KV-cache space), but never more than ``max_num_seqs`` sequences of ``max_model_len`` tokens
-could fill. The pool's pages are touched only as blocks are first written (engine/model_runner.py),
+could fill. The pool's pages are touched only as blocks are first written (engine/executor/model_runner.py),
 so an idle pool costs address space, not memory.
 
 On a GPU the pool is sized after the weights are loaded and a profile run of the largest step
-(engine/model_runner.py ``profile``) has set the peak: of ``gpu_memory_utilization`` x the
+(engine/executor/model_runner.py ``profile``) has set the peak: of ``gpu_memory_utilization`` x the
 device's memory, the pool gets what the weights, the CUDA context and allocator, and that peak
 leave (vLLM's ``determine_available_memory`` pattern). The utilization is this engine's share,
 so other processes on the GPU (another node of ``pdserve up``) are not charged to it, but it
@@ -21,8 +21,8 @@ import dataclasses
 import logging
 import sys
 
-from pdserve.engine import resources
 from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.machine import resources
 from pdserve.protocol.kv_layout import KVCacheSpec
 
 log = logging.getLogger("pdserve.engine")
@@ -127,7 +127,7 @@ def measure_device(platform, profile, at_start: tuple[int, int], graphs: bool) -
 class DraftNeeds:
     """What a draft model (``--speculative-model``) takes of the target engine's device share:
     its weights, and a pool of one draft block per target block plus ``extra_blocks``
-    (engine/draft_model.py, ``draft_engine_config``). Its activations are not counted: it runs
+    (engine/sampling/draft_model.py, ``draft_engine_config``). Its activations are not counted: it runs
     between the target's steps, in what the target's profiled step frees."""
 
     weight_bytes: int

@@ -8,12 +8,12 @@ prefix hit simply starts with tokens already computed. Order of service:
      one token of the budget to each running decode after it, so every decode row runs every
      step however long the prompts beside it; when blocks run out, the newest running sequence is preempted (KV dropped,
      recomputed later) — the oldest always progresses, so there is no livelock;
-     A decode with speculative drafts (engine/speculation.py) runs them as more rows in the
+     A decode with speculative drafts (engine/sampling/speculation.py) runs them as more rows in the
      same budget, trimmed first when the budget or the free blocks fall short;
   2. waiting sequences, FIFO, while budget, ``max_num_seqs`` and free blocks allow;
      the head of the queue is never skipped, so nothing starves.
 
-The scheduler owns the node's KV connector (engine/kv_connector.py) and asks it three things: how
+The scheduler owns the node's KV connector (engine/core/kv_connector.py) and asks it three things: how
 many of a waiting request's tokens a peer computes, to note the blocks it allocated for them, and
 whether a finishing request's blocks stay held for a transfer. A decode node's requests whose
 prompt KV comes from a prefill node wait in the same FIFO, WAITING_FOR_KV with no blocks; the loop
@@ -42,9 +42,9 @@ from collections import deque
 from collections.abc import Collection
 from typing import Protocol
 
-from pdserve.engine.block_manager import BlockCopy, BlockManager
-from pdserve.engine.kv_connector import KVConnector
-from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.core.block_manager import BlockCopy, BlockManager
+from pdserve.engine.core.kv_connector import KVConnector
+from pdserve.engine.core.sequence import Sequence, SequenceStatus
 
 
 class SlotAdmission(Protocol):
@@ -316,7 +316,7 @@ class Scheduler:
 
     def _gang_fits(self, i: int, reserve: int) -> bool:
         """The sequences of a request that advance together (a beam search's beams:
-        engine/beam_search.py) come back together or not at all: some admitted while the rest
+        engine/sampling/beam_search.py) come back together or not at all: some admitted while the rest
         wait would hold blocks the rest need. Counts the blocks their recompute takes (fresh ones,
         and cached ones that leave the free pool) and slots; when they fit, the head's siblings
         move up behind it, to be admitted next."""
@@ -344,7 +344,7 @@ class Scheduler:
 
     def _only_waiting_gangs(self) -> bool:
         """Every running sequence has its row computed and waits for a preempted sibling (a beam:
-        engine/beam_search.py) that cannot be admitted while they hold their blocks."""
+        engine/sampling/beam_search.py) that cannot be admitted while they hold their blocks."""
         return (
             bool(self.running)
             and bool(self.waiting)

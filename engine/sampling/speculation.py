@@ -3,7 +3,7 @@
 Before each step the engine asks ``Speculator.propose`` for draft tokens of every running decode.
 With ``--speculative ngram`` they are the tokens that followed the most recent earlier occurrence
 of the sequence's last n tokens (n from ``MAX_NGRAM`` down to ``MIN_NGRAM``), in its prompt or its
-output; with ``--speculative-model`` a draft model's greedy tokens (engine/draft_model.py). The
+output; with ``--speculative-model`` a draft model's greedy tokens (engine/sampling/draft_model.py). The
 scheduler runs a drafted decode as 1 + k rows (the last token and the k drafts) under the same
 token budget as everything else, and trims the drafts when the budget is short. Row j's logits
 give the token after draft j, so the engine samples row 0 with the ordinary sampler and goes on
@@ -14,7 +14,7 @@ it is rejection sampling for a proposer that puts all its mass on one token (acc
 probability p(draft); on rejection the draw is p without the draft, renormalised). So the output
 has the target distribution exactly, greedy output is the non-speculative output token for
 token, and a seeded request draws what it would without speculation (the sampler's seed is a
-function of the position, engine/sampler.py), on every path.
+function of the position, engine/sampling/sampler.py), on every path.
 
 What it costs: each draft row is one more row through the weights. A decode step on a CPU takes
 about W + c * rows: W for reading every weight once, whatever the rows, and c for each row's
@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from pdserve.engine.draft_model import DraftModel
+    from pdserve.engine.sampling.draft_model import DraftModel
 
 MAX_NGRAM = 3  # longest suffix looked up
 MIN_NGRAM = 1  # shortest
@@ -178,7 +178,7 @@ class Speculator:
             if seq.num_uncomputed_tokens != 1:
                 continue
             num_decodes += 1
-            # a grammar's state moves a token at a time; beams fork every step (engine/beam_search.py)
+            # a grammar's state moves a token at a time; beams fork every step (engine/sampling/beam_search.py)
             if seq.params.has_logits_rules or seq.params.beam_search is not None:
                 continue
             # no draft past the context or the last token it may still generate (a sent prompt's

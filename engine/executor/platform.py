@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.device import check_device_name
+from pdserve.engine.machine.device import check_device_name
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class Platform:
 
     @property
     def dist_backend(self) -> str:
-        """torch.distributed's backend for a tensor-parallel node's ranks (engine/parallel.py)."""
+        """torch.distributed's backend for a tensor-parallel node's ranks (engine/executor/parallel.py)."""
         return "gloo"
 
     def activate(self) -> None:

@@ -44,8 +44,8 @@ from collections.abc import Sequence
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.resources import available_memory_bytes
-from pdserve.engine.sizing import announce
+from pdserve.engine.machine.resources import available_memory_bytes
+from pdserve.engine.machine.sizing import announce
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class KVPrefault:
         self.caches, self.num_blocks, self.ahead = caches, num_blocks, max(1, ahead)
         self.committed = 0  # blocks [0, committed) are committed
         # blocks [0, settled) were committed in bulk (idle or at start-up), not as the work needed
-        # them: the block manager hands them out before reusing blocks (engine/block_manager.py)
+        # them: the block manager hands them out before reusing blocks (engine/core/block_manager.py)
         self.settled = 0
         self.errno = 0  # of a failed madvise: no more prefaulting
         self.active = (

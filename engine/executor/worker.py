@@ -1,6 +1,6 @@
 """One tensor-parallel rank's side of the executor's calls (``Worker``), and the worker process
-that runs it for ranks 1..N-1: ``python -m pdserve.engine.worker --fd N``, started and owned by a
-node's executor (engine/executor.py), which holds the other end of socket ``N``.
+that runs it for ranks 1..N-1: ``python -m pdserve.engine.executor.worker --fd N``, started and owned by a
+node's executor (engine/executor/executor.py), which holds the other end of socket ``N``.
 
 Rank 0 holds a Worker too, and runs the same handler (``HANDLERS``) for each call with
 collectives that it sends its workers (a step is model_runner.StepRun on every rank): the
@@ -8,7 +8,7 @@ collectives cannot diverge between the ranks, since there is one code path for t
 sequences, keeping the logits, scoring prompts) happens in the executor around those calls.
 
 The worker process joins the node's group, builds its ModelRunner on its shard and says it is
-Ready, then takes rank 0's calls (engine/rank_messages.py) one at a time through a table from
+Ready, then takes rank 0's calls (engine/executor/rank_messages.py) one at a time through a table from
 message type to handler. It never schedules. It ignores SIGINT and SIGTERM (rank 0 drains the
 node, then sends Shutdown) and exits when rank 0's socket closes. An error is reported to rank 0
 as Failed, and the worker exits non-zero.
@@ -28,11 +28,10 @@ from typing import Any
 import torch
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.lora import LoRAModel
-from pdserve.engine.model_runner import KVCacheFactory, ModelRunner, StepRun
-from pdserve.engine.parallel import close_parallel, init_parallel
-from pdserve.engine.platform import resolve_platform
-from pdserve.engine.rank_messages import (
+from pdserve.engine.executor.model_runner import KVCacheFactory, ModelRunner, StepRun
+from pdserve.engine.executor.parallel import close_parallel, init_parallel
+from pdserve.engine.executor.platform import resolve_platform
+from pdserve.engine.executor.rank_messages import (
     AllocateKV,
     ClearLoRASlot,
     Failed,
@@ -46,9 +45,10 @@ from pdserve.engine.rank_messages import (
     TimePrefill,
     WorkerStart,
 )
-from pdserve.engine.rank_pools import SharedPool
+from pdserve.engine.executor.rank_pools import SharedPool
+from pdserve.engine.lora import LoRAModel
 
-log = logging.getLogger("pdserve.engine.worker")
+log = logging.getLogger("pdserve.engine.executor.worker")
 
 
 class Worker:

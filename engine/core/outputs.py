@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from pdserve.engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from pdserve.engine.core.sequence import Sequence, SequenceStatus, TokenLogprob
 from pdserve.protocol.reasons import FinishReason
 
 if TYPE_CHECKING:
@@ -66,14 +66,14 @@ class EngineStats:
     num_blocks_total: int
     num_blocks_free: int
     num_blocks_cached: int  # free blocks that still hold a prefix (evictable)
-    num_blocks_committed: int  # pool blocks whose memory is committed (engine/kv_prefault.py)
-    torch_threads: int  # what the engine runs with now (engine/cpu_share.py)
+    num_blocks_committed: int  # pool blocks whose memory is committed (engine/executor/kv_prefault.py)
+    torch_threads: int  # what the engine runs with now (engine/machine/cpu_share.py)
     num_running: int
     num_waiting: int  # local prompts and remote ones queued for blocks
     num_receiving: int  # remote requests granted blocks, their KV still arriving
     num_held: int  # prefill-only requests whose KV is held for a transfer
     num_queued_prefill_tokens: int  # prompt tokens not computed yet
-    step_stats: dict  # engine steps by kind since start (engine/step_stats.py)
+    step_stats: dict  # engine steps by kind since start (engine/core/step_stats.py)
     # prompt tokens per second of its recent large prompt steps (step_stats.PrefillRate); None until one
     prefill_tokens_per_s: float | None = None
     # the step-time target of steps that compute prompt tokens (engine.step_budget): what a running

@@ -27,8 +27,8 @@ import enum
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
-from pdserve.engine.requests import QueueFullError
-from pdserve.engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from pdserve.engine.core.requests import QueueFullError
+from pdserve.engine.core.sequence import Sequence, SequenceStatus, TokenLogprob
 from pdserve.protocol.sampling_params import SamplingParams
 
 

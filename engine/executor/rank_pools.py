@@ -1,7 +1,7 @@
 """Each tensor-parallel rank's KV pool, as rank 0 holds it.
 
 At several ranks every pool lives in a memfd that rank 0 makes and maps (``SharedPool``) and
-hands its worker beside an AllocateKV (SCM_RIGHTS; engine/rank_messages.py). Rank 0 so sees every
+hands its worker beside an AllocateKV (SCM_RIGHTS; engine/executor/rank_messages.py). Rank 0 so sees every
 rank's heads in place, and a node's KV transfer reads and writes them there without a collective
 beside the steps'. The engine itself reads only rank 0's pool; ``RankPool`` is what it offers the
 node, which wraps the pools for the transfer (the engine knows nothing of the transfer).
@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from pdserve.engine.model_runner import KV_TORCH_DTYPES
+from pdserve.engine.executor.model_runner import KV_TORCH_DTYPES
 from pdserve.protocol.kv_layout import KVCacheSpec
 
 LayerCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V)

@@ -6,15 +6,15 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING
 
-from pdserve.engine.beam_search import BeamSearch, num_candidates, stop_ids_of
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.logits_rules import LogitsRules
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.sampling.beam_search import BeamSearch, num_candidates, stop_ids_of
+from pdserve.engine.sampling.logits_rules import LogitsRules
 from pdserve.protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pdserve.engine.core.scheduler import Scheduler
     from pdserve.engine.lora.registry import AdapterRegistry
-    from pdserve.engine.scheduler import Scheduler
 
 
 class QueueFullError(RuntimeError):

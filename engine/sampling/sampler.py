@@ -9,8 +9,8 @@ import struct
 import torch
 import xxhash
 
-from pdserve.engine.logits_rules import LogitsRules
-from pdserve.engine.sequence import Sequence, TokenLogprob
+from pdserve.engine.core.sequence import Sequence, TokenLogprob
+from pdserve.engine.sampling.logits_rules import LogitsRules
 from pdserve.kernels import cpu_ext
 from pdserve.protocol.sampling_params import SamplingParams
 

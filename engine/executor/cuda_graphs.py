@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.executor.attention import AttentionMetadata
 
 SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 

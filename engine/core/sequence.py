@@ -76,7 +76,7 @@ class Sequence:
     stop_text: str | None = None  # the stop string that ended it, if any
     first_scheduled_time: float | None = None  # time.monotonic() when it first got compute (queue time)
     finish_status: SequenceStatus | None = None  # how it ended (a held sequence's, once released)
-    # speculative decoding: tokens proposed after token_ids for this step to verify (engine/speculation.py)
+    # speculative decoding: tokens proposed after token_ids for this step to verify (engine/sampling/speculation.py)
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property

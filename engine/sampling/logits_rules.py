@@ -21,7 +21,7 @@ import llguidance
 import numpy as np
 import torch
 
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.core.sequence import Sequence
 from pdserve.grammar import GrammarCompiler
 from pdserve.protocol.sampling_params import SamplingParams
 

@@ -5,7 +5,7 @@ and the model's context. One object per engine; it keeps each sequence's stop-st
 from __future__ import annotations
 
 from pdserve.detok import StopStrings
-from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.core.sequence import Sequence, SequenceStatus
 
 
 class StopRules:

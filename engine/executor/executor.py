@@ -2,10 +2,10 @@
 Executor; written for pdserve).
 
     rank 0 (this process): the ModelRunner of shard 0; plans each step, samples
-    ranks 1..N-1 (engine/worker.py, child processes this executor starts and owns): a ModelRunner
+    ranks 1..N-1 (engine/executor/worker.py, child processes this executor starts and owns): a ModelRunner
         each, on their shard; they never schedule, they follow rank 0's plans
 
-Every call to the ranks is a typed message (engine/rank_messages.py) that goes to each worker on
+Every call to the ranks is a typed message (engine/executor/rank_messages.py) that goes to each worker on
 its socket pair. For a call that makes collectives rank 0 then runs the workers' own handler
 itself (worker.HANDLERS, ``_on_every_rank``): a step's plan (model_runner.StepPlan: plain arrays,
 no Sequence) becomes a model_runner.StepRun on every rank, so the ranks meet in the same
@@ -38,11 +38,12 @@ from typing import TypeVar
 import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.lora import LoRAAdapter, LoRAModel, SlotAssignment
-from pdserve.engine.model_runner import KVCacheFactory, ModelRunner
-from pdserve.engine.parallel import ParallelState, close_parallel, init_parallel
-from pdserve.engine.platform import Platform
-from pdserve.engine.rank_messages import (
+from pdserve.engine.core.scheduler import SchedulerOutput
+from pdserve.engine.core.sequence import Sequence
+from pdserve.engine.executor.model_runner import KVCacheFactory, ModelRunner
+from pdserve.engine.executor.parallel import ParallelState, close_parallel, init_parallel
+from pdserve.engine.executor.platform import Platform
+from pdserve.engine.executor.rank_messages import (
     AllocateKV,
     ClearLoRASlot,
     Failed,
@@ -57,10 +58,9 @@ from pdserve.engine.rank_messages import (
     TimePrefill,
     WorkerStart,
 )
-from pdserve.engine.rank_pools import RankPool, SharedPool
-from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.engine.sequence import Sequence
-from pdserve.engine.worker import HANDLERS, Worker
+from pdserve.engine.executor.rank_pools import RankPool, SharedPool
+from pdserve.engine.executor.worker import HANDLERS, Worker
+from pdserve.engine.lora import LoRAAdapter, LoRAModel, SlotAssignment
 from pdserve.protocol.kv_layout import KVCacheSpec, kv_heads_of
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class Executor:
     def _start_worker(self, start: WorkerStart) -> _WorkerProcess:
         ours, theirs = socket.socketpair()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.engine.worker", "--fd", str(theirs.fileno())],
+            [sys.executable, "-m", "pdserve.engine.executor.worker", "--fd", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
         )
         theirs.close()
@@ -284,7 +284,7 @@ class Executor:
         """Each rank's pool of ``spec`` (its own heads; the same block ids on every rank).
 
         With several ranks, each pool is a memfd that rank 0 makes and maps, and hands its worker
-        beside the call (engine/rank_pools.py): ``rank_pools`` offers every rank's heads in place,
+        beside the call (engine/executor/rank_pools.py): ``rank_pools`` offers every rank's heads in place,
         for a node's KV transfer. ``factory`` (a node's one-copy shared cache) is for one rank."""
         if not self.workers:
             self.rank0.allocate_kv(AllocateKV(spec), factory)

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.kv_connector import KVConnector, KVTransfer, RemoteReservation
-from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.core.block_manager import BlockManager
+from pdserve.engine.core.kv_connector import KVConnector, KVTransfer, RemoteReservation
+from pdserve.engine.core.scheduler import Scheduler
+from pdserve.engine.core.sequence import Sequence, SequenceStatus
 from pdserve.protocol.sampling_params import SamplingParams
 
 
