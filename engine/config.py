@@ -198,6 +198,21 @@ class EngineConfig:
         "while the node is idle; startup: all of it before serving",
         choices=KV_COMMIT_CHOICES,
     )
+    # engine/offload/: KV blocks kept beyond the pool, by content hash, across restarts
+    kv_offload_dir: str | None = setting(
+        None,
+        "keep full KV blocks in this folder too (a subfolder per model and KV format; one node "
+        "each): a prefix evicted from the pool, preempted, or from before a restart is loaded "
+        "from it rather than recomputed",
+    )
+    kv_offload_disk_mb: int = setting(
+        8192, "with --kv-offload-dir: the folder's budget in MiB (least recently used blocks go past it)"
+    )
+    kv_offload_host_mb: int | None = setting(
+        None,
+        "a host-memory tier for a device KV pool (pinned memory); refused on a CPU node, whose "
+        "pool is host memory already",
+    )
     debug_checks: bool = setting(False, "check the block pool's integrity before every step (slow)")
     # triton on CPU tensors runs Triton's interpreter: slow, but how CPU CI runs the GPU code
     attention_backend: str = setting(
@@ -294,7 +309,13 @@ class EngineConfig:
         for name in ("max_step_s", "max_decode_step_s"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("num_kv_blocks", "kv_cache_memory_mb", "num_threads", "max_threads"):
+        for name in (
+            "num_kv_blocks",
+            "kv_cache_memory_mb",
+            "num_threads",
+            "max_threads",
+            "kv_offload_disk_mb",
+        ):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.kv_cache_memory_fraction <= 0.9:

@@ -44,15 +44,21 @@ from pdserve.engine.machine.sizing import (
     size_engine,
 )
 from pdserve.engine.models import check_tensor_parallel, model_class
+from pdserve.engine.offload.disk import DiskTier, StoredBlock, namespace_of
+from pdserve.engine.offload.tiers import KVOffload
 from pdserve.engine.sampling.beam_search import BeamSearches, num_candidates, stop_ids_of
 from pdserve.engine.sampling.draft_model import draft_needs, speculator_for
 from pdserve.engine.sampling.logits_rules import LogitsRules
 from pdserve.engine.sampling.sampler import Sampler, SamplerInput, prompt_logprobs
 from pdserve.engine.sampling.stop_rules import StopRules
+from pdserve.protocol.fingerprint import KVFingerprint
 from pdserve.protocol.kv_layout import KVCacheSpec
+from pdserve.protocol.model_digest import model_digest
 from pdserve.protocol.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+TIER_WAIT_S = 0.005  # a step with nothing else to do waits this long for offloaded blocks to arrive
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -134,13 +140,17 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.kv_spec.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        # what a node's transport reads and reports (KVReceiver and the prefill node's shipper)
+        # what a node's transport reads and reports (KVReceiver and the prefill node's shipper),
+        # and what the offload tier keeps and brings back
+        self.offload = self._offload_tier()
         self.kv_connector = KVConnector(
             config.block_size,
             self.kv_spec.num_blocks,
             self.max_model_len,
             self.add_request,
             self.abort_request,
+            self.block_manager,
+            self.offload,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -197,6 +207,32 @@ class LLMEngine:
         return size_device_pool(
             self.sizing, c, self.max_model_len, block_bytes, memory, str(self.device), draft
         )
+
+    def _offload_tier(self) -> KVOffload | None:
+        """The folder ``kv_offload_dir`` under this model's and KV format's namespace (None: off)."""
+        c = self.config
+        if c.kv_offload_host_mb is not None:
+            raise ValueError(
+                "kv_offload_host_mb: a host-memory tier is for a device pool; this engine's pool is "
+                f"on {self.device}"
+                + (" (host memory already)" if self.device.type == "cpu" else ", not yet supported")
+            )
+        if c.kv_offload_dir is None:
+            return None
+        spec = dataclasses.replace(self.kv_spec, num_kv_heads=self.model_config.num_kv_heads)
+        fingerprint = KVFingerprint.from_spec(model_digest(c.model), spec, spec.layout, c.dtype)
+        disk = DiskTier(
+            c.kv_offload_dir, namespace_of(dataclasses.asdict(fingerprint)), c.kv_offload_disk_mb << 20
+        )
+        log.info(
+            "kv offload: %s, %d blocks (%.0f MiB of %d), index rebuilt in %.2f s",
+            disk.folder,
+            disk.num_blocks,
+            disk.num_bytes / (1 << 20),
+            c.kv_offload_disk_mb,
+            disk.rebuilt_in_s,
+        )
+        return KVOffload(disk)
 
     def _kv_spec(self) -> KVCacheSpec:
         m, c = self.model_config, self.config
@@ -334,7 +370,9 @@ class LLMEngine:
 
     def note_idle(self) -> None:
         """The caller has nothing for the engine now (a node about to wait for input): with
-        ``kv_commit="idle"`` the KV pool commits in the background until the next write."""
+        ``kv_commit="idle"`` the KV pool commits in the background until the next write, and
+        blocks to keep go to the offload tier."""
+        self._offload_io()
         self.kv_prefault.idle()
 
     def warm_up(self, num_tokens: int = PREFILL_PROBE_TOKENS) -> float:
@@ -350,7 +388,11 @@ class LLMEngine:
         return n / seconds
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the executor's worker ranks (none at tp=1); the engine cannot step after it."""
+        """Stop the executor's worker ranks (none at tp=1) and the offload tier (what it holds goes
+        to disk first, within ``timeout_s``); the engine cannot step after it."""
+        if self.offload is not None:
+            self._offload_io()
+            self.offload.close(timeout_s)
         self.executor.close(timeout_s)
 
     def stats(self) -> EngineStats:
@@ -373,6 +415,7 @@ class LLMEngine:
             step_target_s=self.step_budget.target_s,
             speculation=None if self.speculator is None else self.speculator.stats.to_dict(),
             adapters=() if self.lora_adapters is None else self.lora_adapters.stats(sched.waiting),
+            offload=None if self.offload is None else self.offload.stats().to_dict(),
         )
 
     def _num_queued_prefill_tokens(self) -> int:
@@ -393,6 +436,7 @@ class LLMEngine:
         outputs = self._land(self.kv_connector.take_arrived())
         if self.scheduler.grant_head():
             self.kv_prefault.advance(self.block_manager.high_water)  # the KV lands before any step
+            self._offload_io()
             return StepResult(outputs, self.kv_connector.take_events())
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.scheduler.waiting, self.max_model_len)
@@ -401,8 +445,11 @@ class LLMEngine:
         self.block_manager.fresh_limit = self.kv_prefault.fresh_limit()
         sched = self.scheduler.schedule(self.step_budget.tokens(decoding))
         outputs += self._refuse(sched.refused)
-        if sched.granted:
-            self.kv_prefault.advance(self.block_manager.high_water)  # the KV lands before any step
+        if sched.granted or sched.scheduled:
+            self.kv_prefault.advance(self.block_manager.high_water)  # commits the pages it will write
+        self._offload_io()  # before anything writes a block that was freed with content to keep
+        if not sched.scheduled and self.kv_connector.wait_for_tier(TIER_WAIT_S):
+            return StepResult(outputs, self.kv_connector.take_events())  # admitted at the next step
         if sched.scheduled:
             tokens = step_tokens(sched.scheduled)  # (prompt, decode), before they count as computed
             outputs += self._run(sched)
@@ -414,11 +461,26 @@ class LLMEngine:
                 self.speculator.observe_step(tokens[1], seconds)
         return StepResult(outputs, self.kv_connector.take_events())
 
+    def _offload_io(self) -> None:
+        """The offload tier's copies, between a schedule and anything that writes the pool: blocks
+        to keep are copied out first (freed or preempted ones the schedule may have handed on),
+        then the blocks the schedule took from the tier are filled."""
+        saves = self.kv_connector.take_saves()
+        if saves:
+            payloads = self.executor.read_blocks([block_id for block_id, _, _ in saves])
+            self.kv_connector.keep(
+                [StoredBlock(h, t, p) for (_, h, t), p in zip(saves, payloads, strict=True)]
+            )
+        loads = self.kv_connector.take_loads()
+        if loads:
+            self.executor.write_blocks(
+                [block_id for block_id, _ in loads], torch.stack([p for _, p in loads])
+            )
+
     def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
         """Run the scheduled rows through the model and turn their logits into tokens (samples,
         beams' candidates, drafts' verification); the outputs of the requests it changed."""
         self.cpu_share.tick()
-        self.kv_prefault.advance(self.block_manager.high_water)  # commits the pages it will write
         logits, sampled, prompt_hidden = self.executor.execute(sched)
         for seq, hidden in prompt_hidden:
             self._score_prompt(seq, hidden)

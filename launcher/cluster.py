@@ -125,6 +125,7 @@ class LocalCluster:
             *self._kv_share(),
             *self._gpu_share(),
             *self._key_args(),
+            *self._offload_args(name),
             *self.plan.node_args,  # after the flags above: a flag given here wins
         ]
         if self.redis_url:
@@ -142,6 +143,16 @@ class LocalCluster:
     def _gpu_share(self) -> list[str]:
         share = gpu_share_per_node(self.plan.node_args, self.plan.node_budget)
         return [] if share is None else ["--gpu-memory-utilization", f"{share:.4g}"]
+
+    def _offload_args(self, name: str) -> list[str]:
+        """A folder of its own for the node's offload tier (one node per folder)."""
+        plan = self.plan
+        if plan.kv_offload_dir is None:
+            return []
+        budget = (
+            [] if plan.kv_offload_disk_mb is None else ["--kv-offload-disk-mb", str(plan.kv_offload_disk_mb)]
+        )
+        return ["--kv-offload-dir", str(plan.kv_offload_dir / name), *budget]
 
     def _key_args(self) -> list[str]:
         return [] if self.key_file is None else ["--cluster-key-file", str(self.key_file)]

@@ -34,6 +34,10 @@ class ClusterPlan:
     # runs threads_per_node threads (a node of N ranks: N processes, engine/executor/executor.py)
     prefill_tp: int = 1
     decode_tp: int = 1
+    # each node keeps KV blocks in a folder of its own under this one (its child name: a restarted
+    # cluster's nodes find theirs); None: no offload tier
+    kv_offload_dir: pathlib.Path | None = None
+    kv_offload_disk_mb: int | None = None  # each folder's budget (None: the nodes' default)
 
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode, self.num_colocated) < 0:
@@ -52,6 +56,10 @@ class ClusterPlan:
             raise ValueError("tensor-parallel sizes must be >= 1")
         if min(self.start_timeout_s, self.stop_timeout_s) <= 0:
             raise ValueError("timeouts must be positive")
+        if self.kv_offload_disk_mb is not None and (
+            self.kv_offload_dir is None or self.kv_offload_disk_mb <= 0
+        ):
+            raise ValueError("--kv-offload-disk-mb takes a positive budget, with --kv-offload-dir")
 
     @property
     def num_nodes(self) -> int:

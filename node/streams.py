@@ -119,6 +119,7 @@ def node_status(
         step_stats=stats.step_stats,
         step_target_s=stats.step_target_s,
         speculation=stats.speculation,
+        kv_offload=stats.offload,
         max_lora_rank=engine.config.max_lora_rank if engine.config.enable_lora else None,
         adapters=tuple(a.name for a in stats.adapters if a.slot is not None),
         adapter_counts={

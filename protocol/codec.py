@@ -32,7 +32,7 @@ import msgpack
 # typed stage timings and role phases, registry records name their
 # version; 4: prompt logprobs (SamplingParams, TokenChunk); 3: typed SamplingParams (guided
 # decoding), resumed outputs; 2: memfd rings
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 MAX_HEADER_BYTES = 8 << 20  # a 1M-token prompt's token ids and hashes fit
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
 SIGNED = "signed"  # ``Annotated[int, SIGNED]``: a field that may be negative (plain ints may not)

@@ -77,6 +77,10 @@ class NodeInfo:
     # speculative decoding since the node's start: proposed_tokens, accepted_tokens and drafted_steps
     # (engine.speculation.SpecStats); None where it is off or the node does not say
     speculation: dict[str, int] | None = None
+    # the KV offload tier's counts since the node's start (engine/offload/tiers.py OffloadStats:
+    # blocks and bytes in its folder, stored, loaded, skipped, corrupt, timed out, evicted); None
+    # where it has none or the node does not say
+    kv_offload: dict[str, int] | None = None
     # LoRA: the largest adapter rank the node's slots hold (--max-lora-rank); None where adapters
     # are off. The adapters in its slots now, and per adapter the requests it took, the times it
     # read one into a slot and the times one was evicted for another (its /metrics, through the router)

@@ -175,6 +175,7 @@ class LiveStateCollector(Collector):
         yield from _node_gauges(nodes)
         yield from node_step_metrics(nodes)
         yield from node_speculation_metrics(nodes)
+        yield from node_offload_metrics(nodes)
         yield from node_adapter_metrics(nodes)
 
 
@@ -264,6 +265,35 @@ def node_speculation_metrics(nodes: Sequence[NodeInfo]) -> Iterator[CounterMetri
             if isinstance(value, int):
                 counter.add_metric(_node_labels(node), value)
         yield counter
+
+
+OFFLOAD_COUNTERS = (
+    ("stored_blocks", "KV blocks written to the node's offload folder."),
+    ("loaded_blocks", "KV blocks loaded from the offload tier instead of recomputed."),
+    ("skipped_saves", "KV blocks not kept: the tier's pending copies were at their bound."),
+    ("corrupt_blocks", "Offload tier blocks that failed a check: deleted and recomputed, never served."),
+    ("timed_out_prefetches", "Requests that stopped waiting for their offloaded blocks and recomputed."),
+    ("evicted_blocks", "Offload tier blocks removed for the folder's budget."),
+)
+
+
+def node_offload_metrics(nodes: Sequence[NodeInfo]) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    """The KV offload tier of each node that has one (engine/offload/): its counters, and the
+    blocks and bytes its folder holds now."""
+    tiered = [node for node in nodes if node.kv_offload]
+    for key, help_ in OFFLOAD_COUNTERS:
+        counter = CounterMetricFamily(f"pdserve_node_kv_offload_{key}", help_, labels=NODE_LABELS)
+        for node in tiered:
+            counter.add_metric(_node_labels(node), (node.kv_offload or {}).get(key, 0))
+        yield counter
+    for key, help_ in (
+        ("disk_blocks", "KV blocks in the node's offload folder."),
+        ("disk_bytes", "Bytes of them."),
+    ):
+        gauge = GaugeMetricFamily(f"pdserve_node_kv_offload_{key}", help_, labels=NODE_LABELS)
+        for node in tiered:
+            gauge.add_metric(_node_labels(node), (node.kv_offload or {}).get(key, 0))
+        yield gauge
 
 
 def node_adapter_metrics(nodes: Sequence[NodeInfo]) -> Iterator[CounterMetricFamily]:

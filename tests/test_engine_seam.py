@@ -72,7 +72,9 @@ def test_beam_search_and_lora_admission_are_one_call_each_in_the_loop():
     """LLMEngine.step and Scheduler.schedule consult the features through one call each."""
     sources = {
         "step": _function_source(ROOT / "engine" / "llm_engine.py", "LLMEngine", "_run"),
-        "schedule": _function_source(ROOT / "engine" / "core" / "scheduler.py", "Scheduler", "_schedule_waiting"),
+        "schedule": _function_source(
+            ROOT / "engine" / "core" / "scheduler.py", "Scheduler", "_schedule_waiting"
+        ),
     }
     assert len(re.findall(r"self\.beams\.\w+\(", sources["step"])) == 1
     assert "lora" not in sources["step"] and "adapter" not in sources["step"]

@@ -70,6 +70,7 @@ def test_router_metrics_include_node_gauges_by_id_and_role():
             num_blocks_committed=45,
             torch_threads=1,
             speculation={"proposed_tokens": 90, "accepted_tokens": 55, "drafted_steps": 30},
+            kv_offload={"loaded_blocks": 12, "corrupt_blocks": 1, "disk_blocks": 40, "disk_bytes": 4096},
         ),
         node_info("p0", "prefill", num_queued=4),  # an older node: says neither
     ]
@@ -89,6 +90,10 @@ def test_router_metrics_include_node_gauges_by_id_and_role():
     assert 'pdserve_node_spec_draft_tokens_total{node_id="d0",role="decode"} 90.0' in lines
     assert 'pdserve_node_spec_accepted_tokens_total{node_id="d0",role="decode"} 55.0' in lines
     assert not any(line.startswith("pdserve_node_spec") and "p0" in line for line in lines)
+    assert 'pdserve_node_kv_offload_loaded_blocks_total{node_id="d0",role="decode"} 12.0' in lines
+    assert 'pdserve_node_kv_offload_corrupt_blocks_total{node_id="d0",role="decode"} 1.0' in lines
+    assert 'pdserve_node_kv_offload_disk_blocks{node_id="d0",role="decode"} 40.0' in lines
+    assert not any(line.startswith("pdserve_node_kv_offload") and "p0" in line for line in lines)
     assert 'pdserve_router_inflight_requests{role="decode"} 2.0' in lines
     assert text.endswith("\n")
 
@@ -160,6 +165,20 @@ EXPECTED = {
     "pdserve_node_lora_requests": ("counter", frozenset()),
     "pdserve_node_lora_loads": ("counter", frozenset()),
     "pdserve_node_lora_evictions": ("counter", frozenset()),
+    # the KV offload tier (samples only from nodes that have one: none in this run)
+    **{
+        f"pdserve_node_kv_offload_{k}": ("counter", frozenset())
+        for k in (
+            "stored_blocks",
+            "loaded_blocks",
+            "skipped_saves",
+            "corrupt_blocks",
+            "timed_out_prefetches",
+            "evicted_blocks",
+        )
+    },
+    "pdserve_node_kv_offload_disk_blocks": ("gauge", frozenset()),
+    "pdserve_node_kv_offload_disk_bytes": ("gauge", frozenset()),
 }
 
 

@@ -28,6 +28,7 @@ WIRE_DIGESTS = {
     7: "552a6bdcc1409b69",
     8: "c873b71b786ecfa9",
     9: "befd26030e427d77",
+    10: "1e2e9f6ebe8eaffb",
 }
 
 

@@ -59,6 +59,7 @@ class BlockManager:
         self.released: OrderedDict[int, None] = OrderedDict()
         # never-used blocks at or past this one go only where no released block is free
         self.fresh_limit = num_blocks
+        self.num_evictions = 0  # prefix-cache entries evicted so far (a lookup made before is stale)
 
     # ----------------------------------------------------------------- accounting
     @property
@@ -220,6 +221,7 @@ class BlockManager:
         self.high_water = max(self.high_water, block_id + 1)
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evict its prefix-cache entry
+            self.num_evictions += 1
             if self.hash_to_block_id.get(block.block_hash) == block_id:
                 del self.hash_to_block_id[block.block_hash]
             block.block_hash, block.token_ids = None, None

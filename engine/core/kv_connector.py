@@ -18,18 +18,40 @@ request and nothing else.
 
 It is also the transport's view of the engine (``kv_transfer.reservations.BlockReservations``:
 ``num_blocks``, ``reserve``, ``abort``), so a reservation climbs one floor, from the receiver to here.
+
+With an offload tier (engine/offload/), the same three questions take it in: a waiting sequence
+is admitted once the blocks the tier holds past the pool's hit are staged (``ready``, fetched in
+the background meanwhile), those count as matched (``num_staged_tokens``: a received prompt's
+reservation says so, and its sender skips them), and the engine fills the blocks the scheduler
+allocated for them before the step computes (``take_loads``). A sequence that finishes or is
+preempted offers its full blocks to the tier (``sequence_released``), which the engine copies out
+before any write can reuse them (``take_saves``):
+
+    waiting ─ready?─► lookup: pool hit, then the tier's run ─► prefetch (reader thread) ─► staged
+    admitted: blocks allocated ─► take_loads (engine: filled before the forward pass)
+    finished / preempted ─► take_saves (engine: copied out) ─► pending ─► writer thread ─► folder
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 from pdserve.engine.core.requests import QueueFullError
 from pdserve.engine.core.sequence import Sequence, SequenceStatus, TokenLogprob
+from pdserve.protocol.block_hash import hash_block
 from pdserve.protocol.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.engine.core.block_manager import BlockManager
+    from pdserve.engine.offload.disk import StoredBlock
+    from pdserve.engine.offload.tiers import KVOffload, Prefetch
 
 
 class KVTransfer(enum.Enum):
@@ -98,10 +120,18 @@ class KVConnector:
         max_model_len: int | None = None,
         add: Callable[..., int] | None = None,
         abort: Callable[[str], object] | None = None,
+        block_manager: BlockManager | None = None,
+        offload: KVOffload | None = None,
     ) -> None:
         """``add``: the engine's add path (``LLMEngine.add_request``), through which a reservation
         enters like any request; ``abort``: its abort (a transfer that failed). Without them the
-        connector takes no reservation (a scheduler tested alone)."""
+        connector takes no reservation (a scheduler tested alone). ``offload``: the node's
+        offload tier (None: none), over ``block_manager``'s pool."""
+        assert offload is None or block_manager is not None, "an offload tier needs the pool's block manager"
+        self.block_manager, self.offload = block_manager, offload
+        self._prefetches: dict[int, _Lookup] = {}  # seq_id -> its tier blocks' lookup and fetch
+        self._loads: list[tuple[int, torch.Tensor]] = []  # (block id, payload) to fill before the step
+        self._saves: dict[int, tuple[int, tuple[int, ...]]] = {}  # block hash -> (block id, tokens) to keep
         self.block_size = block_size
         self.num_blocks = num_blocks  # the pool's (a prompt needing more can never be granted)
         self.max_model_len = max_model_len
@@ -159,8 +189,8 @@ class KVConnector:
 
     @property
     def has_pending(self) -> bool:
-        """Reports of the transport that the next step applies."""
-        return bool(self._arrived or self._sent)
+        """Reports of the transport that the next step applies, or blocks to keep in the tier."""
+        return bool(self._arrived or self._sent or self._saves)
 
     # ------------------------------------------------------------------ the engine's
     def track(
@@ -239,3 +269,126 @@ class KVConnector:
     def held(self) -> dict[str, Sequence]:
         """Sends whose blocks are held (HELD_FOR_TRANSFER), by request id."""
         return self._held
+
+    # ------------------------------------------------------------------ the offload tier's part
+    def ready(self, seq: Sequence) -> bool:
+        """May this waiting sequence be admitted now? Not while the blocks the tier holds past the
+        pool's hit are on their way (at most the tier's prefetch deadline). A lookup made before
+        the pool evicted an entry, or before the sequence grew (preempted), is made again."""
+        if self.offload is None:
+            return True
+        assert self.block_manager is not None
+        lookup = self._prefetches.get(seq.seq_id)
+        stale = lookup is None or (
+            (lookup.evictions, lookup.num_tokens) != (self.block_manager.num_evictions, seq.num_tokens)
+            and (lookup.job is None or lookup.job.ready)
+        )
+        if stale:
+            lookup = self._prefetches[seq.seq_id] = _Lookup(
+                self._start_prefetch(seq), self.block_manager.num_evictions, seq.num_tokens
+            )
+        assert lookup is not None
+        return lookup.job is None or lookup.job.ready
+
+    def _start_prefetch(self, seq: Sequence) -> Prefetch | None:
+        """Fetch the run of blocks the tier holds right after the pool's leading hit."""
+        assert self.offload is not None and self.block_manager is not None
+        bm, size = self.block_manager, self.block_size
+        limit = hit_limit(seq, size)
+        parent, first, entries = seq.cache_root, None, []
+        for i in range(limit):
+            tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
+            parent = hash_block(parent, tokens)
+            if first is None:
+                block_id = bm.hash_to_block_id.get(parent)
+                if block_id is not None and bm.blocks[block_id].token_ids == tokens:
+                    continue  # in the pool
+                first = i
+            if not self.offload.contains(parent):
+                break
+            entries.append((parent, tokens))
+        return None if not entries else self.offload.prefetch(first or 0, entries)
+
+    def wait_for_tier(self, timeout_s: float) -> bool:
+        """Whether a waiting sequence's blocks are on their way from the tier; waits up to
+        ``timeout_s`` for the first of them (a step that found nothing else to do)."""
+        for lookup in self._prefetches.values():
+            job = lookup.job
+            if job is not None and not job.ready:
+                job.done.wait(min(timeout_s, max(0.0, job.deadline - time.monotonic())))
+                return True
+        return False
+
+    def num_staged_tokens(self, seq: Sequence) -> int:
+        """Of the tokens after the sequence's computed prefix (the pool's hit), how many the tier
+        staged: matched, to be filled from the tier rather than computed."""
+        lookup = self._prefetches.get(seq.seq_id)
+        job = None if lookup is None else lookup.job
+        if job is None:
+            return 0
+        at = seq.num_computed_tokens // self.block_size
+        end = min(job.first_block + len(job.payloads), hit_limit(seq, self.block_size))
+        if seq.num_computed_tokens % self.block_size or not job.first_block <= at < end:
+            return 0
+        return (end - at) * self.block_size
+
+    def load(self, seq: Sequence, num_tokens: int) -> None:
+        """The scheduler admitted the sequence with ``num_tokens`` from the tier, its blocks for
+        them allocated after its computed prefix: the engine fills them before the step computes."""
+        lookup = self._prefetches.pop(seq.seq_id, None)
+        job = None if lookup is None else lookup.job
+        if job is None or self.offload is None:
+            assert num_tokens == 0
+            return
+        if not job.done.is_set():
+            self.offload.note_timed_out()
+        at = seq.num_computed_tokens // self.block_size
+        num = num_tokens // self.block_size
+        for j in range(num):
+            self._loads.append((seq.block_table[at + j], job.payloads[at - job.first_block + j]))
+        if num:
+            self.offload.loaded_into_pool(job, at - job.first_block + num)
+
+    def take_loads(self) -> list[tuple[int, torch.Tensor]]:
+        """(block id, payload [layers, 2, block_size, kv_heads, row]) to fill before the step computes."""
+        loads, self._loads = self._loads, []
+        return loads
+
+    def sequence_released(self, seq: Sequence) -> None:
+        """The sequence's blocks are about to go back (it finished or was preempted): its full,
+        computed blocks the tier lacks are to be kept. Its prefetch, if any, is dropped."""
+        self._prefetches.pop(seq.seq_id, None)
+        if self.offload is None:
+            return
+        size = self.block_size
+        for i, block_hash in enumerate(seq.block_hashes):
+            if block_hash not in self._saves and not self.offload.contains(block_hash):
+                tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
+                self._saves[block_hash] = (seq.block_table[i], tokens)
+
+    def keep(self, blocks: list[StoredBlock]) -> None:
+        """The blocks ``take_saves`` named, copied out of the pool: into the tier."""
+        assert self.offload is not None
+        self.offload.save(blocks)
+
+    def take_saves(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(block id, block hash, token ids) to copy out of the pool and keep. A released block
+        may have been handed on by the schedule since (its hash entry evicted), but nothing has
+        written it: the engine copies these between the schedule and anything that writes."""
+        saves, self._saves = self._saves, {}
+        return [(b, h, t) for h, (b, t) in saves.items()]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Lookup:
+    """A waiting sequence's look into the offload tier, and the pool state it was made in."""
+
+    job: Prefetch | None  # the blocks on their way (None: the tier has none past the pool's hit)
+    evictions: int  # the block manager's num_evictions then
+    num_tokens: int  # the sequence's length then
+
+
+def hit_limit(seq: Sequence, block_size: int) -> int:
+    """The leading blocks a hit may cover: never the last token (it must run to give logits), nor
+    a prompt whose logprobs are still to be reported (those positions are computed again)."""
+    return 0 if seq.needs_prompt_logprobs else (seq.num_tokens - 1) // block_size

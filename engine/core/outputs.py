@@ -83,3 +83,5 @@ class EngineStats:
     speculation: dict[str, int] | None = None
     # each LoRA adapter served (engine/lora/registry.py): its slot, requests, loads, evictions
     adapters: tuple[AdapterStats, ...] = ()
+    # the KV offload tier's counts since start (engine/offload/tiers.py OffloadStats); None when off
+    offload: dict[str, int] | None = None

@@ -43,7 +43,7 @@ from collections.abc import Collection
 from typing import Protocol
 
 from pdserve.engine.core.block_manager import BlockCopy, BlockManager
-from pdserve.engine.core.kv_connector import KVConnector
+from pdserve.engine.core.kv_connector import KVConnector, hit_limit
 from pdserve.engine.core.sequence import Sequence, SequenceStatus
 
 
@@ -162,7 +162,10 @@ class Scheduler:
             out.preempted.extend(self._preempt_all())
             self._schedule_waiting(budget, out)
         out.scheduled.sort(key=lambda s: s.num_new_tokens > 1)  # decode rows first (stable)
-        self._stalled = not out.scheduled and not out.granted and not out.refused
+        # nothing can run until something ends, or until a waiting sequence's tier blocks arrive
+        self._stalled = not (
+            out.scheduled or out.granted or out.refused
+        ) and not self.connector.wait_for_tier(0.0)
         self._check(out)
         return out
 
@@ -267,6 +270,9 @@ class Scheduler:
                 prompts_wait = True
                 i += 1
                 continue
+            if not self.connector.ready(seq):  # its offloaded blocks are on their way: others pass
+                i += 1
+                continue
             admitted = self._admit(seq, not slots_wait, out)
             if admitted is None:  # refused for good: it left the queue
                 continue
@@ -276,21 +282,22 @@ class Scheduler:
                 continue
             if not self._gang_fits(i, reserve):
                 break
-            # A hit never covers the last token: it must run to produce logits. Nor any prompt token
-            # whose log-probability is still to be reported: those positions are computed again.
-            limit = 0 if seq.needs_prompt_logprobs else (seq.num_tokens - 1) // bm.block_size
-            block_ids, hashes = bm.match_prefix(seq.token_ids, limit, seq.cache_root)
+            # The pool's hit, then the blocks the offload tier staged after it (connector.ready).
+            block_ids, hashes = bm.match_prefix(seq.token_ids, hit_limit(seq, bm.block_size), seq.cache_root)
             bm.take_prefix(seq, block_ids, hashes)
+            num_tier = self.connector.num_staged_tokens(seq)
             # A remote prompt's KV all lands at once, and costs this node no compute: no budget.
-            num_new = seq.num_uncomputed_tokens if remote else min(seq.num_uncomputed_tokens, budget)
-            too_long = not self.enable_chunked_prefill and num_new < seq.num_uncomputed_tokens
-            if too_long or not bm.can_append(seq, num_new, reserve=reserve):
+            num_rest = seq.num_uncomputed_tokens - num_tier
+            num_new = num_rest if remote else min(num_rest, budget)
+            too_long = not self.enable_chunked_prefill and num_new < num_rest
+            if too_long or not bm.can_append(seq, num_tier + num_new, reserve=reserve):
                 bm.free(seq)
                 seq.num_cached_tokens = 0
                 break
             del self.waiting[i]
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
+            self._load_from_tier(seq, num_tier, out)
             out.block_copies.extend(bm.append(seq, num_new))
             if remote:
                 self.receiving.append(seq)
@@ -301,6 +308,15 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+
+    def _load_from_tier(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> None:
+        """Blocks for the tier's ``num_tokens`` after the pool's hit: the engine fills them before
+        the step computes, so they count as computed (and cached: usage reports them) at once."""
+        out.block_copies.extend(self.block_manager.append(seq, num_tokens))
+        self.connector.load(seq, num_tokens)
+        seq.num_computed_tokens += num_tokens
+        seq.num_cached_tokens += num_tokens
+        self.block_manager.commit_computed(seq)
 
     def _admit(self, seq: Sequence, may_load: bool, out: SchedulerOutput) -> bool | None:
         """The per-request admission rule (LoRA slots): may ``seq`` enter now? None when it never
@@ -361,6 +377,7 @@ class Scheduler:
         return victims
 
     def _preempt(self, seq: Sequence) -> None:
+        self.connector.sequence_released(seq)  # its blocks may go to the offload tier
         self.block_manager.free(seq)
         seq.draft_token_ids = []
         seq.num_preemptions += 1
@@ -380,6 +397,7 @@ class Scheduler:
         self._stalled = False  # its slot and blocks may admit the waiting head
         seq.finish_status = status
         seq.draft_token_ids = []
+        self.connector.sequence_released(seq)
         if self.connector.request_finished(seq, status):
             seq.status = SequenceStatus.HELD_FOR_TRANSFER
             return

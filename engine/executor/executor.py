@@ -360,6 +360,39 @@ class Executor:
             for rank, (heads, pool) in enumerate(zip(self._heads(), self.pools, strict=True))
         ]
 
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copies of these blocks with every KV head of the model, from every rank's pool:
+        [len(block_ids), num_layers, 2 (K, V), block_size, kv_heads, row], on the host."""
+        pools = self.rank_pools
+        index = torch.tensor(block_ids, dtype=torch.long, device=pools[0].layer_caches[0][0].device)
+        k0 = pools[0].layer_caches[0][0]  # [num_blocks, block_size, heads of rank 0, row]
+        shape = (len(block_ids), len(pools[0].layer_caches), 2, k0.shape[1], self._num_kv_heads, k0.shape[3])
+        out = torch.empty(shape, dtype=k0.dtype)
+        for pool in pools:  # a head several ranks hold (more ranks than heads) is the same on each
+            heads = slice(pool.kv_heads.start, pool.kv_heads.stop)
+            for layer, (k, v) in enumerate(pool.layer_caches):
+                out[:, layer, 0, :, heads] = k.index_select(0, index).cpu()
+                out[:, layer, 1, :, heads] = v.index_select(0, index).cpu()
+        return out
+
+    def write_blocks(self, block_ids: list[int], payload: torch.Tensor) -> None:
+        """Fill these blocks of every rank's pool with their heads of ``payload``
+        [len(block_ids), num_layers, 2, block_size, kv_heads, row] (``read_blocks``' layout)."""
+        pools = self.rank_pools
+        k0 = pools[0].layer_caches[0][0]
+        assert payload.shape[0] == len(block_ids) and payload.shape[4] == self._num_kv_heads, payload.shape
+        assert payload.dtype == k0.dtype, (payload.dtype, k0.dtype)
+        index = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
+        for pool in pools:
+            heads = slice(pool.kv_heads.start, pool.kv_heads.stop)
+            for layer, (k, v) in enumerate(pool.layer_caches):
+                k.index_copy_(0, index, payload[:, layer, 0, :, heads].to(k.device))
+                v.index_copy_(0, index, payload[:, layer, 1, :, heads].to(v.device))
+
+    @property
+    def _num_kv_heads(self) -> int:
+        return self.runner.model_config.num_kv_heads
+
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Rank 0's own KV pool, per layer (K, V) [num_blocks, block_size, kv_heads, row]: every

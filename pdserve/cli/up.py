@@ -110,6 +110,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--max-lora-rank", type=int, default=None, help="largest adapter rank the nodes hold (default: 16)"
     )
     parser.add_argument(
+        "--kv-offload-dir",
+        default=None,
+        metavar="DIR",
+        help="keep full KV blocks on disk beyond each node's pool, in DIR/<node name> (prefill-0, "
+        "decode-0...: a restarted cluster finds its blocks again); evicted, preempted and "
+        "pre-restart prefixes are loaded rather than recomputed",
+    )
+    parser.add_argument(
+        "--kv-offload-disk-mb",
+        type=int,
+        default=None,
+        metavar="MB",
+        help="with --kv-offload-dir: each node's folder budget in MiB (default: the nodes' 8192)",
+    )
+    parser.add_argument(
         "--node-args",
         default="",
         metavar="FLAGS",
@@ -275,6 +290,8 @@ def _plan(args: argparse.Namespace):
         max_nodes=num_nodes if args.autoscale else 0,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
+        kv_offload_dir=None if args.kv_offload_dir is None else pathlib.Path(args.kv_offload_dir).resolve(),
+        kv_offload_disk_mb=args.kv_offload_disk_mb,
     )
 
 
