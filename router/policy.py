@@ -95,27 +95,49 @@ class Route:
 
 
 class PrefixMap:
-    """LRU map of block hash → ids of the nodes a prompt with that block went to."""
+    """LRU map of block hash → the nodes a prompt with that block went to, each with when (its
+    count of blocks recorded then), so that a node's tiers can be told apart: a node's pool holds
+    about its ``num_blocks_total`` most recently used blocks; a node with an offload tier
+    (engine/offload/, ``NodeInfo.kv_offload``) holds the older ones there, one without has let
+    them go."""
 
     def __init__(self, capacity: int = 1 << 16) -> None:
         self._capacity = capacity
-        self._hash_to_node_ids: collections.OrderedDict[int, set[str]] = collections.OrderedDict()
+        # block hash -> {node id: that node's recorded-block count when it last took the block}
+        self._hash_to_nodes: collections.OrderedDict[int, dict[str, int]] = collections.OrderedDict()
+        self._num_recorded: collections.Counter[str] = collections.Counter()  # per node
 
     def record(self, block_hashes: Sequence[int], node_id: str) -> None:
-        for block_hash in block_hashes:
-            self._hash_to_node_ids.setdefault(block_hash, set()).add(node_id)
-            self._hash_to_node_ids.move_to_end(block_hash)
-        while len(self._hash_to_node_ids) > self._capacity:
-            self._hash_to_node_ids.popitem(last=False)
+        # last to first: a node frees a prompt's blocks tail first, so its pool evicts the tail
+        # first and keeps the leading blocks longest; they count as the most recent here too
+        for block_hash in reversed(block_hashes):
+            self._num_recorded[node_id] += 1
+            self._hash_to_nodes.setdefault(block_hash, {})[node_id] = self._num_recorded[node_id]
+        for block_hash in block_hashes:  # the map's own LRU order (capacity), prompt order
+            self._hash_to_nodes.move_to_end(block_hash)
+        while len(self._hash_to_nodes) > self._capacity:
+            self._hash_to_nodes.popitem(last=False)
 
     def num_cached_blocks(self, block_hashes: Sequence[int], node_id: str) -> int:
-        """Leading blocks of the prompt that ``node_id`` was last seen to hold."""
-        num = 0
+        """Leading blocks of the prompt that ``node_id`` was last seen to hold, in any tier."""
+        return sum(self.cached_blocks(block_hashes, node_id, None))
+
+    def cached_blocks(
+        self, block_hashes: Sequence[int], node_id: str, pool_blocks: int | None
+    ) -> tuple[int, int]:
+        """(in its pool, in its offload tier): the leading blocks of the prompt ``node_id`` holds,
+        those among the last ``pool_blocks`` it took counted in its pool (None: all of them)."""
+        newest = self._num_recorded[node_id]
+        pool = tier = 0
         for block_hash in block_hashes:
-            if node_id not in self._hash_to_node_ids.get(block_hash, ()):
+            when = self._hash_to_nodes.get(block_hash, {}).get(node_id)
+            if when is None:
                 break
-            num += 1
-        return num
+            if pool_blocks is None or (tier == 0 and newest - when < pool_blocks):
+                pool += 1
+            else:
+                tier += 1
+        return pool, tier
 
 
 @dataclasses.dataclass(slots=True)
@@ -151,6 +173,20 @@ class Outstanding:
 
     def num_prefill_tokens(self, node: NodeInfo) -> int:
         return sum(s.num_prefill_tokens for s in self._since_heartbeat(node))
+
+
+DEFAULT_TIER_LOAD_SHARE = 0.1  # a tier block's load, as a share of computing it, until a node says
+
+
+def tier_load_share(node: NodeInfo) -> float:
+    """What loading a block from ``node``'s offload tier costs, as a share of computing it: its
+    measured prefill speed over its tier's measured load speed (engine/offload/tiers.py)."""
+    counts = node.kv_offload or {}
+    read, load_us = counts.get("read_blocks", 0), counts.get("load_us", 0)
+    if not (read and load_us and node.prefill_tokens_per_s):
+        return DEFAULT_TIER_LOAD_SHARE
+    load_tokens_per_s = read * _block_size(node) / (load_us / 1e6)
+    return min(1.0, node.prefill_tokens_per_s / load_tokens_per_s)
 
 
 def fingerprint_key(node: NodeInfo) -> KVFingerprint:
@@ -290,10 +326,14 @@ class RoutingPolicy:
 
     def _prompt_queue(
         self, node: NodeInfo, prefixes: PrefixMap, block_hashes: tuple[int, ...], num_prompt_tokens: int
-    ) -> int:
+    ) -> float:
         """Prompt tokens ``node`` has queued (its last report plus what was sent since), with
-        ``num_prompt_tokens`` more on top, less the prompt tokens its cache would spare."""
-        cached = prefixes.num_cached_blocks(block_hashes, node.node_id) * _block_size(node)
+        ``num_prompt_tokens`` more on top, less the prompt tokens its cache would spare: all of
+        those in its pool, and of those in its offload tier what loading them saves over
+        computing them (``tier_load_share``)."""
+        pool_blocks = node.num_blocks_total if node.kv_offload else None
+        pool, tier = prefixes.cached_blocks(block_hashes, node.node_id, pool_blocks)
+        cached = (pool + tier * (1.0 - tier_load_share(node))) * _block_size(node)
         queued = node.num_queued_prefill_tokens + self.outstanding.num_prefill_tokens(node)
         return queued + num_prompt_tokens - cached
 

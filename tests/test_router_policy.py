@@ -350,3 +350,39 @@ def test_a_first_token_predicted_too_late_is_shed_with_429_and_retry_after(predi
     assert (error.status, error.code, error.retry_after_s) == (429, "overloaded", retry_after)
     assert words in error.message
     assert counter.labels(reason=reason)._value.get() == 1
+
+
+def test_prefix_map_tells_a_nodes_pool_from_its_offload_tier_by_recency():
+    prefixes = PrefixMap()
+    prefixes.record([1, 2, 3], "a")  # the oldest three blocks a took
+    prefixes.record([7, 8, 9, 10], "a")
+    assert prefixes.cached_blocks([1, 2, 3], "a", pool_blocks=4) == (0, 3)  # past its pool: tier
+    assert prefixes.cached_blocks([7, 8, 9], "a", pool_blocks=4) == (3, 0)
+    assert prefixes.cached_blocks([1, 2, 3], "a", pool_blocks=None) == (3, 0)  # no tier: as before
+    prefixes.record([1], "a")  # used again: back in the pool, the rest of its prompt still in the tier
+    assert prefixes.cached_blocks([1, 2, 3], "a", pool_blocks=4) == (1, 2)
+
+
+def test_a_prefix_in_a_nodes_offload_tier_spares_its_load_share_of_the_prompt_queue():
+    """A node with a tier holds prefixes past its pool; routing counts them as cached at what
+    loading them costs over computing them (its measured speeds), a node without as before."""
+    block = FINGERPRINT.block_size
+    prompt = list(range(3, 3 + 8 * block + 1))
+    tiered = node_info(
+        "p0",
+        "prefill",
+        num_blocks_total=4,
+        prefill_tokens_per_s=100.0,
+        kv_offload={"read_blocks": 10, "load_us": 10 * block * 1000},  # 1000 tokens/s: a tenth
+    )
+    plain = dataclasses.replace(tiered, node_id="p1", kv_offload=None)
+    policy = RoutingPolicy(0)
+    hashes = tuple(hash_full_blocks(prompt, block))
+    for node in (tiered, plain):
+        policy.prefill_prefixes.record(hashes, node.node_id)  # 8 blocks: 4 past the pool of 4
+    route = policy.choose([node_info("d0", "decode"), tiered], prompt, 8)
+    assert route.prefill.node_id == "p0"
+    full = len(prompt)
+    assert policy.predicted_ttft_s(route, full) == pytest.approx((full - 4 * block - 4 * block * 0.9) / 100.0)
+    plain_route = policy.choose([node_info("d0", "decode"), plain], prompt, 8)
+    assert policy.predicted_ttft_s(plain_route, full) == pytest.approx((full - 8 * block) / 100.0)

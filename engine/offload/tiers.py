@@ -60,6 +60,8 @@ class OffloadStats:
     corrupt_blocks: int  # failed a check: deleted and recomputed, never served
     timed_out_prefetches: int  # a request stopped waiting and recomputed
     evicted_blocks: int  # removed for the folder's budget
+    load_us: int  # microseconds the reader spent loading and checking blocks (its speed: a router's)
+    read_blocks: int  # blocks the reader loaded in that time
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -83,6 +85,8 @@ class KVOffload:
         self.skipped_saves = 0
         self.timed_out = 0
         self.loaded = 0
+        self.load_seconds = 0.0  # the reader's time loading (and checking) blocks
+        self.read_blocks = 0  # ... and the blocks it read in it
         self._threads = [
             threading.Thread(target=self._write_loop, name="kv-offload-writer", daemon=True),
             threading.Thread(target=self._read_loop, name="kv-offload-reader", daemon=True),
@@ -141,6 +145,8 @@ class KVOffload:
             corrupt_blocks=c.corrupt,
             timed_out_prefetches=self.timed_out,
             evicted_blocks=c.evicted,
+            load_us=int(self.load_seconds * 1e6),
+            read_blocks=self.read_blocks,
         )
 
     def flush(self, timeout_s: float = 10.0) -> bool:
@@ -193,8 +199,12 @@ class KVOffload:
             job.done.set()
 
     def _load(self, block_hash: int, tokens: tuple[int, ...]) -> torch.Tensor | None:
+        start = time.perf_counter()
         try:
-            return self.disk.load(block_hash, tokens)
+            payload = self.disk.load(block_hash, tokens)
         except OSError as exc:
             log.warning("kv offload: loading a block failed: %s", exc)
             return None
+        self.load_seconds += time.perf_counter() - start
+        self.read_blocks += payload is not None
+        return payload
