@@ -13,6 +13,7 @@ costs each shape. A last pass sends unique prompts (no reuse at all), where the 
 
     .venv/bin/python bench/kv_offload.py
     .venv/bin/python bench/kv_offload.py --conversations 12 --turns 4 --pool-blocks 384
+    .venv/bin/python bench/kv_offload.py --preemption     # the engine alone: preemption, long contexts
 
 Prints a table (median and p90 TTFT of the turns after the first, output tokens per second) per
 shape and phase, and the offload counters the node reported.
@@ -38,7 +39,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from pd_defaults import start  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
-OFFLOAD = re.compile(r'^pdserve_node_kv_offload_(\w+?)(?:_total)?\{[^}]*\} (\S+)', re.M)
+OFFLOAD = re.compile(r"^pdserve_node_kv_offload_(\w+?)(?:_total)?\{[^}]*\} (\S+)", re.M)
 
 
 def stream_turn(port: int, prompt: list[int], max_tokens: int) -> tuple[float, list[int], float]:
@@ -119,7 +120,9 @@ def run_shape(args, label: str, flags: str, tmp: pathlib.Path) -> list[dict]:
     try:
         chats.round(args.port, args.max_tokens, args.concurrency)  # every chat's first turn
         t0 = time.perf_counter()
-        turns = [r for _ in range(args.turns) for r in chats.round(args.port, args.max_tokens, args.concurrency)]
+        turns = [
+            r for _ in range(args.turns) for r in chats.round(args.port, args.max_tokens, args.concurrency)
+        ]
         rows.append({"shape": label, "phase": "later turns", **summary(turns, time.perf_counter() - t0)})
         rows[-1]["offload"] = offload_counts(args.port)
     finally:
@@ -150,6 +153,50 @@ def stop(proc) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+def preemption(args) -> None:
+    """Long contexts decoding in a pool too small for all of them, in one engine (the default
+    model, float32): the scheduler preempts; without a tier a resumed sequence recomputes its
+    context, with one it loads what was evicted since. Same greedy output either way."""
+    from pdserve.engine import SamplingParams
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.model_fetch import fetch_default_model
+
+    model = str(fetch_default_model())
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(100, 40000) for _ in range(args.preempt_context)] for _ in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.preempt_output, ignore_eos=True)
+    results = {}
+    for label, extra in (("no tier", {}), ("disk tier", {"kv_offload_dir": tempfile.mkdtemp()})):
+        engine = LLMEngine(
+            EngineConfig(model=model, dtype="float32", num_kv_blocks=args.preempt_pool_blocks, **extra)
+        )
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        seqs = [engine.requests[str(i)].seqs[0] for i in range(len(prompts))]
+        start, outputs, prompt_tokens = time.perf_counter(), {}, 0
+        while engine.has_work():
+            for out in engine.step().outputs:
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0].token_ids
+        seconds = time.perf_counter() - start
+        prompt_tokens = sum(c.prompt_tokens for c in engine.step_stats.by_kind.values())
+        results[label] = (
+            seconds,
+            prompt_tokens,
+            sum(s.num_preemptions for s in seqs),
+            outputs,
+            engine.stats().offload,
+        )
+        engine.close()
+    print("\n| shape | seconds | prompt tokens computed | preemptions | offload |\n|---|---|---|---|---|")
+    for label, (seconds, computed, preempted, _, offload) in results.items():
+        loaded = (offload or {}).get("loaded_blocks", 0)
+        print(f"| {label} | {seconds:.1f} | {computed} | {preempted} | {loaded} blocks loaded |")
+    same = results["no tier"][3] == results["disk tier"][3]
+    print(f"greedy outputs equal: {same}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", type=int, default=12)
@@ -161,11 +208,17 @@ def main() -> None:
     ap.add_argument("--pool-blocks", type=int, default=384)
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--preemption", action="store_true", help="the engine-alone preemption case instead")
+    ap.add_argument("--preempt-context", type=int, default=1500)
+    ap.add_argument("--preempt-output", type=int, default=200)
+    ap.add_argument("--preempt-pool-blocks", type=int, default=320)
     args = ap.parse_args()
+    if args.preemption:
+        return preemption(args)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="kv-offload-bench-"))
     rows = run_shape(args, "no tier", "", tmp)
     rows += run_shape(args, "disk tier", f"--kv-offload-dir {tmp / 'tier'}", tmp)
-    print(f"\n| shape | phase | TTFT p50 ms | TTFT p90 ms | output tok/s |\n|---|---|---|---|---|")
+    print("\n| shape | phase | TTFT p50 ms | TTFT p90 ms | output tok/s |\n|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['shape']} | {r['phase']} | {r['ttft_p50_ms']:.0f} | {r['ttft_p90_ms']:.0f} | "

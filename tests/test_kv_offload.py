@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import time
 
 import pytest
 import torch
@@ -232,3 +233,48 @@ def test_a_host_tier_on_a_cpu_pool_is_refused_naming_the_flag():
     path = str(make_tiny_model("llama"))
     with pytest.raises(ValueError, match="kv_offload_host_mb.*host memory already"):
         LLMEngine(EngineConfig(model=path, num_kv_blocks=8, block_size=8, kv_offload_host_mb=64))
+
+
+def _evicted_prompt(path, folder, seed: int) -> tuple[LLMEngine, list[int]]:
+    """An engine whose folder holds a prompt its pool has evicted."""
+    engine = _engine(path, folder)
+    prompt = _long(seed)
+    _run(engine, {"first": prompt}, 2)
+    _run(engine, {"evict": _long(seed + 50)}, 2)
+    engine.note_idle()
+    assert engine.offload.flush()
+    return engine, prompt
+
+
+def test_a_slow_tier_degrades_to_recompute_at_its_deadline(tmp_path, monkeypatch):
+    """A disk that answers later than the prefetch deadline (a fault caused by hand: the reader
+    sleeps): the request stops waiting, computes its prompt, and its output is HF's."""
+    path = str(make_tiny_model("llama"))
+    engine, prompt = _evicted_prompt(path, tmp_path, 21)
+    engine.offload.prefetch_timeout_s = 0.2
+    load = engine.offload.disk.load
+
+    def slow_load(block_hash, tokens):
+        time.sleep(0.5)
+        return load(block_hash, tokens)
+
+    monkeypatch.setattr(engine.offload.disk, "load", slow_load)
+    out = _run(engine, {"again": prompt}, 4)
+    assert out["again"][0] == hf_greedy(path, prompt, 4)
+    assert out["again"][1] < 48  # at most what was staged in time, the rest recomputed
+    assert engine.stats().offload["timed_out_prefetches"] == 1
+    engine.close()
+
+
+def test_an_aborted_request_leaves_nothing_behind_in_the_tier_or_the_pool(tmp_path):
+    path = str(make_tiny_model("llama"))
+    engine, prompt = _evicted_prompt(path, tmp_path, 31)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    engine.add_request("w", prompt, params)
+    engine.step()  # its lookup starts the prefetch; it waits for it
+    assert engine.kv_connector._prefetches  # a fetch is under way for it
+    engine.abort_request("w")
+    assert not engine.kv_connector._prefetches and not engine.kv_connector.take_loads()
+    assert not engine.has_work() and engine.block_manager.num_free_blocks == 12
+    engine.scheduler.check_integrity()
+    engine.close()
