@@ -448,18 +448,24 @@ class LLMEngine:
         if sched.granted or sched.scheduled:
             self.kv_prefault.advance(self.block_manager.high_water)  # commits the pages it will write
         self._offload_io()  # before anything writes a block that was freed with content to keep
-        if not sched.scheduled and self.kv_connector.wait_for_tier(TIER_WAIT_S):
-            return StepResult(outputs, self.kv_connector.take_events())  # admitted at the next step
         if sched.scheduled:
-            tokens = step_tokens(sched.scheduled)  # (prompt, decode), before they count as computed
-            outputs += self._run(sched)
-            seconds = time.perf_counter() - start
-            self.step_stats.observe(*tokens, seconds)
-            if tokens[0]:  # a step with prompt tokens: what the budget of the next chunk follows
-                self.step_budget.observe(*tokens, seconds)
-            elif self.speculator is not None:  # a decode step: what a draft row costs
-                self.speculator.observe_step(tokens[1], seconds)
+            outputs += self._timed_run(sched, start)
+        else:  # nothing to run: a waiting request's offloaded blocks may be about to arrive
+            self.kv_connector.wait_for_tier(TIER_WAIT_S)
         return StepResult(outputs, self.kv_connector.take_events())
+
+    def _timed_run(self, sched: SchedulerOutput, start: float) -> list[RequestOutput]:
+        """``_run``, and what the step's time says: the step counts, the next chunk's budget (a
+        step with prompt tokens), a draft row's cost (a decode step)."""
+        tokens = step_tokens(sched.scheduled)  # (prompt, decode), before they count as computed
+        outputs = self._run(sched)
+        seconds = time.perf_counter() - start
+        self.step_stats.observe(*tokens, seconds)
+        if tokens[0]:
+            self.step_budget.observe(*tokens, seconds)
+        elif self.speculator is not None:
+            self.speculator.observe_step(tokens[1], seconds)
+        return outputs
 
     def _offload_io(self) -> None:
         """The offload tier's copies, between a schedule and anything that writes the pool: blocks
