@@ -197,6 +197,7 @@ def test_a_malformed_trace_context_on_the_wire_is_a_protocol_error(traceparent):
     with pytest.raises(ProtocolError, match="traceparent"):
         pm.decode(msgpack.packb([version, tag, fields]))
 
+
 def _node(role: Role) -> NodeInfo:
     return NodeInfo(
         node_id=f"{role}-1",
