@@ -150,6 +150,7 @@ class Tracer:
             self._provider.add_span_processor(BatchSpanProcessor(exporter))
         self._tracer = self._provider.get_tracer("pdserve", _version())
         self._trace = trace
+        self._last_remote: tuple[TraceContext | None, Any] = (None, None)  # the last parent's SDK context
         self.settings = settings
 
     def start(
@@ -212,12 +213,17 @@ class Tracer:
             return None
         if not isinstance(parent, TraceContext):
             return api.set_span_in_context(parent)
+        last = self._last_remote  # a node records a request's spans one after another, under one parent
+        if last[0] == parent:
+            return last[1]
         _, trace_id, span_id, flags = parent.traceparent.split("-")
         state = api.TraceState.from_header([parent.tracestate]) if parent.tracestate else None
         remote = api.SpanContext(
             int(trace_id, 16), int(span_id, 16), True, api.TraceFlags(int(flags, 16)), state
         )
-        return api.set_span_in_context(api.NonRecordingSpan(remote))
+        context = api.set_span_in_context(api.NonRecordingSpan(remote))
+        self._last_remote = (parent, context)  # one tuple, replaced whole: safe between threads
+        return context
 
     def flush(self, timeout_ms: int = 5000) -> bool:
         """Export every span ended so far (tests, and a process about to exit)."""
