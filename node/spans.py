@@ -33,6 +33,7 @@ from pdserve.node.options import NodeOptions
 from pdserve.node.streams import Stream
 from pdserve.prefill_node.shipper import Outcome
 from pdserve.protocol.messages import RequestMeta, TraceContext
+from pdserve.protocol.registry import Role
 from pdserve.protocol.tracing import Tracer
 
 
@@ -52,6 +53,7 @@ class NodeSpans:
 
     def __init__(self, tracer: Tracer, opts: NodeOptions) -> None:
         self.tracer = tracer
+        self._prefills_only = opts.role is Role.PREFILL  # what stage a failed request was in
         self._node = {"pdserve.node_id": opts.node_id, "pdserve.node.role": str(opts.role)}
 
     def _record(
@@ -165,7 +167,7 @@ class NodeSpans:
         if stream.trace is None:
             return
         now = time.time_ns()
-        if self._node["pdserve.node.role"] == "prefill":
+        if self._prefills_only:
             if "prefill_compute" not in stream.timings:  # not prefilled yet
                 self._record(
                     "pdserve.prefill",

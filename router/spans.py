@@ -244,7 +244,7 @@ class SampleTrace:
         if isinstance(outcome, Done) or failure is None or isinstance(failure, GeneratorExit):
             # a sample closed early ended as the client wanted (a stop string, n choices done)
             return tracer.end(span, {"pdserve.outcome": "done"})
+        if not isinstance(failure, Exception):  # CancelledError: the client left
+            return tracer.end(span, {"pdserve.outcome": "cancelled"})
         message = failure.message if isinstance(failure, APIError) else repr(failure)
-        if isinstance(failure, BaseException) and not isinstance(failure, Exception):
-            return tracer.end(span, {"pdserve.outcome": "cancelled"})  # the client left
         tracer.end(span, {"pdserve.outcome": "error"}, message)
