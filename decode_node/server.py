@@ -25,6 +25,7 @@ import time
 from pdserve.engine.core.requests import Aborted
 from pdserve.kv_transfer.receiver import KVReceiver, ReceivedKV
 from pdserve.node.parts import NodeParts
+from pdserve.node.spans import NodeSpans
 from pdserve.node.streams import (
     Stream,
     beam_output,
@@ -60,6 +61,7 @@ class DecodeNode:
         )
         self.kv_addr = f"tcp://{self.opts.advertise_host}:{self.receiver.address.rsplit(':', 1)[1]}"
         self.streams: dict[str, Stream] = {}  # adopted or prefilled here: where the tokens go
+        self.spans = None if parts.tracer is None else NodeSpans(parts.tracer, self.opts)  # node/spans.py
 
     def status(self):
         return node_status(
@@ -98,6 +100,8 @@ class DecodeNode:
         for failure in result.failed:
             self.log("kv_failed", failure.request_id, error=repr(failure.error))
             meta = failure.request_meta  # the engine has dropped the request already
+            if self.spans is not None:
+                self.spans.land_failed(meta, failure.request_id, str(failure.error))
             if meta is not None:
                 self.runtime.reply_failed(
                     meta.reply_addr,
@@ -142,6 +146,7 @@ class DecodeNode:
         self.streams[rid] = Stream(
             rid, msg.reply_addr, len(msg.token_ids), deadline, num_sent=resumed, num_resumed=resumed
         )
+        self.streams[rid].trace = msg.trace  # where its spans hang (node/spans.py)
         self.log(
             "request_added", rid, prompt_tokens=len(msg.token_ids), local_prefill=True, resumed_tokens=resumed
         )
@@ -161,12 +166,15 @@ class DecodeNode:
             # the prefill node reported the first token, but not a beam search's: its beams answer here
             num_sent=0 if beams else 1,
             num_cached_tokens=received.prefill_cached_tokens,
+            trace=meta.trace,
         )
         stream.timings = meta.timings.known()  # wall clocks of one host (or NTP-close hosts):
         stream.timings["transfer"] = round(max(0.0, time.time() - meta.shipped_at), 6)
         stream.timings["kv_bytes"] = received.bytes_received
         stream.adopted_at = time.monotonic()
         self.streams[rid] = stream
+        if self.spans is not None:
+            self.spans.landed(stream, meta, received)
         self.log("kv_adopted", rid, blocks_reused=received.num_held_blocks, bytes=received.bytes_received)
         first_logprob = engine_logprob(received.first_logprobs) if received.first_logprobs else None
         try:  # the next step takes the first token (and emits the request if that ends it)
@@ -207,6 +215,8 @@ class DecodeNode:
             chunk = dataclasses.replace(chunk, beams=tuple(beam_output(o) for o in out.outputs[1:]))
         if chunk is not None:
             self.runtime.reply(stream.reply_addr, chunk)
+        if self.spans is not None:
+            self.spans.emitted(stream, out)
         if out.finished:
             del self.streams[out.request_id]
             self.log(
@@ -226,5 +236,7 @@ class DecodeNode:
     def _fail(self, request_id: str, code: FailureCode, message: str) -> None:
         stream = self.streams.pop(request_id, None)
         self._stop(request_id, message)
+        if stream is not None and self.spans is not None:
+            self.spans.failed(stream, message)
         if stream is not None:
             self.runtime.reply_failed(stream.reply_addr, request_id, code, message, retryable=False)

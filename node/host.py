@@ -35,6 +35,7 @@ from pdserve.node.parts import NodeParts, ServedRole
 from pdserve.node.runtime import NodeRuntime
 from pdserve.protocol.messages import RoleChange, RolePhase, SetRole
 from pdserve.protocol.registry import Role
+from pdserve.protocol.tracing import open_tracer
 
 
 @dataclasses.dataclass(slots=True)
@@ -65,6 +66,8 @@ class NodeHost:
         log = EventLog(opts.node_id)
         forward_own_logs(log)  # before the engine: its start-up records too
         self.parts = NodeParts(opts, log, None, None)  # type: ignore[arg-type]  # engine and runtime: filled in below
+        # named by the role it starts in, as its id is; each span names the role serving now
+        self.parts.tracer = open_tracer(f"pdserve-{opts.role}", opts.node_id, opts.otlp_traces_endpoint)
         # A prefill node's KV cache in host memory lives in shared memory, so same-host decode
         # nodes copy blocks straight out of it. The engine calls the factory only for a pool in
         # host memory; a device pool (and a private one) leaves the cache None.
@@ -121,6 +124,8 @@ class NodeHost:
             self.role.close("node shut down before the request finished")
             runtime.close()
             self.parts.engine.close()  # its worker ranks stop with it
+            if self.parts.tracer is not None:
+                self.parts.tracer.close()  # the spans still batched go out
         return 0
 
     def _drain(self) -> None:

@@ -17,6 +17,7 @@ from pdserve.protocol.settings import (
     cluster_key_file_setting,
     flags,
     from_args,
+    otlp_traces_endpoint_setting,
     redis_password_file_setting,
     setting,
 )
@@ -63,6 +64,7 @@ class NodeOptions:
     # typed as it is once constructed: None (the default) is replaced by a made-up id then
     node_id: str = setting(None, "unique id of this process (default: role-hostname-pid-random)")
     ready_file: str | None = setting(None, "write the node's addresses here (JSON) once serving")
+    otlp_traces_endpoint: str | None = otlp_traces_endpoint_setting()  # protocol/tracing.py
     model_id: str  # the model's content digest (protocol.model_digest): part of the KV fingerprint
 
     def __post_init__(self) -> None:

@@ -19,6 +19,7 @@ from pdserve.node.runtime import NodeRuntime
 from pdserve.node.transfer_caches import transfer_caches
 from pdserve.protocol.messages import Message
 from pdserve.protocol.registry import NodeInfo
+from pdserve.protocol.tracing import Tracer
 
 
 @dataclasses.dataclass(slots=True)
@@ -30,6 +31,7 @@ class NodeParts:
     # the KV pool in shared memory, which same-host decode nodes copy from (a node started as
     # prefill has one where the machine allows); None: a private pool, KV goes on the socket
     cache: SharedKVCache | None = None
+    tracer: Tracer | None = None  # the process's span exporter (protocol/tracing.py); None: no traces
 
     @property
     def transfer_caches(self) -> list:

@@ -10,7 +10,7 @@ from pdserve.engine.core.sequence import TokenLogprob
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.node.options import NodeOptions
 from pdserve.protocol.fingerprint import KVFingerprint
-from pdserve.protocol.messages import BeamOutput, StageTimings, TokenChunk, TokenLogprobs
+from pdserve.protocol.messages import BeamOutput, StageTimings, TokenChunk, TokenLogprobs, TraceContext
 from pdserve.protocol.registry import NodeInfo
 
 
@@ -28,6 +28,8 @@ class Stream:
     )  # StageTimings fields so far, sent with the last chunk
     started: float = dataclasses.field(default_factory=time.monotonic)  # arrival on this node
     adopted_at: float | None = None  # decode nodes: when the transferred KV was adopted
+    trace: TraceContext | None = None  # where its spans hang (node/spans.py); None: not traced
+    first_emit_at: float | None = None  # decode nodes, traced: when its first tokens left
 
 
 def local_deadline(deadline: float, cap_s: float) -> float:

@@ -22,6 +22,7 @@ import time
 from pdserve.engine.core.kv_connector import HeldKV, KVTransfer
 from pdserve.kv_transfer.messages import KVShipment
 from pdserve.node.parts import NodeParts
+from pdserve.node.spans import NodeSpans
 from pdserve.node.streams import (
     Stream,
     local_deadline,
@@ -68,6 +69,7 @@ class PrefillNode:
             auth=self.runtime.auth,
         )
         self.pending: dict[str, _Pending] = {}  # computing or shipping: where the reply goes
+        self.spans = None if parts.tracer is None else NodeSpans(parts.tracer, self.opts)  # node/spans.py
 
     def status(self):
         return node_status(
@@ -137,9 +139,8 @@ class PrefillNode:
         params = self.runtime.admit(self.engine, msg, KVTransfer.SEND)
         if params is None:
             return
-        stream = Stream(
-            rid, msg.reply_addr, len(msg.token_ids), local_deadline(msg.deadline, self.opts.request_ttl_s)
-        )
+        deadline = local_deadline(msg.deadline, self.opts.request_ttl_s)
+        stream = Stream(rid, msg.reply_addr, len(msg.token_ids), deadline, trace=msg.trace)
         self.pending[rid] = _Pending(stream, msg.decode_addr, params, msg.deadline)
         self.log("request_added", rid, prompt_tokens=len(msg.token_ids), decode_addr=msg.decode_addr)
 
@@ -162,6 +163,8 @@ class PrefillNode:
         )
         stream.timings["prefill_queue"] = round(started - stream.started, 6)
         stream.timings["prefill_compute"] = round(now - started, 6)
+        if self.spans is not None:
+            self.spans.prefilled(stream, started, now)
         if held is None:
             chunk = next_chunk(stream, completion, self.opts.node_id, True, out.prompt_logprobs)
             assert chunk is not None  # nothing was sent yet: the first token is new
@@ -191,6 +194,7 @@ class PrefillNode:
                 deadline=pending.deadline,
                 shipped_at=time.time(),
                 timings=StageTimings(**stream.timings),
+                trace=stream.trace,  # the decode node's spans join the same trace
             ),
             wire_logprob(completion.logprobs[0]) if completion.logprobs else None,
         )
@@ -213,6 +217,8 @@ class PrefillNode:
         if pending is None:
             return
         pending.shipping = False
+        if self.spans is not None:
+            self.spans.shipped(pending.stream, outcome, pending.decode_addr)
         if outcome.error is None:
             del self.pending[rid]
             s = outcome.stats
@@ -242,6 +248,8 @@ class PrefillNode:
         pending = self.pending.pop(rid, None)
         if pending is None:
             return
+        if self.spans is not None:
+            self.spans.failed(pending.stream, message)
         self._drop(rid, pending)
         self.runtime.reply_failed(pending.stream.reply_addr, rid, code, message, not pending.first_token_sent)
 

@@ -66,6 +66,8 @@ class Outcome:
     error: str | None  # why it failed
     rejected: bool = False  # the decode node refused the reservation (draining, or no room in time)
     first_token_sent: bool = False  # the worker sent the shipment's first token to the router
+    started_at: float | None = None  # wall clock when KVReserve went out; None: never sent (spans)
+    granted_at: float | None = None  # wall clock when the decode node granted blocks
 
 
 @dataclasses.dataclass(slots=True)
@@ -217,29 +219,32 @@ class Shipper:
         self.outcomes.put(Granted(job.request_id, job.first is not None))
 
     def _ship(self, sender: KVSender, job: Shipment, replies: PushChannels) -> Outcome:
-        granted = []
+        granted: list[float] = []  # when the grant came (the node's spans)
+        started = time.time()
 
         def on_granted() -> None:
-            granted.append(True)
+            granted.append(time.time())
             self._granted(job, replies)
+
+        def outcome(stats: TransferStats | None, error: str | None, **fields) -> Outcome:
+            at = granted[0] if granted else None
+            return Outcome(job.request_id, stats, error, started_at=started, granted_at=at, **fields)
 
         try:
             with self._lock:
                 cancel = self._cancels[job.request_id]
             stats = sender.ship(job.kv, self.key_caches, self.value_caches, on_granted, cancel)
-            return Outcome(job.request_id, stats, None, first_token_sent=job.first is not None)
+            return outcome(stats, None, first_token_sent=job.first is not None)
         except KVTransferError as exc:
             refused = isinstance(exc, KVRejected) or (isinstance(exc, KVTimeout) and exc.stage == "grant")
-            return Outcome(
-                job.request_id,
+            return outcome(
                 None,
                 f"{type(exc).__name__}: {exc}",
                 rejected=refused and not granted,
                 first_token_sent=bool(granted) and job.first is not None,
             )
         except Exception as exc:  # a bug must fail the request, not kill the worker
-            return Outcome(
-                job.request_id,
+            return outcome(
                 None,
                 f"unexpected {type(exc).__name__}: {exc}",
                 first_token_sent=bool(granted) and job.first is not None,

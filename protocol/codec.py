@@ -28,7 +28,7 @@ import msgpack
 
 # Every change to a message's fields (or to a registry record's) moves this, and
 # tests/test_wire_version.py pins a digest of each version's fields.
-# 9: KVFingerprint.compute_dtype; 8: beam search (TokenChunk.beams); 7: SamplingParams.logprob_token_ids (vLLM: the logprobs of chosen tokens); 6: registry records carry the node's tensor-parallel size (tp_size); 5: TokenChunk.position,
+# 10: trace context (GenerateRequest.trace, RequestMeta.trace); 9: KVFingerprint.compute_dtype; 8: beam search (TokenChunk.beams); 7: SamplingParams.logprob_token_ids (vLLM: the logprobs of chosen tokens); 6: registry records carry the node's tensor-parallel size (tp_size); 5: TokenChunk.position,
 # typed stage timings and role phases, registry records name their
 # version; 4: prompt logprobs (SamplingParams, TokenChunk); 3: typed SamplingParams (guided
 # decoding), resumed outputs; 2: memfd rings

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from typing import ClassVar
 
 import msgpack
@@ -75,6 +76,27 @@ class StageTimings:
         }
 
 
+# W3C Trace Context's traceparent, version 00: version-trace id-parent span id-flags, lower-case hex
+_TRACEPARENT = re.compile(r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
+MAX_TRACESTATE_CHARS = 512  # W3C: 32 entries at most; vendors keep theirs short
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class TraceContext:
+    """The W3C trace context a request's spans on a node hang under (protocol/tracing.py): the
+    router's attempt span, or the client's own context when the router does not trace. Checked
+    on construction, so a malformed one from a peer is a ProtocolError, never a broken trace."""
+
+    traceparent: str  # "00-<trace id: 32 hex>-<parent span id: 16 hex>-<flags: 2 hex>"
+    tracestate: str = ""  # vendors' entries, passed on untouched
+
+    def __post_init__(self) -> None:
+        if not _TRACEPARENT.fullmatch(self.traceparent):
+            raise ValueError(f"traceparent {self.traceparent[:80]!r} is not a W3C version-00 traceparent")
+        if len(self.tracestate) > MAX_TRACESTATE_CHARS:
+            raise ValueError(f"tracestate longer than {MAX_TRACESTATE_CHARS} characters")
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RequestMeta:
     """What a decode node needs of a prefilled request besides its prompt and KV; it rides in
@@ -84,6 +106,7 @@ class RequestMeta:
     deadline: float  # wall clock by which the request must be over (GenerateRequest.deadline)
     shipped_at: float  # the prefill node's wall clock when the transfer began (transfer time)
     timings: StageTimings = StageTimings()  # the prefill node's stages
+    trace: TraceContext | None = None  # GenerateRequest.trace, passed on: the decode node's spans hang there
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,6 +127,9 @@ class GenerateRequest(Message):
     # computes prompt + these and continues from there: positions, penalties, seeded draws and
     # max_tokens go on as if uninterrupted; it sends only the tokens after them.
     output_token_ids: tuple[int, ...] = ()
+    # Where the node's spans of this request hang (its attempt span on the router, or the client's
+    # context); None: nobody traces it, and the node makes no span for it
+    trace: TraceContext | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -164,3 +164,12 @@ def cluster_key_file_setting() -> Any:
         "every socket runs CURVE under it; required when binding beyond loopback",
         metavar="PATH",
     )
+
+
+def otlp_traces_endpoint_setting() -> Any:
+    return setting(
+        None,
+        "export OpenTelemetry traces to this OTLP endpoint, as vLLM's flag (port 4317: gRPC, else "
+        "HTTP/protobuf; OTEL_EXPORTER_OTLP_* variables turn traces on too: docs/operations.md, Traces)",
+        metavar="URL",
+    )

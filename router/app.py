@@ -12,7 +12,9 @@ import hmac
 import importlib.metadata
 import json
 import logging
+import os
 import pathlib
+import socket
 import time
 from collections.abc import Callable
 
@@ -26,7 +28,18 @@ from pdserve.protocol.channel_auth import ChannelAuth
 from pdserve.protocol.cluster_key import load_key
 from pdserve.protocol.model_digest import model_digest, weight_files
 from pdserve.protocol.registry import Role
-from pdserve.router import jobs, messages_api, metrics, policy, responses_api, roles, serving, tokenize_api
+from pdserve.protocol.tracing import open_tracer
+from pdserve.router import (
+    jobs,
+    messages_api,
+    metrics,
+    policy,
+    responses_api,
+    roles,
+    serving,
+    spans,
+    tokenize_api,
+)
 from pdserve.router.admission import Admission, Stage
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import APIError, bad_request, error_response_parts
@@ -125,14 +138,20 @@ def create_app(
             async with asyncio.timeout(2 * config.poll_interval_s + 1):
                 await node_registry.ready.wait()
         yield
-        await node_registry.stop()
-        await node_client.close()
+        await _close(node_registry, node_client, backend)
 
     app = FastAPI(title="pdserve router", version=PDSERVE_VERSION, lifespan=lifespan)
     _add_error_handlers(app)
     app.add_middleware(_Guard, config=config)
     _add_routes(app)
     return app
+
+
+async def _close(registry: NodeRegistry, nodes: NodeClient, backend: Backend) -> None:
+    await registry.stop()
+    await nodes.close()
+    if backend.tracer is not None:
+        backend.tracer.close()  # the spans still batched go out
 
 
 def _router_state(
@@ -155,7 +174,10 @@ def _backend(
         tpot_slo_s=config.tpot_slo_s,
     )
     inflight = lambda: {str(s): n for s, n in admission.num_inflight.items()}  # noqa: E731
-    return Backend(config, nodes, registry, routing, metrics.RouterMetrics(registry.snapshot, inflight))
+    instance = f"router-{socket.gethostname()}-{os.getpid()}"
+    tracer = open_tracer("pdserve-router", instance, config.otlp_traces_endpoint)  # None: off
+    router_metrics = metrics.RouterMetrics(registry.snapshot, inflight)
+    return Backend(config, nodes, registry, routing, router_metrics, tracer)
 
 
 GUARDED_PATHS = ("/v1", "/tokenize", "/detokenize", "/admin", "/invocations")  # what --api-key protects
@@ -270,8 +292,10 @@ class _Guard:
         state: RouterState | None = getattr(scope["app"].state, "router", None)
         tracked = scope["method"] == "POST" and scope["path"] in LOAD_TRACKED_PATHS
         load = state if tracked else None  # the state whose count this request is in
+        trace = None if load is None else spans.open_request(load.backend.tracer, scope)
         if load is not None:
             load.num_requests_running += 1
+            scope.setdefault("state", {})[spans.SCOPE_KEY] = trace
         try:
             if error is not None:
                 await error_response(scope["path"], error)(scope, receive, send_and_note)
@@ -280,6 +304,8 @@ class _Guard:
         finally:
             if load is not None:
                 load.num_requests_running -= 1
+            if trace is not None:
+                trace.finish(status)
         if scope["path"].startswith("/v1/") and scope["method"] == "POST" and state is not None:
             endpoint = _endpoint_label(scope["path"])
             state.backend.metrics.requests.labels(endpoint=endpoint, outcome=str(status)).inc()
@@ -545,5 +571,6 @@ async def _serve(
     presenter: serving.Presenter,
 ) -> Response:
     name = state.model_name if adapter is None else adapter.name  # what the response says ran
-    run = serving.JobRun(state.backend, state.tokenizer, state.admission, job, name, max_model_len)
+    trace = spans.of(request.scope)  # the request's spans, from the middleware (router/spans.py)
+    run = serving.JobRun(state.backend, state.tokenizer, state.admission, job, name, max_model_len, trace)
     return await serving.serve(run, request, presenter)

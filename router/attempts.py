@@ -4,9 +4,13 @@ of a sample carry from one to the next."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from pdserve.router.errors import APIError
 from pdserve.router.route_trail import RouteTrail
+
+if TYPE_CHECKING:
+    from pdserve.router.spans import SampleTrace
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -54,3 +58,4 @@ class Progress:
     migrating: Migrate | None = None  # why the sample is migrating
     replayable: bool = False  # after tokens and without migration, it may start over (not streamed)
     trail: RouteTrail = dataclasses.field(default_factory=RouteTrail)  # where its attempts ran
+    trace: SampleTrace | None = None  # its spans (router/spans.py); None: nobody traces it

@@ -10,7 +10,12 @@ import dataclasses
 
 from pdserve.protocol.addresses import is_loopback, key_needed
 from pdserve.protocol.sampling_params import MAX_LOGPROBS
-from pdserve.protocol.settings import cluster_key_file_setting, redis_password_file_setting, setting
+from pdserve.protocol.settings import (
+    cluster_key_file_setting,
+    otlp_traces_endpoint_setting,
+    redis_password_file_setting,
+    setting,
+)
 
 # A decode node prefills a long prompt itself when it would wait this much longer behind the
 # shortest prefill queue than behind the decode node's own (router/policy.py). Half a second of
@@ -170,6 +175,7 @@ class RouterConfig:
         "Responses API: seconds a stored response is kept after it was last stored or used "
         "(default: %(default)s)",
     )
+    otlp_traces_endpoint: str | None = otlp_traces_endpoint_setting()  # protocol/tracing.py
     max_body_bytes: int = 8 << 20  # larger request bodies get 413; no flag
     log_level: str = setting("info", "the router's log level", choices=("debug", "info", "warning", "error"))
 

@@ -26,6 +26,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
@@ -33,6 +34,7 @@ from pdserve.protocol import messages as pm
 from pdserve.protocol.block_hash import cache_root_of
 from pdserve.protocol.reasons import FailureCode
 from pdserve.protocol.sampling_params import SamplingParams
+from pdserve.protocol.tracing import Tracer
 from pdserve.router.admission import Stage, Ticket, shed_late_first_token
 from pdserve.router.attempts import Done, Migrate, Outcome, Progress, Replay, Retry
 from pdserve.router.config import RouterConfig
@@ -42,6 +44,7 @@ from pdserve.router.node_client import NodeClient, NodeUnavailable
 from pdserve.router.policy import Route, RoutingPolicy
 from pdserve.router.registry_client import NodeRegistry
 from pdserve.router.route_trail import RouteTrail, warn_if_prefill_idle
+from pdserve.router.spans import SampleTrace
 
 log = logging.getLogger(__name__)
 _LIVENESS_CHECK_S = 0.2  # how often a waiting sample checks that its nodes are still alive
@@ -56,6 +59,7 @@ class Backend:
     registry: NodeRegistry
     policy: RoutingPolicy
     metrics: RouterMetrics
+    tracer: Tracer | None = None  # protocol/tracing.py; None: this router makes no span
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -144,14 +148,18 @@ async def run_sample(
     ticket: Ticket,
     replay_after_tokens: bool = False,
     trail: RouteTrail | None = None,
+    trace: SampleTrace | None = None,
 ) -> AsyncGenerator[pm.TokenChunk | Replay, None]:
     """The sample's chunks, in order, the last with a finish_reason (or a Replay, then the chunks
     of the replay, when ``replay_after_tokens`` and migration is off); APIError on failure.
-    ``trail``: where its attempts go is recorded there (router.route_trail)."""
-    progress = Progress(replayable=replay_after_tokens, trail=trail or RouteTrail())
+    ``trail``: where its attempts go is recorded there (router.route_trail); ``trace``: its spans."""
+    progress = Progress(replayable=replay_after_tokens, trail=trail or RouteTrail(), trace=trace)
     for attempt in itertools.count():
+        routing = time.time_ns()
         route = await _route(backend, sample, progress)
         request_id = sample.request_id if attempt == 0 else f"{sample.request_id}.r{attempt}"
+        if progress.trace is not None:
+            progress.trace.routed(route, request_id, routing, len(progress.relayed))
         outcome: list[Outcome] = []
         async for chunk in _attempt(backend, route, request_id, sample, ticket, progress, outcome):
             yield chunk
@@ -186,11 +194,14 @@ async def _attempt(
     finished = False
     try:
         node_params = dataclasses.replace(sample.params, stop=())  # stop strings: the router's
-        await _send(backend, route, request_id, sample, node_params, tuple(progress.relayed))
+        context = None if progress.trace is None else progress.trace.context()
+        await _send(backend, route, request_id, sample, node_params, tuple(progress.relayed), context)
         _note_route(backend, route, sample, progress)
         async for chunk in _relay(backend, route, queue, sample, ticket, progress):
             finished = chunk.finish_reason is not None
             progress.relayed.extend(chunk.token_ids)
+            if finished and progress.trace is not None:
+                progress.trace.ended(Done(), None)  # before the client can have its answer
             yield chunk
         outcome.append(Done())
     except _Retry as retry:
@@ -202,6 +213,8 @@ async def _attempt(
         backend.policy.finish(request_id)
         if not finished:
             _abort(backend, route, request_id)
+        if progress.trace is not None:
+            progress.trace.ended(outcome[0] if outcome else Done() if finished else None, sys.exception())
 
 
 def _note_route(backend: Backend, route: Route, sample: Sample, progress: Progress) -> None:
@@ -264,6 +277,7 @@ async def _send(
     sample: Sample,
     params: SamplingParams,
     resume: tuple[int, ...],
+    trace: pm.TraceContext | None = None,
 ) -> None:
     target = route.prefill or route.decode
     if resume:  # the client has the prompt logprobs: they came with the first token
@@ -277,6 +291,7 @@ async def _send(
         deadline=sample.arrival_time + backend.config.request_ttl_s,
         arrival_time=sample.arrival_time,
         output_token_ids=resume,
+        trace=trace,
     )
     now = time.time()
     backend.policy.record(
@@ -316,6 +331,8 @@ async def _relay(
             ticket.release(Stage.PREFILL)
             backend.policy.remember_prefix(route)
             _first_output(backend, progress.trail, resumed)
+            if progress.trace is not None:
+                progress.trace.first_token(resumed)
             if not resumed:
                 backend.metrics.ttft.observe(first_token_time - sample.arrival_time)
         num_tokens += len(msg.token_ids)

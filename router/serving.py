@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdserve.protocol import messages as pm
 from pdserve.protocol.reasons import FinishReason
 from pdserve.router import responses as rs
+from pdserve.router import spans
 from pdserve.router.admission import Admission, Stage, Ticket
 from pdserve.router.attempts import Replay
 from pdserve.router.errors import APIError
@@ -68,6 +69,7 @@ class JobRun:
         job: Job,
         model: str,
         max_model_len: int,
+        trace: spans.RequestTrace | None = None,
     ) -> None:
         self.job = job
         self.model = model
@@ -92,6 +94,9 @@ class JobRun:
         # where each sample runs, by sample request id, in choice order (a beam search: one)
         self.trails = {c.sample.request_id: RouteTrail() for c in self.choices}
         self.sent_headers: dict[str, str] | None = None  # a stream's x-pdserve-* headers, once sent
+        self.trace = trace  # its spans, or the client's trace context passed on (router/spans.py)
+        if trace is not None:
+            trace.describe(self)
 
     def path_headers(self) -> dict[str, str]:
         """The x-pdserve-* headers: where each sample ran (router.route_trail)."""
@@ -152,7 +157,14 @@ class JobRun:
     def start(self) -> None:
         """Admit every sample (or raise 429 taking nothing) and start them."""
         groups = self._groups()
-        num = len(groups)
+        with spans.admission(self.trace, len(groups)):
+            self._admit(len(groups))
+        for group in groups:
+            ticket = Ticket(self._admission, (Stage.DECODE, Stage.PREFILL))
+            self._tasks.append(asyncio.create_task(self._drive(group, ticket)))
+
+    def _admit(self, num: int) -> None:
+        """Take a prefill and a decode slot for each of ``num`` samples, or raise 429 taking none."""
         try:
             self._admission.admit(Stage.DECODE, num)
             try:
@@ -163,9 +175,6 @@ class JobRun:
         except APIError:
             self._backend.metrics.shed.labels(reason="inflight_limit").inc()
             raise
-        for group in groups:
-            ticket = Ticket(self._admission, (Stage.DECODE, Stage.PREFILL))
-            self._tasks.append(asyncio.create_task(self._drive(group, ticket)))
 
     def cancel(self) -> None:
         """Stop every sample (synchronous: safe in a cancelled scope); their nodes get aborts."""
@@ -197,7 +206,8 @@ class JobRun:
         sample = group[0].sample
         running = list(group)
         trail = self.trails[sample.request_id]
-        runs = run_sample(self._backend, sample, ticket, not self.job.stream, trail)
+        trace = spans.sample(self.trace, sample)
+        runs = run_sample(self._backend, sample, ticket, not self.job.stream, trail, trace)
         async with contextlib.aclosing(runs) as chunks:
             async for chunk in chunks:
                 if isinstance(chunk, Replay):  # nothing of it reached the client: start the sample over

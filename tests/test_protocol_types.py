@@ -13,7 +13,7 @@ from pdserve.kv_transfer import messages as km
 from pdserve.kv_transfer.messages import KVFingerprint, KVReserve
 from pdserve.protocol import messages as pm
 from pdserve.protocol.codec import PROTOCOL_VERSION, ProtocolError
-from pdserve.protocol.messages import GenerateRequest, NodeStatus, RequestMeta, StageTimings
+from pdserve.protocol.messages import GenerateRequest, NodeStatus, RequestMeta, StageTimings, TraceContext
 from pdserve.protocol.registry import NodeInfo, Role
 from pdserve.protocol.sampling_params import BeamSearch, GuidedDecoding, LogitBias, SamplingParams
 
@@ -164,6 +164,38 @@ def test_request_meta_needs_its_reply_address():
     with pytest.raises(ProtocolError) as info:
         km.decode(msgpack.packb([version, tag, fields]))
     assert info.value.field == "reply_addr"
+
+
+TRACE = TraceContext(traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", tracestate="a=1")
+
+
+def test_the_trace_context_rides_to_both_nodes_and_round_trips():
+    request = dataclasses.replace(_generate(SamplingParams()), trace=TRACE)
+    assert pm.decode(pm.encode(request)) == request
+    meta = RequestMeta(reply_addr="tcp://x:1", deadline=1.0, shipped_at=1.0, trace=TRACE)
+    reserve = KVReserve(
+        request_id="r1", token_ids=(1,), block_hashes=(), fingerprint=FP, ttl_s=5.0, request_meta=meta
+    )
+    decoded = km.decode(km.encode(reserve))
+    assert decoded == reserve and type(decoded.request_meta.trace) is TraceContext
+    assert pm.decode(pm.encode(_generate(SamplingParams()))).trace is None  # untraced: nothing rides
+
+
+@pytest.mark.parametrize(
+    "traceparent",
+    [
+        "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",  # upper case
+        "00-00000000000000000000000000000000-00f067aa0ba902b7-01",  # no trace
+        "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",  # peers speak version 00
+        "not a traceparent",
+    ],
+)
+def test_a_malformed_trace_context_on_the_wire_is_a_protocol_error(traceparent):
+    header = pm.encode(dataclasses.replace(_generate(SamplingParams()), trace=TRACE))
+    version, tag, fields = msgpack.unpackb(header)
+    fields["trace"]["traceparent"] = traceparent
+    with pytest.raises(ProtocolError, match="traceparent"):
+        pm.decode(msgpack.packb([version, tag, fields]))
 
 
 def _node(role: Role) -> NodeInfo:

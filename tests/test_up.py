@@ -495,3 +495,20 @@ def test_up_passes_the_response_stores_flags_to_its_router(tmp_path, flags, rout
     router_cmd = ["router", "--model", "m", "--decode", "tcp://127.0.0.1:1", *_plan(args).router_args]
     parsed = build_parser().parse_args(router_cmd)
     assert (parsed.responses_store_size, parsed.responses_store_ttl_s) == store
+
+
+def test_up_passes_the_traces_endpoint_to_its_router_and_every_node(tmp_path):
+    """--otlp-traces-endpoint, vLLM's flag, reaches the router and the nodes as they parse it."""
+    from pdserve.cli.up import _plan
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    url = "http://collector:4317"
+    args = build_parser().parse_args(
+        ["up", "--model", str(tmp_path), "--log-dir", str(tmp_path), "--otlp-traces-endpoint", url]
+    )
+    plan = _plan(args)
+    router = build_parser().parse_args(["router", "--model", "m", "--decode", "tcp://x:1", *plan.router_args])
+    node = build_parser().parse_args(["decode", "--model", "m", *plan.node_args])
+    assert router.otlp_traces_endpoint == url == node.otlp_traces_endpoint
+    plain = _plan(build_parser().parse_args(["up", "--model", str(tmp_path), "--log-dir", str(tmp_path)]))
+    assert "--otlp-traces-endpoint" not in (*plain.router_args, *plain.node_args)

@@ -28,7 +28,7 @@ WIRE_DIGESTS = {
     7: "552a6bdcc1409b69",
     8: "c873b71b786ecfa9",
     9: "befd26030e427d77",
-    10: "1e2e9f6ebe8eaffb",
+    10: "68fc9c24bee4a8a0",
 }
 
 

@@ -152,6 +152,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="seconds a stored response is kept after it was last stored or used (default: the router's, 3600)",
     )
     parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="the router and every node export OpenTelemetry traces there, as vLLM's flag (OTEL_* "
+        "variables are passed on to them too: docs/operations.md, Traces)",
+    )
+    parser.add_argument(
         "--log-dir", default=None, help="children's logs and ready files (default: a temp dir)"
     )
     parser.add_argument(
@@ -254,7 +261,8 @@ def _plan(args: argparse.Namespace):
             f"KV pools: {share:.1%} of available memory per node ({num_nodes} nodes share {LOCAL_KV_SHARE:.0%})"
         )
     node_lora, router_lora = lora_args(args)
-    node_args = (*node_lora, *shlex.split(args.node_args), *slo_node_args(args))
+    traces = tracing_args(args)
+    node_args = (*node_lora, *shlex.split(args.node_args), *slo_node_args(args), *traces)
     _say(f"dtype: {_node_dtype(model, node_args)}")
     gpu_share = gpu_share_per_node(node_args, num_nodes)
     if gpu_share is not None:
@@ -286,6 +294,7 @@ def _plan(args: argparse.Namespace):
             *shlex.split(args.router_args),
             *slo_router_args(args),
             *store_router_args(args),
+            *traces,
         ),
         max_nodes=num_nodes if args.autoscale else 0,
         prefill_tp=args.prefill_tp,
@@ -307,6 +316,12 @@ def store_router_args(args: argparse.Namespace) -> tuple[str, ...]:
         if value is not None and not any(a == flag or a.startswith(flag + "=") for a in given):
             out += [flag, str(value)]
     return tuple(out)
+
+
+def tracing_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """--otlp-traces-endpoint for the router and the nodes (protocol/tracing.py), when given."""
+    endpoint = args.otlp_traces_endpoint
+    return () if endpoint is None else ("--otlp-traces-endpoint", endpoint)
 
 
 def lora_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
