@@ -210,8 +210,9 @@ class EngineConfig:
     )
     kv_offload_host_mb: int | None = setting(
         None,
-        "a host-memory tier for a device KV pool (pinned memory); refused on a CPU node, whose "
-        "pool is host memory already",
+        "a host-memory tier of this many MiB in front of a device KV pool (pinned memory; its "
+        "evictions go on to --kv-offload-dir where given); refused on a CPU node, whose pool is "
+        "host memory already",
     )
     debug_checks: bool = setting(False, "check the block pool's integrity before every step (slow)")
     # triton on CPU tensors runs Triton's interpreter: slow, but how CPU CI runs the GPU code

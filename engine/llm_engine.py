@@ -45,6 +45,7 @@ from pdserve.engine.machine.sizing import (
 )
 from pdserve.engine.models import check_tensor_parallel, model_class
 from pdserve.engine.offload.disk import DiskTier, StoredBlock, namespace_of
+from pdserve.engine.offload.host import HostTier
 from pdserve.engine.offload.tiers import KVOffload
 from pdserve.engine.sampling.beam_search import BeamSearches, num_candidates, stop_ids_of
 from pdserve.engine.sampling.draft_model import draft_needs, speculator_for
@@ -209,14 +210,25 @@ class LLMEngine:
         )
 
     def _offload_tier(self) -> KVOffload | None:
-        """The folder ``kv_offload_dir`` under this model's and KV format's namespace (None: off)."""
+        """The offload tiers: host memory in front of a device pool (``kv_offload_host_mb``), and
+        the folder ``kv_offload_dir`` under this model's and KV format's namespace (None: neither)."""
         c = self.config
-        if c.kv_offload_host_mb is not None:
+        if c.kv_offload_host_mb is not None and self.platform.kind == "cpu":
             raise ValueError(
                 "kv_offload_host_mb: a host-memory tier is for a device pool; this engine's pool is "
-                f"on {self.device}"
-                + (" (host memory already)" if self.device.type == "cpu" else ", not yet supported")
+                "on the CPU (host memory already): use --kv-offload-dir for a tier beyond it"
             )
+        if c.kv_offload_dir is None and c.kv_offload_host_mb is None:
+            return None
+        host = (
+            None
+            if c.kv_offload_host_mb is None
+            else HostTier(c.kv_offload_host_mb << 20, self.platform.kind == "cuda")
+        )
+        return KVOffload(self._disk_tier(), host)
+
+    def _disk_tier(self) -> DiskTier | None:
+        c = self.config
         if c.kv_offload_dir is None:
             return None
         spec = dataclasses.replace(self.kv_spec, num_kv_heads=self.model_config.num_kv_heads)
@@ -232,7 +244,7 @@ class LLMEngine:
             c.kv_offload_disk_mb,
             disk.rebuilt_in_s,
         )
-        return KVOffload(disk)
+        return disk
 
     def _kv_spec(self) -> KVCacheSpec:
         m, c = self.model_config, self.config

@@ -13,6 +13,7 @@ import torch
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.kv_connector import KVTransfer
+from pdserve.engine.executor.platform import TEST_PLATFORM_ENV
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.offload.disk import DiskTier, StoredBlock, TierInUse
 from tests.engine_helpers import grant_remote, hf_greedy
@@ -277,4 +278,29 @@ def test_an_aborted_request_leaves_nothing_behind_in_the_tier_or_the_pool(tmp_pa
     assert not engine.kv_connector._prefetches and not engine.kv_connector.take_loads()
     assert not engine.has_work() and engine.block_manager.num_free_blocks == 12
     engine.scheduler.check_integrity()
+    engine.close()
+
+
+@pytest.mark.parametrize("with_disk", [False, True], ids=["host", "host-then-disk"])
+def test_a_device_pools_host_tier_serves_evicted_blocks_and_spills_to_disk(tmp_path, monkeypatch, with_disk):
+    """On the split platform (a GPU's separate device memory, on the CPU) a host tier sits in
+    front of the pool; with a folder behind it, what the host tier evicts goes to disk."""
+    monkeypatch.setenv(TEST_PLATFORM_ENV, "split")
+    path = str(make_tiny_model("llama"))
+    options = {"kv_offload_host_mb": 1, "kv_offload_dir": str(tmp_path) if with_disk else None}
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=12, block_size=8, **options))
+    assert engine.platform.kind == "split"
+    if with_disk:  # the tiny model's blocks are a few KiB: a host tier of 3 of them, the rest spill
+        block = engine.executor.read_blocks([0])
+        engine.offload.host.budget_bytes = 3 * block.numel() * block.element_size()
+    first = _run(engine, {"a": _long(41)}, 4)
+    _run(engine, {"b": _long(42)}, 4)
+    engine.note_idle()
+    assert engine.offload.flush()
+    again = _run(engine, {"a2": _long(41)}, 4)
+    assert again["a2"][0] == first["a"][0] == hf_greedy(path, _long(41), 4)
+    assert again["a2"][1] == 48
+    stats = engine.stats().offload
+    assert stats["host_blocks"] > 0 and stats["loaded_blocks"] >= 6
+    assert (stats["stored_blocks"] > 0) is with_disk  # the host tier's evictions, written back
     engine.close()

@@ -1,10 +1,12 @@
-"""What the node's KV connector asks of its offload tier: is a block there, fetch these ahead of
-their request's admission, keep these. The disk does the I/O (engine/offload/disk.py) on two
-background threads, so no step waits for it:
+"""What the node's KV connector asks of its offload tiers: is a block there, fetch these ahead of
+their request's admission, keep these. A device pool may have a host tier in front
+(engine/offload/host.py); the disk does its I/O (engine/offload/disk.py) on two background
+threads, so no step waits for it:
 
     save:      a finished or preempted sequence's full blocks, copied out of the pool by the
-               engine thread (bounded by ``max_pending_bytes``; past it a block is not kept)
-               ─► pending (served from memory) ─► the writer thread ─► the folder
+               engine thread ─► the host tier, whose evictions go on to the disk, where there
+               is one; or ─► pending (served from memory, bounded by ``max_pending_bytes``:
+               past it a block is not kept) ─► the writer thread ─► the folder
     prefetch:  a waiting request's blocks past the pool's hit ─► the reader thread loads and
                checks them ─► staged, until the request is admitted (its blocks are filled from
                them before the step computes) or its deadline passes (then it recomputes)
@@ -23,7 +25,8 @@ import time
 
 import torch
 
-from pdserve.engine.offload.disk import DiskTier, StoredBlock
+from pdserve.engine.offload.disk import DiskCounts, DiskTier, StoredBlock
+from pdserve.engine.offload.host import HostTier
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,8 @@ class OffloadStats:
     corrupt_blocks: int  # failed a check: deleted and recomputed, never served
     timed_out_prefetches: int  # a request stopped waiting and recomputed
     evicted_blocks: int  # removed for the folder's budget
+    host_blocks: int  # blocks in the host tier now (a device pool's; 0 without one)
+    host_bytes: int  # their bytes, within its budget
     load_us: int  # microseconds the reader spent loading and checking blocks (its speed: a router's)
     read_blocks: int  # blocks the reader loaded in that time
 
@@ -70,11 +75,13 @@ class OffloadStats:
 class KVOffload:
     def __init__(
         self,
-        disk: DiskTier,
+        disk: DiskTier | None,
+        host: HostTier | None = None,
         max_pending_bytes: int = MAX_PENDING_BYTES,
         prefetch_timeout_s: float = PREFETCH_TIMEOUT_S,
     ) -> None:
-        self.disk = disk
+        assert disk is not None or host is not None, "an offload tier needs a folder or host memory"
+        self.disk, self.host = disk, host
         self.max_pending_bytes = max_pending_bytes
         self.prefetch_timeout_s = prefetch_timeout_s
         self._lock = threading.Lock()
@@ -99,7 +106,9 @@ class KVOffload:
         with self._lock:
             if block_hash in self._pending:
                 return True
-        return block_hash in self.disk
+        return (self.host is not None and block_hash in self.host) or (
+            self.disk is not None and block_hash in self.disk
+        )
 
     def prefetch(self, first_block: int, entries: list[tuple[int, tuple[int, ...]]]) -> Prefetch | None:
         """Start loading ``entries`` (consecutive blocks from ``first_block``); None when the
@@ -112,8 +121,13 @@ class KVOffload:
         return job
 
     def save(self, blocks: list[StoredBlock]) -> None:
-        """Keep these blocks (copies): served from memory at once, written in the background. Past
-        the bound on pending bytes a block is not kept (counted), and nothing waits."""
+        """Keep these blocks (copies): in the host tier, whose evictions go to the disk, or served
+        from memory at once and written in the background. Past the bound on pending bytes a
+        block is not kept (counted), and nothing waits."""
+        if self.host is not None:
+            blocks = [old for block in blocks for old in self.host.put(block)]  # its evictions
+            if self.disk is None:
+                return
         for block in blocks:
             size = block.payload.numel() * block.payload.element_size()
             with self._lock:
@@ -129,16 +143,19 @@ class KVOffload:
     def loaded_into_pool(self, prefetch: Prefetch, num_blocks: int) -> None:
         """``num_blocks`` of the prefetch were used: their recency is touched (once per request)."""
         self.loaded += num_blocks
-        self.disk.touch([h for h, _ in prefetch.entries[:num_blocks]])
+        used = [h for h, _ in prefetch.entries[:num_blocks]]
+        for tier in (self.host, self.disk):
+            if tier is not None:
+                tier.touch(used)
 
     def note_timed_out(self) -> None:
         self.timed_out += 1
 
     def stats(self) -> OffloadStats:
-        c = self.disk.counts
+        c = self.disk.counts if self.disk is not None else DiskCounts()
         return OffloadStats(
-            disk_blocks=self.disk.num_blocks,
-            disk_bytes=self.disk.num_bytes,
+            disk_blocks=0 if self.disk is None else self.disk.num_blocks,
+            disk_bytes=0 if self.disk is None else self.disk.num_bytes,
             stored_blocks=c.stored,
             loaded_blocks=self.loaded,
             skipped_saves=self.skipped_saves,
@@ -147,6 +164,8 @@ class KVOffload:
             evicted_blocks=c.evicted,
             load_us=int(self.load_seconds * 1e6),
             read_blocks=self.read_blocks,
+            host_blocks=0 if self.host is None else self.host.num_blocks,
+            host_bytes=0 if self.host is None else self.host.num_bytes,
         )
 
     def flush(self, timeout_s: float = 10.0) -> bool:
@@ -169,11 +188,13 @@ class KVOffload:
             pass
         for thread in self._threads:
             thread.join(timeout=2.0)
-        self.disk.close()
+        if self.disk is not None:
+            self.disk.close()
 
     # ------------------------------------------------------------------ background threads
     def _write_loop(self) -> None:
         while (block := self._saves.get()) is not None:
+            assert self.disk is not None, "only a disk tier queues writes"
             try:
                 self.disk.store(block)
             except OSError as exc:  # a full or failing disk: the block is simply not kept
@@ -187,18 +208,25 @@ class KVOffload:
             for block_hash, tokens in job.entries:
                 if time.monotonic() > job.deadline:
                     break
-                with self._lock:
-                    pending = self._pending.get(block_hash)
-                if pending is not None and pending.token_ids == tokens:
-                    payload: torch.Tensor | None = pending.payload
-                else:
-                    payload = self._load(block_hash, tokens)
+                payload = self._lookup(block_hash, tokens)
                 if payload is None:
                     break
                 job.payloads.append(payload)
             job.done.set()
 
+    def _lookup(self, block_hash: int, tokens: tuple[int, ...]) -> torch.Tensor | None:
+        """A block's payload from the nearest tier that holds it: host, pending, disk."""
+        payload = None if self.host is None else self.host.get(block_hash, tokens)
+        if payload is not None:
+            return payload
+        with self._lock:
+            pending = self._pending.get(block_hash)
+        if pending is not None and pending.token_ids == tokens:
+            return pending.payload
+        return None if self.disk is None else self._load(block_hash, tokens)
+
     def _load(self, block_hash: int, tokens: tuple[int, ...]) -> torch.Tensor | None:
+        assert self.disk is not None
         start = time.perf_counter()
         try:
             payload = self.disk.load(block_hash, tokens)
