@@ -89,6 +89,7 @@ class JobRun:
         self._events: asyncio.Queue[tuple[int, SampleDelta | APIError]] = asyncio.Queue(_EVENT_QUEUE_SIZE)
         self._tasks: list[asyncio.Task] = []
         self.choices = self._make_choices(time.time())
+        self._num_open = len(self.choices)  # choices not finished yet (events() counts them down)
         chosen = job.params.logprob_token_ids is not None
         self.formatter = rs.LogprobFormatter(tokenizer, job.logprobs or 0, job.tokens_as_ids, chosen)
         # where each sample runs, by sample request id, in choice order (a beam search: one)
@@ -242,14 +243,13 @@ class JobRun:
 
     async def events(self) -> AsyncIterator[tuple[_Choice, SampleDelta | APIError]]:
         """Deltas as they come, until every sample finished; stops after the first error."""
-        num_open = len(self.choices)
-        while num_open:
+        while self._num_open:
             index, event = await self._events.get()
             yield self.choices[index], event
             if isinstance(event, APIError):
                 return
             if event.finish_reason is not None:
-                num_open -= 1
+                self._num_open -= 1
 
     def usage(self) -> rs.Usage:
         firsts = {c.prompt_index: c for c in reversed(self.choices)}  # each prompt's first sample
@@ -314,15 +314,37 @@ class JobRun:
                     content = {"content": choice.state.text}  # cut short (length): the text as it is
             body = rs.chat_chunk_choice(choice.index, content, logprobs, finish, bool(calls), **ids)
             envelope = rs.envelope(
-                self.id, "chat.completion.chunk", self.created, self.model, [body], self._continuous_usage()
+                self.id,
+                "chat.completion.chunk",
+                self.created,
+                self.model,
+                [body],
+                self._continuous_usage(),
+                **self._last_notice(delta),
             )
             return rs.sse(envelope)
         extra = self._prompt_fields(choice) if first else {"prompt_logprobs": None}
         body = rs.completion_choice(choice.index, text, logprobs, delta.finish_reason, **extra, **ids)
         envelope = rs.envelope(
-            self.id, "text_completion", self.created, self.model, [body], self._continuous_usage()
+            self.id,
+            "text_completion",
+            self.created,
+            self.model,
+            [body],
+            self._continuous_usage(),
+            **self._last_notice(delta),
         )
         return rs.sse(envelope)
+
+    def _last_notice(self, delta: SampleDelta) -> dict[str, object]:
+        """``pdserve_route`` for the stream's last chunk with a choice (the last open choice's
+        finish) when the route changed after the headers; a usage chunk carries it instead when
+        the client asked for one. Never a chunk without choices that the client did not ask for:
+        clients read ``choices[0]`` of every chunk."""
+        if delta.finish_reason is None or self._num_open != 1 or self.job.include_usage:
+            return {}
+        notice = self.route_notice()
+        return {} if notice is None else {"pdserve_route": notice}
 
     def _empty(self, first: bool, text: str, delta: SampleDelta, echoed: bool) -> bool:
         """Nothing in the delta for the client: no text, logprobs, finish, first chunk's fields or
@@ -367,9 +389,9 @@ class JobRun:
         return chunks
 
     def last_chunk(self, notice: list[dict[str, object]] | None) -> str:
-        """A stream's last chunk before [DONE], without choices: usage when asked for
-        (include_usage), and ``pdserve_route`` (each sample's route as it ended) when the route
-        changed after the headers went out."""
+        """A stream's usage chunk before [DONE] (include_usage), without choices; with
+        ``pdserve_route`` (each sample's route as it ended) when the route changed after the
+        headers went out."""
         object_ = "chat.completion.chunk" if self.job.chat else "text_completion"
         usage = self.usage() if self.job.include_usage else None
         extra = {} if notice is None else {"pdserve_route": notice}
@@ -499,9 +521,8 @@ async def _stream(run: JobRun, first, events) -> AsyncIterator[str]:
             try:
                 choice, event = await anext(events)
             except StopAsyncIteration:
-                notice = run.route_notice()
-                if run.job.include_usage or notice is not None:  # the last chunk carries the notice
-                    yield run.last_chunk(notice)
+                if run.job.include_usage:  # the usage chunk carries the route notice, if any
+                    yield run.last_chunk(run.route_notice())
                 break
         yield rs.SSE_DONE
     finally:

@@ -131,7 +131,7 @@ def test_a_prefill_failure_retried_locally_says_prefill_retry_and_warns_of_the_i
     assert any("prefill pool idle" in r.getMessage() and "p0" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("stream", [True, "usage", False])
 def test_a_migration_after_the_headers_is_told_in_the_last_chunk_or_the_whole_answers_headers(
     default_model_dir, tokens, stream
 ):
@@ -148,7 +148,10 @@ def test_a_migration_after_the_headers_is_told_in_the_last_chunk_or_the_whole_an
             url = cluster.base_url + "/v1/chat/completions"
             if not stream:
                 return await http.post(url, json=body), []
-            async with http.stream("POST", url, json={**body, "stream": True}) as reply:
+            streamed = {**body, "stream": True}
+            if stream == "usage":
+                streamed["stream_options"] = {"include_usage": True}
+            async with http.stream("POST", url, json=streamed) as reply:
                 return reply, [line async for line in reply.aiter_lines() if line.startswith("data: ")]
 
     reply, lines = run_async(go())
@@ -162,8 +165,16 @@ def test_a_migration_after_the_headers_is_told_in_the_last_chunk_or_the_whole_an
     )
     # what the headers said when the stream started (a heavy load may let the migration begin first)
     assert lines[-1] == "data: [DONE]"
-    last = json.loads(lines[-2][6:])
-    assert last["choices"] == [] and last["object"] == "chat.completion.chunk" and "usage" not in last
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    if stream == "usage":  # the usage chunk, which has no choices, carries it
+        last = chunks[-1]
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == len(tokens)
+    else:  # every chunk has a choice (clients read choices[0]); the finish chunk carries it
+        assert all(len(c["choices"]) == 1 for c in chunks)
+        last = chunks[-1]
+        assert last["choices"][0]["finish_reason"] == "length" and "usage" not in last
+    assert last["object"] == "chat.completion.chunk"
+    assert [c for c in chunks if "pdserve_route" in c] == [last]
     assert last["pdserve_route"] == [
         {
             "path": "disaggregated",
