@@ -46,6 +46,9 @@ POISON_BYTE = 0x7F  # int64 0x7f7f...: any index read from a poisoned buffer is 
 # figures drive the GPU's sizing path, profile run included; the engine's own tensors are host
 # memory and are not counted, so only what tests charge moves them)
 SPLIT_DEVICE_BYTES = 16 << 30
+# A process's CUDA context where NVML cannot measure it: an H100 context with cuBLAS and NCCL is
+# typically 0.5 GiB (an estimate from public reports, not a measurement here), rounded up
+CUDA_CONTEXT_ESTIMATE = 1 << 30
 
 
 class NullStream:
@@ -107,6 +110,16 @@ class Platform:
         """Device memory torch holds now; None where it is not tracked."""
         return None
 
+    def peak_reserved_bytes(self) -> int | None:
+        """Most device memory torch's allocator reserved since ``reset_peak`` (live tensors and
+        its cache); None where it is not tracked."""
+        return None
+
+    def context_bytes(self) -> int:
+        """This process's device memory outside torch's allocator (its context): charged to its
+        engine's share (engine/machine/sizing.py). 0 where there is no device."""
+        return 0
+
     def synchronize(self) -> None:
         pass
 
@@ -165,6 +178,23 @@ class CUDAPlatform(Platform):
     def allocated_bytes(self) -> int | None:
         return torch.cuda.memory_allocated(self.device)
 
+    def peak_reserved_bytes(self) -> int | None:
+        return torch.cuda.max_memory_reserved(self.device)
+
+    def context_bytes(self) -> int:
+        """NVML's count of this process's memory on the device, less what the allocator holds;
+        CUDA_CONTEXT_ESTIMATE where NVML cannot say (no pynvml, or a PID namespace that hides this
+        process from it). Not yet checked on a GPU."""
+        used = _nvml_process_bytes(self.device)
+        if used is None:
+            log.info(
+                "%s: NVML gives no per-process count; its context taken as %d MiB",
+                self.device,
+                CUDA_CONTEXT_ESTIMATE >> 20,
+            )
+            return CUDA_CONTEXT_ESTIMATE
+        return max(0, used - torch.cuda.memory_reserved(self.device))
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
@@ -183,6 +213,21 @@ class CUDAPlatform(Platform):
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream=None) -> None:
         with self.use_stream(stream) if stream is not None else contextlib.nullcontext():
             dst.copy_(src, non_blocking=True)
+
+
+def _nvml_process_bytes(device: torch.device) -> int | None:
+    """This process's bytes on ``device`` as NVML counts them (context, allocator, NCCL); None
+    where NVML is missing or does not list this process."""
+    try:
+        import pynvml  # nvidia-ml-py; bench/gpu_oneshot.sh carries it in .whl/
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(device))
+        processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except Exception:  # noqa: BLE001 - no NVML here, or it refused: the estimate stands in
+        return None
+    used = [p.usedGpuMemory for p in processes if p.pid == os.getpid() and p.usedGpuMemory]
+    return used[0] if used else None
 
 
 class FakeStream:
@@ -286,6 +331,12 @@ class SplitPlatform(Platform):
 
     def allocated_bytes(self) -> int | None:
         return self.memory.allocated
+
+    def peak_reserved_bytes(self) -> int | None:
+        return self.memory.peak_reserved
+
+    def context_bytes(self) -> int:
+        return self.memory.context
 
     def empty_cache(self) -> None:
         self.memory.empty_cache()
