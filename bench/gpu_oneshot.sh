@@ -5,13 +5,19 @@
 #   wheels   pyzmq and llguidance from .whl/ (scripts/gpu_wheels.sh) into a private folder
 #   env      nvidia-smi, versions and ceilings: copy, pinned/pageable H2D and D2H, bf16 matmul
 #   kernels  the Triton kernel tests (tests/test_kernels_triton.py, tests/test_kernels_gpu.py)
+#   hd256    the prefill kernel in bf16 at head_dim 256 and its default tiles (shared memory)
+#   lora     the LoRA kernels (tests/test_lora_kernels.py)
 #   decode   bench/gpu_decode_bench.py: paged decode attention against the copy bandwidth
 #   probe    does the engine generate on CUDA (a seeded tiny model from tests/tiny_models.py)?
+#   nccl     the same over an NCCL group of one (its own row: its failure skips nothing else)
 #   engine   tests/test_engine_gpu.py, when the probe passed
+#   paths    bench/gpu_paths.py: beam search and speculation on CUDA against the CPU engine
+#   transfer tests/test_transfer_gpu.py: a prefill and a decode node on one GPU, device KV between them
 #   offline  bench/gpu_offline.py: a random ~1B Llama in bf16, pdserve against HF generate
 #
 # then the summary table (bench/gpu_oneshot_summary.py), also saved as summary.txt. Logs go to
 # $OUT (a new temporary folder when unset): 6 logs and the summary, as at most 8 files come back
+# (hd256 and lora log into kernels.log, nccl into probe.log, paths and transfer into engine.log)
 # from the machine. It never contacts a package index and never collects the whole tests/ tree
 # (most test modules import pyzmq, fastapi or redis, which the machine lacks).
 #
@@ -21,19 +27,29 @@
 # Exit 0 when every step that ran passed, 1 when one did not, 3 when torch sees no CUDA device.
 set -uo pipefail
 
-# Time limits in seconds. Together at most 435: timeout(1) may add 5 s of grace to each of the 8,
-# so even a run where every step hits its limit ends by 475 s, inside a 480 s command, and leaves
-# time for a rerun in the 15 minutes a task gets. The probe and the engine tests pay the Triton
-# compiles, cold on a fresh machine (30-45 kernels); the offline bench then finds them cached.
-LIMIT_CHECK=15
-LIMIT_WHEELS=15
-LIMIT_ENV=25
-LIMIT_KERNELS=85
-LIMIT_DECODE=55
-LIMIT_PROBE=60
-LIMIT_ENGINE=120
-LIMIT_OFFLINE=60
-GRACE=5  # seconds a step may run past its limit before it is killed (-k)
+# Time limits in seconds, one per row. Together at most 535: timeout(1) may add 3 s of grace to
+# each of the 13, and the summary takes under 5, so even a run where every step hits its limit ends
+# by 579 s, inside the 600 s a device command may run (a typical run is about half of it). That
+# leaves no rerun inside a task's 15 minutes when every step times out; a typical run does. The
+# probe and the engine tests pay the Triton compiles, cold on a fresh machine (30-45 kernels); the
+# later steps find them cached. The offline step's work, estimated (not yet measured on a GPU):
+# building and saving the ~1B model ~10 s; HF generate at batches 32, 64 and 128 with a warm-up
+# each, 640 + 384 + 256 steps at ~20 ms = ~26 s; pdserve's start (load, profile, graphs) ~25 s and
+# its 128 x 128 tokens ~5 s: ~66 s, and 85 s leaves it a quarter more.
+LIMIT_CHECK=10
+LIMIT_WHEELS=10
+LIMIT_ENV=20
+LIMIT_KERNELS=65
+LIMIT_HD256=30
+LIMIT_LORA=30
+LIMIT_DECODE=40
+LIMIT_PROBE=50
+LIMIT_NCCL=25
+LIMIT_ENGINE=90
+LIMIT_PATHS=35
+LIMIT_TRANSFER=45
+LIMIT_OFFLINE=85
+GRACE=3  # seconds a step may run past its limit before it is killed (-k)
 
 # --dry-run: the same steps on this CPU, where each can run at all (kernels in Triton's
 # interpreter, the probe on the split platform that stands in for a GPU, the offline bench's
@@ -78,8 +94,14 @@ for name in env kernels decode probe engine offline; do rm -f "$OUT/$name.log"; 
 rm -f "$OUT/summary.txt"
 echo "gpu_oneshot: $PY (torch $seen), logs in $OUT"
 
-log_of() {  # the wheels' few lines go in env.log, to keep under the 8 files that come back
-    if [ "$1" = wheels ]; then echo "$OUT/env.log"; else echo "$OUT/$1.log"; fi
+log_of() {  # steps share logs, to keep under the 8 files that come back
+    case "$1" in
+    wheels) echo "$OUT/env.log" ;;
+    hd256 | lora) echo "$OUT/kernels.log" ;;
+    nccl) echo "$OUT/probe.log" ;;
+    paths | transfer) echo "$OUT/engine.log" ;;
+    *) echo "$OUT/$1.log" ;;
+    esac
 }
 
 step() {  # step NAME LIMIT COMMAND...: COMMAND under timeout(1), its output and exit status in the log
@@ -106,6 +128,8 @@ for wheel in pyzmq llguidance; do
 done
 if [ -n "$missing" ]; then
     skip wheels "no wheel of${missing} in .whl/: run \`bash scripts/gpu_wheels.sh\` where pip reaches PyPI and carry .whl/ (the engine needs both)"
+elif [ "$DRY_RUN" = 1 ]; then
+    skip wheels "dry run: .whl/ holds$(printf ' %s' .whl/*.whl | sed 's|.whl/||g'), for the GPU machine's Python 3.12"
 elif "$PY" -m pip --version >/dev/null 2>&1; then
     step wheels "$LIMIT_WHEELS" "$PY" -m pip install --no-index --no-deps --disable-pip-version-check \
         --upgrade --target "$WHEELS" .whl/*.whl
@@ -155,28 +179,40 @@ fi
 if [ "$DRY_RUN" = 1 ]; then
     step kernels "$LIMIT_KERNELS" env TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider \
         tests/test_kernels_triton.py tests/test_kernels_gpu.py
+    skip hd256 "dry run: the interpreter computes bf16 dots wrongly; the point is the compile"
+    skip lora "dry run: tests/test_lora_kernels.py runs interpreted in the CPU suite"
     skip decode "dry run: the decode bandwidth needs a GPU"
 else
     step kernels "$LIMIT_KERNELS" "$PY" -m pytest -q -p no:cacheprovider -n 8 \
-        tests/test_kernels_triton.py tests/test_kernels_gpu.py
+        tests/test_kernels_triton.py tests/test_kernels_gpu.py -k "not head_dim_256"
+    step hd256 "$LIMIT_HD256" "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py -k head_dim_256
+    step lora "$LIMIT_LORA" "$PY" -m pytest -q -p no:cacheprovider tests/test_lora_kernels.py
     step decode "$LIMIT_DECODE" "$PY" bench/gpu_decode_bench.py
 fi
 
 probe_ok=0
 if [ "$DRY_RUN" = 1 ]; then
     step probe "$LIMIT_PROBE" env PDSERVE_TEST_PLATFORM=split "$PY" bench/gpu_probe.py --device cpu && probe_ok=1
+    step nccl "$LIMIT_NCCL" env PDSERVE_TEST_PLATFORM=split "$PY" bench/gpu_probe.py --device cpu --group-of-one
 else
     step probe "$LIMIT_PROBE" "$PY" bench/gpu_probe.py && probe_ok=1
+    step nccl "$LIMIT_NCCL" "$PY" bench/gpu_probe.py --group-of-one
 fi
 
 if [ "$DRY_RUN" = 1 ]; then
     skip engine "dry run: the engine GPU tests need a GPU"
+    step paths "$LIMIT_PATHS" env PDSERVE_TEST_PLATFORM=split "$PY" bench/gpu_paths.py --device cpu
+    skip transfer "dry run: the split platform's pair runs in tests/test_platform.py"
     step offline "$LIMIT_OFFLINE" "$PY" bench/gpu_offline.py --smoke
 elif [ "$probe_ok" = 1 ]; then
     step engine "$LIMIT_ENGINE" "$PY" -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py
+    step paths "$LIMIT_PATHS" "$PY" bench/gpu_paths.py
+    step transfer "$LIMIT_TRANSFER" "$PY" -m pytest -q -p no:cacheprovider tests/test_transfer_gpu.py
     step offline "$LIMIT_OFFLINE" "$PY" bench/gpu_offline.py
 else
     skip engine "the engine probe failed"
+    skip paths "the engine probe failed"
+    skip transfer "the engine probe failed"
     step offline "$LIMIT_OFFLINE" "$PY" bench/gpu_offline.py --skip-pdserve  # HF's baseline still
 fi
 

@@ -30,9 +30,14 @@ STEPS = (
     ("wheels", "pyzmq, llguidance from .whl/"),
     ("env", "environment, ceilings"),
     ("kernels", "Triton kernel tests"),
+    ("hd256", "bf16 head_dim-256 prefill"),
+    ("lora", "LoRA kernels"),
     ("decode", "decode attention bandwidth"),
     ("probe", "engine runs on CUDA"),
+    ("nccl", "executor over an NCCL group of one"),
     ("engine", "engine GPU tests"),
+    ("paths", "beam search, speculation vs CPU"),
+    ("transfer", "P/D device KV transfer, one GPU"),
     ("offline", "offline bf16 throughput"),
 )
 TIMEOUT_RCS = (124, 137)  # timeout(1): the limit passed (137: killed after the grace period)
@@ -215,8 +220,19 @@ def probe_figures(output: str) -> tuple[str, str]:
     m = re.search(r"^engine probe: ok(.*)$", output, re.M)
     if m is None:
         return f"engine probe failed: {first_error_line(output)}", ""
+    return f"ok{m.group(1).rstrip()}", ""
+
+
+def nccl_figures(output: str) -> tuple[str, str]:
     group = re.search(r"^executor over a (\w+) group of one: ok", output, re.M)
-    return f"ok{m.group(1).rstrip()}" + (f"; {group.group(1)} group of one: ok" if group else ""), ""
+    return (f"{group.group(1)} group of one: ok" if group else f"failed: {first_error_line(output)}"), ""
+
+
+def paths_figures(output: str) -> tuple[str, str]:
+    lines = re.findall(r"^path (.+?): (ok|differs)", output, re.M)
+    if not lines:
+        return f"no path line; {first_error_line(output)}", ""
+    return "; ".join(f"{name}: {verdict}" for name, verdict in lines), ""
 
 
 def engine_figures(output: str) -> tuple[str, str]:
@@ -244,9 +260,14 @@ FIGURES = {
     "wheels": wheels_figures,
     "env": env_figures,
     "kernels": kernels_figures,
+    "hd256": kernels_figures,
+    "lora": kernels_figures,
     "decode": decode_figures,
     "probe": probe_figures,
+    "nccl": nccl_figures,
     "engine": engine_figures,
+    "paths": paths_figures,
+    "transfer": engine_figures,
     "offline": offline_figures,
 }
 

@@ -3,11 +3,13 @@
 A seeded tiny Llama of 512 positions (tests/tiny_models.py) with the engine's defaults: on CUDA
 that is a pool sized after a profile run of the default 2048-token budget, longer than the model's
 context (the first GPU run's certain crash, before the profile kept to the context), then CUDA
-graphs. Prints the engine's start-up line and ``engine probe: ok, greedy tokens [...]``; then the
-same greedy run on an engine whose executor runs its collectives over a group of one (NCCL on
-CUDA): ``executor over a nccl group of one: ok``.
+graphs. Prints the engine's start-up line and ``engine probe: ok, greedy tokens [...]``. With
+``--group-of-one``, the same greedy run on an engine whose executor runs its collectives over a
+group of one (NCCL on CUDA), checked against the plain engine's tokens: ``executor over a nccl
+group of one: ok``. It is its own step of the one-shot, so that an NCCL failure costs no other row.
 
     python bench/gpu_probe.py                      # on the GPU (bench/gpu_oneshot.sh's probe step)
+    python bench/gpu_probe.py --group-of-one       # its nccl step
     PDSERVE_TEST_PLATFORM=split python bench/gpu_probe.py --device cpu   # the same path on the CPU
 """
 
@@ -29,15 +31,19 @@ from tests.tiny_models import make_tiny_model  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--group-of-one", action="store_true", help="also over a torch.distributed group of one"
+    )
     args = parser.parse_args(argv)
     llm = LLM(str(make_tiny_model("llama")), device=args.device)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     out = llm.generate([[5, 6, 7, 8, 9]], params)
     want, config = out[0].outputs[0].token_ids, llm.engine.config
     print("engine probe: ok, greedy tokens", want, flush=True)
-    del llm, out  # its pool goes: the next engine sizes its own from the device's memory
-    gc.collect()
-    group_of_one(config, want)
+    if args.group_of_one:
+        del llm, out  # its pool goes: the next engine sizes its own from the device's memory
+        gc.collect()
+        group_of_one(config, want)
     return 0
 
 

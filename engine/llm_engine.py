@@ -39,9 +39,8 @@ from pdserve.engine.machine.resources import usable_cpus
 from pdserve.engine.machine.sizing import (
     EngineSizing,
     announce,
-    measure_device,
-    size_device_pool,
     size_engine,
+    size_over_ranks,
 )
 from pdserve.engine.models import check_tensor_parallel, model_class
 from pdserve.engine.offload.disk import DiskTier, StoredBlock, namespace_of
@@ -113,7 +112,7 @@ class LLMEngine:
         self.cpu_share = CpuShare(
             threads, usable_cpus(), torch.set_num_threads, enabled=config.num_threads is None and tp == 1
         )
-        at_start = platform.mem_info()  # None: the pool is sized from host RAM (size_engine)
+        on_device = platform.mem_info() is not None  # False: the pool is sized from host RAM (size_engine)
         self.executor = Executor(
             self.model_config,
             config,
@@ -133,8 +132,8 @@ class LLMEngine:
         except Exception:
             self.executor.close()
             raise
-        if at_start is not None:
-            self.sizing = self._size_device_pool(at_start)
+        if on_device:
+            self.sizing = self._size_device_pool()
         self.kv_spec = self._kv_spec()
         self.executor.allocate_kv(self.kv_spec, kv_cache_factory)
         self.decode_graphs = self._decode_graphs()
@@ -196,17 +195,18 @@ class LLMEngine:
         self.executor.use_decode_graphs(self.config.max_num_seqs, self.max_model_len)
         return f"decode batches up to {self.config.max_num_seqs}"
 
-    def _size_device_pool(self, at_start: tuple[int, int]) -> EngineSizing:
-        """The pool from what the weights and a profile run of the largest step leave of this
-        engine's share of the device (engine/machine/sizing.py)."""
+    def _size_device_pool(self) -> EngineSizing:
+        """The pool from what each rank's context and a profile run of the largest step leave of
+        this engine's share of its device (engine/machine/sizing.py): the smallest over the ranks."""
         c = self.config
-        profile = lambda: self.executor.profile(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)  # noqa: E731
+        self.executor.profile(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)
         # graphs hold a decode step's activations in their own pool: the peak once more
-        memory = measure_device(self.platform, profile, at_start, graphs=self._graphs_off() is None)
+        graphs = self._graphs_off() is None
+        memories = [dataclasses.replace(m, graphs=graphs) for m in self.runner.profiled]
         draft = draft_needs(c, self.executor.dtype)  # a draft model's engine comes out of the same share
         block_bytes = self._kv_spec().bytes_per_block
-        return size_device_pool(
-            self.sizing, c, self.max_model_len, block_bytes, memory, str(self.device), draft
+        return size_over_ranks(
+            self.sizing, c, self.max_model_len, block_bytes, memories, str(self.device), draft
         )
 
     def _offload_tier(self) -> KVOffload | None:

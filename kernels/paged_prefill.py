@@ -14,6 +14,8 @@ BLOCK_N tokens gathered through the block table, with an online softmax.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -22,6 +24,50 @@ from pdserve.kernels.checks import check_cache_pair, check_index_tensor, next_po
 
 _NO_WINDOW = 1 << 30  # wider than any context
 _LOG2E = 1.4426950408889634
+
+# Shared memory per block on an H100 (sm_90): 227 KB. Triton also stages layout conversions and
+# reductions there; 16 KB is left to them.
+SMEM_BYTES = 227 * 1024
+SMEM_BUDGET = SMEM_BYTES - 16 * 1024
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefillTiles:
+    block_m: int  # query rows per program
+    block_n: int  # keys per loop iteration
+    num_stages: int  # K/V tiles Triton's pipeliner keeps in shared memory at once
+
+    def smem_bytes(self, head_dim_pad: int, q_bytes: int, kv_bytes: int) -> int:
+        """Shared memory the tiles take: the query tile, an operand of both dots for the whole
+        loop, plus ``num_stages`` buffers of a K and a V tile each.
+
+            bf16, head_dim 256, 64 x 64, 3 stages:  64*256*2 + 3 * 2 * 64*256*2 = 32 + 192 = 224 KB  (> 211: too many)
+                                             2 stages:                             32 + 128 = 160 KB
+            fp32, head_dim 128, 64 x 64, 3 stages:  64*128*4 + 3 * 2 * 64*128*4 = 32 + 192 = 224 KB  (> 211)
+                                             2 stages:                             32 + 128 = 160 KB
+            fp32, head_dim 256, 64 x 64, 1 stage:   64*256*4 + 1 * 2 * 64*256*4 = 64 + 128 = 192 KB
+            bf16, head_dim 128, 64 x 64, 3 stages:  64*128*2 + 3 * 2 * 64*128*2 = 16 +  96 = 112 KB
+        """
+        q_tile = self.block_m * head_dim_pad * q_bytes
+        kv_tiles = self.num_stages * 2 * self.block_n * head_dim_pad * kv_bytes
+        return q_tile + kv_tiles
+
+
+def prefill_tiles(
+    head_dim: int, q_bytes: int, kv_bytes: int, block_m: int = 64, block_n: int = 64
+) -> PrefillTiles:
+    """The most pipeline stages (3, Triton's default, down to 1) whose tiles fit SMEM_BUDGET, then
+    narrower key tiles where even one stage does not fit (every supported family fits at 64 x 64:
+    tests/test_kernels_triton.py)."""
+    pad = max(16, next_power_of_2(head_dim))
+    while True:
+        for stages in (3, 2, 1):
+            tiles = PrefillTiles(block_m, block_n, stages)
+            if tiles.smem_bytes(pad, q_bytes, kv_bytes) <= SMEM_BUDGET:
+                return tiles
+        if block_n == 16 and block_m == 16:
+            return tiles  # nothing smaller: let Triton say it does not fit
+        block_n, block_m = (block_n // 2, block_m) if block_n > 16 else (block_n, block_m // 2)
 
 
 @triton.jit
@@ -104,7 +150,8 @@ def paged_prefill_attention_triton(
     """Triton paged prefill attention; arguments as ``ops.paged_prefill_attention``.
 
     K/V tiles are cast to the query dtype before the dot products (as the torch path does);
-    ``out`` (like query) to write into.
+    ``out`` (like query) to write into. The pipeline's stages (and, where needed, the key tile)
+    come from ``prefill_tiles``, so that the tiles fit in shared memory.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = check_cache_pair(key_cache, value_cache, head_dim)
@@ -122,6 +169,7 @@ def paged_prefill_attention_triton(
     assert softcap is None or softcap > 0, softcap
     for name, size in (("block_m", block_m), ("block_n", block_n)):
         assert size >= 16 and size & (size - 1) == 0, f"{name} must be a power of two >= 16, got {size}"
+    tiles = prefill_tiles(head_dim, query.element_size(), key_cache.element_size(), block_m, block_n)
     out = torch.empty_like(query) if out is None else out
     assert out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1, out.shape
     if num_seqs == 0 or num_tokens == 0:
@@ -131,15 +179,15 @@ def paged_prefill_attention_triton(
     else:
         max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     window = _NO_WINDOW if sliding_window is None else sliding_window
-    grid = (num_seqs, num_heads, triton.cdiv(max(max_q_len, 1), block_m))
+    grid = (num_seqs, num_heads, triton.cdiv(max(max_q_len, 1), tiles.block_m))
     _prefill_kernel[grid](
         query, key_cache, value_cache, out, block_tables, query_start_loc, context_lens,
         scale * _LOG2E, window, (softcap or 1.0) * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(16, next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_SOFTCAP=softcap is not None,
+        HEAD_DIM_PAD=max(16, next_power_of_2(head_dim)), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        HAS_SOFTCAP=softcap is not None, num_stages=tiles.num_stages,
     )  # fmt: skip
     return out
 

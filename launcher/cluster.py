@@ -127,6 +127,7 @@ class LocalCluster:
             *self._key_args(),
             *self._offload_args(name),
             *self.plan.node_args,  # after the flags above: a flag given here wins
+            *self._device_args(role, index),  # ... but a node's own GPUs win over its --device
         ]
         if self.redis_url:
             argv += ["--redis", self.redis_url]
@@ -141,8 +142,15 @@ class LocalCluster:
         return [] if share is None else ["--kv-cache-memory-fraction", f"{share:.4g}"]
 
     def _gpu_share(self) -> list[str]:
-        share = gpu_share_per_node(self.plan.node_args, self.plan.node_budget)
+        layout = self.plan.gpu_layout
+        sharing = self.plan.node_budget if layout is None else layout.nodes_per_gpu
+        share = gpu_share_per_node(self.plan.node_args, sharing)
         return [] if share is None else ["--gpu-memory-utilization", f"{share:.4g}"]
+
+    def _device_args(self, role: str, index: int) -> list[str]:
+        """The node's first GPU (launcher/gpus.py), where the plan lays the nodes out on GPUs."""
+        layout = self.plan.gpu_layout
+        return [] if layout is None else ["--device", layout.device_of(self.plan.ordinal(role, index))]
 
     def _offload_args(self, name: str) -> list[str]:
         """A folder of its own for the node's offload tier (one node per folder)."""

@@ -6,6 +6,8 @@ import dataclasses
 import os
 import pathlib
 
+from pdserve.launcher.gpus import GpuLayout
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ClusterPlan:
@@ -38,6 +40,9 @@ class ClusterPlan:
     # cluster's nodes find theirs); None: no offload tier
     kv_offload_dir: pathlib.Path | None = None
     kv_offload_disk_mb: int | None = None  # each folder's budget (None: the nodes' default)
+    # each node's GPUs where the nodes compute on CUDA (launcher/gpus.py); None: every node gets
+    # the --device of node_args as it is
+    gpu_layout: GpuLayout | None = None
 
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode, self.num_colocated) < 0:
@@ -68,6 +73,11 @@ class ClusterPlan:
     def tp_of(self, role: str) -> int:
         """The tensor-parallel size of a node of ``role`` (prefill, decode or colocated)."""
         return self.prefill_tp if role == "prefill" else self.decode_tp
+
+    def ordinal(self, role: str, index: int) -> int:
+        """Where node ``index`` of ``role`` comes in the start order: prefill, decode, colocated."""
+        before = {"prefill": 0, "decode": self.num_prefill, "colocated": self.num_prefill + self.num_decode}
+        return before[role] + index
 
     @property
     def num_ranks(self) -> int:
@@ -135,15 +145,17 @@ def node_device(node_args: tuple[str, ...] | list[str]) -> str:
     return node_flag(node_args, "--device")
 
 
-def gpu_share_per_node(node_args: tuple[str, ...] | list[str], num_nodes: int) -> float | None:
-    """Each node's --gpu-memory-utilization where the nodes compute on one CUDA device (the one
-    ``--device`` names: every node gets the same flags), so that together they hold
-    LOCAL_GPU_SHARE of it; None off CUDA, or where the flags already set a share."""
-    if not node_device(node_args).startswith("cuda") or any(
-        a.startswith("--gpu-memory-utilization") for a in node_args
+def gpu_share_per_node(node_args: tuple[str, ...] | list[str], nodes_per_gpu: int) -> float | None:
+    """Each node's --gpu-memory-utilization where ``nodes_per_gpu`` nodes compute on one CUDA
+    device, so that together they hold LOCAL_GPU_SHARE of it; None off CUDA, for a node alone on
+    its GPU (the engine's own default), or where the flags already set a share."""
+    if (
+        not node_device(node_args).startswith("cuda")
+        or nodes_per_gpu <= 1
+        or any(a.startswith("--gpu-memory-utilization") for a in node_args)
     ):
         return None
-    return LOCAL_GPU_SHARE / max(1, num_nodes)
+    return LOCAL_GPU_SHARE / nodes_per_gpu
 
 
 def threads_per_node(num_cores: int, num_nodes: int) -> int:

@@ -4,7 +4,8 @@
 # That machine has no network, so pip cannot fetch there; bench/gpu_oneshot.sh installs whatever
 # .whl/ holds with `pip install --no-index`. The engine imports llguidance (engine/guided.py) and
 # the nodes pyzmq; both ship abi3 wheels, so these fit its Python 3.12 whatever Python runs here.
-# .whl/ is kept out of git (.git/info/exclude): pass it to the device run in `carry`.
+# nvidia-ml-py (pure Python) lets an engine count its own CUDA context (engine/executor/platform.py).
+# .whl/ is kept out of git (.gitignore): pass it to the device run in `carry`.
 #
 #     bash scripts/gpu_wheels.sh          # about 4 MB; PYTHON=... picks the pip that downloads
 set -euo pipefail
@@ -15,8 +16,5 @@ PY="${PYTHON:-.venv/bin/python}"
 "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl pyzmq==27.3.0 llguidance==1.6.1
-
-exclude="$(git rev-parse --git-path info/exclude)"
-mkdir -p "$(dirname "$exclude")"
-grep -qxF /.whl/ "$exclude" 2>/dev/null || echo /.whl/ >>"$exclude"
+"$PY" -m pip download --no-deps --only-binary=:all: -d .whl nvidia-ml-py==12.575.51
 ls -l .whl

@@ -21,7 +21,7 @@ from bench import gpu_oneshot_summary as summary
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "gpu_oneshot.sh"
 MAX_FILES = 8  # what comes back from the lent machine's output folder
-MAX_RUN_S = 480  # the command's limit: a run plus the machine's start leaves a rerun inside 15 minutes
+MAX_RUN_S = 590  # under the 600 s a device command may run, even when every step hits its limit
 
 # Stands in for python3 on a GPU machine: says torch sees CUDA, runs the summary for real and
 # "passes" everything else, failing instead where the command or its stdin contains $FAKE_FAIL.
@@ -59,7 +59,10 @@ def test_script_is_valid_bash():
 def test_even_a_run_where_every_step_hits_its_limit_ends_within_480_s_and_every_timeout_uses_one():
     text = SCRIPT.read_text()
     limits = {name: int(s) for name, s in re.findall(r"^LIMIT_(\w+)=(\d+)$", text, re.M)}
-    assert set(limits) == {"CHECK", "WHEELS", "ENV", "KERNELS", "DECODE", "PROBE", "ENGINE", "OFFLINE"}
+    assert set(limits) == {
+        "CHECK", "WHEELS", "ENV", "KERNELS", "HD256", "LORA", "DECODE", "PROBE", "NCCL", "ENGINE", "PATHS",
+        "TRANSFER", "OFFLINE",
+    }  # fmt: skip
     grace = int(re.search(r"^GRACE=(\d+)", text, re.M).group(1))  # timeout -k: after the limit
     assert sum(limits.values()) + grace * len(limits) + 5 <= MAX_RUN_S  # 5: the summary
     assert limits["ENGINE"] > limits["OFFLINE"]  # the engine tests pay the cold Triton compiles
@@ -77,7 +80,8 @@ def test_script_never_contacts_an_index_nor_collects_the_whole_tests_tree():
     for line in re.findall(r"^.*pip install.*$", text, re.M):
         assert "--no-index" in line, line
     pytest_lines = re.findall(r"^.*-m pytest.*$", text, re.M)
-    assert len(pytest_lines) == 3  # the kernels (on the GPU, and interpreted in a dry run), the engine
+    # the kernels (on the GPU, and interpreted in a dry run), head_dim 256, LoRA, the engine, the transfer
+    assert len(pytest_lines) == 6
     for line in pytest_lines:
         args = line.split("-m pytest", 1)[1].split()
         targets = [a for a in args if a.startswith("tests")]
@@ -200,8 +204,27 @@ PROBE_OK = """\
 == step probe (limit 35 s): python3 -
 engine: KV pool 0 MiB = 64 blocks x 16 tokens; dtype bfloat16; CUDA graphs: decode batches up to 64
 engine probe: ok, greedy tokens [17, 4, 250, 250, 9, 31, 31, 2]
-executor over a nccl group of one: ok, greedy tokens equal
 == exit probe 0 (9 s)
+== step nccl (limit 25 s): python3 bench/gpu_probe.py --group-of-one
+executor over a nccl group of one: ok, greedy tokens equal
+== exit nccl 0 (8 s)
+"""
+
+# the rows a GPU run adds beside the first ones, all passed (in the logs they share)
+NEW_ROWS_PASSED = """\
+== step hd256 (limit 30 s): python3 -m pytest -q tests/test_kernels_triton.py -k head_dim_256
+1 passed, 28 deselected in 6.01s
+== exit hd256 0 (7 s)
+== step lora (limit 30 s): python3 -m pytest -q tests/test_lora_kernels.py
+12 passed in 9.50s
+== exit lora 0 (10 s)
+== step paths (limit 35 s): python3 bench/gpu_paths.py
+path beam search (3 beams): ok
+path ngram speculation: ok
+== exit paths 0 (20 s)
+== step transfer (limit 45 s): python3 -m pytest -q tests/test_transfer_gpu.py
+1 passed in 30.02s
+== exit transfer 0 (31 s)
 """
 
 ENGINE_TIMED_OUT = """\
@@ -252,6 +275,7 @@ def test_summary_reads_figures_failures_timeouts_and_a_missing_log(tmp_path):
         decode=_decode_log(DECODE_CELLS),
         probe=PROBE_OK,
         engine=ENGINE_TIMED_OUT,
+        rows=NEW_ROWS_PASSED,
     )  # no offline.log: the run broke off before it
     rows = {row.name: row for row in summary.summarize(out)}
     assert list(rows) == [name for name, _ in summary.STEPS]
@@ -260,9 +284,14 @@ def test_summary_reads_figures_failures_timeouts_and_a_missing_log(tmp_path):
         "wheels": S.PASS,
         "env": S.PASS,
         "kernels": S.FAIL,
+        "hd256": S.PASS,
+        "lora": S.PASS,
         "decode": S.PASS,
         "probe": S.PASS,
+        "nccl": S.PASS,
         "engine": S.TIMEOUT,
+        "paths": S.PASS,
+        "transfer": S.PASS,
         "offline": S.NA,
     }
     assert rows["wheels"].figures == "installed llguidance-1.6.1 pyzmq-27.3.0"
@@ -277,7 +306,10 @@ def test_summary_reads_figures_failures_timeouts_and_a_missing_log(tmp_path):
         "copy 4289 GB/s; best 79% of copy at 256 x 32768 (cells with >= 256 MiB of KV); 32 x 4096: 74%"
     )
     assert rows["decode"].target == ">= 70% of copy at 32 x 4096: met (74%)"
-    assert rows["probe"].figures == "ok, greedy tokens [17, 4, 250, 250, 9, 31, 31, 2]; nccl group of one: ok"
+    assert rows["probe"].figures == "ok, greedy tokens [17, 4, 250, 250, 9, 31, 31, 2]"
+    assert rows["nccl"].figures == "nccl group of one: ok"  # a row of its own
+    assert rows["paths"].figures == "beam search (3 beams): ok; ngram speculation: ok"
+    assert (rows["hd256"].figures, rows["transfer"].figures) == ("1 passed", "1 passed")
     assert rows["engine"].figures.startswith("no pytest summary line")
     assert rows["engine"].time == "80 / 80 s"
     assert rows["offline"].figures == "no log of this step" and rows["offline"].missing
@@ -318,6 +350,7 @@ def test_summary_passes_when_every_step_passed_and_prints_a_markdown_table(tmp_p
         decode=_decode_log([(32, 4096, 512, 0.250, 2150, 50)]),
         probe=PROBE_OK,
         engine=engine_passed,
+        rows=NEW_ROWS_PASSED,
         offline=OFFLINE_BOTH,
     )
     assert summary.main([str(out)]) == 0
@@ -377,9 +410,10 @@ def test_the_dry_run_on_the_cpu_prints_a_full_table_and_its_probe_profiles_the_d
     rows = {row.name: row for row in summary.summarize(out)}
     assert list(rows) == [name for name, _ in summary.STEPS] and not any(r.missing for r in rows.values())
     ran = {name for name, row in rows.items() if row.status is summary.Status.PASS}
-    assert ran == {"kernels", "probe", "offline"}, rows
-    figures = rows["probe"].figures  # the executor's collectives over a group of one: gloo here
-    assert re.fullmatch(r"ok, greedy tokens \[(\d+, ){7}\d+\]; gloo group of one: ok", figures), rows["probe"]
+    assert ran == {"kernels", "probe", "nccl", "paths", "offline"}, rows
+    assert re.fullmatch(r"ok, greedy tokens \[(\d+, ){7}\d+\]", rows["probe"].figures), rows["probe"]
+    assert rows["nccl"].figures == "gloo group of one: ok"  # the executor's collectives: gloo here
+    assert rows["paths"].figures.count(": ok") == 3, rows["paths"]  # beam search, two speculations
     # the offline bench's smoke run prints what its row reads (HF's best batch is whichever ran
     # fastest: on a loaded CPU any of the smoke run's sizes)
     offline = rows["offline"]

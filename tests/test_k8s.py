@@ -142,16 +142,32 @@ def gpu_deployments() -> dict[str, dict]:
 
 
 def overlay_deployments(name: str) -> dict[str, dict]:
-    """The Deployments an overlay patches, merged onto the base's."""
+    """The Deployments an overlay patches, merged onto what it builds on (the base, or another overlay)."""
     overlay = K8S / "overlays" / name
-    patches = [
-        yaml.safe_load((overlay / p["path"]).read_text())
-        for p in kustomizations()[overlay / "kustomization.yaml"]["patches"]
-    ]
+    below = deployments_of(overlay)
     return {
-        p["metadata"]["name"]: strategic_merge(BASE[("Deployment", p["metadata"]["name"])], p)
-        for p in patches
+        p["metadata"]["name"]: strategic_merge(below[p["metadata"]["name"]], p) for p in _patches(overlay)
     }
+
+
+def deployments_of(folder: Path) -> dict[str, dict]:
+    """Every Deployment that ``folder``'s resources give, by name, before its own patches."""
+    out = {}
+    for entry in kustomizations()[folder / "kustomization.yaml"]["resources"]:
+        target = (folder / entry).resolve()
+        if target == K8S / "base":
+            out.update({name: doc for (kind, name), doc in BASE.items() if kind == "Deployment"})
+        else:
+            out.update(deployments_of(target))
+            out.update(overlay_deployments(target.name))
+    return out
+
+
+def _patches(overlay: Path) -> list[dict]:
+    return [
+        yaml.safe_load((overlay / p["path"]).read_text())
+        for p in kustomizations()[overlay / "kustomization.yaml"].get("patches", [])
+    ]
 
 
 def test_kubernetes_validate_has_its_schemas_offline():
@@ -186,6 +202,40 @@ def test_gpu_overlay_renders_valid_deployments_that_request_a_gpu(name):
     env = {k: v.replace("$(POD_IP)", "10.0.0.7") for k, v in env_of(spec).items()}
     args = build_parser().parse_args([spec["args"][0], *flags_from_env(spec["args"][0], env)])
     assert (args.device, args.gpu_memory_utilization, args.kv_cache_memory_mb) == ("cuda", 0.9, None)
+
+
+OVERLAYS = sorted(p.parent.name for p in (K8S / "overlays").glob("*/kustomization.yaml"))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_pod_on_gpus_requests_one_gpu_per_tensor_parallel_rank(overlay):
+    """A node's rank r computes on the r-th GPU from its first and two ranks cannot share one,
+    so a pod that computes on CUDA requests (and is limited to) as many GPUs as its ranks."""
+    for name, rendered in {
+        **deployments_of(K8S / "overlays" / overlay),
+        **overlay_deployments(overlay),
+    }.items():
+        (spec,) = rendered["spec"]["template"]["spec"]["containers"]
+        env = env_of(spec)
+        if env.get("PDSERVE_DEVICE") != "cuda":
+            assert "nvidia.com/gpu" not in spec.get("resources", {}).get("requests", {}), name
+            continue
+        tp = int(env.get("PDSERVE_TENSOR_PARALLEL_SIZE", "1"))
+        resources = spec["resources"]
+        assert resources["requests"]["nvidia.com/gpu"] == tp == resources["limits"]["nvidia.com/gpu"], name
+
+
+def test_the_gpu_tensor_parallel_overlay_gives_prefill_two_ranks_on_two_gpus():
+    rendered = overlay_deployments("gpu-tensor-parallel")["pdserve-prefill"]
+    kubernetes_validate.validate(rendered, KUBERNETES_VERSION, strict=True)
+    (spec,) = rendered["spec"]["template"]["spec"]["containers"]
+    env = {k: v.replace("$(POD_IP)", "10.0.0.7") for k, v in env_of(spec).items()}
+    args = build_parser().parse_args([spec["args"][0], *flags_from_env(spec["args"][0], env)])
+    assert (args.device, args.tensor_parallel_size, args.dtype) == ("cuda", 2, "bfloat16")
+    assert spec["resources"]["limits"]["nvidia.com/gpu"] == 2
+    decode = deployments_of(K8S / "overlays" / "gpu-tensor-parallel")["pdserve-decode"]
+    (decode_spec,) = decode["spec"]["template"]["spec"]["containers"]
+    assert decode_spec["resources"]["limits"]["nvidia.com/gpu"] == 1  # one rank, one GPU
 
 
 def test_tensor_parallel_overlay_gives_prefill_two_ranks_with_their_threads_and_cores():

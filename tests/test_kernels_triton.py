@@ -168,6 +168,19 @@ def test_prefill_half_precision_matches_ref(dtype):
     torch.testing.assert_close(out, paged_prefill_attention_ref(*args), atol=tol, rtol=tol)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="bf16 tl.dot is wrong in the interpreter; the point is the compile")
+def test_prefill_bf16_head_dim_256_at_the_default_tiles_fits_and_matches_ref():
+    """Gemma's head size in bf16 at the default 64 x 64 tiles: 3 stages would need 224 KB of
+    shared memory, over the H100's 227 KB less Triton's own; prefill_tiles gives 2 (160 KB)."""
+    kv = random_paged_kv([150, 40], 16, 1, 256, dtype=torch.bfloat16, device=DEVICE)
+    query = torch.randn(100, 2, 256, device=DEVICE).to(torch.bfloat16)
+    qsl = query_start_loc([70, 30], device=DEVICE)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, qsl, kv.context_lens, 0.0625)
+    out = paged_prefill_attention_triton(*args, out=_poisoned(query))
+    tol = TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(out, paged_prefill_attention_ref(*args), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("window", [None, 6])
 def test_softcapped_decode_and_prefill_match_refs(window):
     # Gemma 2: logits -> cap * tanh(logits / cap); a cap of 2 bends every logit of these inputs.

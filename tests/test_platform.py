@@ -151,9 +151,9 @@ def test_the_gpu_pool_gets_what_weights_and_the_profiled_peak_leave():
     block = KVCacheSpec(
         model.num_layers, 1, 16, model.num_kv_heads, model.head_dim, "float32"
     ).bytes_per_block
-    # 80 GiB device, 70 free at start; the engine took 10 (weights + context), its step peaked 3
-    # above what it holds now: 40 - 10 - 3 = 27 GiB for the pool
-    memory = DeviceMemory(80 * GIB, 70 * GIB, 60 * GIB, peak=12 * GIB, allocated=9 * GIB)
+    # 80 GiB device, 70 free at start; the engine's context holds 1, its allocator reached 12 at
+    # the step's peak (9 of weights, 3 of activations): 40 - 1 - 12 = 27 GiB for the pool
+    memory = DeviceMemory(80 * GIB, 70 * GIB, GIB, 12 * GIB, peak=12 * GIB, allocated=9 * GIB)
     out = size_device_pool(sizing, config, 4096, block, memory, "cuda:0")
     assert out.num_kv_blocks == 27 * GIB // block and out.kv_pool_bytes == out.num_kv_blocks * block
     assert "50% of 80.0 GiB on cuda:0" in out.kv_source
@@ -167,14 +167,16 @@ def test_gpu_sizing_refuses_a_share_that_is_not_free_or_leaves_no_pool():
     config, sizing = _tiny_sizing(model, gpu_memory_utilization=0.9)
     with pytest.raises(ValueError, match="only 40.0 GiB is free"):
         size_device_pool(
-            sizing, config, 4096, 1 << 20, DeviceMemory(80 * GIB, 40 * GIB, 30 * GIB, 0, 0), "cuda:0"
+            sizing, config, 4096, 1 << 20, DeviceMemory(80 * GIB, 40 * GIB, GIB, 9 * GIB, 0, 0), "cuda:0"
         )
     with pytest.raises(ValueError, match="leaving no room for a KV pool"):
         size_device_pool(
-            sizing, config, 4096, 1 << 20, DeviceMemory(80 * GIB, 80 * GIB, 8 * GIB, 0, 0), "cuda:0"
+            sizing, config, 4096, 1 << 20, DeviceMemory(80 * GIB, 80 * GIB, GIB, 71 * GIB, 0, 0), "cuda:0"
         )
     config, sizing = _tiny_sizing(model, num_kv_blocks=5)  # an explicit pool still wins
-    assert size_device_pool(sizing, config, 4096, 1, DeviceMemory(1, 1, 1, 0, 0), "cuda:0").num_kv_blocks == 5
+    assert (
+        size_device_pool(sizing, config, 4096, 1, DeviceMemory(1, 1, 0, 0, 0, 0), "cuda:0").num_kv_blocks == 5
+    )
 
 
 def test_with_a_draft_model_one_budget_holds_both_pools_and_the_drafts_weights():
@@ -184,7 +186,7 @@ def test_with_a_draft_model_one_budget_holds_both_pools_and_the_drafts_weights()
         model.num_layers, 1, 16, model.num_kv_heads, model.head_dim, "float32"
     ).bytes_per_block
     draft = DraftNeeds(weight_bytes=2 * GIB, block_bytes=block // 2, extra_blocks=1000)
-    memory = DeviceMemory(80 * GIB, 70 * GIB, 60 * GIB, peak=12 * GIB, allocated=9 * GIB)  # held 13 GiB
+    memory = DeviceMemory(80 * GIB, 70 * GIB, GIB, 12 * GIB, peak=12 * GIB, allocated=9 * GIB)  # held 13 GiB
     out = size_device_pool(sizing, config, 4096, block, memory, "cuda:0", draft)
     # 40 GiB share - 13 held - 2 of draft weights - its 1000 extra blocks, then a target block and
     # its draft block each

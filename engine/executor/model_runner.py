@@ -20,6 +20,7 @@ from pdserve.engine.executor.platform import Platform
 from pdserve.engine.layers import moe
 from pdserve.engine.lora import LoRALimits, LoRAModel, token_slots_of
 from pdserve.engine.machine.device import resolve_attention_backend, resolve_dtype
+from pdserve.engine.machine.sizing import DeviceMemory, device_start, measure_device
 from pdserve.engine.models import build_model
 from pdserve.engine.weights import load_weights
 from pdserve.kernels import cpu_linear, kv_int8
@@ -111,6 +112,10 @@ class ModelRunner:
         self.kv_dtype = torch.int8 if engine_config.kv_cache_dtype == "int8" else self.dtype
         self.attention_backend = resolve_attention_backend(engine_config.attention_backend, device)
         max_positions = engine_config.max_model_len or model_config.max_position_embeddings
+        # this rank's device before its weights (None on the CPU): ``profile`` measures from it
+        self.device_start = device_start(platform)
+        # every rank's measurement in the last ``profile``, in rank order (engine/machine/sizing.py)
+        self.profiled: list[DeviceMemory] = []
         self.model = build_model(model_config, max_positions, self.dtype, device, parallel)
         load_weights(self.model, model_config.path)
         # every rank's adapter slots, zeroed; rank 0's engine decides what they hold (engine/lora)
@@ -167,8 +172,28 @@ class ModelRunner:
         numpy_dtype = {torch.int8: np.int8, torch.float16: np.float16}.get(self.kv_dtype, np.float32)
         return torch.from_numpy(np.zeros(shape, numpy_dtype))
 
-    @torch.inference_mode()
     def profile(self, num_tokens: int, num_seqs: int, max_model_len: int) -> None:
+        """``profile_steps`` under this rank's memory counters where its platform has a device:
+        every rank measures its own process (engine/machine/sizing.py), and all of the ranks'
+        measurements are gathered into ``profiled`` (a collective: every rank calls this)."""
+        run = lambda: self.profile_steps(num_tokens, num_seqs, max_model_len)  # noqa: E731
+        if self.device_start is None:
+            run()
+            return
+        own = measure_device(self.platform, run, self.device_start, graphs=False)
+        self.profiled = self._gather_memory(own)
+
+    def _gather_memory(self, own: DeviceMemory) -> list[DeviceMemory]:
+        """Every rank's ``own``, in rank order."""
+        fields = [f.name for f in dataclasses.fields(DeviceMemory) if f.name != "graphs"]
+        row = torch.tensor(
+            [[getattr(own, f) for f in fields]], dtype=torch.int64, device=self.platform.device
+        )
+        rows = self.parallel.all_gather(row, dim=0)  # [tp, fields]
+        return [DeviceMemory(**dict(zip(fields, r, strict=True))) for r in rows.tolist()]
+
+    @torch.inference_mode()
+    def profile_steps(self, num_tokens: int, num_seqs: int, max_model_len: int) -> None:
         """The largest steps this engine will run, on a throwaway one-block pool, so that the
         platform's peak memory counts their activations before the real pool is sized: a prefill
         step of ``num_tokens`` tokens, a decode of ``num_seqs`` rows whose block tables have the full

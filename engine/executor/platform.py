@@ -12,7 +12,10 @@ tensors are separate from host tensors, the host copy is poisoned after every up
 queued on a stream land only when an event recorded after them is waited on. Code that reads a
 host buffer where it should read the device one, or reads a copy before its event, then gives
 wrong tokens on the CPU, where the HF-exact tests see it. It also reports device memory, so an
-engine on it sizes its pool as on a GPU: after a profile run of its largest step.
+engine on it sizes its pool as on a GPU: after a profile run of its largest step. Every split
+platform of a process shares one emulated device (``SplitMemory``): each has its own allocator
+counters, which tests move, and the device's free memory falls as any of them holds more, as
+several processes on one GPU see it.
 
 The CUDA path has not yet run on a GPU (bench/gpu_oneshot.sh checks it on the first one lent), so
 ``auto`` stays on the CPU and ``cuda`` starts with a warning that says so.
@@ -24,6 +27,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -38,9 +42,13 @@ UNVERIFIED_CUDA = (
     "(bench/gpu_oneshot.sh checks it; bench/README.md has its table once it has)"
 )
 POISON_BYTE = 0x7F  # int64 0x7f7f...: any index read from a poisoned buffer is far out of range
-# SplitPlatform's device: this much memory, all of it free whatever is allocated (its figures drive
-# the GPU's sizing path, profile run included, and measure nothing)
+# SplitPlatform's device: this much memory, shared by every split platform of the process (its
+# figures drive the GPU's sizing path, profile run included; the engine's own tensors are host
+# memory and are not counted, so only what tests charge moves them)
 SPLIT_DEVICE_BYTES = 16 << 30
+# A process's CUDA context where NVML cannot measure it: an H100 context with cuBLAS and NCCL is
+# typically 0.5 GiB (an estimate from public reports, not a measurement here), rounded up
+CUDA_CONTEXT_ESTIMATE = 1 << 30
 
 
 class NullStream:
@@ -102,6 +110,16 @@ class Platform:
         """Device memory torch holds now; None where it is not tracked."""
         return None
 
+    def peak_reserved_bytes(self) -> int | None:
+        """Most device memory torch's allocator reserved since ``reset_peak`` (live tensors and
+        its cache); None where it is not tracked."""
+        return None
+
+    def context_bytes(self) -> int:
+        """This process's device memory outside torch's allocator (its context): charged to its
+        engine's share (engine/machine/sizing.py). 0 where there is no device."""
+        return 0
+
     def synchronize(self) -> None:
         pass
 
@@ -160,6 +178,23 @@ class CUDAPlatform(Platform):
     def allocated_bytes(self) -> int | None:
         return torch.cuda.memory_allocated(self.device)
 
+    def peak_reserved_bytes(self) -> int | None:
+        return torch.cuda.max_memory_reserved(self.device)
+
+    def context_bytes(self) -> int:
+        """NVML's count of this process's memory on the device, less what the allocator holds;
+        CUDA_CONTEXT_ESTIMATE where NVML cannot say (no pynvml, or a PID namespace that hides this
+        process from it). Not yet checked on a GPU."""
+        used = _nvml_process_bytes(self.device)
+        if used is None:
+            log.info(
+                "%s: NVML gives no per-process count; its context taken as %d MiB",
+                self.device,
+                CUDA_CONTEXT_ESTIMATE >> 20,
+            )
+            return CUDA_CONTEXT_ESTIMATE
+        return max(0, used - torch.cuda.memory_reserved(self.device))
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
@@ -178,6 +213,21 @@ class CUDAPlatform(Platform):
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream=None) -> None:
         with self.use_stream(stream) if stream is not None else contextlib.nullcontext():
             dst.copy_(src, non_blocking=True)
+
+
+def _nvml_process_bytes(device: torch.device) -> int | None:
+    """This process's bytes on ``device`` as NVML counts them (context, allocator, NCCL); None
+    where NVML is missing or does not list this process."""
+    try:
+        import pynvml  # nvidia-ml-py; bench/gpu_oneshot.sh carries it in .whl/
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(device))
+        processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except Exception:  # noqa: BLE001 - no NVML here, or it refused: the estimate stands in
+        return None
+    used = [p.usedGpuMemory for p in processes if p.pid == os.getpid() and p.usedGpuMemory]
+    return used[0] if used else None
 
 
 class FakeStream:
@@ -216,6 +266,45 @@ class FakeEvent:
         self.synchronize()  # host-side stand-in: what the waiting stream would see is now there
 
 
+class SplitMemory:
+    """One split platform's share of the emulated device: what its "process" holds outside the
+    allocator (a CUDA context's stand-in) and in it. Tests move the allocator's counters with
+    ``allocate`` and ``free``; the device's free memory is what every live SplitMemory leaves."""
+
+    def __init__(self, context: int = 0) -> None:
+        self.context = context  # bytes outside the allocator, held from the start
+        self.allocated = 0  # bytes in live tensors
+        self.reserved = 0  # bytes the allocator holds (live tensors and its cache)
+        self.peak = 0  # most allocated since reset_peak
+        self.peak_reserved = 0  # most reserved since reset_peak
+        _SPLIT_TENANTS.add(self)
+
+    def allocate(self, nbytes: int) -> None:
+        self.allocated += nbytes
+        self.reserved = max(self.reserved, self.allocated)
+        self.peak = max(self.peak, self.allocated)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def free(self, nbytes: int) -> None:
+        """Tensors freed: their bytes stay reserved (cached) until ``empty_cache``."""
+        assert nbytes <= self.allocated, (nbytes, self.allocated)
+        self.allocated -= nbytes
+
+    def empty_cache(self) -> None:
+        self.reserved = self.allocated
+
+    def reset_peak(self) -> None:
+        self.peak, self.peak_reserved = self.allocated, self.reserved
+
+
+_SPLIT_TENANTS: weakref.WeakSet[SplitMemory] = weakref.WeakSet()  # every split platform's memory
+
+
+def split_device_free() -> int:
+    """The emulated device's free bytes: what no live split platform holds."""
+    return SPLIT_DEVICE_BYTES - sum(m.context + m.reserved for m in _SPLIT_TENANTS)
+
+
 @dataclasses.dataclass(frozen=True)
 class SplitPlatform(Platform):
     """Tests only: a CPU that behaves like a GPU towards its host buffers (see the module doc).
@@ -225,13 +314,32 @@ class SplitPlatform(Platform):
     kind = "split"
     separate_host = True
     current: FakeStream = dataclasses.field(default_factory=FakeStream)
+    memory: SplitMemory = dataclasses.field(default_factory=SplitMemory)
 
     @property
     def packs_linears(self) -> bool:
         return False  # as on a GPU: plain F.linear on the device weights
 
     def mem_info(self) -> tuple[int, int] | None:
-        return SPLIT_DEVICE_BYTES, SPLIT_DEVICE_BYTES
+        return split_device_free(), SPLIT_DEVICE_BYTES
+
+    def reset_peak(self) -> None:
+        self.memory.reset_peak()
+
+    def peak_bytes(self) -> int | None:
+        return self.memory.peak
+
+    def allocated_bytes(self) -> int | None:
+        return self.memory.allocated
+
+    def peak_reserved_bytes(self) -> int | None:
+        return self.memory.peak_reserved
+
+    def context_bytes(self) -> int:
+        return self.memory.context
+
+    def empty_cache(self) -> None:
+        self.memory.empty_cache()
 
     def stream(self):
         return FakeStream()

@@ -9,10 +9,13 @@ so an idle pool costs address space, not memory.
 
 On a GPU the pool is sized after the weights are loaded and a profile run of the largest step
 (engine/executor/model_runner.py ``profile``) has set the peak: of ``gpu_memory_utilization`` x the
-device's memory, the pool gets what the weights, the CUDA context and allocator, and that peak
-leave (vLLM's ``determine_available_memory`` pattern). The utilization is this engine's share,
-so other processes on the GPU (another node of ``pdserve up``) are not charged to it, but it
-must fit in what is free at start.
+device's memory, the pool gets what this process's CUDA context and its allocator's peak (the
+weights and the step's activations) leave (vLLM's ``determine_available_memory`` pattern). The
+utilization is this engine's share, and only this process's own memory is charged to it, never
+the device-wide drop in free memory: other processes on the GPU (another node of ``pdserve up``,
+starting at the same time) are not charged to it, but the share must fit in what is free at
+start. At tensor-parallel size > 1 every rank measures its own device, and the pool (the same
+block count on every rank) is the smallest that any rank's memory allows (``size_over_ranks``).
 """
 
 from __future__ import annotations
@@ -91,36 +94,61 @@ def _auto_blocks(
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class DeviceStart:
+    """One rank's device right after its CUDA context exists, before it allocates anything."""
+
+    free: int  # the device's free bytes then (other processes' memory is not free)
+    total: int  # the device's memory
+    context: int  # this process's bytes outside torch's allocator: its context (Platform.context_bytes)
+
+
+def device_start(platform) -> DeviceStart | None:
+    """``platform``'s snapshot at start; None where the pool is sized from host RAM (size_engine)."""
+    info = platform.mem_info()
+    if info is None:
+        return None
+    free, total = info
+    return DeviceStart(free, total, platform.context_bytes())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class DeviceMemory:
-    """What the engine measured on its device, in bytes (tests inject these)."""
+    """What one rank measured of its device and of its own process, in bytes (tests inject these).
+
+    Only this process's memory is charged to it: another process on the device (the other node
+    of a `pdserve up` on one GPU) allocates while this one loads and profiles, and the device-wide
+    drop in free memory would count that too (vLLM measures the same way: its baseline snapshot
+    and the allocator's own counters)."""
 
     total: int  # the device's memory
-    free_at_start: int  # free before this engine allocated anything
-    free_after_profile: int  # free after the weights and the profile run
-    peak: int  # the most torch held during the profile run
-    allocated: int  # what torch holds after it (the weights, mostly)
+    free_at_start: int  # free once this process's context existed (DeviceStart.free)
+    context: int  # this process's bytes outside the allocator (DeviceStart.context)
+    reserved: int  # the most torch's allocator reserved during the profile: weights, peak, its cache
+    peak: int  # the most torch held in live tensors during the profile
+    allocated: int  # what live tensors hold after it (the weights, mostly)
     graphs: bool = False  # CUDA graphs will hold a decode step's activations in their own pool
 
     @property
     def held(self) -> int:
-        """What the engine needs besides its KV pool: all it took since start (weights, context,
-        allocator caches), plus the profile's peak activations freed since (twice with graphs)."""
+        """What the engine needs besides its KV pool: its context and what its allocator
+        reserved at the profile's peak, plus the peak's activations once more with graphs."""
         activations = max(0, self.peak - self.allocated)
-        return (self.free_at_start - self.free_after_profile) + activations * (1 + self.graphs)
+        return self.context + self.reserved + activations * self.graphs
 
 
-def measure_device(platform, profile, at_start: tuple[int, int], graphs: bool) -> DeviceMemory:
-    """Run ``profile()`` (the largest step) on a clean device and read what it and the weights
-    leave; ``at_start``: (free, total) before the weights loaded."""
+def measure_device(platform, profile, start: DeviceStart, graphs: bool) -> DeviceMemory:
+    """Run ``profile()`` (the largest step) and read what this process's allocator reached: the
+    weights it holds and the step's peak on top (``start``: the snapshot taken before the weights
+    loaded)."""
     platform.synchronize()
     platform.empty_cache()
     platform.reset_peak()
     profile()
-    peak, allocated = platform.peak_bytes(), platform.allocated_bytes()
+    platform.synchronize()
+    peak, allocated = platform.peak_bytes() or 0, platform.allocated_bytes() or 0
+    reserved = platform.peak_reserved_bytes() or peak
     platform.empty_cache()
-    free_after, _ = platform.mem_info()
-    free_at_start, total = at_start
-    return DeviceMemory(total, free_at_start, free_after, peak or 0, allocated or 0, graphs)
+    return DeviceMemory(start.total, start.free, start.context, reserved, peak, allocated, graphs)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -186,6 +214,27 @@ def size_device_pool(
     return dataclasses.replace(
         sizing, num_kv_blocks=blocks, kv_pool_bytes=blocks * block_bytes, kv_source=source
     )
+
+
+def size_over_ranks(
+    sizing: EngineSizing,
+    config: EngineConfig,
+    max_model_len: int,
+    block_bytes: int,
+    memories: list[DeviceMemory],
+    device: str,
+    draft: DraftNeeds | None = None,
+) -> EngineSizing:
+    """The pool every tensor-parallel rank can hold (the same block ids on each): sized from each
+    rank's own measurement, the smallest wins, so a rank whose device has less free or more taken
+    limits them all. ``block_bytes``: rank 0's block, the most heads any rank holds."""
+    if len(memories) == 1:
+        return size_device_pool(sizing, config, max_model_len, block_bytes, memories[0], device, draft)
+    per_rank = [
+        size_device_pool(sizing, config, max_model_len, block_bytes, memory, f"{device} rank {r}", draft)
+        for r, memory in enumerate(memories)
+    ]
+    return min(per_rank, key=lambda s: s.num_kv_blocks)
 
 
 def announce(line: str) -> None:

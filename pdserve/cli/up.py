@@ -264,9 +264,14 @@ def _plan(args: argparse.Namespace):
     traces = tracing_args(args)
     node_args = (*node_lora, *shlex.split(args.node_args), *slo_node_args(args), *traces)
     _say(f"dtype: {_node_dtype(model, node_args)}")
-    gpu_share = gpu_share_per_node(node_args, num_nodes)
-    if gpu_share is not None:
-        _say(f"GPU memory: {gpu_share:.1%} of {node_device(node_args)} per node ({num_nodes} nodes share it)")
+    layout = _gpu_layout(args, node_args, num_prefill, num_decode + num_colocated, num_nodes)
+    if layout is not None:
+        _say(layout.describe())
+        gpu_share = gpu_share_per_node(node_args, layout.nodes_per_gpu)
+        if gpu_share is not None:
+            _say(
+                f"GPU memory: {gpu_share:.1%} of a GPU per node (up to {layout.nodes_per_gpu} nodes share one)"
+            )
     if node_device(node_args).startswith("cuda"):
         _say(
             "note: the CUDA path is built and tested on the CPU but has not yet run on a GPU "
@@ -301,7 +306,25 @@ def _plan(args: argparse.Namespace):
         decode_tp=args.decode_tp,
         kv_offload_dir=None if args.kv_offload_dir is None else pathlib.Path(args.kv_offload_dir).resolve(),
         kv_offload_disk_mb=args.kv_offload_disk_mb,
+        gpu_layout=layout,
     )
+
+
+def _gpu_layout(
+    args: argparse.Namespace, node_args: tuple[str, ...], num_prefill: int, num_decoding: int, num_nodes: int
+):
+    """Each node's GPUs where the nodes compute on CUDA (launcher/gpus.py), from the GPUs this host
+    has; None off CUDA. ValueError for a layout that needs more GPUs than it has."""
+    from pdserve.launcher.gpus import plan_gpus, visible_gpu_count
+    from pdserve.launcher.plan import node_device
+
+    device = node_device(node_args)
+    if not device.startswith("cuda"):
+        return None
+    first = int(device.split(":")[1]) if ":" in device else 0
+    tps = [args.prefill_tp] * num_prefill + [args.decode_tp] * num_decoding
+    tps += [1] * (num_nodes - len(tps))  # the autoscaler's room to grow (it runs at one rank)
+    return plan_gpus(tps, first, visible_gpu_count())
 
 
 def store_router_args(args: argparse.Namespace) -> tuple[str, ...]:
