@@ -313,38 +313,24 @@ class JobRun:
                 elif finish is not None:
                     content = {"content": choice.state.text}  # cut short (length): the text as it is
             body = rs.chat_chunk_choice(choice.index, content, logprobs, finish, bool(calls), **ids)
-            envelope = rs.envelope(
-                self.id,
-                "chat.completion.chunk",
-                self.created,
-                self.model,
-                [body],
-                self._continuous_usage(),
-                **self._last_notice(delta),
-            )
-            return rs.sse(envelope)
+            return self._chunk_event("chat.completion.chunk", body, delta)
         extra = self._prompt_fields(choice) if first else {"prompt_logprobs": None}
         body = rs.completion_choice(choice.index, text, logprobs, delta.finish_reason, **extra, **ids)
+        return self._chunk_event("text_completion", body, delta)
+
+    def _chunk_event(self, object_: str, body: dict, delta: SampleDelta) -> str:
+        """One choice's chunk as an SSE event; the stream's last chunk with a choice (the last
+        open choice's finish) carries ``pdserve_route`` when the route changed after the headers,
+        unless a usage chunk, asked for, comes after it and carries it. Never a chunk without
+        choices that the client did not ask for: clients read ``choices[0]`` of every chunk."""
+        extra: dict[str, object] = {}
+        if delta.finish_reason is not None and self._num_open == 1 and not self.job.include_usage:
+            if (notice := self.route_notice()) is not None:
+                extra["pdserve_route"] = notice
         envelope = rs.envelope(
-            self.id,
-            "text_completion",
-            self.created,
-            self.model,
-            [body],
-            self._continuous_usage(),
-            **self._last_notice(delta),
+            self.id, object_, self.created, self.model, [body], self._continuous_usage(), **extra
         )
         return rs.sse(envelope)
-
-    def _last_notice(self, delta: SampleDelta) -> dict[str, object]:
-        """``pdserve_route`` for the stream's last chunk with a choice (the last open choice's
-        finish) when the route changed after the headers; a usage chunk carries it instead when
-        the client asked for one. Never a chunk without choices that the client did not ask for:
-        clients read ``choices[0]`` of every chunk."""
-        if delta.finish_reason is None or self._num_open != 1 or self.job.include_usage:
-            return {}
-        notice = self.route_notice()
-        return {} if notice is None else {"pdserve_route": notice}
 
     def _empty(self, first: bool, text: str, delta: SampleDelta, echoed: bool) -> bool:
         """Nothing in the delta for the client: no text, logprobs, finish, first chunk's fields or
