@@ -58,7 +58,7 @@ from pdserve.engine.executor.rank_messages import (
     TimePrefill,
     WorkerStart,
 )
-from pdserve.engine.executor.rank_pools import RankPool, SharedPool
+from pdserve.engine.executor.rank_pools import PoolsNotShared, RankPool, SharedPool
 from pdserve.engine.executor.worker import HANDLERS, Worker
 from pdserve.engine.lora import LoRAAdapter, LoRAModel, SlotAssignment
 from pdserve.protocol.kv_layout import KVCacheSpec, kv_heads_of
@@ -107,7 +107,8 @@ class Executor:
         self.workers: list[_WorkerProcess] = []
         self.failure: str | None = None  # why the ranks cannot step any more (the node polls it)
         self._closing = False
-        self.pools: list[SharedPool] = []  # at several ranks: each rank's KV pool, mapped here
+        # at several ranks with pools in host memory: each rank's KV pool, mapped here; else empty
+        self.pools: list[SharedPool] = []
         parallel = ParallelState()
         if tp_size == 1 and group_of_one:
             parallel = init_parallel(
@@ -283,17 +284,24 @@ class Executor:
     def allocate_kv(self, spec: KVCacheSpec, factory: KVCacheFactory | None = None) -> None:
         """Each rank's pool of ``spec`` (its own heads; the same block ids on every rank).
 
-        With several ranks, each pool is a memfd that rank 0 makes and maps, and hands its worker
-        beside the call (engine/executor/rank_pools.py): ``rank_pools`` offers every rank's heads in place,
-        for a node's KV transfer. ``factory`` (a node's one-copy shared cache) is for one rank."""
+        With several ranks and pools in host memory, each pool is a memfd that rank 0 makes and
+        maps, and hands its worker beside the call (engine/executor/rank_pools.py): ``rank_pools``
+        offers every rank's heads in place, for a node's KV transfer. Pools in device memory are
+        each rank's own allocation, and no host copy stands in for them. ``factory`` (a node's
+        one-copy shared cache) is for one rank."""
         if not self.workers:
             self.rank0.allocate_kv(AllocateKV(spec), factory)
             return
-        assert factory is None, "a tensor-parallel node's pools are its ranks' shared memory"
+        assert factory is None, "a tensor-parallel node's pools are its ranks' own"
         specs = [dataclasses.replace(spec, num_kv_heads=len(heads)) for heads in self._heads()]
         assert specs[0] == spec, (spec, specs[0])  # rank 0 holds the most heads: the engine sizes by it
-        self.pools = [SharedPool(s) for s in specs]
         self._check_alive()
+        if self.runner.platform.separate_host:
+            for w, own in zip(self.workers, specs[1:], strict=True):
+                self._send(w, AllocateKV(own, in_memfd=False))
+            self.rank0.allocate_kv(AllocateKV(spec, in_memfd=False), None)
+            return
+        self.pools = [SharedPool(s) for s in specs]
         for w, own, pool in zip(self.workers, specs[1:], self.pools[1:], strict=True):
             self._send(w, AllocateKV(own), pool.fd)  # each rank's spec is its own
         caches = self.pools[0].layer_caches()
@@ -351,10 +359,16 @@ class Executor:
     def rank_pools(self) -> list[RankPool]:
         """Every rank's KV pool as this process sees it, in rank order, with the model's KV heads
         each holds: rank 0's own at one rank, each rank's shared memory at several. What a node
-        wraps for its KV transfer (the engine itself reads rank 0's only)."""
+        wraps for its KV transfer (the engine itself reads rank 0's only). PoolsNotShared at
+        several ranks whose pools are in device memory: rank 0 sees its own only."""
         assert self.runner.kv_caches, "allocate the KV pool first"
         if self.tp_size == 1:
             return [RankPool(0, range(self.runner.model_config.num_kv_heads), self.runner.kv_caches)]
+        if not self.pools:
+            raise PoolsNotShared(
+                f"the KV pools of this node's {self.tp_size} tensor-parallel ranks are in their "
+                f"devices' memory ({self.runner.platform.kind}), which rank 0 does not map"
+            )
         return [
             RankPool(rank, heads, pool.layer_caches())
             for rank, (heads, pool) in enumerate(zip(self._heads(), self.pools, strict=True))

@@ -7,7 +7,7 @@ profile, the prefill timing) must reach every rank, or the group deadlocks. So e
 typed message, and a worker looks up its handler by the message's type: nothing is dispatched
 on strings, and a message a worker does not take is an error, not a silent skip.
 
-    rank 0 -> worker   WorkerStart (first, once), then StepCall, AllocateKV (+ a memfd),
+    rank 0 -> worker   WorkerStart (first, once), then StepCall, AllocateKV (+ a memfd for a host pool),
                        Profile, TimePrefill, FillLoRASlot, ClearLoRASlot, Shutdown
     worker -> rank 0   Ready (once, after WorkerStart), Failed (then the worker exits)
 
@@ -94,17 +94,20 @@ class StepCall(RankMessage):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AllocateKV(RankMessage):
-    """Map this rank's KV pool: the memfd that follows the message (engine/executor/rank_pools.py)."""
+    """This rank's KV pool: mapped from the memfd that follows the message where rank 0 made one
+    (a pool in host memory: engine/executor/rank_pools.py), allocated by the rank itself in its
+    device's memory otherwise."""
 
     TAG: ClassVar[str] = "allocate_kv"
     spec: KVCacheSpec  # this rank's pool: its own KV heads, the same block ids as every rank's
+    in_memfd: bool = True  # a memfd follows (host memory rank 0 maps); False: a device pool of its own
 
     def fields(self) -> dict[str, Any]:
-        return {"spec": dataclasses.asdict(self.spec)}
+        return {"spec": dataclasses.asdict(self.spec), "in_memfd": self.in_memfd}
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any]) -> AllocateKV:
-        return cls(KVCacheSpec(**fields["spec"]))
+        return cls(KVCacheSpec(**fields["spec"]), fields["in_memfd"])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
