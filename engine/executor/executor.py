@@ -18,8 +18,13 @@ workers and no group: the same executor, rank 0 alone.
 
 A worker that exits or reports an error fails the node: ``failure`` says which rank and how,
 and every later call raises WorkerLost (a group is not trusted after a lost rank or a collective
-timeout; nothing tries to recover). A hung worker holds rank 0 in a collective until the group's
-timeout, which then raises. Workers exit when rank 0 says so or its socket closes (rank 0 gone).
+timeout; nothing tries to recover). Rank 0's monitor then aborts the group, so a collective that
+waits on the lost rank fails at once (NCCL would wait in it until its watchdog ends the process).
+A hung worker holds rank 0 in a collective until the group's timeout, which then raises.
+
+Starting fails fast too: every rank's CUDA device must exist before any worker starts, and a
+worker that fails before the group forms is named by the error it sent on its socket, not by
+the rendezvous' timeout. Workers exit when rank 0 says so or its socket closes (rank 0 gone).
 """
 
 from __future__ import annotations
@@ -41,13 +46,14 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.core.scheduler import SchedulerOutput
 from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.executor.model_runner import KVCacheFactory, ModelRunner
-from pdserve.engine.executor.parallel import ParallelState, close_parallel, init_parallel
-from pdserve.engine.executor.platform import Platform
+from pdserve.engine.executor.parallel import ParallelState, abort_parallel, close_parallel, init_parallel
+from pdserve.engine.executor.platform import Platform, check_rank_devices
 from pdserve.engine.executor.rank_messages import (
     AllocateKV,
     ClearLoRASlot,
     Failed,
     FillLoRASlot,
+    Joining,
     Profile,
     RankChannel,
     RankMessage,
@@ -112,9 +118,16 @@ class Executor:
         parallel = ParallelState()
         if tp_size == 1 and group_of_one:
             parallel = init_parallel(
-                1, 0, f"tcp://127.0.0.1:{_free_port()}", platform.dist_backend, collective_timeout_s, True
+                1,
+                0,
+                f"tcp://127.0.0.1:{_free_port()}",
+                platform.dist_backend,
+                collective_timeout_s,
+                True,
+                platform.device,
             )
         if tp_size > 1:
+            check_rank_devices(config.device, tp_size)  # a missing device fails here, not in a join
             init_method = f"tcp://127.0.0.1:{_free_port()}"
             self.workers = [
                 self._start_worker(
@@ -131,8 +144,16 @@ class Executor:
                 )
                 for rank in range(1, tp_size)
             ]
+            self._await_joining(start_timeout_s)
             try:
-                parallel = init_parallel(tp_size, 0, init_method, platform.dist_backend, collective_timeout_s)
+                parallel = init_parallel(
+                    tp_size,
+                    0,
+                    init_method,
+                    platform.dist_backend,
+                    collective_timeout_s,
+                    device=platform.device,
+                )
             except Exception as e:
                 self.close()
                 raise WorkerLost(f"the tensor-parallel group did not form: {e}") from None
@@ -159,22 +180,39 @@ class Executor:
         channel.send(start)
         return _WorkerProcess(start.rank, proc, channel)
 
+    def _await_joining(self, timeout_s: float) -> None:
+        """Every worker's Joining (its device is set up), before rank 0 joins the group: a worker
+        that failed or exited first is named now, by the error it sent."""
+        self._await_each(Joining, timeout_s)
+
+    @staticmethod
+    def _start_reply(w: _WorkerProcess, timeout_s: float) -> RankMessage:
+        """Worker ``w``'s next start reply (Joining, Ready, or Failed with why; a closed socket or
+        silence: Failed)."""
+        try:
+            reply = w.channel.recv(timeout_s)
+        except TimeoutError:
+            return Failed(f"no reply within {timeout_s:g} s")
+        except (OSError, RankMessageError) as e:
+            return Failed(str(e))
+        return Failed(Executor._exited(w) or "its socket closed") if reply is None else reply
+
     def _await_ready(self, timeout_s: float) -> None:
+        self._await_each(Ready, timeout_s)
+
+    def _await_each(self, expected: type[RankMessage], timeout_s: float) -> None:
+        """Every worker's ``expected`` start reply within ``timeout_s``; WorkerLost naming the
+        first worker that sent another (its Failed says why), exited or stayed silent."""
         deadline = time.monotonic() + timeout_s
         for w in self.workers:
-            try:
-                reply = w.channel.recv(max(0.1, deadline - time.monotonic()))
-            except TimeoutError:
-                reply = Failed(f"not ready within {timeout_s:g} s")
-            except RankMessageError as e:
-                reply = Failed(str(e))
-            if not isinstance(reply, Ready):
-                why = "exited" if reply is None else _why(reply)
+            reply = self._start_reply(w, max(0.1, deadline - time.monotonic()))
+            if not isinstance(reply, expected):
                 self.close()
-                raise WorkerLost(f"tensor-parallel rank {w.rank} failed to start: {why}")
+                raise WorkerLost(f"tensor-parallel rank {w.rank} failed to start: {_why(reply)}")
 
     def _watch(self) -> None:
-        """Rank 0's monitor: a worker's Failed, or its socket closing (it exited), fails the node."""
+        """Rank 0's monitor: a worker's Failed, or its socket closing (it exited), fails the node
+        and aborts the group."""
         sel = selectors.DefaultSelector()
         for w in self.workers:
             sel.register(w.channel, selectors.EVENT_READ, w)
@@ -188,13 +226,20 @@ class Executor:
                 if self._closing:
                     return
                 if message is None:
-                    self._fail(
+                    self._lose_rank(
                         self._exited(w)
                         or f"tensor-parallel rank {w.rank} exited (its socket closed, the process still running)"
                     )
                 else:
-                    self._fail(f"tensor-parallel rank {w.rank}: {_why(message)}")
+                    self._lose_rank(f"tensor-parallel rank {w.rank}: {_why(message)}")
                 return
+
+    def _lose_rank(self, why: str) -> None:
+        """The monitor's verdict: the node fails, and the group is aborted, so that rank 0, where
+        it waits on the lost rank in a collective (on NCCL, in a device sync behind it), raises
+        now and the node publishes its last record before it exits."""
+        self._fail(why)
+        abort_parallel(self.parallel)
 
     def _fail(self, why: str) -> None:
         if self.failure is not None:

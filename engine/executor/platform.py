@@ -292,3 +292,19 @@ def rank_device(device: str, rank: int) -> str:
         return device
     first = int(device.split(":")[1]) if ":" in device else 0
     return f"cuda:{first + rank}"
+
+
+def check_rank_devices(device: str, tp_size: int) -> None:
+    """ValueError naming the first rank whose CUDA device torch does not see, before any rank
+    starts: a worker on a missing device would otherwise hold the others at the group's
+    rendezvous until its timeout."""
+    if not device.startswith("cuda"):
+        return
+    count = torch.cuda.device_count()
+    for rank in range(tp_size):
+        name = rank_device(device, rank)
+        if int(name.split(":")[1]) >= count:
+            raise ValueError(
+                f"--tensor-parallel-size {tp_size} on --device {device}: rank {rank} takes {name}, "
+                f"but torch sees {count} CUDA device(s)"
+            )

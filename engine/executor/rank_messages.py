@@ -9,7 +9,8 @@ on strings, and a message a worker does not take is an error, not a silent skip.
 
     rank 0 -> worker   WorkerStart (first, once), then StepCall, AllocateKV (+ a memfd for a host pool),
                        Profile, TimePrefill, FillLoRASlot, ClearLoRASlot, Shutdown
-    worker -> rank 0   Ready (once, after WorkerStart), Failed (then the worker exits)
+    worker -> rank 0   Joining, then Ready (once each, after WorkerStart), Failed (then the
+                       worker exits)
 
 On the socket (one end of a socket pair, rank 0's executor holding the other) each message is a
 4-byte length and a msgpack body ``[tag, {field: value}]``; never pickle. A file descriptor (a
@@ -163,6 +164,15 @@ class Ready(RankMessage):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Joining(RankMessage):
+    """The worker's device is set up and it joins the group now: rank 0 joins only once every
+    worker has said so, so a worker that fails before (its device missing, its start-up broken)
+    is named by its Failed, not by the rendezvous' timeout."""
+
+    TAG: ClassVar[str] = "joining"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Failed(RankMessage):
     """The worker failed and exits non-zero: the node cannot step any more."""
 
@@ -181,6 +191,7 @@ MESSAGES: dict[str, type[RankMessage]] = {
         FillLoRASlot,
         ClearLoRASlot,
         Shutdown,
+        Joining,
         Ready,
         Failed,
     )

@@ -36,6 +36,7 @@ from pdserve.engine.executor.rank_messages import (
     ClearLoRASlot,
     Failed,
     FillLoRASlot,
+    Joining,
     Profile,
     RankChannel,
     RankMessage,
@@ -133,7 +134,10 @@ def serve(channel: RankChannel) -> int:
     if start.threads:
         torch.set_num_threads(start.threads)
     platform = resolve_platform(rank_device(start.config.device, start.rank))
-    parallel = init_parallel(start.tp_size, start.rank, start.init_method, start.backend, start.timeout_s)
+    channel.send(Joining())  # rank 0 joins after every worker has got this far
+    parallel = init_parallel(
+        start.tp_size, start.rank, start.init_method, start.backend, start.timeout_s, device=platform.device
+    )
     try:
         runner = ModelRunner(
             ModelConfig.from_path(start.model), start.config, platform=platform, parallel=parallel
