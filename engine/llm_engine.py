@@ -102,6 +102,13 @@ class LLMEngine:
         if config.enable_lora:
             check_lora_family(self.model_config)  # ... and families without LoRA
         check_tensor_parallel(self.model_config, config.tensor_parallel_size)  # ... and splits
+        offloads = config.kv_offload_dir is not None or config.kv_offload_host_mb is not None
+        if offloads and config.tensor_parallel_size > 1 and platform.separate_host:
+            # ... and tiers that would copy rank pools rank 0 cannot see (rank_pools.PoolsNotShared)
+            raise ValueError(
+                "kv_offload_dir / kv_offload_host_mb at tensor_parallel_size > 1 on a device: the "
+                "tiers copy blocks from every rank's pool, and rank 0 sees only its own device's"
+            )
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.sizing = size_engine(config, self.model_config, self.max_model_len)
         tp = config.tensor_parallel_size

@@ -82,6 +82,12 @@ class DeviceCopies:
         done.synchronize()
 
 
+class DevicePoolsNotViewable(ValueError):
+    """Several ranks' caches in device memory seen as one: the transfer would read or land host
+    bytes the ranks never compute with, so it refuses (a tensor-parallel node on a device is
+    refused at start: node/transfer_caches.py)."""
+
+
 class HeadSplitCache:
     """One layer's K (or V) cache of a tensor-parallel node, seen as the model's KV heads in order
     over its ranks' own caches (each [num_blocks, block_size, its heads, row], in host memory that
@@ -93,6 +99,10 @@ class HeadSplitCache:
 
     def __init__(self, pools: list[torch.Tensor], heads: list[range]) -> None:
         assert len(pools) == len(heads) and pools, "one head range per rank's cache"
+        if any(pool.device.type != "cpu" for pool in pools):
+            raise DevicePoolsNotViewable(
+                f"the ranks' caches are on {pools[0].device}: a HeadSplitCache views host pools only"
+            )
         self.pools, self.heads = pools, heads
         first = pools[0]
         self.num_heads = max(r.stop for r in heads)
@@ -190,6 +200,7 @@ def pack_layer(
     sizes = frame_sizes(tuple(key_cache.shape[1:]), key_cache.dtype, n, wire_format)
     frames = slot_frames(slot, sizes)
     if copies is not None and not copies.on_host:
+        _refuse_head_split(key_cache)
         _pack_from_device(key_cache, value_cache, block_ids, wire_format, frames, copies)
         return frames
     assert key_cache.device.type == "cpu", "a cache in device memory needs its platform's DeviceCopies"
@@ -222,6 +233,16 @@ def pack_layer(
     for part, frame in zip(parts, frames, strict=True):
         frame.view(part.dtype).view(part.shape).copy_(part)
     return frames
+
+
+def _refuse_head_split(cache: torch.Tensor) -> None:
+    """A platform whose pools are device memory with a HeadSplitCache: its pools are host memory
+    (the memfds rank 0 maps), not the device pools the ranks compute with."""
+    if isinstance(cache, HeadSplitCache):
+        raise DevicePoolsNotViewable(
+            "a tensor-parallel node's KV on a device platform: its HeadSplitCache holds host "
+            "memory, not the ranks' device pools"
+        )
 
 
 def _pack_from_device(
@@ -268,6 +289,7 @@ def unpack_layer(
     landed on return (the engine may read them)."""
     assert block_ids.device.type == "cpu", "host block ids (device ones are made here)"
     if copies is not None and not copies.on_host:
+        _refuse_head_split(key_cache)
         _unpack_to_device(frames, key_cache, value_cache, block_ids, wire_format, copies)
         return
     assert key_cache.device.type == "cpu", "a cache in device memory needs its platform's DeviceCopies"

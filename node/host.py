@@ -33,6 +33,7 @@ from pdserve.node.log import EventLog, forward_own_logs
 from pdserve.node.options import NodeOptions
 from pdserve.node.parts import NodeParts, ServedRole
 from pdserve.node.runtime import NodeRuntime
+from pdserve.node.transfer_caches import check_pools_shared
 from pdserve.protocol.messages import RoleChange, RolePhase, SetRole
 from pdserve.protocol.registry import Role
 from pdserve.protocol.tracing import open_tracer
@@ -63,6 +64,7 @@ def build_role(parts: NodeParts) -> ServedRole:
 
 class NodeHost:
     def __init__(self, opts: NodeOptions, engine_config: EngineConfig) -> None:
+        check_pools_shared(engine_config)  # before anything loads: every role moves KV
         log = EventLog(opts.node_id)
         forward_own_logs(log)  # before the engine: its start-up records too
         self.parts = NodeParts(opts, log, None, None)  # type: ignore[arg-type]  # engine and runtime: filled in below
@@ -71,8 +73,9 @@ class NodeHost:
         # A prefill node's KV cache in host memory lives in shared memory, so same-host decode
         # nodes copy blocks straight out of it. The engine calls the factory only for a pool in
         # host memory; a device pool (and a private one) leaves the cache None.
-        # A tensor-parallel node's pools are its ranks' shared memory (engine/executor/executor.py): its
-        # KV goes on the socket or the staging ring, the one-copy path is a single rank's.
+        # A tensor-parallel node's pools are its ranks' shared memory (engine/executor/executor.py;
+        # on a device it is refused above): its KV goes on the socket or the staging ring, the
+        # one-copy path is a single rank's.
         single = engine_config.tensor_parallel_size == 1
         factory = self._shared_cache if opts.role is Role.PREFILL and single else None
         # busy is not dead: the engine's layers vouch for the node (once it serves)

@@ -11,6 +11,7 @@ import itertools
 import pytest
 import torch
 
+from pdserve.engine.executor.platform import SplitPlatform
 from pdserve.kv_transfer import tensors
 from pdserve.kv_transfer.messages import WireFormat
 from pdserve.protocol.kv_layout import kv_heads_of
@@ -69,3 +70,27 @@ def test_a_replicated_head_is_read_from_one_rank_only():
     cache = tensors.HeadSplitCache(pools, heads)
     assert cache.shape == (2, BLOCK_SIZE, 1, ROW)
     assert torch.equal(cache.gather(slice(0, 2), None), pools[0])  # rank 0's copy, never both
+
+
+def test_a_head_split_cache_on_a_device_platform_is_refused_not_read_or_written():
+    """The split platform stands in for a GPU: its copies say the caches are device memory, while
+    a HeadSplitCache holds the host memfds rank 0 maps. Packing would send, and landing would
+    fill, host bytes the ranks never compute with; both refuse, and nothing lands."""
+    k, v = (_split(torch.randn(NUM_BLOCKS, BLOCK_SIZE, 2, ROW), 2) for _ in range(2))
+    copies = tensors.DeviceCopies(SplitPlatform())
+    ids = torch.tensor([3, 4])
+    sizes = tensors.frame_sizes(tuple(k.shape[1:]), k.dtype, len(ids), WireFormat.NATIVE)
+    slot = torch.zeros(tensors.frame_offsets(sizes)[1], dtype=torch.uint8)
+    with pytest.raises(tensors.DevicePoolsNotViewable, match="host memory"):
+        tensors.pack_layer(k, v, ids, WireFormat.NATIVE, slot, copies)
+    frames = [memoryview(bytes(n)) for n in sizes]
+    dst_k, dst_v = (_split(torch.ones(NUM_BLOCKS, BLOCK_SIZE, 2, ROW), 2) for _ in range(2))
+    with pytest.raises(tensors.DevicePoolsNotViewable, match="host memory"):
+        tensors.unpack_layer(frames, dst_k, dst_v, ids, WireFormat.NATIVE, copies)
+    assert all(bool((pool == 1).all()) for pool in (*dst_k.pools, *dst_v.pools))
+
+
+def test_a_head_split_cache_over_device_tensors_cannot_be_made():
+    pools = [torch.zeros(2, BLOCK_SIZE, 1, ROW, device="meta") for _ in range(2)]
+    with pytest.raises(tensors.DevicePoolsNotViewable, match="host pools only"):
+        tensors.HeadSplitCache(pools, [range(0, 1), range(1, 2)])

@@ -21,6 +21,7 @@ from pdserve.engine.executor.rank_messages import (
     ClearLoRASlot,
     Failed,
     FillLoRASlot,
+    Joining,
     Profile,
     RankChannel,
     RankMessageError,
@@ -65,6 +66,7 @@ SIMPLE = [
     FillLoRASlot(slot=1, name="sql", path="/adapters/sql"),
     ClearLoRASlot(slot=1),
     Shutdown(),
+    Joining(),
     Ready(),
     Failed("ValueError: rank 1 has no slot 9"),
 ]
@@ -90,7 +92,7 @@ def test_a_step_call_comes_back_with_its_plan_array_for_array():
 
 
 def test_every_tag_names_one_message_type():
-    assert len({cls.TAG for cls in MESSAGES.values()}) == len(MESSAGES) == 10
+    assert len({cls.TAG for cls in MESSAGES.values()}) == len(MESSAGES) == 11
 
 
 @pytest.mark.parametrize(
@@ -139,7 +141,7 @@ def test_a_worker_has_a_handler_for_every_call_but_the_first_and_the_last():
     finally:
         ours.close()
         theirs.close()
-    calls = {cls for cls in MESSAGES.values() if cls not in (Ready, Failed, WorkerStart, Shutdown)}
+    calls = {cls for cls in MESSAGES.values() if cls not in (Joining, Ready, Failed, WorkerStart, Shutdown)}
     assert set(table) == calls
     assert all(table[cls] is handler for cls, handler in HANDLERS.items())  # rank 0's, the same
     assert all(dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen for cls in MESSAGES.values())

@@ -18,8 +18,13 @@ workers and no group: the same executor, rank 0 alone.
 
 A worker that exits or reports an error fails the node: ``failure`` says which rank and how,
 and every later call raises WorkerLost (a group is not trusted after a lost rank or a collective
-timeout; nothing tries to recover). A hung worker holds rank 0 in a collective until the group's
-timeout, which then raises. Workers exit when rank 0 says so or its socket closes (rank 0 gone).
+timeout; nothing tries to recover). Rank 0's monitor then aborts the group, so a collective that
+waits on the lost rank fails at once (NCCL would wait in it until its watchdog ends the process).
+A hung worker holds rank 0 in a collective until the group's timeout, which then raises.
+
+Starting fails fast too: every rank's CUDA device must exist before any worker starts, and a
+worker that fails before the group forms is named by the error it sent on its socket, not by
+the rendezvous' timeout. Workers exit when rank 0 says so or its socket closes (rank 0 gone).
 """
 
 from __future__ import annotations
@@ -41,13 +46,14 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.core.scheduler import SchedulerOutput
 from pdserve.engine.core.sequence import Sequence
 from pdserve.engine.executor.model_runner import KVCacheFactory, ModelRunner
-from pdserve.engine.executor.parallel import ParallelState, close_parallel, init_parallel
-from pdserve.engine.executor.platform import Platform
+from pdserve.engine.executor.parallel import ParallelState, abort_parallel, close_parallel, init_parallel
+from pdserve.engine.executor.platform import Platform, check_rank_devices
 from pdserve.engine.executor.rank_messages import (
     AllocateKV,
     ClearLoRASlot,
     Failed,
     FillLoRASlot,
+    Joining,
     Profile,
     RankChannel,
     RankMessage,
@@ -58,7 +64,7 @@ from pdserve.engine.executor.rank_messages import (
     TimePrefill,
     WorkerStart,
 )
-from pdserve.engine.executor.rank_pools import RankPool, SharedPool
+from pdserve.engine.executor.rank_pools import PoolsNotShared, RankPool, SharedPool
 from pdserve.engine.executor.worker import HANDLERS, Worker
 from pdserve.engine.lora import LoRAAdapter, LoRAModel, SlotAssignment
 from pdserve.protocol.kv_layout import KVCacheSpec, kv_heads_of
@@ -107,13 +113,21 @@ class Executor:
         self.workers: list[_WorkerProcess] = []
         self.failure: str | None = None  # why the ranks cannot step any more (the node polls it)
         self._closing = False
-        self.pools: list[SharedPool] = []  # at several ranks: each rank's KV pool, mapped here
+        # at several ranks with pools in host memory: each rank's KV pool, mapped here; else empty
+        self.pools: list[SharedPool] = []
         parallel = ParallelState()
         if tp_size == 1 and group_of_one:
             parallel = init_parallel(
-                1, 0, f"tcp://127.0.0.1:{_free_port()}", platform.dist_backend, collective_timeout_s, True
+                1,
+                0,
+                f"tcp://127.0.0.1:{_free_port()}",
+                platform.dist_backend,
+                collective_timeout_s,
+                True,
+                platform.device,
             )
         if tp_size > 1:
+            check_rank_devices(config.device, tp_size)  # a missing device fails here, not in a join
             init_method = f"tcp://127.0.0.1:{_free_port()}"
             self.workers = [
                 self._start_worker(
@@ -130,8 +144,16 @@ class Executor:
                 )
                 for rank in range(1, tp_size)
             ]
+            self._await_joining(start_timeout_s)
             try:
-                parallel = init_parallel(tp_size, 0, init_method, platform.dist_backend, collective_timeout_s)
+                parallel = init_parallel(
+                    tp_size,
+                    0,
+                    init_method,
+                    platform.dist_backend,
+                    collective_timeout_s,
+                    device=platform.device,
+                )
             except Exception as e:
                 self.close()
                 raise WorkerLost(f"the tensor-parallel group did not form: {e}") from None
@@ -158,22 +180,39 @@ class Executor:
         channel.send(start)
         return _WorkerProcess(start.rank, proc, channel)
 
+    def _await_joining(self, timeout_s: float) -> None:
+        """Every worker's Joining (its device is set up), before rank 0 joins the group: a worker
+        that failed or exited first is named now, by the error it sent."""
+        self._await_each(Joining, timeout_s)
+
+    @staticmethod
+    def _start_reply(w: _WorkerProcess, timeout_s: float) -> RankMessage:
+        """Worker ``w``'s next start reply (Joining, Ready, or Failed with why; a closed socket or
+        silence: Failed)."""
+        try:
+            reply = w.channel.recv(timeout_s)
+        except TimeoutError:
+            return Failed(f"no reply within {timeout_s:g} s")
+        except (OSError, RankMessageError) as e:
+            return Failed(str(e))
+        return Failed(Executor._exited(w) or "its socket closed") if reply is None else reply
+
     def _await_ready(self, timeout_s: float) -> None:
+        self._await_each(Ready, timeout_s)
+
+    def _await_each(self, expected: type[RankMessage], timeout_s: float) -> None:
+        """Every worker's ``expected`` start reply within ``timeout_s``; WorkerLost naming the
+        first worker that sent another (its Failed says why), exited or stayed silent."""
         deadline = time.monotonic() + timeout_s
         for w in self.workers:
-            try:
-                reply = w.channel.recv(max(0.1, deadline - time.monotonic()))
-            except TimeoutError:
-                reply = Failed(f"not ready within {timeout_s:g} s")
-            except RankMessageError as e:
-                reply = Failed(str(e))
-            if not isinstance(reply, Ready):
-                why = "exited" if reply is None else _why(reply)
+            reply = self._start_reply(w, max(0.1, deadline - time.monotonic()))
+            if not isinstance(reply, expected):
                 self.close()
-                raise WorkerLost(f"tensor-parallel rank {w.rank} failed to start: {why}")
+                raise WorkerLost(f"tensor-parallel rank {w.rank} failed to start: {_why(reply)}")
 
     def _watch(self) -> None:
-        """Rank 0's monitor: a worker's Failed, or its socket closing (it exited), fails the node."""
+        """Rank 0's monitor: a worker's Failed, or its socket closing (it exited), fails the node
+        and aborts the group."""
         sel = selectors.DefaultSelector()
         for w in self.workers:
             sel.register(w.channel, selectors.EVENT_READ, w)
@@ -187,13 +226,20 @@ class Executor:
                 if self._closing:
                     return
                 if message is None:
-                    self._fail(
+                    self._lose_rank(
                         self._exited(w)
                         or f"tensor-parallel rank {w.rank} exited (its socket closed, the process still running)"
                     )
                 else:
-                    self._fail(f"tensor-parallel rank {w.rank}: {_why(message)}")
+                    self._lose_rank(f"tensor-parallel rank {w.rank}: {_why(message)}")
                 return
+
+    def _lose_rank(self, why: str) -> None:
+        """The monitor's verdict: the node fails, and the group is aborted, so that rank 0, where
+        it waits on the lost rank in a collective (on NCCL, in a device sync behind it), raises
+        now and the node publishes its last record before it exits."""
+        self._fail(why)
+        abort_parallel(self.parallel)
 
     def _fail(self, why: str) -> None:
         if self.failure is not None:
@@ -283,17 +329,24 @@ class Executor:
     def allocate_kv(self, spec: KVCacheSpec, factory: KVCacheFactory | None = None) -> None:
         """Each rank's pool of ``spec`` (its own heads; the same block ids on every rank).
 
-        With several ranks, each pool is a memfd that rank 0 makes and maps, and hands its worker
-        beside the call (engine/executor/rank_pools.py): ``rank_pools`` offers every rank's heads in place,
-        for a node's KV transfer. ``factory`` (a node's one-copy shared cache) is for one rank."""
+        With several ranks and pools in host memory, each pool is a memfd that rank 0 makes and
+        maps, and hands its worker beside the call (engine/executor/rank_pools.py): ``rank_pools``
+        offers every rank's heads in place, for a node's KV transfer. Pools in device memory are
+        each rank's own allocation, and no host copy stands in for them. ``factory`` (a node's
+        one-copy shared cache) is for one rank."""
         if not self.workers:
             self.rank0.allocate_kv(AllocateKV(spec), factory)
             return
-        assert factory is None, "a tensor-parallel node's pools are its ranks' shared memory"
+        assert factory is None, "a tensor-parallel node's pools are its ranks' own"
         specs = [dataclasses.replace(spec, num_kv_heads=len(heads)) for heads in self._heads()]
         assert specs[0] == spec, (spec, specs[0])  # rank 0 holds the most heads: the engine sizes by it
-        self.pools = [SharedPool(s) for s in specs]
         self._check_alive()
+        if self.runner.platform.separate_host:
+            for w, own in zip(self.workers, specs[1:], strict=True):
+                self._send(w, AllocateKV(own, in_memfd=False))
+            self.rank0.allocate_kv(AllocateKV(spec, in_memfd=False), None)
+            return
+        self.pools = [SharedPool(s) for s in specs]
         for w, own, pool in zip(self.workers, specs[1:], self.pools[1:], strict=True):
             self._send(w, AllocateKV(own), pool.fd)  # each rank's spec is its own
         caches = self.pools[0].layer_caches()
@@ -351,10 +404,16 @@ class Executor:
     def rank_pools(self) -> list[RankPool]:
         """Every rank's KV pool as this process sees it, in rank order, with the model's KV heads
         each holds: rank 0's own at one rank, each rank's shared memory at several. What a node
-        wraps for its KV transfer (the engine itself reads rank 0's only)."""
+        wraps for its KV transfer (the engine itself reads rank 0's only). PoolsNotShared at
+        several ranks whose pools are in device memory: rank 0 sees its own only."""
         assert self.runner.kv_caches, "allocate the KV pool first"
         if self.tp_size == 1:
             return [RankPool(0, range(self.runner.model_config.num_kv_heads), self.runner.kv_caches)]
+        if not self.pools:
+            raise PoolsNotShared(
+                f"the KV pools of this node's {self.tp_size} tensor-parallel ranks are in their "
+                f"devices' memory ({self.runner.platform.kind}), which rank 0 does not map"
+            )
         return [
             RankPool(rank, heads, pool.layer_caches())
             for rank, (heads, pool) in enumerate(zip(self._heads(), self.pools, strict=True))

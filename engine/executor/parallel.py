@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import inspect
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,12 +62,19 @@ SINGLE = ParallelState()
 
 
 def init_parallel(
-    tp_size: int, rank: int, init_method: str, backend: str, timeout_s: float, group_of_one: bool = False
+    tp_size: int,
+    rank: int,
+    init_method: str,
+    backend: str,
+    timeout_s: float,
+    group_of_one: bool = False,
+    device: torch.device | None = None,
 ) -> ParallelState:
     """Join the node's group (every rank calls it; it returns once all have, or raises after
     ``timeout_s``, the collectives' timeout too). ``init_method``: e.g. ``tcp://127.0.0.1:PORT``,
     rank 0 listening. ``group_of_one``: a group even for one rank, whose collectives run for real
-    (the GPU one-shot's check of NCCL with one device)."""
+    (the GPU one-shot's check of NCCL with one device). ``device``: this rank's, which NCCL binds
+    its communicator to at once (``eager_init``)."""
     if tp_size == 1 and not group_of_one:
         return SINGLE
     if dist.is_initialized():
@@ -81,8 +90,31 @@ def init_parallel(
         world_size=tp_size,
         rank=rank,
         timeout=datetime.timedelta(seconds=timeout_s),
+        **eager_init(backend, device),
     )
     return ParallelState(tp_size, rank, dist.group.WORLD)
+
+
+def eager_init(backend: str, device: torch.device | None) -> dict[str, Any]:
+    """init_process_group's ``device_id`` for NCCL (torch 2.3 on): the communicator forms at
+    once, so a rank that cannot join fails the group's start, not its first collective mid-step.
+    Nothing for gloo, nor for a torch without the argument."""
+    if backend != "nccl" or device is None or not _TAKES_DEVICE_ID:
+        return {}
+    return {"device_id": device}
+
+
+_TAKES_DEVICE_ID = "device_id" in inspect.signature(dist.init_process_group).parameters
+
+
+def abort_parallel(state: ParallelState) -> None:
+    """Abort the group from another thread once a rank is lost (the executor's monitor). NCCL
+    never notices a dead peer: rank 0 would wait in a device sync behind the collective until the
+    watchdog ends the process, with no last record; aborting the communicator fails that
+    collective now. A gloo collective fails on its own once the peer's socket closes. A no-op
+    for a group already closed or aborted."""
+    if state.group is not None and dist.is_initialized() and dist.group.WORLD is state.group:
+        dist.distributed_c10d._abort_process_group(state.group)
 
 
 def close_parallel(state: ParallelState) -> None:

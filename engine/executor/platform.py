@@ -364,14 +364,24 @@ class SplitPlatform(Platform):
         host.view(torch.uint8).fill_(POISON_BYTE)
 
 
+def platform_class(name: str) -> type[Platform]:
+    """The kind of platform ``resolve_platform(name)`` gives, without touching a device: what a
+    node checks before it starts anything (a pool in device memory is ``separate_host``)."""
+    check_device_name(name)
+    if name.startswith("cuda"):
+        return CUDAPlatform
+    if name == "auto" and torch.cuda.is_available():
+        return Platform  # auto stays on the CPU (UNVERIFIED_CUDA)
+    return SplitPlatform if os.environ.get(TEST_PLATFORM_ENV) == "split" else Platform
+
+
 def resolve_platform(name: str) -> Platform:
     """The platform for ``--device``; ValueError when it cannot be served here."""
-    check_device_name(name)
-    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
-        return SplitPlatform() if os.environ.get(TEST_PLATFORM_ENV) == "split" else Platform()
-    if name == "auto":
-        log.warning("a CUDA device is present, but --device auto stays on the CPU: %s", UNVERIFIED_CUDA)
-        return Platform()
+    kind = platform_class(name)
+    if kind is not CUDAPlatform:
+        if name == "auto" and torch.cuda.is_available():
+            log.warning("a CUDA device is present, but --device auto stays on the CPU: %s", UNVERIFIED_CUDA)
+        return kind()
     if not torch.cuda.is_available():
         raise ValueError(f"device {name}: torch sees no CUDA device (torch.cuda.is_available() is false)")
     device = torch.device(name if ":" in name else "cuda:0")
@@ -381,3 +391,28 @@ def resolve_platform(name: str) -> Platform:
     platform = CUDAPlatform(device)
     platform.activate()
     return platform
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Tensor-parallel rank ``rank``'s device for a node's ``--device``: the CPU (or auto), or the
+    r-th CUDA device from the node's first."""
+    if not device.startswith("cuda"):
+        return device
+    first = int(device.split(":")[1]) if ":" in device else 0
+    return f"cuda:{first + rank}"
+
+
+def check_rank_devices(device: str, tp_size: int) -> None:
+    """ValueError naming the first rank whose CUDA device torch does not see, before any rank
+    starts: a worker on a missing device would otherwise hold the others at the group's
+    rendezvous until its timeout."""
+    if not device.startswith("cuda"):
+        return
+    count = torch.cuda.device_count()
+    for rank in range(tp_size):
+        name = rank_device(device, rank)
+        if int(name.split(":")[1]) >= count:
+            raise ValueError(
+                f"--tensor-parallel-size {tp_size} on --device {device}: rank {rank} takes {name}, "
+                f"but torch sees {count} CUDA device(s)"
+            )

@@ -7,9 +7,10 @@ profile, the prefill timing) must reach every rank, or the group deadlocks. So e
 typed message, and a worker looks up its handler by the message's type: nothing is dispatched
 on strings, and a message a worker does not take is an error, not a silent skip.
 
-    rank 0 -> worker   WorkerStart (first, once), then StepCall, AllocateKV (+ a memfd),
+    rank 0 -> worker   WorkerStart (first, once), then StepCall, AllocateKV (+ a memfd for a host pool),
                        Profile, TimePrefill, FillLoRASlot, ClearLoRASlot, Shutdown
-    worker -> rank 0   Ready (once, after WorkerStart), Failed (then the worker exits)
+    worker -> rank 0   Joining, then Ready (once each, after WorkerStart), Failed (then the
+                       worker exits)
 
 On the socket (one end of a socket pair, rank 0's executor holding the other) each message is a
 4-byte length and a msgpack body ``[tag, {field: value}]``; never pickle. A file descriptor (a
@@ -94,17 +95,20 @@ class StepCall(RankMessage):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AllocateKV(RankMessage):
-    """Map this rank's KV pool: the memfd that follows the message (engine/executor/rank_pools.py)."""
+    """This rank's KV pool: mapped from the memfd that follows the message where rank 0 made one
+    (a pool in host memory: engine/executor/rank_pools.py), allocated by the rank itself in its
+    device's memory otherwise."""
 
     TAG: ClassVar[str] = "allocate_kv"
     spec: KVCacheSpec  # this rank's pool: its own KV heads, the same block ids as every rank's
+    in_memfd: bool = True  # a memfd follows (host memory rank 0 maps); False: a device pool of its own
 
     def fields(self) -> dict[str, Any]:
-        return {"spec": dataclasses.asdict(self.spec)}
+        return {"spec": dataclasses.asdict(self.spec), "in_memfd": self.in_memfd}
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any]) -> AllocateKV:
-        return cls(KVCacheSpec(**fields["spec"]))
+        return cls(KVCacheSpec(**fields["spec"]), fields["in_memfd"])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -160,6 +164,15 @@ class Ready(RankMessage):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Joining(RankMessage):
+    """The worker's device is set up and it joins the group now: rank 0 joins only once every
+    worker has said so, so a worker that fails before (its device missing, its start-up broken)
+    is named by its Failed, not by the rendezvous' timeout."""
+
+    TAG: ClassVar[str] = "joining"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Failed(RankMessage):
     """The worker failed and exits non-zero: the node cannot step any more."""
 
@@ -178,6 +191,7 @@ MESSAGES: dict[str, type[RankMessage]] = {
         FillLoRASlot,
         ClearLoRASlot,
         Shutdown,
+        Joining,
         Ready,
         Failed,
     )

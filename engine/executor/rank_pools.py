@@ -1,10 +1,13 @@
 """Each tensor-parallel rank's KV pool, as rank 0 holds it.
 
-At several ranks every pool lives in a memfd that rank 0 makes and maps (``SharedPool``) and
+At several ranks with pools in host memory every pool lives in a memfd that rank 0 makes and maps (``SharedPool``) and
 hands its worker beside an AllocateKV (SCM_RIGHTS; engine/executor/rank_messages.py). Rank 0 so sees every
 rank's heads in place, and a node's KV transfer reads and writes them there without a collective
 beside the steps'. The engine itself reads only rank 0's pool; ``RankPool`` is what it offers the
 node, which wraps the pools for the transfer (the engine knows nothing of the transfer).
+
+Pools in device memory (CUDA, or the split platform that stands in for it) cannot be mapped
+that way: each rank allocates its own, and rank 0 sees only its own (``PoolsNotShared``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,12 @@ from pdserve.engine.executor.model_runner import KV_TORCH_DTYPES
 from pdserve.protocol.kv_layout import KVCacheSpec
 
 LayerCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V)
+
+
+class PoolsNotShared(RuntimeError):
+    """The other ranks' KV pools are in their own devices' memory, which rank 0 does not map: no
+    view of every rank's heads exists (a host copy would be stale bytes, never the pools the
+    ranks compute with). Rank 0 opening them through CUDA IPC handles would lift this."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

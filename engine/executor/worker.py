@@ -30,12 +30,13 @@ import torch
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.executor.model_runner import KVCacheFactory, ModelRunner, StepRun
 from pdserve.engine.executor.parallel import close_parallel, init_parallel
-from pdserve.engine.executor.platform import resolve_platform
+from pdserve.engine.executor.platform import rank_device, resolve_platform
 from pdserve.engine.executor.rank_messages import (
     AllocateKV,
     ClearLoRASlot,
     Failed,
     FillLoRASlot,
+    Joining,
     Profile,
     RankChannel,
     RankMessage,
@@ -112,7 +113,7 @@ def process_handlers(channel: RankChannel) -> dict[type[RankMessage], Callable[[
     once, before)."""
 
     def allocate_kv(worker: Worker, call: AllocateKV) -> None:
-        worker.allocate_kv(call, _shared_pool(call, channel.recv_fd()))
+        worker.allocate_kv(call, _shared_pool(call, channel.recv_fd()) if call.in_memfd else None)
 
     return {**HANDLERS, AllocateKV: allocate_kv}
 
@@ -132,8 +133,11 @@ def serve(channel: RankChannel) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {start.rank} %(levelname)s %(message)s")
     if start.threads:
         torch.set_num_threads(start.threads)
-    platform = resolve_platform(_rank_device(start.config.device, start.rank))
-    parallel = init_parallel(start.tp_size, start.rank, start.init_method, start.backend, start.timeout_s)
+    platform = resolve_platform(rank_device(start.config.device, start.rank))
+    channel.send(Joining())  # rank 0 joins after every worker has got this far
+    parallel = init_parallel(
+        start.tp_size, start.rank, start.init_method, start.backend, start.timeout_s, device=platform.device
+    )
     try:
         runner = ModelRunner(
             ModelConfig.from_path(start.model), start.config, platform=platform, parallel=parallel
@@ -149,14 +153,6 @@ def serve(channel: RankChannel) -> int:
     finally:
         close_parallel(parallel)
     return 0
-
-
-def _rank_device(device: str, rank: int) -> str:
-    """Rank r's device: the CPU, or the r-th CUDA device from the node's first."""
-    if not device.startswith("cuda"):
-        return device
-    first = int(device.split(":")[1]) if ":" in device else 0
-    return f"cuda:{first + rank}"
 
 
 def main(argv: list[str] | None = None) -> int:
