@@ -64,7 +64,7 @@ native: setup
 
 # pytest exits 5 when it collected no test: that is a failure too, said plainly.
 test: setup-dev lint model native
-	@status=0; PATH="$(TEST_PATH)" $(PY) -m pytest -q $(PYTEST_ARGS) || status=$$?; \
+	@status=0; PATH="$(TEST_PATH)" $(PY) -m pytest -q --durations=20 $(PYTEST_ARGS) || status=$$?; \
 	if [ $$status -eq 5 ]; then echo "make test: pytest ran no test" >&2; fi; \
 	exit $$status
 
@@ -99,7 +99,7 @@ compose-test: setup-dev
 # real processes, a real Redis, faults caused for real. About 10-15 minutes on 2 cores.
 chaos: setup-dev model
 	PATH="$(TEST_PATH)" $(PY) -m pytest -q tests/chaos -m "chaos or not chaos" $(PYTEST_ARGS)
-	PATH="$(TEST_PATH)" $(PY) -m pytest -q tests/test_tensor_parallel.py tests/test_tensor_parallel_cluster.py tests/test_lora_model.py tests/test_soak_short.py -m chaos $(PYTEST_ARGS)
+	PATH="$(TEST_PATH)" $(PY) -m pytest -q tests/test_tensor_parallel.py tests/test_tensor_parallel_cluster.py tests/test_lora_model.py tests/test_soak_short.py tests/test_role_switch.py tests/test_autoscale_cluster.py -m chaos $(PYTEST_ARGS)
 
 # The same run, its table written into docs/reliability.md.
 chaos-report: setup-dev model

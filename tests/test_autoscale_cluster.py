@@ -165,6 +165,7 @@ def decisions_text(launcher: Launcher) -> str:
     return path.read_text() if path.exists() else "(no autoscale.log)"
 
 
+@pytest.mark.chaos  # a shifting load over five phases: about 100 s, so `make chaos`, not every run
 def test_the_pools_follow_a_load_that_shifts_and_no_request_is_lost(cluster):
     model, launcher = cluster
     assert roles(launcher) == ["decode", "prefill"]

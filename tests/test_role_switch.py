@@ -3,7 +3,7 @@
 decode nodes, the tiny model) while a concurrent load runs: mixed lengths, streaming on and off,
 logprobs on and off, through prefill->decode and decode-only routes as the roles move.
 
-Twenty switches: a decode node goes round prefill, colocated and decode; the prefill node goes
+Ten switches (twenty under `make chaos`): a decode node goes round prefill, colocated and decode; the prefill node goes
 to decode and back (the cluster then has no prefill node: every prompt prefills on a decode
 node). Every request completes equal to HF greedy, every switch ends drained (none forced), the
 router lists each new role by the time it answers, and every block is free at the end.
@@ -102,13 +102,30 @@ def switch(launcher: Launcher, node: str, role: str) -> dict:
     return reply.json()
 
 
-def test_twenty_switches_under_load_lose_nothing_and_leak_no_block(cluster):
+def _switches(launcher) -> list[dict]:
+    """The cluster's role_switched events so far, in the order they happened."""
+    events = [e for child in ("decode-1", "prefill-0") for e in launcher.events(child, "role_switched")]
+    return sorted(events, key=lambda e: e["ts"])
+
+
+def _switch_plan(mover: str, prefill: str, rounds: int) -> list[tuple[str, str]]:
+    """Every transition between the three roles for the moving decode node, ``rounds`` times, a
+    while with no prefill node, and the mover colocated at the end."""
+    plan = [(mover, r) for r in ("prefill", "colocated", "decode", "prefill", "decode", "colocated")] * rounds
+    plan += [(prefill, "decode"), (mover, "decode"), (prefill, "prefill")]  # no prefill node a while
+    if rounds > 1:
+        plan += [(mover, r) for r in ("colocated", "prefill", "decode", "prefill")]
+    return plan + [(mover, "colocated")]
+
+
+# the default suite: each transition once (10 switches); `make chaos`: twenty
+@pytest.mark.parametrize("rounds", [1, pytest.param(2, marks=pytest.mark.chaos)])
+def test_switches_under_load_lose_nothing_and_leak_no_block(cluster, rounds):
     model, launcher = cluster
     mover, prefill = node_id(launcher, "decode-1"), node_id(launcher, "prefill-0")
-    plan = [(mover, r) for r in ("prefill", "colocated", "decode", "prefill", "decode", "colocated")] * 2
-    plan += [(prefill, "decode"), (mover, "decode"), (prefill, "prefill")]  # no prefill node a while
-    plan += [(mover, r) for r in ("colocated", "prefill", "decode", "prefill", "colocated")]
-    assert len(plan) == 20
+    plan = _switch_plan(mover, prefill, rounds)
+    assert len(plan) == (10 if rounds == 1 else 20)
+    before = len(_switches(launcher))  # the module's cluster may have switched already
     with Load(model, launcher) as load:
         for k, (node, role) in enumerate(plan):
             answer = switch(launcher, node, role)
@@ -121,10 +138,10 @@ def test_twenty_switches_under_load_lose_nothing_and_leak_no_block(cluster):
             time.sleep(0.3 if k % 2 else 0.0)  # some switches right after another, some after traffic
         time.sleep(1.0)
     assert not load.wrong, load.wrong[:5]
-    assert len(load.done) >= 40, len(load.done)
+    assert len(load.done) >= 2 * len(plan), len(load.done)
 
-    switched = [e for child in ("decode-1", "prefill-0") for e in launcher.events(child, "role_switched")]
-    assert len(switched) == 20 and not any(e["forced"] for e in switched), switched
+    switched = _switches(launcher)[before:]
+    assert len(switched) == len(plan) and not any(e["forced"] for e in switched), switched
     client = redis.Redis.from_url(launcher.redis_url())
     deadline = time.monotonic() + 10
     while True:  # idle: every block back in the pool (free or cached) on every node
