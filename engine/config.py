@@ -23,6 +23,7 @@ KV_COMMIT_CHOICES = ("lazy", "idle", "startup")
 DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)  # auto: engine/machine/device.py explain_dtype
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 KV_CACHE_DTYPE_CHOICES = ("auto", "int8")
+QUANTIZATION_CHOICES = ("int8",)  # kernels/cpu_int8.py; None: the weights in --dtype
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -145,6 +146,14 @@ class EngineConfig:
         "scale, about a quarter of fp32's memory and DRAM traffic (CPU only; small accuracy cost, "
         "bench/notes/kv-int8.md)",
         choices=KV_CACHE_DTYPE_CHOICES,
+    )
+    quantization: str | None = setting(  # kernels/cpu_int8.py
+        None,
+        "int8: W8A8 linear layers, each output channel's weights int8 as they load (no "
+        "calibration) and each token's activations int8 as they arrive, int32 sums in oneDNN's "
+        "int8 matmul; embeddings, LM head, norms and attention stay in --dtype (CPU only; "
+        "accuracy in bench/README.md)",
+        choices=QUANTIZATION_CHOICES,
     )
     kv_cache_memory_mb: int | None = setting(
         None, "KV pool budget in MiB (default: a share of available memory, --kv-cache-memory-fraction)"
@@ -287,6 +296,10 @@ class EngineConfig:
             raise ValueError(f"kv_commit must be one of {KV_COMMIT_CHOICES}, got {self.kv_commit!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if self.quantization not in (None, *QUANTIZATION_CHOICES):
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATION_CHOICES} or None, got {self.quantization!r}"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, got {self.kv_cache_dtype!r}"

@@ -29,7 +29,7 @@ from pdserve.engine.core.step_stats import PREFILL_PROBE_TOKENS, StepStats, step
 from pdserve.engine.executor.cuda_graphs import why_eager
 from pdserve.engine.executor.executor import Executor
 from pdserve.engine.executor.kv_prefault import KVPrefault
-from pdserve.engine.executor.model_runner import KVCacheFactory
+from pdserve.engine.executor.model_runner import KVCacheFactory, check_quantization
 from pdserve.engine.executor.platform import UNVERIFIED_CUDA, resolve_platform
 from pdserve.engine.lora.model import check_lora_family
 from pdserve.engine.lora.registry import AdapterRegistry
@@ -93,6 +93,7 @@ class LLMEngine:
             self.device.type != "cpu" or config.attention_backend == "triton"
         ):
             raise ValueError(f"kv_cache_dtype int8 has CPU kernels only, not on {self.device} or with Triton")
+        check_quantization(config.quantization, platform)
         self.model_config = ModelConfig.from_path(config.model)
         dtype, self.dtype_why = explain_dtype(
             config.dtype, self.device.type, self.model_config.checkpoint_dtype
@@ -239,7 +240,9 @@ class LLMEngine:
         if c.kv_offload_dir is None:
             return None
         spec = dataclasses.replace(self.kv_spec, num_kv_heads=self.model_config.num_kv_heads)
-        fingerprint = KVFingerprint.from_spec(model_digest(c.model), spec, spec.layout, c.dtype)
+        fingerprint = KVFingerprint.from_spec(
+            model_digest(c.model), spec, spec.layout, c.dtype, c.quantization
+        )
         disk = DiskTier(
             c.kv_offload_dir, namespace_of(dataclasses.asdict(fingerprint)), c.kv_offload_disk_mb << 20
         )

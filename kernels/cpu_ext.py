@@ -229,3 +229,17 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """[rows, n] fp32 (unit column stride) -> [rows] int64, exactly torch.argmax(x, dim=-1): the
     first maximum, a NaN counting as the maximum. One vectorised pass a row, rows in parallel."""
     return torch.ops.pdserve_cpu.argmax_rows(x)
+
+
+def quantize_rows_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, K] -> (uint8 [rows, K], fp32 [rows, 1]): each row's symmetric int8 (scale max|x| / 127,
+    round half to even, clamped to +-127) plus 128; the same bytes as kernels/cpu_int8's torch path."""
+    q, scale = torch.ops.pdserve_cpu.quantize_rows_u8(x)
+    return q, scale
+
+
+def dequantize_rows(
+    acc: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """[rows, N] fp32 times each row's scale, plus bias [N], rounded once to ``dtype``."""
+    return torch.ops.pdserve_cpu.dequantize_rows(acc, scale, bias, dtype)

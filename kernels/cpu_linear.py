@@ -98,10 +98,13 @@ def _self_check(dtype: torch.dtype) -> bool:
     return False
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, quantization: str | None = None, pack: bool = True) -> int:
     """Pack every linear layer of ``model`` (on CPU, loaded); how many were. An nn.Linear is
     replaced by a PackedLinear; a layer of engine/layers/linear.py (``packable``) packs its own
-    weight, keeping its parallel sums and gathers.
+    weight, keeping its parallel sums and gathers. ``quantization="int8"``: those layers that are
+    ``quantizable`` (all but the LM head) hold int8 weights instead (kernels/cpu_int8.py); plain
+    nn.Linear layers (a model's small gates) stay in the compute dtype. ``pack=False``: only the
+    int8 layers change (oneDNN does not pack this dtype); the rest keep F.linear.
 
     A tied LM head is packed from the embedding's weight, which the embedding keeps. Each plain
     weight is dropped as soon as its packed one replaces it: the model never holds its weights
@@ -114,9 +117,15 @@ def pack_linears(model: nn.Module) -> int:
         if (type(child) is nn.Linear or getattr(child, "packable", False))
         and child.weight.device.type == "cpu"
     ]
+    count = 0
     for parent, name, child in targets:
-        if type(child) is nn.Linear:
+        if quantization == "int8" and getattr(child, "quantizable", False):
+            child.quantize()  # type: ignore[operator]
+        elif not pack:
+            continue
+        elif type(child) is nn.Linear:
             setattr(parent, name, PackedLinear(child))
         else:
             child.pack()  # type: ignore[operator]
-    return len(targets)
+        count += 1
+    return count

@@ -44,7 +44,10 @@ class NodeParts:
         # the model's KV heads, not a rank's: nodes of any tensor-parallel layouts pair (the
         # transfer carries every head in order; engine/executor/executor.py re-slices within a node)
         spec = dataclasses.replace(self.engine.kv_spec, num_kv_heads=self.engine.model_config.num_kv_heads)
-        return KVFingerprint.from_spec(self.opts.model_id, spec, spec.layout, self.engine.config.dtype)
+        config = self.engine.config
+        return KVFingerprint.from_spec(
+            self.opts.model_id, spec, spec.layout, config.dtype, config.quantization
+        )
 
 
 class ServedRole(Protocol):

@@ -28,11 +28,11 @@ import msgpack
 
 # Every change to a message's fields (or to a registry record's) moves this, and
 # tests/test_wire_version.py pins a digest of each version's fields.
-# 10: trace context (GenerateRequest.trace, RequestMeta.trace); 9: KVFingerprint.compute_dtype; 8: beam search (TokenChunk.beams); 7: SamplingParams.logprob_token_ids (vLLM: the logprobs of chosen tokens); 6: registry records carry the node's tensor-parallel size (tp_size); 5: TokenChunk.position,
+# 11: KVFingerprint.quantization (int8 weights); 10: trace context (GenerateRequest.trace, RequestMeta.trace); 9: KVFingerprint.compute_dtype; 8: beam search (TokenChunk.beams); 7: SamplingParams.logprob_token_ids (vLLM: the logprobs of chosen tokens); 6: registry records carry the node's tensor-parallel size (tp_size); 5: TokenChunk.position,
 # typed stage timings and role phases, registry records name their
 # version; 4: prompt logprobs (SamplingParams, TokenChunk); 3: typed SamplingParams (guided
 # decoding), resumed outputs; 2: memfd rings
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 MAX_HEADER_BYTES = 8 << 20  # a 1M-token prompt's token ids and hashes fit
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
 SIGNED = "signed"  # ``Annotated[int, SIGNED]``: a field that may be negative (plain ints may not)

@@ -29,12 +29,18 @@ class KVFingerprint:
     # the dtype the model computed the KV in (the node's --dtype, resolved): an int8 cache holds
     # the same format from a bfloat16 and a float32 model, but not the same values; "" unknown
     compute_dtype: str = ""
+    # the weights' quantization (--quantization: "int8"), "" for none: a quantized model computes
+    # other K and V from the same prompt, so its blocks never meet an unquantized model's
+    quantization: str = ""
 
     @classmethod
-    def from_spec(cls, model_id: str, spec: Any, layout: str, compute_dtype: str = "") -> KVFingerprint:
+    def from_spec(
+        cls, model_id: str, spec: Any, layout: str, compute_dtype: str = "", quantization: str | None = None
+    ) -> KVFingerprint:
         """From an ``protocol.kv_layout.KVCacheSpec`` (num_blocks is local and not part of it)."""
         return cls(
             compute_dtype=compute_dtype,
+            quantization=quantization or "",
             model_id=model_id,
             dtype=spec.dtype,
             block_size=spec.block_size,

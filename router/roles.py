@@ -80,7 +80,7 @@ async def _until_listed(backend: Backend, node_id: str, role: Role, deadline: fl
 
 def nodes_body(backend: Backend) -> dict:
     """``GET /admin/nodes``: each usable node's id, role, addresses, load, tensor-parallel size
-    and KV cache format."""
+    KV cache format and weights' quantization (None: the compute dtype)."""
     fields: tuple[str, ...] = ("node_id", "role", "draining", "control_addr", "kv_addr", "num_running")
     fields += ("num_queued", "num_blocks_free", "num_blocks_total", "tp_size")
     return {
@@ -89,6 +89,7 @@ def nodes_body(backend: Backend) -> dict:
                 **{name: getattr(n, name) for name in fields},
                 "kv_dtype": n.fingerprint.dtype,
                 "kv_layout": n.fingerprint.layout,
+                "quantization": n.fingerprint.quantization or None,
             }
             for n in backend.registry.snapshot()
         ]

@@ -29,6 +29,18 @@ def hf_model(path: str, dtype: torch.dtype = torch.float32) -> transformers.PreT
     return model
 
 
+def greedy_with_logprobs(model, prompt, max_tokens: int) -> tuple[list[int], list[float]]:
+    """``model``'s greedy tokens after ``prompt``, EOS ignored, and each one's logprob: one full
+    forward per token (no KV cache: the plainest reading of the model)."""
+    tokens, logprobs = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            row = torch.log_softmax(model(torch.tensor([tokens])).logits[0, -1].float(), dim=-1)
+            tokens.append(int(row.argmax()))
+            logprobs.append(float(row[tokens[-1]]))
+    return tokens[len(prompt) :], logprobs
+
+
 def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Hugging Face generate, greedy, EOS ignored (fixed length)."""
     model = hf_model(str(path))

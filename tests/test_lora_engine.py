@@ -23,7 +23,7 @@ from pdserve.engine.core.requests import QueueFullError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.lora.registry import UnknownAdapterError
 from pdserve.protocol.sampling_params import BeamSearch
-from tests.engine_helpers import hf_model
+from tests.engine_helpers import greedy_with_logprobs, hf_model
 from tests.test_engine_disagg import _move_kv
 from tests.test_lora_model import _adapters, _peft_model, _prompt
 from tests.tiny_models import make_tiny_model
@@ -52,13 +52,7 @@ def _oracle(kind: str, adapter: str | None, prompt: tuple[int, ...], max_tokens:
     logprob: one full forward per token."""
     base = str(make_tiny_model(kind))
     model = hf_model(base) if adapter is None else _peft_model(base, _adapters(kind)[adapter])
-    tokens, logprobs = list(prompt), []
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            row = torch.log_softmax(model(torch.tensor([tokens])).logits[0, -1].float(), dim=-1)
-            tokens.append(int(row.argmax()))
-            logprobs.append(float(row[tokens[-1]]))
-    return tokens[len(prompt) :], logprobs
+    return greedy_with_logprobs(model, prompt, max_tokens)
 
 
 def _greedy(adapter: str | None, max_tokens: int) -> SamplingParams:

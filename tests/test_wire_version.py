@@ -29,6 +29,7 @@ WIRE_DIGESTS = {
     8: "c873b71b786ecfa9",
     9: "befd26030e427d77",
     10: "68fc9c24bee4a8a0",
+    11: "6e58b03fcfd0ae1b",
 }
 
 

@@ -23,7 +23,7 @@ from pdserve.engine.machine.device import resolve_attention_backend, resolve_dty
 from pdserve.engine.machine.sizing import DeviceMemory, device_start, measure_device
 from pdserve.engine.models import build_model
 from pdserve.engine.weights import load_weights
-from pdserve.kernels import cpu_linear, kv_int8
+from pdserve.kernels import cpu_int8, cpu_linear, kv_int8
 from pdserve.protocol.kv_layout import KVCacheSpec, kv_heads_of
 
 KVCacheFactory = Callable[[KVCacheSpec], list[tuple[torch.Tensor, torch.Tensor]]]
@@ -77,6 +77,20 @@ class StepPlan:
         return cls(arrays, int(d["num_decodes"]), copies, rows)
 
 
+def check_quantization(quantization: str | None, platform: Platform) -> None:
+    """ValueError naming why ``quantization`` cannot run on ``platform``; None where it can."""
+    if quantization is None:
+        return
+    if not platform.packs_linears:
+        raise ValueError(
+            f"quantization {quantization} runs on the CPU only (oneDNN's int8 matmul), not on "
+            f"{platform.device}"
+        )
+    why = cpu_int8.available()
+    if why is not None:
+        raise ValueError(f"quantization {quantization}: {why}")
+
+
 def largest_prefill(num_tokens: int, num_seqs: int, max_model_len: int) -> list[int]:
     """The prompt lengths of the largest prefill step a scheduler can build under a budget of
     ``num_tokens`` tokens and ``num_seqs`` sequences, none longer than ``max_model_len``."""
@@ -124,11 +138,13 @@ class ModelRunner:
             limits = LoRALimits(engine_config.max_loras, engine_config.max_lora_rank)
             self.lora = LoRAModel(self.model, model_config, limits, self.dtype, device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        # oneDNN matmuls on weights packed once (kernels/cpu_linear.py); F.linear where it can't
+        # oneDNN matmuls on weights packed once (kernels/cpu_linear.py), or int8 ones
+        # (kernels/cpu_int8.py, --quantization int8); F.linear where neither can run
+        self.quantization = engine_config.quantization
         self.packed_linear = (
             platform.packs_linears
-            and cpu_linear.enabled(self.dtype)
-            and cpu_linear.pack_linears(self.model) > 0
+            and (self.quantization is not None or cpu_linear.enabled(self.dtype))
+            and cpu_linear.pack_linears(self.model, self.quantization, cpu_linear.enabled(self.dtype)) > 0
         )
         # Called before each decoder layer runs: a node's liveness follows progress inside a step,
         # so a long step on a slow machine is told apart from a hung kernel (node/runtime.py).

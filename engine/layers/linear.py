@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.executor.parallel import ParallelState
-from pdserve.kernels import cpu_linear
+from pdserve.kernels import cpu_int8, cpu_linear
 from pdserve.protocol.kv_layout import check_tp_layout, kv_heads_of, query_heads_of
 
 VOCAB_PADDING = 64  # each rank's vocabulary range is a multiple of this many rows
@@ -109,16 +109,22 @@ class RankRows(NamedTuple):
 
 class Packable:
     """``x W^T (+ b)`` on this rank's W: F.linear, or oneDNN on a packed copy once ``pack`` has
-    run (kernels/cpu_linear.py's pack_linears, on the CPU), which drops the plain weight.
-    ``lora``: set by engine/lora on the qkv, gate_up, o and down projections when adapters are
-    enabled; None (the default) costs nothing."""
+    run (kernels/cpu_linear.py's pack_linears, on the CPU), which drops the plain weight; or, once
+    ``quantize`` has run, W8A8 on an int8 copy (kernels/cpu_int8.py: this rank's W, each output
+    channel with its own scale). ``lora``: set by engine/lora on the qkv, gate_up, o and down
+    projections when adapters are enabled; None (the default) costs nothing. An adapter's
+    product is computed from the unquantized x, in the compute dtype, on a quantized base too."""
 
     packable = True
+    quantizable = True  # the LM head sets False: it stays in the compute dtype
     packed_weight: torch.Tensor | None = None
+    int8_weight: cpu_int8.Int8Weight | None = None
     weight: Any
     lora: LoRAHook | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.int8_weight is not None:
+            return cpu_int8.int8_matmul(x, self.int8_weight, bias)
         if self.packed_weight is not None:
             return cpu_linear.packed_matmul(x, self.packed_weight, bias)
         return F.linear(x, self.weight, bias)
@@ -126,6 +132,10 @@ class Packable:
     def pack(self) -> None:
         self.packed_weight = cpu_linear.pack_weight(self.weight)
         self.weight = None  # a tied head's embedding keeps its own reference
+
+    def quantize(self) -> None:
+        self.int8_weight = cpu_int8.pack_weight(self.weight)
+        self.weight = None
 
 
 class ColumnParallelLinear(Packable, nn.Module):
@@ -324,7 +334,9 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(Packable, VocabParallelEmbedding):
     """Logits of this rank's vocabulary range, gathered over the ranks, the padding cut off. A tied
     head takes the embedding's weight (``head.weight = embedding.weight``): the same range on every
-    rank."""
+    rank. Never quantized: the logits stay in the compute dtype."""
+
+    quantizable = False
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits [N, vocab]

@@ -100,6 +100,8 @@ def describe_runtime(runner, device: torch.device, adapts_threads: bool, dtype_w
     native = ops.native_cpu(runner.kv_caches[0][0], runner.attention_backend)
     attention = "C++ CPU kernel" if native else "torch/Triton"
     linear = "oneDNN, packed weights" if runner.packed_linear else "F.linear"
+    if runner.quantization == "int8":
+        linear = "oneDNN int8 (W8A8: int8 weights per channel, activations per token; LM head in dtype)"
     adapts = "; fewer torch threads while other processes load these CPUs" * adapts_threads
     dtype = describe_dtype(runner.dtype, device, dtype_why)
     return f"{adapts}; {dtype}; attention: {attention}; linear layers: {linear}; {cpu_env.describe()}"

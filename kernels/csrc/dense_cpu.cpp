@@ -12,6 +12,10 @@
 //                                       maximum, a NaN counting as the maximum; the greedy sampler's
 //   write_kv_int8_(k, v, kc, vc, slots) new tokens' K/V [T, KVH, D] into int8 caches (nbhd-q8-v1):
 //                                       each row quantized alone, as kernels/kv_int8.quantize_rows
+//   quantize_rows_u8(x)                 [T, K] -> (uint8 [T, K], fp32 [T, 1]): each row's symmetric
+//                                       int8 (scale max|x| / 127) plus 128, as kernels/cpu_int8's
+//                                       torch path; the W8A8 linear layers' activations
+//   dequantize_rows(acc, scale, bias, dtype)  [T, N] fp32 * scale[T] (+ bias[N]), rounded to dtype
 //
 // Arithmetic is fp32 whatever the dtype, rounded where the torch expression it replaces rounds.
 #include <ATen/ATen.h>
@@ -280,6 +284,82 @@ void write_kv_int8_(const at::Tensor &key, const at::Tensor &value, at::Tensor &
   });
 }
 
+// A W8A8 linear layer's activations (kernels/cpu_int8.py): row t's scale = max|x_t| / 127 and
+// q = round-half-even(x / scale) clamped to +-127, stored plus 128 as uint8 (oneDNN's int8 matmul
+// takes unsigned activations with a zero point: VNNI multiplies u8 by s8). An all-zero row: q = 0
+// (stored 128), scale 0. The same fp32 operations as the torch path, so both give the same bytes.
+std::tuple<at::Tensor, at::Tensor> quantize_rows_u8(const at::Tensor &x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, K] with contiguous rows");
+  const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0);
+  auto q = at::empty({rows, k}, x.options().dtype(at::kByte));
+  auto scales = at::empty({rows, 1}, x.options().dtype(at::kFloat));
+  uint8_t *qp = q.data_ptr<uint8_t>();
+  float *sp = scales.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows_u8", [&] {
+    const scalar_t *xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, row_grain(2 * k), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t *xr = xp + r * stride;
+        uint8_t *o = qp + r * k;
+        float amax = 0.f;
+        for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(static_cast<float>(xr[i])));
+        const float scale = amax / 127.f;
+        sp[r] = scale;
+        for (int64_t i = 0; i < k; ++i) {
+          const float v = amax > 0.f ? std::nearbyint(static_cast<float>(xr[i]) / scale) : 0.f;
+          o[i] = static_cast<uint8_t>(static_cast<int>(std::min(127.f, std::max(-127.f, v))) + 128);
+        }
+      }
+    });
+  });
+  return {q, scales};
+}
+
+// y[t, n] = acc[t, n] * scale[t] (+ bias[n]) in fp32, rounded once to ``dtype``: the W8A8 matmul's
+// int32 sums (already times the weight's per-channel scales, in fp32) back in the model's dtype.
+template <typename T, typename B>
+void dequantize_rows_impl(const float *acc, const float *scale, const B *bias, T *out, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, row_grain(2 * n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float s = scale[r];
+      const float *a = acc + r * n;
+      T *o = out + r * n;
+      if (bias == nullptr) {
+        for (int64_t i = 0; i < n; ++i) o[i] = round_to<T>(a[i] * s);
+      } else {
+        for (int64_t i = 0; i < n; ++i) o[i] = round_to<T>(a[i] * s + static_cast<float>(bias[i]));
+      }
+    }
+  });
+}
+
+at::Tensor dequantize_rows(const at::Tensor &acc, const at::Tensor &scale, const c10::optional<at::Tensor> &bias,
+                           at::ScalarType dtype) {
+  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.scalar_type() == at::kFloat, "acc must be [rows, N] fp32");
+  TORCH_CHECK(scale.numel() == acc.size(0) && scale.is_contiguous() && scale.scalar_type() == at::kFloat,
+              "scale must be [rows] or [rows, 1] fp32");
+  const int64_t rows = acc.size(0), n = acc.size(1);
+  auto out = at::empty({rows, n}, acc.options().dtype(dtype));
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == n, "bias must be [N]");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "dequantize_rows", [&] {
+    using out_t = scalar_t;
+    if (!b.defined()) {
+      dequantize_rows_impl<out_t, float>(acc.data_ptr<float>(), scale.data_ptr<float>(), nullptr,
+                                         out.data_ptr<out_t>(), rows, n);
+      return;
+    }
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, b.scalar_type(), "dequantize_rows_bias", [&] {
+      dequantize_rows_impl<out_t, scalar_t>(acc.data_ptr<float>(), scale.data_ptr<float>(), b.data_ptr<scalar_t>(),
+                                            out.data_ptr<out_t>(), rows, n);
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
@@ -289,6 +369,8 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("write_kv_int8_(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slots) -> ()");
+  m.def("quantize_rows_u8(Tensor x) -> (Tensor, Tensor)");
+  m.def("dequantize_rows(Tensor acc, Tensor scale, Tensor? bias, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
@@ -298,4 +380,6 @@ TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("rotary_", &rotary_);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("write_kv_int8_", &write_kv_int8_);
+  m.impl("quantize_rows_u8", &quantize_rows_u8);
+  m.impl("dequantize_rows", &dequantize_rows);
 }

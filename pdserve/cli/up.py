@@ -125,6 +125,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="with --kv-offload-dir: each node's folder budget in MiB (default: the nodes' 8192)",
     )
     parser.add_argument(
+        "--quantization",
+        choices=("int8",),
+        default=None,
+        help="int8: every node runs W8A8 linear layers, its weights quantized as they load, no "
+        "calibration (CPU only; accuracy and speed in bench/README.md); nodes of another "
+        "quantization never pair with these",
+    )
+    parser.add_argument(
         "--node-args",
         default="",
         metavar="FLAGS",
@@ -262,8 +270,13 @@ def _plan(args: argparse.Namespace):
         )
     node_lora, router_lora = lora_args(args)
     traces = tracing_args(args)
-    node_args = (*node_lora, *shlex.split(args.node_args), *slo_node_args(args), *traces)
+    quantization = ("--quantization", args.quantization) if args.quantization else ()
+    node_args = (*node_lora, *quantization, *shlex.split(args.node_args), *slo_node_args(args), *traces)
     _say(f"dtype: {_node_dtype(model, node_args)}")
+    if args.quantization:
+        _say(
+            f"quantization: {args.quantization} linear layers (W8A8) on every node; LM head and attention in the dtype"
+        )
     layout = _gpu_layout(args, node_args, num_prefill, num_decode + num_colocated, num_nodes)
     if layout is not None:
         _say(layout.describe())
