@@ -9,6 +9,7 @@ both see the same machine state as nearly as a shared machine allows.
     python bench/vllm_compare.py --vllm-python /work/vllm-venv/bin/python --model default --workload rep --speculative ngram
     python bench/vllm_compare.py ... --kv-cache-dtype auto,int8     # pdserve with each KV cache in turn
     python bench/vllm_compare.py ... --vllm-kv-cache-dtype auto,fp8  # vLLM too; ratios are to its best
+    python bench/vllm_compare.py ... --quantization none,int8        # pdserve's weights as loaded, then W8A8
     python bench/vllm_compare.py ... --workload edit --num-prompts 8 --output-len 256,256   # a few long edits
 
 ``--speculative ngram`` runs pdserve twice, without speculation and with it (vLLM's CPU build
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import pathlib
 import subprocess
@@ -179,6 +181,11 @@ def main() -> None:
         "--kv-cache-dtype", default="auto", help="pdserve's KV cache: auto, int8, or both (auto,int8) in turn"
     )
     ap.add_argument(
+        "--quantization",
+        default="none",
+        help="pdserve's weights: none, int8 (W8A8 at load time), or both (none,int8) in turn",
+    )
+    ap.add_argument(
         "--vllm-kv-cache-dtype",
         default="auto",
         help="vLLM's KV cache: auto, fp8 (its quantized cache on CPU, AVX-512 or AMX), or both in turn",
@@ -225,9 +232,12 @@ def main() -> None:
     run = (model, reqs, args.max_num_seqs, args.threads, args.dtype, args.passes)
     commit = {"kv_commit": args.kv_commit}
     variants = []  # (label, engine arguments): each KV dtype asked for, without and with speculation
-    for kv in args.kv_cache_dtype.split(","):
+    for kv, quantization in itertools.product(args.kv_cache_dtype.split(","), args.quantization.split(",")):
         base = {} if kv == "auto" else {"kv_cache_dtype": kv}
         suffix = "" if kv == "auto" else f" --kv-cache-dtype {kv}"
+        if quantization != "none":
+            base["quantization"] = quantization
+            suffix += f" --quantization {quantization}"
         variants.append(("pdserve" + suffix, base))
         if args.speculative:
             spec_args = {

@@ -25,6 +25,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "cpu_math.h"
 
@@ -288,6 +290,24 @@ void write_kv_int8_(const at::Tensor &key, const at::Tensor &value, at::Tensor &
 // q = round-half-even(x / scale) clamped to +-127, stored plus 128 as uint8 (oneDNN's int8 matmul
 // takes unsigned activations with a zero point: VNNI multiplies u8 by s8). An all-zero row: q = 0
 // (stored 128), scale 0. The same fp32 operations as the torch path, so both give the same bytes.
+
+// One row into uint8 (see quantize_rows_u8). Two plain loops over fp32 that the compiler
+// vectorizes (max of |x|; divide, round, clamp, narrow); ``tmp`` holds the row in fp32.
+inline float quantize_row_u8(const float *x, uint8_t *o, int64_t k) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = amax / 127.f;
+  if (amax == 0.f) {
+    std::memset(o, 128, static_cast<size_t>(k));
+    return scale;
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    const float v = std::min(127.f, std::max(-127.f, std::nearbyint(x[i] / scale)));
+    o[i] = static_cast<uint8_t>(static_cast<int32_t>(v) + 128);
+  }
+  return scale;
+}
+
 std::tuple<at::Tensor, at::Tensor> quantize_rows_u8(const at::Tensor &x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, K] with contiguous rows");
   const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0);
@@ -298,17 +318,17 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_u8(const at::Tensor &x) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows_u8", [&] {
     const scalar_t *xp = x.data_ptr<scalar_t>();
     at::parallel_for(0, rows, row_grain(2 * k), [&](int64_t r0, int64_t r1) {
+      std::vector<float> tmp(std::is_same_v<scalar_t, float> ? 0 : k);
       for (int64_t r = r0; r < r1; ++r) {
         const scalar_t *xr = xp + r * stride;
-        uint8_t *o = qp + r * k;
-        float amax = 0.f;
-        for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(static_cast<float>(xr[i])));
-        const float scale = amax / 127.f;
-        sp[r] = scale;
-        for (int64_t i = 0; i < k; ++i) {
-          const float v = amax > 0.f ? std::nearbyint(static_cast<float>(xr[i]) / scale) : 0.f;
-          o[i] = static_cast<uint8_t>(static_cast<int>(std::min(127.f, std::max(-127.f, v))) + 128);
+        const float *row;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          row = reinterpret_cast<const float *>(xr);  // the same type: the branch is only kept for float
+        } else {
+          for (int64_t i = 0; i < k; ++i) tmp[i] = static_cast<float>(xr[i]);
+          row = tmp.data();
         }
+        sp[r] = quantize_row_u8(row, qp + r * k, k);
       }
     });
   });

@@ -1,11 +1,14 @@
-"""What bfloat16 costs in accuracy on the default model, against Hugging Face on the same weights.
+"""What bfloat16 and int8 weights cost in accuracy on the default model, against Hugging Face on
+the same weights.
 
-    .venv/bin/python bench/bf16_accuracy.py [--num-prompts 8] [--max-tokens 32]
+    .venv/bin/python bench/accuracy.py [--num-prompts 8] [--max-tokens 32]
+    .venv/bin/python bench/accuracy.py --engines bfloat16,int8:bfloat16,int8:float32,float32
 
 Chat prompts from bench/text_workloads.py ("rep": copy the given text, 60-900 tokens) and HF
-fp32's greedy continuation of each are run teacher-forced through four models: HF in fp32 (the
-reference), HF in bf16, and pdserve's engine in bf16 (``--dtype auto`` on a CPU with bf16
-arithmetic) and in fp32 (the control). At every position:
+fp32's greedy continuation of each are run teacher-forced through HF in fp32 (the reference),
+HF in bf16, and pdserve's engine in each of ``--engines``: a dtype, or ``int8:DTYPE`` for
+``quantization="int8"`` computing in that dtype (default: bf16, as ``--dtype auto`` gives on a
+CPU with bf16 arithmetic, and fp32, the control). At every position:
 
 - top-1 agreement on confident positions: where HF fp32 gives its top token at least
   ``--confident`` probability, the share of positions whose top token is the same;
@@ -47,6 +50,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--confident", type=float, default=0.5)
+    ap.add_argument("--engines", default="bfloat16,float32", help="comma-separated DTYPE or int8:DTYPE")
     args = ap.parse_args()
     torch.set_num_threads(2)
     path = fetch_default_model(progress=False)
@@ -70,8 +74,9 @@ def main() -> None:
     got = [hf_rows(hf16, t) for t in teacher]
     rows["HF bfloat16"] = (torch.cat([g[0] for g in got]), torch.cat([g[1] for g in got]), None)
     del hf16
-    for dtype in ("bfloat16", "float32"):
-        llm = LLM(str(path), dtype=dtype, num_kv_blocks=4096)
+    for engine in args.engines.split(","):
+        quantization, _, dtype = engine.rpartition(":")
+        llm = LLM(str(path), dtype=dtype, num_kv_blocks=4096, quantization=quantization or None)
         forced = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
         tops, lps = [], []
         for res in llm.generate(teacher, forced):
@@ -79,7 +84,8 @@ def main() -> None:
             lps.append(torch.tensor([lp.logprob for lp in res.prompt_logprobs]))
         greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         outs = [r.outputs[0].token_ids for r in llm.generate(prompts, greedy)]
-        rows[f"pdserve {dtype}"] = (torch.cat(tops), torch.cat(lps), outs)
+        name = f"pdserve {quantization} ({dtype})" if quantization else f"pdserve {dtype}"
+        rows[name] = (torch.cat(tops), torch.cat(lps), outs)
         del llm
 
     print(
