@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.cluster import pdserve_up
-from tests.test_int8_weights import _oracle
+from tests.test_int8_weights import ATOL, _oracle
 from tests.test_router_cluster import tiny_model_with_tokenizer
 from tests.test_speculative_cluster import _complete, _repetitive
 
@@ -55,6 +55,6 @@ def test_both_paths_at_once_give_the_offline_int8_engine_s_tokens(cluster):
         for (prompt, params, _), (ids, values) in zip(jobs, got, strict=True):
             want = llm.generate([prompt], SamplingParams(**params, logprobs=0))[0].outputs[0]
             assert ids == want.token_ids, len(prompt)
-            assert values == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4), len(prompt)
+            assert values == pytest.approx([lp.logprob for lp in want.logprobs], abs=ATOL), len(prompt)
             if params is greedy:
                 assert ids == _oracle(str(model), tuple(prompt), MAX_TOKENS)[0], len(prompt)

@@ -294,8 +294,17 @@ void write_kv_int8_(const at::Tensor &key, const at::Tensor &value, at::Tensor &
 // One row into uint8 (see quantize_rows_u8). Two plain loops over fp32 that the compiler
 // vectorizes (max of |x|; divide, round, clamp, narrow); ``tmp`` holds the row in fp32.
 inline float quantize_row_u8(const float *x, uint8_t *o, int64_t k) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
+  // max |x| as the largest of the values' bits with the sign cleared: for floats that are not NaN
+  // the bits order as the values do, and an integer max reduction vectorizes (a float one does
+  // not, for NaN's sake). A NaN's bits exceed infinity's, so a NaN row still gives a NaN scale.
+  uint32_t bits = 0;
+  for (int64_t i = 0; i < k; ++i) {
+    uint32_t b;
+    std::memcpy(&b, x + i, sizeof b);
+    bits = std::max(bits, b & 0x7fffffffu);
+  }
+  float amax;
+  std::memcpy(&amax, &bits, sizeof amax);
   const float scale = amax / 127.f;
   if (amax == 0.f) {
     std::memset(o, 128, static_cast<size_t>(k));
