@@ -32,6 +32,7 @@ OVERLOAD_RATES = (0.5, 1.0, 2.0)
 AUTOSCALE_RATES = (0.25, 0.5, 1.0, 2.0)  # issue 32: 0.25x to 2x of about 1 req/s (2026-12-05 profile)
 SLO_ROUTER_ARGS = "--ttft-slo-s 4 --tpot-slo-s 0.25"  # the study's SLO: run it with the same in bench
 LOAD_RATES = (2.0, 4.0, 8.0)
+INT8_RATES = (1.0, 2.0, 4.0)
 PREFILL_HEAVY = {"kind": "fixed", "num_requests": 16, "input_len": 512, "output_len": 16}
 SHARED_PREFIX = {
     "kind": "shared-prefix",
@@ -196,6 +197,32 @@ def studies() -> dict[str, list[Point]]:
                 slo_flags=True,
             ),
             Point("vLLM server (2 cores) mix", colocated, MIX_48, LOAD_RATES, vllm=True),
+        ],
+        "int8": [  # issue 60: int8 weights served, beside bf16 (auto on a bf16 CPU) and vLLM in bf16
+            Point("pdserve 1P+1D mix", pd, MIX_48, INT8_RATES),
+            Point(
+                "pdserve 1P+1D, --quantization int8, mix",
+                pd,
+                MIX_48,
+                INT8_RATES,
+                flags=("--quantization", "int8"),
+            ),
+            Point("pdserve 1 colocated mix", colocated, MIX_48, INT8_RATES),
+            Point(
+                "pdserve 1 colocated, --quantization int8, mix",
+                colocated,
+                MIX_48,
+                INT8_RATES,
+                flags=("--quantization", "int8"),
+            ),
+            Point(
+                "vLLM server (2 cores), bf16, mix",
+                colocated,
+                MIX_48,
+                INT8_RATES,
+                node_args="--dtype bfloat16",
+                vllm=True,
+            ),
         ],
         "commit": [  # the load study's servers, by how the KV pool is committed, beside vLLM
             Point("pdserve 1 colocated, idle KV commit (default) mix", colocated, MIX_48, LOAD_RATES),

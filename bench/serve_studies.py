@@ -10,6 +10,8 @@
     .venv/bin/python bench/serve_studies.py vllm --vllm-python /work/vllm-venv/bin/python   # 1P+1D vs vLLM, 2 cores
     .venv/bin/python bench/serve_studies.py load --vllm-python /work/vllm-venv/bin/python --rounds 3
         # the same servers (and 1P+1D without local prefill) at 2, 4 and 8 req/s, 48 requests a rate
+    .venv/bin/python bench/serve_studies.py int8 --vllm-python /work/vllm-venv/bin/python
+        # 1P+1D and 1 colocated with and without --quantization int8, and vLLM in bf16, 1-4 req/s
     .venv/bin/python bench/serve_studies.py speculative --vllm-python /work/vllm-venv/bin/python
         # 1P+1D without and with --speculative ngram (and with the int8 KV cache too), and vLLM, on the
         # rep trace (edit/quote prompts)
