@@ -64,7 +64,7 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def pack_weight(weight: torch.Tensor) -> Int8Weight:
     q, scale = quantize_weight(weight)
     packed = torch.ops.onednn.qlinear_prepack(q, None)
-    zeros = torch.zeros(q.shape[0], dtype=torch.int64)
+    zeros = torch.zeros(q.shape[0], dtype=torch.int64, device="cpu")
     return Int8Weight(packed, scale, zeros, q.shape[1], q.shape[0])
 
 
@@ -145,8 +145,8 @@ def _self_check() -> bool:
         return False
     try:
         gen = torch.Generator().manual_seed(0)
-        weight = torch.randn(48, 64, generator=gen)
-        x = torch.randn(5, 64, generator=gen)
+        weight = torch.randn(48, 64, generator=gen, device="cpu")
+        x = torch.randn(5, 64, generator=gen, device="cpu")
         with torch.inference_mode():
             got = int8_matmul(x, pack_weight(weight), None)
             want = reference_matmul(x, weight, None)
