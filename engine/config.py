@@ -52,6 +52,10 @@ class ModelConfig:
     # like for a checkpoint dequantized from a quantized file (engine/model_fetch.py); --dtype auto
     # follows it on the CPU (engine/machine/device.py)
     checkpoint_dtype: str = "float32"
+    # a checkpoint stored quantized that the engine computes as such: "int8" for compressed-tensors
+    # W8A8 (int8 weights per channel, dynamic int8 activations per token; engine/weights.py reads
+    # them, kernels/cpu_int8.py runs them); None: the weights are floats
+    checkpoint_quantization: str | None = None
 
     @classmethod
     def from_dict(cls, path: str, cfg: dict) -> ModelConfig:
@@ -85,6 +89,7 @@ class ModelConfig:
             bos_token_id=hf.bos_token_id,
             hf=hf,
             checkpoint_dtype=checkpoint_dtype_of(cfg),
+            checkpoint_quantization=checkpoint_quantization_of(path, cfg),
         )
 
     @classmethod
@@ -113,6 +118,42 @@ def checkpoint_dtype_of(cfg: dict) -> str:
         return str(cfg[DEQUANTIZED_FROM_KEY])
     dtype = cfg.get("dtype") or cfg.get("torch_dtype")
     return dtype if dtype in ("bfloat16", "float16") else "float32"
+
+
+def checkpoint_quantization_of(path: str, cfg: dict) -> str | None:
+    """ "int8" for a compressed-tensors W8A8 checkpoint (llm-compressor's W8A8 preset: int8 weights,
+    symmetric, a scale per output channel; int8 activations, symmetric, per token, dynamic), as
+    vLLM loads it; None without a quantization_config; ValueError naming what else it holds."""
+    qc = cfg.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method != "compressed-tensors":
+        raise ValueError(
+            f"model: {path} is quantized with {method!r}; pdserve reads float checkpoints and "
+            "compressed-tensors W8A8 ones (or quantizes at load with --quantization int8)"
+        )
+    groups = list((qc.get("config_groups") or {}).values())
+    want_weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+    want_inputs = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+    for group in groups:
+        weights, inputs = group.get("weights") or {}, group.get("input_activations") or {}
+        for what, got, want in (
+            ("weights", weights, want_weights),
+            ("input_activations", inputs, want_inputs),
+        ):
+            off = {k: got.get(k) for k, v in want.items() if got.get(k) != v}
+            if off:
+                raise ValueError(
+                    f"model: {path}'s compressed-tensors {what} have {off}; pdserve reads the W8A8 "
+                    f"scheme only ({what}: {want})"
+                )
+    if not groups or qc.get("format") not in ("int-quantized", "naive-quantized"):
+        raise ValueError(
+            f"model: {path}'s compressed-tensors format is {qc.get('format')!r} with {len(groups)} "
+            "config groups; pdserve reads int-quantized W8A8 checkpoints"
+        )
+    return "int8"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

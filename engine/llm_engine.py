@@ -93,12 +93,16 @@ class LLMEngine:
             self.device.type != "cpu" or config.attention_backend == "triton"
         ):
             raise ValueError(f"kv_cache_dtype int8 has CPU kernels only, not on {self.device} or with Triton")
-        check_quantization(config.quantization, platform)
         self.model_config = ModelConfig.from_path(config.model)
         dtype, self.dtype_why = explain_dtype(
             config.dtype, self.device.type, self.model_config.checkpoint_dtype
         )
-        self.config = config = dataclasses.replace(config, dtype=dtype)
+        # a W8A8 checkpoint runs as int8 where int8 layers run (the CPU), else dequantized in dtype
+        stored = self.model_config.checkpoint_quantization if platform.packs_linears else None
+        self.config = config = dataclasses.replace(
+            config, dtype=dtype, quantization=config.quantization or stored
+        )
+        check_quantization(config.quantization, platform)
         model_class(self.model_config)  # unsupported architectures fail before any allocation
         if config.enable_lora:
             check_lora_family(self.model_config)  # ... and families without LoRA

@@ -49,13 +49,44 @@ def checkpoint_files(model_dir: str | pathlib.Path) -> list[pathlib.Path]:
     raise ValueError(f"model: no model.safetensors or model.safetensors.index.json in {root}")
 
 
+# a compressed-tensors W8A8 checkpoint's companions of an int8 weight, read with it (ScaledInt8)
+_SCALE_SUFFIXES = (".weight_scale", ".weight_zero_point")
+
+
+class ScaledInt8:
+    """A compressed-tensors int8 weight [out, in] with its per-output-channel scale ([out, 1] or
+    [out]), read as float32 ``q * scale`` in the rows and columns a loader indexes. The engine's
+    int8 layers quantize it again per channel, which gives back the same int8 values (each
+    row's largest |q| is 127, as the W8A8 scheme's min-max scales make it)."""
+
+    def __init__(self, q: Any, scale: Any) -> None:
+        self.q, self.scale = q, scale
+
+    def get_shape(self) -> list[int]:
+        return list(self.q.get_shape())
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        rows = index[0] if isinstance(index, tuple) else index
+        return self.q[index].float() * self.scale[rows].float().reshape(-1, 1)
+
+
 def iter_slices(model_dir: str | pathlib.Path, device: str = "cpu") -> Iterator[tuple[str, Any]]:
     """The checkpoint's tensors as safetensors slices: bytes are read (straight onto ``device``,
-    no host copy of a GPU's weights) only for the rows and columns a loader indexes."""
+    no host copy of a GPU's weights) only for the rows and columns a loader indexes. An int8
+    weight of a compressed-tensors checkpoint comes with its scale, as one ScaledInt8."""
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device=device) as f:
+            names = set(f.keys())
             for name in f.keys():
-                yield name, f.get_slice(name)
+                if name.endswith(_SCALE_SUFFIXES):
+                    continue
+                data = f.get_slice(name)
+                if data.get_dtype() == "I8":
+                    scale = name.removesuffix("weight") + "weight_scale"
+                    if not name.endswith(".weight") or scale not in names:
+                        raise ValueError(f"checkpoint tensor {name!r} is int8 without a {scale} in its file")
+                    data = ScaledInt8(data, f.get_slice(scale))
+                yield name, data
 
 
 def load_weights(model: Model, model_dir: str | pathlib.Path) -> None:

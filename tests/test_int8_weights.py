@@ -11,8 +11,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import json
+import pathlib
+import re
+import shutil
 
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
@@ -190,3 +195,118 @@ def test_int8_is_refused_where_it_cannot_run_naming_why():
 def test_nodes_of_different_quantization_never_share_kv():
     int8 = dataclasses.replace(FP, quantization="int8")
     assert int8.first_difference(FP) == "quantization" and FP.quantization == ""
+
+
+# --------------------------------------------------------------------------- W8A8 checkpoints
+
+W8A8_CONFIG = {  # llm-compressor's W8A8 preset as it writes config.json (what vLLM loads)
+    "quant_method": "compressed-tensors",
+    "format": "int-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 8,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "channel",
+                "dynamic": False,
+            },
+            "input_activations": {
+                "num_bits": 8,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "token",
+                "dynamic": True,
+            },
+        }
+    },
+    "ignore": ["lm_head"],
+}
+
+
+def w8a8_checkpoint(source: pathlib.Path, folder: pathlib.Path, scale_dtype=torch.float32) -> pathlib.Path:
+    """``source``'s checkpoint written as compressed-tensors W8A8: every decoder linear weight as
+    int8 with a [out, 1] scale (min-max, round to nearest), the rest as it was."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.name not in ("config.json", "model.safetensors"):
+            shutil.copy(item, folder / item.name)
+    config = json.loads((source / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": W8A8_CONFIG}))
+    tensors = {}
+    for name, tensor in safetensors.torch.load_file(source / "model.safetensors").items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            scale = (tensor.abs().amax(dim=1, keepdim=True) / 127).to(scale_dtype)
+            tensors[name] = torch.round(tensor / scale.float()).clamp(-127, 127).to(torch.int8)
+            tensors[name.removesuffix("weight") + "weight_scale"] = scale
+        else:
+            tensors[name] = tensor
+    safetensors.torch.save_file(tensors, folder / "model.safetensors")
+    return folder
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_a_w8a8_checkpoint_runs_as_int8_and_equals_quantizing_at_load(tmp_path, scale_dtype):
+    """The int8 values and scales a W8A8 checkpoint stores are the ones --quantization int8 makes
+    from its floats (min-max per channel): the same engine, the same tokens and logprobs."""
+    source = make_tiny_model("llama")
+    stored = w8a8_checkpoint(source, tmp_path / "w8a8", scale_dtype)
+    prompts = [_prompt(40 + i, n) for i, n in enumerate([9, 23])]
+    with LLM(str(stored), num_kv_blocks=64) as llm:  # no flag: the checkpoint says int8
+        assert llm.engine.config.quantization == "int8"
+        got = llm.generate(prompts, _greedy(6))
+    with LLM(str(source), num_kv_blocks=64, quantization="int8") as llm:
+        want = llm.generate(prompts, _greedy(6))
+    if scale_dtype == torch.float32:  # the same int8 weights and fp32 scales
+        for g, w in zip(got, want, strict=True):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            assert [e.logprob for e in g.outputs[0].logprobs] == pytest.approx(
+                [e.logprob for e in w.outputs[0].logprobs], abs=1e-5
+            )
+    else:  # bf16 scales round: its int8 values differ from those of the floats; simulate them
+        _assert_oracle(str(_dequantized(stored, source, tmp_path / "dequantized")), prompts, got, 6)
+
+
+def _dequantized(stored: pathlib.Path, source: pathlib.Path, folder: pathlib.Path) -> pathlib.Path:
+    """A float checkpoint of ``stored``'s W8A8 weights (q * scale), with ``source``'s config."""
+    shutil.copytree(source, folder)
+    tensors = safetensors.torch.load_file(stored / "model.safetensors")
+    floats = {
+        name: t.float() * tensors[name.removesuffix("weight") + "weight_scale"].float()
+        if t.dtype == torch.int8
+        else t
+        for name, t in tensors.items()
+        if not name.endswith("weight_scale")
+    }
+    safetensors.torch.save_file(floats, folder / "model.safetensors")
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"quant_method": "gptq"}, "quantized with 'gptq'"),
+        ({"format": "pack-quantized"}, "format is 'pack-quantized'"),
+        (
+            {
+                "config_groups": {
+                    "g": {"weights": {**W8A8_CONFIG["config_groups"]["group_0"]["weights"], "num_bits": 4}}
+                }
+            },
+            "num_bits",
+        ),
+    ],
+)
+def test_other_quantized_checkpoints_are_refused_naming_what_they_hold(tmp_path, change, named):
+    source = make_tiny_model("llama")
+    folder = tmp_path / "q"
+    folder.mkdir()
+    for item in source.iterdir():
+        shutil.copy(item, folder / item.name)
+    config = json.loads((source / "config.json").read_text())
+    (folder / "config.json").write_text(
+        json.dumps({**config, "quantization_config": {**W8A8_CONFIG, **change}})
+    )
+    with pytest.raises(ValueError, match=re.escape(named)):
+        LLM(str(folder), num_kv_blocks=16)
