@@ -15,23 +15,19 @@ order). oneDNN applies s_w; the row scale and the bias follow in one pass
 (kernels/csrc/dense_cpu.cpp ``dequantize_rows``), with the activations' quantization the other
 native op (``quantize_rows_u8``); both have torch fallbacks that give the same values.
 
-Accuracy against float32 is measured, not assumed: bench/int8_accuracy.py, bench/README.md.
+Accuracy against float32 is measured, not assumed: bench/accuracy.py, bench/README.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 
 from pdserve.kernels import cpu_ext
 
-log = logging.getLogger(__name__)
-
 QMAX = 127
 ZERO_POINT = 128  # the activations' offset into uint8
-QUANTIZATIONS = ("int8",)  # EngineConfig.quantization's values (None: the compute dtype)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -44,21 +40,20 @@ class Int8Weight:
     in_features: int
     out_features: int
 
-    @property
-    def nbytes(self) -> int:
-        return self.in_features * self.out_features + 4 * self.out_features
-
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[out, in] any float dtype -> (int8 [out, in], fp32 scales [out]), per output channel,
     symmetric, round half to even. An all-zero row: zeros and scale 0."""
-    w = weight.detach().float()
-    amax = w.abs().amax(dim=1)
+    q, scale = _symmetric_rows(weight.detach().float())
+    return q.to(torch.int8), scale[:, 0]
+
+
+def _symmetric_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [R, K] -> (each row's integers in [-127, 127], as fp32; its scale [R, 1])."""
+    amax = rows.abs().amax(dim=1, keepdim=True)
     scale = amax / QMAX
-    q = torch.where(
-        amax[:, None] > 0, torch.round(w / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]), 0
-    )
-    return q.clamp_(-QMAX, QMAX).to(torch.int8), scale
+    q = torch.where(amax > 0, torch.round(rows / scale.clamp_min(torch.finfo(torch.float32).tiny)), 0)
+    return q.clamp_(-QMAX, QMAX), scale
 
 
 def pack_weight(weight: torch.Tensor) -> Int8Weight:
@@ -74,11 +69,8 @@ def quantize_rows(x: torch.Tensor, native: bool | None = None) -> tuple[torch.Te
         native = cpu_ext.enabled()
     if native:
         return cpu_ext.quantize_rows_u8(x)
-    xf = x.float()
-    amax = xf.abs().amax(dim=1, keepdim=True)
-    scale = amax / QMAX
-    q = torch.where(amax > 0, torch.round(xf / scale.clamp_min(torch.finfo(torch.float32).tiny)), 0)
-    return (q.clamp_(-QMAX, QMAX) + ZERO_POINT).to(torch.uint8), scale
+    q, scale = _symmetric_rows(x.float())
+    return (q + ZERO_POINT).to(torch.uint8), scale
 
 
 def dequantize_rows(
@@ -115,8 +107,8 @@ def int8_matmul(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
 
 def reference_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """What ``int8_matmul`` computes, in plain float32 torch: the weight and the activations
-    quantized and dequantized the same way (fake quantization), then F.linear. The oracle of the
-    tests and of bench/int8_accuracy.py's simulated model."""
+    quantized and dequantized the same way (fake quantization), then F.linear: what the
+    self-check holds oneDNN's result to. (The tests build their own simulation.)"""
     q, s_w = quantize_weight(weight)
     xq, s_x = quantize_rows(x.reshape(-1, x.shape[-1]).contiguous(), native=False)
     w_hat = q.float() * s_w[:, None]

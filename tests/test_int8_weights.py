@@ -4,7 +4,7 @@ dequantized per output channel, and its input per token (fake quantization, floa
 The engine's oneDNN int8 path must give that model's greedy tokens and its logprobs within 1e-4:
 alone, in a concurrent batch with chunked prompts, at tensor_parallel_size=2 (each rank quantizes
 its own share of a row-parallel layer's inputs) and with LoRA adapters on the quantized base.
-Quantization's distance from float32 is measured in bench/int8_accuracy.py, not here."""
+Quantization's distance from float32 is measured in bench/accuracy.py, not here."""
 
 from __future__ import annotations
 

@@ -141,10 +141,11 @@ class ModelRunner:
         # oneDNN matmuls on weights packed once (kernels/cpu_linear.py), or int8 ones
         # (kernels/cpu_int8.py, --quantization int8); F.linear where neither can run
         self.quantization = engine_config.quantization
+        packs = cpu_linear.enabled(self.dtype)
         self.packed_linear = (
             platform.packs_linears
-            and (self.quantization is not None or cpu_linear.enabled(self.dtype))
-            and cpu_linear.pack_linears(self.model, self.quantization, cpu_linear.enabled(self.dtype)) > 0
+            and (self.quantization is not None or packs)
+            and cpu_linear.pack_linears(self.model, self.quantization, packs) > 0
         )
         # Called before each decoder layer runs: a node's liveness follows progress inside a step,
         # so a long step on a slow machine is told apart from a hung kernel (node/runtime.py).
