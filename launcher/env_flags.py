@@ -25,9 +25,9 @@ from pdserve.router.config import RouterConfig
 
 PREFIX = "PDSERVE_"
 # Read from the environment by the code itself, not command-line flags: the model cache directory
-# (engine.model_fetch), the switch of the CPU attention kernel (kernels.cpu_ext) and the tests'
-# GPU stand-in (engine.platform).
-NOT_FLAGS = frozenset({"PDSERVE_CACHE", "PDSERVE_NATIVE_CPU", "PDSERVE_TEST_PLATFORM"})
+# (engine.model_fetch), the switch of the CPU attention kernel (kernels.cpu_ext), the span ports
+# are chosen from (launcher.ports) and the tests' GPU stand-in (engine.platform).
+NOT_FLAGS = frozenset({"PDSERVE_CACHE", "PDSERVE_NATIVE_CPU", "PDSERVE_PORT_RANGE", "PDSERVE_TEST_PLATFORM"})
 TRUE, FALSE = frozenset({"1", "true", "yes"}), frozenset({"0", "false", "no"})
 
 

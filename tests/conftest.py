@@ -25,6 +25,26 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 
+def _worker_port_range() -> None:
+    """Under pytest-xdist each worker chooses its servers' ports (launcher.ports) from its own slice
+    of the span below the ephemeral range, inherited by every process it starts: two workers never
+    pick one port in the moment between choosing it and a server binding it."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not worker.startswith("gw") or not count.isdigit():
+        return
+    from pdserve.launcher import ports
+
+    span = ports._below_ephemeral()
+    if span is None:
+        return
+    width = len(span) // int(count)
+    low = span.start + int(worker[2:]) * width
+    os.environ[ports.RANGE_ENV] = f"{low}-{low + width - 1}"
+
+
+_worker_port_range()
+
+
 PROCESSES = "processes"
 
 
@@ -81,8 +101,13 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if PROCESSES in getattr(item, "fixturenames", ()):
+        fixtures = getattr(item, "fixturenames", ())
+        if PROCESSES in fixtures:
             item.add_marker(PROCESSES)
+        # pytest-xdist (--dist loadgroup) sends a group to one worker: a module's tests share its
+        # module-scoped clusters, and every user of the session's api_cluster shares that one
+        group = "api_cluster" if "api_cluster" in fixtures else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

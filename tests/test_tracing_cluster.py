@@ -62,11 +62,13 @@ def traced_cluster(tmp_path_factory, default_model_dir):
 
 
 def _traced(receiver: OTLPReceiver, trace_id: str, services: set[str], names: set[str]) -> list[ReceivedSpan]:
-    """Every span of the trace, once each service sent one and every name arrived."""
+    """Every span of the trace, once each service sent one, every name arrived and the router's
+    server span too (it ends last, after the reply: on a loaded machine it comes a batch later)."""
 
     def complete(spans: list[ReceivedSpan]) -> bool:
         mine = [s for s in spans if s.trace_id == trace_id]
-        return {s.service for s in mine} >= services and {s.name for s in mine} >= names
+        server = any(s.kind == 2 and s.service == "pdserve-router" for s in mine)
+        return server and {s.service for s in mine} >= services and {s.name for s in mine} >= names
 
     return [s for s in receiver.wait_for(complete, timeout_s=30) if s.trace_id == trace_id]
 
