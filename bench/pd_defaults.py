@@ -6,7 +6,10 @@ SLO defaults as a new user gets them). vLLM's client (from its own venv, run out
 sends ``--num-prompts`` random-token prompts of 256-768 tokens (``--random-input-len 512
 --random-range-ratio 0.5``; the same ratio makes the outputs 32-96 tokens, ``--ignore-eos``) at
 each Poisson rate, a fresh seed per rate, and scores goodput against TTFT <= 4 s and TPOT <= 250 ms.
-The router's ``pdserve_routes_total`` says where prompts were prefilled.
+The router's ``pdserve_routes_total`` says where prompts were prefilled. Each row also splits the
+server's CPU time over the point by process (psutil): the front end (pdserve's router, vLLM's API
+server: HTTP, validation, tokenization, detokenization, SSE), the nodes or vLLM's engine core, and
+the launcher; the front end's share per request is the router's own overhead.
 
     .venv/bin/python bench/pd_defaults.py --vllm-python /work/vllm-venv/bin/python
     .venv/bin/python bench/pd_defaults.py --vllm-python ... --shapes "pd:" "pd-no-guard:--tpot-slo-s 0"
@@ -64,6 +67,29 @@ def start(flags: str, port: int, log: pathlib.Path) -> subprocess.Popen:
     raise RuntimeError("pdserve up did not come up")
 
 
+def cpu_by_role(root_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the server's processes, by role: "front" (pdserve's
+    router or vLLM's API server), "engine" (nodes and their ranks, or vLLM's engine core), "other"."""
+    import psutil
+
+    root = psutil.Process(root_pid)
+    totals: dict[str, float] = {}
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            argv, cpu = proc.cmdline(), proc.cpu_times()
+        except psutil.Error:
+            continue
+        head = argv[:4]  # pdserve's children: python -m pdserve ROLE ...
+        if "router" in head or (proc.pid == root_pid and "vllm.entrypoints" in " ".join(argv)):
+            role = "front"
+        elif "prefill" in head or "decode" in head or "vllm.entrypoints" in " ".join(root.cmdline()):
+            role = "engine"  # a node, or anything vLLM's API server started (its engine core)
+        else:
+            role = "other"
+        totals[role] = totals.get(role, 0.0) + cpu.user + cpu.system
+    return totals
+
+
 def routes(port: int) -> dict[str, int]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
@@ -106,10 +132,11 @@ def main() -> None:
 
     args.tokenizer = fetch_default_model(progress=False)
     print(
-        "| shape | req/s | completed | goodput req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | prefilled where |",
+        "| shape | req/s | completed | goodput req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | prefilled where "
+        "| CPU s: front end / engine / other | front end ms a request |",
         flush=True,
     )
-    print("|---|---|---|---|---|---|---|", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
     for shape in args.shapes:
         label, flags = shape.split(":", 1)
         with tempfile.TemporaryDirectory() as tmp_name:
@@ -125,7 +152,10 @@ def main() -> None:
             try:
                 for k, rate in enumerate(float(r) for r in args.rates.split(",")):
                     before = {} if vllm else routes(port)
+                    server_pid = (vllm.proc if vllm else proc).pid
+                    cpu0 = cpu_by_role(server_pid)
                     r = bench(args, port, rate, args.seed + k, tmp)
+                    cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu_by_role(server_pid).items()}
                     after = {} if vllm else routes(port)
                     where = ", ".join(
                         f"{n} {after[n] - before.get(n, 0)}"
@@ -135,7 +165,9 @@ def main() -> None:
                     print(
                         f"| {label} | {rate:g} | {r['completed']}/{args.num_prompts} | {r.get('request_goodput', 0):.3f} | "
                         f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | "
-                        f"{r['median_tpot_ms']:.0f} / {r['p99_tpot_ms']:.0f} | {where} |",
+                        f"{r['median_tpot_ms']:.0f} / {r['p99_tpot_ms']:.0f} | {where} | "
+                        f"{cpu.get('front', 0):.1f} / {cpu.get('engine', 0):.1f} / {cpu.get('other', 0):.1f} | "
+                        f"{1000 * cpu.get('front', 0) / max(1, r['completed']):.1f} |",
                         flush=True,
                     )
             finally:

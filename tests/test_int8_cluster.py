@@ -27,7 +27,7 @@ MAX_TOKENS = 12
 def cluster(tmp_path_factory, default_model_dir):
     tmp = tmp_path_factory.mktemp("int8-weights")
     model = tiny_model_with_tokenizer(default_model_dir)
-    with pdserve_up(model, tmp, "--quantization", "int8") as url:
+    with pdserve_up(model, tmp, "--prefill", "1", "--decode", "1", "--quantization", "int8") as url:
         name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         yield model, name, url, tmp
 

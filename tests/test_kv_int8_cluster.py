@@ -26,7 +26,16 @@ MAX_TOKENS = 24
 def cluster(tmp_path_factory, default_model_dir):
     tmp = tmp_path_factory.mktemp("kv-int8")
     model = tiny_model_with_tokenizer(default_model_dir)
-    with pdserve_up(model, tmp, "--node-args", "--kv-cache-dtype int8 --speculative ngram") as url:
+    with pdserve_up(
+        model,
+        tmp,
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--node-args",
+        "--kv-cache-dtype int8 --speculative ngram",
+    ) as url:
         name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         yield model, name, url
 

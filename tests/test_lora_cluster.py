@@ -20,6 +20,8 @@ import httpx
 import pytest
 import torch
 
+from pdserve.cli.up_slo import SPLIT_MIN_CORES
+from pdserve.launcher.plan import usable_cores
 from tests.cluster import NodeProcess, RedisServer, pdserve_up
 from tests.engine_helpers import hf_greedy
 from tests.test_cluster_concurrent import _prompts, _stream
@@ -194,9 +196,10 @@ def test_models_runtime_load_metrics_and_errors(cluster, tmp_path):
 
 
 def test_pdserve_up_with_its_defaults_serves_adapters_exactly(tmp_path, default_model_dir):
-    """`pdserve up --lora-modules ...` as a user starts it (its own Redis, 1P+1D, the default thread
-    split and pool sizes, one slot for two adapters): concurrent requests of both adapters and the
-    base model, streamed and not, equal PEFT's greedy output."""
+    """`pdserve up --lora-modules ...` as a user starts it (its own Redis, the default shape for this
+    machine: 1P+1D, or one colocated node on a CPU of fewer than 4 cores; the default thread split
+    and pool sizes, one slot for two adapters): concurrent requests of both adapters and the base
+    model, streamed and not, equal PEFT's greedy output."""
     model = tiny_model_with_tokenizer(default_model_dir, max_position_embeddings=1024)
     adapters = {
         name: _save_adapter(str(model), tmp_path / f"up-{name}", seed, fields)
@@ -206,6 +209,9 @@ def test_pdserve_up_with_its_defaults_serves_adapters_exactly(tmp_path, default_
     modules = [f"{name}={path}" for name, path in adapters.items()]
     with pdserve_up(model, tmp_path, "--lora-modules", *modules) as url:
         router = types.SimpleNamespace(url=url)
+        roles = sorted(n["role"] for n in httpx.get(url + "/admin/nodes", timeout=10).json()["nodes"])
+        small = usable_cores() < SPLIT_MIN_CORES  # pdserve.cli.up_slo.small_cpu_machine
+        assert roles == (["colocated"] if small else ["decode", "prefill"]), roles
         prompts = _prompts(103, [10, 45, 20, 70, 12, 33])
         jobs = [((*adapters, None)[i % 3], prompt, i % 2 == 1) for i, prompt in enumerate(prompts)]
 

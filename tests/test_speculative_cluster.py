@@ -31,7 +31,9 @@ def cluster(request, tmp_path_factory, default_model_dir):
     model = tiny_model_with_tokenizer(default_model_dir)
     # the draft model: the model itself (same tokenizer; its greedy drafts are all kept)
     method = "--speculative ngram" if request.param == "ngram" else f"--speculative-model {model}"
-    with pdserve_up(model, tmp, "--node-args", f"{method} --num-speculative-tokens 4") as url:
+    with pdserve_up(
+        model, tmp, "--prefill", "1", "--decode", "1", "--node-args", f"{method} --num-speculative-tokens 4"
+    ) as url:
         name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         yield model, name, url
 

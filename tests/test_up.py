@@ -112,6 +112,28 @@ def test_the_shape_it_starts_in(flags, shape):
 
 
 @pytest.mark.parametrize(
+    ("flags", "cores", "on_cpu", "shape"),
+    [
+        ((), 2, True, (0, 0, 1)),  # each phase would compute on one core: one colocated node
+        ((), 3, True, (0, 0, 1)),
+        ((), 4, True, (1, 1, 0)),
+        ((), 2, False, (1, 1, 0)),  # on GPUs the split is the default at any core count
+        (("--prefill", "1", "--decode", "1"), 2, True, (1, 1, 0)),  # asked for: kept
+        (("--decode", "2"), 2, True, (1, 2, 0)),
+        (("--colocated", "2"), 2, True, (0, 0, 2)),
+        (("--prefill-tp", "2"), 2, True, (1, 1, 0)),  # a tensor-parallel prefill node asks for one
+        (("--autoscale",), 2, True, (0, 0, 2)),
+    ],
+)
+def test_a_small_cpu_machine_starts_one_colocated_node_unless_a_shape_is_asked_for(
+    flags, cores, on_cpu, shape
+):
+    from pdserve.cli.up_slo import start_shape
+
+    assert start_shape(build_parser().parse_args(["up", *flags]), cores, on_cpu) == shape
+
+
+@pytest.mark.parametrize(
     ("flags", "message"),
     [
         (("--prefill", "2", "--decode", "1"), "--autoscale with 3 nodes to start at 1 thread"),

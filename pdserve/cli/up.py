@@ -16,12 +16,14 @@ import sys
 import tempfile
 
 from pdserve.cli.up_slo import (
+    SPLIT_MIN_CORES,
     add_slo_flags,
     apply_slo_defaults,
     autoscale_options,
     node_budget,
     slo_node_args,
     slo_router_args,
+    small_cpu_machine,
     start_shape,
 )
 
@@ -42,22 +44,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="prefill node processes (default: 1, or 0 with --colocated or with --autoscale alone)",
+        help="prefill node processes (default: 1, or 0 with --colocated, with --autoscale alone, or on a "
+        "CPU machine of fewer than 4 cores, which starts one colocated node)",
     )
     parser.add_argument(
         "--decode",
         type=int,
         default=None,
         metavar="M",
-        help="decode node processes (default: 1, or 0 with --colocated or with --autoscale alone)",
+        help="decode node processes (default: 1, or 0 with --colocated, with --autoscale alone, or on a "
+        "CPU machine of fewer than 4 cores, which starts one colocated node)",
     )
     parser.add_argument(
         "--colocated",
         type=int,
         default=0,
         metavar="C",
-        help="node processes that prefill and decode themselves, no KV transfer (default: 0; 2 with "
-        "--autoscale and no --prefill or --decode: the controller splits them when the load says so)",
+        help="node processes that prefill and decode themselves, no KV transfer (default: 0; 1 on a CPU "
+        "machine of fewer than 4 cores and no other shape flag; 2 with --autoscale and no --prefill or "
+        "--decode: the controller splits them when the load says so)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="router's HTTP bind address (default: loopback)")
     parser.add_argument("--port", type=int, default=8000, help="router's HTTP port (default: 8000)")
@@ -239,8 +244,14 @@ def _plan(args: argparse.Namespace):
     )
 
     apply_slo_defaults(args)
-    num_prefill, num_decode, num_colocated = start_shape(args)
     cores = usable_cores()
+    on_cpu = _nodes_on_cpu(args)
+    num_prefill, num_decode, num_colocated = start_shape(args, cores, on_cpu)
+    if small_cpu_machine(args, cores, on_cpu):
+        _say(
+            f"shape: 1 colocated node, the default on a CPU machine of fewer than {SPLIT_MIN_CORES} cores "
+            f"({cores} here): split, each phase would compute on one core; --prefill 1 --decode 1 splits anyway"
+        )
     num_nodes = node_budget(args, num_prefill + num_decode + num_colocated, cores)
     model = args.model or _fetch_default_model()
     if not (pathlib.Path(model) / "config.json").is_file():
@@ -321,6 +332,16 @@ def _plan(args: argparse.Namespace):
         kv_offload_disk_mb=args.kv_offload_disk_mb,
         gpu_layout=layout,
     )
+
+
+def _nodes_on_cpu(args: argparse.Namespace) -> bool:
+    """The nodes compute on the CPU: --device cpu in --node-args, or auto on a host whose CUDA
+    sees no GPU (counted without torch: launcher/gpus.py)."""
+    from pdserve.launcher.gpus import visible_gpu_count
+    from pdserve.launcher.plan import node_device
+
+    device = node_device(shlex.split(args.node_args))
+    return device == "cpu" or (device == "auto" and visible_gpu_count() == 0)
 
 
 def _gpu_layout(

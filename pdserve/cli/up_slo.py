@@ -94,17 +94,35 @@ AUTOSCALE_ONLY = (
 
 
 AUTOSCALE_START_NODES = 2  # colocated, without shape flags (or --max-nodes, if fewer)
+# Below this many usable cores a CPU machine's default start is one colocated node: split 1P+1D,
+# each phase computes on one core, and the prefill node alone caps the cluster near 1 req/s of
+# 512-token prompts (bench/README.md, "The served gap": 0.31x vLLM's goodput at 2 req/s against
+# colocated's 0.80x on 2 cores).
+SPLIT_MIN_CORES = 4
 
 
-def start_shape(args: argparse.Namespace) -> tuple[int, int, int]:
+def small_cpu_machine(args: argparse.Namespace, cores: int, on_cpu: bool) -> bool:
+    """No shape flag, one rank a node, nodes on the CPU and fewer than SPLIT_MIN_CORES cores:
+    `pdserve up` starts one colocated node rather than 1P+1D."""
+    shape_given = args.prefill is not None or args.decode is not None or args.colocated or args.autoscale
+    tp_given = args.prefill_tp > 1 or args.decode_tp > 1
+    return on_cpu and cores < SPLIT_MIN_CORES and not shape_given and not tp_given
+
+
+def start_shape(
+    args: argparse.Namespace, cores: int = SPLIT_MIN_CORES, on_cpu: bool = False
+) -> tuple[int, int, int]:
     """The prefill, decode and colocated nodes it starts: as the shape flags say, else 1P+1D (0
-    of each with --colocated); with --autoscale and no shape flag, colocated nodes. Before the
+    of each with --colocated), or one colocated node on a small CPU machine (small_cpu_machine);
+    with --autoscale and no shape flag, colocated nodes. Before the
     controller has measured a load, a colocated node serves any mix of prompt and output lengths
     without a KV transfer or a second hop, and the controller disaggregates when the measured
     windows say a split pays (on this project's 2-core machines 2 colocated was at or above 1P+1D
     at most rates and phases, bench/notes/autoscaling.md)."""
     if args.autoscale and args.prefill is None and args.decode is None and not args.colocated:
         return 0, 0, min(AUTOSCALE_START_NODES, args.max_nodes or AUTOSCALE_START_NODES)
+    if small_cpu_machine(args, cores, on_cpu):
+        return 0, 0, 1
     default = 0 if args.colocated else 1
     num_prefill = default if args.prefill is None else args.prefill
     num_decode = default if args.decode is None else args.decode

@@ -103,7 +103,7 @@ def test_every_node_paused_past_its_ttl_loses_no_request_with_up_defaults(defaul
         ([rng.randrange(100, 40000) for _ in range(rng.randrange(8, 400))], rng.randrange(24, 48), i % 2 == 0)
         for i in range(6)
     ]
-    with pdserve_up(default_model_dir, tmp_path) as url:
+    with pdserve_up(default_model_dir, tmp_path, "--prefill", "1", "--decode", "1") as url:
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         pids = [
             json.loads((tmp_path / f"{n}.ready.json").read_text())["pid"] for n in ("prefill-0", "decode-0")

@@ -25,7 +25,9 @@ LOGLIKELIHOOD_TOL = 1e-3  # absolute, in nats: float32 on both sides, different 
 @pytest.fixture(scope="module")
 def router(default_model_dir, tmp_path_factory):
     """(router URL, served model id) of one cluster shared by both tasks."""
-    with pdserve_up(default_model_dir, tmp_path_factory.mktemp("eval")) as url:  # its defaults: 1P + 1D
+    with pdserve_up(
+        default_model_dir, tmp_path_factory.mktemp("eval")
+    ) as url:  # its defaults (1P+1D; one colocated node on a CPU of < 4 cores)
         yield url, httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
 
