@@ -97,7 +97,7 @@ AUTOSCALE_START_NODES = 2  # colocated, without shape flags (or --max-nodes, if 
 # Below this many usable cores a CPU machine's default start is one colocated node: split 1P+1D,
 # each phase computes on one core, and the prefill node alone caps the cluster near 1 req/s of
 # 512-token prompts (bench/README.md, "The served gap": 0.31x vLLM's goodput at 2 req/s against
-# colocated's 0.80x on 2 cores).
+# colocated's 0.68-0.80x on 2 cores).
 SPLIT_MIN_CORES = 4
 
 
