@@ -66,7 +66,8 @@ CASES: dict[str, tuple[str, bytes]] = {
     "messages empty": ("/v1/chat/completions", json.dumps({"messages": []}).encode()),
     "message role unknown": (
         "/v1/chat/completions",
-        json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}).encode(),
+        # vLLM serves a role its chat template renders; a short answer keeps the case short
+        json.dumps({"messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 4}).encode(),
     ),
     "message content parts junk": (
         "/v1/chat/completions",
