@@ -73,6 +73,7 @@ def cpu_by_role(root_pid: int) -> dict[str, float]:
     import psutil
 
     root = psutil.Process(root_pid)
+    vllm = "vllm.entrypoints" in " ".join(root.cmdline())
     totals: dict[str, float] = {}
     for proc in [root, *root.children(recursive=True)]:
         try:
@@ -80,9 +81,9 @@ def cpu_by_role(root_pid: int) -> dict[str, float]:
         except psutil.Error:
             continue
         head = argv[:4]  # pdserve's children: python -m pdserve ROLE ...
-        if "router" in head or (proc.pid == root_pid and "vllm.entrypoints" in " ".join(argv)):
+        if "router" in head or (vllm and proc.pid == root_pid):
             role = "front"
-        elif "prefill" in head or "decode" in head or "vllm.entrypoints" in " ".join(root.cmdline()):
+        elif "prefill" in head or "decode" in head or vllm:
             role = "engine"  # a node, or anything vLLM's API server started (its engine core)
         else:
             role = "other"

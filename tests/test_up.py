@@ -128,9 +128,10 @@ def test_the_shape_it_starts_in(flags, shape):
 def test_a_small_cpu_machine_starts_one_colocated_node_unless_a_shape_is_asked_for(
     flags, cores, on_cpu, shape
 ):
-    from pdserve.cli.up_slo import start_shape
+    from pdserve.cli.up_slo import small_cpu_machine, start_shape
 
-    assert start_shape(build_parser().parse_args(["up", *flags]), cores, on_cpu) == shape
+    args = build_parser().parse_args(["up", *flags])
+    assert start_shape(args, small_cpu_machine(args, cores, on_cpu)) == shape
 
 
 @pytest.mark.parametrize(

@@ -245,9 +245,9 @@ def _plan(args: argparse.Namespace):
 
     apply_slo_defaults(args)
     cores = usable_cores()
-    on_cpu = _nodes_on_cpu(args)
-    num_prefill, num_decode, num_colocated = start_shape(args, cores, on_cpu)
-    if small_cpu_machine(args, cores, on_cpu):
+    small_cpu = small_cpu_machine(args, cores, _nodes_on_cpu(args))
+    num_prefill, num_decode, num_colocated = start_shape(args, small_cpu)
+    if small_cpu:
         _say(
             f"shape: 1 colocated node, the default on a CPU machine of fewer than {SPLIT_MIN_CORES} cores "
             f"({cores} here): split, each phase would compute on one core; --prefill 1 --decode 1 splits anyway"

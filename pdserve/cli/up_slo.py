@@ -109,11 +109,10 @@ def small_cpu_machine(args: argparse.Namespace, cores: int, on_cpu: bool) -> boo
     return on_cpu and cores < SPLIT_MIN_CORES and not shape_given and not tp_given
 
 
-def start_shape(
-    args: argparse.Namespace, cores: int = SPLIT_MIN_CORES, on_cpu: bool = False
-) -> tuple[int, int, int]:
+def start_shape(args: argparse.Namespace, small_cpu: bool = False) -> tuple[int, int, int]:
     """The prefill, decode and colocated nodes it starts: as the shape flags say, else 1P+1D (0
-    of each with --colocated), or one colocated node on a small CPU machine (small_cpu_machine);
+    of each with --colocated), or one colocated node on a small CPU machine (``small_cpu``: what
+    small_cpu_machine says);
     with --autoscale and no shape flag, colocated nodes. Before the
     controller has measured a load, a colocated node serves any mix of prompt and output lengths
     without a KV transfer or a second hop, and the controller disaggregates when the measured
@@ -121,7 +120,7 @@ def start_shape(
     at most rates and phases, bench/notes/autoscaling.md)."""
     if args.autoscale and args.prefill is None and args.decode is None and not args.colocated:
         return 0, 0, min(AUTOSCALE_START_NODES, args.max_nodes or AUTOSCALE_START_NODES)
-    if small_cpu_machine(args, cores, on_cpu):
+    if small_cpu:
         return 0, 0, 1
     default = 0 if args.colocated else 1
     num_prefill = default if args.prefill is None else args.prefill
