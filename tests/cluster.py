@@ -26,6 +26,7 @@ from pdserve.protocol.messages import (
     decode,
     encode,
 )
+from tests import web
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -48,7 +49,7 @@ def pdserve_up(model: str | pathlib.Path, log_dir: pathlib.Path, *flags: str, st
         deadline = time.monotonic() + start_timeout_s
         while True:
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                if web.get(url + "/health", timeout=1).status_code == 200:
                     break
             assert up.poll() is None and time.monotonic() < deadline, (log_dir / "up.out").read_text()
             time.sleep(0.5)

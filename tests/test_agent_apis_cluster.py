@@ -11,9 +11,10 @@ import concurrent.futures
 import json
 
 import anthropic
-import httpx
 import openai
 import pytest
+
+from tests import web
 
 pytestmark = pytest.mark.usefixtures("processes")
 ROUTERS = ("pd", "decode_only", "colocated")
@@ -45,7 +46,7 @@ def _anthropic(router) -> anthropic.Anthropic:
 
 def _chat(router, model, messages: list[dict], max_tokens: int, sampling: dict, **extra) -> dict:
     body = {"model": model.name, "messages": messages, "max_tokens": max_tokens, **sampling, **extra}
-    reply = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=120)
+    reply = web.post(router.url + "/v1/chat/completions", json=body, timeout=120)
     assert reply.status_code == 200, reply.text
     return reply.json()
 
@@ -113,7 +114,7 @@ def test_every_response_says_where_it_ran(api_cluster, router_name):
     raw = _openai(router).responses.with_raw_response.create(
         model=model.name, input=text, max_output_tokens=2
     )
-    msg = httpx.post(
+    msg = web.post(
         router.url + "/v1/messages",
         json={
             "model": model.name,
@@ -127,7 +128,7 @@ def test_every_response_says_where_it_ran(api_cluster, router_name):
         assert ("x-pdserve-prefill-node" in headers) == (router_name == "pd")
         if router_name == "decode_only":
             assert headers["x-pdserve-path-reason"] == "short-prompt"  # its threshold: 100,000 tokens
-    metrics = httpx.get(router.url + "/metrics", timeout=10).text
+    metrics = web.get(router.url + "/metrics", timeout=10).text
     assert f'pdserve_request_paths_total{{path="{EXPECTED_PATH[router_name]}"' in metrics
 
 

@@ -24,6 +24,7 @@ import torch
 from pdserve.engine.config import ModelConfig
 from pdserve.protocol.sampling_params import BeamSearch, SamplingParams
 from pdserve.router.tokenizer import Tokenizer
+from tests import web
 from tests.engine_helpers import hf_beams, hf_greedy, hf_logits
 from tests.test_cluster_concurrent import _prompts, _stream
 
@@ -52,7 +53,7 @@ def _tokenizer(model: pathlib.Path) -> Tokenizer:
 
 
 def _post(router, path: str, body: dict, status: int = 200) -> dict:
-    reply = httpx.post(router.url + path, json=body, timeout=120)
+    reply = web.post(router.url + path, json=body, timeout=120)
     assert reply.status_code == status, reply.text
     return reply.json()
 
@@ -154,10 +155,10 @@ def test_a_prompt_token_that_is_the_top_one_is_listed_once_as_vllm_lists_it(api_
     prompt = start + hf_greedy(str(model), start, 6)
     base = {"model": model.name, "temperature": 0, "max_tokens": 1}
     replies = [
-        httpx.post(
+        web.post(
             router.url + "/v1/completions", json={**base, "prompt": prompt, "prompt_logprobs": 3}, timeout=120
         ),
-        httpx.post(
+        web.post(
             router.url + "/v1/completions",
             json={**base, "prompt": prompt, "logprobs": 3, "echo": True},
             timeout=120,
@@ -424,7 +425,7 @@ def test_batched_chat_invocations_lax_fields_and_load_on_both_routers(cluster):
         assert len(invoked["choices"][0]["logprobs"]["content"]) == 4
         completion = _post(router, "/invocations", {**base, "prompt": "The sea is"})
         assert completion["object"] == "text_completion" and completion["choices"][0]["text"]
-        assert httpx.get(router.url + "/load", timeout=10).json() == {"server_load": 0}
+        assert web.get(router.url + "/load", timeout=10).json() == {"server_load": 0}
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
@@ -640,7 +641,7 @@ def test_tokenize_detokenize_and_version(cluster):
     assert _post(router, "/detokenize", {"tokens": [10**9]}, 400)["error"]["param"] == "tokens"
     assert _post(router, "/tokenize", {"prompt": "x", "messages": []}, 400)["error"]["param"]
     assert _post(router, "/tokenize", {"prompt": "x", "bogus": 1}, 400)["error"]["param"] == "bogus"
-    assert httpx.get(router.url + "/version", timeout=10).json()["version"]
+    assert web.get(router.url + "/version", timeout=10).json()["version"]
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
@@ -673,10 +674,10 @@ def test_every_schema_field_is_honoured_or_refused_by_name(cluster, endpoint):
         else:
             body = {**base, **needs.get(field, {}), field: samples[field]}
         if body.get("stream"):
-            with httpx.stream("POST", routers["pd"].url + path, json=body, timeout=60) as reply:
+            with web.stream("POST", routers["pd"].url + path, json=body, timeout=60) as reply:
                 reply.read()
                 return field, reply
-        return field, httpx.post(routers["pd"].url + path, json=body, timeout=60)
+        return field, web.post(routers["pd"].url + path, json=body, timeout=60)
 
     walk = [f for f in fields if f not in ("model", "prompt", "messages")]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -687,7 +688,7 @@ def test_every_schema_field_is_honoured_or_refused_by_name(cluster, endpoint):
             assert reply.json()["error"]["param"] == field, (field, reply.text)
         else:
             assert reply.status_code == 200, (field, reply.text)
-    unknown = httpx.post(routers["pd"].url + path, json={**base, "guided_regexp": "a+"}, timeout=60)
+    unknown = web.post(routers["pd"].url + path, json={**base, "guided_regexp": "a+"}, timeout=60)
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "guided_regexp"
 
 
@@ -739,10 +740,10 @@ def test_every_agent_api_field_is_honoured_or_refused_by_name(cluster, endpoint)
         else:
             body = {**base, **AGENT_NEEDS[endpoint].get(field, {}), field: honoured[field]}
         if body.get("stream"):
-            with httpx.stream("POST", router.url + path, json=body, timeout=60) as reply:
+            with web.stream("POST", router.url + path, json=body, timeout=60) as reply:
                 reply.read()
                 return field, reply
-        return field, httpx.post(router.url + path, json=body, timeout=60)
+        return field, web.post(router.url + path, json=body, timeout=60)
 
     walk = [f for f in fields if f not in ("model", "input", "messages")]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -753,7 +754,7 @@ def test_every_agent_api_field_is_honoured_or_refused_by_name(cluster, endpoint)
             assert _refusal_names(endpoint, reply, field), (field, reply.text)
         else:
             assert reply.status_code == 200, (field, reply.text)
-    unknown = httpx.post(router.url + path, json={**base, "bogus_field": 1}, timeout=60)
+    unknown = web.post(router.url + path, json={**base, "bogus_field": 1}, timeout=60)
     assert unknown.status_code == 400 and _refusal_names(endpoint, unknown, "bogus_field")
 
 

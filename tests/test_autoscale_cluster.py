@@ -30,13 +30,13 @@ import re
 import threading
 import time
 
-import httpx
 import pytest
 import redis
 
 from pdserve.planner.profile import DecodeStepGrid, PiecewiseLinear, Profile, TransferModel
 from pdserve.protocol.registry import list_nodes
 from pdserve.router.tokenizer import Tokenizer
+from tests import web
 from tests.engine_helpers import hf_greedy
 from tests.up_launcher import FILLER, Launcher, completion_text, tiny_model_with_tokenizer
 
@@ -143,7 +143,7 @@ def cluster(default_model_dir, tmp_path_factory):
 
 
 def roles(launcher: Launcher) -> list[str]:
-    nodes = httpx.get(launcher.url + "/admin/nodes", timeout=5).json()["nodes"]
+    nodes = web.get(launcher.url + "/admin/nodes", timeout=5).json()["nodes"]
     return sorted(n["role"] for n in nodes if not n["draining"])
 
 
@@ -202,9 +202,9 @@ def test_the_pools_follow_a_load_that_shifts_and_no_request_is_lost(cluster):
     assert all("predicted" in r["reason"] and "req/s" in r["reason"] for r in scaled), scaled
     assert any(r["kind"] in ("confirming", "cooldown") for r in log if r["event"] == "decision")
 
-    reported = httpx.get(launcher.url + "/admin/autoscale", timeout=5).json()["decisions"]
+    reported = web.get(launcher.url + "/admin/autoscale", timeout=5).json()["decisions"]
     assert [d["target"] for d in reported if d["kind"] == "scale"] == [r["target"] for r in scaled]
-    scrape = httpx.get(launcher.url + "/metrics", timeout=5).text
+    scrape = web.get(launcher.url + "/metrics", timeout=5).text
     assert 'pdserve_autoscale_decisions_total{kind="scale"} 5.0' in scrape
     assert 'pdserve_autoscale_target_nodes{role="colocated"} 2.0' in scrape
     # The windows measured TTFTs of milliseconds where the profile says 0.5 s for these prompts:
@@ -267,11 +267,11 @@ def test_bare_autoscale_calibrates_starts_two_colocated_and_keeps_them_under_loa
             got = list(pool.map(one, range(len(cases))))
         assert got == [expected[c] for c in cases]
         deadline = time.monotonic() + 30  # a decision every 5 s, its window the load's
-        while not (decided := httpx.get(launcher.url + "/admin/autoscale", timeout=5).json()["decisions"]):
+        while not (decided := web.get(launcher.url + "/admin/autoscale", timeout=5).json()["decisions"]):
             assert time.monotonic() < deadline, f"no decision reported:\n{decisions_text(launcher)[-2000:]}"
             time.sleep(0.5)
         assert all(sum(d["target_nodes"].values()) == 2 for d in decided), decided  # never below the floor
-        scrape = httpx.get(launcher.url + "/metrics", timeout=5).text
+        scrape = web.get(launcher.url + "/metrics", timeout=5).text
         counted = re.findall(r'^pdserve_autoscale_decisions_total\{kind="\w+"\} (\S+)$', scrape, re.M)
         assert sum(map(float, counted)) >= len(decided), scrape
         log = [json.loads(line) for line in decisions_text(launcher).splitlines()]

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from tests import web
 from tests.cluster import ROOT
 from tests.up_launcher import Launcher, tiny_model_with_tokenizer
 
@@ -170,9 +171,8 @@ def test_bench_serve_counts_exactly_on_the_prefill_to_decode_path(up, tmp_path):
 
 
 def _generated_tokens(url: str) -> float:
-    import httpx
 
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = web.get(f"{url}/metrics", timeout=10).text
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()

@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 
+from tests import web
 from tests.cluster import Client, NodeProcess, RedisServer
 from tests.engine_helpers import hf_logits
 from tests.test_router_cluster import RouterProcess, serving, tiny_model_with_tokenizer
@@ -93,7 +94,7 @@ def _served(router, model, prompt: list[int], stream: bool) -> tuple[list[int], 
     }
     if stream:
         parts = []
-        with httpx.stream(
+        with web.stream(
             "POST", router.url + "/v1/completions", json={**body, "stream": True}, timeout=120
         ) as r:
             assert r.status_code == 200, r.read()
@@ -105,7 +106,7 @@ def _served(router, model, prompt: list[int], stream: bool) -> tuple[list[int], 
         tokens = [t for p in parts for t in p["tokens"]]
         values = [v for p in parts for v in p["token_logprobs"]]
     else:
-        reply = httpx.post(router.url + "/v1/completions", json=body, timeout=120)
+        reply = web.post(router.url + "/v1/completions", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
         logprobs = reply.json()["choices"][0]["logprobs"]
         tokens, values = logprobs["tokens"], logprobs["token_logprobs"]
@@ -130,7 +131,7 @@ def test_bf16_through_the_router_streamed_and_whole_on_both_paths_track_fp32_hf(
         chosen = logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0]
         assert (logprobs.max(dim=-1).values - chosen).max().item() < 0.1, where  # near-greedy under fp32
         assert values == pytest.approx(chosen.tolist(), abs=0.1), where  # the logprobs the client sees
-    routes = httpx.get(routers["pd"].url + "/metrics", timeout=10).text
+    routes = web.get(routers["pd"].url + "/metrics", timeout=10).text
     assert 'pdserve_routes_total{prefill="prefill_node"}' in routes  # bf16 KV blocks did cross over
 
 
@@ -162,7 +163,7 @@ def mixed(tmp_path_factory, default_model_dir):
 
 def _health(router) -> dict:
     try:
-        return httpx.get(router.url + "/health", timeout=2).json()
+        return web.get(router.url + "/health", timeout=2).json()
     except (httpx.HTTPError, ValueError):
         return {}
 
@@ -180,7 +181,7 @@ def test_nodes_of_different_dtypes_are_never_paired_and_say_why(mixed):
     with concurrent.futures.ThreadPoolExecutor(6) as pool:  # long prompts: PD if a pair existed
         served = list(pool.map(lambda i: _served(router, model, prompts[i], stream=i % 2 == 0), range(6)))
     assert all(len(tokens) == MAX_TOKENS for tokens, _ in served)
-    metrics = httpx.get(router.url + "/metrics", timeout=10).text
+    metrics = web.get(router.url + "/metrics", timeout=10).text
     assert 'pdserve_routes_total{prefill="prefill_node"}' not in metrics
     assert 'pdserve_routes_total{prefill="no_prefill_node"} 6.0' in metrics
     assert re.search(r"differs in compute_dtype \('(bfloat16|float32)'", router.log_path.read_text())

@@ -13,12 +13,12 @@ import random
 import re
 import time
 
-import httpx
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.router.tokenizer import Tokenizer
+from tests import web
 from tests.cluster import NodeProcess, RedisServer
 from tests.engine_helpers import hf_greedy, hf_logits
 from tests.test_router_cluster import RouterProcess, serving, tiny_model_with_tokenizer
@@ -49,14 +49,14 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 
 def _post(router, path: str, body: dict) -> dict:
-    reply = httpx.post(router.url + path, json=body, timeout=120)
+    reply = web.post(router.url + path, json=body, timeout=120)
     assert reply.status_code == 200, reply.text
     return reply.json()
 
 
 def _stream(router, path: str, body: dict) -> list[dict]:
     events = []
-    with httpx.stream("POST", router.url + path, json={**body, "stream": True}, timeout=120) as reply:
+    with web.stream("POST", router.url + path, json={**body, "stream": True}, timeout=120) as reply:
         assert reply.status_code == 200, reply.read()
         for line in reply.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -148,7 +148,7 @@ def test_a_burst_behind_the_prefill_node_is_shared_with_the_decode_node_and_stil
         return sum(1 for e in nodes["decode"].events("request_finished") if e.get("local_prefill"))
 
     def routed(placement: str) -> int:
-        metrics = httpx.get(router.url + "/metrics", timeout=10).text
+        metrics = web.get(router.url + "/metrics", timeout=10).text
         found = re.search(rf'^pdserve_routes_total{{prefill="{placement}"}} (\d+)', metrics, re.M)
         return int(found.group(1)) if found else 0
 
@@ -264,7 +264,7 @@ def test_a_seeded_sample_is_the_same_offline_through_prefill_and_decode_and_deco
 
 def _node_tokens(router) -> dict[tuple[str, str], float]:
     """(role, phase) -> tokens the nodes' engine steps computed, from the router's /metrics."""
-    metrics = httpx.get(router.url + "/metrics", timeout=10).text
+    metrics = web.get(router.url + "/metrics", timeout=10).text
     totals: dict[tuple[str, str], float] = {}
     for family in text_string_to_metric_families(metrics):
         for s in family.samples if family.name == "pdserve_node_engine_tokens" else ():

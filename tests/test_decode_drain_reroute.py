@@ -10,9 +10,9 @@ import os
 import signal
 import time
 
-import httpx
 import pytest
 
+from tests import web
 from tests.cluster import Client, NodeProcess, RedisServer, close_all
 from tests.engine_helpers import hf_greedy
 from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
@@ -33,7 +33,7 @@ def _stream(router, model, prompt: list[int]) -> tuple[list[int], list[dict]]:
         "stream": True,
     }
     tokens, errors = [], []
-    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as reply:
+    with web.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as reply:
         assert reply.status_code == 200, reply.read()
         for line in reply.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -59,7 +59,7 @@ def test_requests_refused_by_a_draining_decode_node_are_retried_on_another(tmp_p
         for node in (prefill, draining, other):
             node.wait_ready()
         router.wait_healthy()
-        while httpx.get(router.url + "/health").json()["num_decode"] < 2:
+        while web.get(router.url + "/health").json()["num_decode"] < 2:
             time.sleep(0.1)
         # Keeps the draining node alive (and refusing) for a few seconds after SIGTERM.
         client.generate(

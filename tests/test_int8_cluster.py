@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import concurrent.futures
 
-import httpx
 import pytest
 
+from tests import web
 from tests.cluster import pdserve_up
 from tests.test_int8_weights import ATOL, _oracle
 from tests.test_router_cluster import tiny_model_with_tokenizer
@@ -28,14 +28,14 @@ def cluster(tmp_path_factory, default_model_dir):
     tmp = tmp_path_factory.mktemp("int8-weights")
     model = tiny_model_with_tokenizer(default_model_dir)
     with pdserve_up(model, tmp, "--prefill", "1", "--decode", "1", "--quantization", "int8") as url:
-        name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        name = web.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         yield model, name, url, tmp
 
 
 def test_both_paths_at_once_give_the_offline_int8_engine_s_tokens(cluster):
     model, name, url, log_dir = cluster
     assert "quantization: int8" in (log_dir / "up.out").read_text()
-    nodes = httpx.get(url + "/admin/nodes", timeout=10).json()["nodes"]
+    nodes = web.get(url + "/admin/nodes", timeout=10).json()["nodes"]
     assert sorted((n["role"], n["quantization"]) for n in nodes) == [("decode", "int8"), ("prefill", "int8")]
     lengths = [20, 300, 40, 150, 33, 200]  # under 64: decode-only; the rest through prefill
     prompts = [_repetitive(300 + i, n) for i, n in enumerate(lengths)]

@@ -10,9 +10,9 @@ import random
 import re
 import time
 
-import httpx
 import pytest
 
+from tests import web
 from tests.cluster import NodeProcess, RedisServer
 from tests.engine_helpers import hf_greedy
 from tests.test_router_cluster import RouterProcess, serving, tiny_model_with_tokenizer
@@ -26,7 +26,7 @@ TOTAL = re.compile(r'^pdserve_node_kv_blocks_total\{node_id="([^"]+)",role="(\w+
 
 def _blocks(router) -> dict[str, tuple[float, float]]:
     """node id -> (committed, total) KV blocks, from the router's /metrics."""
-    text = httpx.get(router.url + "/metrics", timeout=10).text
+    text = web.get(router.url + "/metrics", timeout=10).text
     total = {node: float(v) for node, _, v in TOTAL.findall(text)}
     return {node: (float(v), total[node]) for node, _, v in COMMITTED.findall(text)}
 
@@ -79,12 +79,12 @@ def test_requests_during_the_idle_commit_equal_hf_and_idle_pools_end_fully_commi
         }
         url = routers[path].url + "/v1/completions"
         if not stream:
-            reply = httpx.post(url, json=body, timeout=120)
+            reply = web.post(url, json=body, timeout=120)
             assert reply.status_code == 200, reply.text
             tokens = reply.json()["choices"][0]["logprobs"]["tokens"]
         else:
             tokens = []
-            with httpx.stream("POST", url, json=body, timeout=120) as reply:
+            with web.stream("POST", url, json=body, timeout=120) as reply:
                 assert reply.status_code == 200, reply.read()
                 for line in reply.iter_lines():
                     if line.startswith("data: {"):
@@ -109,6 +109,6 @@ def test_requests_during_the_idle_commit_equal_hf_and_idle_pools_end_fully_commi
             assert committed < total / 4, (committed, total)
         else:
             assert committed == total, (name, committed, total)
-    text = httpx.get(routers["pd"].url + "/metrics", timeout=10).text
+    text = web.get(routers["pd"].url + "/metrics", timeout=10).text
     threads = {node: float(v) for node, _, v in THREADS.findall(text)}
     assert threads == {node.addrs["node_id"]: 1.0 for node in nodes.values()}  # NodeProcess's --threads 1

@@ -10,9 +10,9 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
-import httpx
 import pytest
 
+from tests import web
 from tests.cluster import pdserve_up
 from tests.engine_helpers import hf_greedy
 from tests.test_router_cluster import tiny_model_with_tokenizer
@@ -36,13 +36,13 @@ def cluster(tmp_path_factory, default_model_dir):
         "--node-args",
         "--kv-cache-dtype int8 --speculative ngram",
     ) as url:
-        name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        name = web.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         yield model, name, url
 
 
 def test_both_paths_at_once_give_the_offline_int8_engine_greedy_and_seeded(cluster):
     model, name, url = cluster
-    nodes = httpx.get(url + "/admin/nodes", timeout=10).json()["nodes"]
+    nodes = web.get(url + "/admin/nodes", timeout=10).json()["nodes"]
     assert sorted(n["role"] for n in nodes) == ["decode", "prefill"]
     assert {(n["kv_dtype"], n["kv_layout"]) for n in nodes} == {("int8", "nbhd-q8-v1")}
     lengths = [20, 300, 40, 150, 33, 200]  # under 64: decode-only; the rest through prefill

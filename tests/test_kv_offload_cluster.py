@@ -10,9 +10,9 @@ import json
 import re
 import time
 
-import httpx
 import pytest
 
+from tests import web
 from tests.cluster import NodeProcess, RedisServer
 from tests.engine_helpers import hf_greedy
 from tests.test_router_cluster import RouterProcess, serving, tiny_model_with_tokenizer
@@ -79,11 +79,11 @@ def _complete(router, prompt: list[int], stream: bool) -> tuple[list[int], int]:
     tokens, usage = [], {}
     if not stream:
         body.pop("stream_options")
-        reply = httpx.post(url, json=body, timeout=120)
+        reply = web.post(url, json=body, timeout=120)
         assert reply.status_code == 200, reply.text
         tokens, usage = reply.json()["choices"][0]["logprobs"]["tokens"], reply.json()["usage"]
     else:
-        with httpx.stream("POST", url, json=body, timeout=120) as reply:
+        with web.stream("POST", url, json=body, timeout=120) as reply:
             assert reply.status_code == 200, reply.read()
             for line in reply.iter_lines():
                 if line.startswith("data: {"):
@@ -96,7 +96,7 @@ def _complete(router, prompt: list[int], stream: bool) -> tuple[list[int], int]:
 
 
 def _counts(router, pattern) -> dict[str, float]:
-    text = httpx.get(router.url + "/metrics", timeout=10).text
+    text = web.get(router.url + "/metrics", timeout=10).text
     return {role: float(v) for _, role, v in pattern.findall(text)}
 
 

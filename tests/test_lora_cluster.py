@@ -16,12 +16,12 @@ import re
 import time
 import types
 
-import httpx
 import pytest
 import torch
 
 from pdserve.cli.up_slo import SPLIT_MIN_CORES
 from pdserve.launcher.plan import usable_cores
+from tests import web
 from tests.cluster import NodeProcess, RedisServer, pdserve_up
 from tests.engine_helpers import hf_greedy
 from tests.test_cluster_concurrent import _prompts, _stream
@@ -82,7 +82,7 @@ def _completion(router, body: dict, stream: bool) -> tuple[list[int], dict]:
     """Token ids and usage, as the client sees them."""
     body = {**body, "return_token_ids": True, "ignore_eos": True, "temperature": 0}
     if not stream:
-        reply = httpx.post(router.url + "/v1/completions", json=body, timeout=120)
+        reply = web.post(router.url + "/v1/completions", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
         answer = reply.json()
         assert answer["model"] == body["model"]
@@ -121,7 +121,7 @@ def test_logprobs_with_an_adapter_equal_peft_log_softmax_on_every_path(cluster):
     body = {"model": "all", "prompt": prompt, "max_tokens": 4, "logprobs": 2, "temperature": 0}
     body |= {"ignore_eos": True, "return_tokens_as_token_ids": True}
     for router in routers.values():
-        reply = httpx.post(router.url + "/v1/completions", json=body, timeout=120).json()
+        reply = web.post(router.url + "/v1/completions", json=body, timeout=120).json()
         entries = reply["choices"][0]["logprobs"]
         tokens = [int(t.removeprefix("token_id:")) for t in entries["tokens"]]
         with torch.no_grad():
@@ -166,7 +166,7 @@ def test_a_seeded_sample_with_an_adapter_is_the_same_on_every_path(cluster):
     body |= {"temperature": 0.9, "return_token_ids": True, "ignore_eos": True}
     answers = []
     for router in routers.values():
-        reply = httpx.post(router.url + "/v1/completions", json=body, timeout=120)
+        reply = web.post(router.url + "/v1/completions", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
         answers.append([c["token_ids"] for c in sorted(reply.json()["choices"], key=lambda c: c["index"])])
     assert answers[0] == answers[1] == answers[2] and answers[0][0] != answers[0][1]
@@ -175,21 +175,21 @@ def test_a_seeded_sample_with_an_adapter_is_the_same_on_every_path(cluster):
 def test_models_runtime_load_metrics_and_errors(cluster, tmp_path):
     model, adapters, routers, _ = cluster
     router = routers["pd"]
-    models = httpx.get(router.url + "/v1/models").json()["data"]
+    models = web.get(router.url + "/v1/models").json()["data"]
     assert [(m["id"], m["parent"]) for m in models] == [(model.name, None), *((n, model.name) for n in NAMES)]
     seed, fields = ADAPTERS["mlp"]
     extra = _save_adapter(str(model), tmp_path / "late", seed + 10, fields)
     body = {"lora_name": "late", "lora_path": extra}
-    assert httpx.post(router.url + "/v1/load_lora_adapter", json=body).status_code == 200
+    assert web.post(router.url + "/v1/load_lora_adapter", json=body).status_code == 200
     prompt = _prompts(101, [15])[0]
     ids, _ = _completion(router, {"model": "late", "prompt": prompt, "max_tokens": 4}, False)
     assert ids == _oracle(model, extra, tuple(prompt), 4)
-    assert httpx.post(router.url + "/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 200
-    gone = httpx.post(router.url + "/v1/completions", json={"model": "late", "prompt": "x"})
+    assert web.post(router.url + "/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 200
+    gone = web.post(router.url + "/v1/completions", json={"model": "late", "prompt": "x"})
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
     loads = re.compile(r'pdserve_node_lora_loads_total\{[^}]*adapter="late"[^}]*\} [1-9]')
     deadline = time.monotonic() + 5
-    while not loads.search(scrape := httpx.get(router.url + "/metrics").text) and time.monotonic() < deadline:
+    while not loads.search(scrape := web.get(router.url + "/metrics").text) and time.monotonic() < deadline:
         time.sleep(0.2)  # node records lag by a heartbeat
     assert loads.search(scrape), scrape
     assert 'pdserve_lora_requests_total{adapter="late"} 1.0' in scrape
@@ -209,7 +209,7 @@ def test_pdserve_up_with_its_defaults_serves_adapters_exactly(tmp_path, default_
     modules = [f"{name}={path}" for name, path in adapters.items()]
     with pdserve_up(model, tmp_path, "--lora-modules", *modules) as url:
         router = types.SimpleNamespace(url=url)
-        roles = sorted(n["role"] for n in httpx.get(url + "/admin/nodes", timeout=10).json()["nodes"])
+        roles = sorted(n["role"] for n in web.get(url + "/admin/nodes", timeout=10).json()["nodes"])
         small = usable_cores() < SPLIT_MIN_CORES  # pdserve.cli.up_slo.small_cpu_machine
         assert roles == (["colocated"] if small else ["decode", "prefill"]), roles
         prompts = _prompts(103, [10, 45, 20, 70, 12, 33])

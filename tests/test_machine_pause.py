@@ -15,9 +15,9 @@ import re
 import signal
 import time
 
-import httpx
 import pytest
 
+from tests import web
 from tests.cluster import NodeProcess, RedisServer, close_all
 from tests.engine_helpers import hf_greedy
 from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer, wait_blocks_freed
@@ -54,12 +54,12 @@ def sample_tokens(url: str, model: str, prompt: list[int], max_tokens: int, stre
         "return_tokens_as_token_ids": True,
     }
     if not stream:
-        reply = httpx.post(url + "/v1/completions", json=body, timeout=300)
+        reply = web.post(url + "/v1/completions", json=body, timeout=300)
         assert reply.status_code == 200, reply.text
         found = reply.json()["choices"][0]["logprobs"]["tokens"]
         return [int(t.removeprefix("token_id:")) for t in found]
     tokens = []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as reply:
+    with web.stream("POST", url + "/v1/completions", json=body, timeout=300) as reply:
         assert reply.status_code == 200, reply.read()
         for line in reply.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -98,7 +98,7 @@ def test_samples_under_way_when_every_node_pauses_past_its_ttl_complete_exact(cl
         assert tokens == hf_greedy(str(model), prompt, max_tokens)
     log = router.log_path.read_text()
     assert "left the registry" in log or "went away mid-stream" in log, log[-4000:]
-    scraped = httpx.get(router.url + "/metrics", timeout=10).text
+    scraped = web.get(router.url + "/metrics", timeout=10).text
     found = re.search(r'^pdserve_node_waits_total\{outcome="found"\} (\S+)$', scraped, re.M)
     assert found and float(found[1]) >= 1, scraped  # samples waited for the nodes, and found them
     assert 'pdserve_node_waits_total{outcome="gave_up"} 0.0' in scraped

@@ -10,9 +10,9 @@ import json
 import re
 import time
 
-import httpx
 import pytest
 
+from tests import web
 from tests.cluster import NodeProcess, RedisServer, close_all
 from tests.engine_helpers import hf_greedy
 from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
@@ -36,7 +36,7 @@ def cluster(tmp_path, default_model_dir):
         router.wait_healthy()
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            health = httpx.get(router.url + "/health").json()
+            health = web.get(router.url + "/health").json()
             if health["num_prefill"] == 1 and health["num_decode"] == 2:
                 break
             time.sleep(0.1)
@@ -66,14 +66,14 @@ def _requests(model) -> list[dict]:
 def _run(router, body: dict, progress: dict, key: int) -> dict:
     """Text, token ids (when logprobs were asked for) and usage of one request."""
     if not body["stream"]:
-        reply = httpx.post(router.url + "/v1/completions", json=body, timeout=120)
+        reply = web.post(router.url + "/v1/completions", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
         choice = reply.json()["choices"][0]
         ids = [int(t.removeprefix("token_id:")) for t in (choice["logprobs"] or {}).get("tokens", [])]
         return {"text": choice["text"], "ids": ids, "usage": reply.json()["usage"]["completion_tokens"]}
     text, ids, usage = "", [], None
     stream_body = {**body, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", router.url + "/v1/completions", json=stream_body, timeout=120) as reply:
+    with web.stream("POST", router.url + "/v1/completions", json=stream_body, timeout=120) as reply:
         assert reply.status_code == 200, reply.read()
         for line in reply.iter_lines():
             if not line.startswith("data: {"):
@@ -110,7 +110,7 @@ def test_killing_a_decode_node_mid_output_loses_nothing(cluster):
     while not all(progress.get(i, 0) >= 3 for i in streamed) and time.monotonic() < deadline:
         time.sleep(0.01)
     running = dict(
-        (node_id, int(n)) for node_id, n in RUNNING_RE.findall(httpx.get(router.url + "/metrics").text)
+        (node_id, int(n)) for node_id, n in RUNNING_RE.findall(web.get(router.url + "/metrics").text)
     )
     victim = max((1, 2), key=lambda k: running.get(infos[k]["node_id"], 0))
     nodes[victim].kill()
@@ -123,7 +123,7 @@ def test_killing_a_decode_node_mid_output_loses_nothing(cluster):
             assert len(got["ids"]) == MAX_TOKENS  # each token once: none lost, none repeated
         if got["usage"] is not None:
             assert got["usage"] == MAX_TOKENS
-    metrics = httpx.get(router.url + "/metrics").text
+    metrics = web.get(router.url + "/metrics").text
     migrations = int(re.search(r"^pdserve_migrations_total (\d+)", metrics, re.M).group(1))
     assert migrations >= 1, "no sample was on the killed node mid-output"
     for i in (0, 1):  # greedy, with logprobs: the oracle

@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from tests import web
 from tests.cluster import NodeProcess, RedisServer
 from tests.engine_helpers import hf_greedy
 from tests.test_cpu_share import busy_neighbour, needs_two_cpus
@@ -24,12 +25,12 @@ THREADS = re.compile(r'^pdserve_node_torch_threads\{node_id="[^"]+",role="decode
 
 
 def _threads(router) -> list[float]:
-    return [float(v) for v in THREADS.findall(httpx.get(router.url + "/metrics", timeout=10).text)]
+    return [float(v) for v in THREADS.findall(web.get(router.url + "/metrics", timeout=10).text)]
 
 
 def _healthy(router) -> bool:
     try:
-        return httpx.get(router.url + "/health", timeout=5).status_code == 200
+        return web.get(router.url + "/health", timeout=5).status_code == 200
     except httpx.HTTPError:  # not listening yet
         return False
 
@@ -49,7 +50,7 @@ def test_a_node_beside_a_busy_process_drops_a_thread_logs_it_and_exports_it(tmp_
     def complete(prompt: list[int]) -> list[int]:
         body = {"model": model.name, "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
         body |= {"logprobs": 0, "return_tokens_as_token_ids": True}
-        reply = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+        reply = web.post(router.url + "/v1/completions", json=body, timeout=60)
         assert reply.status_code == 200, reply.text
         return [int(t.removeprefix("token_id:")) for t in reply.json()["choices"][0]["logprobs"]["tokens"]]
 

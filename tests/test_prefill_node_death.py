@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from tests import web
 from tests.cluster import NodeProcess, RedisServer, close_all
 from tests.engine_helpers import hf_greedy
 from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
@@ -39,7 +40,7 @@ def cluster(tmp_path, default_model_dir):
             node.wait_ready()
         router.wait_healthy()
         deadline = time.monotonic() + 10
-        while httpx.get(router.url + "/health").json()["num_prefill"] < 2 and time.monotonic() < deadline:
+        while web.get(router.url + "/health").json()["num_prefill"] < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         yield model, router, nodes
     finally:
@@ -58,7 +59,7 @@ def _stream_tokens(router, model, prompt: list[int]) -> list[int]:
         "return_tokens_as_token_ids": True,
     }
     tokens = []
-    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as reply:
+    with web.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as reply:
         assert reply.status_code == 200, reply.read()
         for line in reply.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -103,7 +104,7 @@ def test_a_stream_whose_client_leaves_before_its_first_token_is_aborted_at_once(
         os.kill(node.proc.pid, signal.SIGSTOP)
     body = {"model": model.name, "prompt": list(range(1000, 1200)), "max_tokens": 8, "stream": True}  # via P
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(router.url + "/v1/completions", json=body, timeout=1.5)  # the client gives up
+        web.post(router.url + "/v1/completions", json=body, timeout=1.5)  # the client gives up
     time.sleep(1.0)  # the router notices the disconnect and sends the aborts
     for node in prefills:
         os.kill(node.proc.pid, signal.SIGCONT)
@@ -112,5 +113,5 @@ def test_a_stream_whose_client_leaves_before_its_first_token_is_aborted_at_once(
     aborted = [e["request_id"] for n in prefills for e in n.events("request_aborted")]
     first_tokens = [e["request_id"] for n in prefills for e in n.events("first_token_sent")]
     assert added and added == aborted and not first_tokens
-    metrics = httpx.get(router.url + "/metrics").text
+    metrics = web.get(router.url + "/metrics").text
     assert re.findall(r'pdserve_router_inflight_requests\{role="\w+"\} (\d+)', metrics) == ["0", "0"]

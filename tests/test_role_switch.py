@@ -18,11 +18,11 @@ import sys
 import threading
 import time
 
-import httpx
 import pytest
 import redis
 
 from pdserve.protocol.registry import list_nodes
+from tests import web
 from tests.cluster import ROOT
 from tests.engine_helpers import hf_greedy
 from tests.up_launcher import FILLER, Launcher, completion_text, tiny_model_with_tokenizer
@@ -97,7 +97,7 @@ class Load:
 
 
 def switch(launcher: Launcher, node: str, role: str) -> dict:
-    reply = httpx.post(f"{launcher.url}/admin/nodes/{node}/role", json={"role": role}, timeout=90)
+    reply = web.post(f"{launcher.url}/admin/nodes/{node}/role", json={"role": role}, timeout=90)
     assert reply.status_code == 200, reply.text
     return reply.json()
 
@@ -132,7 +132,7 @@ def test_switches_under_load_lose_nothing_and_leak_no_block(cluster, rounds):
             assert answer["node_id"] == node and answer["role"] == role, answer
             # the router answers once its own view has the new role
             listed = {
-                n["node_id"]: n for n in httpx.get(launcher.url + "/admin/nodes", timeout=5).json()["nodes"]
+                n["node_id"]: n for n in web.get(launcher.url + "/admin/nodes", timeout=5).json()["nodes"]
             }
             assert listed[node]["role"] == role and not listed[node]["draining"], listed[node]
             time.sleep(0.3 if k % 2 else 0.0)  # some switches right after another, some after traffic
@@ -171,9 +171,7 @@ def test_pdserve_role_switches_a_node_and_refuses_what_it_cannot_do(cluster):
 
     missing = pdserve_role("no-such-node", "decode")
     assert missing.returncode == 1 and "404" in missing.stderr and "no-such-node" in missing.stderr
-    bad = httpx.post(f"{launcher.url}/admin/nodes/{mover}/role", json={"role": "router"}, timeout=10)
+    bad = web.post(f"{launcher.url}/admin/nodes/{mover}/role", json={"role": "router"}, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "role", bad.text
-    extra = httpx.post(
-        f"{launcher.url}/admin/nodes/{mover}/role", json={"role": "decode", "x": 1}, timeout=10
-    )
+    extra = web.post(f"{launcher.url}/admin/nodes/{mover}/role", json={"role": "decode", "x": 1}, timeout=10)
     assert extra.status_code == 400 and "x" in extra.json()["error"]["message"], extra.text

@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from pdserve.protocol.cluster_key import write_new_key
+from tests import web
 from tests.cluster import ROOT, NodeProcess, RedisServer, free_port
 from tests.engine_helpers import hf_greedy
 
@@ -107,7 +108,7 @@ class RouterProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"router exited:\n{self.log_path.read_text()}")
             try:
-                health = httpx.get(self.url + "/health", timeout=1)
+                health = web.get(self.url + "/health", timeout=1)
                 if health.status_code == 200 and health.json()["status"] == "ok":
                     return
             except httpx.HTTPError:
@@ -254,7 +255,7 @@ def test_repeated_prompt_reports_cached_tokens(cluster):
 def _used_blocks(router, computed_after: float = 0.0) -> dict[str, int]:
     """KV blocks in use per node, from /metrics; a node whose status there was computed before
     ``computed_after`` (the registry lags by a heartbeat) is left out."""
-    text = httpx.get(router.url + "/metrics").text
+    text = web.get(router.url + "/metrics").text
     labels = r'\{node_id="([^"]+)",role="\w+"\} '
     used = {m[1]: int(m[2]) for m in re.finditer("pdserve_node_kv_blocks_used" + labels + r"(\d+)", text)}
     at = {
@@ -330,7 +331,7 @@ def test_a_burst_past_the_ttft_slo_is_shed_with_429_and_what_is_admitted_stays_e
     while speed is None and time.monotonic() < deadline:
         found = re.search(
             r'pdserve_node_prefill_tokens_per_second\{node_id="[^"]+",role="prefill"\} (\S+)',
-            httpx.get(router.url + "/metrics").text,
+            web.get(router.url + "/metrics").text,
         )
         speed = float(found[1]) if found else time.sleep(0.1)
     assert speed, "the prefill node reported no speed"
@@ -341,9 +342,7 @@ def test_a_burst_past_the_ttft_slo_is_shed_with_429_and_what_is_admitted_stays_e
         body = {"model": model.name, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
         def send(i: int) -> httpx.Response:
-            return httpx.post(
-                shedding.url + "/v1/completions", json={**body, "stream": i % 2 == 1}, timeout=60
-            )
+            return web.post(shedding.url + "/v1/completions", json={**body, "stream": i % 2 == 1}, timeout=60)
 
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             replies = list(pool.map(send, range(16)))
@@ -364,7 +363,7 @@ def test_a_burst_past_the_ttft_slo_is_shed_with_429_and_what_is_admitted_stays_e
             error = reply.json()["error"]
             assert error["type"] == "rate_limit_error" and error["code"] == "overloaded"
             assert "beyond the" in error["message"] and "TTFT SLO" in error["message"]
-        scraped = httpx.get(shedding.url + "/metrics").text
+        scraped = web.get(shedding.url + "/metrics").text
         assert f'pdserve_shed_total{{reason="ttft_slo"}} {float(len(shed))}' in scraped
     finally:
         shedding.close()

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from tests import web
 from tests.cluster import NodeProcess, RedisServer
 from tests.test_router_cluster import LONG_PROMPT, RouterProcess, tiny_model_with_tokenizer
 
@@ -33,7 +34,7 @@ def cluster(tmp_path_factory, default_model_dir):
             node.wait_ready()
         router.wait_healthy()
         deadline = time.monotonic() + 10  # both prefill nodes registered with the router
-        while httpx.get(router.url + "/health").json()["num_prefill"] < 2 and time.monotonic() < deadline:
+        while web.get(router.url + "/health").json()["num_prefill"] < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         yield model, router, nodes
     finally:
@@ -51,7 +52,7 @@ def _complete(router, model, i: int) -> httpx.Response:
         "temperature": 0,
         "ignore_eos": True,
     }
-    return httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+    return web.post(router.url + "/v1/completions", json=body, timeout=60)
 
 
 def test_requests_survive_kill_9_of_a_prefill_node(cluster):
@@ -71,7 +72,7 @@ def test_kill_9_of_the_decode_node_mid_stream_ends_with_an_error_event(cluster):
     body = {"model": model.name, "prompt": LONG_PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True}
     lines = []
     started = time.monotonic()
-    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as reply:
+    with web.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as reply:
         assert reply.status_code == 200
         for line in reply.iter_lines():
             if line.startswith("data: "):

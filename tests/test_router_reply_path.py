@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from pdserve.protocol.cluster_key import write_new_key
+from tests import web
 from tests.cluster import NodeProcess, RedisServer
 from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
 
@@ -46,7 +47,7 @@ def test_a_router_on_every_interface_advertises_its_hostname_and_serves(nodes):
     try:
         router.wait_healthy()
         body = {"model": model.name, "prompt": "Hello there", "max_tokens": 4, "ignore_eos": True}
-        reply = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
+        reply = web.post(router.url + "/v1/completions", json=body, timeout=30)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
         advertised = re.search(r"nodes push replies to tcp://(\S+):\d+", router.log_path.read_text())
         assert advertised and advertised.group(1) == socket.gethostname() != "127.0.0.1"
@@ -62,12 +63,12 @@ def test_a_reply_address_the_nodes_cannot_reach_keeps_the_router_unhealthy(nodes
         _wait_listening(router)
         deadline = time.monotonic() + 4
         while time.monotonic() < deadline:
-            health = httpx.get(router.url + "/health", timeout=2)
+            health = web.get(router.url + "/health", timeout=2)
             assert health.status_code == 503 and health.json()["num_decode"] == 0
             time.sleep(0.2)
         started = time.monotonic()
         body = {"model": model.name, "prompt": "Hello there", "max_tokens": 4}
-        reply = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
+        reply = web.post(router.url + "/v1/completions", json=body, timeout=30)
         assert reply.status_code == 503 and time.monotonic() - started < 2
         assert "sent no status back through the reply address tcp://127.0.0.3:" in router.log_path.read_text()
     finally:
@@ -79,7 +80,7 @@ def _wait_listening(router, timeout_s: float = 60.0) -> None:
     while time.monotonic() < deadline:
         assert router.proc.poll() is None, router.log_path.read_text()
         try:
-            httpx.get(router.url + "/health", timeout=1)
+            web.get(router.url + "/health", timeout=1)
             return
         except httpx.HTTPError:
             time.sleep(0.1)

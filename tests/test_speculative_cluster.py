@@ -12,11 +12,11 @@ import json
 import random
 import time
 
-import httpx
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import web
 from tests.cluster import pdserve_up
 from tests.engine_helpers import hf_greedy, hf_logits
 from tests.test_router_cluster import tiny_model_with_tokenizer
@@ -34,7 +34,7 @@ def cluster(request, tmp_path_factory, default_model_dir):
     with pdserve_up(
         model, tmp, "--prefill", "1", "--decode", "1", "--node-args", f"{method} --num-speculative-tokens 4"
     ) as url:
-        name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        name = web.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         yield model, name, url
 
 
@@ -51,15 +51,13 @@ def _repetitive(seed: int, length: int) -> list[int]:
 def _complete(url: str, body: dict, stream: bool) -> tuple[list[int], list[float]]:
     body = {**body, "logprobs": 0, "return_tokens_as_token_ids": True}
     if not stream:
-        reply = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        reply = web.post(url + "/v1/completions", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
         logprobs = reply.json()["choices"][0]["logprobs"]
         tokens, values = logprobs["tokens"], logprobs["token_logprobs"]
     else:
         tokens, values = [], []
-        with httpx.stream(
-            "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120
-        ) as reply:
+        with web.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as reply:
             assert reply.status_code == 200, reply.read()
             for line in reply.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
@@ -74,7 +72,7 @@ def _complete(url: str, body: dict, stream: bool) -> tuple[list[int], list[float
 def _metric(url: str, name: str) -> dict[str, float]:
     """role -> the family's value summed over that role's nodes."""
     totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+    for family in text_string_to_metric_families(web.get(url + "/metrics", timeout=10).text):
         for s in family.samples if family.name == name else ():
             if s.name == name or s.name == name + "_total":
                 totals[s.labels["role"]] = totals.get(s.labels["role"], 0.0) + s.value

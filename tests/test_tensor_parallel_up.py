@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import concurrent.futures
 
-import httpx
 import pytest
 
+from tests import web
 from tests.cluster import pdserve_up
 from tests.test_router_cluster import tiny_model_with_tokenizer
 from tests.test_speculative_cluster import _complete, _repetitive
@@ -26,7 +26,7 @@ README = {"max_tokens": 32, "messages": [{"role": "user", "content": "What is th
 
 
 def _chat(url: str, body: dict) -> dict:
-    reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    reply = web.post(url + "/v1/chat/completions", json=body, timeout=120)
     assert reply.status_code == 200, reply.text
     return reply.json()
 
@@ -37,9 +37,9 @@ def test_the_default_model_on_a_two_rank_prefill_node_with_a_registry(tmp_path, 
     fp32 = ("--node-args", "--dtype float32")
     with pdserve_up(default_model_dir, tmp_path, "--prefill-tp", "2", "--decode-tp", "1", *fp32) as url:
         assert (tmp_path / "cluster.key").is_file()
-        nodes = httpx.get(url + "/admin/nodes", timeout=10).json()["nodes"]
+        nodes = web.get(url + "/admin/nodes", timeout=10).json()["nodes"]
         assert sorted((n["role"], n["tp_size"]) for n in nodes) == [("decode", 1), ("prefill", 2)]
-        name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        name = web.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         assert _chat(url, {"model": name, **README})["choices"][0]["message"][
             "content"
         ]  # as the README sends it
@@ -48,7 +48,7 @@ def test_the_default_model_on_a_two_rank_prefill_node_with_a_registry(tmp_path, 
         answers = [_chat(url, body) for body in (short, long)]
         tp_node = next(n["node_id"] for n in nodes if n["tp_size"] == 2)
         for role in ("colocated", "prefill"):  # the two-rank node decodes, then prefills again
-            reply = httpx.post(f"{url}/admin/nodes/{tp_node}/role", json={"role": role}, timeout=90)
+            reply = web.post(f"{url}/admin/nodes/{tp_node}/role", json={"role": role}, timeout=90)
             assert reply.status_code == 200 and reply.json()["role"] == role, reply.text
             again = _chat(url, long)["choices"][0]["message"]["content"]
             assert again == answers[1]["choices"][0]["message"]["content"]
@@ -68,12 +68,12 @@ def test_a_two_rank_decode_pool_with_the_int8_cache_and_static_addresses(tmp_pat
     model = tiny_model_with_tokenizer(default_model_dir)
     flags = ["--prefill-tp", "1", "--decode-tp", "2", "--no-redis", "--node-args", "--kv-cache-dtype int8"]
     with pdserve_up(model, tmp_path, *flags) as url:
-        nodes = httpx.get(url + "/admin/nodes", timeout=10).json()["nodes"]
+        nodes = web.get(url + "/admin/nodes", timeout=10).json()["nodes"]
         assert sorted((n["role"], n["tp_size"], n["kv_dtype"]) for n in nodes) == [
             ("decode", 2, "int8"),
             ("prefill", 1, "int8"),
         ]
-        name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        name = web.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         lengths = [20, 300, 40, 150, 90, 7]  # under 64 tokens: decode-only; the rest through prefill
         prompts = [_repetitive(200 + i, n) for i, n in enumerate(lengths)]
         greedy = {"model": name, "temperature": 0, "max_tokens": 16, "ignore_eos": True}

@@ -3,6 +3,8 @@ fixture of that name (tests/conftest.py), and one that does not, fails."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.cluster import ROOT
@@ -48,3 +50,17 @@ def test_a_test_that_starts_a_process_without_the_fixture_fails_and_the_tiers_sp
     assert "(Popen.__init__)" in everything.stdout.str() and "(BaseProcess.start)" in everything.stdout.str()
     fast = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-m", "not processes")
     fast.assert_outcomes(passed=1, failed=2, deselected=2)
+
+
+def test_the_tests_make_their_http_calls_through_tests_web():
+    """httpx.get/post/stream build an SSL context per call (tests/web.py says what that cost): every
+    test module calls them through tests/web.py, which builds one."""
+    call = re.compile(r"\bhttpx\.(get|post|stream)\(")
+    offenders = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        if path.name != "web.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if call.search(line)
+    ]
+    assert offenders == [], f"call tests/web.py's get/post/stream instead: {offenders}"

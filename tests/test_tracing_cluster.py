@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 
-import httpx
 import pytest
 
+from tests import web
 from tests.cluster import RedisServer
 from tests.otlp_receiver import OTLPReceiver, ReceivedSpan
 from tests.test_router_cluster import (
@@ -83,7 +83,7 @@ def test_a_disaggregated_requests_spans_from_the_router_both_nodes_and_the_trans
 ):
     router, nodes, receiver = traced_cluster
     client_span = "a3ce929d0e0e4736"
-    reply = httpx.post(
+    reply = web.post(
         router.url + "/v1/completions",
         json={"prompt": LONG_PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True},
         headers={"traceparent": f"00-{TRACE_ID}-{client_span}-01"},
@@ -132,7 +132,7 @@ def test_a_disaggregated_requests_spans_from_the_router_both_nodes_and_the_trans
 def test_a_decode_only_requests_spans_come_from_the_router_and_the_decode_node(traced_cluster):
     router, nodes, receiver = traced_cluster
     trace_id = "6c9f1e0a2b3d4c5e6f708192a3b4c5d6"
-    reply = httpx.post(
+    reply = web.post(
         router.url + "/v1/completions",
         json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True},  # under --disagg-threshold 8
         headers={"traceparent": f"00-{trace_id}-0102030405060708-01"},

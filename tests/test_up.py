@@ -17,7 +17,6 @@ import socket
 import threading
 import time
 
-import httpx
 import psutil
 import pytest
 
@@ -27,6 +26,7 @@ from pdserve.launcher.cluster import LocalCluster
 from pdserve.launcher.plan import ClusterPlan, threads_per_node
 from pdserve.node.options import options_from_args
 from pdserve.protocol.registry import Role
+from tests import web
 from tests.cluster import NodeProcess
 from tests.engine_helpers import hf_greedy
 from tests.up_launcher import FILLER, NODE_ARGS, Launcher, tiny_model_with_tokenizer
@@ -50,7 +50,7 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:
 
 def complete(url: str, prompt: str, max_tokens: int) -> dict:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-    response = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    response = web.post(url + "/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -313,7 +313,7 @@ def test_sigterm_drains_a_decode_node_without_failing_a_request(up):
     assert node.proc.wait(30) == 0
     assert node.events("request_finished")  # it finished what it had before leaving
     # The router forgets a withdrawn node node_expiry_s (3 s) after its last poll that saw it.
-    wait_for(lambda: httpx.get(up.url + "/health").json()["num_decode"] == 2, 4.5, "the router to drop it")
+    wait_for(lambda: web.get(up.url + "/health").json()["num_decode"] == 2, 4.5, "the router to drop it")
     node.close()
 
 
@@ -322,7 +322,7 @@ def test_killed_decode_node_leaves_the_pool_within_two_heartbeat_ttls_and_traffi
     pid = json.loads((up.log_dir / "decode-1.ready.json").read_text())["pid"]
     os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()
-    wait_for(lambda: httpx.get(up.url + "/health").json()["num_decode"] == 1, 10, "the registry to drop it")
+    wait_for(lambda: web.get(up.url + "/health").json()["num_decode"] == 1, 10, "the registry to drop it")
     # The Redis key expires 3 s (the heartbeat ttl) after the last beat; the router then keeps the
     # node for its own node_expiry_s (3 s) after the last poll that saw it: about 6 s in all.
     assert time.monotonic() - killed_at < 2 * 3.0 + 1.0
@@ -363,7 +363,7 @@ def test_colocated_nodes_serve_concurrent_requests_equal_to_hf_on_both_nodes_wit
     try:
         launcher.wait_up()
         assert "pdserve is up: 2 colocated node(s)" in launcher.output()
-        health = httpx.get(launcher.url + "/health")
+        health = web.get(launcher.url + "/health")
         assert health.status_code == 200
         assert health.json() == {
             "status": "ok",
@@ -387,7 +387,7 @@ def test_colocated_nodes_serve_concurrent_requests_equal_to_hf_on_both_nodes_wit
             assert all(e["local_prefill"] for e in finished)
             assert not launcher.events(child, "kv_adopted")
         assert sum(len(launcher.events(c, "request_finished")) for c in ("colocated-0", "colocated-1")) == 16
-        assert 'role="colocated"' in httpx.get(launcher.url + "/metrics").text
+        assert 'role="colocated"' in web.get(launcher.url + "/metrics").text
         assert main(["status", "--redis", launcher.redis_url()]) == 0
         assert "colocated: 2 node(s), 2 serving" in capsys.readouterr().out
     finally:

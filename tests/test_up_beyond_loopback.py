@@ -20,13 +20,13 @@ import socket
 import threading
 import time
 
-import httpx
 import pytest
 import redis
 
 from pdserve.protocol.addresses import is_loopback
 from pdserve.protocol.cluster_key import write_new_key
 from pdserve.protocol.registry import KEY_PREFIX
+from tests import web
 from tests.cluster import NodeProcess
 from tests.engine_helpers import hf_greedy
 from tests.up_launcher import FILLER, NODE_ARGS, Launcher, completion_text, tiny_model_with_tokenizer
@@ -279,5 +279,5 @@ def test_a_captured_signed_record_written_back_is_refused_and_the_node_keeps_ser
         client.close()
     assert refusal in router_log(launcher)
     assert len(launcher.events("decode-0", "request_finished")) >= finished_before + 12
-    health = httpx.get(launcher.url + "/health", timeout=5).json()
+    health = web.get(launcher.url + "/health", timeout=5).json()
     assert health["status"] == "ok", health

@@ -14,11 +14,11 @@ import sysconfig
 import time
 import zipfile
 
-import httpx
 import pytest
 
 from pdserve.kernels import cpu_ext
 from pdserve.launcher.ports import free_port
+from tests import web
 from tests.test_autoscale_cluster import PROFILE
 from tests.test_packaging import build_wheel
 from tests.test_router_cluster import tiny_model_with_tokenizer
@@ -115,7 +115,7 @@ def _until_up(proc: subprocess.Popen, out: pathlib.Path, url: str, timeout_s: fl
     while "pdserve is up" not in out.read_text():
         assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
         time.sleep(0.2)
-    httpx.get(url + "/health", timeout=10).raise_for_status()
+    web.get(url + "/health", timeout=10).raise_for_status()
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -147,7 +147,7 @@ def test_pdserve_up_from_the_wheel_serves_a_request_on_the_cpu_kernel(
     try:
         _until_up(proc, out, url)
         body = {"model": model.name, "prompt": "one two three four", "max_tokens": 4, "temperature": 0}
-        reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        reply = web.post(url + "/v1/completions", json=body, timeout=60)
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 4
         if autoscale:

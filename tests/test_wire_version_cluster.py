@@ -7,12 +7,12 @@ from __future__ import annotations
 import subprocess
 import time
 
-import httpx
 import pytest
 
 from pdserve.launcher.commands import pdserve_argv
 from pdserve.launcher.ports import free_port
 from pdserve.protocol.codec import PROTOCOL_VERSION
+from tests import web
 from tests.cluster import ROOT, NodeProcess, RedisServer, close_all
 from tests.test_router_cluster import RouterProcess, tiny_model_with_tokenizer
 
@@ -57,10 +57,10 @@ def test_a_router_refuses_a_node_of_another_version_by_name_and_serves_on(
             f"registry record from node {old_id} speaks pdserve protocol {OLD}; this process speaks "
             f"protocol {PROTOCOL_VERSION}",
         )
-        health = httpx.get(router.url + "/health", timeout=5).json()
+        health = web.get(router.url + "/health", timeout=5).json()
         assert health["num_decode"] == 1 and health["num_prefill"] == 1
         body = {"model": model.name, "prompt": "one two three", "max_tokens": 4, "temperature": 0}
-        reply = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+        reply = web.post(router.url + "/v1/completions", json=body, timeout=60)
         assert reply.status_code == 200, reply.text
     finally:
         close_all(router, [*nodes, old], redis)

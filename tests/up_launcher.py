@@ -12,10 +12,10 @@ import subprocess
 import sys
 import time
 
-import httpx
 import torch
 import transformers
 
+from tests import web
 from tests.cluster import ROOT, free_port
 from tests.tiny_models import TINY
 
@@ -108,11 +108,11 @@ class Launcher:
 def completion_text(url: str, body: dict, stream: bool) -> str:
     """One /v1/completions request, whole or streamed; its text (asserting a 200)."""
     if not stream:
-        reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        reply = web.post(url + "/v1/completions", json=body, timeout=60)
         assert reply.status_code == 200, reply.text
         return reply.json()["choices"][0]["text"]
     text = []
-    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+    with web.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":

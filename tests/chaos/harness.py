@@ -22,6 +22,7 @@ import time
 
 import httpx
 
+from tests import web
 from tests.cluster import ROOT, NodeProcess, RedisServer, free_port
 
 STALL_TIMEOUT_S = 1.5  # a node whose loop made no progress for this long leaves the registry
@@ -69,7 +70,7 @@ class Router:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"router exited:\n{self.log_path.read_text()}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if web.get(self.url + "/health", timeout=1).status_code == 200:
                     return
             time.sleep(0.1)
         raise RuntimeError(f"router not healthy:\n{self.log_path.read_text()}")
@@ -179,7 +180,7 @@ class Cluster:
         return node
 
     def health(self) -> dict:
-        return httpx.get(self.router.url + "/health", timeout=5).json()
+        return web.get(self.router.url + "/health", timeout=5).json()
 
     def wait_members(self, num_prefill: int, num_decode: int, timeout_s: float = 20.0) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -194,7 +195,7 @@ class Cluster:
 
     def used_blocks(self) -> dict[str, int]:
         """KV blocks held by live requests on each node the router lists, read through /metrics."""
-        text = httpx.get(self.router.url + "/metrics", timeout=5).text
+        text = web.get(self.router.url + "/metrics", timeout=5).text
         return {node_id: int(num) for node_id, _, num in _GAUGE_RE.findall(text)}
 
     def wait_idle(self, timeout_s: float = 15.0) -> dict[str, int]:

@@ -15,6 +15,7 @@ import time
 
 import httpx
 
+from tests import web
 from tests.chaos.harness import REQUEST_DEADLINE_S
 
 
@@ -84,7 +85,7 @@ def request_once(url: str, model_name: str, spec: Spec, timeout_s: float = REQUE
         if spec.stream:
             _stream(url, body, out, timeout_s)
         else:
-            reply = httpx.post(url + "/v1/completions", json=body, timeout=timeout_s)
+            reply = web.post(url + "/v1/completions", json=body, timeout=timeout_s)
             out.status = reply.status_code
             data = reply.json()
             if reply.status_code == 200:
@@ -106,7 +107,7 @@ def _token_ids(logprobs: dict | None) -> list[int]:
 
 
 def _stream(url: str, body: dict, out: Outcome, timeout_s: float) -> None:
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout_s) as reply:
+    with web.stream("POST", url + "/v1/completions", json=body, timeout=timeout_s) as reply:
         out.status = reply.status_code
         if reply.status_code != 200:
             out.error = json.loads(reply.read()).get("error")

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 
-import httpx
 import msgpack
 import pytest
 import zmq
@@ -22,6 +21,7 @@ from pdserve.kv_transfer import messages as kvm
 from pdserve.protocol import messages as pm
 from pdserve.protocol.codec import PROTOCOL_VERSION
 from pdserve.protocol.sampling_params import SamplingParams
+from tests import web
 from tests.chaos.load import Spec, request_once, write_report_row
 from tests.cluster import free_port
 
@@ -85,7 +85,7 @@ CASES: dict[str, tuple[str, bytes]] = {
 def test_bad_body_gets_a_client_error(small, name):
     cluster, _, _ = small
     path, raw = CASES[name]
-    reply = httpx.post(
+    reply = web.post(
         cluster.router.url + path, content=raw, headers={"content-type": "application/json"}, timeout=60
     )
     assert 400 <= reply.status_code < 500 or reply.status_code == 200, (reply.status_code, reply.text[:300])
@@ -103,7 +103,7 @@ def test_a_10_mb_body_without_a_length_header_is_refused_too(small):
             yield b"a" * (1 << 20)
         yield b'"}'
 
-    reply = httpx.post(cluster.router.url + "/v1/completions", content=chunks(), timeout=60)
+    reply = web.post(cluster.router.url + "/v1/completions", content=chunks(), timeout=60)
     assert reply.status_code == 413, reply.text[:300]
     assert reply.json()["error"]["code"] == "body_too_large"
 

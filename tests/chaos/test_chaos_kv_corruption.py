@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 import re
 
-import httpx
 import pytest
 
+from tests import web
 from tests.chaos.harness import Cluster
 from tests.chaos.test_chaos_node_faults import run_fault
 
@@ -49,7 +49,7 @@ def test_corrupted_kv_is_caught_replayed_and_the_nodes_stay_healthy(corrupting, 
     ]
     assert caught, "no corrupted transfer reached a decode node"
     assert row["outcomes"].get("complete", 0) > 0
-    metrics = httpx.get(cluster.router.url + "/metrics").text
+    metrics = web.get(cluster.router.url + "/metrics").text
     moved = re.findall(r"^pdserve_(?:retries|migrations)_total (\d+)", metrics, re.M)
     assert sum(map(int, moved)) > 0  # the failed ones went on elsewhere: retried or migrated
     cluster.wait_members(1, 2)  # nobody left the pool over it

@@ -16,9 +16,9 @@ import re
 import signal
 import time
 
-import httpx
 import pytest
 
+from tests import web
 from tests.chaos.harness import STALL_TIMEOUT_S, Cluster, main_thread_frozen
 from tests.chaos.load import (
     Expected,
@@ -134,7 +134,7 @@ def _busiest(cluster: Cluster, role: str, timeout_s: float = 15.0):
     one, that request may finish in the lag: a loaded full-suite run killed a node holding none)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        text = httpx.get(cluster.router.url + "/metrics", timeout=5).text
+        text = web.get(cluster.router.url + "/metrics", timeout=5).text
         running = {node: int(num) for node, num in _RUNNING_RE.findall(text)}
         fresh = {node for node, at in _STATUS_AT_RE.findall(text) if time.time() - float(at) < 1.0}
         busiest = max(cluster.live(role), key=lambda n: running.get(n.addrs["node_id"], 0))
@@ -161,7 +161,7 @@ def _kill_and_replace(cluster: Cluster, role: str, expected: Expected, seed: int
 
 def _moved(cluster: Cluster) -> int:
     """Samples retried before their first token or migrated after it, so far."""
-    text = httpx.get(cluster.router.url + "/metrics", timeout=5).text
+    text = web.get(cluster.router.url + "/metrics", timeout=5).text
     return sum(map(int, re.findall(r"^pdserve_(?:retries|migrations)_total (\d+)", text, re.M)))
 
 

@@ -16,6 +16,7 @@ import httpx
 import psutil
 import pytest
 
+from tests import web
 from tests.chaos.conftest import ADMITTED
 from tests.chaos.load import Spec, completion_body, prompts, write_report_row
 
@@ -83,7 +84,7 @@ def test_ten_times_more_requests_than_admitted_get_429_at_once_and_the_rest_comp
 
 
 def _gauges(url: str, name: str) -> list[int]:
-    text = httpx.get(url + "/metrics", timeout=5).text
+    text = web.get(url + "/metrics", timeout=5).text
     return [int(v) for v in re.findall(_GAUGE.format(name=name), text, re.M)]
 
 
@@ -126,7 +127,7 @@ def test_a_disconnect_storm_leaves_every_node_idle_within_seconds(small):
         inflight = [
             int(v)
             for v in re.findall(
-                r"pdserve_router_inflight_requests\{[^}]*\} (\d+)", httpx.get(router.url + "/metrics").text
+                r"pdserve_router_inflight_requests\{[^}]*\} (\d+)", web.get(router.url + "/metrics").text
             )
         ]
         busy = (

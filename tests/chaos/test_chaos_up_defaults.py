@@ -20,9 +20,9 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 
+from tests import web
 from tests.cluster import pdserve_up
 
 pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.chaos]
@@ -33,7 +33,7 @@ _USED_RE = re.compile(r'^pdserve_node_kv_blocks_used\{node_id="[^"]+",role="(\w+
 def _stream(url: str, model: str, prompt: list[int]) -> tuple[int, object, object]:
     """(HTTP status, finish reason, SSE error) of one streamed completion."""
     body = {"model": model, "prompt": prompt, "max_tokens": 8, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as response:
+    with web.stream("POST", url + "/v1/completions", json=body, timeout=300) as response:
         if response.status_code != 200:
             return response.status_code, 0, response.read().decode()
         finish, error = None, None
@@ -58,7 +58,7 @@ def _busy_processes(num: int):
 
 
 def _used_blocks(url: str) -> list[tuple[str, int]]:
-    return [(role, int(n)) for role, n in _USED_RE.findall(httpx.get(url + "/metrics", timeout=10).text)]
+    return [(role, int(n)) for role, n in _USED_RE.findall(web.get(url + "/metrics", timeout=10).text)]
 
 
 @pytest.mark.parametrize("busy", [0, 2], ids=["quiet", "two-busy-processes"])
@@ -70,7 +70,7 @@ def test_a_killed_prefill_node_under_long_prompts_loses_no_request_with_up_defau
     prompts = [[rng.randrange(100, 40000) for _ in range(PROMPT_TOKENS)] for _ in range(4)]
     flags = ["--prefill", "2", "--decode", "1", *([] if registry else ["--no-redis"])]
     with pdserve_up(default_model_dir, tmp_path, *flags) as url, _busy_processes(busy):
-        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        model = web.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         ready = json.loads((tmp_path / "prefill-0.ready.json").read_text())
         victim = ready["pid"]
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -104,7 +104,7 @@ def test_every_node_paused_past_its_ttl_loses_no_request_with_up_defaults(defaul
         for i in range(6)
     ]
     with pdserve_up(default_model_dir, tmp_path, "--prefill", "1", "--decode", "1") as url:
-        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        model = web.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         pids = [
             json.loads((tmp_path / f"{n}.ready.json").read_text())["pid"] for n in ("prefill-0", "decode-0")
         ]

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pathlib
 
-import httpx
 import psutil
 import pytest
 import redis
 import yaml
 
+from tests import web
 from tests.chaos.conftest import API_KEY
 from tests.chaos.load import Spec, request_once
 from tests.cluster import ROOT
@@ -37,7 +37,7 @@ def test_with_the_key_and_a_password_protected_redis_requests_complete(guarded, 
     spec = Spec(tuple(range(400, 440)), 6, stream=False, logprobs=True)
     body = {"model": model.name, "prompt": list(spec.prompt), "max_tokens": 6, "temperature": 0}
     body |= {"ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True}
-    reply = httpx.post(
+    reply = web.post(
         router.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}
     )
     assert reply.status_code == 200, reply.text
@@ -49,7 +49,7 @@ def test_with_the_key_and_a_password_protected_redis_requests_complete(guarded, 
 def test_without_the_right_key_v1_is_401_in_openai_shape(guarded, model, auth):
     router, _, _ = guarded
     headers = {} if auth is None else {"Authorization": auth.encode()}
-    outcome = httpx.post(router.url + "/v1/completions", json={"prompt": "x"}, headers=headers)
+    outcome = web.post(router.url + "/v1/completions", json={"prompt": "x"}, headers=headers)
     assert outcome.status_code == 401 and outcome.headers["www-authenticate"] == "Bearer"
     assert outcome.json() == {
         "error": {
@@ -59,14 +59,14 @@ def test_without_the_right_key_v1_is_401_in_openai_shape(guarded, model, auth):
             "code": "invalid_api_key",
         }
     }
-    assert httpx.get(router.url + "/v1/models", headers=headers).status_code == 401
+    assert web.get(router.url + "/v1/models", headers=headers).status_code == 401
     assert request_once(router.url, model.name, Spec((5,) * 8, 2, True, False)).status == 401
 
 
 def test_health_and_metrics_need_no_key(guarded):
     router, _, _ = guarded
-    assert httpx.get(router.url + "/health").status_code == 200
-    assert "pdserve_node_kv_blocks_used" in httpx.get(router.url + "/metrics").text
+    assert web.get(router.url + "/health").status_code == 200
+    assert "pdserve_node_kv_blocks_used" in web.get(router.url + "/metrics").text
 
 
 def test_every_listening_socket_is_on_loopback_by_default(guarded):

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pathlib
 
-import httpx
 import pytest
 
+from tests import web
 from tests.cluster import ROOT, pdserve_up
 
 pytestmark = [pytest.mark.usefixtures("processes"), pytest.mark.eval, pytest.mark.timeout(420)]
@@ -28,7 +28,7 @@ def router(default_model_dir, tmp_path_factory):
     with pdserve_up(
         default_model_dir, tmp_path_factory.mktemp("eval")
     ) as url:  # its defaults (1P+1D; one colocated node on a CPU of < 4 cores)
-        yield url, httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        yield url, web.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
 
 def _evaluate(task: str, model: str, model_args: str, **kwargs) -> dict:
