@@ -203,7 +203,8 @@ def paged_prefill_attention_ref(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Reference: row by row, head by head, in fp32 over the visible keys only."""
+    """Reference: row by row in float64 over the visible keys only, every head of a row at once (the
+    keys gathered slot by slot from the block table, each query head reading its group's KV head)."""
     num_heads = query.shape[1]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -211,17 +212,18 @@ def paged_prefill_attention_ref(
     for seq in range(context_lens.shape[0]):
         context_len = int(context_lens[seq])
         q_start, q_end = int(query_start_loc[seq]), int(query_start_loc[seq + 1])
+        positions = torch.arange(context_len, device=block_tables.device)
+        blocks = block_tables[seq, positions // block_size].long()
+        offsets = positions % block_size
+        keys = key_cache[blocks, offsets].double().repeat_interleave(group, dim=1)  # [context, H, D]
+        values = value_cache[blocks, offsets].double().repeat_interleave(group, dim=1)
         for i, row in enumerate(range(q_start, q_end)):
             pos = context_len - (q_end - q_start) + i
             first = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
-            slots = [(int(block_tables[seq, t // block_size]), t % block_size) for t in range(first, pos + 1)]
-            for head in range(num_heads):
-                kv_head = head // group
-                k = torch.stack([key_cache[b, o, kv_head] for b, o in slots]).float()  # [T, D]
-                v = torch.stack([value_cache[b, o, kv_head] for b, o in slots]).float()
-                logits = k @ query[row, head].float() * scale  # [T]
-                if softcap is not None:
-                    logits = torch.tanh(logits / softcap) * softcap
-                weights = torch.softmax(logits, dim=0)
-                out[row, head] = (weights @ v).to(out.dtype)
+            k, v = keys[first : pos + 1], values[first : pos + 1]  # [T, H, D]
+            logits = torch.einsum("thd,hd->ht", k, query[row].double()) * scale  # [H, T]
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+            weights = torch.softmax(logits, dim=-1)
+            out[row] = torch.einsum("ht,thd->hd", weights, v).to(out.dtype)
     return out
