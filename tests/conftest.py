@@ -105,8 +105,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if PROCESSES in fixtures:
             item.add_marker(PROCESSES)
         # pytest-xdist (--dist loadgroup) sends a group to one worker: a module's tests share its
-        # module-scoped clusters, and every user of the session's api_cluster shares that one
-        group = "api_cluster" if "api_cluster" in fixtures else item.nodeid.split("::")[0]
+        # module-scoped clusters, and every user of one of the session's clusters shares that one
+        shared = [name for name in SESSION_CLUSTERS if name in fixtures]
+        group = shared[0] if shared else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
@@ -181,3 +182,30 @@ def api_cluster(processes, tmp_path_factory, default_model_dir):
     }
     with serving(redis, nodes.values(), routers.values()):
         yield model, routers, nodes
+
+
+@pytest.fixture(scope="session")
+def default_model_cluster(processes, tmp_path_factory, default_model_dir):
+    """The default model (float32, default_model_dir) served by 1 prefill + 1 decode node on a real
+    Redis, started once for the modules that ask a trained model (answers that finish, grammars that
+    close) through two routers: "pd" disaggregates every prompt, "decode_only" never does. Yields
+    (routers by name, nodes by role)."""
+    from tests.cluster import NodeProcess, RedisServer
+    from tests.test_router_cluster import RouterProcess, serving
+
+    tmp = tmp_path_factory.mktemp("default-model-cluster")
+    redis = RedisServer(tmp)
+    extra = ["--kv-cache-memory-mb", "128", "--heartbeat-interval", "0.2"]
+    nodes = {
+        role: NodeProcess(role, str(default_model_dir), tmp, redis.url, extra)
+        for role in ("prefill", "decode")
+    }
+    routers = {
+        "pd": RouterProcess(default_model_dir, redis.url, tmp, "--disagg-threshold", "0"),
+        "decode_only": RouterProcess(default_model_dir, redis.url, tmp, "--disagg-threshold", "100000"),
+    }
+    with serving(redis, nodes.values(), routers.values(), start_timeout_s=120):
+        yield routers, nodes
+
+
+SESSION_CLUSTERS = ("api_cluster", "default_model_cluster")  # started once, shared by modules

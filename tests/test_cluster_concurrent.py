@@ -1,8 +1,9 @@
-"""Real clients against a real cluster, many requests at once: 1 prefill + 1 decode node, redis-server,
-and three routers on the same nodes: one that disaggregates (the default threshold), one that
-never does (every request prefills on the decode node), and one that lets the decode node
-prefill whenever the prefill node has the longer queue (a margin of 0 s). Each answer is checked against Hugging
-Face on the same weights: text, token ids, logprob values, and the exact number of cached tokens."""
+"""Real clients against a real cluster, many requests at once: 1 prefill + 1 decode node (the
+session's API-surface nodes) on redis-server, and three routers on the same nodes: one that
+disaggregates (the default threshold), one that never does (every request prefills on the decode
+node), and one that lets the decode node prefill whenever the prefill node has the longer queue (a
+margin of 0 s). Each answer is checked against Hugging Face on the same weights: text, token ids,
+logprob values, and the exact number of cached tokens."""
 
 from __future__ import annotations
 
@@ -19,28 +20,32 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.router.tokenizer import Tokenizer
 from tests import web
-from tests.cluster import NodeProcess, RedisServer
 from tests.engine_helpers import hf_greedy, hf_logits
-from tests.test_router_cluster import RouterProcess, serving, tiny_model_with_tokenizer
+from tests.test_router_cluster import RouterProcess
 
 pytestmark = pytest.mark.usefixtures("processes")
 BLOCK_SIZE = 16  # the nodes' default
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, default_model_dir):
-    tmp = tmp_path_factory.mktemp("concurrent")
-    model = tiny_model_with_tokenizer(default_model_dir, max_position_embeddings=1024)
-    redis = RedisServer(tmp)
-    extra = ["--num-kv-blocks", "512", "--heartbeat-interval", "0.2", "--heartbeat-ttl", "2"]
-    nodes = {role: NodeProcess(role, str(model), tmp, redis.url, extra) for role in ("prefill", "decode")}
+def cluster(api_cluster, tmp_path_factory):
+    """The session's API-surface nodes (tests/conftest.py api_cluster: this module's model and node
+    flags; its colocated node is on another registry) behind this module's three routers."""
+    model, _, shared = api_cluster
+    nodes = {role: shared[role] for role in ("prefill", "decode")}
+    tmp, redis_url = tmp_path_factory.mktemp("concurrent"), nodes["prefill"].redis_url
     routers = {
-        "pd": RouterProcess(model, redis.url, tmp),
-        "decode_only": RouterProcess(model, redis.url, tmp, "--disagg-threshold", "100000"),
-        "no_margin": RouterProcess(model, redis.url, tmp, "--local-prefill-margin-s", "0"),
+        "pd": RouterProcess(model, redis_url, tmp),
+        "decode_only": RouterProcess(model, redis_url, tmp, "--disagg-threshold", "100000"),
+        "no_margin": RouterProcess(model, redis_url, tmp, "--local-prefill-margin-s", "0"),
     }
-    with serving(redis, nodes.values(), routers.values()):
+    try:
+        for router in routers.values():
+            router.wait_healthy()
         yield model, routers, nodes
+    finally:
+        for router in routers.values():
+            router.close()
 
 
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:

@@ -124,13 +124,13 @@ class RouterProcess:
 
 
 @contextlib.contextmanager
-def serving(redis: RedisServer, nodes, routers):
+def serving(redis: RedisServer, nodes, routers, start_timeout_s: float = 60.0):
     """Until every node is ready and every router healthy; on the way out, close them all and Redis."""
     try:
         for node in nodes:
-            node.wait_ready()
+            node.wait_ready(start_timeout_s)
         for router in routers:
-            router.wait_healthy()
+            router.wait_healthy(start_timeout_s)
         yield
     finally:
         for process in [*routers, *nodes]:

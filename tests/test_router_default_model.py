@@ -7,36 +7,22 @@ import openai
 import pytest
 import torch
 
-from tests.cluster import NodeProcess, RedisServer
 from tests.engine_helpers import hf_model
-from tests.test_router_cluster import RouterProcess
 
 pytestmark = pytest.mark.usefixtures("processes")
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, default_model_dir):
-    tmp = tmp_path_factory.mktemp("default-cluster")
-    redis = RedisServer(tmp)
-    extra = ["--kv-cache-memory-mb", "64", "--heartbeat-interval", "0.2"]
-    nodes = [
-        NodeProcess(role, str(default_model_dir), tmp, redis.url, extra) for role in ("prefill", "decode")
-    ]
-    router = RouterProcess(default_model_dir, redis.url, tmp, "--disagg-threshold", "0")
-    try:
-        for node in nodes:
-            node.wait_ready(120)
-        router.wait_healthy(120)
-        yield router, nodes
-    finally:
-        router.close()
-        for node in nodes:
-            node.close()
-        redis.stop()
+def cluster(default_model_cluster):
+    """tests/conftest.py: the default model on 1 prefill + 1 decode node; its router that sends
+    every prompt through the prefill node."""
+    routers, nodes = default_model_cluster
+    return routers["pd"], (nodes["prefill"], nodes["decode"])
 
 
 def test_default_model_chat_through_the_cluster_equals_hf(cluster, default_model_dir):
     router, (prefill, decode) = cluster
+    shipped, adopted = len(prefill.events("kv_shipped")), len(decode.events("kv_adopted"))
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     answer = client.chat.completions.create(
@@ -57,7 +43,8 @@ def test_default_model_chat_through_the_cluster_equals_hf(cluster, default_model
     assert "Paris" in answer.choices[0].message.content
     assert answer.choices[0].finish_reason == "stop"
     assert answer.usage.prompt_tokens == len(ids) and answer.usage.completion_tokens == len(ref)
-    assert prefill.events("kv_shipped") and decode.events("kv_adopted")  # it really went P -> D
+    # it really went P -> D
+    assert (len(prefill.events("kv_shipped")), len(decode.events("kv_adopted"))) == (shipped + 1, adopted + 1)
 
 
 @pytest.mark.parametrize("stream", [False, True])

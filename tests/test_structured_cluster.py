@@ -16,9 +16,8 @@ import pytest
 from pdserve.engine import LLM, SamplingParams
 from pdserve.protocol.sampling_params import GuidedDecoding
 from pdserve.router.tokenizer import Tokenizer
-from tests.cluster import Client, NodeProcess, RedisServer
+from tests.cluster import Client
 from tests.structured_cases import CHOICE_CASES, REGEX_CASES, json_schema_cases
-from tests.test_router_cluster import RouterProcess
 
 pytestmark = pytest.mark.usefixtures("processes")
 MAX_TOKENS = {"json": 150, "regex": 60, "choice": 20, "plain": 24}
@@ -31,28 +30,8 @@ PLAIN_QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, default_model_dir):
-    tmp = tmp_path_factory.mktemp("structured-cluster")
-    redis = RedisServer(tmp)
-    extra = ["--kv-cache-memory-mb", "128", "--heartbeat-interval", "0.2"]
-    nodes = {
-        role: NodeProcess(role, str(default_model_dir), tmp, redis.url, extra)
-        for role in ("prefill", "decode")
-    }
-    routers = {
-        "pd": RouterProcess(default_model_dir, redis.url, tmp, "--disagg-threshold", "0"),
-        "decode_only": RouterProcess(default_model_dir, redis.url, tmp, "--disagg-threshold", "100000"),
-    }
-    try:
-        for node in nodes.values():
-            node.wait_ready(120)
-        for router in routers.values():
-            router.wait_healthy(120)
-        yield routers, nodes
-    finally:
-        for process in [*routers.values(), *nodes.values()]:
-            process.close()
-        redis.stop()
+def cluster(default_model_cluster):
+    return default_model_cluster  # tests/conftest.py: the default model, 1P+1D, routers pd and decode_only
 
 
 def _client(router) -> openai.OpenAI:

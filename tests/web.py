@@ -13,8 +13,6 @@ from typing import Any
 
 import httpx
 
-from tests import web
-
 VERIFY = httpx.create_ssl_context()  # what httpx builds by default, built once
 
 
