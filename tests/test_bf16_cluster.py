@@ -1,7 +1,7 @@
 """bfloat16 nodes end to end: a prefill node's bf16 KV blocks over ZeroMQ to a bf16 decode node,
-beside requests the decode node prefills itself, all at once, from a client of the nodes and
-through routers (streamed and whole, with logprobs). bf16 cannot equal fp32 HF token for
-token, so each token must be near-greedy under fp32 HF on the sequence the nodes produced."""
+beside requests the decode node prefills itself, all at once, through routers (streamed and
+whole, with logprobs). bf16 cannot equal fp32 HF token for token, so each token must be
+near-greedy under fp32 HF on the sequence the nodes produced."""
 
 from __future__ import annotations
 
@@ -18,52 +18,9 @@ from tests import web
 from tests.cluster import Client, NodeProcess, RedisServer
 from tests.engine_helpers import hf_logits
 from tests.test_router_cluster import RouterProcess, serving, tiny_model_with_tokenizer
-from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("processes")
 MAX_TOKENS = 10
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("bf16")
-    extra = ["--dtype", "bfloat16", "--block-size", "8", "--num-kv-blocks", "96"]
-    procs = [
-        NodeProcess(role, str(make_tiny_model("llama")), tmp, None, extra) for role in ("prefill", "decode")
-    ]
-    try:
-        yield tuple(p.wait_ready() for p in procs)
-    finally:
-        for p in procs:
-            p.close()
-
-
-def test_bf16_prefill_to_decode_and_decode_only_track_fp32_hf(pair):
-    model = str(make_tiny_model("llama"))
-    prefill, decode = pair
-    g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 40, 17, 61, 9, 28)]
-    client = Client()
-    try:
-        params = {"temperature": 0.0, "ignore_eos": True, "max_tokens": MAX_TOKENS}
-        for i, p in enumerate(prompts):  # even: through the prefill node; odd: the decode node alone
-            if i % 2 == 0:
-                client.generate(prefill, f"r{i}", p, params, decode=decode)
-            else:
-                client.generate(decode, f"r{i}", p, params)
-        results = client.collect([f"r{i}" for i in range(len(prompts))])
-        for i, p in enumerate(prompts):
-            r = results[f"r{i}"]
-            assert r["failed"] is None and r["finish"] == "length", r
-            assert len(r["tokens"]) == MAX_TOKENS
-            logprobs = torch.log_softmax(hf_logits(model, p + r["tokens"])[len(p) - 1 : -1], dim=-1)
-            chosen = logprobs.gather(1, torch.tensor(r["tokens"])[:, None])[:, 0]
-            assert (logprobs.max(dim=-1).values - chosen).max().item() < 0.1, f"request {i}"
-        for node in (prefill, decode):
-            info = client.wait_idle(node)
-            assert info["num_blocks_free"] == info["num_blocks_total"], info
-    finally:
-        client.close()
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +36,7 @@ def routed(tmp_path_factory, default_model_dir):
         "decode_only": RouterProcess(model, redis.url, tmp, "--disagg-threshold", "100000"),
     }
     with serving(redis, nodes, routers.values()):
-        yield model, routers
+        yield model, routers, nodes
 
 
 def _served(router, model, prompt: list[int], stream: bool) -> tuple[list[int], list[float]]:
@@ -114,7 +71,9 @@ def _served(router, model, prompt: list[int], stream: bool) -> tuple[list[int], 
 
 
 def test_bf16_through_the_router_streamed_and_whole_on_both_paths_track_fp32_hf(routed):
-    model, routers = routed
+    """bf16 prefill -> decode and decode-only, through routers, streamed and whole: near-greedy
+    under fp32 HF, the logprobs the client sees are HF's, and every block is free after."""
+    model, routers, nodes = routed
     g = torch.Generator().manual_seed(12)
     lengths = [200, 30, 150, 90, 12, 260, 75, 120]  # the default threshold sends >= 64 tokens to prefill
     prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in lengths]
@@ -133,6 +92,13 @@ def test_bf16_through_the_router_streamed_and_whole_on_both_paths_track_fp32_hf(
         assert values == pytest.approx(chosen.tolist(), abs=0.1), where  # the logprobs the client sees
     routes = web.get(routers["pd"].url + "/metrics", timeout=10).text
     assert 'pdserve_routes_total{prefill="prefill_node"}' in routes  # bf16 KV blocks did cross over
+    client = Client()
+    try:
+        for node in nodes:
+            info = client.wait_idle(node.addrs)
+            assert info["num_blocks_free"] == info["num_blocks_total"], (node.role, info)
+    finally:
+        client.close()
 
 
 @pytest.fixture(scope="module")
