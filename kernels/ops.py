@@ -2,7 +2,7 @@
 
 Triton kernels run on CUDA tensors, the pure-torch paths on CPU; ``backend="triton"`` or
 ``backend="torch"`` forces one (Triton on CPU tensors needs ``TRITON_INTERPRET=1`` set
-before triton is first imported in the process: see ``tests/test_kernels_interpreter.py``). The cache layout is defined once in ``protocol/kv_layout.py``.
+before triton is first imported in the process: see ``tests/test_kernels_triton.py``). The cache layout is defined once in ``protocol/kv_layout.py``.
 Each Triton kernel's module also holds a simple pure-torch ``*_ref`` used by the tests.
 On CPU the attention calls take the C++ extension of ``kernels/cpu_ext.py`` when it is built
 (the default; ``PDSERVE_NATIVE_CPU=0`` or no compiler: the torch path).

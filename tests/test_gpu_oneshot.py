@@ -397,9 +397,11 @@ def test_without_its_wheels_the_run_says_how_to_make_them(tmp_path, fake_python)
 
 @pytest.mark.usefixtures("processes")
 def test_the_dry_run_on_the_cpu_prints_a_full_table_and_its_probe_profiles_the_default_budget(tmp_path):
-    """``--dry-run`` runs every step that can run on this CPU. Its probe is the GPU probe's own code
-    on the split platform: the engine profiles the default 2048-token budget on a model of 512
-    positions before sizing its pool (on the first GPU that profile indexed past the rotary
+    """``--dry-run`` runs every step that can run on this CPU. Its kernels step is the CPU suite's
+    run of the Triton kernel tests (tests/test_kernels_triton.py and test_kernels_gpu.py) in
+    Triton's interpreter, in a child process with TRITON_INTERPRET=1. Its probe is the GPU probe's
+    own code on the split platform: the engine profiles the default 2048-token budget on a model of
+    512 positions before sizing its pool (on the first GPU that profile indexed past the rotary
     table), then generates."""
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "PYTHON"} | {"OUT": str(out)}
@@ -410,7 +412,8 @@ def test_the_dry_run_on_the_cpu_prints_a_full_table_and_its_probe_profiles_the_d
     rows = {row.name: row for row in summary.summarize(out)}
     assert list(rows) == [name for name, _ in summary.STEPS] and not any(r.missing for r in rows.values())
     ran = {name for name, row in rows.items() if row.status is summary.Status.PASS}
-    assert ran == {"kernels", "probe", "nccl", "paths", "offline"}, rows
+    logs = {log.name: log.read_text()[-2500:] for log in sorted(out.glob("*.log"))}
+    assert ran == {"kernels", "probe", "nccl", "paths", "offline"}, (rows, logs)
     assert re.fullmatch(r"ok, greedy tokens \[(\d+, ){7}\d+\]", rows["probe"].figures), rows["probe"]
     assert rows["nccl"].figures == "gloo group of one: ok"  # the executor's collectives: gloo here
     assert rows["paths"].figures.count(": ok") == 3, rows["paths"]  # beam search, two speculations

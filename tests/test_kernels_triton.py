@@ -3,8 +3,9 @@
 On a CUDA machine the compiled kernels run. Without one they run on CPU tensors in Triton's
 interpreter, which only works when ``TRITON_INTERPRET=1`` is set before anything imports
 triton (``@triton.jit`` and triton's own library functions read it once, at definition).
-So without a GPU this module is skipped in the main pytest process and
-``test_kernels_interpreter.py`` re-runs it in a child process with the variable set.
+So without a GPU this module is skipped in the main pytest process, and the dry run of
+bench/gpu_oneshot.sh (tests/test_gpu_oneshot.py) re-runs it in a child process with the variable
+set, as the one-shot GPU check runs it compiled.
 Sizes stay tiny for the interpreter. Outputs are poisoned (NaN, or an impossible int8)
 before each run so an unwritten element fails.
 """
@@ -20,7 +21,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 ON_GPU = torch.cuda.is_available() and not INTERPRETED
 if not (ON_GPU or INTERPRETED):
     pytest.skip(
-        "no GPU: runs under TRITON_INTERPRET=1 via test_kernels_interpreter.py", allow_module_level=True
+        "no GPU: runs under TRITON_INTERPRET=1 in the one-shot script's dry run (test_gpu_oneshot.py)",
+        allow_module_level=True,
     )
 DEVICE = "cuda" if ON_GPU else "cpu"
 

@@ -3,7 +3,7 @@ the Triton shrink / expand of kernels/lora_triton.py, each against the per-row t
 
 The Triton cases run compiled on a CUDA machine; without one, the last test re-runs this module
 in a child process under TRITON_INTERPRET=1 (it must be set before triton is first imported, as in
-tests/test_kernels_interpreter.py). Sizes stay tiny for the interpreter. Slot ``S`` (one past the
+tests/test_kernels_triton.py). Sizes stay tiny for the interpreter. Slot ``S`` (one past the
 last) marks base-model rows, which must come out untouched."""
 
 from __future__ import annotations
