@@ -52,7 +52,7 @@ def pdserve_up(model: str | pathlib.Path, log_dir: pathlib.Path, *flags: str, st
                 if web.get(url + "/health", timeout=1).status_code == 200:
                     break
             assert up.poll() is None and time.monotonic() < deadline, (log_dir / "up.out").read_text()
-            time.sleep(0.5)
+            time.sleep(0.1)
         yield url
     finally:
         with contextlib.suppress(ProcessLookupError):
