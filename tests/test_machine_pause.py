@@ -76,7 +76,7 @@ def test_samples_under_way_when_every_node_pauses_past_its_ttl_complete_exact(cl
     work = [  # (prompt, max_tokens, streamed): long enough to be under way through the pause
         (
             [rng.randrange(100, 40000) for _ in range(rng.randrange(4, 300))],
-            rng.randrange(300, 700),
+            rng.randrange(150, 350),
             i % 2 == 0,
         )
         for i in range(8)
