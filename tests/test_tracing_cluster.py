@@ -126,7 +126,10 @@ def test_a_disaggregated_requests_spans_from_the_router_both_nodes_and_the_trans
     # the stages follow one another in time (one host's clock)
     reserve = _one(spans, "pdserve.kv.reserve", "pdserve-prefill")
     assert computed.end_ns <= reserve.start_ns <= reserve.end_ns <= sent.start_ns <= sent.end_ns
-    assert attempt.start_ns <= computed.start_ns and decoded.end_ns <= server.end_ns
+    # the reply ends once the last token reached the router, so the decode had begun by then; the
+    # decode span closes just after its node sent that token, so its end is not ordered against
+    # the reply's (it closed 0.2 ms after it in a CI run)
+    assert attempt.start_ns <= computed.start_ns and decoded.start_ns <= server.end_ns
 
 
 def test_a_decode_only_requests_spans_come_from_the_router_and_the_decode_node(traced_cluster):
