@@ -46,6 +46,7 @@ _worker_port_range()
 
 
 PROCESSES = "processes"
+SESSION_CLUSTERS = ("api_cluster", "default_model_cluster")  # started once, shared by modules
 
 
 @pytest.fixture(scope="session")
@@ -206,6 +207,3 @@ def default_model_cluster(processes, tmp_path_factory, default_model_dir):
     }
     with serving(redis, nodes.values(), routers.values(), start_timeout_s=120):
         yield routers, nodes
-
-
-SESSION_CLUSTERS = ("api_cluster", "default_model_cluster")  # started once, shared by modules

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.router.tokenizer import Tokenizer
 from tests import web
 from tests.engine_helpers import hf_greedy, hf_logits
-from tests.test_router_cluster import RouterProcess
+from tests.test_router_cluster import RouterProcess, serving
 
 pytestmark = pytest.mark.usefixtures("processes")
 BLOCK_SIZE = 16  # the nodes' default
@@ -39,13 +39,8 @@ def cluster(api_cluster, tmp_path_factory):
         "decode_only": RouterProcess(model, redis_url, tmp, "--disagg-threshold", "100000"),
         "no_margin": RouterProcess(model, redis_url, tmp, "--local-prefill-margin-s", "0"),
     }
-    try:
-        for router in routers.values():
-            router.wait_healthy()
+    with serving(None, [], routers.values()):  # the session closes the nodes and their Redis
         yield model, routers, nodes
-    finally:
-        for router in routers.values():
-            router.close()
 
 
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:

@@ -124,8 +124,9 @@ class RouterProcess:
 
 
 @contextlib.contextmanager
-def serving(redis: RedisServer, nodes, routers, start_timeout_s: float = 60.0):
-    """Until every node is ready and every router healthy; on the way out, close them all and Redis."""
+def serving(redis: RedisServer | None, nodes, routers, start_timeout_s: float = 60.0):
+    """Until every node is ready and every router healthy; on the way out, close them all and Redis
+    (None: the processes run on a Redis that someone else stops)."""
     try:
         for node in nodes:
             node.wait_ready(start_timeout_s)
@@ -135,7 +136,8 @@ def serving(redis: RedisServer, nodes, routers, start_timeout_s: float = 60.0):
     finally:
         for process in [*routers, *nodes]:
             process.close()
-        redis.stop()
+        if redis is not None:
+            redis.stop()
 
 
 @pytest.fixture(scope="module")
