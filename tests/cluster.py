@@ -26,7 +26,7 @@ from pdserve.protocol.messages import (
     decode,
     encode,
 )
-from tests import web
+from tests import forkserver, web
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -142,14 +142,8 @@ class NodeProcess:
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus is not None else None,
-        )
+        # forked from the session's pre-imported node where it can be (tests/forkserver.py)
+        self.proc = forkserver.spawn(cmd[len(pdserve_argv()) :], env=env, cwd=ROOT, log=self._log, cpus=cpus)
         self.addrs: dict = {}
 
     def wait_ready(self, timeout_s: float = 60.0) -> dict:

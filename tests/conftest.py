@@ -79,7 +79,15 @@ _GUARD = _ProcessGuard()
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    spawners: list = []
+    try:  # a node forked by the session's server (tests/forkserver.py) is a process started too
+        from tests import forkserver
+
+        spawners.append((forkserver, "spawn"))
+    except ModuleNotFoundError:  # this file copied where tests/ is not a package (tests/test_tiers.py)
+        pass
     for owner, name in (
+        *spawners,
         (subprocess.Popen, "__init__"),
         (os, "fork"),
         (os, "forkpty"),

@@ -1,0 +1,67 @@
+"""The tests' fork server (tests/forkserver.py) starts nodes that behave as `python -m pdserve` ones:
+exit codes as Popen reports them, a deadline on wait, each environment served by a server started
+with it, and a node that serves."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+
+import pytest
+
+from tests import forkserver
+from tests.cluster import ROOT, Client, NodeProcess
+from tests.engine_helpers import hf_greedy
+from tests.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.usefixtures("processes")
+
+
+def _spawn(args: list[str], tmp: pathlib.Path, **env: str):
+    log = open(tmp / f"{len(list(tmp.iterdir()))}.log", "w")
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
+    return forkserver.spawn(args, env=full_env, cwd=ROOT, log=log), pathlib.Path(log.name)
+
+
+def test_a_forked_node_serves_exactly_and_ends_as_popen_says(tmp_path):
+    model = str(make_tiny_model("llama"))
+    node = NodeProcess("decode", model, tmp_path, extra=["--block-size", "8", "--num-kv-blocks", "64"])
+    assert isinstance(node.proc, forkserver.ForkedProcess)
+    try:
+        node.wait_ready()
+        prompt = [5, 17, 23, 42, 8, 99, 3]
+        client = Client()
+        try:
+            client.generate(
+                node.addrs, "r1", prompt, {"temperature": 0.0, "ignore_eos": True, "max_tokens": 6}
+            )
+            tokens = client.collect(["r1"])["r1"]["tokens"]
+        finally:
+            client.close()
+        assert tokens == hf_greedy(model, prompt, 6)
+        with pytest.raises(subprocess.TimeoutExpired):
+            node.proc.wait(0.1)
+        assert node.proc.poll() is None
+        node.proc.send_signal(signal.SIGKILL)
+        assert node.proc.wait(10) == -signal.SIGKILL  # the signal that ended it, negated, as Popen says
+    finally:
+        node.close()
+
+
+def test_exit_codes_and_environments(tmp_path):
+    usage, log = _spawn(["decode", "--help"], tmp_path)
+    assert isinstance(usage, forkserver.ForkedProcess)
+    assert usage.wait(30) == 0 and "usage:" in log.read_text()
+    refused, log = _spawn(["decode", "--no-such-flag"], tmp_path)
+    assert refused.wait(30) == 2 and "error:" in log.read_text()
+    # another environment: forked by a server started with it, so what modules read as they load
+    # (here the kv sender's fault switch) is the node's own
+    other, _ = _spawn(["decode", "--help"], tmp_path, PDSERVE_FAULT_CORRUPT_KV_EVERY="3")
+    assert other.wait(30) == 0
+    env_of = {server.proc.pid: dict(key) for key, server in forkserver._servers.items()}
+    faulty = [pid for pid, env in env_of.items() if env.get("PDSERVE_FAULT_CORRUPT_KV_EVERY") == "3"]
+    assert len(faulty) == 1
+    environ = pathlib.Path(f"/proc/{faulty[0]}/environ").read_bytes().split(b"\0")
+    assert b"PDSERVE_FAULT_CORRUPT_KV_EVERY=3" in environ
