@@ -26,7 +26,8 @@ from pdserve.protocol.sampling_params import BeamSearch, SamplingParams
 from pdserve.router.tokenizer import Tokenizer
 from tests import web
 from tests.engine_helpers import hf_beams, hf_greedy, hf_logits
-from tests.test_cluster_concurrent import _prompts, _stream
+from tests.test_cluster_concurrent import _prompts as _concurrent_prompts
+from tests.test_cluster_concurrent import _stream
 
 pytestmark = pytest.mark.usefixtures("processes")
 DATA = pathlib.Path(__file__).parent / "data"
@@ -37,6 +38,12 @@ FIELDS = json.loads((DATA / "request_fields.json").read_text())
 SAMPLES = json.loads((DATA / "request_field_samples.json").read_text())
 HONOURED, REFUSED = SAMPLES["honoured"], SAMPLES["refused"]
 ATOL = 1e-4  # logprobs through JSON: fp32 sums of a 49k-way softmax
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    """Seeded random prompts of its own: the concurrent module draws from the same generator on the
+    same session cluster, and a prompt that begins as one of its would be a prefix hit here."""
+    return _concurrent_prompts(10_000 + seed, lengths)
 
 
 @pytest.fixture(scope="module")
