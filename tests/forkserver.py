@@ -47,13 +47,14 @@ _PRELOAD = (  # what a node imports on its way to ready (python -X importtime -m
     "pdserve.engine.llm_engine",
     "pdserve.decode_node.server",
     "pdserve.prefill_node.server",
+    "pdserve.router.app",  # the routers the tests start come from here too (tests/test_router_cluster.py)
 )
 # config.json model types of the families engine/models runs (transformers imports each on demand)
 _FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt2", "stablelm", "olmo2")
 _FAMILIES += ("qwen2_moe", "mixtral")
 _POLL_S = 0.02
 _PER_TEST = ("PYTEST_CURRENT_TEST",)  # pytest sets it for each test; no node reads it
-MAX_SERVERS = 4  # each holds a node's imports (about 0.5 GB, shared with its children until written)
+MAX_SERVERS = 6  # each holds a node's imports (about 0.5 GB, shared with its children until written)
 
 
 def _served(env: dict[str, str]) -> tuple[tuple[str, str], ...]:

@@ -11,8 +11,6 @@ import os
 import pathlib
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -21,7 +19,7 @@ import openai
 import pytest
 
 from pdserve.protocol.cluster_key import write_new_key
-from tests import web
+from tests import forkserver, web
 from tests.cluster import ROOT, NodeProcess, RedisServer, free_port
 from tests.engine_helpers import hf_greedy
 
@@ -77,10 +75,7 @@ class RouterProcess:
         self.extra = extra
         self.log_path = tmp / f"router-{self.port}.log"
         self._log = open(self.log_path, "w")
-        cmd = [
-            sys.executable,
-            "-m",
-            "pdserve",
+        args = [
             "router",
             "--model",
             str(model),
@@ -92,12 +87,9 @@ class RouterProcess:
             "0.2",
             *extra,
         ]
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
+        # forked from a server that made the router's imports once (tests/forkserver.py)
+        self.proc = forkserver.spawn(
+            args, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, log=self._log
         )
 
     def wait_healthy(self, timeout_s: float = 60.0) -> None:
