@@ -99,6 +99,16 @@ def pytest_configure(config: pytest.Config) -> None:
         _GUARD.wrap(owner, name)
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    try:
+        from tests import forkserver
+    except ModuleNotFoundError:  # this file copied where tests/ is not a package (tests/test_tiers.py)
+        return
+    if forkserver.STATS["forked"] or forkserver.STATS["started with python"]:
+        counts = ", ".join(f"{name} {count}" for name, count in forkserver.STATS.items())
+        terminalreporter.write_line(f"tests/forkserver.py: nodes and routers {counts}")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
     _GUARD.allowed = item.get_closest_marker(PROCESSES) is not None

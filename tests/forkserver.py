@@ -11,9 +11,10 @@ its own), so a child starts as a fresh ``python -m pdserve`` would, minus the im
 
 A server serves one environment, the one it was started with: modules read some variables when
 they load (the fault switches in kv_transfer/sender.py, libgomp's own), so a node forked from it
-must have been given exactly that environment. A request with another environment goes to a server
-started for it (a test's own variables, another thread count); past MAX_SERVERS, ``spawn`` returns a
-plain ``subprocess.Popen``. PDSERVE_TEST_FORKSERVER=0 turns the servers off for a run.
+must have been given exactly that environment. An environment gets its server at its second request
+(the first starts with python, as does every one with PDSERVE_TEST_FORKSERVER=0); past MAX_SERVERS
+the least recently used server is retired. ``STATS`` counts what happened (printed at the end of a
+run, tests/conftest.py).
 
 The handle ``spawn`` returns answers as much of ``subprocess.Popen`` as the tests use: ``pid``,
 ``poll``, ``wait``, ``returncode``, ``send_signal``, ``terminate``, ``kill``. The node is not the
@@ -24,6 +25,7 @@ ended it, as Popen says) to a status file the handle reads.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import json
 import os
@@ -54,7 +56,7 @@ _FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "g
 _FAMILIES += ("qwen2_moe", "mixtral")
 _POLL_S = 0.02
 _PER_TEST = ("PYTEST_CURRENT_TEST",)  # pytest sets it for each test; no node reads it
-MAX_SERVERS = 6  # each holds a node's imports (about 0.5 GB, shared with its children until written)
+MAX_SERVERS = 4  # each holds a node's imports (about 0.5 GB, shared with its children until written)
 
 
 def _served(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
@@ -112,7 +114,6 @@ class _Client:
             stderr=subprocess.STDOUT,
         )
         self.count = 0
-        atexit.register(self.stop)
 
     def ready(self, timeout_s: float = 60.0) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -136,32 +137,63 @@ class _Client:
             reply = json.loads(conn.makefile("rb").readline())
         return ForkedProcess(reply["pid"], args, status)
 
-    def stop(self) -> None:
+    def retire(self) -> None:
+        """No more nodes from it; it exits once the ones it forked have (it reports their exits)."""
         if self.proc.poll() is None:
             self.proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(10)
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
-_servers: dict[tuple[tuple[str, str], ...], _Client] = {}
+_servers: dict[tuple[tuple[str, str], ...], _Client] = {}  # by environment, least recently used first
+_retired: list[_Client] = []
+_requests: collections.Counter = collections.Counter()  # requests by environment
+STATS = {"forked": 0, "started with python": 0, "servers": 0}
+
+
+@atexit.register
+def _shutdown() -> None:
+    for server in [*_servers.values(), *_retired]:
+        server.retire()
+    for server in [*_servers.values(), *_retired]:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.proc.wait(2)
+        server.log.close()
+        shutil.rmtree(server.dir, ignore_errors=True)
+
+
+def _server_for(env: dict[str, str]) -> _Client | None:
+    """The server for ``env``: started at its second request (a one-off environment, say a test's own
+    variable, is cheaper started with python), the least recently used one retired past
+    MAX_SERVERS (the test process's environment moves on as in-process engines set variables)."""
+    key = _served(env)
+    _requests[key] += 1
+    server = _servers.pop(key, None)
+    if server is None and _requests[key] >= 2:
+        if len(_servers) >= MAX_SERVERS:
+            oldest = next(iter(_servers))
+            _retired.append(_servers.pop(oldest))
+            _retired[-1].retire()
+        server = _Client(dict(key))
+        STATS["servers"] += 1
+        if not server.ready():
+            print(f"tests/forkserver.py: a server did not start; see {server.log.name}")
+            _retired.append(server)
+            return None
+    if server is not None:
+        _servers[key] = server  # now the most recently used
+    return server
 
 
 def spawn(
     args: list[str], *, env: dict[str, str], cwd: pathlib.Path, log, cpus: set[int] | None = None
 ) -> ForkedProcess | subprocess.Popen:
     """``python -m pdserve ARGS`` with ``env``, its output into the open file ``log``: forked by the
-    session's server for ``env`` (started at its first request), else Popen'd."""
+    session's server for ``env`` where there is one (``_server_for``), else started with python."""
     if os.environ.get(ENABLE_ENV, "1") != "0":
-        key = _served(env)
-        server = _servers.get(key)
-        if server is None and len(_servers) < MAX_SERVERS:
-            server = _servers[key] = _Client(dict(key))
-            if not server.ready():
-                print(f"tests/forkserver.py: a server did not start; nodes are Popen'd\n{server.log.name}")
-        if server is not None and server.proc.poll() is None and server.socket_path.exists():
+        server = _server_for(env)
+        if server is not None and server.proc.poll() is None:
+            STATS["forked"] += 1
             return server.spawn(args, cwd, pathlib.Path(log.name), cpus)
+    STATS["started with python"] += 1
     return subprocess.Popen(
         [sys.executable, "-m", "pdserve", *args],
         cwd=cwd,
@@ -185,9 +217,9 @@ def _reap(children: dict[int, str]) -> None:
             return
         path = children.pop(pid, None)
         if path is not None:
-            tmp = path + ".tmp"
-            pathlib.Path(tmp).write_text(str(os.waitstatus_to_exitcode(status)))
-            os.replace(tmp, path)
+            with contextlib.suppress(OSError):  # the test process is gone and took the folder
+                pathlib.Path(path + ".tmp").write_text(str(os.waitstatus_to_exitcode(status)))
+                os.replace(path + ".tmp", path)
 
 
 def _become_node(request: dict) -> int:
@@ -236,10 +268,16 @@ def serve(socket_path: str) -> int:
     listener.bind(socket_path + ".tmp")
     listener.listen(64)
     os.replace(socket_path + ".tmp", socket_path)  # the path appears once it accepts
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    retiring: list[bool] = []
+    signal.signal(signal.SIGTERM, lambda *_: retiring.append(True))
     children: dict[int, str] = {}
     while os.getppid() == parent:
-        readable, _, _ = select.select([listener], [], [], _POLL_S * 5)
+        if retiring and listener.fileno() >= 0:  # no new nodes; the ones under way still get reaped
+            listener.close()
+            os.unlink(socket_path)
+        if retiring and not children:
+            break
+        readable, _, _ = select.select([listener] if listener.fileno() >= 0 else [], [], [], _POLL_S * 5)
         _reap(children)
         if not readable:
             continue
