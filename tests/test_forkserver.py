@@ -16,7 +16,12 @@ from tests.cluster import ROOT, Client, NodeProcess
 from tests.engine_helpers import hf_greedy
 from tests.tiny_models import make_tiny_model
 
-pytestmark = pytest.mark.usefixtures("processes")
+pytestmark = [
+    pytest.mark.usefixtures("processes"),
+    pytest.mark.skipif(
+        os.environ.get(forkserver.ENABLE_ENV) == "0", reason="the fork server is off for this run"
+    ),
+]
 
 
 def _spawn(args: list[str], tmp: pathlib.Path, **env: str):
