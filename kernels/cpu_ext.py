@@ -158,6 +158,14 @@ def register_tiles() -> bool:
     return bool(torch.ops.pdserve_cpu.register_tiles())
 
 
+def bf16_dot() -> bool:
+    """Whether a bf16 cache's decode scores come from bf16 dot products (vdpbf16ps: AVX512-BF16
+    machines), rather than from keys widened to fp32 (kernels/csrc/paged_attention_decode.h)."""
+    if load() is None:
+        raise RuntimeError("the CPU paged-attention extension could not be built or loaded")
+    return bool(torch.ops.pdserve_cpu.bf16_dot())
+
+
 # The dense per-layer ops (kernels/csrc/dense_cpu.cpp). The layers call them on CPU tensors
 # when ``enabled()``; each replaces several torch ops that each pass over the whole activation.
 

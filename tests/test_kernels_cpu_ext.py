@@ -77,15 +77,22 @@ def test_bf16_register_decode_is_the_fp32_one_rounded(
 ):
     # A bf16 cache is widened exactly and then run through the fp32 arithmetic, so on the register
     # path (AVX-512 builds) its output must be the fp32 kernel's on the same (widened) values,
-    # rounded once to bf16: bit for bit. The plain loops that replace it elsewhere vectorise each
-    # dtype in its own way, so there only the reference bound holds.
+    # rounded once to bf16: bit for bit. Where the scores come from bf16 dot products (AVX512-BF16)
+    # the products are the same exact fp32 values summed in another order, so an output differs
+    # only where that moved it across a bf16 rounding boundary: by one bf16 step, in few places.
+    # The plain loops that replace it elsewhere vectorise each dtype in its own way, so there only
+    # the reference bound holds.
     context_lens = [1, 129, 1000, 40, 257, 16, 17, 300, 2][: len(query_lens)]
     q, kv, qsl = _varlen(13, query_lens, context_lens, num_heads, num_kv_heads, head_dim, 16, torch.bfloat16)
     rest = (kv.block_tables, qsl, kv.context_lens, 0.1, window, softcap)
     out = cpu_ext.paged_attention(q, kv.key_cache, kv.value_cache, *rest)
     wide = cpu_ext.paged_attention(q.float(), kv.key_cache.float(), kv.value_cache.float(), *rest)
     assert out.dtype == torch.bfloat16
-    if cpu_ext.register_tiles():
+    if cpu_ext.register_tiles() and cpu_ext.bf16_dot():
+        moved = out != wide.to(torch.bfloat16)
+        assert moved.float().mean() < 0.02  # few crossed a rounding boundary
+        assert ((out.float() - wide).abs() <= 2.0**-7 * wide.abs() + 1e-6).all()  # by one step at most
+    elif cpu_ext.register_tiles():
         assert torch.equal(out, wide.to(torch.bfloat16))
     reference = paged_prefill_attention_ref(q.float(), kv.key_cache.float(), kv.value_cache.float(), *rest)
     torch.testing.assert_close(out.float(), reference, atol=1e-2, rtol=1e-2)

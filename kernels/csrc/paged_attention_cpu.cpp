@@ -281,6 +281,8 @@ int64_t parallel_width() {
 
 bool register_tiles() { return kRegisterTiles; }
 
+bool bf16_dot() { return kRegisterDecode<c10::BFloat16> && kBf16Dot<c10::BFloat16>; }
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
@@ -289,6 +291,7 @@ TORCH_LIBRARY(pdserve_cpu, m) {
       "Tensor query_start_loc, Tensor context_lens, float scale, int window, float softcap) -> Tensor");
   m.def("parallel_width() -> int", &parallel_width);
   m.def("register_tiles() -> bool", &register_tiles);
+  m.def("bf16_dot() -> bool", &bf16_dot);
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

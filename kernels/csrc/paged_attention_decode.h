@@ -9,15 +9,39 @@
 #include <cmath>
 #include <type_traits>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 #include "paged_attention_common.h"
 
 namespace {
 
+// On CPUs with AVX512-BF16 a bf16 cache's keys meet the query in vdpbf16ps: 32 bf16 products a
+// instruction, summed in pairs into 16 fp32 lanes, with no widening of the key row. A product of two
+// bf16 values is exact in fp32, so the scores differ from the widened path's only in the order
+// of the fp32 sums (and the instruction flushes denormals); the softmax scale, which need not be a
+// power of two, is applied to the sums rather than to the bf16 query.
+#if defined(__AVX512BF16__)
+template <typename T>
+constexpr bool kBf16Dot = std::is_same_v<T, c10::BFloat16>;
+
+inline __m512bh load_bh32(const c10::BFloat16 *p) {
+  __m512bh v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+#else
+template <typename T>
+constexpr bool kBf16Dot = false;
+#endif
+
 // The general item above keeps its accumulators in scratch memory and runs for any rows, dtype and
 // mask. A decode row sees every key of its window, so this one needs no mask: the group's query
 // heads and output accumulators live in vector registers (kG x kD / 16 of each), each K row is
-// loaded once for the kG dot products and each V row once for the kG updates. A bf16 cache is
-// widened to fp32 as it is loaded; the arithmetic is the same fp32 either way.
+// loaded once for the kG dot products and each V row once for the kG updates. A bf16 cache's values
+// are widened to fp32 as they are loaded, and its keys too where the CPU has no bf16 dot product
+// (kBf16Dot above); the arithmetic is fp32 either way.
 
 // The next block's rows of one KV head, asked for ahead of use: a sequence's blocks lie anywhere in
 // the pool and a head's rows are strided (one token's heads side by side), which the hardware
@@ -45,19 +69,28 @@ template <typename T, int kD, int kG>
 void decode_item(const Problem &p, const Item &it, const T *query, const T *kc, const T *vc, T *out,
                  float *scores /* [kG][kKeyChunk] */, bool whole_blocks) {
   constexpr int NV = kD / 16;
+  constexpr bool kDot = kBf16Dot<T>;
+  const float score_scale = kDot ? p.scale : 1.f;  // kDot: the query goes in unscaled
   const int64_t bs = p.block_size, token_stride = p.num_kv_heads * kD;
   const int64_t row = p.starts[it.seq], pos = p.lens[it.seq] - 1;
   const int32_t *table = p.tables + it.seq * p.max_blocks;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   vf16 q[kG][NV], acc[kG][NV];
+#if defined(__AVX512BF16__)
+  __m512bh qb[kG][kDot ? kD / 32 : 1];  // kDot: the query's bf16 values, 32 to a register
+#endif
   vf16 partial[kG][16] = {};  // each key's products, one vector a (head, key), before hsum16
   float row_max[kG], row_sum[kG];
   for (int g = 0; g < kG; ++g) {
     const T *src = query + row * p.q_stride0 + (it.kv_head * kG + g) * p.q_stride1;
     for (int v = 0; v < NV; ++v) {
-      q[g][v] = load_vf16(src + 16 * v) * p.scale;
+      if constexpr (!kDot) q[g][v] = load_vf16(src + 16 * v) * p.scale;
       acc[g][v] = vf16{} ;
     }
+#if defined(__AVX512BF16__)
+    if constexpr (kDot)
+      for (int v = 0; v < kD / 32; ++v) qb[g][v] = load_bh32(src + 32 * v);
+#endif
     row_max[g] = neg_inf;
     row_sum[g] = 0.f;
   }
@@ -75,18 +108,30 @@ void decode_item(const Problem &p, const Item &it, const T *query, const T *kc, 
         prefetch_rows(vc, table[block], p, it.kv_head, kD);
       }
       for (int64_t i = 0; i < run; ++i, ++t, k += token_stride) {
-        vf16 kv[NV];
-        for (int v = 0; v < NV; ++v) kv[v] = load_vf16(k + 16 * v);
         const int64_t lane = (t - c0) & 15;  // keys go by 16 at a time into one vector of scores
-        for (int g = 0; g < kG; ++g) {
-          vf16 d = q[g][0] * kv[0];
-          for (int v = 1; v < NV; ++v) d += q[g][v] * kv[v];
-          partial[g][lane] = d;
+        if constexpr (kDot) {
+#if defined(__AVX512BF16__)
+          __m512bh kb[kD / 32];
+          for (int v = 0; v < kD / 32; ++v) kb[v] = load_bh32(k + 32 * v);
+          for (int g = 0; g < kG; ++g) {
+            __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], kb[0]);
+            for (int v = 1; v < kD / 32; ++v) d = _mm512_dpbf16_ps(d, qb[g][v], kb[v]);
+            std::memcpy(&partial[g][lane], &d, sizeof d);
+          }
+#endif
+        } else {
+          vf16 kv[NV];
+          for (int v = 0; v < NV; ++v) kv[v] = load_vf16(k + 16 * v);
+          for (int g = 0; g < kG; ++g) {
+            vf16 d = q[g][0] * kv[0];
+            for (int v = 1; v < NV; ++v) d += q[g][v] * kv[v];
+            partial[g][lane] = d;
+          }
         }
         if (lane == 15 || t + 1 == c1) {  // a full 16, or the chunk's last keys
           float *dst = scores + (t - c0 - lane);
           for (int g = 0; g < kG; ++g, dst += kKeyChunk) {
-            const vf16 sums = hsum16(partial[g]);
+            const vf16 sums = hsum16(partial[g]) * score_scale;
             if (lane == 15) store_vf16(dst, sums);
             else for (int64_t j = 0; j <= lane; ++j) dst[j] = sums[j];
           }
