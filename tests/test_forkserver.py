@@ -45,8 +45,8 @@ def test_a_forked_node_serves_exactly_and_ends_as_popen_says(tmp_path):
     _forked(["decode", "--help"], tmp_path)[0].wait(30)  # NodeProcess's environment has its server
     model = str(make_tiny_model("llama"))
     node = NodeProcess("decode", model, tmp_path, extra=["--block-size", "8", "--num-kv-blocks", "64"])
-    assert isinstance(node.proc, forkserver.ForkedProcess)
     try:
+        assert isinstance(node.proc, forkserver.ForkedProcess)
         node.wait_ready()
         prompt = [5, 17, 23, 42, 8, 99, 3]
         client = Client()
