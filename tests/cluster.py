@@ -14,7 +14,7 @@ import time
 
 import zmq
 
-from pdserve.launcher.commands import pdserve_argv, up_argv
+from pdserve.launcher.commands import up_argv
 from pdserve.launcher.ports import free_port
 from pdserve.protocol.messages import (
     AbortRequest,
@@ -127,8 +127,8 @@ class NodeProcess:
         self.redis_url = redis_url
         self.ready_file = tmp / f"{role}-{time.monotonic_ns()}.json"
         self.log_path = tmp / f"{self.ready_file.stem}.log"
-        cmd = [
-            *pdserve_argv(role),
+        args = [  # pdserve's, after `python -m pdserve`
+            role,
             "--model",
             model,
             "--ready-file",
@@ -137,13 +137,13 @@ class NodeProcess:
             *(extra or []),
         ]
         if redis_url:
-            cmd += ["--redis", redis_url]
+            args += ["--redis", redis_url]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([*pythonpath, str(ROOT)])}
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
         self._log = open(self.log_path, "w")
         # forked from the session's pre-imported node where it can be (tests/forkserver.py)
-        self.proc = forkserver.spawn(cmd[len(pdserve_argv()) :], env=env, cwd=ROOT, log=self._log, cpus=cpus)
+        self.proc = forkserver.spawn(args, env=env, cwd=ROOT, log=self._log, cpus=cpus)
         self.addrs: dict = {}
 
     def wait_ready(self, timeout_s: float = 60.0) -> dict:

@@ -51,9 +51,6 @@ _PRELOAD = (  # what a node imports on its way to ready (python -X importtime -m
     "pdserve.prefill_node.server",
     "pdserve.router.app",  # the routers the tests start come from here too (tests/test_router_cluster.py)
 )
-# config.json model types of the families engine/models runs (transformers imports each on demand)
-_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt2", "stablelm", "olmo2")
-_FAMILIES += ("qwen2_moe", "mixtral")
 _POLL_S = 0.02
 _PER_TEST = ("PYTEST_CURRENT_TEST",)  # pytest sets it for each test; no node reads it
 MAX_SERVERS = 4  # each holds a node's imports (about 0.5 GB, shared with its children until written)
@@ -99,7 +96,7 @@ class ForkedProcess:
 
 
 class _Client:
-    """The session's server: started at the first spawn, stopped when the test process exits."""
+    """One environment's server, as the test process sees it (``_server_for`` starts and retires them)."""
 
     def __init__(self, env: dict[str, str]) -> None:
         self.dir = pathlib.Path(tempfile.mkdtemp(prefix="pdserve-forkserver-"))
@@ -252,9 +249,14 @@ def serve(socket_path: str) -> int:
     for name in _PRELOAD:
         importlib.import_module(name)
     import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    for model_type in _FAMILIES:  # each family's config module, and transformers' map of them all
-        transformers.AutoConfig.for_model(model_type)
+    from pdserve.engine.models import MODEL_REGISTRY
+
+    # the config class of every model type the engine runs (transformers imports each on demand)
+    for model_type, architecture in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        if architecture in MODEL_REGISTRY:
+            transformers.AutoConfig.for_model(model_type)
     from pdserve.kernels import cpu_ext
 
     cpu_ext.load()  # the node's C++ kernels: built once by `make native`, loaded here
